@@ -1,0 +1,19 @@
+"""prefixd: a persistent, verified prefix KV-cache store for LLM inference nodes."""
+
+from prefixd import errors
+from prefixd.schema import BlockChain, Identity, chain_hashes
+from prefixd.store import Durability, PrefixMatch, Store, StoreConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockChain",
+    "Durability",
+    "Identity",
+    "PrefixMatch",
+    "Store",
+    "StoreConfig",
+    "chain_hashes",
+    "errors",
+    "__version__",
+]

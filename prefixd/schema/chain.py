@@ -1,0 +1,75 @@
+"""The prefix chain: block i is named by a hash of (identity digest, parent hash, block i's tokens).
+
+All three inputs have fixed widths (16 + 16 + 4 * block_tokens bytes), so the concatenation is
+unambiguous. xxh3-128 gives 128 bits against accidental collisions at ~10 GB/s; the store also keeps
+each block's tokens, parent and identity and compares them on every hit, so a collision, accidental
+or crafted, is a miss and never a wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import xxhash
+
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TOKEN_BYTES, TokenIds, as_token_array
+
+HASH_BYTES = 16
+ROOT_PARENT = bytes(HASH_BYTES)
+_CHAIN_DOMAIN = b"prefixd.chain.v1\x00"
+
+
+def block_hash(identity_digest: bytes, parent: bytes, block_tokens: bytes | memoryview) -> bytes:
+    """Hash of one block given its parent's hash and its packed '<u4' token ids."""
+    return xxhash.xxh3_128_digest(b"".join((_CHAIN_DOMAIN, identity_digest, parent, block_tokens)))
+
+
+class BlockChain:
+    """The closed blocks of one token sequence under one identity, hashed lazily in order."""
+
+    def __init__(self, identity: Identity, token_ids: TokenIds) -> None:
+        self.identity = identity
+        self.tokens = as_token_array(token_ids)
+        self.block_tokens = identity.block_tokens
+        self.n_blocks = len(self.tokens) // self.block_tokens
+        self._bytes = memoryview(self.tokens).cast("B")
+        self._hashes: list[bytes] = []
+
+    def block_bytes(self, index: int) -> memoryview:
+        """Packed token ids of block `index` (a view of the caller's tokens)."""
+        span = self.block_tokens * TOKEN_BYTES
+        return self._bytes[index * span : (index + 1) * span]
+
+    def parent_of(self, index: int) -> bytes:
+        return ROOT_PARENT if index == 0 else self.hash(index - 1)
+
+    def hash(self, index: int) -> bytes:
+        """Hash of block `index`; computes (and remembers) every hash before it first."""
+        if not 0 <= index < self.n_blocks:
+            raise IndexError(f"block {index} is not a closed block of this sequence")
+        digest = self.identity.digest
+        hashes = self._hashes
+        while len(hashes) <= index:
+            i = len(hashes)
+            parent = hashes[i - 1] if i else ROOT_PARENT
+            hashes.append(block_hash(digest, parent, self.block_bytes(i)))
+        return hashes[index]
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self.n_blocks):
+            yield self.hash(i)
+
+    def hashes(self) -> list[bytes]:
+        """Every closed block's hash, in order."""
+        if self.n_blocks:
+            self.hash(self.n_blocks - 1)
+        return list(self._hashes)
+
+
+def chain_hashes(identity: Identity, token_ids: TokenIds) -> list[bytes]:
+    """Hashes of every closed block of `token_ids`; an open tail contributes nothing."""
+    return BlockChain(identity, token_ids).hashes()
+
+
+__all__ = ["HASH_BYTES", "ROOT_PARENT", "BlockChain", "block_hash", "chain_hashes"]

@@ -1,0 +1,142 @@
+"""What makes two pieces of prompt state interchangeable, and its canonical digest.
+
+Two identities that differ in any field never share an entry: the digest of the canonical encoding is
+mixed into every block hash. The encoding is a msgpack array of the fields in a fixed order behind a
+format tag and version. msgpack is length-prefixed, so ("ab", "c") and ("a", "bc") cannot collide,
+an absent optional field (nil) differs from any string, and every field keeps its own position, so an
+adapter name can never be read as a tenant name. Nothing depends on Python's `hash()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from prefixd.errors import IdentityError
+
+IDENTITY_FORMAT = "prefixd.identity"
+IDENTITY_VERSION = 1
+DIGEST_BYTES = 16
+MAX_BLOCK_TOKENS = 1 << 20
+MAX_FIELD_BYTES = 4096
+
+_REQUIRED_TEXT = ("model", "weights", "tokenizer", "template", "rope", "kv_layout", "tenant")
+_OPTIONAL_TEXT = ("adapter", "mm")
+# The encoding order. Append only: a field's position is part of every digest ever written.
+_ENCODING_ORDER = (
+    "model",
+    "weights",
+    "tokenizer",
+    "template",
+    "adapter",
+    "mm",
+    "rope",
+    "kv_layout",
+    "block_tokens",
+    "tenant",
+)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Everything that makes cached prompt state compatible with a request.
+
+    `kv_layout` names the KV dtype, quantisation and layout schema including tensor/pipeline
+    sharding and the rank: each rank's shard is its own entry. `adapter` and `mm` are None when no
+    LoRA adapter or multimodal preprocessing is involved.
+    """
+
+    model: str
+    weights: str
+    tokenizer: str
+    template: str
+    rope: str
+    kv_layout: str
+    block_tokens: int
+    tenant: str
+    adapter: str | None = None
+    mm: str | None = None
+    _encoded: bytes = field(init=False, repr=False, compare=False)
+    _digest: bytes = field(init=False, repr=False, compare=False)
+
+    FIELDS: ClassVar[tuple[str, ...]] = _ENCODING_ORDER
+
+    def __post_init__(self) -> None:
+        for name in _REQUIRED_TEXT:
+            _check_text(name, getattr(self, name), required=True)
+        for name in _OPTIONAL_TEXT:
+            _check_text(name, getattr(self, name), required=False)
+        bt = self.block_tokens
+        if isinstance(bt, bool) or not isinstance(bt, int):
+            raise IdentityError("block_tokens", f"must be an int, got {type(bt).__name__}")
+        if not 0 < bt <= MAX_BLOCK_TOKENS:
+            raise IdentityError("block_tokens", f"must be in 1..{MAX_BLOCK_TOKENS}, got {bt}")
+        encoded = msgpack.packb(
+            [IDENTITY_FORMAT, IDENTITY_VERSION, *(getattr(self, n) for n in _ENCODING_ORDER)],
+            use_bin_type=True,
+        )
+        object.__setattr__(self, "_encoded", encoded)
+        object.__setattr__(
+            self, "_digest", hashlib.blake2b(encoded, digest_size=DIGEST_BYTES).digest()
+        )
+
+    @property
+    def digest(self) -> bytes:
+        """16 bytes, equal in every process and on every machine for equal fields."""
+        return self._digest
+
+    def encode(self) -> bytes:
+        """The canonical encoding the digest is taken over."""
+        return self._encoded
+
+    @classmethod
+    def decode(cls, data: bytes) -> Identity:
+        """Rebuild an identity from `encode()` output (the store keeps one per digest)."""
+        try:
+            items = msgpack.unpackb(data, raw=False, use_list=True)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise IdentityError("encoding", f"cannot be decoded: {exc}") from None
+        if (
+            not isinstance(items, list)
+            or len(items) != 2 + len(_ENCODING_ORDER)
+            or items[0] != IDENTITY_FORMAT
+        ):
+            raise IdentityError("encoding", "is not a prefixd identity")
+        if items[1] != IDENTITY_VERSION:
+            raise IdentityError("encoding", f"has unknown identity version {items[1]!r}")
+        return cls(**dict(zip(_ENCODING_ORDER, items[2:])))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields, for wire messages and reports."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Identity:
+        """Build from plain fields; unknown or missing fields are errors naming the field."""
+        if not isinstance(values, dict):
+            raise IdentityError("identity", f"must be a mapping, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(_ENCODING_ORDER), key=str)
+        if unknown:
+            raise IdentityError(str(unknown[0]), "is not an identity field")
+        missing = [n for n in _ENCODING_ORDER if n not in values and n not in _OPTIONAL_TEXT]
+        if missing:
+            raise IdentityError(missing[0], "is required")
+        return cls(**values)
+
+
+def _check_text(name: str, value: object, *, required: bool) -> None:
+    if value is None and not required:
+        return
+    if not isinstance(value, str):
+        raise IdentityError(name, f"must be a str, got {type(value).__name__}")
+    if not value:
+        raise IdentityError(name, "must not be empty" + ("" if required else " (use None)"))
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise IdentityError(name, "is not valid Unicode text") from None
+    if size > MAX_FIELD_BYTES:
+        raise IdentityError(name, f"is {size} bytes, at most {MAX_FIELD_BYTES} allowed")

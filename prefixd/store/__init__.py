@@ -1,0 +1,28 @@
+"""The on-disk store: LMDB transactions (store), bytes <-> chunks (codec), settings and checks."""
+
+from prefixd.store.config import Durability, StoreConfig
+from prefixd.store.results import (
+    BlockInfo,
+    BlockRef,
+    LoadResult,
+    PrefixMatch,
+    Problem,
+    PutResult,
+    ReadResult,
+    StoreStats,
+)
+from prefixd.store.store import Store
+
+__all__ = [
+    "BlockInfo",
+    "BlockRef",
+    "Durability",
+    "LoadResult",
+    "PrefixMatch",
+    "Problem",
+    "PutResult",
+    "ReadResult",
+    "Store",
+    "StoreConfig",
+    "StoreStats",
+]

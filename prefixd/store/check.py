@@ -1,0 +1,98 @@
+"""A full consistency check of a store that reports every problem it finds, not just the first."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import lmdb
+
+from prefixd.errors import StoreOpenError
+from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
+from prefixd.schema.meta import StoreMeta
+from prefixd.schema.records import BlockRecord, CorruptRecordError, chunk_key
+from prefixd.store import counters
+from prefixd.store.codec import checksum
+from prefixd.store.environment import META_KEY, Tables
+from prefixd.store.results import Problem
+
+
+def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> list[Problem]:
+    """Walk every table in one read transaction and list each inconsistency."""
+    problems: list[Problem] = []
+    raw_meta = txn.get(META_KEY, db=t.meta)
+    if raw_meta is None:
+        problems.append(Problem("meta", "meta record is missing"))
+    else:
+        try:
+            StoreMeta.decode(bytes(raw_meta))
+        except StoreOpenError as exc:
+            problems.append(Problem("meta", str(exc)))
+
+    records: dict[bytes, BlockRecord] = {}
+    totals: Counter[str] = Counter()
+    for key, raw in txn.cursor(db=t.blocks):
+        h = bytes(key)
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError as exc:
+            problems.append(Problem("record", str(exc), h))
+            continue
+        if len(h) != HASH_BYTES:
+            problems.append(Problem("record", f"key is {len(h)} bytes, not {HASH_BYTES}", h))
+        records[h] = record
+        totals["blocks"] += 1
+        totals["payload"] += record.payload_size
+        totals["stored"] += record.stored_size
+        chunks = [txn.get(chunk_key(h, n), db=t.chunks) for n in range(record.n_chunks)]
+        if any(c is None for c in chunks):
+            problems.append(Problem("payload", "a payload chunk is missing", h))
+            continue
+        if sum(len(c) for c in chunks) != record.stored_size:
+            problems.append(Problem("payload", "stored size differs from the record", h))
+        elif verify_payloads and checksum(chunks) != record.checksum:
+            problems.append(Problem("payload", "payload fails its checksum", h))
+
+    identities = {bytes(k) for k in txn.cursor(db=t.identities).iternext(keys=True, values=False)}
+    for h, record in records.items():
+        if record.parent != ROOT_PARENT and record.parent not in records:
+            problems.append(Problem("orphan", "block's parent is not stored", h))
+        if record.identity not in identities:
+            problems.append(Problem("identity", "block's identity is not registered", h))
+
+    indexed: set[tuple[bytes, bytes]] = set()
+    for key, value in txn.cursor(db=t.children):
+        parent, child = bytes(key), bytes(value)
+        indexed.add((parent, child))
+        record = records.get(child)
+        if record is None:
+            problems.append(Problem("children", "index names a block that is not stored", child))
+        elif parent != (record.identity if record.parent == ROOT_PARENT else record.parent):
+            problems.append(Problem("children", "index files a block under the wrong parent", child))
+    for h, record in records.items():
+        parent = record.identity if record.parent == ROOT_PARENT else record.parent
+        if (parent, h) not in indexed:
+            problems.append(Problem("children", "block is missing from the children index", h))
+
+    for key in txn.cursor(db=t.chunks).iternext(keys=True, values=False):
+        key = bytes(key)
+        owner, index = key[:HASH_BYTES], int.from_bytes(key[HASH_BYTES:], "big")
+        record = records.get(owner)
+        if record is None:
+            problems.append(Problem("chunk", "chunk belongs to no stored block", owner))
+        elif index >= record.n_chunks or len(key) != HASH_BYTES + 4:
+            problems.append(Problem("chunk", "chunk beyond its block's chunk count", owner))
+    for key in txn.cursor(db=t.access).iternext(keys=True, values=False):
+        if bytes(key) not in records:
+            problems.append(Problem("access", "access time of a block that is not stored", bytes(key)))
+
+    kept = counters.read_all(txn, t.counters)
+    for name, total in (
+        (counters.BLOCKS, totals["blocks"]),
+        (counters.PAYLOAD_BYTES, totals["payload"]),
+        (counters.STORED_BYTES, totals["stored"]),
+    ):
+        if kept[name] != total:
+            problems.append(
+                Problem("counters", f"{name.decode()} counter is {kept[name]}, the tables hold {total}")
+            )
+    return problems

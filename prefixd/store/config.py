@@ -1,0 +1,87 @@
+"""Typed settings of one store. The daemon's Config embeds these one to one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from prefixd.errors import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class Durability(str, Enum):
+    """What an acknowledged put survives. See README "Durability" for the exact contract.
+
+    FULL: every put is fsynced before it returns; survives power loss.
+    PERIODIC: puts reach the OS at commit (a killed process loses nothing acknowledged); a background
+    sync runs every `sync_interval_s`, so an OS crash or power loss can lose the puts of the last
+    interval. Checksums keep a torn block from ever being served.
+    """
+
+    FULL = "full"
+    PERIODIC = "periodic"
+
+
+COMPRESSIONS = ("none", "zstd", "zstd-planes")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Settings of one store; every field is validated on construction."""
+
+    path: Path
+    create: bool = True
+    map_size: int = 64 * GiB
+    durability: Durability = Durability.PERIODIC
+    sync_interval_s: float = 1.0
+    compression: str = "none"
+    zstd_level: int = 1
+    min_compression_gain: float = 0.05
+    chunk_bytes: int = 1 * MiB
+    verify_threads: int = 2
+    readahead: bool = True
+    max_readers: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ConfigError("path: must be a directory path")
+        object.__setattr__(self, "path", Path(self.path))
+        try:
+            object.__setattr__(self, "durability", Durability(self.durability))
+        except ValueError:
+            choices = ", ".join(d.value for d in Durability)
+            raise ConfigError(f"durability: must be one of {choices}, got {self.durability!r}") from None
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(
+                f"compression: must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
+            )
+        _int_in("map_size", self.map_size, 1 * MiB, 1 << 50)
+        _int_in("zstd_level", self.zstd_level, -7, 22)
+        _int_in("chunk_bytes", self.chunk_bytes, 64 << 10, 1 << 30)
+        if self.chunk_bytes % 2:
+            raise ConfigError("chunk_bytes: must be even (zstd-planes splits 2-byte values)")
+        _int_in("verify_threads", self.verify_threads, 0, 64)
+        _int_in("max_readers", self.max_readers, 1, 1 << 16)
+        _number_in("sync_interval_s", self.sync_interval_s, 0.01, 3600.0)
+        _number_in("min_compression_gain", self.min_compression_gain, 0.0, 0.99)
+        for flag in ("create", "readahead"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag}: must be true or false")
+
+
+def _int_in(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ConfigError(f"{name}: must be in [{low}, {high}], got {value}")
+
+
+def _number_in(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}: must be a number, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ConfigError(f"{name}: must be in [{low}, {high}], got {value}")

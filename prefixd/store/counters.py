@@ -1,0 +1,31 @@
+"""Running totals kept in the `counters` table, updated inside the data's own transactions."""
+
+from __future__ import annotations
+
+import struct
+
+import lmdb
+
+_U64 = struct.Struct("<q")
+
+BLOCKS = b"blocks"
+PAYLOAD_BYTES = b"payload_bytes"
+STORED_BYTES = b"stored_bytes"
+QUARANTINED = b"quarantined"
+COLLISIONS = b"collisions"
+NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS)
+
+
+def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:
+    raw = txn.get(name, db=db)
+    return _U64.unpack(bytes(raw))[0] if raw is not None else 0
+
+
+def add(txn: lmdb.Transaction, db: lmdb._Database, name: bytes, delta: int) -> None:
+    """Add `delta` to a counter in the caller's write transaction (never below zero)."""
+    if delta:
+        txn.put(name, _U64.pack(max(0, read(txn, db, name) + delta)), db=db)
+
+
+def read_all(txn: lmdb.Transaction, db: lmdb._Database) -> dict[bytes, int]:
+    return {name: read(txn, db, name) for name in NAMES}

@@ -1,0 +1,118 @@
+"""What store operations return. Plain frozen values: no memoryview into the map escapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """One block of a found prefix."""
+
+    index: int
+    hash: bytes
+    payload_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The longest stored prefix of a query: `n_blocks` whole blocks, `n_tokens` tokens."""
+
+    identity_digest: bytes
+    block_tokens: int
+    blocks: tuple[BlockRef, ...]
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.blocks) * self.block_tokens
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(b.payload_size for b in self.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """`stored` blocks were written, `existed` were already there (the put left them untouched)."""
+
+    stored: int
+    existed: int
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """The first `n_blocks` blocks were verified and written to their destinations; the rest are a
+    miss. `sizes` gives each verified payload's length."""
+
+    n_blocks: int
+    sizes: tuple[int, ...]
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Verified payloads of the first `n_blocks` blocks, back to back at `offsets` in the buffer."""
+
+    n_blocks: int
+    n_tokens: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What the store keeps about one block besides its payload."""
+
+    hash: bytes
+    parent: bytes
+    identity_digest: bytes
+    n_tokens: int
+    payload_size: int
+    stored_size: int
+    compression: str
+    created_ns: int
+    last_access_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One inconsistency found by `Store.check`. `block` is the affected block hash, if any."""
+
+    kind: str
+    detail: str
+    block: bytes | None = field(default=None, repr=False)
+
+    def __str__(self) -> str:
+        where = f" (block {self.block[:4].hex()}..)" if self.block else ""
+        return f"{self.kind}: {self.detail}{where}"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Totals of the store (persisted) and activity since it was opened (this process)."""
+
+    blocks: int
+    payload_bytes: int
+    stored_bytes: int
+    identities: int
+    quarantined: int
+    collisions: int
+    map_size: int
+    map_used_bytes: int
+    compression_ratio: float
+    lookups: int
+    hit_blocks: int
+    loaded_blocks: int
+    loaded_bytes: int
+    verify_failures: int
+    compress_gbps: float
+    decompress_gbps: float
+    compressed_payloads_stored_raw: int

@@ -1,0 +1,656 @@
+"""The store: LMDB transactions over the prefix chain. Bytes <-> chunks is the codec's business.
+
+Invariants every write transaction keeps:
+  * a block is stored only if its whole ancestry is stored and matches the writer's tokens, so a
+    stored block is reachable exactly when its prefix is (there are no orphans);
+  * a block is written once and never modified (one owner); removing a block removes its subtree;
+  * records, chunks, the children index and the counters change in the same transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+
+from prefixd.errors import (
+    BlockCollisionError,
+    DestinationError,
+    OpenTailError,
+    OrphanBlockError,
+    PayloadError,
+    StoreClosedError,
+    StoreFullError,
+)
+from prefixd.schema.chain import ROOT_PARENT, BlockChain
+from prefixd.schema.identity import Identity
+from prefixd.schema.records import BlockRecord, CorruptRecordError, chunk_key
+from prefixd.schema.tokens import TokenIds
+from prefixd.store import counters
+from prefixd.store.check import check_store
+from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
+from prefixd.store.config import Durability, StoreConfig
+from prefixd.store.environment import Tables, open_environment
+from prefixd.store.results import (
+    BlockInfo,
+    BlockRef,
+    LoadResult,
+    PrefixMatch,
+    Problem,
+    PutResult,
+    ReadResult,
+    StoreStats,
+)
+from prefixd.store.syncer import PeriodicSyncer
+
+log = logging.getLogger(__name__)
+_U64 = struct.Struct("<Q")
+
+
+@dataclass
+class _Walk:
+    """Result of following the chain in one transaction."""
+
+    found: list[tuple[bytes, BlockRecord]]
+    corrupt: bytes | None = None
+    collided: bool = False
+
+
+@dataclass
+class _Activity:
+    lookups: int = 0
+    hit_blocks: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+
+
+class Store:
+    """A persistent prefix store in one LMDB environment.
+
+    Open it in the process that uses it (after any fork). Methods are thread-safe; the store must
+    not be closed while other threads still call it.
+    """
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self._env, self._tables, self.meta = open_environment(config)
+        """The meta record read (or written) when the store was opened."""
+        self._pid = os.getpid()
+        self._codec = PayloadCodec(
+            config.compression,
+            level=config.zstd_level,
+            min_gain=config.min_compression_gain,
+            chunk_bytes=config.chunk_bytes,
+        )
+        self._pool = (
+            ThreadPoolExecutor(config.verify_threads, thread_name_prefix="prefixd-verify")
+            if config.verify_threads
+            else None
+        )
+        self._lock = threading.Lock()
+        self._touched: dict[bytes, int] = {}
+        self._pending_collisions = 0
+        self._activity = _Activity()
+        self._closed = False
+        self._syncer = PeriodicSyncer(self.sync, config.sync_interval_s)
+        self._syncer.start()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], **settings: Any) -> Store:
+        """Open the store at `path`; `settings` are `StoreConfig` fields."""
+        return cls(StoreConfig(path=Path(path), **settings))
+
+    @property
+    def path(self) -> Path:
+        return self.config.path
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def put(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        payloads: Sequence[Any],
+        *,
+        first_block: int = 0,
+    ) -> PutResult:
+        """Publish blocks `first_block .. first_block + len(payloads) - 1` of `token_ids` atomically.
+
+        `token_ids` holds the whole prefix from the first token (the chain needs it); tokens past
+        the last payload's block are ignored. Refused whole, with nothing written: a block with
+        fewer than `block_tokens` tokens (OpenTailError), a first block whose parent chain is not
+        stored (OrphanBlockError), a hash owned by other tokens (BlockCollisionError), an empty or
+        non-contiguous payload (PayloadError); a full map raises StoreFullError.
+        """
+        self._check_usable()
+        if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
+            raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
+        chain = BlockChain(identity, token_ids)
+        views = [_payload_view(p, first_block + i) for i, p in enumerate(payloads)]
+        end = first_block + len(views)
+        if end > chain.n_blocks:
+            have = len(chain.tokens) - chain.n_blocks * chain.block_tokens
+            raise OpenTailError(
+                f"block {chain.n_blocks} has {have if end == chain.n_blocks + 1 else 'too few'} of "
+                f"{chain.block_tokens} tokens: only closed blocks are stored"
+            )
+        if not views:
+            return PutResult(0, 0, ())
+        hashes = [chain.hash(i) for i in range(first_block, end)]
+        with self._env.begin(buffers=True) as txn:
+            absent = [txn.get(h, db=self._tables.blocks) is None for h in hashes]
+        encoded: dict[int, EncodedPayload] = {
+            first_block + i: self._codec.encode(views[i]) for i, missing in enumerate(absent) if missing
+        }
+        try:
+            result, corrupt = self._put_txn(identity, chain, first_block, views, encoded)
+        except lmdb.MapFullError:
+            raise StoreFullError(
+                f"store map of {self.config.map_size} bytes is full; the put was rolled back"
+            ) from None
+        except (BlockCollisionError, OrphanBlockError) as exc:
+            if getattr(exc, "collided", False):
+                with self._lock:
+                    self._pending_collisions += 1
+            corrupt = getattr(exc, "corrupt", None)
+            if corrupt is not None:
+                self._quarantine([(corrupt, "record fails verification")])
+            raise
+        if corrupt:
+            log.warning("replaced %d stored block(s) whose records failed verification", corrupt)
+        return result
+
+    def _put_txn(
+        self,
+        identity: Identity,
+        chain: BlockChain,
+        first_block: int,
+        views: list[memoryview],
+        encoded: dict[int, EncodedPayload],
+    ) -> tuple[PutResult, int]:
+        t = self._tables
+        digest = identity.digest
+        now = time.time_ns()
+        stored = existed = replaced = 0
+        payload_bytes = stored_bytes = 0
+        with self._env.begin(write=True) as txn:
+            walk = self._walk(txn, chain, first_block)
+            if len(walk.found) < first_block:
+                missing = len(walk.found)
+                if walk.collided:
+                    exc: Exception = BlockCollisionError(
+                        f"block {missing} of the prefix is owned by other tokens"
+                    )
+                else:
+                    exc = OrphanBlockError(
+                        f"block {first_block}'s ancestry is not stored (block {missing} is "
+                        f"{'damaged' if walk.corrupt else 'missing'}); put from block {missing}"
+                    )
+                exc.collided = walk.collided  # type: ignore[attr-defined]
+                exc.corrupt = walk.corrupt  # type: ignore[attr-defined]
+                raise exc
+            txn.put(digest, identity.encode(), db=t.identities, overwrite=False)
+            for index in range(first_block, first_block + len(views)):
+                h = chain.hash(index)
+                parent = chain.parent_of(index)
+                raw = txn.get(h, db=t.blocks)
+                if raw is not None:
+                    try:
+                        record = BlockRecord.decode(raw)
+                    except CorruptRecordError:
+                        self._remove_subtree(txn, h)
+                        self._record_quarantine(txn, h, "record fails verification")
+                        replaced += 1
+                    else:
+                        if (
+                            record.identity != digest
+                            or record.parent != parent
+                            or record.tokens != chain.block_bytes(index)
+                        ):
+                            exc = BlockCollisionError(f"block {index}'s hash is owned by other tokens")
+                            exc.collided = True  # type: ignore[attr-defined]
+                            raise exc
+                        existed += 1
+                        continue
+                payload = encoded.get(index) or self._codec.encode(views[index - first_block])
+                record = BlockRecord(
+                    payload.compression,
+                    payload.chunk_bytes,
+                    len(payload.chunks),
+                    payload.checksum,
+                    payload.payload_size,
+                    payload.stored_size,
+                    now,
+                    digest,
+                    parent,
+                    bytes(chain.block_bytes(index)),
+                )
+                txn.put(h, record.encode(), db=t.blocks)
+                for n, chunk in enumerate(payload.chunks):
+                    txn.put(chunk_key(h, n), chunk, db=t.chunks)
+                txn.put(_children_key(record), h, db=t.children)
+                txn.put(h, _U64.pack(now), db=t.access)
+                stored += 1
+                payload_bytes += payload.payload_size
+                stored_bytes += payload.stored_size
+            counters.add(txn, t.counters, counters.BLOCKS, stored)
+            counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
+            counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
+        hashes = tuple(chain.hash(i) for i in range(first_block, first_block + len(views)))
+        return PutResult(stored, existed, hashes), replaced
+
+    def delete(self, hashes: Iterable[bytes]) -> int:
+        """Remove the given blocks and every block below them; return how many blocks went."""
+        self._check_usable()
+        removed = 0
+        with self._env.begin(write=True) as txn:
+            for h in hashes:
+                removed += self._remove_subtree(txn, bytes(h))
+        return removed
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def longest_prefix(self, identity: Identity, token_ids: TokenIds) -> PrefixMatch:
+        """The longest run of stored blocks from the first, compared token by token.
+
+        Stops at the first missing block, even if later blocks exist; a stored block whose tokens,
+        parent or identity differ from the query's (a hash collision) is a miss and is counted.
+        Payloads are not read: `load`/`read_into` verify them.
+        """
+        self._check_usable()
+        chain = BlockChain(identity, token_ids)
+        with self._env.begin(buffers=True) as txn:
+            walk = self._walk(txn, chain, chain.n_blocks)
+        self._after_walk(walk)
+        with self._lock:
+            self._activity.lookups += 1
+            self._activity.hit_blocks += len(walk.found)
+        return PrefixMatch(
+            identity.digest,
+            identity.block_tokens,
+            tuple(BlockRef(i, h, r.payload_size) for i, (h, r) in enumerate(walk.found)),
+        )
+
+    def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
+        """Verify block i's payload and write it into `dests[i]`, in order, copying once.
+
+        Only the first `n_blocks` of the result were verified; the block after them is a miss (it
+        vanished, or failed verification and was quarantined with everything below it). Destination
+        bytes of a failed block are zeroed, never left half-written with unverified data.
+        """
+        self._check_usable()
+        if len(dests) != len(match.blocks):
+            raise DestinationError(f"{len(match.blocks)} blocks but {len(dests)} destinations")
+        views = [_dest_view(d, ref.payload_size, ref.index) for ref, d in zip(match.blocks, dests)]
+        bad: list[tuple[bytes, str]] = []
+        t = self._tables
+        with self._env.begin(buffers=True) as txn:
+            items: list[StoredPayload] = []
+            for ref, dest in zip(match.blocks, views):
+                raw = txn.get(ref.hash, db=t.blocks)
+                if raw is None:
+                    break
+                try:
+                    record = BlockRecord.decode(raw)
+                except CorruptRecordError:
+                    bad.append((ref.hash, "record fails verification"))
+                    break
+                if record.identity != match.identity_digest or record.payload_size != ref.payload_size:
+                    break
+                item = self._gather(txn, ref.hash, record, dest, bad)
+                if item is None:
+                    break
+                items.append(item)
+            n_ok = self._codec.decode_verified(items, self._pool)
+            if n_ok < len(items):
+                bad.append((match.blocks[n_ok].hash, "payload fails its checksum"))
+            items.clear()
+        self._quarantine(bad)
+        verified = match.blocks[:n_ok]
+        self._touch(ref.hash for ref in verified)
+        sizes = tuple(ref.payload_size for ref in verified)
+        with self._lock:
+            self._activity.loaded_blocks += n_ok
+            self._activity.loaded_bytes += sum(sizes)
+        return ReadResult(n_ok, sizes)
+
+    def load(
+        self, identity: Identity, token_ids: TokenIds, out: Any, *, max_blocks: int | None = None
+    ) -> LoadResult:
+        """Find the longest prefix and write its verified payloads back to back into `out`.
+
+        Loads as many leading blocks as fit in `out` (and at most `max_blocks`), in one read
+        transaction; the result says how many tokens the caller may skip.
+        """
+        self._check_usable()
+        chain = BlockChain(identity, token_ids)
+        limit = chain.n_blocks if max_blocks is None else max(0, min(max_blocks, chain.n_blocks))
+        buffer = _dest_view(out, 0, None)
+        bad: list[tuple[bytes, str]] = []
+        offsets: list[int] = []
+        with self._env.begin(buffers=True) as txn:
+            walk = self._walk(txn, chain, limit)
+            items: list[StoredPayload] = []
+            offset = 0
+            for h, record in walk.found:
+                end = offset + record.payload_size
+                if end > buffer.nbytes:
+                    break
+                item = self._gather(txn, h, record, buffer[offset:end], bad)
+                if item is None:
+                    break
+                items.append(item)
+                offsets.append(offset)
+                offset = end
+            n_ok = self._codec.decode_verified(items, self._pool)
+            if n_ok < len(items):
+                bad.append((walk.found[n_ok][0], "payload fails its checksum"))
+            items.clear()
+        self._after_walk(walk)
+        self._quarantine(bad)
+        loaded = walk.found[:n_ok]
+        self._touch(h for h, _ in loaded)
+        sizes = tuple(r.payload_size for _, r in loaded)
+        with self._lock:
+            self._activity.lookups += 1
+            self._activity.hit_blocks += len(walk.found)
+            self._activity.loaded_blocks += n_ok
+            self._activity.loaded_bytes += sum(sizes)
+        return LoadResult(n_ok, n_ok * chain.block_tokens, tuple(offsets[:n_ok]), sizes)
+
+    def block_info(self, block: bytes) -> BlockInfo | None:
+        """What the store keeps about one block, or None if it is not stored (or damaged)."""
+        self._check_usable()
+        t = self._tables
+        with self._env.begin() as txn:
+            raw = txn.get(block, db=t.blocks)
+            access = txn.get(block, db=t.access)
+        if raw is None:
+            return None
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            return None
+        with self._lock:
+            pending = self._touched.get(block)
+        last = pending or (_U64.unpack(access)[0] if access else record.created_ns)
+        return BlockInfo(
+            block,
+            record.parent,
+            record.identity,
+            record.n_tokens,
+            record.payload_size,
+            record.stored_size,
+            record.compression.name.lower().replace("_", "-"),
+            record.created_ns,
+            last,
+        )
+
+    # --- maintenance ---------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Write pending access times and counters, then fsync the environment."""
+        self._check_usable()
+        with self._lock:
+            touched, self._touched = self._touched, {}
+            collisions, self._pending_collisions = self._pending_collisions, 0
+        t = self._tables
+        if touched or collisions:
+            try:
+                with self._env.begin(write=True) as txn:
+                    for h, at in touched.items():
+                        if txn.get(h, db=t.blocks) is not None:
+                            txn.put(h, _U64.pack(at), db=t.access)
+                    counters.add(txn, t.counters, counters.COLLISIONS, collisions)
+            except lmdb.MapFullError:
+                log.warning("store map full: %d access times not recorded", len(touched))
+        self._env.sync(True)
+
+    def stats(self) -> StoreStats:
+        """Persisted totals plus this process's activity and codec speeds."""
+        self._check_usable()
+        t = self._tables
+        with self._env.begin() as txn:
+            totals = counters.read_all(txn, t.counters)
+            n_identities = txn.stat(t.identities)["entries"]
+        info = self._env.info()
+        used = (info["last_pgno"] + 1) * self._env.stat()["psize"]
+        with self._lock:
+            activity = _Activity(**vars(self._activity))
+            pending_collisions = self._pending_collisions
+        c = self._codec.counters
+        payload = totals[counters.PAYLOAD_BYTES]
+        stored = totals[counters.STORED_BYTES]
+        return StoreStats(
+            blocks=totals[counters.BLOCKS],
+            payload_bytes=payload,
+            stored_bytes=stored,
+            identities=n_identities,
+            quarantined=totals[counters.QUARANTINED],
+            collisions=totals[counters.COLLISIONS] + pending_collisions,
+            map_size=info["map_size"],
+            map_used_bytes=used,
+            compression_ratio=payload / stored if stored else 1.0,
+            lookups=activity.lookups,
+            hit_blocks=activity.hit_blocks,
+            loaded_blocks=activity.loaded_blocks,
+            loaded_bytes=activity.loaded_bytes,
+            verify_failures=c.verify_failures,
+            compress_gbps=c.compress_in_bytes / c.compress_s / 1e9 if c.compress_s else 0.0,
+            decompress_gbps=c.decompress_out_bytes / c.decompress_s / 1e9 if c.decompress_s else 0.0,
+            compressed_payloads_stored_raw=c.stored_raw_after_trial,
+        )
+
+    def check(self, *, verify_payloads: bool = True) -> list[Problem]:
+        """Every inconsistency in the store (not just the first); an empty list means healthy."""
+        self._check_usable()
+        with self._env.begin(buffers=True) as txn:
+            return check_store(txn, self._tables, verify_payloads=verify_payloads)
+
+    def close(self) -> None:
+        """Flush, fsync and close; idempotent. Only the opening process may close the environment."""
+        if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
+        self._syncer.stop()
+        try:
+            self.sync()
+        finally:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._env.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"store at {self.config.path} is closed")
+        if os.getpid() != self._pid:
+            raise StoreClosedError(
+                "store was opened in another process; open it again after fork"
+            )
+
+    def _walk(self, txn: lmdb.Transaction, chain: BlockChain, limit: int) -> _Walk:
+        """Follow the chain from block 0 for at most `limit` blocks, checking each record."""
+        walk = _Walk([])
+        blocks_db = self._tables.blocks
+        digest = chain.identity.digest
+        parent = ROOT_PARENT
+        for index in range(limit):
+            h = chain.hash(index)
+            raw = txn.get(h, db=blocks_db)
+            if raw is None:
+                break
+            try:
+                record = BlockRecord.decode(raw)
+            except CorruptRecordError:
+                walk.corrupt = h
+                break
+            if (
+                record.identity != digest
+                or record.parent != parent
+                or record.tokens != chain.block_bytes(index)
+            ):
+                walk.collided = True
+                break
+            walk.found.append((h, record))
+            parent = h
+        return walk
+
+    def _gather(
+        self,
+        txn: lmdb.Transaction,
+        h: bytes,
+        record: BlockRecord,
+        dest: memoryview,
+        bad: list[tuple[bytes, str]],
+    ) -> StoredPayload | None:
+        chunks_db = self._tables.chunks
+        chunks = []
+        for n in range(record.n_chunks):
+            chunk = txn.get(chunk_key(h, n), db=chunks_db)
+            if chunk is None:
+                bad.append((h, "payload chunk missing"))
+                return None
+            chunks.append(chunk)
+        if sum(c.nbytes for c in chunks) != record.stored_size:
+            bad.append((h, "payload size differs from its record"))
+            return None
+        return StoredPayload(record, chunks, dest)
+
+    def _after_walk(self, walk: _Walk) -> None:
+        if walk.collided:
+            with self._lock:
+                self._pending_collisions += 1
+        if walk.corrupt is not None:
+            self._quarantine([(walk.corrupt, "record fails verification")])
+        self._touch(h for h, _ in walk.found)
+
+    def _touch(self, hashes: Iterable[bytes]) -> None:
+        now = time.time_ns()
+        with self._lock:
+            for h in hashes:
+                self._touched[h] = now
+
+    def _quarantine(self, bad: list[tuple[bytes, str]]) -> None:
+        """Drop blocks that failed verification, and everything below them, in one transaction."""
+        if not bad:
+            return
+        with self._env.begin(write=True) as txn:
+            for h, reason in bad:
+                dropped = self._remove_subtree(txn, h)
+                if dropped:
+                    self._record_quarantine(txn, h, reason)
+                    log.warning(
+                        "quarantined a stored block (%s); %d block(s) with it", reason, dropped
+                    )
+
+    def _record_quarantine(self, txn: lmdb.Transaction, h: bytes, reason: str) -> None:
+        t = self._tables
+        entry = msgpack.packb({"at_ns": time.time_ns(), "reason": reason})
+        txn.put(h, entry, db=t.quarantine)
+        counters.add(txn, t.counters, counters.QUARANTINED, 1)
+
+    def _remove_subtree(self, txn: lmdb.Transaction, root: bytes) -> int:
+        """Delete `root` and its descendants (records, chunks, index entries, counters)."""
+        t = self._tables
+        removed = payload_bytes = stored_bytes = 0
+        stack = [root]
+        children = txn.cursor(db=t.children)
+        while stack:
+            h = stack.pop()
+            raw = txn.get(h, db=t.blocks)
+            if raw is None:
+                continue
+            if children.set_key(h):
+                stack.extend(bytes(child) for child in children.iternext_dup())
+                txn.delete(h, db=t.children)
+            try:
+                record: BlockRecord | None = BlockRecord.decode(raw)
+            except CorruptRecordError:
+                record = None
+            freed = _delete_chunks(txn, t, h)
+            txn.delete(h, db=t.blocks)
+            txn.delete(h, db=t.access)
+            if record is not None:
+                txn.delete(_children_key(record), h, db=t.children)
+                payload_bytes += record.payload_size
+            else:
+                payload_bytes += freed
+            stored_bytes += freed
+            removed += 1
+        counters.add(txn, t.counters, counters.BLOCKS, -removed)
+        counters.add(txn, t.counters, counters.PAYLOAD_BYTES, -payload_bytes)
+        counters.add(txn, t.counters, counters.STORED_BYTES, -stored_bytes)
+        return removed
+
+
+def _children_key(record: BlockRecord) -> bytes:
+    """First blocks hang under their identity digest, so an identity's blocks can be enumerated."""
+    return record.identity if record.parent == ROOT_PARENT else record.parent
+
+
+def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:
+    cursor = txn.cursor(db=t.chunks)
+    freed = 0
+    if not cursor.set_range(h):
+        return 0
+    while True:
+        key = cursor.key()
+        if key[: len(h)] != h:
+            break
+        freed += len(cursor.value())
+        if not cursor.delete():
+            break
+    return freed
+
+
+def _payload_view(payload: Any, index: int) -> memoryview:
+    try:
+        view = memoryview(payload)
+    except TypeError:
+        raise PayloadError(
+            f"payload of block {index} is a {type(payload).__name__}, not a byte buffer"
+        ) from None
+    if not view.c_contiguous:
+        raise PayloadError(f"payload of block {index} is not contiguous")
+    if view.nbytes == 0:
+        raise PayloadError(f"payload of block {index} is empty")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _dest_view(buffer: Any, size: int, index: int | None) -> memoryview:
+    what = "output buffer" if index is None else f"destination of block {index}"
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise DestinationError(f"{what} is a {type(buffer).__name__}, not a byte buffer") from None
+    if view.readonly:
+        raise DestinationError(f"{what} is read-only")
+    if not view.c_contiguous:
+        raise DestinationError(f"{what} is not contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if view.nbytes < size:
+        raise DestinationError(f"{what} holds {view.nbytes} bytes, the payload needs {size}")
+    return view if index is None else view[:size]
+
