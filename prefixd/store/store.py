@@ -137,6 +137,8 @@ class Store:
             raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
         chain = BlockChain(identity, token_ids)
         views = [_payload_view(p, first_block + i) for i, p in enumerate(payloads)]
+        if not views:
+            return PutResult(0, 0, ())
         end = first_block + len(views)
         if end > chain.n_blocks:
             have = len(chain.tokens) - chain.n_blocks * chain.block_tokens
@@ -144,8 +146,6 @@ class Store:
                 f"block {chain.n_blocks} has {have if end == chain.n_blocks + 1 else 'too few'} of "
                 f"{chain.block_tokens} tokens: only closed blocks are stored"
             )
-        if not views:
-            return PutResult(0, 0, ())
         hashes = [chain.hash(i) for i in range(first_block, end)]
         with self._env.begin(buffers=True) as txn:
             absent = [txn.get(h, db=self._tables.blocks) is None for h in hashes]
