@@ -20,7 +20,7 @@ ROOT_PARENT = bytes(HASH_BYTES)
 _CHAIN_DOMAIN = b"prefixd.chain.v1\x00"
 
 
-def block_hash(identity_digest: bytes, parent: bytes, block_tokens: bytes | memoryview) -> bytes:
+def block_hash(identity_digest: bytes, parent: bytes, block_tokens: bytes) -> bytes:
     """Hash of one block given its parent's hash and its packed '<u4' token ids."""
     return xxhash.xxh3_128_digest(b"".join((_CHAIN_DOMAIN, identity_digest, parent, block_tokens)))
 
@@ -33,12 +33,13 @@ class BlockChain:
         self.tokens = as_token_array(token_ids)
         self.block_tokens = identity.block_tokens
         self.n_blocks = len(self.tokens) // self.block_tokens
-        self._bytes = memoryview(self.tokens).cast("B")
+        self._bytes = self.tokens.tobytes()
+        self._span = self.block_tokens * TOKEN_BYTES
         self._hashes: list[bytes] = []
 
-    def block_bytes(self, index: int) -> memoryview:
-        """Packed token ids of block `index` (a view of the caller's tokens)."""
-        span = self.block_tokens * TOKEN_BYTES
+    def block_bytes(self, index: int) -> bytes:
+        """Packed '<u4' token ids of block `index`."""
+        span = self._span
         return self._bytes[index * span : (index + 1) * span]
 
     def parent_of(self, index: int) -> bytes:
@@ -48,13 +49,20 @@ class BlockChain:
         """Hash of block `index`; computes (and remembers) every hash before it first."""
         if not 0 <= index < self.n_blocks:
             raise IndexError(f"block {index} is not a closed block of this sequence")
-        digest = self.identity.digest
+        return self.hashes_until(index + 1)[index]
+
+    def hashes_until(self, stop: int) -> list[bytes]:
+        """The remembered hash list, extended to at least blocks 0..stop-1 (do not modify it)."""
         hashes = self._hashes
-        while len(hashes) <= index:
-            i = len(hashes)
-            parent = hashes[i - 1] if i else ROOT_PARENT
-            hashes.append(block_hash(digest, parent, self.block_bytes(i)))
-        return hashes[index]
+        if len(hashes) < stop:
+            head = _CHAIN_DOMAIN + self.identity.digest
+            data, span = self._bytes, self._span
+            parent = hashes[-1] if hashes else ROOT_PARENT
+            digest = xxhash.xxh3_128_digest
+            for offset in range(len(hashes) * span, min(stop, self.n_blocks) * span, span):
+                parent = digest(b"".join((head, parent, data[offset : offset + span])))
+                hashes.append(parent)
+        return hashes
 
     def __iter__(self) -> Iterator[bytes]:
         for i in range(self.n_blocks):
@@ -62,9 +70,7 @@ class BlockChain:
 
     def hashes(self) -> list[bytes]:
         """Every closed block's hash, in order."""
-        if self.n_blocks:
-            self.hash(self.n_blocks - 1)
-        return list(self._hashes)
+        return list(self.hashes_until(self.n_blocks))
 
 
 def chain_hashes(identity: Identity, token_ids: TokenIds) -> list[bytes]:

@@ -7,8 +7,8 @@ crc32c of everything before it, so a damaged record is told apart from a hash co
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import crc32c
 
@@ -22,6 +22,21 @@ RECORD_VERSION = 1
 _HEADER = struct.Struct("<4sBBHIIIQQQ16s16sI")
 _TRAILER = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size
+# Byte offsets of the fields the lookup path compares in bulk.
+PAYLOAD_SIZE_AT = 20
+IDENTITY_AT = 44
+PARENT_AT = 60
+TOKENS_AT = HEADER_BYTES
+
+
+def record_bytes(n_tokens: int) -> int:
+    """Encoded length of a record holding `n_tokens` token ids."""
+    return HEADER_BYTES + n_tokens * TOKEN_BYTES + _TRAILER.size
+
+
+def record_prefix() -> bytes:
+    """The first five bytes every record of this version starts with (magic and version)."""
+    return RECORD_MAGIC + bytes([RECORD_VERSION])
 
 
 class Compression(IntEnum):
@@ -32,13 +47,17 @@ class Compression(IntEnum):
     ZSTD_PLANES = 2
 
 
+_COMPRESSIONS = tuple(Compression)  # indexable by code, cheaper than Compression(code)
+
+
 class CorruptRecordError(Exception):
     """A record fails its checksum or layout; internal to the store, which quarantines the block."""
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRecord:
-    """Metadata of one stored block. `tokens` are the block's packed '<u4' token ids."""
+class BlockRecord(NamedTuple):
+    """Metadata of one stored block. `tokens` are the block's packed '<u4' token ids.
+
+    A NamedTuple: the lookup path decodes one per block, and tuple construction is the cheapest."""
 
     compression: Compression
     chunk_bytes: int
@@ -79,37 +98,19 @@ class BlockRecord:
         size = len(data)
         if size < HEADER_BYTES + _TRAILER.size:
             raise CorruptRecordError(f"record is {size} bytes, shorter than its header")
-        (stored_crc,) = _TRAILER.unpack_from(data, size - _TRAILER.size)
-        if crc32c.crc32c(data[: size - _TRAILER.size]) != stored_crc:
+        body = memoryview(data)[: size - _TRAILER.size]
+        if crc32c.crc32c(body) != _TRAILER.unpack_from(data, size - _TRAILER.size)[0]:
             raise CorruptRecordError("record fails its checksum")
-        (
-            magic,
-            version,
-            compression,
-            _reserved,
-            chunk_bytes,
-            n_chunks,
-            checksum,
-            payload_size,
-            stored_size,
-            created_ns,
-            identity,
-            parent,
-            n_tokens,
-        ) = _HEADER.unpack_from(data, 0)
+        fields = _HEADER.unpack_from(data, 0)
+        magic, version, compression, _reserved, *sizes, identity, parent, n_tokens = fields
         if magic != RECORD_MAGIC or version != RECORD_VERSION:
             raise CorruptRecordError("record has an unknown magic or version")
-        if HEADER_BYTES + n_tokens * TOKEN_BYTES + _TRAILER.size != size:
+        if HEADER_BYTES + n_tokens * TOKEN_BYTES != len(body):
             raise CorruptRecordError("record length does not match its token count")
-        try:
-            kind = Compression(compression)
-        except ValueError:
-            raise CorruptRecordError(f"record has unknown compression {compression}") from None
-        tokens = bytes(data[HEADER_BYTES : HEADER_BYTES + n_tokens * TOKEN_BYTES])
-        return cls(
-            kind, chunk_bytes, n_chunks, checksum, payload_size, stored_size, created_ns,
-            bytes(identity), bytes(parent), tokens,
-        )
+        if compression >= len(_COMPRESSIONS):
+            raise CorruptRecordError(f"record has unknown compression {compression}")
+        tokens = bytes(body[HEADER_BYTES:])
+        return cls(_COMPRESSIONS[compression], *sizes, identity, parent, tokens)
 
 
 def chunk_key(block: bytes, index: int) -> bytes:

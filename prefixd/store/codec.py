@@ -142,7 +142,8 @@ class PayloadCodec:
 
     def decode_verified(self, items: Sequence[StoredPayload], pool: Executor | None) -> int:
         """Write each item's payload into its dest, in order; return how many leading items
-        verified. The first item that fails its checksum ends the run, and its dest is zeroed.
+        verified. The first item that fails its checksum ends the run; its dest and those of every
+        item after it are zeroed, so no unreported bytes are left behind.
 
         Raw payloads are copied while `pool` computes the checksums on another core; compressed
         ones are decoded only after their checksum has verified.
@@ -169,9 +170,10 @@ class PayloadCodec:
                     self._decode_chunks(record, item.chunks, item.dest)
                     decompressed += record.payload_size
             except zstandard.ZstdError:
-                _as_array(item.dest[: record.payload_size]).fill(0)
                 with self._lock:
                     self.counters.verify_failures += 1
+                for unreported in items[verified:]:
+                    _as_array(unreported.dest[: unreported.record.payload_size]).fill(0)
                 break
             verified += 1
         with self._lock:

@@ -13,7 +13,8 @@ PAYLOAD_BYTES = b"payload_bytes"
 STORED_BYTES = b"stored_bytes"
 QUARANTINED = b"quarantined"
 COLLISIONS = b"collisions"
-NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS)
+SETTLES = b"settles"  # small commits that let LMDB reuse freed pages on a full map
+NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS, SETTLES)
 
 
 def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:

@@ -26,6 +26,7 @@ from prefixd.store.config import Durability, StoreConfig
 
 META_KEY = b"meta"
 DATA_FILE = "data.mdb"
+LOCK_FILE = "lock.mdb"
 TABLE_NAMES = ("meta", "blocks", "chunks", "children", "access", "quarantine", "counters", "identities")
 _DUPSORT = {"children"}
 
@@ -53,7 +54,9 @@ def open_environment(config: StoreConfig) -> tuple[lmdb.Environment, Tables, Sto
     if path.exists() and not path.is_dir():
         raise NotAStoreError(f"{path} is not a directory")
     data_file = path / DATA_FILE
+    lock_file = path / LOCK_FILE
     creating = not data_file.exists()
+    had_lock = lock_file.exists()
     if creating:
         if not config.create:
             raise NotAStoreError(f"no store at {path}")
@@ -74,10 +77,11 @@ def open_environment(config: StoreConfig) -> tuple[lmdb.Environment, Tables, Sto
             writemap=False,
             mode=0o640,
         )
-    except lmdb.InvalidError:
-        raise NotAStoreError(f"{data_file} is not an LMDB file") from None
-    except lmdb.VersionMismatchError:
-        raise NotAStoreError(f"{data_file} was written by an incompatible LMDB") from None
+    except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:
+        if not had_lock:  # leave a directory that is not a store as it was
+            lock_file.unlink(missing_ok=True)
+        kind = "not an LMDB file" if isinstance(exc, lmdb.InvalidError) else "of another LMDB version"
+        raise NotAStoreError(f"{data_file} is {kind}") from None
     except lmdb.Error as exc:
         raise StoreOpenError(f"cannot open {path}: {exc}") from None
     try:
@@ -107,7 +111,8 @@ def _open_existing(env: lmdb.Environment, path: Path) -> tuple[Tables, StoreMeta
     with env.begin(write=True) as txn:
         try:
             meta_db = env.open_db(b"meta", txn=txn, create=False)
-        except lmdb.NotFoundError:
+        except (lmdb.NotFoundError, lmdb.IncompatibleError):
+            # IncompatibleError: the main database holds a plain b"meta" key, not a named table
             raise NotAStoreError(f"{path} is an LMDB environment but not a prefixd store") from None
         raw = txn.get(META_KEY, db=meta_db)
         if raw is None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lmdb
 import msgpack
@@ -29,6 +29,7 @@ from prefixd.errors import (
     OpenTailError,
     OrphanBlockError,
     PayloadError,
+    PutRefusedError,
     StoreClosedError,
     StoreFullError,
 )
@@ -52,18 +53,32 @@ from prefixd.store.results import (
     StoreStats,
 )
 from prefixd.store.syncer import PeriodicSyncer
+from prefixd.store.walk import Walk, walk_chain
 
 log = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
+_BAD_RECORD = "record fails verification"
+_BAD_PAYLOAD = "payload fails its checksum"
 
 
-@dataclass
-class _Walk:
-    """Result of following the chain in one transaction."""
+class _Damaged(NamedTuple):
+    """A block that failed verification, the children-index key it hangs under, and why."""
 
-    found: list[tuple[bytes, BlockRecord]]
-    corrupt: bytes | None = None
-    collided: bool = False
+    block: bytes
+    parent_key: bytes
+    reason: str
+
+
+class _Refusal(Exception):
+    """Raised inside a write transaction to abort it; `put` re-raises `error` to the caller."""
+
+    def __init__(
+        self, error: PutRefusedError, collided: bool, damaged: _Damaged | None = None
+    ) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.collided = collided
+        self.damaged = damaged
 
 
 @dataclass
@@ -153,22 +168,33 @@ class Store:
             first_block + i: self._codec.encode(views[i]) for i, missing in enumerate(absent) if missing
         }
         try:
-            result, corrupt = self._put_txn(identity, chain, first_block, views, encoded)
+            result, replaced = self._put_with_settle(identity, chain, first_block, views, encoded)
         except lmdb.MapFullError:
             raise StoreFullError(
                 f"store map of {self.config.map_size} bytes is full; the put was rolled back"
             ) from None
-        except (BlockCollisionError, OrphanBlockError) as exc:
-            if getattr(exc, "collided", False):
+        except _Refusal as refusal:
+            if refusal.collided:
                 with self._lock:
                     self._pending_collisions += 1
-            corrupt = getattr(exc, "corrupt", None)
-            if corrupt is not None:
-                self._quarantine([(corrupt, "record fails verification")])
-            raise
-        if corrupt:
-            log.warning("replaced %d stored block(s) whose records failed verification", corrupt)
+            if refusal.damaged is not None:
+                self._quarantine([refusal.damaged])
+            raise refusal.error from None
+        if replaced:
+            log.warning("replaced %d stored block(s) whose records failed verification", replaced)
         return result
+
+    def _put_with_settle(self, *args: Any) -> tuple[PutResult, int]:
+        """Run the put; on a full map, commit one small transaction and try once more.
+
+        LMDB reuses the pages a transaction frees only once a later transaction has committed, so
+        right after a delete the map can look full although the space is there."""
+        try:
+            return self._put_txn(*args)
+        except lmdb.MapFullError:
+            with self._env.begin(write=True) as txn:
+                counters.add(txn, self._tables.counters, counters.SETTLES, 1)
+        return self._put_txn(*args)
 
     def _put_txn(
         self,
@@ -184,21 +210,20 @@ class Store:
         stored = existed = replaced = 0
         payload_bytes = stored_bytes = 0
         with self._env.begin(write=True) as txn:
-            walk = self._walk(txn, chain, first_block)
-            if len(walk.found) < first_block:
-                missing = len(walk.found)
+            walk = walk_chain(txn, t.blocks, chain, first_block)
+            if len(walk.hashes) < first_block:
+                missing = len(walk.hashes)
                 if walk.collided:
-                    exc: Exception = BlockCollisionError(
+                    error: PutRefusedError = BlockCollisionError(
                         f"block {missing} of the prefix is owned by other tokens"
                     )
                 else:
-                    exc = OrphanBlockError(
+                    state = "damaged" if walk.corrupt else "missing"
+                    error = OrphanBlockError(
                         f"block {first_block}'s ancestry is not stored (block {missing} is "
-                        f"{'damaged' if walk.corrupt else 'missing'}); put from block {missing}"
+                        f"{state}); put from block {missing}"
                     )
-                exc.collided = walk.collided  # type: ignore[attr-defined]
-                exc.corrupt = walk.corrupt  # type: ignore[attr-defined]
-                raise exc
+                raise _Refusal(error, walk.collided, _damaged_record(walk, chain))
             txn.put(digest, identity.encode(), db=t.identities, overwrite=False)
             for index in range(first_block, first_block + len(views)):
                 h = chain.hash(index)
@@ -208,8 +233,8 @@ class Store:
                     try:
                         record = BlockRecord.decode(raw)
                     except CorruptRecordError:
-                        self._remove_subtree(txn, h)
-                        self._record_quarantine(txn, h, "record fails verification")
+                        self._remove_subtree(txn, h, _parent_key(digest, parent))
+                        self._record_quarantine(txn, h, _BAD_RECORD)
                         replaced += 1
                     else:
                         if (
@@ -217,9 +242,10 @@ class Store:
                             or record.parent != parent
                             or record.tokens != chain.block_bytes(index)
                         ):
-                            exc = BlockCollisionError(f"block {index}'s hash is owned by other tokens")
-                            exc.collided = True  # type: ignore[attr-defined]
-                            raise exc
+                            error = BlockCollisionError(
+                                f"block {index}'s hash is owned by other tokens"
+                            )
+                            raise _Refusal(error, collided=True)
                         existed += 1
                         continue
                 payload = encoded.get(index) or self._codec.encode(views[index - first_block])
@@ -270,15 +296,18 @@ class Store:
         self._check_usable()
         chain = BlockChain(identity, token_ids)
         with self._env.begin(buffers=True) as txn:
-            walk = self._walk(txn, chain, chain.n_blocks)
-        self._after_walk(walk)
+            walk = walk_chain(txn, self._tables.blocks, chain, chain.n_blocks)
+        self._after_walk(walk, chain)
         with self._lock:
             self._activity.lookups += 1
-            self._activity.hit_blocks += len(walk.found)
+            self._activity.hit_blocks += len(walk.hashes)
         return PrefixMatch(
             identity.digest,
             identity.block_tokens,
-            tuple(BlockRef(i, h, r.payload_size) for i, (h, r) in enumerate(walk.found)),
+            tuple(
+                BlockRef(i, h, size)
+                for i, (h, size) in enumerate(zip(walk.hashes, walk.payload_sizes))
+            ),
         )
 
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
@@ -292,28 +321,19 @@ class Store:
         if len(dests) != len(match.blocks):
             raise DestinationError(f"{len(match.blocks)} blocks but {len(dests)} destinations")
         views = [_dest_view(d, ref.payload_size, ref.index) for ref, d in zip(match.blocks, dests)]
-        bad: list[tuple[bytes, str]] = []
-        t = self._tables
+        bad: list[_Damaged] = []
+        digest = match.identity_digest
+        parents = [digest, *(ref.hash for ref in match.blocks)]
         with self._env.begin(buffers=True) as txn:
             items: list[StoredPayload] = []
-            for ref, dest in zip(match.blocks, views):
-                raw = txn.get(ref.hash, db=t.blocks)
-                if raw is None:
-                    break
-                try:
-                    record = BlockRecord.decode(raw)
-                except CorruptRecordError:
-                    bad.append((ref.hash, "record fails verification"))
-                    break
-                if record.identity != match.identity_digest or record.payload_size != ref.payload_size:
-                    break
-                item = self._gather(txn, ref.hash, record, dest, bad)
+            for ref, dest, parent in zip(match.blocks, views, parents):
+                item = self._gather(txn, ref.hash, parent, digest, ref.payload_size, dest, bad)
                 if item is None:
                     break
                 items.append(item)
             n_ok = self._codec.decode_verified(items, self._pool)
             if n_ok < len(items):
-                bad.append((match.blocks[n_ok].hash, "payload fails its checksum"))
+                bad.append(_Damaged(match.blocks[n_ok].hash, parents[n_ok], _BAD_PAYLOAD))
             items.clear()
         self._quarantine(bad)
         verified = match.blocks[:n_ok]
@@ -336,17 +356,18 @@ class Store:
         chain = BlockChain(identity, token_ids)
         limit = chain.n_blocks if max_blocks is None else max(0, min(max_blocks, chain.n_blocks))
         buffer = _dest_view(out, 0, None)
-        bad: list[tuple[bytes, str]] = []
+        bad: list[_Damaged] = []
         offsets: list[int] = []
         with self._env.begin(buffers=True) as txn:
-            walk = self._walk(txn, chain, limit)
+            walk = walk_chain(txn, self._tables.blocks, chain, limit)
             items: list[StoredPayload] = []
+            parents = [identity.digest, *walk.hashes]
             offset = 0
-            for h, record in walk.found:
-                end = offset + record.payload_size
+            for h, size, parent in zip(walk.hashes, walk.payload_sizes, parents):
+                end = offset + size
                 if end > buffer.nbytes:
                     break
-                item = self._gather(txn, h, record, buffer[offset:end], bad)
+                item = self._gather(txn, h, parent, identity.digest, size, buffer[offset:end], bad)
                 if item is None:
                     break
                 items.append(item)
@@ -354,16 +375,15 @@ class Store:
                 offset = end
             n_ok = self._codec.decode_verified(items, self._pool)
             if n_ok < len(items):
-                bad.append((walk.found[n_ok][0], "payload fails its checksum"))
+                bad.append(_Damaged(walk.hashes[n_ok], parents[n_ok], _BAD_PAYLOAD))
             items.clear()
-        self._after_walk(walk)
+        self._after_walk(walk, chain)
         self._quarantine(bad)
-        loaded = walk.found[:n_ok]
-        self._touch(h for h, _ in loaded)
-        sizes = tuple(r.payload_size for _, r in loaded)
+        self._touch(walk.hashes[:n_ok])
+        sizes = tuple(walk.payload_sizes[:n_ok])
         with self._lock:
             self._activity.lookups += 1
-            self._activity.hit_blocks += len(walk.found)
+            self._activity.hit_blocks += len(walk.hashes)
             self._activity.loaded_blocks += n_ok
             self._activity.loaded_bytes += sum(sizes)
         return LoadResult(n_ok, n_ok * chain.block_tokens, tuple(offsets[:n_ok]), sizes)
@@ -489,61 +509,48 @@ class Store:
                 "store was opened in another process; open it again after fork"
             )
 
-    def _walk(self, txn: lmdb.Transaction, chain: BlockChain, limit: int) -> _Walk:
-        """Follow the chain from block 0 for at most `limit` blocks, checking each record."""
-        walk = _Walk([])
-        blocks_db = self._tables.blocks
-        digest = chain.identity.digest
-        parent = ROOT_PARENT
-        for index in range(limit):
-            h = chain.hash(index)
-            raw = txn.get(h, db=blocks_db)
-            if raw is None:
-                break
-            try:
-                record = BlockRecord.decode(raw)
-            except CorruptRecordError:
-                walk.corrupt = h
-                break
-            if (
-                record.identity != digest
-                or record.parent != parent
-                or record.tokens != chain.block_bytes(index)
-            ):
-                walk.collided = True
-                break
-            walk.found.append((h, record))
-            parent = h
-        return walk
-
     def _gather(
         self,
         txn: lmdb.Transaction,
         h: bytes,
-        record: BlockRecord,
+        parent_key: bytes,
+        identity_digest: bytes,
+        payload_size: int,
         dest: memoryview,
-        bad: list[tuple[bytes, str]],
+        bad: list[_Damaged],
     ) -> StoredPayload | None:
+        """The verified record and chunk views of block `h`, or None if it cannot be read."""
+        raw = txn.get(h, db=self._tables.blocks)
+        if raw is None:
+            return None
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            bad.append(_Damaged(h, parent_key, _BAD_RECORD))
+            return None
+        if record.identity != identity_digest or record.payload_size != payload_size:
+            return None
         chunks_db = self._tables.chunks
         chunks = []
         for n in range(record.n_chunks):
             chunk = txn.get(chunk_key(h, n), db=chunks_db)
             if chunk is None:
-                bad.append((h, "payload chunk missing"))
+                bad.append(_Damaged(h, parent_key, "payload chunk missing"))
                 return None
             chunks.append(chunk)
         if sum(c.nbytes for c in chunks) != record.stored_size:
-            bad.append((h, "payload size differs from its record"))
+            bad.append(_Damaged(h, parent_key, "payload size differs from its record"))
             return None
         return StoredPayload(record, chunks, dest)
 
-    def _after_walk(self, walk: _Walk) -> None:
+    def _after_walk(self, walk: Walk, chain: BlockChain) -> None:
         if walk.collided:
             with self._lock:
                 self._pending_collisions += 1
-        if walk.corrupt is not None:
-            self._quarantine([(walk.corrupt, "record fails verification")])
-        self._touch(h for h, _ in walk.found)
+        damaged = _damaged_record(walk, chain)
+        if damaged is not None:
+            self._quarantine([damaged])
+        self._touch(walk.hashes)
 
     def _touch(self, hashes: Iterable[bytes]) -> None:
         now = time.time_ns()
@@ -551,13 +558,13 @@ class Store:
             for h in hashes:
                 self._touched[h] = now
 
-    def _quarantine(self, bad: list[tuple[bytes, str]]) -> None:
+    def _quarantine(self, bad: list[_Damaged]) -> None:
         """Drop blocks that failed verification, and everything below them, in one transaction."""
         if not bad:
             return
         with self._env.begin(write=True) as txn:
-            for h, reason in bad:
-                dropped = self._remove_subtree(txn, h)
+            for h, parent_key, reason in bad:
+                dropped = self._remove_subtree(txn, h, parent_key)
                 if dropped:
                     self._record_quarantine(txn, h, reason)
                     log.warning(
@@ -570,8 +577,13 @@ class Store:
         txn.put(h, entry, db=t.quarantine)
         counters.add(txn, t.counters, counters.QUARANTINED, 1)
 
-    def _remove_subtree(self, txn: lmdb.Transaction, root: bytes) -> int:
-        """Delete `root` and its descendants (records, chunks, index entries, counters)."""
+    def _remove_subtree(
+        self, txn: lmdb.Transaction, root: bytes, root_parent_key: bytes | None = None
+    ) -> int:
+        """Delete `root` and its descendants (records, chunks, index entries, counters).
+
+        `root_parent_key` unlinks the root from the children index when its record is too damaged
+        to name its parent."""
         t = self._tables
         removed = payload_bytes = stored_bytes = 0
         stack = [root]
@@ -595,6 +607,8 @@ class Store:
                 txn.delete(_children_key(record), h, db=t.children)
                 payload_bytes += record.payload_size
             else:
+                if h == root and root_parent_key is not None:
+                    txn.delete(root_parent_key, h, db=t.children)
                 payload_bytes += freed
             stored_bytes += freed
             removed += 1
@@ -606,7 +620,19 @@ class Store:
 
 def _children_key(record: BlockRecord) -> bytes:
     """First blocks hang under their identity digest, so an identity's blocks can be enumerated."""
-    return record.identity if record.parent == ROOT_PARENT else record.parent
+    return _parent_key(record.identity, record.parent)
+
+
+def _parent_key(identity_digest: bytes, parent: bytes) -> bytes:
+    return identity_digest if parent == ROOT_PARENT else parent
+
+
+def _damaged_record(walk: Walk, chain: BlockChain) -> _Damaged | None:
+    """The block whose damaged record ended `walk`, if one did."""
+    if walk.corrupt is None:
+        return None
+    parent = walk.hashes[-1] if walk.hashes else chain.identity.digest
+    return _Damaged(walk.corrupt, parent, _BAD_RECORD)
 
 
 def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:

@@ -1,0 +1,487 @@
+"""Throughput of the prefixd store against the hardware it runs on.
+
+What it measures, in one run on one machine:
+
+* put:        publish `--size-mib` of payloads through `Store.put` into a fresh store, the way an
+              engine publishes a prompt (runs of `--run-blocks` blocks per call, each call extending
+              the chain with `first_block`), then `Store.sync()` (fsync). Timed end to end.
+* file_write: the same bytes written to one fresh plain file in the same directory in
+              payload-sized `write` calls, then `fsync`. The floor the put is compared with.
+* get:        a warm, verified read of every block into a preallocated, already-touched buffer, both
+              through `Store.load` (lookup + read in one call) and `Store.longest_prefix` +
+              `Store.read_into`; the better of the two is `get_gbps`. Checksums are verified in
+              both, as they are in production.
+* memcpy:     `numpy.copyto` of the same bytes between the same kind of buffers. The ceiling the
+              get is compared with: a warm get cannot beat one copy of its bytes.
+* file_read:  payload-sized `readinto` of the plain file (warm, from the page cache) into the same
+              destination buffer, for context.
+
+Why: a store that is much slower than one copy (reads) or one plain write+fsync (writes) costs the
+engine more than recomputing short prefixes would, so the ratios `get_vs_memcpy` and
+`put_vs_file_write` are what the project targets (>= 0.6 each). GB/s means 1e9 bytes per second.
+
+Every measure is the median of `--repeat` timed repetitions after one untimed warm-up. memcpy, get
+and file_read are interleaved within each repetition (and so are put and file_write) so that machine
+noise falls on all of them alike. The payloads are bf16 values of a normal distribution (like a KV
+cache; `--data random` gives incompressible bytes instead) generated once into one array whose
+slices are the payloads. The data directory is a temporary directory under /tmp unless `--dir` is
+given, and is removed at the end.
+
+    python bench/store_bench.py --json
+    python bench/store_bench.py --compression zstd-planes --size-mib 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixd import Identity, Store
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_SIZE_MIB = 1024
+DEFAULT_PAYLOAD_KIB = 1024
+DEFAULT_REPEAT = 3
+DEFAULT_RUN_BLOCKS = 64
+DEFAULT_LOOKUP_REPEAT = 20
+BLOCK_TOKENS = 256
+VOCAB = 128_000
+SEED = 20240601
+GEN_CHUNK_BYTES = 64 * MiB
+TARGET_GET_VS_MEMCPY = 0.6
+TARGET_PUT_VS_FILE_WRITE = 0.6
+COMPRESSIONS = ("none", "zstd", "zstd-planes")
+DATA_KINDS = ("bf16", "random")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures, from the command line."""
+
+    total_bytes: int
+    payload_bytes: int
+    n_blocks: int
+    run_blocks: int
+    compression: str
+    repeat: int
+    lookup_repeat: int
+    data: str
+    durability: str
+    root: Path | None
+    json: bool
+    verbose: bool
+
+
+@dataclass
+class Samples:
+    """Seconds of every timed repetition, per measure."""
+
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds.setdefault(name, []).append(seconds)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
+
+
+# --- set-up ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--dir", type=Path, default=None, help="parent of the data directory")
+    parser.add_argument("--size-mib", type=int, default=DEFAULT_SIZE_MIB, help="bytes moved")
+    parser.add_argument("--payload-kib", type=int, default=DEFAULT_PAYLOAD_KIB, help="per block")
+    parser.add_argument("--compression", choices=COMPRESSIONS, default="none")
+    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="timed repetitions")
+    parser.add_argument("--run-blocks", type=int, default=DEFAULT_RUN_BLOCKS, help="blocks per put")
+    parser.add_argument("--lookup-repeat", type=int, default=DEFAULT_LOOKUP_REPEAT)
+    parser.add_argument("--data", choices=DATA_KINDS, default="bf16", help="payload contents")
+    parser.add_argument("--durability", choices=("periodic", "full"), default="periodic")
+    parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
+    args = parser.parse_args(argv)
+    payload = args.payload_kib * 1024
+    total = args.size_mib * MiB
+    if args.payload_kib <= 0 or args.size_mib <= 0 or total % payload:
+        parser.error("--size-mib must be a positive multiple of --payload-kib")
+    if args.payload_kib % 2 and args.compression == "zstd-planes":
+        parser.error("zstd-planes needs an even payload size")
+    if args.repeat < 1 or args.run_blocks < 1 or args.lookup_repeat < 1:
+        parser.error("--repeat, --run-blocks and --lookup-repeat must be positive")
+    return Settings(
+        total_bytes=total,
+        payload_bytes=payload,
+        n_blocks=total // payload,
+        run_blocks=args.run_blocks,
+        compression=args.compression,
+        repeat=args.repeat,
+        lookup_repeat=args.lookup_repeat,
+        data=args.data,
+        durability=args.durability,
+        root=args.dir,
+        json=args.json,
+        verbose=args.verbose,
+    )
+
+
+def make_payload_bytes(total: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """One preallocated array of `total` bytes; the payloads are slices of it."""
+    data = np.empty(total, dtype=np.uint8)
+    for start in range(0, total, GEN_CHUNK_BYTES):
+        piece = data[start : start + GEN_CHUNK_BYTES]
+        if kind == "random":
+            piece[:] = rng.integers(0, 256, piece.size, dtype=np.uint8)
+        else:  # bf16: the high halves of float32 normals, little-endian like a GPU's KV cache
+            values = rng.standard_normal(piece.size // 2, dtype=np.float32)
+            piece.view(np.uint16)[:] = values.view(np.uint32) >> 16
+    return data
+
+
+def make_tokens(n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.integers(0, VOCAB, n_blocks * BLOCK_TOKENS, dtype=np.uint32)
+
+
+def make_identity(payload_bytes: int) -> Identity:
+    return Identity(
+        model="bench-model",
+        weights="sha256:" + "0" * 64,
+        tokenizer="bench-tokenizer",
+        template="v1",
+        rope="rope-default",
+        kv_layout=f"bf16/tp1/rank0/{payload_bytes}B",
+        block_tokens=BLOCK_TOKENS,
+        tenant="bench",
+    )
+
+
+def touched_buffer(size: int) -> np.ndarray:
+    """A destination whose pages are already faulted in, so no measure pays for first touch."""
+    buffer = np.empty(size, dtype=np.uint8)
+    buffer.fill(0xA5)
+    return buffer
+
+
+def split(buffer: np.ndarray, size: int) -> list[np.ndarray]:
+    return [buffer[off : off + size] for off in range(0, buffer.size, size)]
+
+
+def open_store(path: Path, settings: Settings) -> Store:
+    map_size = max(8 * GiB, 4 * settings.total_bytes)
+    return Store.open(
+        path, durability=settings.durability, compression=settings.compression, map_size=map_size
+    )
+
+
+def timed(action: Callable[[], Any]) -> tuple[float, Any]:
+    gc.collect()
+    started = time.perf_counter()
+    result = action()
+    return time.perf_counter() - started, result
+
+
+def log(settings: Settings, message: str) -> None:
+    if settings.verbose:
+        print(message, file=sys.stderr, flush=True)
+
+
+# --- the measured actions --------------------------------------------------------------------
+
+
+def put_all(
+    store: Store, ident: Identity, tokens: np.ndarray, payloads: list[np.ndarray], run_blocks: int
+) -> int:
+    """Publish every block in runs, each put extending the chain; then fsync. Returns blocks stored."""
+    stored = 0
+    for first in range(0, len(payloads), run_blocks):
+        end = min(first + run_blocks, len(payloads))
+        result = store.put(ident, tokens[: end * BLOCK_TOKENS], payloads[first:end], first_block=first)
+        stored += result.stored
+    store.sync()
+    return stored
+
+
+def write_file(path: Path, payloads: list[np.ndarray]) -> None:
+    """Payload-sized writes to a fresh file, then fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for payload in payloads:
+            view = memoryview(payload)
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path, dests: list[np.ndarray]) -> int:
+    """Payload-sized readinto of the whole file into the destination."""
+    got = 0
+    with open(path, "rb", buffering=0) as f:
+        for dest in dests:
+            got += f.readinto(memoryview(dest))
+    return got
+
+
+def get_load(store: Store, ident: Identity, tokens: np.ndarray, dest: np.ndarray) -> int:
+    return store.load(ident, tokens, dest).n_blocks
+
+
+def get_read_into(store: Store, ident: Identity, tokens: np.ndarray, dest: np.ndarray, size: int) -> int:
+    match = store.longest_prefix(ident, tokens)
+    return store.read_into(match, split(dest, size)[: match.n_blocks]).n_blocks
+
+
+# --- phases ----------------------------------------------------------------------------------
+
+
+def bench_writes(
+    settings: Settings,
+    workdir: Path,
+    ident: Identity,
+    tokens: np.ndarray,
+    payloads: list[np.ndarray],
+    samples: Samples,
+) -> tuple[Store, Path]:
+    """put and file_write, interleaved, each into fresh storage; returns the last store and file.
+
+    The first round is an untimed warm-up (allocator, page tables, the file system's extents).
+    """
+    store: Store | None = None
+    file_path = workdir / "plain.bin"
+    for round_ in range(settings.repeat + 1):
+        if store is not None:
+            store.close()
+            shutil.rmtree(store.path)
+        store = open_store(workdir / f"store-{round_}", settings)
+        seconds, stored = timed(lambda: put_all(store, ident, tokens, payloads, settings.run_blocks))
+        if stored != settings.n_blocks:
+            raise RuntimeError(f"put stored {stored} of {settings.n_blocks} blocks")
+        file_path.unlink(missing_ok=True)
+        file_seconds, _ = timed(lambda: write_file(file_path, payloads))
+        log(settings, f"round {round_}: put {seconds:.3f}s  file_write {file_seconds:.3f}s")
+        if round_:
+            samples.add("put", seconds)
+            samples.add("file_write", file_seconds)
+    assert store is not None
+    return store, file_path
+
+
+def bench_reads(
+    settings: Settings,
+    store: Store,
+    file_path: Path,
+    ident: Identity,
+    tokens: np.ndarray,
+    source: np.ndarray,
+    samples: Samples,
+) -> None:
+    """memcpy, get (load and read_into) and file_read, interleaved, into one touched destination.
+
+    One untimed warm-up round first; after it the destination is checked against the payloads, so
+    the timed gets are known to return the right bytes.
+    """
+    dest = touched_buffer(settings.total_bytes)
+    size = settings.payload_bytes
+    dests = split(dest, size)
+    n = settings.n_blocks
+    actions: dict[str, Callable[[], Any]] = {
+        "memcpy": lambda: np.copyto(dest, source),
+        "get_load": lambda: get_load(store, ident, tokens, dest),
+        "get_read_into": lambda: get_read_into(store, ident, tokens, dest, size),
+        "file_read": lambda: read_file(file_path, dests),
+    }
+    expected = {"get_load": n, "get_read_into": n, "file_read": settings.total_bytes}
+    names = list(actions)
+    for round_ in range(settings.repeat + 1):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            if name != "memcpy":
+                dest.fill(0)
+            seconds, result = timed(actions[name])
+            if name in expected and result != expected[name]:
+                raise RuntimeError(f"{name} returned {result}, expected {expected[name]}")
+            if round_ == 0 and not np.array_equal(dest, source):
+                raise RuntimeError(f"{name} did not reproduce the payloads")
+            if round_:
+                samples.add(name, seconds)
+        if round_:
+            timings = "  ".join(f"{k} {samples.seconds[k][-1]:.3f}s" for k in names)
+            log(settings, f"round {round_}: {timings}")
+
+
+def lookup_us(settings: Settings, store: Store, ident: Identity, tokens: np.ndarray) -> float:
+    """Median microseconds of longest_prefix over the whole chain (warm)."""
+    store.longest_prefix(ident, tokens)
+    times = []
+    for _ in range(settings.lookup_repeat):
+        started = time.perf_counter()
+        match = store.longest_prefix(ident, tokens)
+        times.append(time.perf_counter() - started)
+        if match.n_blocks != settings.n_blocks:
+            raise RuntimeError(f"lookup found {match.n_blocks} of {settings.n_blocks} blocks")
+    return statistics.median(times) * 1e6
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    import lmdb
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "lmdb": lmdb.__version__,
+    }
+
+
+def gbps(n_bytes: int, seconds: float) -> float:
+    return n_bytes / seconds / 1e9
+
+
+def build_report(
+    settings: Settings, samples: Samples, store: Store, lookup: float, workdir: Path
+) -> dict[str, Any]:
+    total = settings.total_bytes
+    rate = {name: gbps(total, samples.median(name)) for name in samples.seconds}
+    get_method = "load" if rate["get_load"] >= rate["get_read_into"] else "read_into"
+    get = max(rate["get_load"], rate["get_read_into"])
+    stats = store.stats()
+    report: dict[str, Any] = {
+        "get_gbps": round(get, 3),
+        "put_gbps": round(rate["put"], 3),
+        "memcpy_gbps": round(rate["memcpy"], 3),
+        "file_write_gbps": round(rate["file_write"], 3),
+        "file_read_gbps": round(rate["file_read"], 3),
+        "get_vs_memcpy": round(get / rate["memcpy"], 3),
+        "put_vs_file_write": round(rate["put"] / rate["file_write"], 3),
+        "get_method": get_method,
+        "get_load_gbps": round(rate["get_load"], 3),
+        "get_read_into_gbps": round(rate["get_read_into"], 3),
+        "get_vs_file_read": round(get / rate["file_read"], 3),
+        "lookup_us": round(lookup, 1),
+        "targets": {
+            "get_vs_memcpy": TARGET_GET_VS_MEMCPY,
+            "put_vs_file_write": TARGET_PUT_VS_FILE_WRITE,
+        },
+        "meets_targets": {
+            "get_vs_memcpy": get / rate["memcpy"] >= TARGET_GET_VS_MEMCPY,
+            "put_vs_file_write": rate["put"] / rate["file_write"] >= TARGET_PUT_VS_FILE_WRITE,
+        },
+        "compression_ratio": round(stats.compression_ratio, 4),
+        "store": {
+            "blocks": stats.blocks,
+            "payload_bytes": stats.payload_bytes,
+            "stored_bytes": stats.stored_bytes,
+            "map_used_bytes": stats.map_used_bytes,
+            "compress_gbps": round(stats.compress_gbps, 3),
+            "decompress_gbps": round(stats.decompress_gbps, 3),
+            "compressed_payloads_stored_raw": stats.compressed_payloads_stored_raw,
+            "verify_failures": stats.verify_failures,
+        },
+        "settings": {
+            "size_mib": total // MiB,
+            "payload_kib": settings.payload_bytes // 1024,
+            "n_blocks": settings.n_blocks,
+            "block_tokens": BLOCK_TOKENS,
+            "run_blocks": settings.run_blocks,
+            "compression": settings.compression,
+            "durability": settings.durability,
+            "data": settings.data,
+            "repeat": settings.repeat,
+            "dir": str(workdir),
+        },
+        "seconds": {k: [round(s, 4) for s in v] for k, v in samples.seconds.items()},
+        "machine": machine_info(),
+    }
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    s = report["settings"]
+    print(
+        f"prefixd store bench: {s['size_mib']} MiB in {s['n_blocks']} x {s['payload_kib']} KiB, "
+        f"compression={s['compression']}, median of {s['repeat']}"
+    )
+    rows = [
+        ("put (+fsync)", report["put_gbps"]),
+        ("file write (+fsync)", report["file_write_gbps"]),
+        ("get, load", report["get_load_gbps"]),
+        ("get, read_into", report["get_read_into_gbps"]),
+        ("memcpy", report["memcpy_gbps"]),
+        ("file readinto", report["file_read_gbps"]),
+    ]
+    for name, value in rows:
+        print(f"  {name:<22}{value:>8.2f} GB/s")
+    met = report["meets_targets"]
+    target = report["targets"]
+    print(
+        f"  get / memcpy      {report['get_vs_memcpy']:>6.2f}  (target {target['get_vs_memcpy']}: "
+        f"{'met' if met['get_vs_memcpy'] else 'MISSED'})"
+    )
+    print(
+        f"  put / file write  {report['put_vs_file_write']:>6.2f}  (target "
+        f"{target['put_vs_file_write']}: {'met' if met['put_vs_file_write'] else 'MISSED'})"
+    )
+    print(f"  lookup of the whole chain {report['lookup_us']:.0f} us, "
+          f"compression ratio {report['compression_ratio']:.3f}")
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def run(settings: Settings, workdir: Path) -> dict[str, Any]:
+    rng = np.random.default_rng(SEED)
+    log(settings, f"generating {settings.total_bytes // MiB} MiB of {settings.data} payloads")
+    source = make_payload_bytes(settings.total_bytes, settings.data, rng)
+    payloads = split(source, settings.payload_bytes)
+    tokens = make_tokens(settings.n_blocks, rng)
+    ident = make_identity(settings.payload_bytes)
+    samples = Samples()
+    store, file_path = bench_writes(settings, workdir, ident, tokens, payloads, samples)
+    try:
+        bench_reads(settings, store, file_path, ident, tokens, source, samples)
+        lookup = lookup_us(settings, store, ident, tokens)
+        return build_report(settings, samples, store, lookup, workdir)
+    finally:
+        store.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = parse_args(argv)
+    if settings.root is not None:
+        settings.root.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="prefixd-bench-", dir=settings.root))
+    try:
+        report = run(settings, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if settings.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""Shared fixtures: a small identity and a fresh store per test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefixd import Identity, Store
+
+
+@pytest.fixture
+def identity() -> Identity:
+    return Identity(
+        model="m",
+        weights="w",
+        tokenizer="t",
+        template="c",
+        rope="r",
+        kv_layout="bf16",
+        block_tokens=4,
+        tenant="a",
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store.open(tmp_path / "store", map_size=64 << 20) as opened:
+        yield opened
