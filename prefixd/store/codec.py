@@ -1,9 +1,10 @@
 """Bytes <-> stored chunks: compression and checksums, with no knowledge of LMDB.
 
 A payload is cut into chunks of `chunk_bytes`; each chunk is compressed on its own, so each decodes
-straight into its place in the destination. The checksum (crc32c, which releases the GIL) covers the
-stored bytes of all chunks in order and is verified before a byte is reported to a caller; on the raw
-path it runs on a second thread while the payload is being copied.
+straight into its place in the destination. The checksum (crc32c) covers the stored bytes of all
+chunks in order and is verified before a block is reported to a caller. Raw payloads are copied and
+checksummed piece by piece, each piece hashed while still in cache; compressed ones are checksummed
+before they are decoded.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import zstandard
 from prefixd.schema.records import BlockRecord, Compression
 
 _PLANE_HEADER = struct.Struct("<I")
+_PIECE = 256 << 10  # copy-then-checksum granularity: the piece is still in L2 when it is hashed
 COMPRESSION_BY_NAME = {
     "none": Compression.NONE,
     "zstd": Compression.ZSTD,
@@ -76,10 +78,6 @@ def checksum(chunks: Sequence[Buffer]) -> int:
     return value
 
 
-def _checksums(groups: Sequence[Sequence[Buffer]]) -> list[int]:
-    return [checksum(chunks) for chunks in groups]
-
-
 def _as_array(buffer: Buffer) -> np.ndarray:
     return np.frombuffer(buffer, dtype=np.uint8)
 
@@ -123,6 +121,18 @@ class PayloadCodec:
                 self.counters.stored_raw_after_trial += 1
         return EncodedPayload(Compression.NONE, raw, step, size, size, checksum(raw))
 
+    def encode_many(
+        self, payloads: Sequence[memoryview], pool: Executor | None
+    ) -> list[EncodedPayload]:
+        """`encode` each payload; with a pool, the second half (by bytes) is encoded on another
+        core at the same time (crc32c, zstd and numpy release the GIL)."""
+        split = _halfway([p.nbytes for p in payloads]) if pool is not None else len(payloads)
+        if pool is None or split >= len(payloads):
+            return [self.encode(p) for p in payloads]
+        tail = pool.submit(lambda: [self.encode(p) for p in payloads[split:]])
+        head = [self.encode(p) for p in payloads[:split]]
+        return head + tail.result()
+
     def _compress_chunk(self, kind: Compression, chunk: memoryview) -> bytes:
         compressor = self._compressor()
         if kind is Compression.ZSTD:
@@ -142,49 +152,64 @@ class PayloadCodec:
 
     def decode_verified(self, items: Sequence[StoredPayload], pool: Executor | None) -> int:
         """Write each item's payload into its dest, in order; return how many leading items
-        verified. The first item that fails its checksum ends the run; its dest and those of every
-        item after it are zeroed, so no unreported bytes are left behind.
+        verified. The first item that fails ends the run; its dest and those of every item after it
+        are zeroed, so no unreported bytes are left behind.
 
-        Raw payloads are copied while `pool` computes the checksums on another core; compressed
-        ones are decoded only after their checksum has verified.
+        With a pool, the items are split in two runs of about equal bytes, decoded at once on the
+        calling thread and on a pool thread (copies, crc32c, zstd and numpy release the GIL).
         """
         if not items:
             return 0
-        groups = [item.chunks for item in items]
-        pending = pool.submit(_checksums, groups) if pool is not None else None
-        copied = 0
-        for item in items:
-            if item.record.compression is Compression.NONE:
-                _copy_chunks(item.chunks, item.dest)
-                copied += item.record.payload_size
-        sums = pending.result() if pending is not None else _checksums(groups)
-        verified = 0
-        decompressed = 0
+        split = _halfway([i.record.payload_size for i in items]) if pool else len(items)
+        tail = None
+        if pool is not None and split < len(items):
+            tail = pool.submit(self._decode_run, items[split:])
+        verified = self._decode_run(items[:split])
+        if tail is not None:
+            tail_verified = tail.result()
+            if verified == split:
+                verified += tail_verified
+        if verified < len(items):
+            with self._lock:
+                self.counters.verify_failures += 1
+            for unreported in items[verified:]:
+                _as_array(unreported.dest[: unreported.record.payload_size]).fill(0)
+        with self._lock:
+            self.counters.verified_bytes += sum(i.record.payload_size for i in items[:verified])
+        return verified
+
+    def _decode_run(self, items: Sequence[StoredPayload]) -> int:
+        """Decode items in order; return the index of the first that fails (len(items) if none)."""
+        copied = decompressed = 0
         started = time.perf_counter()
-        for item, actual in zip(items, sums):
+        done = 0
+        for item in items:
             record = item.record
-            try:
-                if actual != record.checksum:
-                    raise zstandard.ZstdError("checksum mismatch")
-                if record.compression is not Compression.NONE:
+            if record.compression is Compression.NONE:
+                if _copy_and_checksum(item.chunks, item.dest) != record.checksum:
+                    break
+                copied += record.payload_size
+            else:
+                if checksum(item.chunks) != record.checksum:
+                    break
+                try:
                     self._decode_chunks(record, item.chunks, item.dest)
-                    decompressed += record.payload_size
-            except zstandard.ZstdError:
-                with self._lock:
-                    self.counters.verify_failures += 1
-                for unreported in items[verified:]:
-                    _as_array(unreported.dest[: unreported.record.payload_size]).fill(0)
-                break
-            verified += 1
+                except zstandard.ZstdError:
+                    break
+                decompressed += record.payload_size
+            done += 1
+        elapsed = time.perf_counter() - started
         with self._lock:
             c = self.counters
             c.copied_bytes += copied
             c.decompress_out_bytes += decompressed
-            c.decompress_s += (time.perf_counter() - started) if decompressed else 0.0
-            c.verified_bytes += sum(item.record.payload_size for item in items[:verified])
-        return verified
+            if decompressed:
+                c.decompress_s += elapsed * decompressed / (decompressed + copied)
+        return done
 
-    def _decode_chunks(self, record: BlockRecord, chunks: Sequence[memoryview], dest: memoryview) -> None:
+    def _decode_chunks(
+        self, record: BlockRecord, chunks: Sequence[memoryview], dest: memoryview
+    ) -> None:
         step = record.chunk_bytes
         size = record.payload_size
         decompressor = self._decompressor()
@@ -193,14 +218,16 @@ class PayloadCodec:
             target = dest[start : min(start + step, size)]
             if record.compression is Compression.ZSTD:
                 _zstd_into(decompressor, chunk, target)
-            else:
-                (high_len,) = _PLANE_HEADER.unpack_from(chunk, 0)
-                half = target.nbytes // 2
-                high = self._scratch(half)
-                _zstd_into(decompressor, chunk[4 : 4 + high_len], high)
-                pairs = _as_array(target).reshape(-1, 2)
-                pairs[:, 1] = _as_array(high)
-                pairs[:, 0] = _as_array(chunk[4 + high_len : 4 + high_len + half])
+                continue
+            (high_len,) = _PLANE_HEADER.unpack_from(chunk, 0)
+            half = target.nbytes // 2
+            high = self._scratch(half)
+            _zstd_into(decompressor, chunk[4 : 4 + high_len], high)
+            low = _as_array(chunk[4 + high_len : 4 + high_len + half])
+            # little-endian 2-byte values: value = high << 8 | low, built in place in the dest
+            values = np.frombuffer(target, dtype="<u2")
+            np.left_shift(_as_array(high), 8, out=values, dtype=np.uint16)
+            np.bitwise_or(values, low, out=values, dtype=np.uint16)
 
     def _decompressor(self) -> zstandard.ZstdDecompressor:
         decompressor = getattr(self._local, "decompressor", None)
@@ -218,13 +245,31 @@ class PayloadCodec:
         return memoryview(buffer)[:size]
 
 
-def _copy_chunks(chunks: Sequence[memoryview], dest: memoryview) -> None:
-    """Copy chunk views back to back into dest; numpy's copy releases the GIL."""
+def _halfway(sizes: Sequence[int]) -> int:
+    """Index splitting a run into two of about equal bytes (the first one never empty)."""
+    total = sum(sizes)
+    running = 0
+    for index, size in enumerate(sizes):
+        running += size
+        if running * 2 >= total:
+            return index + 1
+    return len(sizes)
+
+
+def _copy_and_checksum(chunks: Sequence[memoryview], dest: memoryview) -> int:
+    """Copy chunk views back to back into dest in cache-sized pieces, taking the crc32c of each
+    piece while it is still in cache. Returns the crc of the copied bytes (equal to the stored
+    checksum when nothing is damaged)."""
+    value = 0
     offset = 0
     for chunk in chunks:
-        size = chunk.nbytes
-        np.copyto(_as_array(dest[offset : offset + size]), _as_array(chunk))
-        offset += size
+        for start in range(0, chunk.nbytes, _PIECE):
+            piece = chunk[start : start + _PIECE]
+            target = dest[offset : offset + piece.nbytes]
+            np.copyto(_as_array(target), _as_array(piece))
+            value = crc32c.crc32c(target, value)
+            offset += piece.nbytes
+    return value
 
 
 def _zstd_into(decompressor: zstandard.ZstdDecompressor, frame: memoryview, target: memoryview) -> None:

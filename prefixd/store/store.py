@@ -164,9 +164,13 @@ class Store:
         hashes = [chain.hash(i) for i in range(first_block, end)]
         with self._env.begin(buffers=True) as txn:
             absent = [txn.get(h, db=self._tables.blocks) is None for h in hashes]
-        encoded: dict[int, EncodedPayload] = {
-            first_block + i: self._codec.encode(views[i]) for i, missing in enumerate(absent) if missing
-        }
+        todo = [i for i, missing in enumerate(absent) if missing]
+        encoded: dict[int, EncodedPayload] = dict(
+            zip(
+                (first_block + i for i in todo),
+                self._codec.encode_many([views[i] for i in todo], self._pool),
+            )
+        )
         try:
             result, replaced = self._put_with_settle(identity, chain, first_block, views, encoded)
         except lmdb.MapFullError:
