@@ -16,23 +16,33 @@ class BlockRef(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The longest stored prefix of a query: `n_blocks` whole blocks, `n_tokens` tokens."""
+    """The longest stored prefix of a query: `n_blocks` whole blocks, `n_tokens` tokens.
+
+    Kept as two parallel tuples (a long prompt has hundreds of blocks); `blocks` gives them as
+    `BlockRef`s."""
 
     identity_digest: bytes
     block_tokens: int
-    blocks: tuple[BlockRef, ...]
+    hashes: tuple[bytes, ...]
+    payload_sizes: tuple[int, ...]
+
+    @property
+    def blocks(self) -> tuple[BlockRef, ...]:
+        return tuple(
+            BlockRef(i, h, size) for i, (h, size) in enumerate(zip(self.hashes, self.payload_sizes))
+        )
 
     @property
     def n_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self.hashes)
 
     @property
     def n_tokens(self) -> int:
-        return len(self.blocks) * self.block_tokens
+        return len(self.hashes) * self.block_tokens
 
     @property
     def payload_bytes(self) -> int:
-        return sum(b.payload_size for b in self.blocks)
+        return sum(self.payload_sizes)
 
 
 @dataclass(frozen=True, slots=True)

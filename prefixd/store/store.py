@@ -44,7 +44,6 @@ from prefixd.store.config import Durability, StoreConfig
 from prefixd.store.environment import Tables, open_environment
 from prefixd.store.results import (
     BlockInfo,
-    BlockRef,
     LoadResult,
     PrefixMatch,
     Problem,
@@ -306,12 +305,7 @@ class Store:
             self._activity.lookups += 1
             self._activity.hit_blocks += len(walk.hashes)
         return PrefixMatch(
-            identity.digest,
-            identity.block_tokens,
-            tuple(
-                BlockRef(i, h, size)
-                for i, (h, size) in enumerate(zip(walk.hashes, walk.payload_sizes))
-            ),
+            identity.digest, identity.block_tokens, tuple(walk.hashes), tuple(walk.payload_sizes)
         )
 
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
@@ -322,31 +316,31 @@ class Store:
         bytes of a failed block are zeroed, never left half-written with unverified data.
         """
         self._check_usable()
-        if len(dests) != len(match.blocks):
-            raise DestinationError(f"{len(match.blocks)} blocks but {len(dests)} destinations")
-        views = [_dest_view(d, ref.payload_size, ref.index) for ref, d in zip(match.blocks, dests)]
+        hashes, sizes = match.hashes, match.payload_sizes
+        if len(dests) != len(hashes):
+            raise DestinationError(f"{len(hashes)} blocks but {len(dests)} destinations")
+        views = [_dest_view(d, size, i) for i, (size, d) in enumerate(zip(sizes, dests))]
         bad: list[_Damaged] = []
         digest = match.identity_digest
-        parents = [digest, *(ref.hash for ref in match.blocks)]
+        parents = [digest, *hashes]
         with self._env.begin(buffers=True) as txn:
             items: list[StoredPayload] = []
-            for ref, dest, parent in zip(match.blocks, views, parents):
-                item = self._gather(txn, ref.hash, parent, digest, ref.payload_size, dest, bad)
+            for h, size, dest, parent in zip(hashes, sizes, views, parents):
+                item = self._gather(txn, h, parent, digest, size, dest, bad)
                 if item is None:
                     break
                 items.append(item)
             n_ok = self._codec.decode_verified(items, self._pool)
             if n_ok < len(items):
-                bad.append(_Damaged(match.blocks[n_ok].hash, parents[n_ok], _BAD_PAYLOAD))
+                bad.append(_Damaged(hashes[n_ok], parents[n_ok], _BAD_PAYLOAD))
             items.clear()
         self._quarantine(bad)
-        verified = match.blocks[:n_ok]
-        self._touch(ref.hash for ref in verified)
-        sizes = tuple(ref.payload_size for ref in verified)
+        self._touch(hashes[:n_ok])
+        verified = sizes[:n_ok]
         with self._lock:
             self._activity.loaded_blocks += n_ok
-            self._activity.loaded_bytes += sum(sizes)
-        return ReadResult(n_ok, sizes)
+            self._activity.loaded_bytes += sum(verified)
+        return ReadResult(n_ok, verified)
 
     def load(
         self, identity: Identity, token_ids: TokenIds, out: Any, *, max_blocks: int | None = None

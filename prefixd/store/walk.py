@@ -1,8 +1,7 @@
 """Following a prefix chain through the blocks table, comparing records in bulk.
 
 The walk is the lookup hot path: a 131072-token prompt is 256 blocks of 512 tokens. Per-block Python
-work dominates, so records are fetched in batches (one `getmulti` per batch, batches growing 4x so a
-cold miss costs little) and each record's identity digest, parent hash and token ids are compared
+work dominates, so records are fetched in batches (batches growing 4x so a cold miss costs little) and each record's identity digest, parent hash and token ids are compared
 against the query with one vectorised comparison per batch. The walk stops at the first missing or
 mismatching block, exactly as a one-block-at-a-time walk would.
 
@@ -31,7 +30,13 @@ from prefixd.schema.records import (
 )
 
 _FIRST_BATCH = 4
-_PREFIX = np.frombuffer(record_prefix(), dtype=np.uint8)
+# Field positions in uint32 words (every record field the walk compares is 4-byte aligned).
+_MAGIC = int.from_bytes(record_prefix()[:4], "little")
+_VERSION = record_prefix()[4]
+_PAYLOAD_SIZE = PAYLOAD_SIZE_AT // 4
+_IDENTITY = IDENTITY_AT // 4
+_PARENT = PARENT_AT // 4
+_TOKENS = TOKENS_AT // 4
 
 
 @dataclass
@@ -49,25 +54,22 @@ def walk_chain(
 ) -> Walk:
     """Follow `chain` from block 0 for at most `limit` blocks."""
     walk = Walk()
-    cursor = txn.cursor(db=blocks_db)
+    get = txn.cursor(db=blocks_db).get
     size = record_bytes(chain.block_tokens)
-    span = chain.block_tokens * 4
-    digest = np.frombuffer(chain.identity.digest, dtype=np.uint8)
-    tokens = np.frombuffer(chain.tokens.data, dtype=np.uint8)
+    digest = np.frombuffer(chain.identity.digest, dtype="<u4")
     start, batch = 0, _FIRST_BATCH
     while start < limit:
         stop = min(limit, start + batch)
         batch *= 4
         keys = chain.hashes_until(stop)[start:stop]
-        pairs = cursor.getmulti(keys)
-        present = len(pairs)
-        if present < len(keys):  # getmulti skips absent keys: find the first gap
-            present = next(
-                (j for j, (key, _) in enumerate(pairs) if bytes(key) != keys[j]), present
-            )
-        values = [value for _, value in pairs[:present]]
-        usable = next((j for j, v in enumerate(values) if len(v) != size), present)
-        matched = _matching_rows(values[:usable], size, digest, chain, start, keys, tokens, span)
+        values = [get(key, b"") for key in keys]
+        lengths = list(map(len, values))
+        present = lengths.index(0) if 0 in lengths else len(values)
+        del values[present:]
+        usable = present
+        if lengths.count(size) < present:  # a record of another length ends the usable run
+            usable = next(j for j, n in enumerate(lengths) if n != size)
+        matched = _matching_rows(values[:usable], size, digest, chain, start, keys, chain.tokens)
         walk.hashes.extend(keys[: len(matched)])
         walk.payload_sizes.extend(matched)
         if len(matched) < present:
@@ -87,26 +89,25 @@ def _matching_rows(
     start: int,
     keys: list[bytes],
     tokens: np.ndarray,
-    span: int,
 ) -> list[int]:
-    """Payload sizes of the leading records that match the query exactly."""
+    """Payload sizes of the leading records that match the query exactly.
+
+    Records of one identity all have the same length (a multiple of 4), so a batch is one
+    (n, size/4) uint32 array and each field a column range of it."""
     n = len(values)
     if not n:
         return []
-    rows = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(n, size)
-    parents = np.frombuffer(
-        b"".join([chain.parent_of(start), *keys[: n - 1]]), dtype=np.uint8
-    ).reshape(n, HASH_BYTES)
+    rows = np.frombuffer(b"".join(values), dtype="<u4").reshape(n, size // 4)
+    span = chain.block_tokens
+    parents = np.frombuffer(b"".join([chain.parent_of(start), *keys[: n - 1]]), dtype="<u4")
     expected_tokens = tokens[start * span : (start + n) * span].reshape(n, span)
-    ok = (
-        (rows[:, : len(_PREFIX)] == _PREFIX).all(axis=1)
-        & (rows[:, IDENTITY_AT : IDENTITY_AT + HASH_BYTES] == digest).all(axis=1)
-        & (rows[:, PARENT_AT : PARENT_AT + HASH_BYTES] == parents).all(axis=1)
-        & (rows[:, TOKENS_AT : TOKENS_AT + span] == expected_tokens).all(axis=1)
-    )
+    ok = (rows[:, _TOKENS : _TOKENS + span] == expected_tokens).all(axis=1)
+    ok &= (rows[:, _PARENT : _PARENT + 4] == parents.reshape(n, 4)).all(axis=1)
+    ok &= (rows[:, _IDENTITY : _IDENTITY + 4] == digest).all(axis=1)
+    ok &= (rows[:, 0] == _MAGIC) & (rows[:, 1] & 0xFF == _VERSION)
     good = n if ok.all() else int(np.argmin(ok))
-    sizes = np.ascontiguousarray(rows[:good, PAYLOAD_SIZE_AT : PAYLOAD_SIZE_AT + 8])
-    return sizes.view("<u8").ravel().tolist()
+    sizes = rows[:good, _PAYLOAD_SIZE : _PAYLOAD_SIZE + 2].copy().view("<u8").ravel()
+    return sizes.tolist()
 
 
 def _classify(walk: Walk, key: bytes, value: bytes | memoryview) -> None:
