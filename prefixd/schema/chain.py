@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import xxhash
 
+from prefixd.errors import TokenError
 from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TOKEN_BYTES, TokenIds, as_token_array
+from prefixd.schema.tokens import TOKEN_BYTES, TOKEN_DTYPE, TokenIds, as_token_array
 
 HASH_BYTES = 16
 ROOT_PARENT = bytes(HASH_BYTES)
@@ -28,14 +30,31 @@ def block_hash(identity_digest: bytes, parent: bytes, block_tokens: bytes) -> by
 class BlockChain:
     """The closed blocks of one token sequence under one identity, hashed lazily in order."""
 
-    def __init__(self, identity: Identity, token_ids: TokenIds) -> None:
+    def __init__(
+        self, identity: Identity, token_ids: TokenIds, hashes: bytes | None = None
+    ) -> None:
+        """`hashes`, when given, are the closed blocks' hashes packed back to back, as a client
+        that already computed them sends them. They only choose which records a walk reads: the
+        walk still compares every record's tokens and parent link, so a wrong hash is a miss."""
         self.identity = identity
-        self.tokens = as_token_array(token_ids)
+        tokens = as_token_array(token_ids)
+        # A private snapshot (bytes input is immutable already): tokens read from memory a client
+        # shares cannot change between hashing and comparing.
+        self._bytes = token_ids if isinstance(token_ids, bytes) else tokens.tobytes()
+        self.tokens = np.frombuffer(self._bytes, dtype=TOKEN_DTYPE)
         self.block_tokens = identity.block_tokens
         self.n_blocks = len(self.tokens) // self.block_tokens
-        self._bytes = self.tokens.tobytes()
         self._span = self.block_tokens * TOKEN_BYTES
         self._hashes: list[bytes] = []
+        if hashes is not None:
+            if len(hashes) != self.n_blocks * HASH_BYTES:
+                raise TokenError(
+                    f"{len(hashes)} bytes of block hashes for {self.n_blocks} closed blocks "
+                    f"(expected {self.n_blocks * HASH_BYTES})"
+                )
+            self._hashes = [
+                bytes(hashes[i : i + HASH_BYTES]) for i in range(0, len(hashes), HASH_BYTES)
+            ]
 
     def block_bytes(self, index: int) -> bytes:
         """Packed '<u4' token ids of block `index`."""
@@ -73,9 +92,14 @@ class BlockChain:
         return list(self.hashes_until(self.n_blocks))
 
 
+def packed_hashes(identity: Identity, token_ids: TokenIds) -> bytes:
+    """Every closed block's hash packed back to back: the wire form a client sends."""
+    return b"".join(BlockChain(identity, token_ids).hashes())
+
+
 def chain_hashes(identity: Identity, token_ids: TokenIds) -> list[bytes]:
     """Hashes of every closed block of `token_ids`; an open tail contributes nothing."""
     return BlockChain(identity, token_ids).hashes()
 
 
-__all__ = ["HASH_BYTES", "ROOT_PARENT", "BlockChain", "block_hash", "chain_hashes"]
+__all__ = ["HASH_BYTES", "ROOT_PARENT", "BlockChain", "block_hash", "chain_hashes", "packed_hashes"]

@@ -289,15 +289,18 @@ class Store:
 
     # --- reading -------------------------------------------------------------------------------
 
-    def longest_prefix(self, identity: Identity, token_ids: TokenIds) -> PrefixMatch:
+    def longest_prefix(
+        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+    ) -> PrefixMatch:
         """The longest run of stored blocks from the first, compared token by token.
 
         Stops at the first missing block, even if later blocks exist; a stored block whose tokens,
         parent or identity differ from the query's (a hash collision) is a miss and is counted.
-        Payloads are not read: `load`/`read_into` verify them.
+        Payloads are not read: `load`/`read_into` verify them. `hashes` are the blocks' chain
+        hashes packed back to back, when the caller already has them (see `BlockChain`).
         """
         self._check_usable()
-        chain = BlockChain(identity, token_ids)
+        chain = BlockChain(identity, token_ids, hashes)
         with self._env.begin(buffers=True) as txn:
             walk = walk_chain(txn, self._tables.blocks, chain, chain.n_blocks)
         self._after_walk(walk, chain)
@@ -343,7 +346,13 @@ class Store:
         return ReadResult(n_ok, verified)
 
     def load(
-        self, identity: Identity, token_ids: TokenIds, out: Any, *, max_blocks: int | None = None
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        out: Any,
+        *,
+        max_blocks: int | None = None,
+        hashes: bytes | None = None,
     ) -> LoadResult:
         """Find the longest prefix and write its verified payloads back to back into `out`.
 
@@ -351,7 +360,7 @@ class Store:
         transaction; the result says how many tokens the caller may skip.
         """
         self._check_usable()
-        chain = BlockChain(identity, token_ids)
+        chain = BlockChain(identity, token_ids, hashes)
         limit = chain.n_blocks if max_blocks is None else max(0, min(max_blocks, chain.n_blocks))
         buffer = _dest_view(out, 0, None)
         bad: list[_Damaged] = []

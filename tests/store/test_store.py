@@ -274,3 +274,20 @@ def test_stats_report_compression(tmp_path: Path, identity: Identity) -> None:
         blocks = store.longest_prefix(identity, TOKENS).blocks
         infos = [store.block_info(block.hash) for block in blocks]
         assert [info.compression for info in infos if info] == ["zstd", "none"]
+
+
+def test_client_supplied_hashes_only_choose_records(store: Store, identity: Identity) -> None:
+    """Precomputed hashes speed a lookup up but cannot make a wrong prefix match."""
+    from prefixd.schema.chain import packed_hashes
+
+    store.put(identity, TOKENS, payloads(5))
+    good = packed_hashes(identity, TOKENS)
+    assert store.longest_prefix(identity, TOKENS, hashes=good).n_blocks == 5
+    other = TOKENS[:4] + [7] * 16
+    # the other prompt's tokens with this prompt's hashes: block 1's tokens differ -> a miss there
+    assert store.longest_prefix(identity, other, hashes=good).n_blocks == 1
+    assert store.load(identity, other, bytearray(10_000), hashes=good).n_blocks == 1
+    swapped = good[16:32] + good[:16] + good[32:]
+    assert store.longest_prefix(identity, TOKENS, hashes=swapped).n_blocks == 0
+    with pytest.raises(TokenError, match="block hashes"):
+        store.longest_prefix(identity, TOKENS, hashes=good[:-1])

@@ -1,0 +1,119 @@
+"""The `prefixd` command: serve, stats, health, verify. The only place that exits the process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from prefixd import __version__
+from prefixd.errors import PrefixdError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "command"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.command(args))
+    except PrefixdError as exc:
+        print(f"prefixd: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    from prefixd.daemon.config import add_arguments
+
+    parser = argparse.ArgumentParser(prog="prefixd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"prefixd {__version__}")
+    commands = parser.add_subparsers(metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the daemon")
+    add_arguments(serve)
+    serve.add_argument(
+        "--print-config", action="store_true", help="print the effective settings and exit"
+    )
+    serve.set_defaults(command=_serve)
+
+    for name, run, text in (
+        ("stats", _stats, "print the daemon's statistics"),
+        ("health", _health, "check that the daemon answers"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--socket", type=Path, help="the daemon's socket (default: as serve)")
+        sub.add_argument("--timeout", type=float, default=10.0)
+        sub.set_defaults(command=run)
+
+    verify = commands.add_parser("verify", help="check a store offline and list every problem")
+    verify.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
+    verify.add_argument(
+        "--no-payloads", action="store_true", help="skip payload checksums (metadata only)"
+    )
+    verify.set_defaults(command=_verify)
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from prefixd.daemon.config import config_from_args
+    from prefixd.daemon.server import run_server
+
+    config = config_from_args(args, os.environ)
+    if args.print_config:
+        print(json.dumps(config.describe(), indent=2, sort_keys=True))
+        return 0
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return run_server(config)
+
+
+def _default_socket(args: argparse.Namespace) -> Path:
+    from prefixd.daemon.config import default_socket
+
+    return args.socket or default_socket(os.environ)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from prefixd.client import Client
+
+    with Client(_default_socket(args), timeout=args.timeout) as client:
+        reply = client.stats()
+    print(json.dumps({k: reply[k] for k in ("store", "server")}, indent=2, sort_keys=True))
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from prefixd.client import Client
+
+    with Client(_default_socket(args), timeout=args.timeout) as client:
+        reply = client.health()
+    print(json.dumps({k: v for k, v in reply.items() if k not in ("id", "ok")}, sort_keys=True))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from prefixd.daemon.config import default_data_dir
+    from prefixd.store import Store
+
+    path = args.data_dir or default_data_dir(os.environ)
+    with Store.open(path, create=False) as store:
+        problems = store.check(verify_payloads=not args.no_payloads)
+        stats = store.stats()
+    report: dict[str, Any] = {
+        "path": str(path),
+        "blocks": stats.blocks,
+        "problems": [str(p) for p in problems],
+    }
+    print(json.dumps(report, indent=2))
+    return 1 if problems else 0

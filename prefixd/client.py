@@ -1,0 +1,582 @@
+"""Clients for the daemon: `Client` (blocking, for an engine's hot path) and `AsyncClient`.
+
+Both share a memory region with the daemon (a sealed memfd, see prefixd.daemon.region): payloads
+are staged in it for puts and loaded into it by the daemon, so bulk data never crosses the socket.
+Both reconnect after a daemon restart (re-attaching the same region) and retry the request once:
+every operation is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixd.daemon.protocol import (
+    HEADER,
+    PROTOCOL_VERSION,
+    RemoteError,
+    decode_body,
+    encode_frame,
+)
+from prefixd.daemon.region import SharedRegion, send_with_fds
+from prefixd.errors import PrefixdError
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TokenIds, as_token_array
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "DaemonUnavailableError",
+    "Loaded",
+    "Lookup",
+    "RemoteError",
+    "Stored",
+]
+
+
+class DaemonUnavailableError(PrefixdError, ConnectionError):
+    """The daemon cannot be reached (not running, wrong socket path, or gone mid-request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """How much of one prompt is stored: `n_tokens` tokens in `n_blocks` blocks of `sizes` bytes."""
+
+    n_blocks: int
+    n_tokens: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    stored: int
+    existed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """Verified payloads of the first `n_blocks` blocks, in the client's region: `views[i]` is
+    block i's payload (valid until the region is reused or closed)."""
+
+    n_blocks: int
+    n_tokens: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    views: tuple[memoryview, ...]
+
+
+INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not the socket
+
+
+class _Requests:
+    """Builds request messages and reads replies; shared by both clients.
+
+    With a token region (blocking client only: one request at a time), long prompts' token ids
+    are written there and named by `tokens_span`; otherwise they travel inline as one bin."""
+
+    def __init__(self, region_bytes: int, token_region_bytes: int = 0) -> None:
+        self.region = SharedRegion(region_bytes) if region_bytes else None
+        self.region_id: int | None = None
+        self.token_region = (
+            SharedRegion(token_region_bytes, name="prefixd-tokens") if token_region_bytes else None
+        )
+        self.token_region_id: int | None = None
+        self._token_offset = 0
+        self._ids = itertools.count(1)
+        self._identities: dict[int, tuple[Identity, dict[str, Any]]] = {}
+
+    def regions(self) -> list[tuple[str, SharedRegion]]:
+        """The regions to attach after connecting, by the attribute that keeps their id."""
+        pairs = [("region_id", self.region), ("token_region_id", self.token_region)]
+        return [(name, region) for name, region in pairs if region is not None]
+
+    def tokens(self, token_ids: TokenIds) -> dict[str, Any]:
+        """The token fields of a request: staged in the token region when long, else inline."""
+        tokens = as_token_array(token_ids)
+        region = self.token_region
+        end = self._token_offset + tokens.nbytes
+        if region is None or tokens.nbytes < INLINE_TOKEN_BYTES or end > region.size:
+            return {"tokens": tokens.tobytes(), "n_tokens": len(tokens)}
+        np.copyto(np.frombuffer(region.view[self._token_offset : end], dtype=tokens.dtype), tokens)
+        span = [self.token_region_id, self._token_offset, len(tokens)]
+        self._token_offset = end
+        return {"tokens_span": span, "n_tokens": len(tokens)}
+
+    def begin(self) -> None:
+        """A new request: the token region's staging area is free again."""
+        self._token_offset = 0
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def identity(self, identity: Identity) -> dict[str, Any]:
+        cached = self._identities.get(id(identity))
+        if cached is None or cached[0] is not identity:
+            cached = (identity, identity.to_dict())
+            self._identities[id(identity)] = cached
+        return cached[1]
+
+    def require_region(self) -> SharedRegion:
+        if self.region is None or self.region_id is None:
+            raise PrefixdError("this client has no shared region: pass region_bytes")
+        return self.region
+
+    def stage(self, payloads: Sequence[Any]) -> list[list[int]]:
+        """Copy payloads back to back into the region; the spans a put request names."""
+        region = self.require_region()
+        spans, offset = [], 0
+        for payload in payloads:
+            data = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+            end = offset + data.nbytes
+            if end > region.size:
+                raise PrefixdError(f"payloads need {end} bytes, the region holds {region.size}")
+            np.copyto(np.frombuffer(region.view[offset:end], dtype=np.uint8), data)
+            spans.append([self.region_id, offset, data.nbytes])
+            offset = end
+        return spans
+
+    def put(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        spans: Sequence[Sequence[int]],
+        first_block: int,
+    ) -> dict[str, Any]:
+        return {
+            "op": "put",
+            "identity": self.identity(identity),
+            **self.tokens(token_ids),
+            "first_block": first_block,
+            "blocks": [list(span) for span in spans],
+        }
+
+    def lookup(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        hashes: Sequence[bytes | None] | None,
+    ) -> dict[str, Any]:
+        entries = []
+        for i, prompt in enumerate(prompts):
+            entry = self.tokens(prompt)
+            if hashes is not None and hashes[i] is not None:
+                entry["hashes"] = hashes[i]
+            entries.append(entry)
+        return {"op": "lookup", "identity": self.identity(identity), "prompts": entries}
+
+    def load(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        offset: int,
+        length: int | None,
+        max_blocks: int | None,
+        hashes: bytes | None,
+    ) -> dict[str, Any]:
+        region = self.require_region()
+        message: dict[str, Any] = {
+            "op": "load",
+            "identity": self.identity(identity),
+            **self.tokens(token_ids),
+            "region": self.region_id,
+            "offset": offset,
+            "length": region.size - offset if length is None else length,
+        }
+        if max_blocks is not None:
+            message["max_blocks"] = max_blocks
+        if hashes is not None:
+            message["hashes"] = hashes
+        return message
+
+    @staticmethod
+    def lookups(reply: dict[str, Any]) -> list[Lookup]:
+        return [
+            Lookup(r["n_blocks"], r["n_tokens"], tuple(np.frombuffer(r["sizes"], "<u8").tolist()))
+            for r in reply["results"]
+        ]
+
+    def loaded(self, reply: dict[str, Any]) -> Loaded:
+        region = self.require_region()
+        offsets = tuple(np.frombuffer(reply["offsets"], "<u8").tolist())
+        sizes = tuple(np.frombuffer(reply["sizes"], "<u8").tolist())
+        views = tuple(region.view[o : o + n] for o, n in zip(offsets, sizes))
+        return Loaded(reply["n_blocks"], reply["n_tokens"], offsets, sizes, views)
+
+    def close(self) -> None:
+        for _, region in self.regions():
+            region.close()
+
+
+def _check(reply: dict[str, Any]) -> dict[str, Any]:
+    if reply.get("ok") is not True:
+        error = reply.get("error") or {}
+        raise RemoteError(str(error.get("code", "unknown")), str(error.get("message", "")))
+    return reply
+
+
+class Client:
+    """Blocking client: one request at a time on one connection (~tens of microseconds each)."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        region_bytes: int = 0,
+        token_region_bytes: int = 4 << 20,
+        timeout: float = 30.0,
+        name: str = "prefixd-client",
+    ) -> None:
+        """`region_bytes`: the shared region payloads are staged in and loaded into (0: none,
+        for lookups only). `token_region_bytes`: where long prompts' token ids are staged."""
+        self.socket_path = Path(socket_path)
+        self.timeout = timeout
+        self.name = name
+        self.server: dict[str, Any] = {}
+        self._requests = _Requests(region_bytes, token_region_bytes)
+        self._sock: socket.socket | None = None
+        self._header = bytearray(HEADER.size)
+        try:
+            self._connect()
+        except BaseException:
+            self._requests.close()
+            raise
+
+    @property
+    def region(self) -> SharedRegion | None:
+        return self._requests.region
+
+    def put(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        payloads: Sequence[Any],
+        *,
+        first_block: int = 0,
+    ) -> Stored:
+        """Stage `payloads` in the region and publish blocks first_block.. of `token_ids`."""
+        spans = self._requests.stage(payloads)
+        reply = self._call(self._requests.put(identity, token_ids, spans, first_block))
+        return Stored(reply["stored"], reply["existed"])
+
+    def put_spans(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        spans: Sequence[tuple[int, int]],
+        *,
+        first_block: int = 0,
+    ) -> Stored:
+        """Publish payloads the engine already wrote into the region at (offset, length) spans."""
+        self._requests.require_region()
+        named = [[self._requests.region_id, o, n] for o, n in spans]
+        reply = self._call(self._requests.put(identity, token_ids, named, first_block))
+        return Stored(reply["stored"], reply["existed"])
+
+    def lookup(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        *,
+        hashes: Sequence[bytes | None] | None = None,
+    ) -> list[Lookup]:
+        """The stored prefix of each prompt (one round trip for the whole batch)."""
+        return _Requests.lookups(self._call(self._requests.lookup(identity, prompts, hashes)))
+
+    def load(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        max_blocks: int | None = None,
+        hashes: bytes | None = None,
+    ) -> Loaded:
+        """Load the longest stored prefix of `token_ids` into the region at `offset`."""
+        message = self._requests.load(identity, token_ids, offset, length, max_blocks, hashes)
+        return self._requests.loaded(self._call(message))
+
+    def stats(self) -> dict[str, Any]:
+        return self._call({"op": "stats"})
+
+    def health(self) -> dict[str, Any]:
+        return self._call({"op": "health"})
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._requests.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- transport ------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(os.fspath(self.socket_path))
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailableError(f"cannot connect to {self.socket_path}: {exc}") from None
+        self._sock = sock
+        try:
+            hello = {"op": "hello", "protocol": PROTOCOL_VERSION, "client": self.name}
+            self.server = self._roundtrip(hello)
+            for attribute, region in self._requests.regions():
+                reply = self._roundtrip({"op": "attach", "size": region.size}, fds=[region.fd])
+                setattr(self._requests, attribute, reply["region"])
+        except BaseException:
+            self._sock = None
+            sock.close()
+            raise
+
+    def _call(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One request; after a broken connection, reconnect and retry once."""
+        self._requests.begin()
+        if self._sock is None:
+            self._connect()
+            return self._roundtrip(message)
+        try:
+            return self._roundtrip(message)
+        except ConnectionError:
+            self._drop()
+            self._connect()  # DaemonUnavailableError if the daemon is not back
+            return self._roundtrip(message)
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _roundtrip(self, message: dict[str, Any], fds: Sequence[int] = ()) -> dict[str, Any]:
+        assert self._sock is not None
+        rid = self._requests.next_id()
+        frame = encode_frame({**message, "id": rid})
+        try:
+            if fds:
+                send_with_fds(self._sock, frame, fds)
+            else:
+                self._sock.sendall(frame)
+            while True:
+                reply = self._receive()
+                if reply.get("id") == rid:
+                    return _check(reply)
+                if reply.get("id") is None:
+                    _check(reply)  # a connection-level error addressed to no request
+        except TimeoutError:
+            self._drop()  # the reply may still come: this connection is out of step
+            raise
+        except ConnectionError:
+            raise
+        except OSError as exc:
+            raise ConnectionError(str(exc)) from exc
+
+    def _receive(self) -> dict[str, Any]:
+        assert self._sock is not None
+        self._recv_exact(memoryview(self._header))
+        (length,) = HEADER.unpack(self._header)
+        body = bytearray(length)
+        self._recv_exact(memoryview(body))
+        return decode_body(body)
+
+    def _recv_exact(self, view: memoryview) -> None:
+        assert self._sock is not None
+        while len(view):
+            got = self._sock.recv_into(view)
+            if not got:
+                raise ConnectionError("the daemon closed the connection")
+            view = view[got:]
+
+
+class AsyncClient:
+    """asyncio client: many requests in flight on one connection, replies matched by id."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        region_bytes: int = 0,
+        timeout: float = 30.0,
+        name: str = "prefixd-async-client",
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout = timeout
+        self.name = name
+        self.server: dict[str, Any] = {}
+        self._requests = _Requests(region_bytes)
+        self._sock: socket.socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._write_lock = asyncio.Lock()
+        self._connect_lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, socket_path: str | os.PathLike[str], **options: Any) -> AsyncClient:
+        client = cls(socket_path, **options)
+        try:
+            await client._connect()
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    @property
+    def region(self) -> SharedRegion | None:
+        return self._requests.region
+
+    async def put(
+        self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], *, first_block: int = 0
+    ) -> Stored:
+        spans = self._requests.stage(payloads)
+        reply = await self._call(self._requests.put(identity, token_ids, spans, first_block))
+        return Stored(reply["stored"], reply["existed"])
+
+    async def lookup(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        *,
+        hashes: Sequence[bytes | None] | None = None,
+    ) -> list[Lookup]:
+        return _Requests.lookups(await self._call(self._requests.lookup(identity, prompts, hashes)))
+
+    async def load(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        max_blocks: int | None = None,
+        hashes: bytes | None = None,
+    ) -> Loaded:
+        message = self._requests.load(identity, token_ids, offset, length, max_blocks, hashes)
+        return self._requests.loaded(await self._call(message))
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._call({"op": "stats"})
+
+    async def health(self) -> dict[str, Any]:
+        return await self._call({"op": "health"})
+
+    async def close(self) -> None:
+        self._disconnect(DaemonUnavailableError("client closed"))
+        self._requests.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        if self._sock is None:
+            await self._connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # --- transport ------------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, os.fspath(self.socket_path)), self.timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            raise DaemonUnavailableError(f"cannot connect to {self.socket_path}: {exc}") from None
+        self._sock = sock
+        self._reader = asyncio.create_task(self._read_replies(sock))
+        hello = {"op": "hello", "protocol": PROTOCOL_VERSION, "client": self.name}
+        self.server = await self._roundtrip(hello)
+        for attribute, region in self._requests.regions():
+            reply = await self._roundtrip({"op": "attach", "size": region.size}, fds=[region.fd])
+            setattr(self._requests, attribute, reply["region"])
+
+    async def _call(self, message: dict[str, Any]) -> dict[str, Any]:
+        try:
+            if self._sock is None:
+                async with self._connect_lock:
+                    if self._sock is None:
+                        await self._connect()
+            return await self._roundtrip(message)
+        except ConnectionError:
+            async with self._connect_lock:
+                if self._sock is None:
+                    await self._connect()
+            return await self._roundtrip(message)
+
+    async def _roundtrip(self, message: dict[str, Any], fds: Sequence[int] = ()) -> dict[str, Any]:
+        sock = self._sock
+        if sock is None:
+            raise ConnectionError("not connected")
+        loop = asyncio.get_running_loop()
+        rid = self._requests.next_id()
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._pending[rid] = future
+        frame = encode_frame({**message, "id": rid})
+        try:
+            async with self._write_lock:
+                if fds:
+                    sock.setblocking(True)  # a short frame with a descriptor: send it whole
+                    try:
+                        send_with_fds(sock, frame, fds)
+                    finally:
+                        sock.setblocking(False)
+                else:
+                    await loop.sock_sendall(sock, frame)
+            return _check(await asyncio.wait_for(future, self.timeout))
+        except OSError as exc:
+            self._disconnect(exc)
+            raise ConnectionError(str(exc)) from exc
+        finally:
+            self._pending.pop(rid, None)
+
+    async def _read_replies(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        header = bytearray(HEADER.size)
+        try:
+            while True:
+                await _recv_exact(loop, sock, memoryview(header))
+                (length,) = HEADER.unpack(header)
+                body = bytearray(length)
+                await _recv_exact(loop, sock, memoryview(body))
+                reply = decode_body(body)
+                future = self._pending.get(reply.get("id"))  # type: ignore[arg-type]
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except (OSError, PrefixdError) as exc:
+            if self._sock is sock:
+                self._disconnect(ConnectionError(f"connection lost: {exc}"))
+
+    def _disconnect(self, reason: BaseException) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        reader, self._reader = self._reader, None
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ConnectionError(str(reason)))
+        self._pending.clear()
+
+
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        got = await loop.sock_recv_into(sock, view)
+        if not got:
+            raise ConnectionError("the daemon closed the connection")
+        view = view[got:]
+

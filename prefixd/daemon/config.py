@@ -1,0 +1,600 @@
+"""Settings of `prefixd serve`: one typed Config fed by a TOML file, PREFIXD_* variables and flags.
+
+Every setting has exactly one name per source, derived from its field name, never from a table:
+
+    field      TOML key (top level)   environment          flag
+    workers    workers = 8            PREFIXD_WORKERS=8    --workers 8
+
+The TOML file holds the settings as top-level keys; there is no `[prefixd]` table, so the output
+of `prefixd serve --print-config` is itself a valid file. Relative paths in the file are relative to
+the file's directory; relative paths from flags and the environment are relative to the working
+directory. The file is named by `--config` or PREFIXD_CONFIG.
+
+There is no precedence: a setting given by two sources must have the same value in both (compared
+after parsing, so "16MiB" and 16777216 agree), else ConfigError names both sources: nobody has to
+guess whether a unit file's Environment= or the config file won. Unknown TOML keys and unknown
+PREFIXD_* variables are errors, so a misspelt setting is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from decimal import Decimal, InvalidOperation
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from prefixd.errors import ConfigError
+from prefixd.store.config import COMPRESSIONS, Durability, StoreConfig
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+TiB = 1 << 40
+
+ENV_PREFIX = "PREFIXD_"
+CONFIG_ENV = "PREFIXD_CONFIG"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SOCKET_PATH_MAX = 107  # sun_path is 108 bytes on Linux, one of them the terminating NUL
+MAX_ID = (1 << 32) - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t)-1, which means "no id"
+
+# Kinds of setting: how a string (flag, environment) is parsed and which TOML types are accepted.
+_TEXT_IN_TOML = frozenset({"path", "size", "mode", "seconds", "choice"})
+_EXPECTED = {
+    "path": "a non-empty path",
+    "int": "an integer",
+    "size": "a size like 16MiB or a number of bytes (units: B, KiB, MiB, GiB, TiB)",
+    "mode": "an octal mode like 0660",
+    "float": "a number",
+    "seconds": "a duration like 2.5, 10s, 500ms, 5m or 1h",
+    "bool": "a boolean (true/false, 1/0, yes/no)",
+    "choice": "a string",
+    "ids": "a comma-separated list of integers like 1000,1001",
+}
+_TOML_EXPECTED = {
+    "path": "a string",
+    "int": "an integer",
+    "size": "an integer or a string like '16MiB'",
+    "mode": "an integer like 0o660 or a string like '0660'",
+    "float": "a number",
+    "seconds": "a number of seconds or a string like '10s'",
+    "bool": "true or false",
+    "choice": "a string",
+    "ids": "an array of integers",
+}
+_METAVARS = {
+    "path": "PATH",
+    "int": "N",
+    "size": "BYTES",
+    "mode": "MODE",
+    "float": "X",
+    "seconds": "SECONDS",
+    "bool": "BOOL",
+    "ids": "ID[,ID...]",
+}
+_STORE_DEFAULTS = {f.name: f.default for f in fields(StoreConfig)}
+
+
+def _setting(
+    kind: str,
+    doc: str,
+    default: Any = MISSING,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    choices: tuple[str, ...] = (),
+) -> Any:
+    """One Config field: its default plus what parsing, validation and --help need to know."""
+    meta = {"kind": kind, "help": doc, "low": low, "high": high, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+def _store(name: str, kind: str, doc: str, choices: tuple[str, ...] = ()) -> Any:
+    """A field mirrored from StoreConfig: same default; StoreConfig itself validates it."""
+    return _setting(kind, doc, _STORE_DEFAULTS[name], choices=choices)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `prefixd serve` can be told; every field is validated on construction.
+
+    Who may connect: a peer (as SO_PEERCRED reports it) is allowed if its uid is 0, equals the
+    daemon's uid, is in `allowed_uids`, or its gid (the peer's effective primary gid; supplementary
+    groups are not consulted) is in `allowed_gids`. The socket's file mode is a second, independent
+    gate: a peer also needs write permission on the socket file to connect at all.
+
+    data_dir and socket have no static default: `config_from_sources` computes them from the
+    environment (see `default_data_dir`, `default_socket`).
+    """
+
+    data_dir: Path = _setting(
+        "path",
+        "store directory (default: $STATE_DIRECTORY, /var/lib/prefixd as root, "
+        "else $XDG_STATE_HOME/prefixd or ~/.local/state/prefixd)",
+    )
+    socket: Path = _setting(
+        "path",
+        "Unix socket to listen on (default: $RUNTIME_DIRECTORY/prefixd.sock, "
+        "/run/prefixd/prefixd.sock as root, else $XDG_RUNTIME_DIR/prefixd/prefixd.sock "
+        "or /tmp/prefixd-UID/prefixd.sock)",
+    )
+    socket_mode: int = _setting(
+        "mode", "file mode of the socket, octal", 0o660, low=0, high=0o777
+    )
+    allowed_uids: tuple[int, ...] = _setting(
+        "ids", "uids allowed to connect besides root and the daemon's own uid", ()
+    )
+    allowed_gids: tuple[int, ...] = _setting("ids", "gids whose members may connect", ())
+    max_frame_bytes: int = _setting(
+        "size", "largest protocol frame accepted", 16 * MiB, low=4 * KiB, high=1 * GiB
+    )
+    workers: int = _setting("int", "threads for blocking store work", 4, low=1, high=256)
+    max_connections: int = _setting(
+        "int", "connections served at once; more are refused", 1024, low=1, high=65536
+    )
+    max_inflight: int = _setting(
+        "int", "requests in flight per connection", 64, low=1, high=4096
+    )
+    max_region_bytes: int = _setting(
+        "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
+    )
+    shutdown_grace_s: float = _setting(
+        "seconds", "how long shutdown waits for requests in flight", 10.0, low=0.0, high=3600.0
+    )
+    log_level: str = _setting("choice", "log verbosity", "info", choices=LOG_LEVELS)
+    map_size: int = _store("map_size", "size", "LMDB map size: the store's largest size")
+    durability: Durability = _store(
+        "durability",
+        "choice",
+        "what an acknowledged put survives",
+        tuple(d.value for d in Durability),
+    )
+    sync_interval_s: float = _store(
+        "sync_interval_s", "seconds", "background sync interval under periodic durability"
+    )
+    compression: str = _store("compression", "choice", "payload compression", COMPRESSIONS)
+    zstd_level: int = _store("zstd_level", "int", "zstd compression level")
+    min_compression_gain: float = _store(
+        "min_compression_gain", "float", "store a block raw unless compression saves this fraction"
+    )
+    chunk_bytes: int = _store("chunk_bytes", "size", "payload chunk size (even)")
+    verify_threads: int = _store("verify_threads", "int", "threads verifying checksums on reads")
+    readahead: bool = _store("readahead", "bool", "let the OS read ahead in the data file")
+    max_readers: int = _store("max_readers", "int", "LMDB reader slots")
+
+    def __post_init__(self) -> None:
+        for name in SETTINGS:
+            object.__setattr__(self, name, _validated(name, getattr(self, name)))
+        self.store_config()  # any check StoreConfig makes across fields
+
+    def store_config(self) -> StoreConfig:
+        """The store's settings: data_dir as the path, created on first start."""
+        values = {name: getattr(self, name) for name in STORE_SETTINGS}
+        return StoreConfig(path=self.data_dir, create=True, **values)
+
+    def describe(self) -> dict[str, Any]:
+        """The effective settings as JSON-able values; written as TOML, they load back unchanged."""
+        return {name: _plain(name, getattr(self, name)) for name in SETTINGS}
+
+
+SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(Config))
+STORE_SETTINGS: tuple[str, ...] = tuple(
+    f.name for f in fields(StoreConfig) if f.name not in ("path", "create")
+)
+_META: dict[str, Mapping[str, Any]] = {f.name: f.metadata for f in fields(Config)}
+
+
+def env_var(name: str) -> str:
+    """The environment variable of a setting: workers -> PREFIXD_WORKERS."""
+    return ENV_PREFIX + name.upper()
+
+
+def cli_flag(name: str) -> str:
+    """The flag of a setting: max_frame_bytes -> --max-frame-bytes."""
+    return "--" + name.replace("_", "-")
+
+
+# --- defaults that depend on the environment -------------------------------------------------
+
+
+def default_data_dir(env: Mapping[str, str]) -> Path:
+    """Where the store lives unless told: systemd's StateDirectory=, else the FHS or XDG place."""
+    if env.get("STATE_DIRECTORY"):
+        return Path(env["STATE_DIRECTORY"].split(":")[0])  # several StateDirectory= are ':'-joined
+    if os.geteuid() == 0:
+        return Path("/var/lib/prefixd")
+    return _xdg_dir(env, "XDG_STATE_HOME", ".local/state") / "prefixd"
+
+
+def default_socket(env: Mapping[str, str]) -> Path:
+    """Where the socket lives unless told: systemd's RuntimeDirectory=, else /run or XDG or /tmp."""
+    if env.get("RUNTIME_DIRECTORY"):
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / "prefixd.sock"
+    if os.geteuid() == 0:
+        return Path("/run/prefixd/prefixd.sock")
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime):  # the XDG spec says to ignore relative values
+        return Path(runtime) / "prefixd" / "prefixd.sock"
+    return Path(f"/tmp/prefixd-{os.geteuid()}/prefixd.sock")
+
+
+def _xdg_dir(env: Mapping[str, str], variable: str, fallback: str) -> Path:
+    value = env.get(variable, "")
+    if os.path.isabs(value):
+        return Path(value)
+    return (Path(env["HOME"]) if env.get("HOME") else Path.home()) / fallback
+
+
+# --- assembling a Config from its sources ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Given:
+    """One source's value of one setting, kept with where it came from for error messages."""
+
+    source: str
+    raw: Any
+    value: Any
+
+
+def config_from_sources(
+    cli: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None
+) -> Config:
+    """The Config that flags, environment and TOML file describe together.
+
+    cli: {field_name: raw value} of the flags given (None means not given); strings are parsed like
+    environment values, other values are taken as typed. env: the whole environment; PREFIXD_* are
+    settings, STATE_DIRECTORY, RUNTIME_DIRECTORY, XDG_* and HOME only feed defaults. config_file:
+    the --config value, or None to use PREFIXD_CONFIG if set. Raises ConfigError.
+    """
+    cwd = Path.cwd()
+    given: dict[str, list[_Given]] = {}
+    unknown_cli = sorted(set(cli) - set(SETTINGS))
+    if unknown_cli:
+        raise ConfigError(f"command line: unknown setting(s) {', '.join(unknown_cli)}")
+    for name, raw in cli.items():
+        if raw is not None:
+            given.setdefault(name, []).append(
+                _convert(name, raw, cli_flag(name), text=isinstance(raw, str), base=cwd)
+            )
+    for name, raw in _env_settings(env).items():
+        given.setdefault(name, []).append(_convert(name, raw, env_var(name), text=True, base=cwd))
+    path = _config_path(config_file, env, cwd)
+    if path is not None:
+        for name, raw in _file_settings(path).items():
+            source = f"{name} in {path}"
+            given.setdefault(name, []).append(
+                _convert(name, raw, source, text=False, base=path.parent)
+            )
+    values = {name: _agreed(name, items) for name, items in given.items()}
+    for name, default in (("data_dir", default_data_dir), ("socket", default_socket)):
+        if name not in values:
+            values[name] = _attributed(name, default(env), "the default")
+    return Config(**values)
+
+
+def config_from_args(namespace: argparse.Namespace, env: Mapping[str, str]) -> Config:
+    """Glue for the CLI: the flags `add_arguments` put in namespace, plus env and --config."""
+    cli = {name: getattr(namespace, name) for name in SETTINGS if hasattr(namespace, name)}
+    return config_from_sources(cli, env, getattr(namespace, "config", None))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --config and one --field-name flag per Config field; flags not given stay unset."""
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"TOML file of settings, as top-level keys named like the flags with _ [{CONFIG_ENV}]",
+    )
+    group = parser.add_argument_group(
+        "settings",
+        f"each also settable as {ENV_PREFIX}<NAME> or in the --config file; "
+        "a setting given twice must have the same value",
+    )
+    for f in fields(Config):
+        kind = f.metadata["kind"]
+        choices = f.metadata["choices"]
+        has_default = f.default is not MISSING
+        shown = f" (default {_shown_default(f.name, f.default)})" if has_default else ""
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kind == "bool" else {}
+        group.add_argument(
+            cli_flag(f.name),
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            metavar="{" + ",".join(choices) + "}" if choices else _METAVARS[kind],
+            help=f"{f.metadata['help']}{shown} [{env_var(f.name)}]".replace("%", "%%"),
+            **extra,
+        )
+
+
+def _config_path(config_file: Path | None, env: Mapping[str, str], cwd: Path) -> Path | None:
+    """The TOML file named by --config or PREFIXD_CONFIG (which must agree if both are set)."""
+    from_env = env.get(CONFIG_ENV) or None
+    candidates = [(str(config_file), "--config")] if config_file is not None else []
+    if from_env is not None:
+        candidates.append((from_env, CONFIG_ENV))
+    if not candidates:
+        return None
+    paths = [cwd / Path(text).expanduser() for text, _ in candidates]
+    if len(set(paths)) > 1:
+        (first, first_source), (second, second_source) = candidates
+        raise ConfigError(
+            f"config: set to {first} by {first_source} and to {second} by {second_source}"
+        )
+    return paths[0]
+
+
+def _env_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The PREFIXD_* variables as {setting: raw text}; any that names no setting is an error."""
+    known = {env_var(name): name for name in SETTINGS}
+    ours = [key for key in env if key.startswith(ENV_PREFIX) and key != CONFIG_ENV]
+    unknown = sorted(key for key in ours if key not in known)
+    if unknown:
+        names = ", ".join(_with_hint(key, key.removeprefix(ENV_PREFIX).lower()) for key in unknown)
+        raise ConfigError(
+            f"environment: unknown variable(s) {names}; every {ENV_PREFIX}* variable must name a "
+            "setting"
+        )
+    return {known[key]: env[key] for key in ours}
+
+
+def _file_settings(path: Path) -> dict[str, Any]:
+    """The settings a TOML file holds; keys that name no setting are an error."""
+    try:
+        with path.open("rb") as file:
+            data = tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(SETTINGS))
+    if unknown:
+        names = ", ".join(_with_hint(key, key) for key in unknown)
+        raise ConfigError(
+            f"config: unknown setting(s) in {path}: {names}; settings are top-level keys "
+            "named like the fields (see prefixd serve --print-config)"
+        )
+    return data
+
+
+def _with_hint(shown: str, probe: str) -> str:
+    """An unknown name as its source spells it, plus the setting it probably meant."""
+    close = difflib.get_close_matches(probe, SETTINGS, n=1)
+    if not close:
+        return shown
+    suggestion = env_var(close[0]) if shown.startswith(ENV_PREFIX) else close[0]
+    return f"{shown} (did you mean {suggestion}?)"
+
+
+def _convert(name: str, raw: Any, source: str, *, text: bool, base: Path) -> _Given:
+    """Parse and validate one source's raw value; errors name the setting and the source."""
+    kind = _META[name]["kind"]
+    if isinstance(raw, str) and (text or kind in _TEXT_IN_TOML):
+        try:
+            value = _PARSERS[kind](raw)
+        except ValueError:
+            raise ConfigError(f"{name}: {raw!r} from {source} is not {_EXPECTED[kind]}") from None
+    elif _native_ok(kind, raw):
+        value = raw
+    else:
+        raise ConfigError(
+            f"{name}: {source} must be {_TOML_EXPECTED[kind]}, got {_toml_type(raw)} {raw!r}"
+        )
+    if kind == "path":
+        value = base / Path(value).expanduser()
+    return _Given(source, raw, _attributed(name, value, source))
+
+
+def _attributed(name: str, value: Any, source: str) -> Any:
+    try:
+        return _validated(name, value)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (set by {source})") from None
+
+
+def _agreed(name: str, items: list[_Given]) -> Any:
+    """The one value all sources gave a setting; different values are an error naming them all."""
+    if all(item.value == items[0].value for item in items[1:]):
+        return items[0].value
+    parts = [f"{_shown(name, item)} by {item.source}" for item in items]
+    listed = ", to ".join(parts[:-1]) + " and to " + parts[-1]
+    raise ConfigError(f"{name}: set to {listed}")
+
+
+def _shown(name: str, item: _Given) -> str:
+    """A value as its source wrote it, plus what it means where that differs (16MiB, ./data)."""
+    raw = item.raw if isinstance(item.raw, str) else _toml_text(item.raw)
+    effective = _text(_plain(name, item.value))
+    return raw if raw == effective else f"{raw} (= {effective})"
+
+
+def _shown_default(name: str, default: Any) -> str:
+    kind = _META[name]["kind"]
+    if kind == "size":
+        return _format_size(default)
+    if kind == "ids":
+        return ",".join(map(str, default)) or "none"
+    return _text(_plain(name, default))
+
+
+# --- parsing text ------------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]ib|b)?\s*", re.IGNORECASE)
+_SECONDS_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SECONDS_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*")
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _parse_path(text: str) -> Path:
+    if not text:
+        raise ValueError(text)
+    return Path(text)
+
+
+def _parse_size(text: str) -> int:
+    """'16MiB' -> 16777216; plain integers are bytes. Decimal units (MB) are refused: ambiguous."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    match = _SIZE_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(text)
+    try:
+        exact = Decimal(match[1]) * _SIZE_UNITS[(match[2] or "").lower()]
+    except InvalidOperation:
+        raise ValueError(text) from None
+    if exact != exact.to_integral_value():
+        raise ValueError(text)
+    return int(exact)
+
+
+def _parse_seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    match = _SECONDS_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(text)
+    return float(match[1]) * _SECONDS_UNITS[match[2] or ""]
+
+
+def _parse_bool(text: str) -> bool:
+    try:
+        return _BOOLS[text.strip().lower()]
+    except KeyError:
+        raise ValueError(text) from None
+
+
+def _parse_ids(text: str) -> tuple[int, ...]:
+    if not text.strip():
+        return ()
+    return tuple(int(part) for part in text.split(","))
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "path": _parse_path,
+    "int": int,
+    "size": _parse_size,
+    "mode": lambda text: int(text, 8),
+    "float": float,
+    "seconds": _parse_seconds,
+    "bool": _parse_bool,
+    "choice": lambda text: text,
+    "ids": _parse_ids,
+}
+
+
+def _native_ok(kind: str, value: Any) -> bool:
+    """Whether a typed value (from TOML, or a typed cli mapping) has the Python type kind needs."""
+    if kind == "path":
+        return isinstance(value, os.PathLike)
+    if kind in ("int", "size", "mode"):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind in ("float", "seconds"):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "choice":
+        return isinstance(value, str)
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+
+
+def _toml_type(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array"}
+    return "table" if isinstance(value, dict) else names.get(type(value), type(value).__name__)
+
+
+def _toml_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+def _text(value: Any) -> str:
+    """A plain value for a message: strings unquoted, everything else as TOML writes it."""
+    return value if isinstance(value, str) else _toml_text(value)
+
+
+# --- validating typed values -------------------------------------------------------------------
+
+
+def _validated(name: str, value: Any) -> Any:
+    """The normalized value of one setting, or ConfigError "<name>: <problem>"."""
+    if name in STORE_SETTINGS:
+        return getattr(StoreConfig(path=Path("."), **{name: value}), name)
+    meta = _META[name]
+    kind = meta["kind"]
+    if kind == "path":
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ConfigError(f"{name}: must be a path, got {value!r}")
+        path = Path(value)
+        if name == "socket" and len(os.fsencode(path)) > SOCKET_PATH_MAX:
+            raise ConfigError(
+                f"{name}: {path} is {len(os.fsencode(path))} bytes long, a Unix socket path can be "
+                f"at most {SOCKET_PATH_MAX}; choose a shorter one"
+            )
+        return path
+    if kind == "ids":
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: must be a list of integers, got {type(value).__name__}")
+        for item in value:
+            _check_int(name, kind, item, 0, MAX_ID)
+        return tuple(value)
+    if kind == "choice":
+        if value not in meta["choices"]:
+            raise ConfigError(
+                f"{name}: must be one of {', '.join(meta['choices'])}, got {value!r}"
+            )
+        return value
+    if kind in ("float", "seconds"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}: must be a number, got {type(value).__name__}")
+        if not meta["low"] <= value <= meta["high"]:
+            raise ConfigError(f"{name}: must be in [{meta['low']}, {meta['high']}], got {value}")
+        return float(value)
+    _check_int(name, kind, value, meta["low"], meta["high"])
+    return value
+
+
+def _check_int(name: str, kind: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        show = {"size": _format_size, "mode": lambda n: f"{n:#o}"}.get(kind, str)
+        raise ConfigError(f"{name}: must be in [{show(low)}, {show(high)}], got {show(value)}")
+
+
+def _format_size(n: int) -> str:
+    """16777216 -> '16MiB': the largest unit that divides n exactly."""
+    for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+def _plain(name: str, value: Any) -> Any:
+    """A setting as a JSON/TOML-able value that parses back to the same setting."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    if _META[name]["kind"] == "mode":
+        return f"{value:04o}"
+    return value

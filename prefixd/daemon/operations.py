@@ -1,0 +1,272 @@
+"""What each protocol operation does. Handlers validate every field, then run store work on the
+bounded thread pool so the event loop never blocks on disk, checksums or zstd."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Executor
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from prefixd import __version__
+from prefixd.daemon.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ProtocolError,
+    field,
+    int_field,
+    ok_reply,
+)
+from prefixd.daemon.region import MappedRegion
+from prefixd.errors import (
+    BlockCollisionError,
+    DestinationError,
+    IdentityError,
+    OpenTailError,
+    OrphanBlockError,
+    PayloadError,
+    StoreFullError,
+    TokenError,
+)
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TOKEN_BYTES
+from prefixd.store import Store
+
+if TYPE_CHECKING:
+    from prefixd.daemon.server import Connection
+
+T = TypeVar("T")
+Handler = Callable[["Connection", int, Mapping[str, Any]], Awaitable[dict[str, Any]]]
+
+_STORE_ERRORS: tuple[tuple[type[Exception], ErrorCode], ...] = (
+    (OpenTailError, ErrorCode.OPEN_TAIL),
+    (OrphanBlockError, ErrorCode.ORPHAN),
+    (BlockCollisionError, ErrorCode.COLLISION),
+    (PayloadError, ErrorCode.BAD_PAYLOAD),
+    (DestinationError, ErrorCode.BAD_REGION),
+    (TokenError, ErrorCode.BAD_TOKENS),
+    (IdentityError, ErrorCode.BAD_IDENTITY),
+    (StoreFullError, ErrorCode.STORE_FULL),
+)
+_IDENTITY_CACHE = 1024
+MAX_REGIONS_PER_CONNECTION = 16
+MAX_PROMPTS_PER_LOOKUP = 4096
+MAX_BLOCKS_PER_PUT = 1 << 16
+
+
+class Operations:
+    """The daemon's operations, by name."""
+
+    def __init__(
+        self, store: Store, pool: Executor, *, max_frame_bytes: int, max_region_bytes: int
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.max_frame_bytes = max_frame_bytes
+        self.max_region_bytes = max_region_bytes
+        self.started = time.monotonic()
+        self._identities: dict[tuple[tuple[str, Any], ...], Identity] = {}
+        self.handlers: dict[str, Handler] = {
+            "hello": self.hello,
+            "attach": self.attach,
+            "put": self.put,
+            "lookup": self.lookup,
+            "load": self.load,
+            "stats": self.stats,
+            "health": self.health,
+        }
+
+    async def hello(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+        version = int_field(msg, "protocol", high=1 << 31)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}",
+            )
+        conn.greeted = True
+        return ok_reply(
+            rid,
+            protocol=PROTOCOL_VERSION,
+            server=f"prefixd/{__version__}",
+            ops=sorted(self.handlers),
+            max_frame_bytes=self.max_frame_bytes,
+            max_region_bytes=self.max_region_bytes,
+            max_inflight=conn.max_inflight,
+        )
+
+    async def attach(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+        fds = conn.take_fds()
+        try:
+            size = int_field(msg, "size", low=1, high=self.max_region_bytes)
+            if len(fds) != 1:
+                raise ProtocolError(
+                    ErrorCode.BAD_REGION,
+                    f"attach needs exactly one memfd sent with its frame, got {len(fds)}",
+                )
+            if len(conn.regions) >= MAX_REGIONS_PER_CONNECTION:
+                raise ProtocolError(
+                    ErrorCode.BAD_REGION, f"at most {MAX_REGIONS_PER_CONNECTION} regions per connection"
+                )
+            fd = fds.pop()
+        finally:
+            conn.close_fds(fds)
+        region = MappedRegion(fd, size, self.max_region_bytes)
+        return ok_reply(rid, region=conn.add_region(region), size=size)
+
+    async def put(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+        identity = self._identity(msg)
+        tokens = _tokens(conn, msg)
+        first_block = int_field(msg, "first_block", default=0)
+        spans = field(msg, "blocks", list)
+        if len(spans) > MAX_BLOCKS_PER_PUT:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"at most {MAX_BLOCKS_PER_PUT} blocks per put")
+        views = [conn.span(_span(span, f"blocks[{i}]")) for i, span in enumerate(spans)]
+        result = await self._run(
+            partial(self.store.put, identity, tokens, views, first_block=first_block)
+        )
+        return ok_reply(rid, stored=result.stored, existed=result.existed)
+
+    async def lookup(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+        identity = self._identity(msg)
+        prompts = field(msg, "prompts", list)
+        if len(prompts) > MAX_PROMPTS_PER_LOOKUP:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"at most {MAX_PROMPTS_PER_LOOKUP} prompts per lookup"
+            )
+        queries = []
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, dict):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"prompts[{i}] must be a map")
+            queries.append((_tokens(conn, prompt, f"prompts[{i}]."), _hashes(prompt)))
+
+        def run() -> list[dict[str, Any]]:
+            results = []
+            for tokens, hashes in queries:
+                match = self.store.longest_prefix(identity, tokens, hashes=hashes)
+                results.append(
+                    {
+                        "n_blocks": match.n_blocks,
+                        "n_tokens": match.n_tokens,
+                        "sizes": _packed(match.payload_sizes),
+                    }
+                )
+            return results
+
+        return ok_reply(rid, results=await self._run(run))
+
+    async def load(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+        identity = self._identity(msg)
+        tokens = _tokens(conn, msg)
+        hashes = _hashes(msg)
+        region = conn.region(int_field(msg, "region", high=1 << 31))
+        offset = int_field(msg, "offset", default=0)
+        length = int_field(msg, "length", default=max(0, region.size - offset))
+        max_blocks = int_field(msg, "max_blocks", default=None)
+        out = region.span(offset, length)
+        result = await self._run(
+            partial(self.store.load, identity, tokens, out, max_blocks=max_blocks, hashes=hashes)
+        )
+        return ok_reply(
+            rid,
+            n_blocks=result.n_blocks,
+            n_tokens=result.n_tokens,
+            offsets=_packed([offset + o for o in result.offsets]),
+            sizes=_packed(result.sizes),
+        )
+
+    async def stats(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+        stats = await self._run(self.store.stats)
+        return ok_reply(rid, store=dataclasses.asdict(stats), server=conn.server.counters())
+
+    async def health(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+        await self._run(self.store.stats)  # the store answers through the pool
+        return ok_reply(
+            rid,
+            status="ok",
+            uptime_s=round(time.monotonic() - self.started, 3),
+            connections=conn.server.open_connections,
+        )
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    async def _run(self, call: Callable[[], T]) -> T:
+        """Run blocking store work on the pool; store errors become protocol errors."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.pool, call)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            for kind, code in _STORE_ERRORS:
+                if isinstance(exc, kind):
+                    raise ProtocolError(code, str(exc)) from None
+            raise
+
+    def _identity(self, msg: Mapping[str, Any]) -> Identity:
+        raw = field(msg, "identity", dict, code=ErrorCode.BAD_IDENTITY)
+        try:
+            key = tuple(sorted(raw.items()))
+            cached = self._identities.get(key)
+        except TypeError:  # unhashable or unsortable values: let validation name the field
+            key, cached = (), None
+        if cached is not None:
+            return cached
+        try:
+            identity = Identity.from_dict(raw)
+        except IdentityError as exc:
+            raise ProtocolError(ErrorCode.BAD_IDENTITY, str(exc)) from None
+        if key:
+            if len(self._identities) >= _IDENTITY_CACHE:
+                self._identities.clear()
+            self._identities[key] = identity
+        return identity
+
+
+def _tokens(conn: Connection, msg: Mapping[str, Any], where: str = "") -> bytes | memoryview:
+    """Packed token ids: inline (`tokens`, a bin) or in a shared region (`tokens_span`,
+    [region, offset, n_tokens]), which keeps a long prompt's ids off the socket."""
+    span = msg.get("tokens_span")
+    if span is not None:
+        if "tokens" in msg:
+            raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens and tokens_span both given")
+        region, offset, count = _span(span, f"{where}tokens_span")
+        tokens: bytes | memoryview = conn.span((region, offset, count * TOKEN_BYTES))
+    else:
+        tokens = field(msg, "tokens", bytes, code=ErrorCode.BAD_TOKENS)
+    if len(tokens) % TOKEN_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_TOKENS, f"{where}tokens is {len(tokens)} bytes, not a multiple of 4"
+        )
+    count = len(tokens) // TOKEN_BYTES
+    declared = msg.get("n_tokens")
+    if declared is not None and declared != count:
+        raise ProtocolError(
+            ErrorCode.BAD_TOKENS, f"{where}tokens holds {count} token ids, n_tokens says {declared!r}"
+        )
+    return tokens
+
+
+def _hashes(msg: Mapping[str, Any]) -> bytes | None:
+    return field(msg, "hashes", bytes, default=None, code=ErrorCode.BAD_TOKENS)
+
+
+def _span(span: Any, where: str) -> tuple[int, int, int]:
+    if (
+        not isinstance(span, list)
+        or len(span) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in span)
+    ):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where} must be [region, offset, length] of ints >= 0")
+    return span[0], span[1], span[2]
+
+
+def _packed(values: Any) -> bytes:
+    return np.asarray(values, dtype="<u8").tobytes()
+
+
+__all__ = ["MAX_REGIONS_PER_CONNECTION", "Operations"]

@@ -1,0 +1,149 @@
+"""Shared memory between a client and the daemon: a sealed memfd passed over the socket.
+
+Bulk data never crosses the socket. The client creates a memfd, sizes it, seals it against
+shrinking and growing (so the daemon can never fault on a page the client took away), touches every
+page once, and sends the descriptor with SCM_RIGHTS. The daemon maps it and copies verified
+payloads straight into it; replies name offsets and lengths.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import logging
+import mmap
+import os
+import socket
+from collections.abc import Sequence
+
+import numpy as np
+
+from prefixd.daemon.protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger(__name__)
+
+_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+class SharedRegion:
+    """The client's side: a preallocated, touched, sealed memory region."""
+
+    def __init__(self, size: int, *, name: str = "prefixd-region") -> None:
+        if size <= 0:
+            raise ValueError(f"region size must be positive, got {size}")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.size = size
+        self.view = memoryview(self._mmap)
+        np.frombuffer(self.view, dtype=np.uint8).fill(0)  # first touch now, not on the hot path
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Register the region as page-locked with CUDA (when torch and a GPU are present) so a
+        copy to the GPU is one DMA. Returns whether it is pinned."""
+        if self.pinned:
+            return True
+        try:
+            import torch
+        except ImportError:
+            return False
+        if not torch.cuda.is_available():
+            return False
+        address = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
+        status = torch.cuda.cudart().cudaHostRegister(address, self.size, 0)
+        self.pinned = int(status) == 0
+        return self.pinned
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        if self.pinned:
+            import torch
+
+            address = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
+            torch.cuda.cudart().cudaHostUnregister(address)
+            self.pinned = False
+        os.close(self.fd)
+        self.fd = -1
+        _unmap(self.view, self._mmap)
+
+    def __enter__(self) -> SharedRegion:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class MappedRegion:
+    """The daemon's side: a client's region mapped from the descriptor it sent."""
+
+    def __init__(self, fd: int, size: int, max_bytes: int) -> None:
+        """Map `fd` (closing it); refuses a region that is too large, smaller than claimed, or
+        not sealed against shrinking and growing."""
+        try:
+            if not 0 < size <= max_bytes:
+                raise ProtocolError(
+                    ErrorCode.BAD_REGION, f"region size must be in [1, {max_bytes}], got {size}"
+                )
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                raise ProtocolError(ErrorCode.BAD_REGION, "descriptor is not a memfd") from None
+            if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+                raise ProtocolError(
+                    ErrorCode.BAD_REGION, "memfd must be sealed with F_SEAL_SHRINK and F_SEAL_GROW"
+                )
+            if os.fstat(fd).st_size != size:
+                raise ProtocolError(ErrorCode.BAD_REGION, "region size differs from the memfd's")
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.view = memoryview(self._mmap)
+
+    def span(self, offset: int, length: int) -> memoryview:
+        """The bytes [offset, offset + length) of the region, or BAD_REGION if out of bounds."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ProtocolError(
+                ErrorCode.BAD_REGION,
+                f"range [{offset}, {offset + length}) is outside the region of {self.size} bytes",
+            )
+        return self.view[offset : offset + length]
+
+    def close(self) -> None:
+        _unmap(self.view, self._mmap)
+
+
+def _unmap(view: memoryview, mapping: mmap.mmap) -> None:
+    """Unmap now, or, while views of it are still alive (a caller's `Loaded.views`, a copy still
+    running on a pool thread), leave the mapping to be freed with the last of them."""
+    try:
+        view.release()
+        mapping.close()
+    except BufferError:
+        pass
+
+
+def send_with_fds(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
+    """Send `data` with `fds` attached (blocking socket); the fds travel with the first byte."""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+    sent = sock.sendmsg([data], ancillary)
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
+
+
+def fds_from_ancillary(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """Descriptors carried in received ancillary data."""
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % array.array("i").itemsize
+            fds.extend(array.array("i", data[:usable]))
+    return fds

@@ -1,0 +1,472 @@
+"""The asyncio server on a Unix stream socket.
+
+One task per connection reads frames with recvmsg (memfds for shared regions arrive as SCM_RIGHTS
+ancillary data with their frame) and starts one task per request, so several requests are in flight
+per connection. Store work runs on a bounded thread pool. Shutdown follows uvicorn: stop accepting,
+let in-flight requests finish within the grace period, then cancel; a second signal cancels at once.
+`serve` returns an exit code: only the CLI exits the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from prefixd.daemon import systemd
+from prefixd.daemon.operations import Operations
+from prefixd.daemon.protocol import (
+    HEADER,
+    MAX_FDS_PER_FRAME,
+    ErrorCode,
+    ProtocolError,
+    decode_body,
+    encode_frame,
+    error_reply,
+    request_id,
+)
+from prefixd.daemon.region import MappedRegion, fds_from_ancillary
+from prefixd.store import Store
+
+if TYPE_CHECKING:
+    from prefixd.daemon.config import Config
+
+log = logging.getLogger(__name__)
+
+_PEERCRED = struct.Struct("3i")
+_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * 4)
+# An oversized frame's body is read and dropped (keeping the stream in sync) up to this many times
+# the frame limit; beyond that the connection is closed.
+_DISCARD_FACTOR = 64
+
+
+class Server:
+    """Serves one store on one Unix socket until stopped."""
+
+    def __init__(self, config: Config, *, env: Mapping[str, str] | None = None) -> None:
+        self.config = config
+        self.env = os.environ if env is None else env
+        self.store: Store | None = None
+        self.stopping = asyncio.Event()
+        self.connections: set[Connection] = set()
+        self.stats: Counter[str] = Counter()
+        self._listener: socket.socket | None = None
+        self._created_socket = False
+        self._forced = False
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.connections)
+
+    def counters(self) -> dict[str, int]:
+        return {**self.stats, "open_connections": len(self.connections)}
+
+    async def serve(self, *, install_signal_handlers: bool = True) -> int:
+        """Open the store, bind, serve until SIGTERM/SIGINT (or `stop()`), shut down; return 0
+        after a graceful stop, 1 after a forced one."""
+        loop = asyncio.get_running_loop()
+        config = self.config
+        self.store = Store(config.store_config())
+        pool = ThreadPoolExecutor(config.workers, thread_name_prefix="prefixd-worker")
+        operations = Operations(
+            self.store,
+            pool,
+            max_frame_bytes=config.max_frame_bytes,
+            max_region_bytes=config.max_region_bytes,
+        )
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            self._listener = self._bind()
+            if install_signal_handlers:
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(signum, self.stop)
+            tasks.append(asyncio.create_task(self._accept(operations), name="prefixd-accept"))
+            interval = systemd.watchdog_interval(self.env)
+            if interval:
+                watchdog = systemd.Watchdog(interval, self._healthy, env=self.env)
+                tasks.append(asyncio.create_task(watchdog.run(), name="prefixd-watchdog"))
+            log.info("serving %s on %s", config.data_dir, config.socket)
+            systemd.notify(f"READY=1\nSTATUS=serving on {config.socket}", self.env)
+            await self.stopping.wait()
+            systemd.notify("STOPPING=1", self.env)
+            log.info("stopping: no new connections, draining in-flight requests")
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._unbind()
+            await self._drain()
+            pool.shutdown(wait=True)
+            self.store.close()
+            if install_signal_handlers:
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(signum)
+        log.info("stopped%s", " (forced)" if self._forced else "")
+        return 1 if self._forced else 0
+
+    def stop(self) -> None:
+        """First call: graceful shutdown. Second call: cancel in-flight requests at once."""
+        if self.stopping.is_set():
+            self._forced = True
+            for conn in list(self.connections):
+                conn.cancel()
+            return
+        self.stopping.set()
+
+    # --- listening ------------------------------------------------------------------------------
+
+    def _bind(self) -> socket.socket:
+        activated = systemd.listen_sockets(self.env if isinstance(self.env, dict) else None)
+        if activated:
+            listener = activated[0]
+            for extra in activated[1:]:
+                extra.close()
+        else:
+            listener = self._bind_path()
+        listener.setblocking(False)
+        return listener
+
+    def _bind_path(self) -> socket.socket:
+        path = self.config.socket
+        path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise OSError(f"{path} exists and is not a socket")
+            if _socket_answers(path):
+                raise OSError(f"another daemon is serving on {path}")
+            path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old_umask = os.umask(0o177)
+            try:
+                listener.bind(str(path))
+            finally:
+                os.umask(old_umask)
+            os.chmod(path, self.config.socket_mode)
+            listener.listen(min(socket.SOMAXCONN, 4096))
+        except BaseException:
+            listener.close()
+            raise
+        self._created_socket = True
+        return listener
+
+    def _unbind(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._created_socket:
+            with contextlib.suppress(FileNotFoundError):
+                self.config.socket.unlink()
+            self._created_socket = False
+
+    async def _accept(self, operations: Operations) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE and the like: back off, keep serving
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            self.stats["connections"] += 1
+            pid, uid, gid = _PEERCRED.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+            refusal = self._refusal(uid, gid)
+            if refusal is not None:
+                self.stats["refused"] += 1
+                log.warning("refused a connection from pid %d uid %d: %s", pid, uid, refusal[1])
+                await _reply_and_close(sock, refusal[0], refusal[1])
+                continue
+            conn = Connection(self, operations, sock, pid=pid, uid=uid)
+            self.connections.add(conn)
+            conn.task = asyncio.create_task(conn.run(), name=f"prefixd-conn-{pid}")
+
+    def _refusal(self, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
+        config = self.config
+        if not (
+            uid in (0, os.geteuid()) or uid in config.allowed_uids or gid in config.allowed_gids
+        ):
+            return ErrorCode.FORBIDDEN, f"uid {uid} / gid {gid} may not use this daemon"
+        if len(self.connections) >= config.max_connections:
+            return ErrorCode.BUSY, f"the daemon serves at most {config.max_connections} connections"
+        return None
+
+    async def _drain(self) -> None:
+        """Let connections finish their in-flight requests within the grace period, then cancel."""
+        conns = list(self.connections)
+        for conn in conns:
+            conn.stop_reading()
+        waiting = [c.task for c in conns if c.task is not None]
+        if waiting and not self._forced:
+            _, pending = await asyncio.wait(waiting, timeout=self.config.shutdown_grace_s)
+            if pending:
+                log.warning("grace period over: cancelling %d connection(s)", len(pending))
+        for conn in conns:
+            conn.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    async def _healthy(self) -> bool:
+        if self.store is None:
+            return False
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.store.stats)
+        return True
+
+
+class Connection:
+    """One client: reads frames, runs requests concurrently, owns the client's regions."""
+
+    def __init__(
+        self, server: Server, operations: Operations, sock: socket.socket, *, pid: int, uid: int
+    ) -> None:
+        self.server = server
+        self.operations = operations
+        self.sock = sock
+        self.pid = pid
+        self.uid = uid
+        self.greeted = False
+        self.max_inflight = server.config.max_inflight
+        self.regions: dict[int, MappedRegion] = {}
+        self.task: asyncio.Task[None] | None = None
+        self._next_region = 1
+        self._fds: list[int] = []
+        self._requests: set[asyncio.Task[None]] = set()
+        self._write_lock = asyncio.Lock()
+        self._draining = False
+
+    # --- state used by operations ---------------------------------------------------------------
+
+    def take_fds(self) -> list[int]:
+        fds, self._fds = self._fds, []
+        return fds
+
+    @staticmethod
+    def close_fds(fds: list[int]) -> None:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def add_region(self, region: MappedRegion) -> int:
+        region_id = self._next_region
+        self._next_region += 1
+        self.regions[region_id] = region
+        return region_id
+
+    def region(self, region_id: int) -> MappedRegion:
+        region = self.regions.get(region_id)
+        if region is None:
+            raise ProtocolError(ErrorCode.BAD_REGION, f"no region {region_id} on this connection")
+        return region
+
+    def span(self, span: tuple[int, int, int]) -> memoryview:
+        region_id, offset, length = span
+        return self.region(region_id).span(offset, length)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def stop_reading(self) -> None:
+        """Shutdown: take no new requests; the ones in flight finish and get their replies."""
+        self._draining = True
+        if self.task is not None:
+            self.task.cancel()
+
+    def cancel(self) -> None:
+        """Cancel everything now (grace period over, or a second signal)."""
+        self._draining = False
+        for request in list(self._requests):
+            request.cancel()
+        if self.task is not None:
+            self.task.cancel()
+
+    async def run(self) -> None:
+        try:
+            await self._read_frames()
+        except (ConnectionError, OSError) as exc:
+            log.debug("connection from pid %d ended: %s", self.pid, exc)
+        except asyncio.CancelledError:
+            pass
+        try:
+            if self._draining and self._requests:
+                await asyncio.gather(*self._requests, return_exceptions=True)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await self._close()
+
+    async def _read_frames(self) -> None:
+        config = self.server.config
+        header = bytearray(HEADER.size)
+        while True:
+            if not await self._recv_exact(memoryview(header), at_boundary=True):
+                return
+            (length,) = HEADER.unpack(header)
+            if length > config.max_frame_bytes:
+                self.server.stats["errors.frame_too_large"] += 1
+                message = f"frame of {length} bytes exceeds the limit of {config.max_frame_bytes}"
+                await self._send(error_reply(None, ErrorCode.FRAME_TOO_LARGE, message))
+                if length > config.max_frame_bytes * _DISCARD_FACTOR:
+                    return  # cannot resynchronise cheaply: close
+                await self._discard(length)
+                continue
+            body = bytearray(length)
+            if not await self._recv_exact(memoryview(body), at_boundary=False):
+                return  # truncated frame: the stream cannot be resynchronised
+            self._start(body)
+
+    def _start(self, body: bytearray) -> None:
+        try:
+            message = decode_body(body)
+            rid = request_id(message)
+        except ProtocolError as exc:
+            self.server.stats[f"errors.{exc.code.value}"] += 1
+            self._spawn(self._send(error_reply(None, exc.code, exc.message)))
+            return
+        if len(self._requests) >= self.max_inflight:
+            self.server.stats["errors.busy"] += 1
+            message_text = f"at most {self.max_inflight} requests in flight per connection"
+            self._spawn(self._send(error_reply(rid, ErrorCode.BUSY, message_text)))
+            return
+        self._spawn(self._handle(rid, message))
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.create_task(coroutine)
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    async def _handle(self, rid: int, message: dict[str, Any]) -> None:
+        op = message.get("op")
+        stats = self.server.stats
+        try:
+            if not isinstance(op, str):
+                raise ProtocolError(ErrorCode.BAD_FRAME, "'op' must be a str")
+            handler = self.operations.handlers.get(op)
+            if handler is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown operation {op[:64]!r}")
+            if op != "hello" and not self.greeted:
+                raise ProtocolError(ErrorCode.HELLO_REQUIRED, "send hello first")
+            if self.server.stopping.is_set() and op != "health":
+                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+            reply = await handler(self, rid, message)
+            stats[f"requests.{op}"] += 1
+        except ProtocolError as exc:
+            stats[f"errors.{exc.code.value}"] += 1
+            reply = error_reply(rid, exc.code, exc.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            stats["errors.internal"] += 1
+            log.exception("operation %s failed", op if isinstance(op, str) else "?")
+            reply = error_reply(rid, ErrorCode.INTERNAL, "internal error (see the daemon log)")
+        await self._send(reply)
+
+    # --- socket I/O ------------------------------------------------------------------------------
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        frame = encode_frame(message)
+        loop = asyncio.get_running_loop()
+        async with self._write_lock:
+            with contextlib.suppress(ConnectionError, OSError):
+                await loop.sock_sendall(self.sock, frame)
+
+    async def _recv_exact(self, view: memoryview, *, at_boundary: bool) -> bool:
+        """Fill `view`; False on a clean EOF at a frame boundary, or on EOF mid-frame."""
+        filled = 0
+        while filled < len(view):
+            got = await self._recv_into(view[filled:])
+            if got == 0:
+                if not (at_boundary and filled == 0):
+                    log.debug("connection from pid %d closed mid-frame", self.pid)
+                return False
+            filled += got
+        return True
+
+    async def _recv_into(self, view: memoryview) -> int:
+        while True:
+            try:
+                got, ancillary, flags, _ = self.sock.recvmsg_into([view], _ANCILLARY_BYTES)
+            except (BlockingIOError, InterruptedError):
+                await self._readable()
+                continue
+            if ancillary:
+                fds = fds_from_ancillary(ancillary)
+                self._fds.extend(fds)
+                if len(self._fds) > MAX_FDS_PER_FRAME or flags & socket.MSG_CTRUNC:
+                    self.close_fds(self.take_fds())  # never hoard a flood of descriptors
+            return got
+
+    async def _readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = self.sock.fileno()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(fd, wake)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+
+    async def _discard(self, length: int) -> None:
+        scratch = memoryview(bytearray(min(length, 1 << 20)))
+        left = length
+        while left:
+            if not await self._recv_exact(scratch[: min(left, len(scratch))], at_boundary=False):
+                raise ConnectionError("closed while an oversized frame was being skipped")
+            left -= min(left, len(scratch))
+
+    async def _close(self) -> None:
+        for request in list(self._requests):
+            request.cancel()
+        await asyncio.gather(*self._requests, return_exceptions=True)
+        self.close_fds(self.take_fds())
+        for region in self.regions.values():
+            region.close()  # a copy still running on a pool thread keeps the mapping alive
+        self.regions.clear()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.server.connections.discard(self)
+
+
+async def _reply_and_close(sock: socket.socket, code: ErrorCode, message: str) -> None:
+    loop = asyncio.get_running_loop()
+    frame = encode_frame(error_reply(None, code, message))
+    with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(loop.sock_sendall(sock, frame), 1.0)
+    sock.close()
+
+
+def _socket_answers(path: os.PathLike[str]) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(os.fspath(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def run_server(config: Config) -> int:
+    """Run `Server.serve` on a fresh event loop (uvloop where installed); return the exit code."""
+    server = Server(config)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(server.serve())
+    return uvloop.run(server.serve())  # type: ignore[no-any-return]
