@@ -167,6 +167,9 @@ class Config:
     verify_threads: int = _store("verify_threads", "int", "threads verifying checksums on reads")
     readahead: bool = _store("readahead", "bool", "let the OS read ahead in the data file")
     max_readers: int = _store("max_readers", "int", "LMDB reader slots")
+    verified_cache_bytes: int = _store(
+        "verified_cache_bytes", "size", "memory for recently verified prefixes (0: off)"
+    )
 
     def __post_init__(self) -> None:
         for name in SETTINGS:

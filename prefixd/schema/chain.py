@@ -70,6 +70,16 @@ class BlockChain:
             raise IndexError(f"block {index} is not a closed block of this sequence")
         return self.hashes_until(index + 1)[index]
 
+    @property
+    def token_bytes(self) -> bytes:
+        """All token ids, packed '<u4' (a private snapshot)."""
+        return self._bytes
+
+    @property
+    def known_hashes(self) -> int:
+        """How many leading block hashes are already computed (or were supplied)."""
+        return len(self._hashes)
+
     def hashes_until(self, stop: int) -> list[bytes]:
         """The remembered hash list, extended to at least blocks 0..stop-1 (do not modify it)."""
         hashes = self._hashes

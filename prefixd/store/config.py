@@ -45,6 +45,7 @@ class StoreConfig:
     verify_threads: int = 2
     readahead: bool = True
     max_readers: int = 256
+    verified_cache_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -66,6 +67,7 @@ class StoreConfig:
             raise ConfigError("chunk_bytes: must be even (zstd-planes splits 2-byte values)")
         _int_in("verify_threads", self.verify_threads, 0, 64)
         _int_in("max_readers", self.max_readers, 1, 1 << 16)
+        _int_in("verified_cache_bytes", self.verified_cache_bytes, 0, 1 << 40)
         _number_in("sync_interval_s", self.sync_interval_s, 0.01, 3600.0)
         _number_in("min_compression_gain", self.min_compression_gain, 0.0, 0.99)
         for flag in ("create", "readahead"):

@@ -14,7 +14,8 @@ STORED_BYTES = b"stored_bytes"
 QUARANTINED = b"quarantined"
 COLLISIONS = b"collisions"
 SETTLES = b"settles"  # small commits that let LMDB reuse freed pages on a full map
-NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS, SETTLES)
+REMOVALS = b"removals"  # bumped by every transaction that removes blocks: the removal epoch
+NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS, SETTLES, REMOVALS)
 
 
 def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:

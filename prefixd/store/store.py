@@ -52,6 +52,7 @@ from prefixd.store.results import (
     StoreStats,
 )
 from prefixd.store.syncer import PeriodicSyncer
+from prefixd.store.verified import VerifiedPrefixes
 from prefixd.store.walk import Walk, walk_chain
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class Store:
             if config.verify_threads
             else None
         )
+        self._verified = VerifiedPrefixes(config.verified_cache_bytes)
         self._lock = threading.Lock()
         self._touched: dict[bytes, int] = {}
         self._pending_collisions = 0
@@ -302,7 +304,7 @@ class Store:
         self._check_usable()
         chain = BlockChain(identity, token_ids, hashes)
         with self._env.begin(buffers=True) as txn:
-            walk = walk_chain(txn, self._tables.blocks, chain, chain.n_blocks)
+            walk = self._walk(txn, chain, chain.n_blocks)
         self._after_walk(walk, chain)
         with self._lock:
             self._activity.lookups += 1
@@ -366,7 +368,7 @@ class Store:
         bad: list[_Damaged] = []
         offsets: list[int] = []
         with self._env.begin(buffers=True) as txn:
-            walk = walk_chain(txn, self._tables.blocks, chain, limit)
+            walk = self._walk(txn, chain, limit)
             items: list[StoredPayload] = []
             parents = [identity.digest, *walk.hashes]
             offset = 0
@@ -516,6 +518,16 @@ class Store:
                 "store was opened in another process; open it again after fork"
             )
 
+    def _walk(self, txn: lmdb.Transaction, chain: BlockChain, limit: int) -> Walk:
+        """`walk_chain`, starting after the longest prefix verified earlier (and still valid)."""
+        epoch = counters.read(txn, self._tables.counters, counters.REMOVALS)
+        known = self._verified.find(chain, epoch, limit)
+        start = Walk(list(known.hashes), list(known.payload_sizes)) if known else None
+        walk = walk_chain(txn, self._tables.blocks, chain, limit, start)
+        if walk.corrupt is None and len(walk.hashes) > (len(known.hashes) if known else 0):
+            self._verified.remember(chain, epoch, walk.hashes, walk.payload_sizes)
+        return walk
+
     def _gather(
         self,
         txn: lmdb.Transaction,
@@ -619,6 +631,7 @@ class Store:
                 payload_bytes += freed
             stored_bytes += freed
             removed += 1
+        counters.add(txn, t.counters, counters.REMOVALS, 1 if removed else 0)
         counters.add(txn, t.counters, counters.BLOCKS, -removed)
         counters.add(txn, t.counters, counters.PAYLOAD_BYTES, -payload_bytes)
         counters.add(txn, t.counters, counters.STORED_BYTES, -stored_bytes)

@@ -1,8 +1,10 @@
 """Following a prefix chain through the blocks table, comparing records in bulk.
 
 The walk is the lookup hot path: a 131072-token prompt is 256 blocks of 512 tokens. Per-block Python
-work dominates, so records are fetched in batches (batches growing 4x so a cold miss costs little) and each record's identity digest, parent hash and token ids are compared
-against the query with one vectorised comparison per batch. The walk stops at the first missing or
+work dominates, so records are fetched in batches and each record's identity digest, parent hash
+and token ids are compared against the query with one vectorised comparison per batch. The first
+batch is small, so a cold miss costs little; later ones grow 8x (hashes not yet computed) or take
+the rest at once (hashes already known, so only record reads are at stake). The walk stops at the first missing or
 mismatching block, exactly as a one-block-at-a-time walk would.
 
 The walk reads no payload and hands out no bytes, so it does not verify record checksums; a
@@ -30,6 +32,7 @@ from prefixd.schema.records import (
 )
 
 _FIRST_BATCH = 4
+_GROWTH = 8
 # Field positions in uint32 words (every record field the walk compares is 4-byte aligned).
 _MAGIC = int.from_bytes(record_prefix()[:4], "little")
 _VERSION = record_prefix()[4]
@@ -50,17 +53,23 @@ class Walk:
 
 
 def walk_chain(
-    txn: lmdb.Transaction, blocks_db: lmdb._Database, chain: BlockChain, limit: int
+    txn: lmdb.Transaction,
+    blocks_db: lmdb._Database,
+    chain: BlockChain,
+    limit: int,
+    verified: Walk | None = None,
 ) -> Walk:
-    """Follow `chain` from block 0 for at most `limit` blocks."""
-    walk = Walk()
+    """Follow `chain` from block 0 for at most `limit` blocks; `verified`, when given, holds
+    blocks 0..k-1 already verified (see prefixd.store.verified), and the walk goes on from k."""
+    walk = Walk(list(verified.hashes), list(verified.payload_sizes)) if verified else Walk()
     get = txn.cursor(db=blocks_db).get
     size = record_bytes(chain.block_tokens)
     digest = np.frombuffer(chain.identity.digest, dtype="<u4")
-    start, batch = 0, _FIRST_BATCH
+    start, batch = len(walk.hashes), _FIRST_BATCH
+    known = chain.known_hashes
     while start < limit:
         stop = min(limit, start + batch)
-        batch *= 4
+        batch = limit if known >= limit else batch * _GROWTH
         keys = chain.hashes_until(stop)[start:stop]
         values = [get(key, b"") for key in keys]
         lengths = list(map(len, values))

@@ -421,6 +421,14 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert _verify(tmp_path, *UNITS) == []
 
 
+def test_example_drop_in_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    _copy_units(tmp_path)
+    drop_ins = tmp_path / "prefixd.service.d"
+    drop_ins.mkdir()
+    shutil.copy(REPO / "systemd" / "prefixd.conf.example", drop_ins / "local.conf")
+    assert _verify(tmp_path, *UNITS) == []
+
+
 def test_systemd_analyze_check_catches_unit_errors(tmp_path: Path) -> None:
     """The check above is only worth something if a broken unit makes it fail."""
     _copy_units(tmp_path)
@@ -444,3 +452,14 @@ def test_units_agree_with_each_other() -> None:
     assert "Service=prefixd.service" in sock.splitlines()
     assert "Type=notify" in service.splitlines()
     assert "RuntimeDirectoryPreserve=yes" in service.splitlines()
+
+
+def test_unit_files_name_only_real_settings() -> None:
+    """Every PREFIXD_* variable the unit files mention is one the daemon's Config accepts."""
+    config = pytest.importorskip("prefixd.daemon.config")
+    known = {config.CONFIG_ENV} | {config.env_var(name) for name in config.SETTINGS}
+    mentioned: set[str] = set()
+    for name in (*UNITS, "prefixd.conf.example"):
+        mentioned |= set(re.findall(r"PREFIXD_[A-Z0-9_]+", (REPO / "systemd" / name).read_text()))
+    assert mentioned  # the check is not vacuous
+    assert mentioned <= known

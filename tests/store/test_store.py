@@ -276,10 +276,11 @@ def test_stats_report_compression(tmp_path: Path, identity: Identity) -> None:
         assert [info.compression for info in infos if info] == ["zstd", "none"]
 
 
-def test_client_supplied_hashes_only_choose_records(store: Store, identity: Identity) -> None:
+def test_client_supplied_hashes_only_choose_records(tmp_path: Path, identity: Identity) -> None:
     """Precomputed hashes speed a lookup up but cannot make a wrong prefix match."""
     from prefixd.schema.chain import packed_hashes
 
+    store = Store.open(tmp_path / "s", verified_cache_bytes=0)  # walks only
     store.put(identity, TOKENS, payloads(5))
     good = packed_hashes(identity, TOKENS)
     assert store.longest_prefix(identity, TOKENS, hashes=good).n_blocks == 5
@@ -291,3 +292,4 @@ def test_client_supplied_hashes_only_choose_records(store: Store, identity: Iden
     assert store.longest_prefix(identity, TOKENS, hashes=swapped).n_blocks == 0
     with pytest.raises(TokenError, match="block hashes"):
         store.longest_prefix(identity, TOKENS, hashes=good[:-1])
+    store.close()

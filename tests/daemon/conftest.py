@@ -1,0 +1,351 @@
+"""The real daemon as a subprocess, a fake $NOTIFY_SOCKET, and a raw protocol speaker.
+
+`daemon_factory(*flags, env=...)` starts `python -m prefixd serve` with a datagram socket of ours
+as NOTIFY_SOCKET and returns once READY=1 arrived; the daemon's stderr goes to a file (`.log()`).
+Teardown sends SIGTERM and waits, SIGKILL being the last resort. Socket paths live in a short
+/tmp directory: tmp_path can be too long for an AF_UNIX address (107 bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+import prefixd
+from prefixd.daemon.protocol import HEADER, PROTOCOL_VERSION, encode_frame
+from prefixd.daemon.region import send_with_fds
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+# Variables of the test runner's environment that must not reach a daemon under test.
+_SCRUBBED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS",
+             "LISTEN_FDNAMES", "STATE_DIRECTORY", "RUNTIME_DIRECTORY")
+
+
+def make_identity(**changes: Any) -> prefixd.Identity:
+    fields = dict(
+        model="m",
+        weights="w",
+        tokenizer="t",
+        template="c",
+        rope="r",
+        kv_layout="bf16",
+        block_tokens=4,
+        tenant="a",
+    )
+    fields.update(changes)
+    return prefixd.Identity(**fields)
+
+
+IDENTITY = make_identity()
+IDENTITY_DICT = IDENTITY.to_dict()
+
+
+def payload(seed: int, index: int, size: int = 256) -> bytes:
+    """A deterministic payload for block `index` of the prompt `seed`."""
+    rng = np.random.default_rng([seed, index])
+    return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def daemon_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PREFIXD_") and k not in _SCRUBBED
+    }
+    env.update(extra)
+    return env
+
+
+class Daemon:
+    """One daemon process (and its restarts) on one data dir and one socket path."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        sockdir: Path,
+        flags: Sequence[str],
+        env: dict[str, str] | None,
+        name: str,
+    ) -> None:
+        self.workdir = workdir
+        self.sockdir = sockdir
+        self.name = name
+        self.data_dir = workdir / f"{name}-data"
+        self.socket = sockdir / f"{name}.sock"
+        self.flags = list(flags)
+        self.extra_env = dict(env or {})
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify_path = sockdir / f"{name}.notify"
+        self.notify.bind(str(self.notify_path))
+        self.messages: list[bytes] = []  # every datagram received, in order
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.logs: list[Path] = []
+        self.exit_codes: list[int] = []
+
+    # --- starting and stopping ------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "prefixd", "serve",
+            "--data-dir", str(self.data_dir),
+            "--socket", str(self.socket),
+            "--map-size", "256MiB",
+            *self.flags,
+        ]
+
+    def env(self) -> dict[str, str]:
+        return daemon_env(NOTIFY_SOCKET=str(self.notify_path), **self.extra_env)
+
+    def start(self, *, wait: bool = True) -> Daemon:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        log_path = self.workdir / f"{self.name}-{len(self.logs)}.stderr"
+        self.logs.append(log_path)
+        self._mark = len(self.messages)
+        with open(log_path, "wb") as stderr:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=self.env(),
+                cwd=REPO,
+            )
+        if wait:
+            self.wait_notify(b"READY=1")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Send `sig` and return the exit code (SIGKILL after `timeout`: then a test fails)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"daemon ignored signal {sig} for {timeout} s:\n{self.log()}")
+        self.exit_codes.append(code)
+        return code
+
+    def restart(self) -> Daemon:
+        code = self.stop()
+        assert code == 0, self.log()
+        return self.start()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.notify.close()
+
+    # --- what it told us ------------------------------------------------------------------------
+
+    def wait_notify(self, needle: bytes, timeout: float = READY_TIMEOUT_S) -> bytes:
+        """The first datagram since the last start that contains `needle` (waits for it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for message in self.messages[self._mark:]:
+                if needle in message.split(b"\n"):
+                    return message
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"no {needle!r} from the daemon within {timeout} s; got {self.messages}; "
+                    f"exit code {self.proc.poll() if self.proc else None}\n{self.log()}"
+                )
+            if self.proc is not None and self.proc.poll() is not None:
+                self.receive(0.0)
+                if any(needle in m.split(b"\n") for m in self.messages[self._mark:]):
+                    continue
+                raise AssertionError(
+                    f"daemon exited with {self.proc.returncode} before sending {needle!r}:\n"
+                    f"{self.log()}"
+                )
+            self.receive(min(left, 0.1))
+
+    def receive(self, timeout: float) -> None:
+        if timeout > 0:
+            self.notify.settimeout(timeout)
+            with contextlib.suppress(TimeoutError, socket.timeout):
+                self.messages.append(self.notify.recv(65536))
+        self.notify.setblocking(False)
+        while True:
+            try:
+                self.messages.append(self.notify.recv(65536))
+            except BlockingIOError:
+                break
+
+    def since_start(self) -> list[bytes]:
+        self.receive(0.0)
+        return self.messages[self._mark:]
+
+    def log(self) -> str:
+        return "".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')}" for path in self.logs
+            if path.exists()
+        )
+
+    def open_fds(self) -> list[str]:
+        """What the daemon's descriptors point at (we are root or the daemon's uid)."""
+        fd_dir = Path(f"/proc/{self.pid}/fd")
+        out = []
+        for entry in fd_dir.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                out.append(os.readlink(entry))
+        return sorted(out)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="pd", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+DaemonFactory = Callable[..., Daemon]
+
+
+@contextlib.contextmanager
+def _factory(workdir: Path, sockdir: Path) -> Iterator[DaemonFactory]:
+    daemons: list[Daemon] = []
+
+    def start(*flags: str, env: dict[str, str] | None = None, wait: bool = True,
+              name: str | None = None) -> Daemon:
+        daemon = Daemon(workdir, sockdir, flags, env, name or f"d{len(daemons)}")
+        daemons.append(daemon)
+        return daemon.start(wait=wait)
+
+    try:
+        yield start
+    finally:
+        for daemon in daemons:
+            daemon.close()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path, sock_dir: Path) -> Iterator[DaemonFactory]:
+    with _factory(tmp_path, sock_dir) as start:
+        yield start
+
+
+@pytest.fixture
+def daemon(daemon_factory: DaemonFactory) -> Daemon:
+    return daemon_factory()
+
+
+@pytest.fixture(scope="module")
+def module_daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonFactory]:
+    """Daemons shared by the tests of one module (each test still checks the daemon is fine)."""
+    sockdir = Path(tempfile.mkdtemp(prefix="pd", dir="/tmp"))
+    try:
+        with _factory(tmp_path_factory.mktemp("daemons"), sockdir) as start:
+            yield start
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+# --- speaking the protocol by hand ------------------------------------------------------------
+
+
+class Raw:
+    """A raw connection: frames are built and read by hand, nothing is checked for us."""
+
+    def __init__(self, path: Path | str, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(os.fspath(path))
+        self._next = 1000
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Raw:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send_body(self, body: bytes) -> None:
+        self.sock.sendall(HEADER.pack(len(body)) + body)
+
+    def send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        frame = encode_frame(message)
+        if fds:
+            send_with_fds(self.sock, frame, fds)
+        else:
+            self.sock.sendall(frame)
+
+    def recv_exact(self, n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            got = self.sock.recv(left)
+            if not got:
+                raise ConnectionError(f"closed after {n - left} of {n} bytes")
+            chunks.append(got)
+            left -= len(got)
+        return b"".join(chunks)
+
+    def recv(self) -> dict[str, Any]:
+        (length,) = HEADER.unpack(self.recv_exact(HEADER.size))
+        reply = msgpack.unpackb(self.recv_exact(length), raw=False)
+        assert isinstance(reply, dict), reply
+        return reply
+
+    def closed_by_peer(self, timeout: float = 5.0) -> bool:
+        """Whether the daemon closes this connection (EOF, or a reset) within `timeout`."""
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except (TimeoutError, socket.timeout):
+            return False
+
+    def request(self, op: str, fds: Sequence[int] = (), **fields: Any) -> dict[str, Any]:
+        """Send one request with a fresh id and return its reply (which must carry that id)."""
+        self._next += 1
+        rid = self._next
+        self.send({"id": rid, "op": op, **fields}, fds)
+        reply = self.recv()
+        assert reply.get("id") == rid, reply
+        return reply
+
+    def hello(self) -> dict[str, Any]:
+        reply = self.request("hello", protocol=PROTOCOL_VERSION, client="raw")
+        assert reply["ok"] is True, reply
+        return reply
+
+
+def error_of(reply: dict[str, Any]) -> tuple[str, str]:
+    assert reply.get("ok") is False, reply
+    return reply["error"]["code"], reply["error"]["message"]

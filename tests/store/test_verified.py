@@ -1,0 +1,89 @@
+"""The verified-prefix cache: repeated lookups skip the walk, and nothing stale is ever served."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from prefixd import Identity, Store
+from prefixd.schema.chain import packed_hashes
+
+TOKENS = list(range(100, 140))  # ten closed blocks of 4
+
+
+def payloads(n: int, start: int = 0) -> list[bytes]:
+    return [bytes([start + i]) * 64 for i in range(n)]
+
+
+def test_repeated_lookups_hit_and_agree(store: Store, identity: Identity) -> None:
+    store.put(identity, TOKENS, payloads(10))
+    first = store.longest_prefix(identity, TOKENS)
+    hits = store._verified.hits
+    again = store.longest_prefix(identity, TOKENS)
+    assert store._verified.hits == hits + 1
+    assert again == first
+    out = bytearray(1000)
+    loaded = store.load(identity, TOKENS, out)
+    assert loaded.n_blocks == 10 and bytes(out[64 * 9 : 64 * 10]) == bytes([9]) * 64
+
+
+def test_a_removal_invalidates_what_was_verified(store: Store, identity: Identity) -> None:
+    store.put(identity, TOKENS, payloads(10))
+    match = store.longest_prefix(identity, TOKENS)
+    store.delete([match.hashes[6]])
+    assert store.longest_prefix(identity, TOKENS).n_blocks == 6
+    assert store.load(identity, TOKENS, bytearray(1000)).n_blocks == 6
+
+
+def test_blocks_added_later_extend_a_verified_prefix(store: Store, identity: Identity) -> None:
+    store.put(identity, TOKENS, payloads(4))
+    assert store.longest_prefix(identity, TOKENS).n_blocks == 4
+    store.put(identity, TOKENS, payloads(3, start=4), first_block=4)
+    assert store.longest_prefix(identity, TOKENS).n_blocks == 7
+
+
+def test_other_tokens_or_identity_never_hit(store: Store, identity: Identity) -> None:
+    store.put(identity, TOKENS, payloads(10))
+    store.longest_prefix(identity, TOKENS)
+    good = packed_hashes(identity, TOKENS)
+    changed = TOKENS[:20] + [1] * 20  # same first five blocks, then other tokens
+    assert store.longest_prefix(identity, changed, hashes=good).n_blocks == 5
+    other = Identity(**{**identity.to_dict(), "tenant": "b"})
+    assert store.longest_prefix(other, TOKENS, hashes=good).n_blocks == 0
+    assert store.load(other, TOKENS, bytearray(1000), hashes=good).n_blocks == 0
+
+
+def test_max_blocks_bounds_a_cached_answer(store: Store, identity: Identity) -> None:
+    store.put(identity, TOKENS, payloads(10))
+    store.longest_prefix(identity, TOKENS)
+    assert store.load(identity, TOKENS, bytearray(1000), max_blocks=3).n_blocks == 3
+
+
+def test_removal_by_another_process_is_seen(tmp_path: Path, identity: Identity) -> None:
+    path = tmp_path / "s"
+    with Store.open(path) as store:
+        store.put(identity, TOKENS, payloads(10))
+        victim = store.longest_prefix(identity, TOKENS).hashes[2]
+        assert store.longest_prefix(identity, TOKENS).n_blocks == 10  # now remembered
+        code = (
+            "import sys; from prefixd import Store;"
+            f"s = Store.open({str(path)!r}, create=False);"
+            f"print(s.delete([bytes.fromhex({victim.hex()!r})])); s.close()"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "8"
+        assert store.longest_prefix(identity, TOKENS).n_blocks == 2
+
+
+def test_cache_is_bounded(tmp_path: Path, identity: Identity) -> None:
+    with Store.open(tmp_path / "s", verified_cache_bytes=200) as store:
+        rng = np.random.default_rng(0)
+        for _ in range(20):
+            tokens = rng.integers(0, 1000, 8).tolist()
+            store.put(identity, tokens, payloads(2))
+            store.longest_prefix(identity, tokens)
+        assert store._verified._bytes <= 200
