@@ -423,6 +423,7 @@ class AsyncClient:
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._write_lock = asyncio.Lock()
         self._connect_lock = asyncio.Lock()
+        self._put_lock = asyncio.Lock()  # puts stage at the region's start: one at a time
 
     @classmethod
     async def connect(cls, socket_path: str | os.PathLike[str], **options: Any) -> AsyncClient:
@@ -441,8 +442,9 @@ class AsyncClient:
     async def put(
         self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], *, first_block: int = 0
     ) -> Stored:
-        spans = self._requests.stage(payloads)
-        reply = await self._call(self._requests.put(identity, token_ids, spans, first_block))
+        async with self._put_lock:
+            spans = self._requests.stage(payloads)
+            reply = await self._call(self._requests.put(identity, token_ids, spans, first_block))
         return Stored(reply["stored"], reply["existed"])
 
     async def lookup(

@@ -35,7 +35,7 @@ from prefixd.errors import (
 )
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
-from prefixd.store import Store
+from prefixd.store import PrefixMatch, Store
 
 if TYPE_CHECKING:
     from prefixd.daemon.server import Connection
@@ -144,20 +144,28 @@ class Operations:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"prompts[{i}] must be a map")
             queries.append((_tokens(conn, prompt, f"prompts[{i}]."), _hashes(prompt)))
 
-        def run() -> list[dict[str, Any]]:
-            results = []
-            for tokens, hashes in queries:
-                match = self.store.longest_prefix(identity, tokens, hashes=hashes)
-                results.append(
-                    {
-                        "n_blocks": match.n_blocks,
-                        "n_tokens": match.n_tokens,
-                        "sizes": _packed(match.payload_sizes),
-                    }
-                )
-            return results
+        # Prompts whose whole prefix was verified recently are answered here, without a thread
+        # hop (the store reads no record for them); the rest go to the pool.
+        matches: list[PrefixMatch | None] = [
+            self.store.cached_prefix(identity, tokens, hashes=hashes) for tokens, hashes in queries
+        ]
+        missing = [i for i, match in enumerate(matches) if match is None]
+        if missing:
 
-        return ok_reply(rid, results=await self._run(run))
+            def run() -> list[PrefixMatch]:
+                return [
+                    self.store.longest_prefix(identity, queries[i][0], hashes=queries[i][1])
+                    for i in missing
+                ]
+
+            for i, match in zip(missing, await self._run(run)):
+                matches[i] = match
+        results = [
+            {"n_blocks": m.n_blocks, "n_tokens": m.n_tokens, "sizes": _packed(m.payload_sizes)}
+            for m in matches
+            if m is not None
+        ]
+        return ok_reply(rid, results=results)
 
     async def load(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
         identity = self._identity(msg)

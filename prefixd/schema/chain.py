@@ -46,15 +46,14 @@ class BlockChain:
         self.n_blocks = len(self.tokens) // self.block_tokens
         self._span = self.block_tokens * TOKEN_BYTES
         self._hashes: list[bytes] = []
+        self._supplied = b""
         if hashes is not None:
             if len(hashes) != self.n_blocks * HASH_BYTES:
                 raise TokenError(
                     f"{len(hashes)} bytes of block hashes for {self.n_blocks} closed blocks "
                     f"(expected {self.n_blocks * HASH_BYTES})"
                 )
-            self._hashes = [
-                bytes(hashes[i : i + HASH_BYTES]) for i in range(0, len(hashes), HASH_BYTES)
-            ]
+            self._supplied = bytes(hashes)
 
     def block_bytes(self, index: int) -> bytes:
         """Packed '<u4' token ids of block `index`."""
@@ -68,6 +67,8 @@ class BlockChain:
         """Hash of block `index`; computes (and remembers) every hash before it first."""
         if not 0 <= index < self.n_blocks:
             raise IndexError(f"block {index} is not a closed block of this sequence")
+        if self._supplied:
+            return self._supplied[index * HASH_BYTES : (index + 1) * HASH_BYTES]
         return self.hashes_until(index + 1)[index]
 
     @property
@@ -78,12 +79,16 @@ class BlockChain:
     @property
     def known_hashes(self) -> int:
         """How many leading block hashes are already computed (or were supplied)."""
-        return len(self._hashes)
+        return self.n_blocks if self._supplied else len(self._hashes)
 
     def hashes_until(self, stop: int) -> list[bytes]:
         """The remembered hash list, extended to at least blocks 0..stop-1 (do not modify it)."""
         hashes = self._hashes
-        if len(hashes) < stop:
+        if len(hashes) < stop and self._supplied:
+            packed, size = self._supplied, HASH_BYTES
+            end = min(stop, self.n_blocks) * size
+            hashes.extend(packed[i : i + size] for i in range(len(hashes) * size, end, size))
+        elif len(hashes) < stop:
             head = _CHAIN_DOMAIN + self.identity.digest
             data, span = self._bytes, self._span
             parent = hashes[-1] if hashes else ROOT_PARENT

@@ -313,6 +313,28 @@ class Store:
             identity.digest, identity.block_tokens, tuple(walk.hashes), tuple(walk.payload_sizes)
         )
 
+    def cached_prefix(
+        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+    ) -> PrefixMatch | None:
+        """`longest_prefix`'s answer when memory alone gives it: every closed block of the query
+        lies in a prefix verified earlier that no removal has touched since. Reads no record (only
+        the removal epoch, on a page every write touches), so an event loop may call it; None
+        means: ask `longest_prefix`."""
+        self._check_usable()
+        chain = BlockChain(identity, token_ids, hashes)
+        if not chain.n_blocks:
+            return None
+        with self._env.begin(buffers=True) as txn:
+            epoch = counters.read(txn, self._tables.counters, counters.REMOVALS)
+        known = self._verified.find(chain, epoch, chain.n_blocks)
+        if known is None or len(known.hashes) < chain.n_blocks:
+            return None
+        self._touch(known.hashes)
+        with self._lock:
+            self._activity.lookups += 1
+            self._activity.hit_blocks += len(known.hashes)
+        return PrefixMatch(identity.digest, identity.block_tokens, known.hashes, known.payload_sizes)
+
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
         """Verify block i's payload and write it into `dests[i]`, in order, copying once.
 
@@ -572,10 +594,9 @@ class Store:
         self._touch(walk.hashes)
 
     def _touch(self, hashes: Iterable[bytes]) -> None:
-        now = time.time_ns()
+        touched = dict.fromkeys(hashes, time.time_ns())
         with self._lock:
-            for h in hashes:
-                self._touched[h] = now
+            self._touched.update(touched)
 
     def _quarantine(self, bad: list[_Damaged]) -> None:
         """Drop blocks that failed verification, and everything below them, in one transaction."""

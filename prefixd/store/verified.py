@@ -41,11 +41,11 @@ class VerifiedPrefixes:
         """The longest remembered prefix of `chain` (at most `limit` blocks) still valid at `epoch`."""
         if not self.max_bytes or not self._entries:
             return None
-        hashes = chain.hashes_until(limit)[:limit]
         digest = chain.identity.digest
         with self._lock:
             entries = self._entries
-            for h in reversed(hashes):
+            for index in range(limit - 1, -1, -1):  # the longest first; usually the last hits
+                h = chain.hash(index)
                 entry = entries.get(h)
                 if (
                     entry is not None
