@@ -104,9 +104,9 @@ def _store(name: str, kind: str, doc: str, choices: tuple[str, ...] = ()) -> Any
 class Config:
     """Everything `prefixd serve` can be told; every field is validated on construction.
 
-    Who may connect: a peer (as SO_PEERCRED reports it) is allowed if its uid is 0, equals the
-    daemon's uid, is in `allowed_uids`, or its gid (the peer's effective primary gid; supplementary
-    groups are not consulted) is in `allowed_gids`. The socket's file mode is a second, independent
+    Who may connect: a peer (as SO_PEERCRED and SO_PEERGROUPS report it at connect) is allowed if
+    its uid is 0, equals the daemon's uid, is in `allowed_uids`, or its primary gid or one of its
+    supplementary groups is in `allowed_gids`. The socket's file mode is a second, independent
     gate: a peer also needs write permission on the socket file to connect at all.
 
     data_dir and socket have no static default: `config_from_sources` computes them from the

@@ -115,7 +115,8 @@ class Operations:
             fd = fds.pop()
         finally:
             conn.close_fds(fds)
-        region = MappedRegion(fd, size, self.max_region_bytes)
+        # mapping pre-faults the pages: on the pool, not the loop
+        region = await self._run(partial(MappedRegion, fd, size, self.max_region_bytes))
         return ok_reply(rid, region=conn.add_region(region), size=size)
 
     async def put(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:

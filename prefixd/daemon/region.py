@@ -102,7 +102,8 @@ class MappedRegion:
                 )
             if os.fstat(fd).st_size != size:
                 raise ProtocolError(ErrorCode.BAD_REGION, "region size differs from the memfd's")
-            self._mmap = mmap.mmap(fd, size)
+            # MAP_POPULATE: fault the client's (already touched) pages in now, not on a load
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
         self.size = size

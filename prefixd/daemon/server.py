@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux; not exported by every Python
+_PEERGROUPS_BYTES = 1024 * 4  # room for NGROUPS_MAX-ish lists
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * 4)
 # An oversized frame's body is read and dropped (keeping the stream in sync) up to this many times
 # the frame limit; beyond that the connection is closed.
@@ -183,7 +185,7 @@ class Server:
             pid, uid, gid = _PEERCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
-            refusal = self._refusal(uid, gid)
+            refusal = self._refusal(uid, {gid, *_peer_groups(sock)})
             if refusal is not None:
                 self.stats["refused"] += 1
                 log.warning("refused a connection from pid %d uid %d: %s", pid, uid, refusal[1])
@@ -193,12 +195,14 @@ class Server:
             self.connections.add(conn)
             conn.task = asyncio.create_task(conn.run(), name=f"prefixd-conn-{pid}")
 
-    def _refusal(self, uid: int, gid: int) -> tuple[ErrorCode, str] | None:
+    def _refusal(self, uid: int, gids: set[int]) -> tuple[ErrorCode, str] | None:
         config = self.config
         if not (
-            uid in (0, os.geteuid()) or uid in config.allowed_uids or gid in config.allowed_gids
+            uid in (0, os.geteuid())
+            or uid in config.allowed_uids
+            or not gids.isdisjoint(config.allowed_gids)
         ):
-            return ErrorCode.FORBIDDEN, f"uid {uid} / gid {gid} may not use this daemon"
+            return ErrorCode.FORBIDDEN, f"uid {uid} (groups {sorted(gids)}) may not use this daemon"
         if len(self.connections) >= config.max_connections:
             return ErrorCode.BUSY, f"the daemon serves at most {config.max_connections} connections"
         return None
@@ -448,6 +452,15 @@ async def _reply_and_close(sock: socket.socket, code: ErrorCode, message: str) -
     with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
         await asyncio.wait_for(loop.sock_sendall(sock, frame), 1.0)
     sock.close()
+
+
+def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The peer's supplementary groups as the kernel recorded them at connect (SO_PEERGROUPS)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _PEERGROUPS_BYTES)
+    except OSError:  # kernels before 4.13: primary group only
+        return ()
+    return struct.unpack(f"={len(raw) // 4}I", raw[: len(raw) - len(raw) % 4])
 
 
 def _socket_answers(path: os.PathLike[str]) -> bool:
