@@ -147,9 +147,13 @@ class Operations:
 
         # Prompts whose whole prefix was verified recently are answered here, without a thread
         # hop (the store reads no record for them); the rest go to the pool.
-        matches: list[PrefixMatch | None] = [
-            self.store.cached_prefix(identity, tokens, hashes=hashes) for tokens, hashes in queries
-        ]
+        try:
+            matches: list[PrefixMatch | None] = [
+                self.store.cached_prefix(identity, tokens, hashes=hashes)
+                for tokens, hashes in queries
+            ]
+        except TokenError as exc:  # e.g. hashes of the wrong length: not run through _run
+            raise ProtocolError(ErrorCode.BAD_TOKENS, str(exc)) from None
         missing = [i for i, match in enumerate(matches) if match is None]
         if missing:
 
@@ -219,7 +223,8 @@ class Operations:
     def _identity(self, msg: Mapping[str, Any]) -> Identity:
         raw = field(msg, "identity", dict, code=ErrorCode.BAD_IDENTITY)
         try:
-            key = tuple(sorted(raw.items()))
+            # the type is part of the key: 4.0 == 4 and True == 1, but only ints are block_tokens
+            key = tuple(sorted((name, type(value), value) for name, value in raw.items()))
             cached = self._identities.get(key)
         except TypeError:  # unhashable or unsortable values: let validation name the field
             key, cached = (), None

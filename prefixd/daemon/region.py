@@ -103,7 +103,12 @@ class MappedRegion:
             if os.fstat(fd).st_size != size:
                 raise ProtocolError(ErrorCode.BAD_REGION, "region size differs from the memfd's")
             # MAP_POPULATE: fault the client's (already touched) pages in now, not on a load
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            try:
+                self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            except OSError as exc:  # e.g. a memfd sealed against writing (EPERM)
+                raise ProtocolError(
+                    ErrorCode.BAD_REGION, f"memfd cannot be mapped read-write: {exc.strerror}"
+                ) from None
         finally:
             os.close(fd)
         self.size = size

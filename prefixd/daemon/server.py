@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _PEERCRED = struct.Struct("3i")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux; not exported by every Python
-_PEERGROUPS_BYTES = 1024 * 4  # room for NGROUPS_MAX-ish lists
+_PEERGROUPS_BYTES = 1024  # the most socket.getsockopt accepts (256 groups; more: ERANGE)
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * 4)
 # An oversized frame's body is read and dropped (keeping the stream in sync) up to this many times
 # the frame limit; beyond that the connection is closed.

@@ -82,6 +82,8 @@ class Daemon:
         flags: Sequence[str],
         env: dict[str, str] | None,
         name: str,
+        launcher: Sequence[str] | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         self.workdir = workdir
         self.sockdir = sockdir
@@ -90,6 +92,9 @@ class Daemon:
         self.socket = sockdir / f"{name}.sock"
         self.flags = list(flags)
         self.extra_env = dict(env or {})
+        # What runs `serve ...`: python -m prefixd, or a launcher that execs it (socket activation)
+        self.launcher = list(launcher or [sys.executable, "-m", "prefixd"])
+        self.pass_fds = tuple(pass_fds)
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify_path = sockdir / f"{name}.notify"
         self.notify.bind(str(self.notify_path))
@@ -102,7 +107,7 @@ class Daemon:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "prefixd", "serve",
+            *self.launcher, "serve",
             "--data-dir", str(self.data_dir),
             "--socket", str(self.socket),
             "--map-size", "256MiB",
@@ -125,6 +130,7 @@ class Daemon:
                 stderr=stderr,
                 env=self.env(),
                 cwd=REPO,
+                pass_fds=self.pass_fds,
             )
         if wait:
             self.wait_notify(b"READY=1")
@@ -238,8 +244,16 @@ def _factory(workdir: Path, sockdir: Path) -> Iterator[DaemonFactory]:
     daemons: list[Daemon] = []
 
     def start(*flags: str, env: dict[str, str] | None = None, wait: bool = True,
-              name: str | None = None) -> Daemon:
-        daemon = Daemon(workdir, sockdir, flags, env, name or f"d{len(daemons)}")
+              name: str | None = None, launcher: Sequence[str] | None = None,
+              pass_fds: Sequence[int] = (), socket_path: Path | None = None,
+              data_dir: Path | None = None) -> Daemon:
+        daemon = Daemon(
+            workdir, sockdir, flags, env, name or f"d{len(daemons)}", launcher, pass_fds
+        )
+        if socket_path is not None:
+            daemon.socket = socket_path
+        if data_dir is not None:
+            daemon.data_dir = data_dir
         daemons.append(daemon)
         return daemon.start(wait=wait)
 
