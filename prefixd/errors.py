@@ -61,6 +61,10 @@ class CorruptMetaError(CorruptStoreError):
 # --- using a store -----------------------------------------------------------------------------
 
 
+class ServeError(PrefixdError):
+    """The daemon cannot serve: its socket path is taken or unusable."""
+
+
 class StoreClosedError(PrefixdError):
     """The store was closed, or is used from a process other than the one that opened it."""
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Executor
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from prefixd.daemon.server import Connection
 
 T = TypeVar("T")
-Handler = Callable[["Connection", int, Mapping[str, Any]], Awaitable[dict[str, Any]]]
+Handler = Callable[["Connection", "Request"], Awaitable[dict[str, Any]]]
 
 _STORE_ERRORS: tuple[tuple[type[Exception], ErrorCode], ...] = (
     (OpenTailError, ErrorCode.OPEN_TAIL),
@@ -59,8 +59,17 @@ MAX_PROMPTS_PER_LOOKUP = 4096
 MAX_BLOCKS_PER_PUT = 1 << 16
 
 
+class Request(NamedTuple):
+    """One decoded request and the descriptors (SCM_RIGHTS) that arrived with its frame."""
+
+    id: int
+    message: dict[str, Any]
+    fds: tuple[int, ...] = ()
+
+
 class Operations:
-    """The daemon's operations, by name."""
+    """The daemon's operations, by name. Only `attach` takes descriptors; the server closes the
+    descriptors of every other request."""
 
     def __init__(
         self, store: Store, pool: Executor, *, max_frame_bytes: int, max_region_bytes: int
@@ -71,6 +80,7 @@ class Operations:
         self.max_region_bytes = max_region_bytes
         self.started = time.monotonic()
         self._identities: dict[tuple[tuple[str, Any], ...], Identity] = {}
+        self.takes_fds = frozenset({"attach"})
         self.handlers: dict[str, Handler] = {
             "hello": self.hello,
             "attach": self.attach,
@@ -81,7 +91,8 @@ class Operations:
             "health": self.health,
         }
 
-    async def hello(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def hello(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid, msg = request.id, request.message
         version = int_field(msg, "protocol", high=1 << 31)
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -99,8 +110,9 @@ class Operations:
             max_inflight=conn.max_inflight,
         )
 
-    async def attach(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
-        fds = conn.take_fds()
+    async def attach(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid, msg = request.id, request.message
+        fds = list(request.fds)
         try:
             size = int_field(msg, "size", low=1, high=self.max_region_bytes)
             if len(fds) != 1:
@@ -115,11 +127,11 @@ class Operations:
             fd = fds.pop()
         finally:
             conn.close_fds(fds)
-        # mapping pre-faults the pages: on the pool, not the loop
         region = await self._run(partial(MappedRegion, fd, size, self.max_region_bytes))
         return ok_reply(rid, region=conn.add_region(region), size=size)
 
-    async def put(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def put(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid, msg = request.id, request.message
         identity = self._identity(msg)
         tokens = _tokens(conn, msg)
         first_block = int_field(msg, "first_block", default=0)
@@ -132,7 +144,8 @@ class Operations:
         )
         return ok_reply(rid, stored=result.stored, existed=result.existed)
 
-    async def lookup(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def lookup(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid, msg = request.id, request.message
         identity = self._identity(msg)
         prompts = field(msg, "prompts", list)
         if len(prompts) > MAX_PROMPTS_PER_LOOKUP:
@@ -172,7 +185,8 @@ class Operations:
         ]
         return ok_reply(rid, results=results)
 
-    async def load(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def load(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid, msg = request.id, request.message
         identity = self._identity(msg)
         tokens = _tokens(conn, msg)
         hashes = _hashes(msg)
@@ -192,11 +206,13 @@ class Operations:
             sizes=_packed(result.sizes),
         )
 
-    async def stats(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def stats(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid = request.id
         stats = await self._run(self.store.stats)
         return ok_reply(rid, store=dataclasses.asdict(stats), server=conn.server.counters())
 
-    async def health(self, conn: Connection, rid: int, msg: Mapping[str, Any]) -> dict[str, Any]:
+    async def health(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid = request.id
         await self._run(self.store.stats)  # the store answers through the pool
         return ok_reply(
             rid,

@@ -102,9 +102,10 @@ class MappedRegion:
                 )
             if os.fstat(fd).st_size != size:
                 raise ProtocolError(ErrorCode.BAD_REGION, "region size differs from the memfd's")
-            # MAP_POPULATE: fault the client's (already touched) pages in now, not on a load
+            # No MAP_POPULATE: on a sparse memfd it would allocate the whole region, charged to
+            # the daemon. Pages the client touched fault in (minor faults) on the first load.
             try:
-                self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                self._mmap = mmap.mmap(fd, size)
             except OSError as exc:  # e.g. a memfd sealed against writing (EPERM)
                 raise ProtocolError(
                     ErrorCode.BAD_REGION, f"memfd cannot be mapped read-write: {exc.strerror}"

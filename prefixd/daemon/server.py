@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from prefixd.daemon import systemd
-from prefixd.daemon.operations import Operations
+from prefixd.daemon.operations import Operations, Request
 from prefixd.daemon.protocol import (
     HEADER,
     MAX_FDS_PER_FRAME,
@@ -35,6 +35,7 @@ from prefixd.daemon.protocol import (
     request_id,
 )
 from prefixd.daemon.region import MappedRegion, fds_from_ancillary
+from prefixd.errors import ServeError
 from prefixd.store import Store
 
 if TYPE_CHECKING:
@@ -142,9 +143,9 @@ class Server:
         path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
-                raise OSError(f"{path} exists and is not a socket")
+                raise ServeError(f"{path} exists and is not a socket")
             if _socket_answers(path):
-                raise OSError(f"another daemon is serving on {path}")
+                raise ServeError(f"another daemon is serving on {path}")
             path.unlink()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -323,33 +324,42 @@ class Connection:
                 if length > config.max_frame_bytes * _DISCARD_FACTOR:
                     return  # cannot resynchronise cheaply: close
                 await self._discard(length)
+                self.close_fds(self.take_fds())
                 continue
             body = bytearray(length)
             if not await self._recv_exact(memoryview(body), at_boundary=False):
                 return  # truncated frame: the stream cannot be resynchronised
-            self._start(body)
+            self._start(body, self.take_fds())
 
-    def _start(self, body: bytearray) -> None:
+    def _start(self, body: bytearray, fds: list[int]) -> None:
+        """Decode one frame and start its request; `fds` arrived with this frame."""
         try:
             message = decode_body(body)
             rid = request_id(message)
         except ProtocolError as exc:
+            self.close_fds(fds)
             self.server.stats[f"errors.{exc.code.value}"] += 1
             self._spawn(self._send(error_reply(None, exc.code, exc.message)))
             return
         if len(self._requests) >= self.max_inflight:
+            self.close_fds(fds)
             self.server.stats["errors.busy"] += 1
             message_text = f"at most {self.max_inflight} requests in flight per connection"
             self._spawn(self._send(error_reply(rid, ErrorCode.BUSY, message_text)))
             return
-        self._spawn(self._handle(rid, message))
+        op = message.get("op")
+        if fds and op not in self.operations.takes_fds:
+            self.close_fds(fds)  # a descriptor belongs to the frame it came with
+            fds = []
+        self._spawn(self._handle(Request(rid, message, tuple(fds))))
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)
         self._requests.add(task)
         task.add_done_callback(self._requests.discard)
 
-    async def _handle(self, rid: int, message: dict[str, Any]) -> None:
+    async def _handle(self, request: Request) -> None:
+        rid, message = request.id, request.message
         op = message.get("op")
         stats = self.server.stats
         try:
@@ -359,10 +369,12 @@ class Connection:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown operation {op[:64]!r}")
             if op != "hello" and not self.greeted:
+                self.close_fds(list(request.fds))
                 raise ProtocolError(ErrorCode.HELLO_REQUIRED, "send hello first")
             if self.server.stopping.is_set() and op != "health":
+                self.close_fds(list(request.fds))
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-            reply = await handler(self, rid, message)
+            reply = await handler(self, request)
             stats[f"requests.{op}"] += 1
         except ProtocolError as exc:
             stats[f"errors.{exc.code.value}"] += 1

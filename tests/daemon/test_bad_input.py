@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+from pathlib import Path
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -437,10 +437,6 @@ def test_attach_refuses_a_write_sealed_memfd(
     good.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: fds are pooled per connection, not bound to the frame they arrived with",
-)
 def test_descriptors_belong_to_the_frame_they_came_with(
     raw: Raw, good: Good, shared: Daemon
 ) -> None:
@@ -617,3 +613,29 @@ def test_logs_hold_no_prompts_tokens_or_keys(daemon_factory: DaemonFactory) -> N
     forbidden.add(IDENTITY.digest[:4].hex())
     leaked = sorted(s for s in forbidden if s.lower() in log.lower())
     assert not leaked, f"the log shows {leaked}:\n{log}"
+
+
+def _shmem_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1])
+    raise AssertionError("no Shmem line in /proc/meminfo")
+
+
+def test_attaching_a_sparse_region_allocates_nothing(raw: Raw, good: Good) -> None:
+    """The daemon maps a region without populating it: a client cannot make it allocate memory
+    by attaching a large, untouched memfd."""
+    raw.hello()
+    size = 512 << 20
+    fd = os.memfd_create("pd-sparse", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        before = _shmem_kib()
+        reply = raw.request("attach", fds=[fd], size=size)
+        grown = _shmem_kib() - before
+    finally:
+        os.close(fd)
+    assert reply["ok"] is True, reply
+    assert grown < (size >> 10) // 4, f"attaching a sparse region allocated {grown} KiB"
+    good.check()
