@@ -11,16 +11,20 @@ What it measures, in one run on one machine, against one `python -m prefixd serv
                  writes nothing fails.
 * memcpy:        `numpy.copyto` of the same bytes between two preallocated, already-touched
                  buffers, in one call: the ceiling, since a load cannot beat one copy of its bytes.
-                 `memcpy_region` is the same copy into the shared region itself (a memfd: shmem
-                 pages, never transparent huge pages here, where numpy's own buffers may get them),
-                 for context: it is the copy the load actually has to make.
+                 `memcpy_region` is the same copy into the shared region itself, for context: it
+                 is the copy the load has to make, into shmem pages (which get transparent huge
+                 pages only where shmem_enabled allows, while numpy's own buffers may get them).
 * lookup:        `Client.lookup` of one 131072-token prompt of 512-token blocks (256 blocks, all
                  stored), blocking client, one request per lookup, `--lookups` times: p50 and p99
                  microseconds, without client hashes (the daemon hashes the chain) and with
                  precomputed hashes (`packed_hashes`; the daemon still compares every record's
-                 tokens and parent link). The three request kinds are interleaved.
+                 tokens and parent link). The four request kinds (with health and hello) are
+                 interleaved.
 * health:        the `health` request, interleaved with the lookups: the round trip through the
                  socket, the event loop and the worker pool, with no store work to speak of.
+* hello:         the `hello` request on a second connection (a bare protocol client): the round
+                 trip through the socket and the event loop alone, answered without the pool or
+                 the store. health minus hello is the worker pool's hop.
 * store_lookup:  `Store.longest_prefix` of the same prompt in this process on a separate temporary
                  store with the same blocks (no daemon), for context: lookup minus store_lookup is
                  what the daemon and the protocol add.
@@ -69,6 +73,7 @@ import numpy as np
 
 from prefixd import Identity, Store
 from prefixd.client import Client
+from prefixd.daemon.protocol import HEADER, PROTOCOL_VERSION, encode_frame
 from prefixd.schema.chain import packed_hashes
 
 MiB = 1 << 20
@@ -153,8 +158,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
         parser.error("--size-mib must be a positive multiple of --block-kib")
     if args.repeat < 1 or args.lookups < 1 or args.run_blocks < 1:
         parser.error("--repeat, --lookups and --run-blocks must be positive")
-    if args.run_blocks * payload > total:
-        parser.error("--run-blocks blocks of --block-kib must fit in --size-mib")
     return Settings(
         total_bytes=total,
         payload_bytes=payload,
@@ -231,7 +234,7 @@ def log(settings: Settings, message: str) -> None:
 
 
 class Daemon:
-    """`python -m prefixd serve` in a subprocess, ready once it sent READY=1 to our NOTIFY_SOCKET."""
+    """`python -m prefixd serve` in a subprocess, ready once READY=1 reached our NOTIFY_SOCKET."""
 
     def __init__(self, data_dir: Path, sock_dir: Path, settings: Settings) -> None:
         self.data_dir = data_dir
@@ -275,7 +278,10 @@ class Daemon:
             started = time.perf_counter()
             with open(self.log_path, "wb") as log_file:
                 self.process = subprocess.Popen(
-                    self.command(), env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                    self.command(),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
                     stderr=subprocess.STDOUT,
                 )
             self._wait_ready(notify, started)
@@ -288,7 +294,9 @@ class Daemon:
         while True:
             left = READY_TIMEOUT_S - (time.perf_counter() - started)
             if left <= 0:
-                raise RuntimeError(f"the daemon sent no READY=1 within {READY_TIMEOUT_S}s{self.tail()}")
+                raise RuntimeError(
+                    f"the daemon sent no READY=1 within {READY_TIMEOUT_S}s{self.tail()}"
+                )
             notify.settimeout(min(left, 0.2))
             try:
                 message = notify.recv(4096).decode(errors="replace")
@@ -420,10 +428,45 @@ def percentiles_us(seconds: list[float]) -> dict[str, float]:
     }
 
 
+class HelloPinger:
+    """A bare protocol client on its own connection: `hello`, the cheapest request there is."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.header = bytearray(HEADER.size)
+        self.rid = 0
+
+    def __call__(self) -> int:
+        self.rid += 1
+        frame = {"op": "hello", "protocol": PROTOCOL_VERSION, "client": "bench", "id": self.rid}
+        self.sock.sendall(encode_frame(frame))
+        self._recv_exact(memoryview(self.header))
+        (length,) = HEADER.unpack(self.header)
+        body = bytearray(length)
+        self._recv_exact(memoryview(body))
+        return length
+
+    def _recv_exact(self, view: memoryview) -> None:
+        while len(view):
+            got = self.sock.recv_into(view)
+            if not got:
+                raise RuntimeError("the daemon closed the hello connection")
+            view = view[got:]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def bench_lookups(
-    settings: Settings, client: Client, ident: Identity, tokens: np.ndarray, hashes: bytes
+    settings: Settings,
+    client: Client,
+    hello: HelloPinger,
+    ident: Identity,
+    tokens: np.ndarray,
+    hashes: bytes,
 ) -> dict[str, dict[str, float]]:
-    """lookup, lookup_hashed and health through the daemon, interleaved, after a warm-up."""
+    """lookup, lookup_hashed, health and hello through the daemon, interleaved, after a warm-up."""
     n = LOOKUP_PROMPT_TOKENS // LOOKUP_BLOCK_TOKENS
     prompts = [tokens]
     with_hashes = [hashes]
@@ -431,6 +474,7 @@ def bench_lookups(
         "lookup": lambda: client.lookup(ident, prompts),
         "lookup_hashed": lambda: client.lookup(ident, prompts, hashes=with_hashes),
         "health": client.health,
+        "hello": hello,
     }
     expected = {"lookup": n, "lookup_hashed": n}
     names = list(actions)
@@ -488,7 +532,9 @@ def bench_store_lookups(
 # --- report ----------------------------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(loadavg_start: tuple[float, ...]) -> dict[str, Any]:
+    """The machine, and its load average at the start and the end: on a small machine another
+    busy process halves the load (two copying threads) before it touches memcpy (one)."""
     import lmdb
     import msgpack
 
@@ -507,6 +553,8 @@ def machine_info() -> dict[str, Any]:
         "lmdb": lmdb.__version__,
         "msgpack": ".".join(map(str, msgpack.version)),
         "uvloop": uvloop_version,
+        "loadavg_start": [round(x, 2) for x in loadavg_start],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -522,6 +570,7 @@ def build_report(
     daemon_stats: dict[str, Any],
     put_seconds: float,
     workdir: Path,
+    loadavg_start: tuple[float, ...],
 ) -> dict[str, Any]:
     total = settings.total_bytes
     rate = {name: gbps(total, samples.median(name)) for name in samples.seconds}
@@ -537,6 +586,8 @@ def build_report(
         "lookup_hashed_p99_us": latency["lookup_hashed"]["p99"],
         "health_p50_us": latency["health"]["p50"],
         "health_p99_us": latency["health"]["p99"],
+        "hello_p50_us": latency["hello"]["p50"],
+        "hello_p99_us": latency["hello"]["p99"],
         "store_lookup_p50_us": latency["store_lookup"]["p50"],
         "store_lookup_p99_us": latency["store_lookup"]["p99"],
         "store_lookup_hashed_p50_us": latency["store_lookup_hashed"]["p50"],
@@ -582,7 +633,7 @@ def build_report(
             "dir": str(workdir),
         },
         "seconds": {k: [round(s, 4) for s in v] for k, v in samples.seconds.items()},
-        "machine": machine_info(),
+        "machine": machine_info(loadavg_start),
     }
     return report
 
@@ -607,7 +658,8 @@ def print_table(report: dict[str, Any]) -> None:
         return f"target {target[key]}: {'met' if met[key] else 'MISSED'}"
 
     print(f"  load / memcpy       {report['load_vs_memcpy']:>6.2f}  ({verdict('load_vs_memcpy')})")
-    for name in ("lookup", "lookup_hashed", "health", "store_lookup", "store_lookup_hashed"):
+    names = ("lookup", "lookup_hashed", "health", "hello", "store_lookup", "store_lookup_hashed")
+    for name in names:
         lat = report["latency_us"][name]
         print(f"  {name:<20} p50 {lat['p50']:>8.1f} us  p99 {lat['p99']:>8.1f} us")
     print(f"  lookup p50 {verdict('lookup_p50_us')}; p99 {verdict('lookup_p99_us')}")
@@ -617,6 +669,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def run(settings: Settings, workdir: Path, sock_dir: Path) -> dict[str, Any]:
+    loadavg_start = os.getloadavg()
     rng = np.random.default_rng(SEED)
     log(settings, f"generating {settings.total_bytes // MiB} MiB of bf16 payloads")
     source = make_payload_bytes(settings.total_bytes, rng)
@@ -650,14 +703,23 @@ def run(settings: Settings, workdir: Path, sock_dir: Path) -> dict[str, Any]:
             stored = put_all(client, lookup_ident, lookup_tokens, small, settings.run_blocks)
             if stored != n_lookup_blocks:
                 raise RuntimeError(f"put stored {stored} of {n_lookup_blocks} lookup blocks")
-            latency.update(bench_lookups(settings, client, lookup_ident, lookup_tokens, hashes))
+            hello = HelloPinger(daemon.socket)
+            try:
+                hello()  # the first request on a connection must be hello: it is, and greets
+                latency.update(
+                    bench_lookups(settings, client, hello, lookup_ident, lookup_tokens, hashes)
+                )
+            finally:
+                hello.close()
             log(settings, f"lookups: {latency}")
             daemon_stats = client.stats()
     finally:
         code = daemon.stop()
     if code != 0:
         raise RuntimeError(f"the daemon exited with {code} after SIGTERM{daemon.tail()}")
-    return build_report(settings, samples, latency, daemon, daemon_stats, put_seconds, workdir)
+    return build_report(
+        settings, samples, latency, daemon, daemon_stats, put_seconds, workdir, loadavg_start
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
