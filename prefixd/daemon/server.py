@@ -250,6 +250,8 @@ class Connection:
         self._requests: set[asyncio.Task[None]] = set()
         self._write_lock = asyncio.Lock()
         self._draining = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._watching = False
 
     # --- state used by operations ---------------------------------------------------------------
 
@@ -302,6 +304,7 @@ class Connection:
             log.debug("connection from pid %d ended: %s", self.pid, exc)
         except asyncio.CancelledError:
             pass
+        self._unwatch()
         try:
             if self._draining and self._requests:
                 await asyncio.gather(*self._requests, return_exceptions=True)
@@ -423,19 +426,29 @@ class Connection:
             return got
 
     async def _readable(self) -> None:
+        """Wait until the socket is readable. The reader stays registered while frames are read
+        (one epoll registration per connection, not two syscalls per frame)."""
         loop = asyncio.get_running_loop()
-        ready = loop.create_future()
-        fd = self.sock.fileno()
-
-        def wake() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        loop.add_reader(fd, wake)
+        waiter = loop.create_future()
+        self._waiter = waiter
+        if not self._watching:
+            loop.add_reader(self.sock.fileno(), self._wake)
+            self._watching = True
         try:
-            await ready
+            await waiter
         finally:
-            loop.remove_reader(fd)
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _unwatch(self) -> None:
+        """Stop watching the socket (level-triggered: an unread socket would wake us again)."""
+        if self._watching:
+            self._watching = False
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
 
     async def _discard(self, length: int) -> None:
         scratch = memoryview(bytearray(min(length, 1 << 20)))
@@ -446,6 +459,7 @@ class Connection:
             left -= min(left, len(scratch))
 
     async def _close(self) -> None:
+        self._unwatch()
         for request in list(self._requests):
             request.cancel()
         await asyncio.gather(*self._requests, return_exceptions=True)

@@ -44,6 +44,7 @@ def as_token_array(token_ids: TokenIds) -> np.ndarray:
         raise TokenError(f"token ids must be one-dimensional, got shape {array.shape}")
     if array.dtype.kind not in "iu" or array.dtype == np.bool_:
         raise TokenError(f"token ids must be integers, got dtype {array.dtype}")
-    if array.size and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID):
+    unsigned_fits = array.dtype.kind == "u" and array.dtype.itemsize <= TOKEN_BYTES
+    if array.size and not unsigned_fits and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID):
         raise TokenError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
     return np.ascontiguousarray(array, dtype=TOKEN_DTYPE)

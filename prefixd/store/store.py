@@ -115,6 +115,7 @@ class Store:
         self._verified = VerifiedPrefixes(config.verified_cache_bytes)
         self._lock = threading.Lock()
         self._touched: dict[bytes, int] = {}
+        self._touched_runs: dict[bytes, tuple[Sequence[bytes], int]] = {}
         self._pending_collisions = 0
         self._activity = _Activity()
         self._closed = False
@@ -433,6 +434,7 @@ class Store:
         except CorruptRecordError:
             return None
         with self._lock:
+            self._touched = self._take_touches()
             pending = self._touched.get(block)
         last = pending or (_U64.unpack(access)[0] if access else record.created_ns)
         return BlockInfo(
@@ -453,7 +455,7 @@ class Store:
         """Write pending access times and counters, then fsync the environment."""
         self._check_usable()
         with self._lock:
-            touched, self._touched = self._touched, {}
+            touched = self._take_touches()
             collisions, self._pending_collisions = self._pending_collisions, 0
         t = self._tables
         if touched or collisions:
@@ -593,10 +595,22 @@ class Store:
             self._quarantine([damaged])
         self._touch(walk.hashes)
 
-    def _touch(self, hashes: Iterable[bytes]) -> None:
-        touched = dict.fromkeys(hashes, time.time_ns())
-        with self._lock:
-            self._touched.update(touched)
+    def _touch(self, hashes: Sequence[bytes]) -> None:
+        """Note an access; runs of blocks are kept whole (keyed by their last block) and spread
+        over the blocks only when written, so a repeated long lookup costs one dict entry."""
+        if hashes:
+            with self._lock:
+                self._touched_runs[hashes[-1]] = (hashes, time.time_ns())
+
+    def _take_touches(self) -> dict[bytes, int]:
+        """Pending access times per block, removed from memory (call under `self._lock`)."""
+        touched = self._touched
+        for hashes, at in self._touched_runs.values():
+            for h in hashes:
+                if touched.get(h, 0) < at:
+                    touched[h] = at
+        self._touched, self._touched_runs = {}, {}
+        return touched
 
     def _quarantine(self, bad: list[_Damaged]) -> None:
         """Drop blocks that failed verification, and everything below them, in one transaction."""

@@ -15,6 +15,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import xxhash
+
 from prefixd.schema.chain import BlockChain
 
 
@@ -25,6 +27,7 @@ class VerifiedPrefix:
     tokens: bytes
     hashes: tuple[bytes, ...]
     payload_sizes: tuple[int, ...]
+    content: bytes  # _content_key(identity, tokens)
 
 
 class VerifiedPrefixes:
@@ -33,6 +36,9 @@ class VerifiedPrefixes:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[bytes, VerifiedPrefix] = OrderedDict()
+        # The same entries by a digest of (identity, token ids): a repeated query whose block
+        # hashes are not at hand finds its entry with one hash of its bytes instead of a chain.
+        self._by_content: dict[bytes, bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -42,10 +48,14 @@ class VerifiedPrefixes:
         if not self.max_bytes or not self._entries:
             return None
         digest = chain.identity.digest
+        content = _content_key(digest, memoryview(chain.token_bytes)[: limit * chain.block_tokens * 4])
         with self._lock:
             entries = self._entries
-            for index in range(limit - 1, -1, -1):  # the longest first; usually the last hits
-                h = chain.hash(index)
+            exact = self._by_content.get(content)
+            probes = [exact] if exact is not None else []
+            if chain.known_hashes >= limit or not probes:
+                probes.extend(chain.hash(i) for i in range(limit - 1, -1, -1))
+            for h in probes:  # the longest first; usually the first probe hits
                 entry = entries.get(h)
                 if (
                     entry is not None
@@ -72,15 +82,30 @@ class VerifiedPrefixes:
         tokens = chain.token_bytes[: len(hashes) * chain.block_tokens * 4]
         if len(tokens) > self.max_bytes:
             return
+        digest = chain.identity.digest
+        content = _content_key(digest, tokens)
         entry = VerifiedPrefix(
-            epoch, chain.identity.digest, tokens, tuple(hashes), tuple(payload_sizes)
+            epoch, digest, tokens, tuple(hashes), tuple(payload_sizes), content
         )
         with self._lock:
             old = self._entries.pop(hashes[-1], None)
             if old is not None:
-                self._bytes -= len(old.tokens)
+                self._forget(old)
             self._entries[hashes[-1]] = entry
+            self._by_content[content] = hashes[-1]
             self._bytes += len(tokens)
             while self._bytes > self.max_bytes:
                 _, dropped = self._entries.popitem(last=False)
-                self._bytes -= len(dropped.tokens)
+                self._forget(dropped)
+
+    def _forget(self, entry: VerifiedPrefix) -> None:
+        self._bytes -= len(entry.tokens)
+        if self._by_content.get(entry.content) == entry.hashes[-1]:
+            del self._by_content[entry.content]
+
+
+def _content_key(identity_digest: bytes, tokens: bytes | memoryview) -> bytes:
+    """Finds an entry only: a hit is still checked byte for byte."""
+    state = xxhash.xxh3_128(identity_digest)
+    state.update(tokens)
+    return state.digest()
