@@ -48,26 +48,37 @@ class VerifiedPrefixes:
         if not self.max_bytes or not self._entries:
             return None
         digest = chain.identity.digest
-        content = _content_key(digest, memoryview(chain.token_bytes)[: limit * chain.block_tokens * 4])
+        closed = memoryview(chain.token_bytes)[: limit * chain.block_tokens * 4]
+        content = _content_key(digest, closed)
         with self._lock:
-            entries = self._entries
             exact = self._by_content.get(content)
-            probes = [exact] if exact is not None else []
-            if chain.known_hashes >= limit or not probes:
-                probes.extend(chain.hash(i) for i in range(limit - 1, -1, -1))
-            for h in probes:  # the longest first; usually the first probe hits
-                entry = entries.get(h)
-                if (
-                    entry is not None
-                    and entry.epoch == epoch
-                    and entry.identity == digest
-                    and len(entry.hashes) <= limit
-                    and chain.token_bytes.startswith(entry.tokens)
-                ):
-                    entries.move_to_end(h)
-                    self.hits += 1
+            if exact is not None:
+                entry = self._valid(exact, chain, epoch, limit)
+                if entry is not None:
+                    return entry
+            # a shorter remembered prefix (a shared system prompt, say): its last block's hash
+            for index in range(limit - 1, -1, -1):  # the longest first
+                entry = self._valid(chain.hash(index), chain, epoch, limit)
+                if entry is not None:
                     return entry
         return None
+
+    def _valid(
+        self, key: bytes, chain: BlockChain, epoch: int, limit: int
+    ) -> VerifiedPrefix | None:
+        """The entry under `key` if it is a verified prefix of `chain` (call under the lock)."""
+        entry = self._entries.get(key)
+        if (
+            entry is None
+            or entry.epoch != epoch
+            or entry.identity != chain.identity.digest
+            or len(entry.hashes) > limit
+            or not chain.token_bytes.startswith(entry.tokens)
+        ):
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
 
     def remember(
         self,
