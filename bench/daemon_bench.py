@@ -322,7 +322,7 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-                raise RuntimeError(f"the daemon did not stop within {STOP_TIMEOUT_S}s of SIGTERM")
+                raise RuntimeError(f"the daemon did not stop within {STOP_TIMEOUT_S}s of SIGTERM") from None
         self.exit_code = process.returncode
         self.process = None
         return process.returncode

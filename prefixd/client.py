@@ -440,7 +440,12 @@ class AsyncClient:
         return self._requests.region
 
     async def put(
-        self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], *, first_block: int = 0
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        payloads: Sequence[Any],
+        *,
+        first_block: int = 0,
     ) -> Stored:
         async with self._put_lock:
             spans = self._requests.stage(payloads)
@@ -494,8 +499,10 @@ class AsyncClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, os.fspath(self.socket_path)), self.timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
+            await asyncio.wait_for(
+                loop.sock_connect(sock, os.fspath(self.socket_path)), self.timeout
+            )
+        except (TimeoutError, OSError) as exc:
             sock.close()
             raise DaemonUnavailableError(f"cannot connect to {self.socket_path}: {exc}") from None
         self._sock = sock
@@ -575,10 +582,11 @@ class AsyncClient:
         self._pending.clear()
 
 
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+async def _recv_exact(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview
+) -> None:
     while len(view):
         got = await loop.sock_recv_into(sock, view)
         if not got:
             raise ConnectionError("the daemon closed the connection")
         view = view[got:]
-

@@ -124,9 +124,7 @@ class Config:
         "/run/prefixd/prefixd.sock as root, else $XDG_RUNTIME_DIR/prefixd/prefixd.sock "
         "or /tmp/prefixd-UID/prefixd.sock)",
     )
-    socket_mode: int = _setting(
-        "mode", "file mode of the socket, octal", 0o660, low=0, high=0o777
-    )
+    socket_mode: int = _setting("mode", "file mode of the socket, octal", 0o660, low=0, high=0o777)
     allowed_uids: tuple[int, ...] = _setting(
         "ids", "uids allowed to connect besides root and the daemon's own uid", ()
     )
@@ -138,9 +136,7 @@ class Config:
     max_connections: int = _setting(
         "int", "connections served at once; more are refused", 1024, low=1, high=65536
     )
-    max_inflight: int = _setting(
-        "int", "requests in flight per connection", 64, low=1, high=4096
-    )
+    max_inflight: int = _setting("int", "requests in flight per connection", 64, low=1, high=4096)
     max_region_bytes: int = _setting(
         "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
     )
@@ -560,9 +556,7 @@ def _validated(name: str, value: Any) -> Any:
         return tuple(value)
     if kind == "choice":
         if value not in meta["choices"]:
-            raise ConfigError(
-                f"{name}: must be one of {', '.join(meta['choices'])}, got {value!r}"
-            )
+            raise ConfigError(f"{name}: must be one of {', '.join(meta['choices'])}, got {value!r}")
         return value
     if kind in ("float", "seconds"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):

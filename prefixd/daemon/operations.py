@@ -122,7 +122,8 @@ class Operations:
                 )
             if len(conn.regions) >= MAX_REGIONS_PER_CONNECTION:
                 raise ProtocolError(
-                    ErrorCode.BAD_REGION, f"at most {MAX_REGIONS_PER_CONNECTION} regions per connection"
+                    ErrorCode.BAD_REGION,
+                    f"at most {MAX_REGIONS_PER_CONNECTION} regions per connection",
                 )
             fd = fds.pop()
         finally:
@@ -137,7 +138,9 @@ class Operations:
         first_block = int_field(msg, "first_block", default=0)
         spans = field(msg, "blocks", list)
         if len(spans) > MAX_BLOCKS_PER_PUT:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"at most {MAX_BLOCKS_PER_PUT} blocks per put")
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"at most {MAX_BLOCKS_PER_PUT} blocks per put"
+            )
         views = [conn.span(_span(span, f"blocks[{i}]")) for i, span in enumerate(spans)]
         result = await self._run(
             partial(self.store.put, identity, tokens, views, first_block=first_block)
@@ -276,7 +279,8 @@ def _tokens(conn: Connection, msg: Mapping[str, Any], where: str = "") -> bytes 
     declared = msg.get("n_tokens")
     if declared is not None and declared != count:
         raise ProtocolError(
-            ErrorCode.BAD_TOKENS, f"{where}tokens holds {count} token ids, n_tokens says {declared!r}"
+            ErrorCode.BAD_TOKENS,
+            f"{where}tokens holds {count} token ids, n_tokens says {declared!r}",
         )
     return tokens
 
@@ -289,9 +293,13 @@ def _span(span: Any, where: str) -> tuple[int, int, int]:
     if (
         not isinstance(span, list)
         or len(span) != 3
-        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in span)
+        or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in span
+        )
     ):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where} must be [region, offset, length] of ints >= 0")
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"{where} must be [region, offset, length] of ints >= 0"
+        )
     return span[0], span[1], span[2]
 
 

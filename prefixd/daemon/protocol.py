@@ -112,7 +112,9 @@ def field(
     if isinstance(value, bool) and bool not in kinds:
         raise ProtocolError(code, f"field {name!r} must be {_names(kinds)}, got bool")
     if not isinstance(value, kinds):
-        raise ProtocolError(code, f"field {name!r} must be {_names(kinds)}, got {type(value).__name__}")
+        raise ProtocolError(
+            code, f"field {name!r} must be {_names(kinds)}, got {type(value).__name__}"
+        )
     return value  # type: ignore[no-any-return]
 
 

@@ -75,21 +75,24 @@ class BlockRecord(NamedTuple):
         return len(self.tokens) // TOKEN_BYTES
 
     def encode(self) -> bytes:
-        body = _HEADER.pack(
-            RECORD_MAGIC,
-            RECORD_VERSION,
-            int(self.compression),
-            0,
-            self.chunk_bytes,
-            self.n_chunks,
-            self.checksum,
-            self.payload_size,
-            self.stored_size,
-            self.created_ns,
-            self.identity,
-            self.parent,
-            self.n_tokens,
-        ) + self.tokens
+        body = (
+            _HEADER.pack(
+                RECORD_MAGIC,
+                RECORD_VERSION,
+                int(self.compression),
+                0,
+                self.chunk_bytes,
+                self.n_chunks,
+                self.checksum,
+                self.payload_size,
+                self.stored_size,
+                self.created_ns,
+                self.identity,
+                self.parent,
+                self.n_tokens,
+            )
+            + self.tokens
+        )
         return body + _TRAILER.pack(crc32c.crc32c(body))
 
     @classmethod
@@ -116,5 +119,3 @@ class BlockRecord(NamedTuple):
 def chunk_key(block: bytes, index: int) -> bytes:
     """LMDB key of a payload chunk: the block hash then the big-endian index, so chunks sort together."""
     return block + index.to_bytes(4, "big")
-
-

@@ -33,7 +33,9 @@ def as_token_array(token_ids: TokenIds) -> np.ndarray:
         array = token_ids
     else:
         if isinstance(token_ids, (str, dict)) or not isinstance(token_ids, Sequence):
-            raise TokenError(f"token ids must be a sequence of ints, got {type(token_ids).__name__}")
+            raise TokenError(
+                f"token ids must be a sequence of ints, got {type(token_ids).__name__}"
+            )
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in token_ids):
             raise TokenError("token ids must all be ints")
         try:
@@ -45,6 +47,10 @@ def as_token_array(token_ids: TokenIds) -> np.ndarray:
     if array.dtype.kind not in "iu" or array.dtype == np.bool_:
         raise TokenError(f"token ids must be integers, got dtype {array.dtype}")
     unsigned_fits = array.dtype.kind == "u" and array.dtype.itemsize <= TOKEN_BYTES
-    if array.size and not unsigned_fits and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID):
+    if (
+        array.size
+        and not unsigned_fits
+        and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID)
+    ):
         raise TokenError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
     return np.ascontiguousarray(array, dtype=TOKEN_DTYPE)

@@ -67,7 +67,9 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
         if record is None:
             problems.append(Problem("children", "index names a block that is not stored", child))
         elif parent != (record.identity if record.parent == ROOT_PARENT else record.parent):
-            problems.append(Problem("children", "index files a block under the wrong parent", child))
+            problems.append(
+                Problem("children", "index files a block under the wrong parent", child)
+            )
     for h, record in records.items():
         parent = record.identity if record.parent == ROOT_PARENT else record.parent
         if (parent, h) not in indexed:
@@ -83,7 +85,9 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
             problems.append(Problem("chunk", "chunk beyond its block's chunk count", owner))
     for key in txn.cursor(db=t.access).iternext(keys=True, values=False):
         if bytes(key) not in records:
-            problems.append(Problem("access", "access time of a block that is not stored", bytes(key)))
+            problems.append(
+                Problem("access", "access time of a block that is not stored", bytes(key))
+            )
 
     kept = counters.read_all(txn, t.counters)
     for name, total in (
@@ -93,6 +97,8 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
     ):
         if kept[name] != total:
             problems.append(
-                Problem("counters", f"{name.decode()} counter is {kept[name]}, the tables hold {total}")
+                Problem(
+                    "counters", f"{name.decode()} counter is {kept[name]}, the tables hold {total}"
+                )
             )
     return problems

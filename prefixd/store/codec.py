@@ -85,9 +85,7 @@ def _as_array(buffer: Buffer) -> np.ndarray:
 class PayloadCodec:
     """Encodes payloads for storage and decodes verified ones into caller buffers."""
 
-    def __init__(
-        self, compression: str, *, level: int, min_gain: float, chunk_bytes: int
-    ) -> None:
+    def __init__(self, compression: str, *, level: int, min_gain: float, chunk_bytes: int) -> None:
         self.compression = COMPRESSION_BY_NAME[compression]
         self.level = level
         self.min_gain = min_gain
@@ -272,7 +270,9 @@ def _copy_and_checksum(chunks: Sequence[memoryview], dest: memoryview) -> int:
     return value
 
 
-def _zstd_into(decompressor: zstandard.ZstdDecompressor, frame: memoryview, target: memoryview) -> None:
+def _zstd_into(
+    decompressor: zstandard.ZstdDecompressor, frame: memoryview, target: memoryview
+) -> None:
     reader = decompressor.stream_reader(frame)
     filled = 0
     total = target.nbytes
@@ -282,4 +282,6 @@ def _zstd_into(decompressor: zstandard.ZstdDecompressor, frame: memoryview, targ
             break
         filled += got
     if filled != total or reader.read(1):
-        raise zstandard.ZstdError(f"frame decodes to a different size than the {total} bytes expected")
+        raise zstandard.ZstdError(
+            f"frame decodes to a different size than the {total} bytes expected"
+        )

@@ -55,7 +55,9 @@ class StoreConfig:
             object.__setattr__(self, "durability", Durability(self.durability))
         except ValueError:
             choices = ", ".join(d.value for d in Durability)
-            raise ConfigError(f"durability: must be one of {choices}, got {self.durability!r}") from None
+            raise ConfigError(
+                f"durability: must be one of {choices}, got {self.durability!r}"
+            ) from None
         if self.compression not in COMPRESSIONS:
             raise ConfigError(
                 f"compression: must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"

@@ -27,7 +27,16 @@ from prefixd.store.config import Durability, StoreConfig
 META_KEY = b"meta"
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
-TABLE_NAMES = ("meta", "blocks", "chunks", "children", "access", "quarantine", "counters", "identities")
+TABLE_NAMES = (
+    "meta",
+    "blocks",
+    "chunks",
+    "children",
+    "access",
+    "quarantine",
+    "counters",
+    "identities",
+)
 _DUPSORT = {"children"}
 
 
@@ -80,7 +89,9 @@ def open_environment(config: StoreConfig) -> tuple[lmdb.Environment, Tables, Sto
     except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:
         if not had_lock:  # leave a directory that is not a store as it was
             lock_file.unlink(missing_ok=True)
-        kind = "not an LMDB file" if isinstance(exc, lmdb.InvalidError) else "of another LMDB version"
+        kind = (
+            "not an LMDB file" if isinstance(exc, lmdb.InvalidError) else "of another LMDB version"
+        )
         raise NotAStoreError(f"{data_file} is {kind}") from None
     except lmdb.Error as exc:
         raise StoreOpenError(f"cannot open {path}: {exc}") from None
@@ -134,5 +145,3 @@ def _open_existing(env: lmdb.Environment, path: Path) -> tuple[Tables, StoreMeta
             except lmdb.IncompatibleError:
                 raise CorruptStoreError(f"{path} has a {name!r} table of the wrong kind") from None
     return Tables(**handles), meta
-
-

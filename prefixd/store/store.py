@@ -40,7 +40,7 @@ from prefixd.schema.tokens import TokenIds
 from prefixd.store import counters
 from prefixd.store.check import check_store
 from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
-from prefixd.store.config import Durability, StoreConfig
+from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables, open_environment
 from prefixd.store.results import (
     BlockInfo,
@@ -334,7 +334,9 @@ class Store:
         with self._lock:
             self._activity.lookups += 1
             self._activity.hit_blocks += len(known.hashes)
-        return PrefixMatch(identity.digest, identity.block_tokens, known.hashes, known.payload_sizes)
+        return PrefixMatch(
+            identity.digest, identity.block_tokens, known.hashes, known.payload_sizes
+        )
 
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
         """Verify block i's payload and write it into `dests[i]`, in order, copying once.
@@ -500,7 +502,9 @@ class Store:
             loaded_bytes=activity.loaded_bytes,
             verify_failures=c.verify_failures,
             compress_gbps=c.compress_in_bytes / c.compress_s / 1e9 if c.compress_s else 0.0,
-            decompress_gbps=c.decompress_out_bytes / c.decompress_s / 1e9 if c.decompress_s else 0.0,
+            decompress_gbps=c.decompress_out_bytes / c.decompress_s / 1e9
+            if c.decompress_s
+            else 0.0,
             compressed_payloads_stored_raw=c.stored_raw_after_trial,
         )
 
@@ -538,9 +542,7 @@ class Store:
         if self._closed:
             raise StoreClosedError(f"store at {self.config.path} is closed")
         if os.getpid() != self._pid:
-            raise StoreClosedError(
-                "store was opened in another process; open it again after fork"
-            )
+            raise StoreClosedError("store was opened in another process; open it again after fork")
 
     def _walk(self, txn: lmdb.Transaction, chain: BlockChain, limit: int) -> Walk:
         """`walk_chain`, starting after the longest prefix verified earlier (and still valid)."""
@@ -734,4 +736,3 @@ def _dest_view(buffer: Any, size: int, index: int | None) -> memoryview:
     if view.nbytes < size:
         raise DestinationError(f"{what} holds {view.nbytes} bytes, the payload needs {size}")
     return view if index is None else view[:size]
-

@@ -95,9 +95,7 @@ class VerifiedPrefixes:
             return
         digest = chain.identity.digest
         content = _content_key(digest, tokens)
-        entry = VerifiedPrefix(
-            epoch, digest, tokens, tuple(hashes), tuple(payload_sizes), content
-        )
+        entry = VerifiedPrefix(epoch, digest, tokens, tuple(hashes), tuple(payload_sizes), content)
         with self._lock:
             old = self._entries.pop(hashes[-1], None)
             if old is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import lmdb
 import numpy as np
 
-from prefixd.schema.chain import HASH_BYTES, BlockChain
+from prefixd.schema.chain import BlockChain
 from prefixd.schema.records import (
     IDENTITY_AT,
     PARENT_AT,

@@ -151,7 +151,7 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"daemon ignored signal {sig} for {timeout} s:\n{self.log()}")
+            raise AssertionError(f"daemon ignored signal {sig} for {timeout} s:\n{self.log()}") from None
         self.exit_codes.append(code)
         return code
 
@@ -342,7 +342,7 @@ class Raw:
                     return True
         except (ConnectionResetError, BrokenPipeError):
             return True
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return False
 
     def request(self, op: str, fds: Sequence[int] = (), **fields: Any) -> dict[str, Any]:

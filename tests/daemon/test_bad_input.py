@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import fcntl
 import os
-from pathlib import Path
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -563,7 +563,7 @@ def test_logs_hold_no_prompts_tokens_or_keys(daemon_factory: DaemonFactory) -> N
         np.array([SECRET - 1] * 4500, dtype=np.uint32),  # long: through the token region
     ]
     with Client(daemon.socket, region_bytes=1 << 20) as client:
-        for n, prompt in enumerate(secret_prompts):
+        for prompt in secret_prompts:
             n_blocks = len(prompt) // BT
             pays = [payload(SECRET, i) for i in range(n_blocks)]
             client.put(IDENTITY, prompt, pays)
