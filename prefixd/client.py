@@ -311,9 +311,7 @@ class Client:
         return self._call({"op": "health"})
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._drop()
         self._requests.close()
 
     def __enter__(self) -> Client:
