@@ -53,6 +53,19 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--timeout", type=float, default=10.0)
         sub.set_defaults(command=run)
 
+    migrate = commands.add_parser("migrate", help="show or apply on-disk schema migrations")
+    steps = migrate.add_subparsers(metavar="ACTION", required=True)
+    status = steps.add_parser("status", help="the store's version and the pending steps")
+    status.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
+    status.set_defaults(command=_migrate_status)
+    up = steps.add_parser("up", help="apply pending steps (the daemon must be stopped)")
+    up.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
+    up.add_argument("--to", type=int, help="stop at this version (default: the latest)")
+    up.add_argument("--dry-run", action="store_true", help="change nothing; say what would change")
+    up.add_argument("--backup", type=Path, help="copy the store here (compacted) first")
+    up.add_argument("--batch", type=int, default=10_000, help="items per transaction")
+    up.set_defaults(command=_migrate_up)
+
     verify = commands.add_parser("verify", help="check a store offline and list every problem")
     verify.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
     verify.add_argument(
@@ -103,10 +116,9 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from prefixd.daemon.config import default_data_dir
     from prefixd.store import Store
 
-    path = args.data_dir or default_data_dir(os.environ)
+    path = _data_dir(args)
     with Store.open(path, create=False) as store:
         problems = store.check(verify_payloads=not args.no_payloads)
         stats = store.stats()
@@ -117,3 +129,41 @@ def _verify(args: argparse.Namespace) -> int:
     }
     print(json.dumps(report, indent=2))
     return 1 if problems else 0
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    from prefixd.daemon.config import default_data_dir
+
+    return Path(args.data_dir or default_data_dir(os.environ))
+
+
+def _migrate_status(args: argparse.Namespace) -> int:
+    from prefixd.migrate import Migrator
+
+    print(json.dumps(Migrator(_data_dir(args)).status().describe(), indent=2))
+    return 0
+
+
+def _migrate_up(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from prefixd.migrate import Migrator
+
+    migrator = Migrator(_data_dir(args), batch=args.batch)
+    bars: dict[int, Any] = {}
+
+    def progress(step: Any, examined: int) -> None:
+        bar = bars.get(step.version)
+        if bar is None:
+            bar = bars[step.version] = tqdm(desc=f"to version {step.version}", unit=" items")
+        bar.update(examined)
+
+    try:
+        report = migrator.upgrade(
+            to=args.to, dry_run=args.dry_run, backup=args.backup, progress=progress
+        )
+    finally:
+        for bar in bars.values():
+            bar.close()
+    print(json.dumps(report.describe(), indent=2))
+    return 0

@@ -41,13 +41,22 @@ class NotAStoreError(StoreOpenError):
 class SchemaVersionError(StoreOpenError):
     """The store was written with an on-disk schema version this code does not read."""
 
-    def __init__(self, found: int, supported: int) -> None:
+    def __init__(self, found: int, supported: int, path: object = None) -> None:
+        where = f"store {path}" if path is not None else "store"
         super().__init__(
-            f"store has on-disk schema version {found}, this prefixd reads version {supported}"
-            + (": run `prefixd migrate`" if found < supported else ": upgrade prefixd")
+            f"{where} has on-disk schema version {found}, this prefixd reads version {supported}"
+            + (
+                f": stop the daemon and run `prefixd migrate up --data-dir {path or 'DIR'}`"
+                if found < supported
+                else ": upgrade prefixd"
+            )
         )
         self.found = found
         self.supported = supported
+
+
+class StoreBusyError(StoreOpenError):
+    """Another process (a running daemon) holds the store exclusively."""
 
 
 class CorruptStoreError(StoreOpenError):

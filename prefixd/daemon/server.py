@@ -78,7 +78,7 @@ class Server:
         after a graceful stop, 1 after a forced one."""
         loop = asyncio.get_running_loop()
         config = self.config
-        self.store = Store(config.store_config())
+        self.store = Store(config.store_config(), exclusive=True)
         pool = ThreadPoolExecutor(config.workers, thread_name_prefix="prefixd-worker")
         operations = Operations(
             self.store,

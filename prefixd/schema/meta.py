@@ -17,7 +17,7 @@ import msgpack
 from prefixd.errors import CorruptMetaError, NotAStoreError, SchemaVersionError
 
 MAGIC = b"PREFIXD\x00"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: access records hold a hit count (prefixd.migrate.access_hits)
 _HEAD = struct.Struct("<8sII")
 _CRC = struct.Struct("<I")
 
@@ -43,8 +43,10 @@ class StoreMeta:
         return body + _CRC.pack(crc32c.crc32c(body))
 
     @classmethod
-    def decode(cls, data: bytes, *, supported: int = SCHEMA_VERSION) -> StoreMeta:
-        """Parse a meta record; raises NotAStoreError, CorruptMetaError or SchemaVersionError."""
+    def decode(cls, data: bytes, *, supported: int | None = SCHEMA_VERSION) -> StoreMeta:
+        """Parse a meta record; raises NotAStoreError, CorruptMetaError or SchemaVersionError.
+
+        `supported=None` accepts any version up to this code's (for migrations)."""
         if len(data) < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
             raise NotAStoreError("meta record does not start with the prefixd magic")
         if len(data) < _HEAD.size + _CRC.size:
@@ -53,8 +55,8 @@ class StoreMeta:
         if crc32c.crc32c(data[: len(data) - _CRC.size]) != stored_crc:
             raise CorruptMetaError("meta record fails its checksum")
         _magic, version, settings_len = _HEAD.unpack_from(data, 0)
-        if version != supported:
-            raise SchemaVersionError(version, supported)
+        if version != (supported or version) or version > SCHEMA_VERSION:
+            raise SchemaVersionError(version, supported or SCHEMA_VERSION)
         if _HEAD.size + settings_len + _CRC.size != len(data):
             raise CorruptMetaError("meta record length does not match its settings length")
         try:
@@ -64,6 +66,12 @@ class StoreMeta:
         if not isinstance(settings, dict):
             raise CorruptMetaError("meta settings are not a map")
         return cls(version, settings)
+
+
+def with_version(meta: StoreMeta, version: int, **settings: Any) -> StoreMeta:
+    """`meta` stamped with another schema version (and settings changed; None removes one)."""
+    merged = {**meta.settings, **settings}
+    return StoreMeta(version, {k: v for k, v in merged.items() if v is not None})
 
 
 def new_meta(created_ns: int) -> StoreMeta:

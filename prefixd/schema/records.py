@@ -21,6 +21,7 @@ RECORD_VERSION = 1
 # stored_size, created_ns, identity digest, parent hash, n_tokens
 _HEADER = struct.Struct("<4sBBHIIIQQQ16s16sI")
 _TRAILER = struct.Struct("<I")
+_ACCESS = struct.Struct("<QII")  # last access ns, hits, reserved
 HEADER_BYTES = _HEADER.size
 # Byte offsets of the fields the lookup path compares in bulk.
 PAYLOAD_SIZE_AT = 20
@@ -114,6 +115,24 @@ class BlockRecord(NamedTuple):
             raise CorruptRecordError(f"record has unknown compression {compression}")
         tokens = bytes(body[HEADER_BYTES:])
         return cls(_COMPRESSIONS[compression], *sizes, identity, parent, tokens)
+
+
+class AccessRecord(NamedTuple):
+    """When a block was last read and how often (schema version 2; version 1 kept only the
+    time). Written in batches, never on the read path: a crash loses at most the last batch."""
+
+    last_ns: int
+    hits: int
+
+    def encode(self) -> bytes:
+        return _ACCESS.pack(self.last_ns, min(self.hits, 0xFFFFFFFF), 0)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> AccessRecord:
+        if len(data) != _ACCESS.size:
+            raise CorruptRecordError(f"access record is {len(data)} bytes, not {_ACCESS.size}")
+        last_ns, hits, _reserved = _ACCESS.unpack(data)
+        return cls(last_ns, hits)
 
 
 def chunk_key(block: bytes, index: int) -> bytes:

@@ -9,7 +9,7 @@ import lmdb
 from prefixd.errors import StoreOpenError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.meta import StoreMeta
-from prefixd.schema.records import BlockRecord, CorruptRecordError, chunk_key
+from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError, chunk_key
 from prefixd.store import counters
 from prefixd.store.codec import checksum
 from prefixd.store.environment import META_KEY, Tables
@@ -83,11 +83,18 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
             problems.append(Problem("chunk", "chunk belongs to no stored block", owner))
         elif index >= record.n_chunks or len(key) != HASH_BYTES + 4:
             problems.append(Problem("chunk", "chunk beyond its block's chunk count", owner))
-    for key in txn.cursor(db=t.access).iternext(keys=True, values=False):
-        if bytes(key) not in records:
-            problems.append(
-                Problem("access", "access time of a block that is not stored", bytes(key))
-            )
+    for key, value in txn.cursor(db=t.access):
+        block = bytes(key)
+        if block not in records:
+            problems.append(Problem("access", "access record of a block that is not stored", block))
+            continue
+        try:
+            AccessRecord.decode(value)
+        except CorruptRecordError as exc:
+            problems.append(Problem("access", str(exc), block))
+    for h in records:
+        if txn.get(h, db=t.access) is None:
+            problems.append(Problem("access", "block has no access record", h))
 
     kept = counters.read_all(txn, t.counters)
     for name, total in (

@@ -14,19 +14,29 @@ Tables (LMDB named databases):
 
 from __future__ import annotations
 
+import fcntl
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 
-from prefixd.errors import CorruptMetaError, CorruptStoreError, NotAStoreError, StoreOpenError
-from prefixd.schema.meta import FORMAT_SETTINGS, StoreMeta, new_meta
+from prefixd.errors import (
+    CorruptMetaError,
+    CorruptStoreError,
+    NotAStoreError,
+    SchemaVersionError,
+    StoreBusyError,
+    StoreOpenError,
+)
+from prefixd.schema.meta import FORMAT_SETTINGS, SCHEMA_VERSION, StoreMeta, new_meta
 from prefixd.store.config import Durability, StoreConfig
 
 META_KEY = b"meta"
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
+OWNER_FILE = "owner.lock"
 TABLE_NAMES = (
     "meta",
     "blocks",
@@ -54,10 +64,14 @@ class Tables:
     identities: lmdb._Database
 
 
-def open_environment(config: StoreConfig) -> tuple[lmdb.Environment, Tables, StoreMeta]:
+def open_environment(
+    config: StoreConfig, *, any_version: bool = False, readonly: bool = False
+) -> tuple[lmdb.Environment, Tables, StoreMeta]:
     """Open (or, when allowed, create) the store at `config.path`.
 
     Never writes into a directory that is not already a store, unless it is absent or empty.
+    `any_version` accepts a store of an older schema version (for migrations); `readonly` opens
+    an existing store without the possibility of writing to it.
     """
     path = config.path
     if path.exists() and not path.is_dir():
@@ -67,7 +81,7 @@ def open_environment(config: StoreConfig) -> tuple[lmdb.Environment, Tables, Sto
     creating = not data_file.exists()
     had_lock = lock_file.exists()
     if creating:
-        if not config.create:
+        if not config.create or readonly:
             raise NotAStoreError(f"no store at {path}")
         if path.exists() and any(path.iterdir()):
             raise NotAStoreError(f"{path} is not empty and holds no prefixd store")
@@ -84,6 +98,7 @@ def open_environment(config: StoreConfig) -> tuple[lmdb.Environment, Tables, Sto
             sync=config.durability is Durability.FULL,
             metasync=config.durability is Durability.FULL,
             writemap=False,
+            readonly=readonly,
             mode=0o640,
         )
     except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:
@@ -99,7 +114,7 @@ def open_environment(config: StoreConfig) -> tuple[lmdb.Environment, Tables, Sto
         if creating:
             tables, meta = _create(env)
         else:
-            tables, meta = _open_existing(env, path)
+            tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
     except BaseException:
         env.close()
         raise
@@ -118,30 +133,96 @@ def _create(env: lmdb.Environment) -> tuple[Tables, StoreMeta]:
     return Tables(**handles), meta
 
 
-def _open_existing(env: lmdb.Environment, path: Path) -> tuple[Tables, StoreMeta]:
+def _open_existing(
+    env: lmdb.Environment, path: Path, *, any_version: bool, readonly: bool
+) -> tuple[Tables, StoreMeta]:
+    if readonly:  # handles opened inside a read transaction would not outlive it
+        meta_db = _open_meta_table(env, path, None)
+        with env.begin() as txn:
+            meta = _read_meta(txn, meta_db, path, any_version)
+        return _open_tables(env, path, None, meta_db), meta
     with env.begin(write=True) as txn:
+        meta_db = _open_meta_table(env, path, txn)
+        meta = _read_meta(txn, meta_db, path, any_version)
+        return _open_tables(env, path, txn, meta_db), meta
+
+
+def _open_meta_table(
+    env: lmdb.Environment, path: Path, txn: lmdb.Transaction | None
+) -> lmdb._Database:
+    try:
+        return env.open_db(b"meta", txn=txn, create=False)
+    except (lmdb.NotFoundError, lmdb.IncompatibleError):
+        # IncompatibleError: the main database holds a plain b"meta" key, not a named table
+        raise NotAStoreError(f"{path} is an LMDB environment but not a prefixd store") from None
+
+
+def _read_meta(
+    txn: lmdb.Transaction, meta_db: lmdb._Database, path: Path, any_version: bool
+) -> StoreMeta:
+    raw = txn.get(META_KEY, db=meta_db)
+    if raw is None:
+        raise NotAStoreError(f"{path} has no prefixd meta record")
+    try:
+        meta = StoreMeta.decode(bytes(raw), supported=None if any_version else SCHEMA_VERSION)
+    except SchemaVersionError as exc:
+        raise SchemaVersionError(exc.found, exc.supported, path) from None
+    for key, expected in FORMAT_SETTINGS.items():
+        if meta.settings.get(key) != expected:
+            raise CorruptMetaError(
+                f"meta setting {key}={meta.settings.get(key)!r}, this prefixd writes {expected!r}"
+            )
+    return meta
+
+
+def _open_tables(
+    env: lmdb.Environment, path: Path, txn: lmdb.Transaction | None, meta_db: lmdb._Database
+) -> Tables:
+    handles = {"meta": meta_db}
+    for name in TABLE_NAMES[1:]:
         try:
-            meta_db = env.open_db(b"meta", txn=txn, create=False)
-        except (lmdb.NotFoundError, lmdb.IncompatibleError):
-            # IncompatibleError: the main database holds a plain b"meta" key, not a named table
-            raise NotAStoreError(f"{path} is an LMDB environment but not a prefixd store") from None
-        raw = txn.get(META_KEY, db=meta_db)
-        if raw is None:
-            raise NotAStoreError(f"{path} has no prefixd meta record")
-        meta = StoreMeta.decode(bytes(raw))
-        for key, expected in FORMAT_SETTINGS.items():
-            if meta.settings.get(key) != expected:
-                raise CorruptMetaError(
-                    f"meta setting {key}={meta.settings.get(key)!r}, this prefixd writes {expected!r}"
-                )
-        handles = {"meta": meta_db}
-        for name in TABLE_NAMES[1:]:
-            try:
-                handles[name] = env.open_db(
-                    name.encode(), txn=txn, create=False, dupsort=name in _DUPSORT
-                )
-            except lmdb.NotFoundError:
-                raise CorruptStoreError(f"{path} lacks the {name!r} table") from None
-            except lmdb.IncompatibleError:
-                raise CorruptStoreError(f"{path} has a {name!r} table of the wrong kind") from None
-    return Tables(**handles), meta
+            handles[name] = env.open_db(
+                name.encode(), txn=txn, create=False, dupsort=name in _DUPSORT
+            )
+        except lmdb.NotFoundError:
+            raise CorruptStoreError(f"{path} lacks the {name!r} table") from None
+        except lmdb.IncompatibleError:
+            raise CorruptStoreError(f"{path} has a {name!r} table of the wrong kind") from None
+    return Tables(**handles)
+
+
+class OwnerLock:
+    """An advisory lock on DIR/owner.lock, held by a daemon for as long as it serves the store and
+    by offline tools (migrations) that must not run beside one. Released when the process dies."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path / OWNER_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreBusyError(
+                f"{path} is held by another process (a running prefixd daemon?): stop it first"
+            ) from None
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = -1
+
+
+def is_held(path: Path) -> bool:
+    """Whether some process holds the store's OwnerLock (without taking it)."""
+    try:
+        fd = os.open(path / OWNER_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -90,6 +90,7 @@ class BlockInfo:
     compression: str
     created_ns: int
     last_access_ns: int
+    hits: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -35,13 +34,13 @@ from prefixd.errors import (
 )
 from prefixd.schema.chain import ROOT_PARENT, BlockChain
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import BlockRecord, CorruptRecordError, chunk_key
+from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError, chunk_key
 from prefixd.schema.tokens import TokenIds
 from prefixd.store import counters
 from prefixd.store.check import check_store
 from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
 from prefixd.store.config import StoreConfig
-from prefixd.store.environment import Tables, open_environment
+from prefixd.store.environment import OwnerLock, Tables, open_environment
 from prefixd.store.results import (
     BlockInfo,
     LoadResult,
@@ -56,7 +55,6 @@ from prefixd.store.verified import VerifiedPrefixes
 from prefixd.store.walk import Walk, walk_chain
 
 log = logging.getLogger(__name__)
-_U64 = struct.Struct("<Q")
 _BAD_RECORD = "record fails verification"
 _BAD_PAYLOAD = "payload fails its checksum"
 
@@ -96,9 +94,16 @@ class Store:
     not be closed while other threads still call it.
     """
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, *, exclusive: bool = False) -> None:
+        """`exclusive`: hold the store's owner lock (a daemon does) so that offline tools refuse
+        to run beside this process; StoreBusyError if another process holds it."""
         self.config = config
         self._env, self._tables, self.meta = open_environment(config)
+        try:
+            self._owner = OwnerLock(config.path) if exclusive else None
+        except BaseException:
+            self._env.close()
+            raise
         """The meta record read (or written) when the store was opened."""
         self._pid = os.getpid()
         self._codec = PayloadCodec(
@@ -114,8 +119,8 @@ class Store:
         )
         self._verified = VerifiedPrefixes(config.verified_cache_bytes)
         self._lock = threading.Lock()
-        self._touched: dict[bytes, int] = {}
-        self._touched_runs: dict[bytes, tuple[Sequence[bytes], int]] = {}
+        self._touched: dict[bytes, tuple[int, int]] = {}
+        self._touched_runs: dict[bytes, tuple[Sequence[bytes], int, int]] = {}
         self._pending_collisions = 0
         self._activity = _Activity()
         self._closed = False
@@ -123,9 +128,11 @@ class Store:
         self._syncer.start()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], **settings: Any) -> Store:
+    def open(
+        cls, path: str | os.PathLike[str], *, exclusive: bool = False, **settings: Any
+    ) -> Store:
         """Open the store at `path`; `settings` are `StoreConfig` fields."""
-        return cls(StoreConfig(path=Path(path), **settings))
+        return cls(StoreConfig(path=Path(path), **settings), exclusive=exclusive)
 
     @property
     def path(self) -> Path:
@@ -271,7 +278,7 @@ class Store:
                 for n, chunk in enumerate(payload.chunks):
                     txn.put(chunk_key(h, n), chunk, db=t.chunks)
                 txn.put(_children_key(record), h, db=t.children)
-                txn.put(h, _U64.pack(now), db=t.access)
+                txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
                 stored += 1
                 payload_bytes += payload.payload_size
                 stored_bytes += payload.stored_size
@@ -437,8 +444,8 @@ class Store:
             return None
         with self._lock:
             self._touched = self._take_touches()
-            pending = self._touched.get(block)
-        last = pending or (_U64.unpack(access)[0] if access else record.created_ns)
+            pending_at, pending_hits = self._touched.get(block, (0, 0))
+        stored = _access(access, record.created_ns)
         return BlockInfo(
             block,
             record.parent,
@@ -448,7 +455,8 @@ class Store:
             record.stored_size,
             record.compression.name.lower().replace("_", "-"),
             record.created_ns,
-            last,
+            max(stored.last_ns, pending_at),
+            stored.hits + pending_hits,
         )
 
     # --- maintenance ---------------------------------------------------------------------------
@@ -463,9 +471,13 @@ class Store:
         if touched or collisions:
             try:
                 with self._env.begin(write=True) as txn:
-                    for h, at in touched.items():
-                        if txn.get(h, db=t.blocks) is not None:
-                            txn.put(h, _U64.pack(at), db=t.access)
+                    for h, (at, hits) in touched.items():
+                        raw = txn.get(h, db=t.access)
+                        if raw is None:  # removed since: an access entry lives as its block does
+                            continue
+                        old = _access(raw, 0)
+                        new = AccessRecord(max(old.last_ns, at), old.hits + hits)
+                        txn.put(h, new.encode(), db=t.access)
                     counters.add(txn, t.counters, counters.COLLISIONS, collisions)
             except lmdb.MapFullError:
                 log.warning("store map full: %d access times not recorded", len(touched))
@@ -529,6 +541,8 @@ class Store:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._env.close()
+            if self._owner is not None:
+                self._owner.release()
 
     def __enter__(self) -> Store:
         return self
@@ -601,16 +615,18 @@ class Store:
         """Note an access; runs of blocks are kept whole (keyed by their last block) and spread
         over the blocks only when written, so a repeated long lookup costs one dict entry."""
         if hashes:
+            now = time.time_ns()
             with self._lock:
-                self._touched_runs[hashes[-1]] = (hashes, time.time_ns())
+                _, _, count = self._touched_runs.get(hashes[-1], (None, 0, 0))
+                self._touched_runs[hashes[-1]] = (hashes, now, count + 1)
 
-    def _take_touches(self) -> dict[bytes, int]:
-        """Pending access times per block, removed from memory (call under `self._lock`)."""
+    def _take_touches(self) -> dict[bytes, tuple[int, int]]:
+        """Pending (last access, hits) per block, removed from memory (call under the lock)."""
         touched = self._touched
-        for hashes, at in self._touched_runs.values():
+        for hashes, at, count in self._touched_runs.values():
             for h in hashes:
-                if touched.get(h, 0) < at:
-                    touched[h] = at
+                last, hits = touched.get(h, (0, 0))
+                touched[h] = (max(last, at), hits + count)
         self._touched, self._touched_runs = {}, {}
         return touched
 
@@ -673,6 +689,16 @@ class Store:
         counters.add(txn, t.counters, counters.PAYLOAD_BYTES, -payload_bytes)
         counters.add(txn, t.counters, counters.STORED_BYTES, -stored_bytes)
         return removed
+
+
+def _access(raw: bytes | None, default_ns: int) -> AccessRecord:
+    """A stored access record, or a fresh one if it is missing or unreadable."""
+    if raw is not None:
+        try:
+            return AccessRecord.decode(raw)
+        except CorruptRecordError:
+            pass
+    return AccessRecord(default_ns, 0)
 
 
 def _children_key(record: BlockRecord) -> bytes:
