@@ -420,7 +420,6 @@ class Store:
             items.clear()
         self._after_walk(walk, chain)
         self._quarantine(bad)
-        self._touch(walk.hashes[:n_ok])
         sizes = tuple(walk.payload_sizes[:n_ok])
         with self._lock:
             self._activity.lookups += 1

@@ -204,6 +204,11 @@ def test_block_info_and_access_times(store: Store, identity: Identity) -> None:
     store.sync()
     after = store.block_info(block)
     assert after is not None and after.last_access_ns > before
+    assert after.hits == 2  # the lookup and the load; a put is not a hit
+    store.load(identity, TOKENS, bytearray(64))
+    store.sync()
+    again = store.block_info(block)
+    assert again is not None and again.hits == 3
     assert store.block_info(b"\x01" * 16) is None
 
 
