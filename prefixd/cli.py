@@ -13,6 +13,7 @@ from typing import Any
 
 from prefixd import __version__
 from prefixd.errors import PrefixdError
+from prefixd.store.purge import VERSIONED_FIELDS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,6 +66,28 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--backup", type=Path, help="copy the store here (compacted) first")
     up.add_argument("--batch", type=int, default=10_000, help="items per transaction")
     up.set_defaults(command=_migrate_up)
+
+    purge = commands.add_parser(
+        "purge",
+        help="remove a tenant, retired model versions or idle entries",
+        description="Online through the daemon when one holds the store, offline otherwise. "
+        "Exit codes: 0 done (or nothing to do), 1 error, 2 bad arguments.",
+    )
+    purge.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
+    purge.add_argument("--socket", type=Path, help="the daemon's socket (default: as serve)")
+    purge.add_argument("--tenant", help="remove every entry of this tenant")
+    purge.add_argument("--model", help="retire versions of this model")
+    for name in VERSIONED_FIELDS:
+        purge.add_argument(
+            f"--except-{name.replace('_', '-')}",
+            dest=f"keep_{name}",
+            metavar="VERSION",
+            help=f"with --model: keep the entries whose {name} is VERSION",
+        )
+    purge.add_argument("--older-than", metavar="DURATION", help="only entries idle this long (30d)")
+    purge.add_argument("--all", action="store_true", help="remove everything")
+    purge.add_argument("--dry-run", action="store_true", help="count what would go; change nothing")
+    purge.set_defaults(command=_purge)
 
     verify = commands.add_parser("verify", help="check a store offline and list every problem")
     verify.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
@@ -166,4 +189,47 @@ def _migrate_up(args: argparse.Namespace) -> int:
         for bar in bars.values():
             bar.close()
     print(json.dumps(report.describe(), indent=2))
+    return 0
+
+
+def _purge(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from prefixd.daemon.config import parse_seconds
+    from prefixd.store import PurgeSelector, Store
+    from prefixd.store.environment import is_held
+
+    try:
+        older_than = parse_seconds(args.older_than) if args.older_than is not None else None
+    except ValueError:
+        print(f"prefixd: --older-than {args.older_than!r} is not a duration", file=sys.stderr)
+        return 2
+    keep = {n: getattr(args, f"keep_{n}") for n in VERSIONED_FIELDS}
+    criteria = {
+        "tenant": args.tenant,
+        "model": args.model,
+        "keep": {n: v for n, v in keep.items() if v is not None},
+        "older_than_s": older_than,
+        "everything": args.all,
+    }
+    try:
+        selector = PurgeSelector.from_dict(criteria)
+    except PrefixdError as exc:
+        print(f"prefixd: {exc}", file=sys.stderr)
+        return 2
+    path = _data_dir(args)
+    if is_held(path):  # a daemon serves this store: ask it
+        from prefixd.client import Client
+
+        with Client(_default_socket(args)) as client:
+            reply = client.purge(dry_run=args.dry_run, **selector.describe())
+        summary = {k: v for k, v in reply.items() if k not in ("id", "ok")}
+        mode = "online"
+    else:
+        with Store.open(path, create=False, exclusive=True) as store, tqdm(
+            desc="purging", unit=" roots", disable=args.dry_run
+        ) as bar:
+            summary = store.purge(selector, dry_run=args.dry_run, progress=bar.update).describe()
+        mode = "offline"
+    print(json.dumps({"mode": mode, "path": str(path), **summary}, indent=2))
     return 0

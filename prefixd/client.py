@@ -304,6 +304,10 @@ class Client:
         message = self._requests.load(identity, token_ids, offset, length, max_blocks, hashes)
         return self._requests.loaded(self._call(message))
 
+    def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
+        """Remove entries by tenant, model version or age (see PurgeSelector); the counts."""
+        return self._call({"op": "purge", "dry_run": dry_run, **criteria})
+
     def stats(self) -> dict[str, Any]:
         return self._call({"op": "stats"})
 
@@ -471,6 +475,9 @@ class AsyncClient:
     ) -> Loaded:
         message = self._requests.load(identity, token_ids, offset, length, max_blocks, hashes)
         return self._requests.loaded(await self._call(message))
+
+    async def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
+        return await self._call({"op": "purge", "dry_run": dry_run, **criteria})
 
     async def stats(self) -> dict[str, Any]:
         return await self._call({"op": "stats"})

@@ -428,8 +428,8 @@ def _shown_default(name: str, default: Any) -> str:
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]ib|b)?\s*", re.IGNORECASE)
-_SECONDS_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_SECONDS_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*")
+_SECONDS_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_SECONDS_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -457,7 +457,8 @@ def _parse_size(text: str) -> int:
     return int(exact)
 
 
-def _parse_seconds(text: str) -> float:
+def parse_seconds(text: str) -> float:
+    """A duration: a number of seconds, or one ending in ms, s, m, h or d ("90m", "30d")."""
     try:
         return float(text)
     except ValueError:
@@ -487,7 +488,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "size": _parse_size,
     "mode": lambda text: int(text, 8),
     "float": float,
-    "seconds": _parse_seconds,
+    "seconds": parse_seconds,
     "bool": _parse_bool,
     "choice": lambda text: text,
     "ids": _parse_ids,

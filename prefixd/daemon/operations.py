@@ -25,6 +25,7 @@ from prefixd.daemon.protocol import (
 from prefixd.daemon.region import MappedRegion
 from prefixd.errors import (
     BlockCollisionError,
+    ConfigError,
     DestinationError,
     IdentityError,
     OpenTailError,
@@ -35,7 +36,7 @@ from prefixd.errors import (
 )
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
-from prefixd.store import PrefixMatch, Store
+from prefixd.store import PrefixMatch, PurgeSelector, Store
 
 if TYPE_CHECKING:
     from prefixd.daemon.server import Connection
@@ -57,6 +58,7 @@ _IDENTITY_CACHE = 1024
 MAX_REGIONS_PER_CONNECTION = 16
 MAX_PROMPTS_PER_LOOKUP = 4096
 MAX_BLOCKS_PER_PUT = 1 << 16
+PURGE_FIELDS = ("tenant", "model", "keep", "older_than_s", "everything")
 
 
 class Request(NamedTuple):
@@ -89,6 +91,7 @@ class Operations:
             "load": self.load,
             "stats": self.stats,
             "health": self.health,
+            "purge": self.purge,
         }
 
     async def hello(self, conn: Connection, request: Request) -> dict[str, Any]:
@@ -208,6 +211,17 @@ class Operations:
             offsets=_packed([offset + o for o in result.offsets]),
             sizes=_packed(result.sizes),
         )
+
+    async def purge(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid, msg = request.id, request.message
+        dry_run = field(msg, "dry_run", bool, default=False)
+        criteria = {k: msg[k] for k in PURGE_FIELDS if k in msg and msg[k] is not None}
+        try:
+            selector = PurgeSelector.from_dict(criteria)
+        except ConfigError as exc:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        report = await self._run(partial(self.store.purge, selector, dry_run=dry_run))
+        return ok_reply(rid, **report.describe())
 
     async def stats(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid = request.id

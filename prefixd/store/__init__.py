@@ -1,6 +1,7 @@
 """The on-disk store: LMDB transactions (store), bytes <-> chunks (codec), settings and checks."""
 
 from prefixd.store.config import Durability, StoreConfig
+from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.results import (
     BlockInfo,
     BlockRef,
@@ -20,6 +21,8 @@ __all__ = [
     "LoadResult",
     "PrefixMatch",
     "Problem",
+    "PurgeReport",
+    "PurgeSelector",
     "PutResult",
     "ReadResult",
     "Store",

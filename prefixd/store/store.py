@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +25,7 @@ import msgpack
 from prefixd.errors import (
     BlockCollisionError,
     DestinationError,
+    IdentityError,
     OpenTailError,
     OrphanBlockError,
     PayloadError,
@@ -41,6 +42,7 @@ from prefixd.store.check import check_store
 from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import OwnerLock, Tables, open_environment
+from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.results import (
     BlockInfo,
     LoadResult,
@@ -296,6 +298,54 @@ class Store:
             for h in hashes:
                 removed += self._remove_subtree(txn, bytes(h))
         return removed
+
+    def purge(
+        self,
+        selector: PurgeSelector,
+        *,
+        dry_run: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> PurgeReport:
+        """Remove what `selector` names, in one transaction: unreachable at once, pages freed
+        once in-flight reads (which keep their snapshot) are done. A dry run counts only.
+        `progress` is told how many root blocks each step handled."""
+        self._check_usable()
+        started = time.perf_counter()
+        if selector.older_than_s is not None and not dry_run:
+            self.sync()  # access times still in memory count
+        t = self._tables
+        cutoff = time.time_ns() - int((selector.older_than_s or 0) * 1e9)
+        begin = self._env.begin(buffers=True) if dry_run else self._env.begin(write=True)
+        with begin as txn:
+            digests = _selected_identities(txn, t, selector)
+            if selector.older_than_s is None:
+                roots = [bytes(child) for d in digests for child in _children_of(txn, t, d)]
+            else:
+                roots = _idle_blocks(txn, t, set(digests), cutoff)
+            before = counters.read_all(txn, t.counters)
+            if dry_run:
+                blocks, payload, stored = _subtree_totals(txn, t, roots)
+            else:
+                reported = 0
+                for n, root in enumerate(roots, 1):
+                    self._remove_subtree(txn, root)
+                    if progress is not None and (n % 1024 == 0 or n == len(roots)):
+                        progress(n - reported)
+                        reported = n
+                if selector.older_than_s is None:
+                    for digest in digests:
+                        txn.delete(digest, db=t.identities)
+                after = counters.read_all(txn, t.counters)
+                blocks, payload, stored = (
+                    before[name] - after[name]
+                    for name in (counters.BLOCKS, counters.PAYLOAD_BYTES, counters.STORED_BYTES)
+                )
+        identities = len(digests) if selector.older_than_s is None else 0
+        if not dry_run and blocks:
+            log.info("purged %d block(s) of %d identity(ies)", blocks, identities)
+        return PurgeReport(
+            identities, blocks, payload, stored, dry_run, round(time.perf_counter() - started, 6)
+        )
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -698,6 +748,71 @@ def _access(raw: bytes | None, default_ns: int) -> AccessRecord:
         except CorruptRecordError:
             pass
     return AccessRecord(default_ns, 0)
+
+
+def _selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> list[bytes]:
+    chosen = []
+    for digest, encoded in txn.cursor(db=t.identities):
+        try:
+            identity = Identity.decode(bytes(encoded))
+        except IdentityError:
+            continue  # check() reports it; a purge cannot judge it
+        if selector.selects(identity):
+            chosen.append(bytes(digest))
+    return chosen
+
+
+def _children_of(txn: lmdb.Transaction, t: Tables, key: bytes) -> list[bytes]:
+    cursor = txn.cursor(db=t.children)
+    if not cursor.set_key(key):
+        return []
+    return [bytes(child) for child in cursor.iternext_dup()]
+
+
+def _idle_blocks(
+    txn: lmdb.Transaction, t: Tables, digests: set[bytes], cutoff_ns: int
+) -> list[bytes]:
+    """Blocks of the chosen identities last read before `cutoff_ns`."""
+    idle = []
+    for key, value in txn.cursor(db=t.access):
+        if _access(bytes(value), 0).last_ns >= cutoff_ns:
+            continue
+        raw = txn.get(bytes(key), db=t.blocks)
+        if raw is None:
+            continue
+        try:
+            owner = BlockRecord.decode(raw).identity
+        except CorruptRecordError:
+            continue
+        if owner in digests:
+            idle.append(bytes(key))
+    return idle
+
+
+def _subtree_totals(
+    txn: lmdb.Transaction, t: Tables, roots: list[bytes]
+) -> tuple[int, int, int]:
+    """(blocks, payload bytes, stored bytes) below and including `roots`, each counted once."""
+    seen: set[bytes] = set()
+    blocks = payload = stored = 0
+    stack = list(roots)
+    while stack:
+        h = stack.pop()
+        if h in seen:
+            continue
+        seen.add(h)
+        raw = txn.get(h, db=t.blocks)
+        if raw is None:
+            continue
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            continue
+        blocks += 1
+        payload += record.payload_size
+        stored += record.stored_size
+        stack.extend(_children_of(txn, t, h))
+    return blocks, payload, stored
 
 
 def _children_key(record: BlockRecord) -> bytes:

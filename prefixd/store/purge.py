@@ -1,0 +1,112 @@
+"""Which entries a purge removes: a tenant, retired model versions, idle blocks, or everything.
+
+Removing an identity's blocks makes them unreachable at once (one write transaction) and frees
+their pages; reads already in flight finish on their own snapshot with the old, verified bytes
+(LMDB's MVCC), so nothing torn is ever returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixd.errors import ConfigError
+from prefixd.schema.identity import Identity
+
+# Identity fields whose version a model retirement may keep ("--except-weights V" and the like).
+VERSIONED_FIELDS = ("weights", "tokenizer", "template", "adapter", "mm", "rope", "kv_layout")
+
+
+@dataclass(frozen=True)
+class PurgeSelector:
+    """What to remove. Criteria combine with AND; `everything` alone selects the whole store.
+
+    `model` with `keep={"weights": "v7"}` retires every version of the model but weights v7 (the
+    same for the other versioned fields). `older_than_s` limits the purge to blocks not read for
+    that long (a block's lookups touch all its ancestors, so idle blocks form whole subtrees).
+    """
+
+    tenant: str | None = None
+    model: str | None = None
+    keep: Mapping[str, str | None] = field(default_factory=dict)
+    older_than_s: float | None = None
+    everything: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.keep) - set(VERSIONED_FIELDS))
+        if unknown:
+            raise ConfigError(f"purge: cannot keep a version of {unknown[0]!r}")
+        if self.keep and self.model is None:
+            raise ConfigError("purge: keeping a version needs --model")
+        if self.older_than_s is not None and self.older_than_s < 0:
+            raise ConfigError("purge: older_than must not be negative")
+        narrowed = self.tenant is not None or self.model is not None or self.older_than_s is not None
+        if self.everything == narrowed:
+            raise ConfigError(
+                "purge: name what to remove (tenant, model, older than) or everything, not both"
+            )
+
+    def selects(self, identity: Identity) -> bool:
+        """Whether blocks of `identity` fall under this purge (before any age criterion)."""
+        if self.everything:
+            return True
+        if self.tenant is not None and identity.tenant != self.tenant:
+            return False
+        if self.model is not None and identity.model != self.model:
+            return False
+        return not any(getattr(identity, name) == kept for name, kept in self.keep.items())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "model": self.model,
+            "keep": dict(self.keep),
+            "older_than_s": self.older_than_s,
+            "everything": self.everything,
+        }
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> PurgeSelector:
+        """From the wire form (describe()'s keys); raises ConfigError naming a bad field."""
+        known = {"tenant", "model", "keep", "older_than_s", "everything"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"purge: unknown field {unknown[0]!r}")
+        checks = {
+            "tenant": (str, type(None)),
+            "model": (str, type(None)),
+            "keep": (dict,),
+            "older_than_s": (int, float, type(None)),
+            "everything": (bool,),
+        }
+        for name, kinds in checks.items():
+            value = values.get(name)
+            if name in values and (not isinstance(value, kinds) or
+                                   (isinstance(value, bool) and bool not in kinds)):
+                raise ConfigError(f"purge: field {name!r} has the wrong type")
+        keep = values.get("keep") or {}
+        if not all(isinstance(v, (str, type(None))) for v in keep.values()):
+            raise ConfigError("purge: kept versions must be strings")
+        return cls(
+            tenant=values.get("tenant"),
+            model=values.get("model"),
+            keep=dict(keep),
+            older_than_s=values.get("older_than_s"),
+            everything=bool(values.get("everything", False)),
+        )
+
+
+@dataclass(frozen=True)
+class PurgeReport:
+    """What a purge removed (or, for a dry run, would remove)."""
+
+    identities: int
+    blocks: int
+    payload_bytes: int
+    stored_bytes: int
+    dry_run: bool
+    seconds: float
+
+    def describe(self) -> dict[str, Any]:
+        return dict(vars(self))

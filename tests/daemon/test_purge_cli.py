@@ -1,0 +1,98 @@
+"""`prefixd purge` online (through a running daemon) and offline, and the purge operation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from prefixd import Identity
+from prefixd.client import Client, RemoteError
+from prefixd.store import Store
+
+from .conftest import Daemon
+
+BASE = dict(model="m", weights="w1", tokenizer="t", template="c", rope="r", kv_layout="bf16",
+            block_tokens=4, tenant="a")
+PROMPT = np.arange(100, 120, dtype=np.uint32)
+
+
+def ident(**changes: object) -> Identity:
+    return Identity(**{**BASE, **changes})
+
+
+def purge(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "prefixd", "purge", "--data-dir", str(daemon.data_dir),
+         "--socket", str(daemon.socket), *args],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def fill(client: Client, *identities: Identity) -> None:
+    for identity in identities:
+        client.put(identity, PROMPT, [b"k" * 50] * 5)
+
+
+def test_online_tenant_purge_and_dry_run(daemon: Daemon) -> None:
+    a, b = ident(), ident(tenant="b")
+    with Client(daemon.socket, region_bytes=1 << 16) as client:
+        fill(client, a, b)
+        dry = purge(daemon, "--tenant", "a", "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        summary = json.loads(dry.stdout)
+        assert (summary["mode"], summary["dry_run"], summary["blocks"]) == ("online", True, 5)
+        assert client.lookup(a, [PROMPT])[0].n_blocks == 5
+        done = purge(daemon, "--tenant", "a")
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout)
+        assert (summary["mode"], summary["blocks"], summary["identities"]) == ("online", 5, 1)
+        assert summary["payload_bytes"] == 250
+        assert client.lookup(a, [PROMPT])[0].n_blocks == 0
+        assert client.lookup(b, [PROMPT])[0].n_blocks == 5
+        assert client.load(b, PROMPT).n_blocks == 5
+
+
+def test_online_model_retirement(daemon: Daemon) -> None:
+    old, new = ident(weights="w1"), ident(weights="w2")
+    with Client(daemon.socket, region_bytes=1 << 16) as client:
+        fill(client, old, new)
+        done = purge(daemon, "--model", "m", "--except-weights", "w2")
+        assert done.returncode == 0 and json.loads(done.stdout)["blocks"] == 5, done.stderr
+        assert client.lookup(old, [PROMPT])[0].n_blocks == 0
+        assert client.lookup(new, [PROMPT])[0].n_blocks == 5
+
+
+def test_offline_purge_after_the_daemon_stopped(daemon: Daemon) -> None:
+    a, b = ident(), ident(tenant="b")
+    with Client(daemon.socket, region_bytes=1 << 16) as client:
+        fill(client, a, b)
+    assert daemon.stop() == 0
+    done = purge(daemon, "--all")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["mode"], summary["blocks"]) == ("offline", 10)
+    with Store.open(daemon.data_dir, create=False) as store:
+        assert store.stats().blocks == 0 and store.check() == []
+
+
+def test_bad_arguments_exit_2(daemon: Daemon) -> None:
+    for args in ((), ("--except-weights", "w2"), ("--tenant", "a", "--all"),
+                 ("--older-than", "soon")):
+        out = purge(daemon, *args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.startswith("prefixd:")
+
+
+def test_the_purge_operation_checks_its_fields(daemon: Daemon) -> None:
+    with Client(daemon.socket) as client:
+        for criteria in ({"tenant": 7}, {"keep": {"weights": "x"}}, {"colour": "red"}, {}):
+            try:
+                client.purge(**criteria)
+            except RemoteError as exc:
+                assert exc.code == "bad_request"
+            else:
+                raise AssertionError(f"{criteria} was accepted")
+        assert client.health()["status"] == "ok"

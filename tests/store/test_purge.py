@@ -1,0 +1,132 @@
+"""Purges: tenants, retired model versions, idle blocks, everything; dry runs change nothing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from prefixd import Identity, Store
+from prefixd.errors import ConfigError
+from prefixd.store import PurgeSelector
+
+BASE = dict(model="m", weights="w1", tokenizer="t", template="c", rope="r", kv_layout="bf16",
+            block_tokens=4, tenant="a")
+PROMPT = list(range(100, 120))  # five blocks
+
+
+def ident(**changes: object) -> Identity:
+    return Identity(**{**BASE, **changes})
+
+
+def fill(store: Store, identity: Identity, prompt: list[int] = PROMPT, size: int = 100) -> None:
+    store.put(identity, prompt, [bytes([len(prompt) % 256]) * size] * (len(prompt) // 4))
+
+
+def scan_digests(path: Path) -> set[bytes]:
+    """Every identity digest that any record, index entry or identity row still names."""
+    env = lmdb.open(str(path), max_dbs=16, readonly=True)
+    names: set[bytes] = set()
+    from prefixd.schema.records import BlockRecord
+
+    with env.begin() as txn:
+        for key, value in txn.cursor(db=env.open_db(b"blocks", txn=txn, create=False)):
+            names.add(BlockRecord.decode(value).identity)
+        for key, _ in txn.cursor(db=env.open_db(b"identities", txn=txn, create=False)):
+            names.add(bytes(key))
+        for key, _ in txn.cursor(db=env.open_db(b"children", txn=txn, create=False)):
+            names.add(bytes(key))
+    env.close()
+    return names
+
+
+def test_a_tenant_purge_leaves_no_trace(tmp_path: Path) -> None:
+    a, a_lora, b = ident(), ident(adapter="lora@1"), ident(tenant="b")
+    with Store.open(tmp_path / "s") as store:
+        for identity in (a, a_lora, b):
+            fill(store, identity)
+            fill(store, identity, PROMPT[:8] + [7] * 12)
+        report = store.purge(PurgeSelector(tenant="a"))
+        assert (report.identities, report.blocks) == (2, 2 * 8)
+        assert report.payload_bytes == 16 * 100 and not report.dry_run
+        assert store.longest_prefix(a, PROMPT).n_blocks == 0
+        assert store.longest_prefix(a_lora, PROMPT).n_blocks == 0
+        assert store.longest_prefix(b, PROMPT).n_blocks == 5  # identical prompt, other tenant
+        assert store.check() == []
+        assert store.stats().blocks == 8 and store.stats().identities == 1
+    names = scan_digests(tmp_path / "s")
+    assert a.digest not in names and a_lora.digest not in names and b.digest in names
+
+
+def test_tenants_with_identical_prompts_never_share(store: Store) -> None:
+    a, b = ident(), ident(tenant="b")
+    fill(store, a)
+    assert store.longest_prefix(b, PROMPT).n_blocks == 0
+    fill(store, b)
+    assert store.put(b, PROMPT, [b"x"] * 5).existed == 5
+    assert store.stats().blocks == 10  # two copies: no deduplication across tenants
+
+
+def test_retiring_a_model_keeps_the_named_version(store: Store) -> None:
+    old, new, other = ident(weights="w1"), ident(weights="w2"), ident(model="m2")
+    for identity in (old, new, other):
+        fill(store, identity)
+    report = store.purge(PurgeSelector(model="m", keep={"weights": "w2"}))
+    assert (report.identities, report.blocks) == (1, 5)
+    assert store.longest_prefix(old, PROMPT).n_blocks == 0
+    assert store.longest_prefix(new, PROMPT).n_blocks == 5
+    assert store.longest_prefix(other, PROMPT).n_blocks == 5
+
+
+def test_retiring_other_versioned_fields(store: Store) -> None:
+    for layout in ("bf16", "fp8"):
+        for template in ("c1", "c2"):
+            fill(store, ident(kv_layout=layout, template=template))
+    report = store.purge(PurgeSelector(model="m", keep={"kv_layout": "fp8", "template": "c2"}))
+    assert report.identities == 1  # only bf16 + c1: a kept version of either field survives
+    assert store.stats().blocks == 15
+
+
+def test_dry_run_changes_nothing(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        fill(store, ident())
+        fill(store, ident(), PROMPT[:8] + [9] * 8)
+        store.sync()
+        before = (tmp_path / "s" / "data.mdb").read_bytes()
+        report = store.purge(PurgeSelector(tenant="a"), dry_run=True)
+        assert report.dry_run and (report.identities, report.blocks) == (1, 7)
+        assert report.payload_bytes == 7 * 100
+        assert store.stats().blocks == 7
+        assert (tmp_path / "s" / "data.mdb").read_bytes() == before
+
+
+def test_older_than_removes_idle_subtrees_only(store: Store) -> None:
+    identity = ident()
+    fill(store, identity)
+    fill(store, identity, PROMPT[:8] + [5] * 12)
+    time.sleep(0.2)
+    store.longest_prefix(identity, PROMPT)  # keeps PROMPT's blocks fresh, the branch goes idle
+    report = store.purge(PurgeSelector(older_than_s=0.1))
+    assert report.blocks == 3
+    assert store.longest_prefix(identity, PROMPT).n_blocks == 5
+    assert store.longest_prefix(identity, PROMPT[:8] + [5] * 12).n_blocks == 2
+    assert store.check() == []
+
+
+def test_everything(store: Store) -> None:
+    fill(store, ident())
+    fill(store, ident(tenant="b"))
+    assert store.purge(PurgeSelector(everything=True)).blocks == 10
+    assert store.stats().blocks == 0 and store.stats().identities == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"keep": {"weights": "v"}}, {"tenant": "a", "everything": True},
+     {"model": "m", "keep": {"tenant": "a"}}, {"older_than_s": -1.0}],
+)
+def test_bad_selectors(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        PurgeSelector(**kwargs)  # type: ignore[arg-type]
