@@ -166,6 +166,21 @@ class Config:
     verified_cache_bytes: int = _store(
         "verified_cache_bytes", "size", "memory for recently verified prefixes (0: off)"
     )
+    capacity_bytes: int = _store(
+        "capacity_bytes", "size", "payload bytes the store may hold (0: 80% of map_size)"
+    )
+    high_watermark: float = _store(
+        "high_watermark", "float", "evict when the stored bytes pass this share of the capacity"
+    )
+    low_watermark: float = _store(
+        "low_watermark", "float", "evict down to this share of the capacity"
+    )
+    eviction: str = _store(
+        "eviction",
+        "choice",
+        "eviction order: value (per byte), lru, or none (a full store refuses puts)",
+        ("value", "lru", "none"),
+    )
 
     def __post_init__(self) -> None:
         for name in SETTINGS:

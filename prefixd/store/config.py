@@ -46,6 +46,10 @@ class StoreConfig:
     readahead: bool = True
     max_readers: int = 256
     verified_cache_bytes: int = 64 * MiB
+    capacity_bytes: int = 0
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    eviction: str = "value"
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -70,6 +74,11 @@ class StoreConfig:
         _int_in("verify_threads", self.verify_threads, 0, 64)
         _int_in("max_readers", self.max_readers, 1, 1 << 16)
         _int_in("verified_cache_bytes", self.verified_cache_bytes, 0, 1 << 40)
+        _int_in("capacity_bytes", self.capacity_bytes, 0, self.map_size)
+        _number_in("high_watermark", self.high_watermark, 0.05, 1.0)
+        _number_in("low_watermark", self.low_watermark, 0.0, self.high_watermark)
+        if self.eviction not in ("value", "lru", "none"):
+            raise ConfigError(f"eviction: must be value, lru or none, got {self.eviction!r}")
         _number_in("sync_interval_s", self.sync_interval_s, 0.01, 3600.0)
         _number_in("min_compression_gain", self.min_compression_gain, 0.0, 0.99)
         for flag in ("create", "readahead"):

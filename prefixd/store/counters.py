@@ -15,7 +15,8 @@ QUARANTINED = b"quarantined"
 COLLISIONS = b"collisions"
 SETTLES = b"settles"  # small commits that let LMDB reuse freed pages on a full map
 REMOVALS = b"removals"  # bumped by every transaction that removes blocks: the removal epoch
-NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS, SETTLES, REMOVALS)
+EVICTED = b"evicted"
+NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS, SETTLES, REMOVALS, EVICTED)
 
 
 def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:

@@ -127,3 +127,12 @@ class StoreStats:
     compress_gbps: float
     decompress_gbps: float
     compressed_payloads_stored_raw: int
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionReport:
+    """What an eviction round removed."""
+
+    blocks: int
+    stored_bytes: int
+    seconds: float

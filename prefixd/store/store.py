@@ -42,9 +42,11 @@ from prefixd.store.check import check_store
 from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import OwnerLock, Tables, open_environment
+from prefixd.store.eviction import VictimQueue
 from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.results import (
     BlockInfo,
+    EvictionReport,
     LoadResult,
     PrefixMatch,
     Problem,
@@ -58,6 +60,9 @@ from prefixd.store.walk import Walk, walk_chain
 
 log = logging.getLogger(__name__)
 _BAD_RECORD = "record fails verification"
+# Without a capacity setting, payloads may fill this share of the map: records, indexes and
+# LMDB's free pages need the rest.
+DEFAULT_CAPACITY_SHARE = 0.8
 _BAD_PAYLOAD = "payload fails its checksum"
 
 
@@ -120,6 +125,7 @@ class Store:
             else None
         )
         self._verified = VerifiedPrefixes(config.verified_cache_bytes)
+        self._capacity = config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
         self._lock = threading.Lock()
         self._touched: dict[bytes, tuple[int, int]] = {}
         self._touched_runs: dict[bytes, tuple[Sequence[bytes], int, int]] = {}
@@ -200,16 +206,63 @@ class Store:
         return result
 
     def _put_with_settle(self, *args: Any) -> tuple[PutResult, int]:
-        """Run the put; on a full map, commit one small transaction and try once more.
+        """Run the put; on a full map, make room and try again.
 
         LMDB reuses the pages a transaction frees only once a later transaction has committed, so
-        right after a delete the map can look full although the space is there."""
+        right after a delete the map can look full although the space is there: first one small
+        settling commit, then eviction (to the low watermark) and a settling commit."""
         try:
-            return self._put_txn(*args)
+            result = self._put_txn(*args)
         except lmdb.MapFullError:
-            with self._env.begin(write=True) as txn:
-                counters.add(txn, self._tables.counters, counters.SETTLES, 1)
-        return self._put_txn(*args)
+            self._settle()
+            try:
+                result = self._put_txn(*args)
+            except lmdb.MapFullError:
+                if not self.evict().blocks:
+                    raise
+                self._settle()
+                result = self._put_txn(*args)
+        if result[0].stored and self._stored_bytes() > self._capacity * self.config.high_watermark:
+            self.evict()
+        return result
+
+    def _settle(self) -> None:
+        with self._env.begin(write=True) as txn:
+            counters.add(txn, self._tables.counters, counters.SETTLES, 1)
+
+    def _stored_bytes(self) -> int:
+        with self._env.begin() as txn:
+            return counters.read(txn, self._tables.counters, counters.STORED_BYTES)
+
+    def evict(self, target_bytes: int | None = None) -> EvictionReport:
+        """Evict leaves, lowest value per byte first (see prefixd.store.eviction), until the
+        stored bytes are at most `target_bytes` (default: the low watermark of the capacity)."""
+        self._check_usable()
+        if self.config.eviction == "none":
+            return EvictionReport(0, 0, 0.0)
+        started = time.perf_counter()
+        target = (
+            int(self._capacity * self.config.low_watermark) if target_bytes is None else target_bytes
+        )
+        evicted = freed = 0
+        t = self._tables
+        self.sync()  # the reads still counted in memory must be weighed too
+        with self._env.begin(write=True) as txn:
+            stored = counters.read(txn, t.counters, counters.STORED_BYTES)
+            if stored > target:
+                queue = VictimQueue(txn, t, self.config.eviction, time.time_ns())
+                for victim in queue:
+                    if stored <= target:
+                        break
+                    self._remove_subtree(txn, victim.block)
+                    stored -= victim.stored_size
+                    freed += victim.stored_size
+                    evicted += 1
+                    queue.parent_freed(victim.parent_key)
+                counters.add(txn, t.counters, counters.EVICTED, evicted)
+        if evicted:
+            log.info("evicted %d block(s), %d bytes", evicted, freed)
+        return EvictionReport(evicted, freed, round(time.perf_counter() - started, 6))
 
     def _put_txn(
         self,

@@ -462,7 +462,7 @@ def fill_until_full(store: Store) -> tuple[list[Chain], tuple[list[int], list[by
 
 
 def test_full_map_put_is_rolled_back_whole(tmp_path: Path) -> None:
-    with open_store(tmp_path / "s", map_size=4 << 20) as store:
+    with open_store(tmp_path / "s", map_size=4 << 20, eviction="none") as store:
         acked, (tokens, payloads) = fill_until_full(store)
         assert len(acked) >= 2
         # the refused put left nothing behind, not even its first block
@@ -495,7 +495,7 @@ def test_full_map_put_is_rolled_back_whole(tmp_path: Path) -> None:
 
 def test_put_right_after_freeing_delete_succeeds(tmp_path: Path) -> None:
     """LMDB reuses freed pages only after a later commit; the store settles and retries."""
-    with open_store(tmp_path / "s", map_size=4 << 20) as store:
+    with open_store(tmp_path / "s", map_size=4 << 20, eviction="none") as store:
         acked, (tokens, payloads) = fill_until_full(store)
         assert store.delete([acked[0][2][0]]) == 2  # frees as much as the refused put needs
         store.put(IDENT, tokens, payloads)

@@ -1,0 +1,111 @@
+"""Which blocks to evict: leaves only, lowest value per byte first.
+
+The design notes rank cached state by V = p * C_saved / (M * T): the chance it is reused, times the
+prefill it saves, over the bytes it holds and the time it has held them. prefixd estimates:
+
+  p / T  ~  (hits + 1) / (residence_s + TAU_S) * exp(-idle_s / IDLE_TAU_S)
+            a hit rate with a one-hit prior over TAU_S, decayed by the time since the last read;
+  C_saved ~  the block's token count (prefill cost grows with tokens; the attention term that
+            grows with depth is ignored, since a block is only ever evicted after its descendants);
+  M       =  the block's stored bytes.
+
+Only leaves are candidates (a block is never evicted while a descendant is stored), so a prefix
+shrinks from its end and everything still stored stays reachable. `lru` orders leaves by last read
+alone; it exists to compare against (bench/eviction_bench.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import lmdb
+
+from prefixd.schema.chain import ROOT_PARENT
+from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.store.environment import Tables
+
+TAU_S = 300.0
+IDLE_TAU_S = 3600.0
+POLICIES = ("value", "lru", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    score: float
+    block: bytes
+    parent_key: bytes
+    stored_size: int
+
+
+def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int) -> float:
+    residence_s = max(0.0, (now_ns - record.created_ns) / 1e9)
+    idle_s = max(0.0, (now_ns - access.last_ns) / 1e9)
+    rate = (access.hits + 1) / (residence_s + TAU_S) * math.exp(-idle_s / IDLE_TAU_S)
+    return rate * record.n_tokens / max(1, record.stored_size)
+
+
+def score(policy: str, record: BlockRecord, access: AccessRecord, now_ns: int) -> float:
+    if policy == "lru":
+        return float(access.last_ns)
+    return value_per_byte(record, access, now_ns)
+
+
+class VictimQueue:
+    """Leaves by ascending score; a parent joins once its last child is gone."""
+
+    def __init__(self, txn: lmdb.Transaction, tables: Tables, policy: str, now_ns: int) -> None:
+        self._txn = txn
+        self._t = tables
+        self._policy = policy
+        self._now = now_ns
+        self._heap: list[tuple[float, bytes, bytes, int]] = []
+        children = txn.cursor(db=tables.children)
+        for key, value in txn.cursor(db=tables.blocks):
+            block = bytes(key)
+            if children.set_key(block):
+                continue  # has descendants: not a leaf
+            candidate = self._candidate(block, value)
+            if candidate is not None:
+                self._heap.append(
+                    (candidate.score, block, candidate.parent_key, candidate.stored_size)
+                )
+        heapq.heapify(self._heap)
+
+    def _candidate(self, block: bytes, raw: bytes | memoryview) -> Candidate | None:
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            return None  # verification quarantines it; eviction leaves it alone
+        access_raw = self._txn.get(block, db=self._t.access)
+        try:
+            access = AccessRecord.decode(access_raw) if access_raw else None
+        except CorruptRecordError:
+            access = None
+        access = access or AccessRecord(record.created_ns, 0)
+        parent_key = record.identity if record.parent == ROOT_PARENT else record.parent
+        return Candidate(
+            score(self._policy, record, access, self._now), block, parent_key, record.stored_size
+        )
+
+    def __iter__(self) -> Iterator[Candidate]:
+        while self._heap:
+            value, block, parent_key, size = heapq.heappop(self._heap)
+            yield Candidate(value, block, parent_key, size)
+
+    def parent_freed(self, parent_key: bytes) -> None:
+        """After a child went: queue the parent if it is a block that is now a leaf."""
+        children = self._txn.cursor(db=self._t.children)
+        if children.set_key(parent_key):
+            return
+        raw = self._txn.get(parent_key, db=self._t.blocks)
+        if raw is None:
+            return  # an identity digest (the root's key), or already gone
+        candidate = self._candidate(parent_key, raw)
+        if candidate is not None:
+            heapq.heappush(
+                self._heap,
+                (candidate.score, parent_key, candidate.parent_key, candidate.stored_size),
+            )

@@ -1,0 +1,103 @@
+"""Eviction: leaves only, value per byte (or LRU) order, capacity held, a full map never fatal."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+
+from prefixd import Identity, Store
+from prefixd.schema.chain import chain_hashes
+
+IDENT = Identity(model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
+                 block_tokens=2, tenant="a")
+
+
+def chain(seed: int, n_blocks: int) -> list[int]:
+    return [seed * 1000 + i for i in range(2 * n_blocks)]
+
+
+def test_leaves_go_first_and_everything_left_is_reachable(tmp_path: Path) -> None:
+    rnd = random.Random(5)
+    with Store.open(tmp_path / "s", capacity_bytes=200_000, map_size=8 << 20) as store:
+        prompts = []
+        for step in range(300):
+            if prompts and rnd.random() < 0.4:
+                base = rnd.choice(prompts)
+                prompt = base[: 2 * rnd.randrange(1, len(base) // 2 + 1)] + chain(step, 3)
+            else:
+                prompt = chain(step, rnd.randrange(1, 6))
+            have = store.longest_prefix(IDENT, prompt).n_blocks
+            n = len(prompt) // 2
+            store.put(IDENT, prompt, [bytes(1000 + step)] * (n - have), first_block=have)
+            prompts.append(prompt)
+            if rnd.random() < 0.3:
+                store.longest_prefix(IDENT, rnd.choice(prompts))
+            assert store.stats().stored_bytes <= 200_000
+        assert store.check() == []  # no orphans: every stored block's parent is stored
+        assert store.stats().blocks > 0
+
+
+def put_leaf(store: Store, seed: int, size: int) -> bytes:
+    prompt = chain(seed, 1)
+    store.put(IDENT, prompt, [bytes(size)])
+    return chain_hashes(IDENT, prompt)[0]
+
+
+def test_value_per_byte_order(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store:
+        cold = put_leaf(store, 1, 4096)
+        hot = put_leaf(store, 2, 4096)
+        big = put_leaf(store, 3, 40_960)
+        for _ in range(20):
+            store.longest_prefix(IDENT, chain(2, 1))
+            store.longest_prefix(IDENT, chain(3, 1))
+        store.evict(target_bytes=4096 + 40_960)  # room for two of the three
+        assert store.block_info(cold) is None  # never read: lowest value
+        assert store.block_info(hot) is not None and store.block_info(big) is not None
+        store.evict(target_bytes=4096)
+        assert store.block_info(big) is None  # as hot, but ten times the bytes
+        assert store.block_info(hot) is not None
+
+
+def test_a_parent_outlives_its_children(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store:
+        prompt = chain(1, 3)
+        # by value per byte the parent (most bytes) would go first; leaf-first says otherwise
+        store.put(IDENT, prompt, [bytes(10_000), bytes(1_000), bytes(100)])
+        parent, middle, leaf = chain_hashes(IDENT, prompt)
+        for _ in range(5):
+            store.longest_prefix(IDENT, prompt)
+        store.evict(target_bytes=11_000)
+        assert store.block_info(leaf) is None
+        assert store.block_info(middle) is not None and store.block_info(parent) is not None
+        store.evict(target_bytes=10_000)
+        assert store.block_info(middle) is None and store.block_info(parent) is not None
+        store.evict(target_bytes=0)
+        assert store.stats().blocks == 0
+
+
+def test_lru_order(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s", map_size=64 << 20, eviction="lru") as store:
+        old = put_leaf(store, 1, 1000)
+        new = put_leaf(store, 2, 1000)
+        store.longest_prefix(IDENT, chain(1, 1))  # now block 1 was read last
+        store.evict(target_bytes=1000)
+        assert store.block_info(new) is None and store.block_info(old) is not None
+
+
+def test_a_full_map_evicts_instead_of_failing(tmp_path: Path) -> None:
+    """Capacity above what the map can hold: puts keep succeeding by evicting, and the data file
+    stops growing because freed pages are reused."""
+    path = tmp_path / "s"
+    rng = np.random.default_rng(0)
+    sizes = []
+    with Store.open(path, map_size=4 << 20, capacity_bytes=4 << 20) as store:
+        for step in range(120):
+            payloads = [rng.integers(0, 256, 128 << 10, dtype=np.uint8).tobytes()] * 2
+            store.put(IDENT, chain(step, 2), payloads)
+            sizes.append((path / "data.mdb").stat().st_size)
+        assert store.longest_prefix(IDENT, chain(119, 2)).n_blocks == 2  # the newest is stored
+        assert store.check() == []
+    assert sizes[-1] <= 4 << 20 and sizes[-1] == sizes[-40]
