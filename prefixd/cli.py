@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     purge.add_argument("--dry-run", action="store_true", help="count what would go; change nothing")
     purge.set_defaults(command=_purge)
 
+    compact = commands.add_parser(
+        "compact", help="write a compacted copy of a store (offline: the daemon must be stopped)"
+    )
+    compact.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
+    compact.add_argument("--to", type=Path, required=True, help="an empty directory for the copy")
+    compact.set_defaults(command=_compact)
+
     verify = commands.add_parser("verify", help="check a store offline and list every problem")
     verify.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
     verify.add_argument(
@@ -232,4 +239,14 @@ def _purge(args: argparse.Namespace) -> int:
             summary = store.purge(selector, dry_run=args.dry_run, progress=bar.update).describe()
         mode = "offline"
     print(json.dumps({"mode": mode, "path": str(path), **summary}, indent=2))
+    return 0
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from prefixd.store import Store
+
+    source = _data_dir(args)
+    with Store.open(source, create=False, exclusive=True) as store:
+        report = store.compact_to(args.to)
+    print(json.dumps(report, indent=2))
     return 0

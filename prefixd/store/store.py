@@ -32,6 +32,7 @@ from prefixd.errors import (
     PutRefusedError,
     StoreClosedError,
     StoreFullError,
+    StoreOpenError,
 )
 from prefixd.schema.chain import ROOT_PARENT, BlockChain
 from prefixd.schema.identity import Identity
@@ -584,6 +585,20 @@ class Store:
             except lmdb.MapFullError:
                 log.warning("store map full: %d access times not recorded", len(touched))
         self._env.sync(True)
+
+    def compact_to(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
+        """Write a compacted copy of the store (free pages dropped) into an empty `directory`.
+        The copy is a consistent snapshot; the store itself is not changed."""
+        self._check_usable()
+        target = Path(directory)
+        if target.exists() and any(target.iterdir()):
+            raise StoreOpenError(f"{target} is not empty")
+        target.mkdir(mode=0o750, parents=True, exist_ok=True)
+        self.sync()
+        self._env.copy(str(target), compact=True)
+        before = (self.path / "data.mdb").stat().st_size
+        after = (target / "data.mdb").stat().st_size
+        return {"from": str(self.path), "to": str(target), "bytes_before": before, "bytes_after": after}
 
     def stats(self) -> StoreStats:
         """Persisted totals plus this process's activity and codec speeds."""

@@ -130,3 +130,17 @@ def test_everything(store: Store) -> None:
 def test_bad_selectors(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         PurgeSelector(**kwargs)  # type: ignore[arg-type]
+
+
+def test_compact_copy_is_smaller_and_whole(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s") as store:
+        for tenant in ("a", "b"):
+            fill(store, ident(tenant=tenant), size=200_000)
+        store.purge(PurgeSelector(tenant="a"))
+        report = store.compact_to(tmp_path / "copy")
+        assert report["bytes_after"] < report["bytes_before"]
+        with pytest.raises(Exception, match="not empty"):
+            store.compact_to(tmp_path / "copy")
+    with Store.open(tmp_path / "copy", create=False) as copy:
+        assert copy.check() == [] and copy.stats().blocks == 5
+        assert copy.load(ident(tenant="b"), PROMPT, bytearray(1 << 21)).n_blocks == 5
