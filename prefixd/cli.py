@@ -233,9 +233,10 @@ def _purge(args: argparse.Namespace) -> int:
         summary = {k: v for k, v in reply.items() if k not in ("id", "ok")}
         mode = "online"
     else:
-        with Store.open(path, create=False, exclusive=True) as store, tqdm(
-            desc="purging", unit=" roots", disable=args.dry_run
-        ) as bar:
+        with (
+            Store.open(path, create=False, exclusive=True) as store,
+            tqdm(desc="purging", unit=" roots", disable=args.dry_run) as bar,
+        ):
             summary = store.purge(selector, dry_run=args.dry_run, progress=bar.update).describe()
         mode = "offline"
     print(json.dumps({"mode": mode, "path": str(path), **summary}, indent=2))

@@ -88,7 +88,11 @@ class Migrator:
         env, _tables, meta = self._open(readonly=True)
         env.close()
         return MigrationStatus(
-            self.path, meta.schema_version, SCHEMA_VERSION, self._pending(meta, None), _resuming(meta)
+            self.path,
+            meta.schema_version,
+            SCHEMA_VERSION,
+            self._pending(meta, None),
+            _resuming(meta),
         )
 
     def upgrade(
@@ -171,7 +175,9 @@ class Migrator:
                         meta = with_version(meta, step.version, migrating=None)
                     else:
                         meta = with_version(
-                            meta, meta.schema_version, migrating={"to": step.version, "cursor": cursor}
+                            meta,
+                            meta.schema_version,
+                            migrating={"to": step.version, "cursor": cursor},
                         )
                     txn.put(META_KEY, meta.encode(), db=tables.meta)
                 entry.changed += changed

@@ -128,6 +128,16 @@ class AccessRecord(NamedTuple):
         return _ACCESS.pack(self.last_ns, min(self.hits, 0xFFFFFFFF), 0)
 
     @classmethod
+    def read(cls, data: bytes | memoryview | None, default_ns: int) -> AccessRecord:
+        """The stored record, or a fresh one (never read) if it is missing or unreadable."""
+        if data is not None:
+            try:
+                return cls.decode(data)
+            except CorruptRecordError:
+                pass
+        return cls(default_ns, 0)
+
+    @classmethod
     def decode(cls, data: bytes | memoryview) -> AccessRecord:
         if len(data) != _ACCESS.size:
             raise CorruptRecordError(f"access record is {len(data)} bytes, not {_ACCESS.size}")

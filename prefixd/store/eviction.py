@@ -79,12 +79,7 @@ class VictimQueue:
             record = BlockRecord.decode(raw)
         except CorruptRecordError:
             return None  # verification quarantines it; eviction leaves it alone
-        access_raw = self._txn.get(block, db=self._t.access)
-        try:
-            access = AccessRecord.decode(access_raw) if access_raw else None
-        except CorruptRecordError:
-            access = None
-        access = access or AccessRecord(record.created_ns, 0)
+        access = AccessRecord.read(self._txn.get(block, db=self._t.access), record.created_ns)
         parent_key = record.identity if record.parent == ROOT_PARENT else record.parent
         return Candidate(
             score(self._policy, record, access, self._now), block, parent_key, record.stored_size

@@ -11,8 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixd.errors import ConfigError
+import lmdb
+
+from prefixd.errors import ConfigError, IdentityError
 from prefixd.schema.identity import Identity
+from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.store.environment import Tables
 
 # Identity fields whose version a model retirement may keep ("--except-weights V" and the like).
 VERSIONED_FIELDS = ("weights", "tokenizer", "template", "adapter", "mm", "rope", "kv_layout")
@@ -41,7 +45,9 @@ class PurgeSelector:
             raise ConfigError("purge: keeping a version needs --model")
         if self.older_than_s is not None and self.older_than_s < 0:
             raise ConfigError("purge: older_than must not be negative")
-        narrowed = self.tenant is not None or self.model is not None or self.older_than_s is not None
+        narrowed = (
+            self.tenant is not None or self.model is not None or self.older_than_s is not None
+        )
         if self.everything == narrowed:
             raise ConfigError(
                 "purge: name what to remove (tenant, model, older than) or everything, not both"
@@ -82,8 +88,9 @@ class PurgeSelector:
         }
         for name, kinds in checks.items():
             value = values.get(name)
-            if name in values and (not isinstance(value, kinds) or
-                                   (isinstance(value, bool) and bool not in kinds)):
+            if name in values and (
+                not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)
+            ):
                 raise ConfigError(f"purge: field {name!r} has the wrong type")
         keep = values.get("keep") or {}
         if not all(isinstance(v, (str, type(None))) for v in keep.values()):
@@ -110,3 +117,66 @@ class PurgeReport:
 
     def describe(self) -> dict[str, Any]:
         return dict(vars(self))
+
+
+def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> list[bytes]:
+    chosen = []
+    for digest, encoded in txn.cursor(db=t.identities):
+        try:
+            identity = Identity.decode(bytes(encoded))
+        except IdentityError:
+            continue  # check() reports it; a purge cannot judge it
+        if selector.selects(identity):
+            chosen.append(bytes(digest))
+    return chosen
+
+
+def children_of(txn: lmdb.Transaction, t: Tables, key: bytes) -> list[bytes]:
+    cursor = txn.cursor(db=t.children)
+    if not cursor.set_key(key):
+        return []
+    return [bytes(child) for child in cursor.iternext_dup()]
+
+
+def idle_blocks(
+    txn: lmdb.Transaction, t: Tables, digests: set[bytes], cutoff_ns: int
+) -> list[bytes]:
+    """Blocks of the chosen identities last read before `cutoff_ns`."""
+    idle = []
+    for key, value in txn.cursor(db=t.access):
+        if AccessRecord.read(bytes(value), 0).last_ns >= cutoff_ns:
+            continue
+        raw = txn.get(bytes(key), db=t.blocks)
+        if raw is None:
+            continue
+        try:
+            owner = BlockRecord.decode(raw).identity
+        except CorruptRecordError:
+            continue
+        if owner in digests:
+            idle.append(bytes(key))
+    return idle
+
+
+def subtree_totals(txn: lmdb.Transaction, t: Tables, roots: list[bytes]) -> tuple[int, int, int]:
+    """(blocks, payload bytes, stored bytes) below and including `roots`, each counted once."""
+    seen: set[bytes] = set()
+    blocks = payload = stored = 0
+    stack = list(roots)
+    while stack:
+        h = stack.pop()
+        if h in seen:
+            continue
+        seen.add(h)
+        raw = txn.get(h, db=t.blocks)
+        if raw is None:
+            continue
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            continue
+        blocks += 1
+        payload += record.payload_size
+        stored += record.stored_size
+        stack.extend(children_of(txn, t, h))
+    return blocks, payload, stored

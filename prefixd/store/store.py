@@ -25,7 +25,6 @@ import msgpack
 from prefixd.errors import (
     BlockCollisionError,
     DestinationError,
-    IdentityError,
     OpenTailError,
     OrphanBlockError,
     PayloadError,
@@ -44,7 +43,14 @@ from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import OwnerLock, Tables, open_environment
 from prefixd.store.eviction import VictimQueue
-from prefixd.store.purge import PurgeReport, PurgeSelector
+from prefixd.store.purge import (
+    PurgeReport,
+    PurgeSelector,
+    children_of,
+    idle_blocks,
+    selected_identities,
+    subtree_totals,
+)
 from prefixd.store.results import (
     BlockInfo,
     EvictionReport,
@@ -243,7 +249,9 @@ class Store:
             return EvictionReport(0, 0, 0.0)
         started = time.perf_counter()
         target = (
-            int(self._capacity * self.config.low_watermark) if target_bytes is None else target_bytes
+            int(self._capacity * self.config.low_watermark)
+            if target_bytes is None
+            else target_bytes
         )
         evicted = freed = 0
         t = self._tables
@@ -371,14 +379,14 @@ class Store:
         cutoff = time.time_ns() - int((selector.older_than_s or 0) * 1e9)
         begin = self._env.begin(buffers=True) if dry_run else self._env.begin(write=True)
         with begin as txn:
-            digests = _selected_identities(txn, t, selector)
+            digests = selected_identities(txn, t, selector)
             if selector.older_than_s is None:
-                roots = [bytes(child) for d in digests for child in _children_of(txn, t, d)]
+                roots = [child for d in digests for child in children_of(txn, t, d)]
             else:
-                roots = _idle_blocks(txn, t, set(digests), cutoff)
+                roots = idle_blocks(txn, t, set(digests), cutoff)
             before = counters.read_all(txn, t.counters)
             if dry_run:
-                blocks, payload, stored = _subtree_totals(txn, t, roots)
+                blocks, payload, stored = subtree_totals(txn, t, roots)
             else:
                 reported = 0
                 for n, root in enumerate(roots, 1):
@@ -548,7 +556,7 @@ class Store:
         with self._lock:
             self._touched = self._take_touches()
             pending_at, pending_hits = self._touched.get(block, (0, 0))
-        stored = _access(access, record.created_ns)
+        stored = AccessRecord.read(access, record.created_ns)
         return BlockInfo(
             block,
             record.parent,
@@ -578,7 +586,7 @@ class Store:
                         raw = txn.get(h, db=t.access)
                         if raw is None:  # removed since: an access entry lives as its block does
                             continue
-                        old = _access(raw, 0)
+                        old = AccessRecord.read(raw, 0)
                         new = AccessRecord(max(old.last_ns, at), old.hits + hits)
                         txn.put(h, new.encode(), db=t.access)
                     counters.add(txn, t.counters, counters.COLLISIONS, collisions)
@@ -598,7 +606,12 @@ class Store:
         self._env.copy(str(target), compact=True)
         before = (self.path / "data.mdb").stat().st_size
         after = (target / "data.mdb").stat().st_size
-        return {"from": str(self.path), "to": str(target), "bytes_before": before, "bytes_after": after}
+        return {
+            "from": str(self.path),
+            "to": str(target),
+            "bytes_before": before,
+            "bytes_after": after,
+        }
 
     def stats(self) -> StoreStats:
         """Persisted totals plus this process's activity and codec speeds."""
@@ -806,81 +819,6 @@ class Store:
         counters.add(txn, t.counters, counters.PAYLOAD_BYTES, -payload_bytes)
         counters.add(txn, t.counters, counters.STORED_BYTES, -stored_bytes)
         return removed
-
-
-def _access(raw: bytes | None, default_ns: int) -> AccessRecord:
-    """A stored access record, or a fresh one if it is missing or unreadable."""
-    if raw is not None:
-        try:
-            return AccessRecord.decode(raw)
-        except CorruptRecordError:
-            pass
-    return AccessRecord(default_ns, 0)
-
-
-def _selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> list[bytes]:
-    chosen = []
-    for digest, encoded in txn.cursor(db=t.identities):
-        try:
-            identity = Identity.decode(bytes(encoded))
-        except IdentityError:
-            continue  # check() reports it; a purge cannot judge it
-        if selector.selects(identity):
-            chosen.append(bytes(digest))
-    return chosen
-
-
-def _children_of(txn: lmdb.Transaction, t: Tables, key: bytes) -> list[bytes]:
-    cursor = txn.cursor(db=t.children)
-    if not cursor.set_key(key):
-        return []
-    return [bytes(child) for child in cursor.iternext_dup()]
-
-
-def _idle_blocks(
-    txn: lmdb.Transaction, t: Tables, digests: set[bytes], cutoff_ns: int
-) -> list[bytes]:
-    """Blocks of the chosen identities last read before `cutoff_ns`."""
-    idle = []
-    for key, value in txn.cursor(db=t.access):
-        if _access(bytes(value), 0).last_ns >= cutoff_ns:
-            continue
-        raw = txn.get(bytes(key), db=t.blocks)
-        if raw is None:
-            continue
-        try:
-            owner = BlockRecord.decode(raw).identity
-        except CorruptRecordError:
-            continue
-        if owner in digests:
-            idle.append(bytes(key))
-    return idle
-
-
-def _subtree_totals(
-    txn: lmdb.Transaction, t: Tables, roots: list[bytes]
-) -> tuple[int, int, int]:
-    """(blocks, payload bytes, stored bytes) below and including `roots`, each counted once."""
-    seen: set[bytes] = set()
-    blocks = payload = stored = 0
-    stack = list(roots)
-    while stack:
-        h = stack.pop()
-        if h in seen:
-            continue
-        seen.add(h)
-        raw = txn.get(h, db=t.blocks)
-        if raw is None:
-            continue
-        try:
-            record = BlockRecord.decode(raw)
-        except CorruptRecordError:
-            continue
-        blocks += 1
-        payload += record.payload_size
-        stored += record.stored_size
-        stack.extend(_children_of(txn, t, h))
-    return blocks, payload, stored
 
 
 def _children_key(record: BlockRecord) -> bytes:
