@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from prefixd import Identity, Store
+from prefixd.store.allocator import keep_write_buffers
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -501,6 +502,7 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = parse_args(argv)
+    keep_write_buffers()  # as `prefixd serve` runs (prefixd.store.allocator)
     if settings.root is not None:
         settings.root.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="prefixd-bench-", dir=settings.root))

@@ -118,6 +118,9 @@ def _serve(args: argparse.Namespace) -> int:
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from prefixd.store.allocator import keep_write_buffers
+
+    keep_write_buffers()  # the daemon owns its process: let LMDB reuse its write buffers
     return run_server(config)
 
 

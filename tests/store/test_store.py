@@ -298,3 +298,11 @@ def test_client_supplied_hashes_only_choose_records(tmp_path: Path, identity: Id
     with pytest.raises(TokenError, match="block hashes"):
         store.longest_prefix(identity, TOKENS, hashes=good[:-1])
     store.close()
+
+
+def test_write_buffers_are_kept_on_glibc() -> None:
+    import platform
+
+    from prefixd.store.allocator import keep_write_buffers
+
+    assert keep_write_buffers() is (platform.libc_ver()[0] == "glibc")
