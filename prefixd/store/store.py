@@ -32,11 +32,12 @@ from prefixd.errors import (
     StoreClosedError,
     StoreFullError,
     StoreOpenError,
+    TokenError,
 )
-from prefixd.schema.chain import ROOT_PARENT, BlockChain
+from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT, BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError, chunk_key
-from prefixd.schema.tokens import TokenIds
+from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.check import check_store
 from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
@@ -441,13 +442,17 @@ class Store:
         the removal epoch, on a page every write touches), so an event loop may call it; None
         means: ask `longest_prefix`."""
         self._check_usable()
-        chain = BlockChain(identity, token_ids, hashes)
-        if not chain.n_blocks:
+        tokens = as_token_array(token_ids)  # a view: this answer is never remembered
+        n_blocks = len(tokens) // identity.block_tokens
+        if hashes is not None and len(hashes) != n_blocks * HASH_BYTES:
+            raise TokenError(f"{len(hashes)} bytes of block hashes for {n_blocks} closed blocks")
+        closed = tokens[: n_blocks * identity.block_tokens]
+        if not closed.size:
             return None
         with self._env.begin(buffers=True) as txn:
             epoch = counters.read(txn, self._tables.counters, counters.REMOVALS)
-        known = self._verified.find(chain, epoch, chain.n_blocks)
-        if known is None or len(known.hashes) < chain.n_blocks:
+        known = self._verified.find_whole(identity.digest, closed, epoch)
+        if known is None:
             return None
         self._touch(known.hashes)
         with self._lock:

@@ -15,6 +15,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from prefixd.schema.chain import BlockChain
@@ -79,6 +80,29 @@ class VerifiedPrefixes:
         self._entries.move_to_end(key)
         self.hits += 1
         return entry
+
+    def find_whole(
+        self, identity_digest: bytes, closed: np.ndarray, epoch: int
+    ) -> VerifiedPrefix | None:
+        """The remembered prefix that is exactly these closed blocks' token ids (a '<u4' array,
+        possibly a view of memory a client shares: it is read, never kept), still valid."""
+        if not self.max_bytes or not self._entries:
+            return None
+        content = _content_key(identity_digest, memoryview(closed).cast("B"))
+        with self._lock:
+            key = self._by_content.get(content)
+            entry = self._entries.get(key) if key is not None else None
+            if (
+                entry is None
+                or entry.epoch != epoch
+                or entry.identity != identity_digest
+                or len(entry.tokens) != closed.nbytes
+                or not np.array_equal(np.frombuffer(entry.tokens, dtype=closed.dtype), closed)
+            ):
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry
 
     def remember(
         self,

@@ -87,3 +87,17 @@ def test_cache_is_bounded(tmp_path: Path, identity: Identity) -> None:
             store.put(identity, tokens, payloads(2))
             store.longest_prefix(identity, tokens)
         assert store._verified._bytes <= 200
+
+
+def test_cached_prefix_answers_only_whole_unchanged_prompts(store: Store, identity: Identity) -> None:
+    store.put(identity, TOKENS, payloads(10))
+    assert store.cached_prefix(identity, TOKENS) is None  # nothing verified yet
+    walked = store.longest_prefix(identity, TOKENS)
+    assert store.cached_prefix(identity, TOKENS) == walked
+    assert store.cached_prefix(identity, TOKENS + [1, 2]) == walked  # an open tail is fine
+    assert store.cached_prefix(identity, TOKENS[:-4]) is None  # not the whole remembered prefix
+    assert store.cached_prefix(identity, TOKENS[:-1] + [7]) is None  # one token differs
+    other = Identity(**{**identity.to_dict(), "tenant": "b"})
+    assert store.cached_prefix(other, TOKENS) is None
+    store.delete([walked.hashes[9]])
+    assert store.cached_prefix(identity, TOKENS) is None  # a removal since: walk again
