@@ -56,6 +56,7 @@ _EXPECTED = {
     "bool": "a boolean (true/false, 1/0, yes/no)",
     "choice": "a string",
     "ids": "a comma-separated list of integers like 1000,1001",
+    "manifests": "a comma-separated list of MODEL=FILE[+FILE...]",
 }
 _TOML_EXPECTED = {
     "path": "a string",
@@ -67,6 +68,7 @@ _TOML_EXPECTED = {
     "bool": "true or false",
     "choice": "a string",
     "ids": "an array of integers",
+    "manifests": "an array of strings like 'MODEL=FILE[+FILE...]'",
 }
 _METAVARS = {
     "path": "PATH",
@@ -77,6 +79,7 @@ _METAVARS = {
     "seconds": "SECONDS",
     "bool": "BOOL",
     "ids": "ID[,ID...]",
+    "manifests": "MODEL=FILE[+FILE...][,...]",
 }
 _STORE_DEFAULTS = {f.name: f.default for f in fields(StoreConfig)}
 
@@ -144,6 +147,12 @@ class Config:
         "seconds", "how long shutdown waits for requests in flight", 10.0, low=0.0, high=3600.0
     )
     log_level: str = _setting("choice", "log verbosity", "info", choices=LOG_LEVELS)
+    model_manifests: tuple[str, ...] = _setting(
+        "manifests",
+        "models this node serves, each with the files that fingerprint its weights "
+        "(MODEL=FILE[+FILE...]); a change retires the model's other versions",
+        (),
+    )
     map_size: int = _store("map_size", "size", "LMDB map size: the store's largest size")
     durability: Durability = _store(
         "durability",
@@ -507,6 +516,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "bool": _parse_bool,
     "choice": lambda text: text,
     "ids": _parse_ids,
+    "manifests": lambda text: tuple(item.strip() for item in text.split(",") if item.strip()),
 }
 
 
@@ -522,6 +532,8 @@ def _native_ok(kind: str, value: Any) -> bool:
         return isinstance(value, bool)
     if kind == "choice":
         return isinstance(value, str)
+    if kind == "manifests":
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
     return isinstance(value, (list, tuple)) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     )
@@ -564,6 +576,15 @@ def _validated(name: str, value: Any) -> Any:
                 f"at most {SOCKET_PATH_MAX}; choose a shorter one"
             )
         return path
+    if kind == "manifests":
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: must be a list of MODEL=FILE[+FILE...]")
+        entries = tuple(value)
+        try:
+            parse_manifests(entries)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+        return entries
     if kind == "ids":
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: must be a list of integers, got {type(value).__name__}")
@@ -611,3 +632,19 @@ def _plain(name: str, value: Any) -> Any:
     if _META[name]["kind"] == "mode":
         return f"{value:04o}"
     return value
+
+
+def parse_manifests(entries: tuple[str, ...]) -> dict[str, tuple[Path, ...]]:
+    """{model: manifest files} from MODEL=FILE[+FILE...] entries; ValueError says what is wrong."""
+    models: dict[str, tuple[Path, ...]] = {}
+    for entry in entries:
+        model, sep, files = entry.partition("=")
+        paths = tuple(Path(f).expanduser() for f in files.split("+") if f)
+        if not sep or not model or not paths:
+            raise ValueError(f"{entry!r} is not MODEL=FILE[+FILE...]")
+        if model in models:
+            raise ValueError(f"model {model!r} is listed twice")
+        if not all(p.is_absolute() for p in paths):
+            raise ValueError(f"{entry!r}: manifest files must be absolute paths")
+        models[model] = paths
+    return models

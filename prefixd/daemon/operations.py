@@ -74,9 +74,16 @@ class Operations:
     descriptors of every other request."""
 
     def __init__(
-        self, store: Store, pool: Executor, *, max_frame_bytes: int, max_region_bytes: int
+        self,
+        store: Store,
+        pool: Executor,
+        *,
+        max_frame_bytes: int,
+        max_region_bytes: int,
+        models: Mapping[str, str] | None = None,
     ) -> None:
         self.store = store
+        self.models = models if models is not None else {}  # served model -> weights fingerprint
         self.pool = pool
         self.max_frame_bytes = max_frame_bytes
         self.max_region_bytes = max_region_bytes
@@ -111,6 +118,7 @@ class Operations:
             max_frame_bytes=self.max_frame_bytes,
             max_region_bytes=self.max_region_bytes,
             max_inflight=conn.max_inflight,
+            models=dict(self.models),
         )
 
     async def attach(self, conn: Connection, request: Request) -> dict[str, Any]:
@@ -226,7 +234,8 @@ class Operations:
     async def stats(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid = request.id
         stats = await self._run(self.store.stats)
-        return ok_reply(rid, store=dataclasses.asdict(stats), server=conn.server.counters())
+        server = {**conn.server.counters(), "models": dict(self.models)}
+        return ok_reply(rid, store=dataclasses.asdict(stats), server=server)
 
     async def health(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid = request.id

@@ -36,7 +36,9 @@ from prefixd.daemon.protocol import (
 )
 from prefixd.daemon.region import MappedRegion, fds_from_ancillary
 from prefixd.errors import ServeError
-from prefixd.store import Store
+from prefixd.daemon.config import parse_manifests
+from prefixd.daemon.watchers import ManifestWatcher, Retire
+from prefixd.store import PurgeSelector, Store
 
 if TYPE_CHECKING:
     from prefixd.daemon.config import Config
@@ -80,14 +82,17 @@ class Server:
         config = self.config
         self.store = Store(config.store_config(), exclusive=True)
         pool = ThreadPoolExecutor(config.workers, thread_name_prefix="prefixd-worker")
+        watcher = ManifestWatcher(parse_manifests(config.model_manifests), self._retirer(pool))
         operations = Operations(
             self.store,
             pool,
             max_frame_bytes=config.max_frame_bytes,
             max_region_bytes=config.max_region_bytes,
+            models=watcher.fingerprints,
         )
         tasks: list[asyncio.Task[None]] = []
         try:
+            await watcher.start()
             self._listener = self._bind()
             if install_signal_handlers:
                 for signum in (signal.SIGTERM, signal.SIGINT):
@@ -107,6 +112,7 @@ class Server:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._unbind()
+            await watcher.stop()
             await self._drain()
             pool.shutdown(wait=True)
             self.store.close()
@@ -115,6 +121,18 @@ class Server:
                     loop.remove_signal_handler(signum)
         log.info("stopped%s", " (forced)" if self._forced else "")
         return 1 if self._forced else 0
+
+    def _retirer(self, pool: ThreadPoolExecutor) -> Retire:
+        """Purge a model's entries of other weights than `keep`, on the pool."""
+
+        async def retire(model: str, keep: str) -> int:
+            assert self.store is not None
+            selector = PurgeSelector(model=model, keep={"weights": keep})
+            loop = asyncio.get_running_loop()
+            report = await loop.run_in_executor(pool, self.store.purge, selector)
+            return report.blocks
+
+        return retire
 
     def stop(self) -> None:
         """First call: graceful shutdown. Second call: cancel in-flight requests at once."""

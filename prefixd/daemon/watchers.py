@@ -1,0 +1,123 @@
+"""Retiring a model's old entries when its weights change on disk.
+
+Each served model is fingerprinted from its manifest files (say its config and weight index):
+`sha256:` over the files' names and bytes, read with aiofiles so the event loop never blocks on
+disk. An engine uses the fingerprint as the identity's `weights` (the daemon reports it in `hello`
+and `stats`). A watchdog observer notices when a manifest changes; after a short settling delay the
+fingerprint is recomputed and every entry of that model with other weights is purged, which makes
+it unreachable at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+
+import aiofiles
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 0.5  # a copy of new weights writes several files: wait for quiet before fingerprinting
+Retire = Callable[[str, str], Awaitable[int]]  # (model, fingerprint to keep) -> blocks removed
+
+
+async def fingerprint(paths: tuple[Path, ...]) -> str:
+    """`sha256:<hex>` over each file's name and content, in order; a missing file counts as empty
+    (a model mid-copy then fingerprints differently, and settles on the next change)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0")
+        try:
+            async with aiofiles.open(path, "rb") as file:
+                while chunk := await file.read(1 << 20):
+                    digest.update(chunk)
+        except FileNotFoundError:
+            digest.update(b"\0missing\0")
+    return "sha256:" + digest.hexdigest()
+
+
+class ManifestWatcher:
+    """Keeps `fingerprints` current and calls `retire` when a model's fingerprint changes."""
+
+    def __init__(self, models: Mapping[str, tuple[Path, ...]], retire: Retire) -> None:
+        self.models = dict(models)
+        self.fingerprints: dict[str, str] = {}
+        self._retire = retire
+        self._observer = Observer()
+        self._pending: dict[str, asyncio.TimerHandle] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Fingerprint every model, retire other versions already stored, then watch."""
+        self._loop = asyncio.get_running_loop()
+        for model, paths in self.models.items():
+            self.fingerprints[model] = await fingerprint(paths)
+            await self._retire(model, self.fingerprints[model])
+        by_directory: dict[Path, dict[str, str]] = {}
+        for model, paths in self.models.items():
+            for path in paths:
+                by_directory.setdefault(path.parent, {})[path.name] = model
+        for directory, names in by_directory.items():
+            directory.mkdir(parents=True, exist_ok=True)
+            self._observer.schedule(_Handler(names, self._changed), str(directory))
+        self._observer.start()
+
+    async def stop(self) -> None:
+        for handle in self._pending.values():
+            handle.cancel()
+        self._observer.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._observer.join)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _changed(self, model: str) -> None:
+        """Called on the observer's thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._debounce, model)
+
+    def _debounce(self, model: str) -> None:
+        assert self._loop is not None
+        previous = self._pending.pop(model, None)
+        if previous is not None:
+            previous.cancel()
+        self._pending[model] = self._loop.call_later(SETTLE_S, self._spawn, model)
+
+    def _spawn(self, model: str) -> None:
+        self._pending.pop(model, None)
+        task = asyncio.ensure_future(self._refresh(model))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _refresh(self, model: str) -> None:
+        new = await fingerprint(self.models[model])
+        if new == self.fingerprints.get(model):
+            return
+        self.fingerprints[model] = new
+        try:
+            removed = await self._retire(model, new)
+        except Exception:
+            log.exception("retiring old versions of a model failed")
+            return
+        log.info("model %s changed weights; retired %d block(s) of other versions", model, removed)
+
+
+class _Handler(FileSystemEventHandler):
+    """Maps events on watched file names to their model."""
+
+    def __init__(self, names: Mapping[str, str], changed: Callable[[str], None]) -> None:
+        self._names = dict(names)
+        self._changed = changed
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        for raw in (event.src_path, getattr(event, "dest_path", "")):
+            name = Path(raw if isinstance(raw, str) else raw.decode()).name if raw else ""
+            model = self._names.get(name)
+            if model is not None:
+                self._changed(model)
