@@ -59,17 +59,18 @@ import platform
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchlib import Samples, gbps, same_bytes, split, timed, touched_buffer
 
 from prefixd import Identity, Store
 from prefixd.client import Client
@@ -92,7 +93,6 @@ REGION_SLACK_BYTES = 16 * MiB
 VOCAB = 128_000
 SEED = 20240601
 GEN_CHUNK_BYTES = 64 * MiB
-COMPARE_CHUNK_BYTES = 64 * MiB
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 TARGET_LOAD_VS_MEMCPY = 0.5
@@ -114,19 +114,6 @@ class Settings:
     root: Path | None
     json: bool
     verbose: bool
-
-
-@dataclass
-class Samples:
-    """Seconds of every timed repetition, per measure."""
-
-    seconds: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds.setdefault(name, []).append(seconds)
-
-    def median(self, name: str) -> float:
-        return statistics.median(self.seconds[name])
 
 
 # --- set-up ----------------------------------------------------------------------------------
@@ -197,32 +184,6 @@ def make_identity(block_tokens: int, payload_bytes: int) -> Identity:
         block_tokens=block_tokens,
         tenant="bench",
     )
-
-
-def touched_buffer(size: int) -> np.ndarray:
-    """A destination whose pages are already faulted in, so no measure pays for first touch."""
-    buffer = np.empty(size, dtype=np.uint8)
-    buffer.fill(0xA5)
-    return buffer
-
-
-def split(buffer: np.ndarray, size: int) -> list[np.ndarray]:
-    return [buffer[off : off + size] for off in range(0, buffer.size, size)]
-
-
-def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Compare in pieces: a whole-array comparison would allocate another `a.size` bytes."""
-    step = COMPARE_CHUNK_BYTES
-    return a.size == b.size and all(
-        np.array_equal(a[off : off + step], b[off : off + step]) for off in range(0, a.size, step)
-    )
-
-
-def timed(action: Callable[[], Any]) -> tuple[float, Any]:
-    gc.collect()
-    started = time.perf_counter()
-    result = action()
-    return time.perf_counter() - started, result
 
 
 def log(settings: Settings, message: str) -> None:
@@ -556,10 +517,6 @@ def machine_info(loadavg_start: tuple[float, ...]) -> dict[str, Any]:
         "loadavg_start": [round(x, 2) for x in loadavg_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
     }
-
-
-def gbps(n_bytes: int, seconds: float) -> float:
-    return n_bytes / seconds / 1e9
 
 
 def build_report(

@@ -38,7 +38,6 @@ given, and is removed at the end.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -48,11 +47,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchlib import Samples, gbps, same_bytes, split, timed, touched_buffer
 
 from prefixd import Identity, Store
 from prefixd.store.allocator import keep_write_buffers
@@ -68,7 +69,6 @@ BLOCK_TOKENS = 256
 VOCAB = 128_000
 SEED = 20240601
 GEN_CHUNK_BYTES = 64 * MiB
-COMPARE_CHUNK_BYTES = 64 * MiB
 TARGET_GET_VS_MEMCPY = 0.6
 TARGET_PUT_VS_FILE_WRITE = 0.6
 COMPRESSIONS = ("none", "zstd", "zstd-planes")
@@ -91,19 +91,6 @@ class Settings:
     root: Path | None
     json: bool
     verbose: bool
-
-
-@dataclass
-class Samples:
-    """Seconds of every timed repetition, per measure."""
-
-    seconds: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds.setdefault(name, []).append(seconds)
-
-    def median(self, name: str) -> float:
-        return statistics.median(self.seconds[name])
 
 
 # --- set-up ----------------------------------------------------------------------------------
@@ -181,37 +168,11 @@ def make_identity(payload_bytes: int) -> Identity:
     )
 
 
-def touched_buffer(size: int) -> np.ndarray:
-    """A destination whose pages are already faulted in, so no measure pays for first touch."""
-    buffer = np.empty(size, dtype=np.uint8)
-    buffer.fill(0xA5)
-    return buffer
-
-
-def split(buffer: np.ndarray, size: int) -> list[np.ndarray]:
-    return [buffer[off : off + size] for off in range(0, buffer.size, size)]
-
-
-def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Compare in pieces: a whole-array comparison would allocate another `a.size` bytes."""
-    step = COMPARE_CHUNK_BYTES
-    return a.size == b.size and all(
-        np.array_equal(a[off : off + step], b[off : off + step]) for off in range(0, a.size, step)
-    )
-
-
 def open_store(path: Path, settings: Settings) -> Store:
     map_size = max(8 * GiB, 4 * settings.total_bytes)
     return Store.open(
         path, durability=settings.durability, compression=settings.compression, map_size=map_size
     )
-
-
-def timed(action: Callable[[], Any]) -> tuple[float, Any]:
-    gc.collect()
-    started = time.perf_counter()
-    result = action()
-    return time.perf_counter() - started, result
 
 
 def log(settings: Settings, message: str) -> None:
@@ -383,10 +344,6 @@ def machine_info() -> dict[str, Any]:
         "numpy": np.__version__,
         "lmdb": lmdb.__version__,
     }
-
-
-def gbps(n_bytes: int, seconds: float) -> float:
-    return n_bytes / seconds / 1e9
 
 
 def build_report(

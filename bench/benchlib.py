@@ -1,0 +1,57 @@
+"""Helpers the benchmark scripts share: buffers that are already touched, timing, samples."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+COMPARE_CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class Samples:
+    """Seconds of every timed repetition, per measure."""
+
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds.setdefault(name, []).append(seconds)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
+
+
+def touched_buffer(size: int) -> np.ndarray:
+    """A destination whose pages are already faulted in, so no measure pays for first touch."""
+    buffer = np.empty(size, dtype=np.uint8)
+    buffer.fill(0xA5)
+    return buffer
+
+
+def split(buffer: np.ndarray, size: int) -> list[np.ndarray]:
+    return [buffer[off : off + size] for off in range(0, buffer.size, size)]
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Compare in pieces: a whole-array comparison would allocate another `a.size` bytes."""
+    step = COMPARE_CHUNK_BYTES
+    return a.size == b.size and all(
+        np.array_equal(a[off : off + step], b[off : off + step]) for off in range(0, a.size, step)
+    )
+
+
+def timed(action: Callable[[], Any]) -> tuple[float, Any]:
+    gc.collect()
+    started = time.perf_counter()
+    result = action()
+    return time.perf_counter() - started, result
+
+
+def gbps(n_bytes: int, seconds: float) -> float:
+    return n_bytes / seconds / 1e9
