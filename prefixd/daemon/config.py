@@ -184,6 +184,9 @@ class Config:
     low_watermark: float = _store(
         "low_watermark", "float", "evict down to this share of the capacity"
     )
+    tenant_quota_bytes: int = _store(
+        "tenant_quota_bytes", "size", "stored bytes each tenant may hold (0: no quota)"
+    )
     eviction: str = _store(
         "eviction",
         "choice",

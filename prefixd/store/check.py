@@ -96,6 +96,18 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
         if txn.get(h, db=t.access) is None:
             problems.append(Problem("access", "block has no access record", h))
 
+    per_identity: Counter[bytes] = Counter()
+    for record in records.values():
+        per_identity[record.identity] += record.stored_size
+    prefix = counters.IDENTITY_STORED
+    kept_per_identity = {
+        bytes(key)[len(prefix) :]: counters.read(txn, t.counters, bytes(key))
+        for key in txn.cursor(db=t.counters).iternext(keys=True, values=False)
+        if bytes(key).startswith(prefix)
+    }
+    if kept_per_identity != {d: n for d, n in per_identity.items() if n}:
+        problems.append(Problem("counters", "per-identity stored bytes differ from the tables"))
+
     kept = counters.read_all(txn, t.counters)
     for name, total in (
         (counters.BLOCKS, totals["blocks"]),

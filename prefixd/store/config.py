@@ -50,6 +50,7 @@ class StoreConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     eviction: str = "value"
+    tenant_quota_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -75,6 +76,7 @@ class StoreConfig:
         _int_in("max_readers", self.max_readers, 1, 1 << 16)
         _int_in("verified_cache_bytes", self.verified_cache_bytes, 0, 1 << 40)
         _int_in("capacity_bytes", self.capacity_bytes, 0, self.map_size)
+        _int_in("tenant_quota_bytes", self.tenant_quota_bytes, 0, self.map_size)
         _number_in("high_watermark", self.high_watermark, 0.05, 1.0)
         _number_in("low_watermark", self.low_watermark, 0.0, self.high_watermark)
         if self.eviction not in ("value", "lru", "none"):

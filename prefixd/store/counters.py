@@ -19,15 +19,28 @@ EVICTED = b"evicted"
 NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS, SETTLES, REMOVALS, EVICTED)
 
 
+IDENTITY_STORED = b"identity_stored:"  # + identity digest: stored bytes of that identity (v3)
+
+
+def identity_stored(digest: bytes) -> bytes:
+    """The counter of one identity's stored bytes (per-tenant quotas add these up)."""
+    return IDENTITY_STORED + digest
+
+
 def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:
     raw = txn.get(name, db=db)
     return _U64.unpack(bytes(raw))[0] if raw is not None else 0
 
 
 def add(txn: lmdb.Transaction, db: lmdb._Database, name: bytes, delta: int) -> None:
-    """Add `delta` to a counter in the caller's write transaction (never below zero)."""
+    """Add `delta` to a counter in the caller's write transaction (never below zero; a counter
+    that reaches zero is removed, so counters of vanished identities do not pile up)."""
     if delta:
-        txn.put(name, _U64.pack(max(0, read(txn, db, name) + delta)), db=db)
+        value = max(0, read(txn, db, name) + delta)
+        if value:
+            txn.put(name, _U64.pack(value), db=db)
+        else:
+            txn.delete(name, db=db)
 
 
 def read_all(txn: lmdb.Transaction, db: lmdb._Database) -> dict[bytes, int]:

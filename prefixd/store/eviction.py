@@ -56,7 +56,16 @@ def score(policy: str, record: BlockRecord, access: AccessRecord, now_ns: int) -
 class VictimQueue:
     """Leaves by ascending score; a parent joins once its last child is gone."""
 
-    def __init__(self, txn: lmdb.Transaction, tables: Tables, policy: str, now_ns: int) -> None:
+    def __init__(
+        self,
+        txn: lmdb.Transaction,
+        tables: Tables,
+        policy: str,
+        now_ns: int,
+        identities: set[bytes] | None = None,
+    ) -> None:
+        """`identities`, when given, limits the candidates to blocks of those identities."""
+        self._identities = identities
         self._txn = txn
         self._t = tables
         self._policy = policy
@@ -79,6 +88,8 @@ class VictimQueue:
             record = BlockRecord.decode(raw)
         except CorruptRecordError:
             return None  # verification quarantines it; eviction leaves it alone
+        if self._identities is not None and record.identity not in self._identities:
+            return None
         access = AccessRecord.read(self._txn.get(block, db=self._t.access), record.created_ns)
         parent_key = record.identity if record.parent == ROOT_PARENT else record.parent
         return Candidate(

@@ -25,6 +25,7 @@ import msgpack
 from prefixd.errors import (
     BlockCollisionError,
     DestinationError,
+    IdentityError,
     OpenTailError,
     OrphanBlockError,
     PayloadError,
@@ -75,10 +76,12 @@ _BAD_PAYLOAD = "payload fails its checksum"
 
 
 class _Damaged(NamedTuple):
-    """A block that failed verification, the children-index key it hangs under, and why."""
+    """A block that failed verification, the children-index key it hangs under, the identity it
+    was read for, and why (its record may be too damaged to tell the last two)."""
 
     block: bytes
     parent_key: bytes
+    identity: bytes
     reason: str
 
 
@@ -134,6 +137,7 @@ class Store:
         )
         self._verified = VerifiedPrefixes(config.verified_cache_bytes)
         self._capacity = config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
+        self._tenant_of: dict[bytes, str] = {}
         self._lock = threading.Lock()
         self._touched: dict[bytes, tuple[int, int]] = {}
         self._touched_runs: dict[bytes, tuple[Sequence[bytes], int, int]] = {}
@@ -230,8 +234,15 @@ class Store:
                     raise
                 self._settle()
                 result = self._put_txn(*args)
-        if result[0].stored and self._stored_bytes() > self._capacity * self.config.high_watermark:
+        if not result[0].stored:
+            return result
+        high = self.config.high_watermark
+        if self._stored_bytes() > self._capacity * high:
             self.evict()
+        quota = self.config.tenant_quota_bytes
+        tenant = args[0].tenant
+        if quota and self.tenant_bytes(tenant) > quota * high:
+            self.evict(int(quota * self.config.low_watermark), tenant=tenant)
         return result
 
     def _settle(self) -> None:
@@ -242,9 +253,32 @@ class Store:
         with self._env.begin() as txn:
             return counters.read(txn, self._tables.counters, counters.STORED_BYTES)
 
-    def evict(self, target_bytes: int | None = None) -> EvictionReport:
+    def _tenant_identities(self, tenant: str) -> set[bytes]:
+        """Digests of the tenant's identities (the identities table, cached: rows never change)."""
+        with self._env.begin() as txn:
+            if txn.stat(self._tables.identities)["entries"] != len(self._tenant_of):
+                for digest, encoded in txn.cursor(db=self._tables.identities):
+                    if bytes(digest) not in self._tenant_of:
+                        try:
+                            owner = Identity.decode(bytes(encoded)).tenant
+                        except IdentityError:
+                            owner = ""
+                        self._tenant_of[bytes(digest)] = owner
+        return {d for d, owner in self._tenant_of.items() if owner == tenant}
+
+    def tenant_bytes(self, tenant: str) -> int:
+        """Stored bytes of every identity of `tenant` (what its quota limits)."""
+        digests = self._tenant_identities(tenant)
+        with self._env.begin() as txn:
+            return sum(
+                counters.read(txn, self._tables.counters, counters.identity_stored(d))
+                for d in digests
+            )
+
+    def evict(self, target_bytes: int | None = None, *, tenant: str | None = None) -> EvictionReport:
         """Evict leaves, lowest value per byte first (see prefixd.store.eviction), until the
-        stored bytes are at most `target_bytes` (default: the low watermark of the capacity)."""
+        stored bytes are at most `target_bytes` (default: the low watermark of the capacity).
+        With `tenant`, only that tenant's blocks are candidates and its bytes are what counts."""
         self._check_usable()
         if self.config.eviction == "none":
             return EvictionReport(0, 0, 0.0)
@@ -257,10 +291,16 @@ class Store:
         evicted = freed = 0
         t = self._tables
         self.sync()  # the reads still counted in memory must be weighed too
+        owned = self._tenant_identities(tenant) if tenant is not None else None
         with self._env.begin(write=True) as txn:
-            stored = counters.read(txn, t.counters, counters.STORED_BYTES)
+            if owned is None:
+                stored = counters.read(txn, t.counters, counters.STORED_BYTES)
+            else:
+                stored = sum(
+                    counters.read(txn, t.counters, counters.identity_stored(d)) for d in owned
+                )
             if stored > target:
-                queue = VictimQueue(txn, t, self.config.eviction, time.time_ns())
+                queue = VictimQueue(txn, t, self.config.eviction, time.time_ns(), owned)
                 for victim in queue:
                     if stored <= target:
                         break
@@ -311,7 +351,7 @@ class Store:
                     try:
                         record = BlockRecord.decode(raw)
                     except CorruptRecordError:
-                        self._remove_subtree(txn, h, _parent_key(digest, parent))
+                        self._remove_subtree(txn, h, _parent_key(digest, parent), digest)
                         self._record_quarantine(txn, h, _BAD_RECORD)
                         replaced += 1
                     else:
@@ -350,6 +390,7 @@ class Store:
             counters.add(txn, t.counters, counters.BLOCKS, stored)
             counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
             counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
+            counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
         hashes = tuple(chain.hash(i) for i in range(first_block, first_block + len(views)))
         return PutResult(stored, existed, hashes), replaced
 
@@ -486,7 +527,7 @@ class Store:
                 items.append(item)
             n_ok = self._codec.decode_verified(items, self._pool)
             if n_ok < len(items):
-                bad.append(_Damaged(hashes[n_ok], parents[n_ok], _BAD_PAYLOAD))
+                bad.append(_Damaged(hashes[n_ok], parents[n_ok], digest, _BAD_PAYLOAD))
             items.clear()
         self._quarantine(bad)
         self._touch(hashes[:n_ok])
@@ -533,7 +574,7 @@ class Store:
                 offset = end
             n_ok = self._codec.decode_verified(items, self._pool)
             if n_ok < len(items):
-                bad.append(_Damaged(walk.hashes[n_ok], parents[n_ok], _BAD_PAYLOAD))
+                bad.append(_Damaged(walk.hashes[n_ok], parents[n_ok], identity.digest, _BAD_PAYLOAD))
             items.clear()
         self._after_walk(walk, chain)
         self._quarantine(bad)
@@ -720,7 +761,7 @@ class Store:
         try:
             record = BlockRecord.decode(raw)
         except CorruptRecordError:
-            bad.append(_Damaged(h, parent_key, _BAD_RECORD))
+            bad.append(_Damaged(h, parent_key, identity_digest, _BAD_RECORD))
             return None
         if record.identity != identity_digest or record.payload_size != payload_size:
             return None
@@ -729,11 +770,13 @@ class Store:
         for n in range(record.n_chunks):
             chunk = txn.get(chunk_key(h, n), db=chunks_db)
             if chunk is None:
-                bad.append(_Damaged(h, parent_key, "payload chunk missing"))
+                bad.append(_Damaged(h, parent_key, identity_digest, "payload chunk missing"))
                 return None
             chunks.append(chunk)
         if sum(c.nbytes for c in chunks) != record.stored_size:
-            bad.append(_Damaged(h, parent_key, "payload size differs from its record"))
+            bad.append(
+                _Damaged(h, parent_key, identity_digest, "payload size differs from its record")
+            )
             return None
         return StoredPayload(record, chunks, dest)
 
@@ -770,8 +813,8 @@ class Store:
         if not bad:
             return
         with self._env.begin(write=True) as txn:
-            for h, parent_key, reason in bad:
-                dropped = self._remove_subtree(txn, h, parent_key)
+            for h, parent_key, identity, reason in bad:
+                dropped = self._remove_subtree(txn, h, parent_key, identity)
                 if dropped:
                     self._record_quarantine(txn, h, reason)
                     log.warning(
@@ -785,14 +828,19 @@ class Store:
         counters.add(txn, t.counters, counters.QUARANTINED, 1)
 
     def _remove_subtree(
-        self, txn: lmdb.Transaction, root: bytes, root_parent_key: bytes | None = None
+        self,
+        txn: lmdb.Transaction,
+        root: bytes,
+        root_parent_key: bytes | None = None,
+        root_identity: bytes | None = None,
     ) -> int:
         """Delete `root` and its descendants (records, chunks, index entries, counters).
 
-        `root_parent_key` unlinks the root from the children index when its record is too damaged
-        to name its parent."""
+        `root_parent_key` and `root_identity` stand in for what the root's record says when it
+        is too damaged to say it (its place in the children index, its identity's byte count)."""
         t = self._tables
         removed = payload_bytes = stored_bytes = 0
+        by_identity: dict[bytes, int] = {}
         stack = [root]
         children = txn.cursor(db=t.children)
         while stack:
@@ -813,9 +861,12 @@ class Store:
             if record is not None:
                 txn.delete(_children_key(record), h, db=t.children)
                 payload_bytes += record.payload_size
+                by_identity[record.identity] = by_identity.get(record.identity, 0) + freed
             else:
                 if h == root and root_parent_key is not None:
                     txn.delete(root_parent_key, h, db=t.children)
+                if h == root and root_identity is not None:
+                    by_identity[root_identity] = by_identity.get(root_identity, 0) + freed
                 payload_bytes += freed
             stored_bytes += freed
             removed += 1
@@ -823,6 +874,8 @@ class Store:
         counters.add(txn, t.counters, counters.BLOCKS, -removed)
         counters.add(txn, t.counters, counters.PAYLOAD_BYTES, -payload_bytes)
         counters.add(txn, t.counters, counters.STORED_BYTES, -stored_bytes)
+        for digest, freed_bytes in by_identity.items():
+            counters.add(txn, t.counters, counters.identity_stored(digest), -freed_bytes)
         return removed
 
 
@@ -840,7 +893,7 @@ def _damaged_record(walk: Walk, chain: BlockChain) -> _Damaged | None:
     if walk.corrupt is None:
         return None
     parent = walk.hashes[-1] if walk.hashes else chain.identity.digest
-    return _Damaged(walk.corrupt, parent, _BAD_RECORD)
+    return _Damaged(walk.corrupt, parent, chain.identity.digest, _BAD_RECORD)
 
 
 def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:

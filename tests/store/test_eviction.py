@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from prefixd import Identity, Store
+from prefixd.store import PurgeSelector
 from prefixd.schema.chain import chain_hashes
 
 IDENT = Identity(model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
@@ -101,3 +102,33 @@ def test_a_full_map_evicts_instead_of_failing(tmp_path: Path) -> None:
         assert store.longest_prefix(IDENT, chain(119, 2)).n_blocks == 2  # the newest is stored
         assert store.check() == []
     assert sizes[-1] <= 4 << 20 and sizes[-1] == sizes[-40]
+
+
+def tenant(name: str) -> Identity:
+    return Identity(**{**IDENT.to_dict(), "tenant": name})
+
+
+def test_a_tenant_over_its_quota_evicts_its_own_blocks_only(tmp_path: Path) -> None:
+    quota = 20_000
+    with Store.open(tmp_path / "s", map_size=64 << 20, tenant_quota_bytes=quota) as store:
+        store.put(tenant("quiet"), chain(0, 5), [bytes(1000)] * 5)
+        for step in range(1, 60):
+            store.put(tenant("noisy"), chain(step, 2), [bytes(1000)] * 2)
+            assert store.tenant_bytes("noisy") <= quota * 0.95
+        assert store.longest_prefix(tenant("quiet"), chain(0, 5)).n_blocks == 5
+        assert store.tenant_bytes("quiet") == 5000
+        assert store.longest_prefix(tenant("noisy"), chain(59, 2)).n_blocks == 2  # newest kept
+        assert store.check() == []  # per-identity counters agree with the tables
+        store.purge(PurgeSelector(tenant="noisy"))
+        assert store.tenant_bytes("noisy") == 0
+
+
+def test_tenant_bytes_follow_puts_and_removals(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store:
+        lora = Identity(**{**IDENT.to_dict(), "adapter": "lora@1"})
+        store.put(IDENT, chain(1, 3), [bytes(100)] * 3)
+        store.put(lora, chain(1, 2), [bytes(50)] * 2)
+        assert store.tenant_bytes("a") == 400
+        store.delete([store.longest_prefix(IDENT, chain(1, 3)).hashes[1]])
+        assert store.tenant_bytes("a") == 200
+        assert store.tenant_bytes("nobody") == 0
