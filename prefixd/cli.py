@@ -205,7 +205,7 @@ def _migrate_up(args: argparse.Namespace) -> int:
 def _purge(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from prefixd.daemon.config import parse_seconds
+    from prefixd.store.config import parse_seconds
     from prefixd.store import PurgeSelector, Store
     from prefixd.store.environment import is_held
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.store.config import COMPRESSIONS, Durability, StoreConfig
+from prefixd.store.config import COMPRESSIONS, Durability, StoreConfig, parse_seconds
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -56,7 +56,7 @@ _EXPECTED = {
     "bool": "a boolean (true/false, 1/0, yes/no)",
     "choice": "a string",
     "ids": "a comma-separated list of integers like 1000,1001",
-    "manifests": "a comma-separated list of MODEL=FILE[+FILE...]",
+    "entries": "a comma-separated list of NAME=VALUE entries",
 }
 _TOML_EXPECTED = {
     "path": "a string",
@@ -68,7 +68,7 @@ _TOML_EXPECTED = {
     "bool": "true or false",
     "choice": "a string",
     "ids": "an array of integers",
-    "manifests": "an array of strings like 'MODEL=FILE[+FILE...]'",
+    "entries": "an array of strings like 'NAME=VALUE'",
 }
 _METAVARS = {
     "path": "PATH",
@@ -79,7 +79,7 @@ _METAVARS = {
     "seconds": "SECONDS",
     "bool": "BOOL",
     "ids": "ID[,ID...]",
-    "manifests": "MODEL=FILE[+FILE...][,...]",
+    "entries": "NAME=VALUE[,...]",
 }
 _STORE_DEFAULTS = {f.name: f.default for f in fields(StoreConfig)}
 
@@ -148,7 +148,7 @@ class Config:
     )
     log_level: str = _setting("choice", "log verbosity", "info", choices=LOG_LEVELS)
     model_manifests: tuple[str, ...] = _setting(
-        "manifests",
+        "entries",
         "models this node serves, each with the files that fingerprint its weights "
         "(MODEL=FILE[+FILE...]); a change retires the model's other versions",
         (),
@@ -186,6 +186,9 @@ class Config:
     )
     tenant_quota_bytes: int = _store(
         "tenant_quota_bytes", "size", "stored bytes each tenant may hold (0: no quota)"
+    )
+    tenant_ttls: tuple[str, ...] = _store(
+        "tenant_ttls", "entries", "time to live of a tenant's entries, TENANT=DURATION (7d)"
     )
     eviction: str = _store(
         "eviction",
@@ -455,8 +458,6 @@ def _shown_default(name: str, default: Any) -> str:
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]ib|b)?\s*", re.IGNORECASE)
-_SECONDS_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_SECONDS_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -484,18 +485,6 @@ def _parse_size(text: str) -> int:
     return int(exact)
 
 
-def parse_seconds(text: str) -> float:
-    """A duration: a number of seconds, or one ending in ms, s, m, h or d ("90m", "30d")."""
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    match = _SECONDS_RE.fullmatch(text)
-    if match is None:
-        raise ValueError(text)
-    return float(match[1]) * _SECONDS_UNITS[match[2] or ""]
-
-
 def _parse_bool(text: str) -> bool:
     try:
         return _BOOLS[text.strip().lower()]
@@ -519,7 +508,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "bool": _parse_bool,
     "choice": lambda text: text,
     "ids": _parse_ids,
-    "manifests": lambda text: tuple(item.strip() for item in text.split(",") if item.strip()),
+    "entries": lambda text: tuple(item.strip() for item in text.split(",") if item.strip()),
 }
 
 
@@ -535,7 +524,7 @@ def _native_ok(kind: str, value: Any) -> bool:
         return isinstance(value, bool)
     if kind == "choice":
         return isinstance(value, str)
-    if kind == "manifests":
+    if kind == "entries":
         return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
     return isinstance(value, (list, tuple)) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
@@ -579,7 +568,7 @@ def _validated(name: str, value: Any) -> Any:
                 f"at most {SOCKET_PATH_MAX}; choose a shorter one"
             )
         return path
-    if kind == "manifests":
+    if kind == "entries":  # model_manifests (store settings are checked by StoreConfig above)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: must be a list of MODEL=FILE[+FILE...]")
         entries = tuple(value)

@@ -52,6 +52,7 @@ _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * 4)
 # An oversized frame's body is read and dropped (keeping the stream in sync) up to this many times
 # the frame limit; beyond that the connection is closed.
 _DISCARD_FACTOR = 64
+RECLAIM_INTERVAL_S = 60.0
 
 
 class Server:
@@ -98,6 +99,8 @@ class Server:
                 for signum in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(signum, self.stop)
             tasks.append(asyncio.create_task(self._accept(operations), name="prefixd-accept"))
+            if config.tenant_ttls:
+                tasks.append(asyncio.create_task(self._reclaim(pool), name="prefixd-reclaim"))
             interval = systemd.watchdog_interval(self.env)
             if interval:
                 watchdog = systemd.Watchdog(interval, self._healthy, env=self.env)
@@ -121,6 +124,17 @@ class Server:
                     loop.remove_signal_handler(signum)
         log.info("stopped%s", " (forced)" if self._forced else "")
         return 1 if self._forced else 0
+
+    async def _reclaim(self, pool: ThreadPoolExecutor) -> None:
+        """Free the space of expired entries now and then (they are unreachable already)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(RECLAIM_INTERVAL_S)
+            assert self.store is not None
+            try:
+                await loop.run_in_executor(pool, self.store.reclaim_expired)
+            except Exception:
+                log.exception("reclaiming expired entries failed")
 
     def _retirer(self, pool: ThreadPoolExecutor) -> Retire:
         """Purge a model's entries of other weights than `keep`, on the pool."""

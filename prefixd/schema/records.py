@@ -25,6 +25,7 @@ _ACCESS = struct.Struct("<QII")  # last access ns, hits, reserved
 HEADER_BYTES = _HEADER.size
 # Byte offsets of the fields the lookup path compares in bulk.
 PAYLOAD_SIZE_AT = 20
+CREATED_AT = 36
 IDENTITY_AT = 44
 PARENT_AT = 60
 TOKENS_AT = HEADER_BYTES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -27,6 +28,35 @@ class Durability(str, Enum):
 
 
 COMPRESSIONS = ("none", "zstd", "zstd-planes")
+_SECONDS_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_SECONDS_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
+
+
+def parse_seconds(text: str) -> float:
+    """A duration: a number of seconds, or one ending in ms, s, m, h or d ("90m", "30d")."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    match = _SECONDS_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(text)
+    return float(match[1]) * _SECONDS_UNITS[match[2] or ""]
+
+
+def parse_tenant_durations(entries: tuple[str, ...]) -> dict[str, float]:
+    """{tenant: seconds} from TENANT=DURATION entries; ValueError says which entry is wrong."""
+    durations: dict[str, float] = {}
+    for entry in entries:
+        tenant, sep, text = entry.partition("=")
+        try:
+            seconds = parse_seconds(text) if sep and tenant else -1.0
+        except ValueError:
+            seconds = -1.0
+        if seconds <= 0 or tenant in durations:
+            raise ValueError(f"{entry!r} is not TENANT=DURATION (a positive duration, once each)")
+        durations[tenant] = seconds
+    return durations
 
 
 @dataclass(frozen=True)
@@ -51,6 +81,7 @@ class StoreConfig:
     low_watermark: float = 0.85
     eviction: str = "value"
     tenant_quota_bytes: int = 0
+    tenant_ttls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -77,6 +108,15 @@ class StoreConfig:
         _int_in("verified_cache_bytes", self.verified_cache_bytes, 0, 1 << 40)
         _int_in("capacity_bytes", self.capacity_bytes, 0, self.map_size)
         _int_in("tenant_quota_bytes", self.tenant_quota_bytes, 0, self.map_size)
+        if not isinstance(self.tenant_ttls, (list, tuple)) or not all(
+            isinstance(e, str) for e in self.tenant_ttls
+        ):
+            raise ConfigError("tenant_ttls: must be a list of TENANT=DURATION")
+        try:
+            parse_tenant_durations(tuple(self.tenant_ttls))
+        except ValueError as exc:
+            raise ConfigError(f"tenant_ttls: {exc}") from None
+        object.__setattr__(self, "tenant_ttls", tuple(self.tenant_ttls))
         _number_in("high_watermark", self.high_watermark, 0.05, 1.0)
         _number_in("low_watermark", self.low_watermark, 0.0, self.high_watermark)
         if self.eviction not in ("value", "lru", "none"):

@@ -42,7 +42,7 @@ from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.check import check_store
 from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
-from prefixd.store.config import StoreConfig
+from prefixd.store.config import StoreConfig, parse_tenant_durations
 from prefixd.store.environment import OwnerLock, Tables, open_environment
 from prefixd.store.eviction import VictimQueue
 from prefixd.store.purge import (
@@ -138,6 +138,7 @@ class Store:
         self._verified = VerifiedPrefixes(config.verified_cache_bytes)
         self._capacity = config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
         self._tenant_of: dict[bytes, str] = {}
+        self._ttl_s = parse_tenant_durations(config.tenant_ttls)
         self._lock = threading.Lock()
         self._touched: dict[bytes, tuple[int, int]] = {}
         self._touched_runs: dict[bytes, tuple[Sequence[bytes], int, int]] = {}
@@ -275,7 +276,9 @@ class Store:
                 for d in digests
             )
 
-    def evict(self, target_bytes: int | None = None, *, tenant: str | None = None) -> EvictionReport:
+    def evict(
+        self, target_bytes: int | None = None, *, tenant: str | None = None
+    ) -> EvictionReport:
         """Evict leaves, lowest value per byte first (see prefixd.store.eviction), until the
         stored bytes are at most `target_bytes` (default: the low watermark of the capacity).
         With `tenant`, only that tenant's blocks are candidates and its bytes are what counts."""
@@ -290,6 +293,7 @@ class Store:
         )
         evicted = freed = 0
         t = self._tables
+        self.reclaim_expired()  # what no lookup can reach goes first
         self.sync()  # the reads still counted in memory must be weighed too
         owned = self._tenant_identities(tenant) if tenant is not None else None
         with self._env.begin(write=True) as txn:
@@ -327,8 +331,9 @@ class Store:
         now = time.time_ns()
         stored = existed = replaced = 0
         payload_bytes = stored_bytes = 0
+        min_created = self._min_created_ns(identity)
         with self._env.begin(write=True) as txn:
-            walk = walk_chain(txn, t.blocks, chain, first_block)
+            walk = walk_chain(txn, t.blocks, chain, first_block, None, min_created)
             if len(walk.hashes) < first_block:
                 missing = len(walk.hashes)
                 if walk.collided:
@@ -336,7 +341,7 @@ class Store:
                         f"block {missing} of the prefix is owned by other tokens"
                     )
                 else:
-                    state = "damaged" if walk.corrupt else "missing"
+                    state = "damaged" if walk.corrupt else "expired" if walk.expired else "missing"
                     error = OrphanBlockError(
                         f"block {first_block}'s ancestry is not stored (block {missing} is "
                         f"{state}); put from block {missing}"
@@ -364,8 +369,11 @@ class Store:
                                 f"block {index}'s hash is owned by other tokens"
                             )
                             raise _Refusal(error, collided=True)
-                        existed += 1
-                        continue
+                        if record.created_ns >= min_created:
+                            existed += 1
+                            continue
+                        # past its tenant's time to live: stored afresh (with nothing below it)
+                        self._remove_subtree(txn, h, _parent_key(digest, parent), digest)
                 payload = encoded.get(index) or self._codec.encode(views[index - first_block])
                 record = BlockRecord(
                     payload.compression,
@@ -492,7 +500,9 @@ class Store:
             return None
         with self._env.begin(buffers=True) as txn:
             epoch = counters.read(txn, self._tables.counters, counters.REMOVALS)
-        known = self._verified.find_whole(identity.digest, closed, epoch)
+        known = self._verified.find_whole(
+            identity.digest, closed, epoch, self._min_created_ns(identity)
+        )
         if known is None:
             return None
         self._touch(known.hashes)
@@ -517,11 +527,12 @@ class Store:
         views = [_dest_view(d, size, i) for i, (size, d) in enumerate(zip(sizes, dests))]
         bad: list[_Damaged] = []
         digest = match.identity_digest
+        min_created = self._min_created_for(digest)
         parents = [digest, *hashes]
         with self._env.begin(buffers=True) as txn:
             items: list[StoredPayload] = []
             for h, size, dest, parent in zip(hashes, sizes, views, parents):
-                item = self._gather(txn, h, parent, digest, size, dest, bad)
+                item = self._gather(txn, h, parent, digest, size, dest, bad, min_created)
                 if item is None:
                     break
                 items.append(item)
@@ -557,6 +568,7 @@ class Store:
         buffer = _dest_view(out, 0, None)
         bad: list[_Damaged] = []
         offsets: list[int] = []
+        min_created = self._min_created_ns(identity)
         with self._env.begin(buffers=True) as txn:
             walk = self._walk(txn, chain, limit)
             items: list[StoredPayload] = []
@@ -566,7 +578,9 @@ class Store:
                 end = offset + size
                 if end > buffer.nbytes:
                     break
-                item = self._gather(txn, h, parent, identity.digest, size, buffer[offset:end], bad)
+                item = self._gather(
+                    txn, h, parent, identity.digest, size, buffer[offset:end], bad, min_created
+                )
                 if item is None:
                     break
                 items.append(item)
@@ -574,7 +588,9 @@ class Store:
                 offset = end
             n_ok = self._codec.decode_verified(items, self._pool)
             if n_ok < len(items):
-                bad.append(_Damaged(walk.hashes[n_ok], parents[n_ok], identity.digest, _BAD_PAYLOAD))
+                bad.append(
+                    _Damaged(walk.hashes[n_ok], parents[n_ok], identity.digest, _BAD_PAYLOAD)
+                )
             items.clear()
         self._after_walk(walk, chain)
         self._quarantine(bad)
@@ -737,12 +753,61 @@ class Store:
     def _walk(self, txn: lmdb.Transaction, chain: BlockChain, limit: int) -> Walk:
         """`walk_chain`, starting after the longest prefix verified earlier (and still valid)."""
         epoch = counters.read(txn, self._tables.counters, counters.REMOVALS)
-        known = self._verified.find(chain, epoch, limit)
-        start = Walk(list(known.hashes), list(known.payload_sizes)) if known else None
-        walk = walk_chain(txn, self._tables.blocks, chain, limit, start)
+        min_created = self._min_created_ns(chain.identity)
+        known = self._verified.find(chain, epoch, limit, min_created)
+        start = None
+        if known is not None:
+            start = Walk(
+                list(known.hashes),
+                list(known.payload_sizes),
+                oldest_created_ns=known.oldest_created_ns,
+            )
+        walk = walk_chain(txn, self._tables.blocks, chain, limit, start, min_created)
         if walk.corrupt is None and len(walk.hashes) > (len(known.hashes) if known else 0):
-            self._verified.remember(chain, epoch, walk.hashes, walk.payload_sizes)
+            self._verified.remember(
+                chain, epoch, walk.hashes, walk.payload_sizes, walk.oldest_created_ns
+            )
         return walk
+
+    def _min_created_ns(self, identity: Identity) -> int:
+        """Blocks created before this are past the tenant's time to live (0: no limit)."""
+        ttl = self._ttl_s.get(identity.tenant)
+        return time.time_ns() - int(ttl * 1e9) if ttl else 0
+
+    def _min_created_for(self, digest: bytes) -> int:
+        """`_min_created_ns` of the identity with this digest."""
+        if not self._ttl_s:
+            return 0
+        if digest not in self._tenant_of:
+            self._tenant_identities("")  # refreshes the digest -> tenant cache
+        ttl = self._ttl_s.get(self._tenant_of.get(digest, ""))
+        return time.time_ns() - int(ttl * 1e9) if ttl else 0
+
+    def reclaim_expired(self) -> int:
+        """Remove the blocks past their tenant's time to live (already unreachable: lookups and
+        loads skip them); return how many went."""
+        self._check_usable()
+        if not self._ttl_s:
+            return 0
+        now = time.time_ns()
+        t = self._tables
+        removed = 0
+        self._tenant_identities("")  # refresh the digest -> tenant cache first
+        with self._env.begin(write=True) as txn:
+            expired = []
+            for key, raw in txn.cursor(db=t.blocks):
+                try:
+                    record = BlockRecord.decode(raw)
+                except CorruptRecordError:
+                    continue
+                ttl = self._ttl_s.get(self._tenant_of.get(record.identity, ""))
+                if ttl and record.created_ns < now - int(ttl * 1e9):
+                    expired.append(bytes(key))
+            for block in expired:
+                removed += self._remove_subtree(txn, block)
+        if removed:
+            log.info("reclaimed %d expired block(s)", removed)
+        return removed
 
     def _gather(
         self,
@@ -753,6 +818,7 @@ class Store:
         payload_size: int,
         dest: memoryview,
         bad: list[_Damaged],
+        min_created_ns: int = 0,
     ) -> StoredPayload | None:
         """The verified record and chunk views of block `h`, or None if it cannot be read."""
         raw = txn.get(h, db=self._tables.blocks)
@@ -765,6 +831,8 @@ class Store:
             return None
         if record.identity != identity_digest or record.payload_size != payload_size:
             return None
+        if record.created_ns < min_created_ns:
+            return None  # past its tenant's time to live since it was found
         chunks_db = self._tables.chunks
         chunks = []
         for n in range(record.n_chunks):

@@ -29,6 +29,7 @@ class VerifiedPrefix:
     hashes: tuple[bytes, ...]
     payload_sizes: tuple[int, ...]
     content: bytes  # _content_key(identity, tokens)
+    oldest_created_ns: int  # entries of a tenant with a time to live expire with their oldest block
 
 
 class VerifiedPrefixes:
@@ -44,7 +45,9 @@ class VerifiedPrefixes:
         self._lock = threading.Lock()
         self.hits = 0
 
-    def find(self, chain: BlockChain, epoch: int, limit: int) -> VerifiedPrefix | None:
+    def find(
+        self, chain: BlockChain, epoch: int, limit: int, min_created_ns: int = 0
+    ) -> VerifiedPrefix | None:
         """The longest remembered prefix of `chain` (at most `limit` blocks) still valid at `epoch`."""
         if not self.max_bytes or not self._entries:
             return None
@@ -54,24 +57,25 @@ class VerifiedPrefixes:
         with self._lock:
             exact = self._by_content.get(content)
             if exact is not None:
-                entry = self._valid(exact, chain, epoch, limit)
+                entry = self._valid(exact, chain, epoch, limit, min_created_ns)
                 if entry is not None:
                     return entry
             # a shorter remembered prefix (a shared system prompt, say): its last block's hash
             for index in range(limit - 1, -1, -1):  # the longest first
-                entry = self._valid(chain.hash(index), chain, epoch, limit)
+                entry = self._valid(chain.hash(index), chain, epoch, limit, min_created_ns)
                 if entry is not None:
                     return entry
         return None
 
     def _valid(
-        self, key: bytes, chain: BlockChain, epoch: int, limit: int
+        self, key: bytes, chain: BlockChain, epoch: int, limit: int, min_created_ns: int
     ) -> VerifiedPrefix | None:
         """The entry under `key` if it is a verified prefix of `chain` (call under the lock)."""
         entry = self._entries.get(key)
         if (
             entry is None
             or entry.epoch != epoch
+            or entry.oldest_created_ns < min_created_ns
             or entry.identity != chain.identity.digest
             or len(entry.hashes) > limit
             or not chain.token_bytes.startswith(entry.tokens)
@@ -82,7 +86,7 @@ class VerifiedPrefixes:
         return entry
 
     def find_whole(
-        self, identity_digest: bytes, closed: np.ndarray, epoch: int
+        self, identity_digest: bytes, closed: np.ndarray, epoch: int, min_created_ns: int = 0
     ) -> VerifiedPrefix | None:
         """The remembered prefix that is exactly these closed blocks' token ids (a '<u4' array,
         possibly a view of memory a client shares: it is read, never kept), still valid."""
@@ -95,6 +99,7 @@ class VerifiedPrefixes:
             if (
                 entry is None
                 or entry.epoch != epoch
+                or entry.oldest_created_ns < min_created_ns
                 or entry.identity != identity_digest
                 or len(entry.tokens) != closed.nbytes
                 or not np.array_equal(np.frombuffer(entry.tokens, dtype=closed.dtype), closed)
@@ -110,6 +115,7 @@ class VerifiedPrefixes:
         epoch: int,
         hashes: list[bytes],
         payload_sizes: list[int],
+        oldest_created_ns: int,
     ) -> None:
         """Keep a prefix a walk verified (blocks 0..len(hashes)-1 of `chain`)."""
         if not self.max_bytes or not hashes:
@@ -119,7 +125,9 @@ class VerifiedPrefixes:
             return
         digest = chain.identity.digest
         content = _content_key(digest, tokens)
-        entry = VerifiedPrefix(epoch, digest, tokens, tuple(hashes), tuple(payload_sizes), content)
+        entry = VerifiedPrefix(
+            epoch, digest, tokens, tuple(hashes), tuple(payload_sizes), content, oldest_created_ns
+        )
         with self._lock:
             old = self._entries.pop(hashes[-1], None)
             if old is not None:

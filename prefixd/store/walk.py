@@ -21,6 +21,7 @@ import numpy as np
 
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.records import (
+    CREATED_AT,
     IDENTITY_AT,
     PARENT_AT,
     PAYLOAD_SIZE_AT,
@@ -37,6 +38,7 @@ _GROWTH = 8
 _MAGIC = int.from_bytes(record_prefix()[:4], "little")
 _VERSION = record_prefix()[4]
 _PAYLOAD_SIZE = PAYLOAD_SIZE_AT // 4
+_CREATED = CREATED_AT // 4
 _IDENTITY = IDENTITY_AT // 4
 _PARENT = PARENT_AT // 4
 _TOKENS = TOKENS_AT // 4
@@ -50,6 +52,8 @@ class Walk:
     payload_sizes: list[int] = field(default_factory=list)
     corrupt: bytes | None = None
     collided: bool = False
+    expired: bool = False  # ended at a block older than its tenant's time to live
+    oldest_created_ns: int = 1 << 63  # of the blocks found
 
 
 def walk_chain(
@@ -58,10 +62,18 @@ def walk_chain(
     chain: BlockChain,
     limit: int,
     verified: Walk | None = None,
+    min_created_ns: int = 0,
 ) -> Walk:
     """Follow `chain` from block 0 for at most `limit` blocks; `verified`, when given, holds
-    blocks 0..k-1 already verified (see prefixd.store.verified), and the walk goes on from k."""
-    walk = Walk(list(verified.hashes), list(verified.payload_sizes)) if verified else Walk()
+    blocks 0..k-1 already verified (see prefixd.store.verified), and the walk goes on from k.
+    A block created before `min_created_ns` (past its tenant's time to live) counts as missing."""
+    walk = Walk()
+    if verified is not None:
+        walk = Walk(
+            list(verified.hashes),
+            list(verified.payload_sizes),
+            oldest_created_ns=verified.oldest_created_ns,
+        )
     get = txn.cursor(db=blocks_db).get
     size = record_bytes(chain.block_tokens)
     digest = np.frombuffer(chain.identity.digest, dtype="<u4")
@@ -78,9 +90,15 @@ def walk_chain(
         usable = present
         if lengths.count(size) < present:  # a record of another length ends the usable run
             usable = next(j for j, n in enumerate(lengths) if n != size)
-        matched = _matching_rows(values[:usable], size, digest, chain, start, keys, chain.tokens)
+        matched, oldest, expired = _matching_rows(
+            values[:usable], size, digest, chain, start, keys, chain.tokens, min_created_ns
+        )
         walk.hashes.extend(keys[: len(matched)])
         walk.payload_sizes.extend(matched)
+        walk.oldest_created_ns = min(walk.oldest_created_ns, oldest)
+        if expired:
+            walk.expired = True
+            return walk
         if len(matched) < present:
             _classify(walk, keys[len(matched)], values[len(matched)])
             return walk
@@ -98,14 +116,16 @@ def _matching_rows(
     start: int,
     keys: list[bytes],
     tokens: np.ndarray,
-) -> list[int]:
-    """Payload sizes of the leading records that match the query exactly.
+    min_created_ns: int,
+) -> tuple[list[int], int, bool]:
+    """Payload sizes of the leading records that match the query exactly and are not expired,
+    the oldest creation time among them, and whether an expired record ended the run.
 
     Records of one identity all have the same length (a multiple of 4), so a batch is one
     (n, size/4) uint32 array and each field a column range of it."""
     n = len(values)
     if not n:
-        return []
+        return [], 1 << 63, False
     rows = np.frombuffer(b"".join(values), dtype="<u4").reshape(n, size // 4)
     span = chain.block_tokens
     parents = np.frombuffer(b"".join([chain.parent_of(start), *keys[: n - 1]]), dtype="<u4")
@@ -114,9 +134,14 @@ def _matching_rows(
     ok &= (rows[:, _PARENT : _PARENT + 4] == parents.reshape(n, 4)).all(axis=1)
     ok &= (rows[:, _IDENTITY : _IDENTITY + 4] == digest).all(axis=1)
     ok &= (rows[:, 0] == _MAGIC) & (rows[:, 1] & 0xFF == _VERSION)
-    good = n if ok.all() else int(np.argmin(ok))
+    created = rows[:, _CREATED : _CREATED + 2].copy().view("<u8").ravel()
+    fresh = created >= min_created_ns
+    usable = ok & fresh
+    good = n if usable.all() else int(np.argmin(usable))
+    expired = good < n and bool(ok[good]) and not bool(fresh[good])
     sizes = rows[:good, _PAYLOAD_SIZE : _PAYLOAD_SIZE + 2].copy().view("<u8").ravel()
-    return sizes.tolist()
+    oldest = int(created[:good].min()) if good else 1 << 63
+    return sizes.tolist(), oldest, expired
 
 
 def _classify(walk: Walk, key: bytes, value: bytes | memoryview) -> None:

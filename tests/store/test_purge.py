@@ -32,7 +32,7 @@ def scan_digests(path: Path) -> set[bytes]:
     from prefixd.schema.records import BlockRecord
 
     with env.begin() as txn:
-        for key, value in txn.cursor(db=env.open_db(b"blocks", txn=txn, create=False)):
+        for _key, value in txn.cursor(db=env.open_db(b"blocks", txn=txn, create=False)):
             names.add(BlockRecord.decode(value).identity)
         for key, _ in txn.cursor(db=env.open_db(b"identities", txn=txn, create=False)):
             names.add(bytes(key))

@@ -145,7 +145,7 @@ def test_lifecycle_operations_keep_the_store_consistent(tmp_path: Path) -> None:
     with Store.open(
         tmp_path / "s", map_size=16 << 20, capacity_bytes=60_000, tenant_quota_bytes=30_000
     ) as store:
-        for step in range(400):
+        for _ in range(400):
             identity = rnd.choice(tenants)
             tokens = [rnd.randrange(4) for _ in range(rnd.randrange(2, 16))]
             roll = rnd.random()
