@@ -190,6 +190,11 @@ class Config:
     tenant_ttls: tuple[str, ...] = _store(
         "tenant_ttls", "entries", "time to live of a tenant's entries, TENANT=DURATION (7d)"
     )
+    share_groups: tuple[str, ...] = _store(
+        "share_groups",
+        "entries",
+        "tenants that share identical entries, GROUP=TENANT+TENANT (never shared otherwise)",
+    )
     eviction: str = _store(
         "eviction",
         "choice",

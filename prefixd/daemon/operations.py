@@ -179,8 +179,8 @@ class Operations:
                 self.store.cached_prefix(identity, tokens, hashes=hashes)
                 for tokens, hashes in queries
             ]
-        except TokenError as exc:  # e.g. hashes of the wrong length: not run through _run
-            raise ProtocolError(ErrorCode.BAD_TOKENS, str(exc)) from None
+        except Exception as exc:  # not run through _run: map store errors the same way
+            raise _protocol_error(exc) from None
         missing = [i for i, match in enumerate(matches) if match is None]
         if missing:
 
@@ -254,13 +254,8 @@ class Operations:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.pool, call)
-        except ProtocolError:
-            raise
         except Exception as exc:
-            for kind, code in _STORE_ERRORS:
-                if isinstance(exc, kind):
-                    raise ProtocolError(code, str(exc)) from None
-            raise
+            raise _protocol_error(exc) from None
 
     def _identity(self, msg: Mapping[str, Any]) -> Identity:
         raw = field(msg, "identity", dict, code=ErrorCode.BAD_IDENTITY)
@@ -281,6 +276,16 @@ class Operations:
                 self._identities.clear()
             self._identities[key] = identity
         return identity
+
+
+def _protocol_error(exc: Exception) -> Exception:
+    """A store error as the protocol error a client gets; anything else unchanged (internal)."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    for kind, code in _STORE_ERRORS:
+        if isinstance(exc, kind):
+            return ProtocolError(code, str(exc))
+    return exc
 
 
 def _tokens(conn: Connection, msg: Mapping[str, Any], where: str = "") -> bytes | memoryview:

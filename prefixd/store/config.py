@@ -44,6 +44,25 @@ def parse_seconds(text: str) -> float:
     return float(match[1]) * _SECONDS_UNITS[match[2] or ""]
 
 
+SHARE_PREFIX = "share:"  # the tenant name a share group's entries are stored under
+
+
+def parse_share_groups(entries: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """{group: tenants} from GROUP=TENANT+TENANT[+...] entries; a tenant is in one group at most."""
+    groups: dict[str, tuple[str, ...]] = {}
+    seen: set[str] = set()
+    for entry in entries:
+        group, sep, members = entry.partition("=")
+        tenants = tuple(t for t in members.split("+") if t)
+        if not sep or not group or len(tenants) < 2 or group in groups:
+            raise ValueError(f"{entry!r} is not GROUP=TENANT+TENANT[+...] (two tenants or more)")
+        if seen & set(tenants) or any(t.startswith(SHARE_PREFIX) for t in tenants):
+            raise ValueError(f"{entry!r}: a tenant may be in one share group only")
+        seen.update(tenants)
+        groups[group] = tenants
+    return groups
+
+
 def parse_tenant_durations(entries: tuple[str, ...]) -> dict[str, float]:
     """{tenant: seconds} from TENANT=DURATION entries; ValueError says which entry is wrong."""
     durations: dict[str, float] = {}
@@ -82,6 +101,7 @@ class StoreConfig:
     eviction: str = "value"
     tenant_quota_bytes: int = 0
     tenant_ttls: tuple[str, ...] = ()
+    share_groups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -117,6 +137,15 @@ class StoreConfig:
         except ValueError as exc:
             raise ConfigError(f"tenant_ttls: {exc}") from None
         object.__setattr__(self, "tenant_ttls", tuple(self.tenant_ttls))
+        if not isinstance(self.share_groups, (list, tuple)) or not all(
+            isinstance(e, str) for e in self.share_groups
+        ):
+            raise ConfigError("share_groups: must be a list of GROUP=TENANT+TENANT")
+        try:
+            parse_share_groups(tuple(self.share_groups))
+        except ValueError as exc:
+            raise ConfigError(f"share_groups: {exc}") from None
+        object.__setattr__(self, "share_groups", tuple(self.share_groups))
         _number_in("high_watermark", self.high_watermark, 0.05, 1.0)
         _number_in("low_watermark", self.low_watermark, 0.0, self.high_watermark)
         if self.eviction not in ("value", "lru", "none"):

@@ -9,6 +9,7 @@ Invariants every write transaction keeps:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -42,7 +43,12 @@ from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.check import check_store
 from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
-from prefixd.store.config import StoreConfig, parse_tenant_durations
+from prefixd.store.config import (
+    SHARE_PREFIX,
+    StoreConfig,
+    parse_share_groups,
+    parse_tenant_durations,
+)
 from prefixd.store.environment import OwnerLock, Tables, open_environment
 from prefixd.store.eviction import VictimQueue
 from prefixd.store.purge import (
@@ -139,6 +145,12 @@ class Store:
         self._capacity = config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
         self._tenant_of: dict[bytes, str] = {}
         self._ttl_s = parse_tenant_durations(config.tenant_ttls)
+        self._share_group = {
+            tenant: group
+            for group, tenants in parse_share_groups(config.share_groups).items()
+            for tenant in tenants
+        }
+        self._shared: dict[Identity, Identity] = {}
         self._lock = threading.Lock()
         self._touched: dict[bytes, tuple[int, int]] = {}
         self._touched_runs: dict[bytes, tuple[Sequence[bytes], int, int]] = {}
@@ -180,6 +192,7 @@ class Store:
         self._check_usable()
         if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
             raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
+        identity, _ = self._namespace(identity, None)
         chain = BlockChain(identity, token_ids)
         views = [_payload_view(p, first_block + i) for i, p in enumerate(payloads)]
         if not views:
@@ -472,6 +485,7 @@ class Store:
         hashes packed back to back, when the caller already has them (see `BlockChain`).
         """
         self._check_usable()
+        identity, hashes = self._namespace(identity, hashes)
         chain = BlockChain(identity, token_ids, hashes)
         with self._env.begin(buffers=True) as txn:
             walk = self._walk(txn, chain, chain.n_blocks)
@@ -491,6 +505,7 @@ class Store:
         the removal epoch, on a page every write touches), so an event loop may call it; None
         means: ask `longest_prefix`."""
         self._check_usable()
+        identity, hashes = self._namespace(identity, hashes)
         tokens = as_token_array(token_ids)  # a view: this answer is never remembered
         n_blocks = len(tokens) // identity.block_tokens
         if hashes is not None and len(hashes) != n_blocks * HASH_BYTES:
@@ -563,6 +578,7 @@ class Store:
         transaction; the result says how many tokens the caller may skip.
         """
         self._check_usable()
+        identity, hashes = self._namespace(identity, hashes)
         chain = BlockChain(identity, token_ids, hashes)
         limit = chain.n_blocks if max_blocks is None else max(0, min(max_blocks, chain.n_blocks))
         buffer = _dest_view(out, 0, None)
@@ -768,6 +784,22 @@ class Store:
                 chain, epoch, walk.hashes, walk.payload_sizes, walk.oldest_created_ns
             )
         return walk
+
+    def _namespace(
+        self, identity: Identity, hashes: bytes | None
+    ) -> tuple[Identity, bytes | None]:
+        """The identity entries are stored under: a tenant of a share group stores and finds
+        them under the group's namespace (and its own chain hashes do not apply there)."""
+        if identity.tenant.startswith(SHARE_PREFIX):
+            raise IdentityError("tenant", f"names starting with {SHARE_PREFIX!r} are reserved")
+        group = self._share_group.get(identity.tenant)
+        if group is None:
+            return identity, hashes
+        shared = self._shared.get(identity)
+        if shared is None:
+            shared = dataclasses.replace(identity, tenant=SHARE_PREFIX + group)
+            self._shared[identity] = shared
+        return shared, None
 
     def _min_created_ns(self, identity: Identity) -> int:
         """Blocks created before this are past the tenant's time to live (0: no limit)."""

@@ -96,3 +96,20 @@ def test_the_purge_operation_checks_its_fields(daemon: Daemon) -> None:
             else:
                 raise AssertionError(f"{criteria} was accepted")
         assert client.health()["status"] == "ok"
+
+
+def test_share_groups_through_the_daemon(daemon_factory) -> None:  # noqa: ANN001
+    daemon = daemon_factory("--share-groups", "labs=a+b")
+    with Client(daemon.socket, region_bytes=1 << 16) as client:
+        fill(client, ident(tenant="a"))
+        assert client.lookup(ident(tenant="b"), [PROMPT])[0].n_blocks == 5
+        assert client.lookup(ident(tenant="c"), [PROMPT])[0].n_blocks == 0
+        for call in (lambda: client.lookup(ident(tenant="share:labs"), [PROMPT]),
+                     lambda: client.put(ident(tenant="share:labs"), PROMPT, [b"x"])):
+            try:
+                call()
+            except RemoteError as exc:
+                assert exc.code == "bad_identity" and "reserved" in exc.message
+            else:
+                raise AssertionError("a reserved tenant name was accepted")
+        assert client.health()["status"] == "ok"

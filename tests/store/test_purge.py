@@ -9,7 +9,7 @@ import lmdb
 import pytest
 
 from prefixd import Identity, Store
-from prefixd.errors import ConfigError
+from prefixd.errors import ConfigError, IdentityError
 from prefixd.store import PurgeSelector
 
 BASE = dict(model="m", weights="w1", tokenizer="t", template="c", rope="r", kv_layout="bf16",
@@ -144,3 +144,25 @@ def test_compact_copy_is_smaller_and_whole(tmp_path: Path) -> None:
     with Store.open(tmp_path / "copy", create=False) as copy:
         assert copy.check() == [] and copy.stats().blocks == 5
         assert copy.load(ident(tenant="b"), PROMPT, bytearray(1 << 21)).n_blocks == 5
+
+
+def test_share_groups_are_the_only_way_tenants_share(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "s", share_groups=("labs=a+b",)) as store:
+        a, b, c = ident(tenant="a"), ident(tenant="b"), ident(tenant="c")
+        fill(store, a)
+        assert store.longest_prefix(b, PROMPT).n_blocks == 5  # configured: shared
+        assert store.put(b, PROMPT, [b"x"] * 5).existed == 5
+        assert store.longest_prefix(c, PROMPT).n_blocks == 0  # not in the group
+        assert store.stats().blocks == 5
+        assert store.load(b, PROMPT, bytearray(1000)).n_blocks == 5
+        # the group's entries belong to the group, not to one member
+        assert store.purge(PurgeSelector(tenant="a")).blocks == 0
+        assert store.purge(PurgeSelector(tenant="share:labs")).blocks == 5
+        with pytest.raises(IdentityError, match="reserved"):
+            store.put(ident(tenant="share:labs"), PROMPT, [b"x"])
+
+
+@pytest.mark.parametrize("entries", [("labs=a",), ("labs=a+b", "more=b+c"), ("=a+b",)])
+def test_bad_share_groups(tmp_path: Path, entries: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError, match="share_groups"):
+        Store.open(tmp_path / "s", share_groups=entries)
