@@ -21,17 +21,21 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from decimal import Decimal, InvalidOperation
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.store.config import COMPRESSIONS, Durability, StoreConfig, parse_seconds
+from prefixd.store.config import (
+    COMPRESSIONS,
+    Durability,
+    StoreConfig,
+    parse_seconds,
+    parse_size,
+)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -186,6 +190,9 @@ class Config:
     )
     tenant_quota_bytes: int = _store(
         "tenant_quota_bytes", "size", "stored bytes each tenant may hold (0: no quota)"
+    )
+    tenant_quotas: tuple[str, ...] = _store(
+        "tenant_quotas", "entries", "per-tenant quotas overriding tenant_quota_bytes, TENANT=SIZE"
     )
     tenant_ttls: tuple[str, ...] = _store(
         "tenant_ttls", "entries", "time to live of a tenant's entries, TENANT=DURATION (7d)"
@@ -461,8 +468,6 @@ def _shown_default(name: str, default: Any) -> str:
 
 # --- parsing text ------------------------------------------------------------------------------
 
-_SIZE_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]ib|b)?\s*", re.IGNORECASE)
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -470,24 +475,6 @@ def _parse_path(text: str) -> Path:
     if not text:
         raise ValueError(text)
     return Path(text)
-
-
-def _parse_size(text: str) -> int:
-    """'16MiB' -> 16777216; plain integers are bytes. Decimal units (MB) are refused: ambiguous."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    match = _SIZE_RE.fullmatch(text)
-    if match is None:
-        raise ValueError(text)
-    try:
-        exact = Decimal(match[1]) * _SIZE_UNITS[(match[2] or "").lower()]
-    except InvalidOperation:
-        raise ValueError(text) from None
-    if exact != exact.to_integral_value():
-        raise ValueError(text)
-    return int(exact)
 
 
 def _parse_bool(text: str) -> bool:
@@ -506,7 +493,7 @@ def _parse_ids(text: str) -> tuple[int, ...]:
 _PARSERS: dict[str, Callable[[str], Any]] = {
     "path": _parse_path,
     "int": int,
-    "size": _parse_size,
+    "size": parse_size,
     "mode": lambda text: int(text, 8),
     "float": float,
     "seconds": parse_seconds,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from enum import Enum
 from pathlib import Path
 
@@ -42,6 +43,43 @@ def parse_seconds(text: str) -> float:
     if match is None:
         raise ValueError(text)
     return float(match[1]) * _SECONDS_UNITS[match[2] or ""]
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]ib|b)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'16MiB' -> 16777216; plain integers are bytes. Decimal units (MB) are refused: ambiguous."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    match = _SIZE_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(text)
+    try:
+        exact = Decimal(match[1]) * _SIZE_UNITS[(match[2] or "").lower()]
+    except InvalidOperation:
+        raise ValueError(text) from None
+    if exact != exact.to_integral_value():
+        raise ValueError(text)
+    return int(exact)
+
+
+def parse_tenant_quotas(entries: tuple[str, ...]) -> dict[str, int]:
+    """{tenant: bytes} from TENANT=SIZE entries (16GiB); ValueError says which entry is wrong."""
+    quotas: dict[str, int] = {}
+    for entry in entries:
+        tenant, sep, text = entry.partition("=")
+        try:
+            size = parse_size(text) if sep and tenant else -1
+        except ValueError:
+            size = -1
+        if size <= 0 or tenant in quotas:
+            raise ValueError(f"{entry!r} is not TENANT=SIZE (a positive size, once each)")
+        quotas[tenant] = size
+    return quotas
 
 
 SHARE_PREFIX = "share:"  # the tenant name a share group's entries are stored under
@@ -100,6 +138,7 @@ class StoreConfig:
     low_watermark: float = 0.85
     eviction: str = "value"
     tenant_quota_bytes: int = 0
+    tenant_quotas: tuple[str, ...] = ()
     tenant_ttls: tuple[str, ...] = ()
     share_groups: tuple[str, ...] = ()
 
@@ -137,6 +176,15 @@ class StoreConfig:
         except ValueError as exc:
             raise ConfigError(f"tenant_ttls: {exc}") from None
         object.__setattr__(self, "tenant_ttls", tuple(self.tenant_ttls))
+        if not isinstance(self.tenant_quotas, (list, tuple)) or not all(
+            isinstance(e, str) for e in self.tenant_quotas
+        ):
+            raise ConfigError("tenant_quotas: must be a list of TENANT=SIZE")
+        try:
+            parse_tenant_quotas(tuple(self.tenant_quotas))
+        except ValueError as exc:
+            raise ConfigError(f"tenant_quotas: {exc}") from None
+        object.__setattr__(self, "tenant_quotas", tuple(self.tenant_quotas))
         if not isinstance(self.share_groups, (list, tuple)) or not all(
             isinstance(e, str) for e in self.share_groups
         ):

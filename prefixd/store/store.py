@@ -48,6 +48,7 @@ from prefixd.store.config import (
     StoreConfig,
     parse_share_groups,
     parse_tenant_durations,
+    parse_tenant_quotas,
 )
 from prefixd.store.environment import OwnerLock, Tables, open_environment
 from prefixd.store.eviction import VictimQueue
@@ -145,6 +146,7 @@ class Store:
         self._capacity = config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
         self._tenant_of: dict[bytes, str] = {}
         self._ttl_s = parse_tenant_durations(config.tenant_ttls)
+        self._quotas = parse_tenant_quotas(config.tenant_quotas)
         self._share_group = {
             tenant: group
             for group, tenants in parse_share_groups(config.share_groups).items()
@@ -253,8 +255,8 @@ class Store:
         high = self.config.high_watermark
         if self._stored_bytes() > self._capacity * high:
             self.evict()
-        quota = self.config.tenant_quota_bytes
         tenant = args[0].tenant
+        quota = self._quotas.get(tenant, self.config.tenant_quota_bytes)
         if quota and self.tenant_bytes(tenant) > quota * high:
             self.evict(int(quota * self.config.low_watermark), tenant=tenant)
         return result

@@ -132,3 +132,17 @@ def test_tenant_bytes_follow_puts_and_removals(tmp_path: Path) -> None:
         store.delete([store.longest_prefix(IDENT, chain(1, 3)).hashes[1]])
         assert store.tenant_bytes("a") == 200
         assert store.tenant_bytes("nobody") == 0
+
+
+def test_a_tenant_quota_overrides_the_default(tmp_path: Path) -> None:
+    with Store.open(
+        tmp_path / "s",
+        map_size=64 << 20,
+        tenant_quota_bytes=50_000,
+        tenant_quotas=("small=8000",),
+    ) as store:
+        for step in range(1, 30):
+            store.put(tenant("small"), chain(step, 1), [bytes(1000)])
+            store.put(tenant("big"), chain(step, 1), [bytes(1000)])
+        assert store.tenant_bytes("small") <= 8000 * 0.95
+        assert store.tenant_bytes("big") == 29_000  # under its (default) quota: nothing evicted

@@ -64,3 +64,9 @@ def test_a_read_after_expiry_misses(tmp_path: Path) -> None:
 def test_bad_ttls(tmp_path: Path, entries: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError, match="tenant_ttls"):
         Store.open(tmp_path / "s", tenant_ttls=entries)
+
+
+@pytest.mark.parametrize("entries", [("a",), ("a=0",), ("a=lots",), ("a=1KiB", "a=2KiB")])
+def test_bad_quotas(tmp_path: Path, entries: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError, match="tenant_quotas"):
+        Store.open(tmp_path / "s", tenant_quotas=entries)
