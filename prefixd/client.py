@@ -233,10 +233,14 @@ class Client:
         token_region_bytes: int = 4 << 20,
         timeout: float = 30.0,
         name: str = "prefixd-client",
+        serves: Sequence[tuple[str, str]] = (),
     ) -> None:
         """`region_bytes`: the shared region payloads are staged in and loaded into (0: none,
-        for lookups only). `token_region_bytes`: where long prompts' token ids are staged."""
+        for lookups only). `token_region_bytes`: where long prompts' token ids are staged.
+        `serves`: (model, weights) pairs this engine serves; on connecting, the daemon retires
+        the other stored versions of those models."""
         self.socket_path = Path(socket_path)
+        self.serves = [{"model": m, "weights": w} for m, w in serves]
         self.timeout = timeout
         self.name = name
         self.server: dict[str, Any] = {}
@@ -336,7 +340,11 @@ class Client:
             raise DaemonUnavailableError(f"cannot connect to {self.socket_path}: {exc}") from None
         self._sock = sock
         try:
-            hello = {"op": "hello", "protocol": PROTOCOL_VERSION, "client": self.name}
+            hello: dict[str, Any] = {
+                "op": "hello", "protocol": PROTOCOL_VERSION, "client": self.name
+            }
+            if self.serves:
+                hello["serves"] = self.serves
             self.server = self._roundtrip(hello)
             for attribute, region in self._requests.regions():
                 reply = self._roundtrip({"op": "attach", "size": region.size}, fds=[region.fd])

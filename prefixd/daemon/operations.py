@@ -109,6 +109,12 @@ class Operations:
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}",
             )
+        serves = _served_versions(msg)
+        retired = 0
+        for model, weights in serves:
+            # the engine serves these weights now: other versions of the model are stale
+            selector = PurgeSelector(model=model, keep={"weights": weights})
+            retired += (await self._run(partial(self.store.purge, selector))).blocks
         conn.greeted = True
         return ok_reply(
             rid,
@@ -119,6 +125,7 @@ class Operations:
             max_region_bytes=self.max_region_bytes,
             max_inflight=conn.max_inflight,
             models=dict(self.models),
+            retired=retired,
         )
 
     async def attach(self, conn: Connection, request: Request) -> dict[str, Any]:
@@ -276,6 +283,25 @@ class Operations:
                 self._identities.clear()
             self._identities[key] = identity
         return identity
+
+
+def _served_versions(msg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """hello's optional `serves`: [{model, weights}, ...], the versions an engine serves."""
+    serves = field(msg, "serves", list, default=[])
+    pairs = []
+    for i, item in enumerate(serves):
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("model"), str)
+            or not isinstance(item.get("weights"), str)
+            or not item["model"]
+            or not item["weights"]
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"serves[{i}] must be a map of non-empty model and weights"
+            )
+        pairs.append((item["model"], item["weights"]))
+    return pairs
 
 
 def _protocol_error(exc: Exception) -> Exception:

@@ -113,3 +113,20 @@ def test_share_groups_through_the_daemon(daemon_factory) -> None:  # noqa: ANN00
             else:
                 raise AssertionError("a reserved tenant name was accepted")
         assert client.health()["status"] == "ok"
+
+
+def test_an_engine_declaring_its_version_retires_the_others(daemon: Daemon) -> None:
+    old, new = ident(weights="w1"), ident(weights="w2")
+    with Client(daemon.socket, region_bytes=1 << 16) as client:
+        fill(client, old)
+    with Client(daemon.socket, region_bytes=1 << 16, serves=[("m", "w2")]) as engine:
+        assert engine.server["retired"] == 5
+        assert engine.lookup(old, [PROMPT])[0].n_blocks == 0
+        fill(engine, new)
+        assert engine.lookup(new, [PROMPT])[0].n_blocks == 5
+    try:
+        Client(daemon.socket, serves=[("m", "")])
+    except RemoteError as exc:
+        assert exc.code == "bad_request" and "serves[0]" in exc.message
+    else:
+        raise AssertionError("an empty weights version was accepted")
