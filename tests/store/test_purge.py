@@ -166,3 +166,37 @@ def test_share_groups_are_the_only_way_tenants_share(tmp_path: Path) -> None:
 def test_bad_share_groups(tmp_path: Path, entries: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError, match="share_groups"):
         Store.open(tmp_path / "s", share_groups=entries)
+
+
+def test_loads_during_a_purge_are_whole_or_miss(tmp_path: Path) -> None:
+    """Reads that race a tenant purge return the old verified bytes or fewer blocks, never torn."""
+    import threading
+
+    prompts = [list(range(i * 100, i * 100 + 40)) for i in range(20)]  # ten blocks each
+    expected = {i: [bytes([i, b]) * 500 for b in range(10)] for i in range(20)}
+    with Store.open(tmp_path / "s") as store:
+        for i, prompt in enumerate(prompts):
+            store.put(ident(), prompt, expected[i])
+        errors: list[str] = []
+        stop = threading.Event()
+
+        def reader() -> None:
+            out = bytearray(10 * 1000)
+            while not stop.is_set():
+                for i, prompt in enumerate(prompts):
+                    loaded = store.load(ident(), prompt, out)
+                    for b, (offset, size) in enumerate(zip(loaded.offsets, loaded.sizes)):
+                        if bytes(out[offset : offset + size]) != expected[i][b]:
+                            errors.append(f"prompt {i} block {b} torn")
+
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.05)
+        report = store.purge(PurgeSelector(tenant="a"))
+        time.sleep(0.05)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        assert report.blocks == 200 and not errors
+        assert all(store.load(ident(), p, bytearray(10_000)).n_blocks == 0 for p in prompts)
