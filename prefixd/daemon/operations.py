@@ -165,8 +165,24 @@ class Operations:
         )
         return ok_reply(rid, stored=result.stored, existed=result.existed)
 
-    async def lookup(self, conn: Connection, request: Request) -> dict[str, Any]:
-        rid, msg = request.id, request.message
+    def lookup_from_memory(self, conn: Connection, request: Request) -> dict[str, Any] | None:
+        """The lookup's reply if memory alone answers every prompt (see Store.cached_prefix),
+        computed at once on the event loop; None sends the request the usual way."""
+        identity, queries = self._lookup_queries(conn, request.message)
+        try:
+            matches = [
+                self.store.cached_prefix(identity, tokens, hashes=hashes)
+                for tokens, hashes in queries
+            ]
+        except Exception as exc:
+            raise _protocol_error(exc) from None
+        if any(m is None for m in matches):
+            return None
+        return ok_reply(request.id, results=[_lookup_result(m) for m in matches if m])
+
+    def _lookup_queries(
+        self, conn: Connection, msg: Mapping[str, Any]
+    ) -> tuple[Identity, list[tuple[bytes | memoryview, bytes | None]]]:
         identity = self._identity(msg)
         prompts = field(msg, "prompts", list)
         if len(prompts) > MAX_PROMPTS_PER_LOOKUP:
@@ -178,6 +194,11 @@ class Operations:
             if not isinstance(prompt, dict):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"prompts[{i}] must be a map")
             queries.append((_tokens(conn, prompt, f"prompts[{i}]."), _hashes(prompt)))
+        return identity, queries
+
+    async def lookup(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid = request.id
+        identity, queries = self._lookup_queries(conn, request.message)
 
         # Prompts whose whole prefix was verified recently are answered here, without a thread
         # hop (the store reads no record for them); the rest go to the pool.
@@ -199,12 +220,7 @@ class Operations:
 
             for i, match in zip(missing, await self._run(run)):
                 matches[i] = match
-        results = [
-            {"n_blocks": m.n_blocks, "n_tokens": m.n_tokens, "sizes": _packed(m.payload_sizes)}
-            for m in matches
-            if m is not None
-        ]
-        return ok_reply(rid, results=results)
+        return ok_reply(rid, results=[_lookup_result(m) for m in matches if m is not None])
 
     async def load(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
@@ -283,6 +299,14 @@ class Operations:
                 self._identities.clear()
             self._identities[key] = identity
         return identity
+
+
+def _lookup_result(match: PrefixMatch) -> dict[str, Any]:
+    return {
+        "n_blocks": match.n_blocks,
+        "n_tokens": match.n_tokens,
+        "sizes": _packed(match.payload_sizes),
+    }
 
 
 def _served_versions(msg: Mapping[str, Any]) -> list[tuple[str, str]]:

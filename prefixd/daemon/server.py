@@ -386,7 +386,31 @@ class Connection:
         if fds and op not in self.operations.takes_fds:
             self.close_fds(fds)  # a descriptor belongs to the frame it came with
             fds = []
-        self._spawn(self._handle(Request(rid, message, tuple(fds))))
+        request = Request(rid, message, tuple(fds))
+        if op == "lookup" and self.greeted and not self.server.stopping.is_set():
+            try:
+                reply = self.operations.lookup_from_memory(self, request)
+            except ProtocolError:
+                reply = None  # the usual path reports it
+            if reply is not None:
+                self.server.stats["requests.lookup"] += 1
+                self._reply_now(reply)
+                return
+        self._spawn(self._handle(request))
+
+    def _reply_now(self, reply: dict[str, Any]) -> None:
+        """Send a reply computed on the loop without a task, when no other send is under way."""
+        frame = encode_frame(reply)
+        sent = 0
+        if not self._write_lock.locked():
+            try:
+                sent = self.sock.send(frame)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                return  # the connection is gone; the read loop will notice
+        if sent < len(frame):
+            self._spawn(self._send_frame(frame[sent:]))
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)
@@ -425,7 +449,9 @@ class Connection:
     # --- socket I/O ------------------------------------------------------------------------------
 
     async def _send(self, message: dict[str, Any]) -> None:
-        frame = encode_frame(message)
+        await self._send_frame(encode_frame(message))
+
+    async def _send_frame(self, frame: bytes) -> None:
         loop = asyncio.get_running_loop()
         async with self._write_lock:
             with contextlib.suppress(ConnectionError, OSError):
