@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from enum import Enum
@@ -167,33 +168,9 @@ class StoreConfig:
         _int_in("verified_cache_bytes", self.verified_cache_bytes, 0, 1 << 40)
         _int_in("capacity_bytes", self.capacity_bytes, 0, self.map_size)
         _int_in("tenant_quota_bytes", self.tenant_quota_bytes, 0, self.map_size)
-        if not isinstance(self.tenant_ttls, (list, tuple)) or not all(
-            isinstance(e, str) for e in self.tenant_ttls
-        ):
-            raise ConfigError("tenant_ttls: must be a list of TENANT=DURATION")
-        try:
-            parse_tenant_durations(tuple(self.tenant_ttls))
-        except ValueError as exc:
-            raise ConfigError(f"tenant_ttls: {exc}") from None
-        object.__setattr__(self, "tenant_ttls", tuple(self.tenant_ttls))
-        if not isinstance(self.tenant_quotas, (list, tuple)) or not all(
-            isinstance(e, str) for e in self.tenant_quotas
-        ):
-            raise ConfigError("tenant_quotas: must be a list of TENANT=SIZE")
-        try:
-            parse_tenant_quotas(tuple(self.tenant_quotas))
-        except ValueError as exc:
-            raise ConfigError(f"tenant_quotas: {exc}") from None
-        object.__setattr__(self, "tenant_quotas", tuple(self.tenant_quotas))
-        if not isinstance(self.share_groups, (list, tuple)) or not all(
-            isinstance(e, str) for e in self.share_groups
-        ):
-            raise ConfigError("share_groups: must be a list of GROUP=TENANT+TENANT")
-        try:
-            parse_share_groups(tuple(self.share_groups))
-        except ValueError as exc:
-            raise ConfigError(f"share_groups: {exc}") from None
-        object.__setattr__(self, "share_groups", tuple(self.share_groups))
+        _entries(self, "tenant_ttls", "TENANT=DURATION", parse_tenant_durations)
+        _entries(self, "tenant_quotas", "TENANT=SIZE", parse_tenant_quotas)
+        _entries(self, "share_groups", "GROUP=TENANT+TENANT", parse_share_groups)
         _number_in("high_watermark", self.high_watermark, 0.05, 1.0)
         _number_in("low_watermark", self.low_watermark, 0.0, self.high_watermark)
         if self.eviction not in ("value", "lru", "none"):
@@ -203,6 +180,20 @@ class StoreConfig:
         for flag in ("create", "readahead"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}: must be true or false")
+
+
+def _entries(
+    config: StoreConfig, name: str, shape: str, parse: Callable[[tuple[str, ...]], object]
+) -> None:
+    """Check a list-of-entries setting with its parser and store it as a tuple."""
+    value = getattr(config, name)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(e, str) for e in value):
+        raise ConfigError(f"{name}: must be a list of {shape}")
+    try:
+        parse(tuple(value))
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    object.__setattr__(config, name, tuple(value))
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:

@@ -805,8 +805,11 @@ class Store:
 
     def _min_created_ns(self, identity: Identity) -> int:
         """Blocks created before this are past the tenant's time to live (0: no limit)."""
-        ttl = self._ttl_s.get(identity.tenant)
-        return time.time_ns() - int(ttl * 1e9) if ttl else 0
+        return self._ttl_cutoff_ns(identity.tenant, time.time_ns())
+
+    def _ttl_cutoff_ns(self, tenant: str, now_ns: int) -> int:
+        ttl = self._ttl_s.get(tenant)
+        return now_ns - int(ttl * 1e9) if ttl else 0
 
     def _min_created_for(self, digest: bytes) -> int:
         """`_min_created_ns` of the identity with this digest."""
@@ -814,8 +817,7 @@ class Store:
             return 0
         if digest not in self._tenant_of:
             self._tenant_identities("")  # refreshes the digest -> tenant cache
-        ttl = self._ttl_s.get(self._tenant_of.get(digest, ""))
-        return time.time_ns() - int(ttl * 1e9) if ttl else 0
+        return self._ttl_cutoff_ns(self._tenant_of.get(digest, ""), time.time_ns())
 
     def reclaim_expired(self) -> int:
         """Remove the blocks past their tenant's time to live (already unreachable: lookups and
@@ -834,8 +836,8 @@ class Store:
                     record = BlockRecord.decode(raw)
                 except CorruptRecordError:
                     continue
-                ttl = self._ttl_s.get(self._tenant_of.get(record.identity, ""))
-                if ttl and record.created_ns < now - int(ttl * 1e9):
+                cutoff = self._ttl_cutoff_ns(self._tenant_of.get(record.identity, ""), now)
+                if record.created_ns < cutoff:
                     expired.append(bytes(key))
             for block in expired:
                 removed += self._remove_subtree(txn, block)
