@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from prefixd.errors import IdentityError
+from prefixd.schema.state import StateSpec, check_spec, spec_from_value
 
 IDENTITY_FORMAT = "prefixd.identity"
 IDENTITY_VERSION = 1
@@ -38,6 +39,9 @@ _ENCODING_ORDER = (
     "block_tokens",
     "tenant",
 )
+# `state` follows the fields above in the encoding only when it is set, so the digest of an
+# identity without a state spec is what it always was.
+_ALL_FIELDS = (*_ENCODING_ORDER, "state")
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,8 @@ class Identity:
 
     `kv_layout` names the KV dtype, quantisation and layout schema including tensor/pipeline
     sharding and the rank: each rank's shard is its own entry. `adapter` and `mm` are None when no
-    LoRA adapter or multimodal preprocessing is involved.
+    LoRA adapter or multimodal preprocessing is involved. `state` is the state spec of a hybrid
+    model (prefixd.schema.state); None stores one opaque payload per block.
     """
 
     model: str
@@ -59,10 +64,11 @@ class Identity:
     tenant: str
     adapter: str | None = None
     mm: str | None = None
+    state: StateSpec | None = None
     _encoded: bytes = field(init=False, repr=False, compare=False)
     _digest: bytes = field(init=False, repr=False, compare=False)
 
-    FIELDS: ClassVar[tuple[str, ...]] = _ENCODING_ORDER
+    FIELDS: ClassVar[tuple[str, ...]] = _ALL_FIELDS
 
     def __post_init__(self) -> None:
         for name in _REQUIRED_TEXT:
@@ -74,10 +80,12 @@ class Identity:
             raise IdentityError("block_tokens", f"must be an int, got {type(bt).__name__}")
         if not 0 < bt <= MAX_BLOCK_TOKENS:
             raise IdentityError("block_tokens", f"must be in 1..{MAX_BLOCK_TOKENS}, got {bt}")
-        encoded = msgpack.packb(
-            [IDENTITY_FORMAT, IDENTITY_VERSION, *(getattr(self, n) for n in _ENCODING_ORDER)],
-            use_bin_type=True,
-        )
+        items = [IDENTITY_FORMAT, IDENTITY_VERSION, *(getattr(self, n) for n in _ENCODING_ORDER)]
+        if self.state is not None:
+            object.__setattr__(self, "state", spec_from_value(self.state))
+            check_spec(self.state, bt)
+            items.append([group.encode_fields() for group in self.state])
+        encoded = msgpack.packb(items, use_bin_type=True)
         object.__setattr__(self, "_encoded", encoded)
         object.__setattr__(
             self, "_digest", hashlib.blake2b(encoded, digest_size=DIGEST_BYTES).digest()
@@ -101,24 +109,32 @@ class Identity:
             raise IdentityError("encoding", f"cannot be decoded: {exc}") from None
         if (
             not isinstance(items, list)
-            or len(items) != 2 + len(_ENCODING_ORDER)
+            or len(items) not in (2 + len(_ENCODING_ORDER), 2 + len(_ALL_FIELDS))
             or items[0] != IDENTITY_FORMAT
         ):
             raise IdentityError("encoding", "is not a prefixd identity")
         if items[1] != IDENTITY_VERSION:
             raise IdentityError("encoding", f"has unknown identity version {items[1]!r}")
-        return cls(**dict(zip(_ENCODING_ORDER, items[2:])))
+        return cls(**dict(zip(_ALL_FIELDS, items[2:])))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain fields, for wire messages and reports."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        if self.state is not None:
+            values["state"] = [group.to_dict() for group in self.state]
+        return values
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether entries of this identity are stored as state groups (see `state`)."""
+        return self.state is not None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Identity:
         """Build from plain fields; unknown or missing fields are errors naming the field."""
         if not isinstance(values, dict):
             raise IdentityError("identity", f"must be a mapping, got {type(values).__name__}")
-        unknown = sorted(set(values) - set(_ENCODING_ORDER), key=str)
+        unknown = sorted(set(values) - set(_ALL_FIELDS), key=str)
         if unknown:
             raise IdentityError(str(unknown[0]), "is not an identity field")
         missing = [n for n in _ENCODING_ORDER if n not in values and n not in _OPTIONAL_TEXT]

@@ -149,3 +149,67 @@ class AccessRecord(NamedTuple):
 def chunk_key(block: bytes, index: int) -> bytes:
     """LMDB key of a payload chunk: the block hash then the big-endian index, so chunks sort together."""
     return block + index.to_bytes(4, "big")
+
+
+PART_MAGIC = b"PXPT"
+PART_VERSION = 1
+# magic, version, compression, group, reserved, block index, chunk_bytes, n_chunks, checksum,
+# payload_size, stored_size, created_ns
+_PART = struct.Struct("<4sBBBBIIIIQQQ")
+
+
+class PartRecord(NamedTuple):
+    """Metadata of one state-group payload hung on a block of a hybrid identity: a paged group's
+    page (on the page's first block) or a checkpoint (on the block that ends at its boundary).
+
+    Field names match BlockRecord's payload fields, so the codec reads either."""
+
+    compression: Compression
+    group: int
+    block_index: int
+    chunk_bytes: int
+    n_chunks: int
+    checksum: int
+    payload_size: int
+    stored_size: int
+    created_ns: int
+
+    def encode(self) -> bytes:
+        body = _PART.pack(
+            PART_MAGIC,
+            PART_VERSION,
+            int(self.compression),
+            self.group,
+            0,
+            self.block_index,
+            self.chunk_bytes,
+            self.n_chunks,
+            self.checksum,
+            self.payload_size,
+            self.stored_size,
+            self.created_ns,
+        )
+        return body + _TRAILER.pack(crc32c.crc32c(body))
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> PartRecord:
+        """Parse and verify a part record; raises CorruptRecordError on any damage."""
+        if len(data) != _PART.size + _TRAILER.size:
+            raise CorruptRecordError(f"part record is {len(data)} bytes, not {_PART.size + 4}")
+        if (
+            crc32c.crc32c(memoryview(data)[: _PART.size])
+            != _TRAILER.unpack_from(data, _PART.size)[0]
+        ):
+            raise CorruptRecordError("part record fails its checksum")
+        magic, version, compression, group, _reserved, *rest = _PART.unpack_from(data, 0)
+        if magic != PART_MAGIC or version != PART_VERSION:
+            raise CorruptRecordError("part record has an unknown magic or version")
+        if compression >= len(_COMPRESSIONS):
+            raise CorruptRecordError(f"part record has unknown compression {compression}")
+        return cls(_COMPRESSIONS[compression], group, *rest)
+
+
+def part_key(block: bytes, group: int) -> bytes:
+    """LMDB key of a part: the block hash then the group's index in the state spec. Its chunks
+    are `chunk_key(part_key(...), n)`, so deleting a block's chunks by prefix takes them too."""
+    return block + bytes((group,))

@@ -9,7 +9,13 @@ import lmdb
 from prefixd.errors import StoreOpenError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.meta import StoreMeta
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError, chunk_key
+from prefixd.schema.records import (
+    AccessRecord,
+    BlockRecord,
+    CorruptRecordError,
+    PartRecord,
+    chunk_key,
+)
 from prefixd.store import counters
 from prefixd.store.codec import checksum
 from prefixd.store.environment import META_KEY, Tables
@@ -52,6 +58,8 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
         elif verify_payloads and checksum(chunks) != record.checksum:
             problems.append(Problem("payload", "payload fails its checksum", h))
 
+    parts = _check_parts(txn, t, records, totals, problems, verify_payloads=verify_payloads)
+
     identities = {bytes(k) for k in txn.cursor(db=t.identities).iternext(keys=True, values=False)}
     for h, record in records.items():
         if record.parent != ROOT_PARENT and record.parent not in records:
@@ -77,10 +85,14 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
 
     for key in txn.cursor(db=t.chunks).iternext(keys=True, values=False):
         key = bytes(key)
-        owner, index = key[:HASH_BYTES], int.from_bytes(key[HASH_BYTES:], "big")
+        owner, index = key[:HASH_BYTES], int.from_bytes(key[-4:], "big")
         record = records.get(owner)
         if record is None:
             problems.append(Problem("chunk", "chunk belongs to no stored block", owner))
+        elif len(key) == HASH_BYTES + 5:
+            part = parts.get(key[: HASH_BYTES + 1])
+            if part is None or index >= part.n_chunks:
+                problems.append(Problem("chunk", "chunk of a part that does not hold it", owner))
         elif index >= record.n_chunks or len(key) != HASH_BYTES + 4:
             problems.append(Problem("chunk", "chunk beyond its block's chunk count", owner))
     for key, value in txn.cursor(db=t.access):
@@ -99,6 +111,8 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
     per_identity: Counter[bytes] = Counter()
     for record in records.values():
         per_identity[record.identity] += record.stored_size
+    for key, part in parts.items():
+        per_identity[records[key[:HASH_BYTES]].identity] += part.stored_size
     prefix = counters.IDENTITY_STORED
     kept_per_identity = {
         bytes(key)[len(prefix) :]: counters.read(txn, t.counters, bytes(key))
@@ -111,6 +125,7 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
     kept = counters.read_all(txn, t.counters)
     for name, total in (
         (counters.BLOCKS, totals["blocks"]),
+        (counters.PARTS, totals["parts"]),
         (counters.PAYLOAD_BYTES, totals["payload"]),
         (counters.STORED_BYTES, totals["stored"]),
     ):
@@ -121,3 +136,44 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
                 )
             )
     return problems
+
+
+def _check_parts(
+    txn: lmdb.Transaction,
+    t: Tables,
+    records: dict[bytes, BlockRecord],
+    totals: Counter[str],
+    problems: list[Problem],
+    *,
+    verify_payloads: bool,
+) -> dict[bytes, PartRecord]:
+    """Check every state-group part; return the sound ones that hang on a stored block, by key."""
+    sound: dict[bytes, PartRecord] = {}
+    if t.parts is None:
+        return sound
+    for key, raw in txn.cursor(db=t.parts):
+        key = bytes(key)
+        block = key[:HASH_BYTES]
+        try:
+            part = PartRecord.decode(raw)
+        except CorruptRecordError as exc:
+            problems.append(Problem("part", str(exc), block))
+            continue
+        if len(key) != HASH_BYTES + 1 or part.group != key[-1]:
+            problems.append(Problem("part", "part key does not match its record", block))
+            continue
+        if block not in records:
+            problems.append(Problem("part", "part hangs on a block that is not stored", block))
+            continue
+        totals["parts"] += 1
+        totals["payload"] += part.payload_size
+        totals["stored"] += part.stored_size
+        sound[key] = part
+        chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(part.n_chunks)]
+        if any(c is None for c in chunks):
+            problems.append(Problem("part", "a part's payload chunk is missing", block))
+        elif sum(len(c) for c in chunks) != part.stored_size:
+            problems.append(Problem("part", "a part's stored size differs from its record", block))
+        elif verify_payloads and checksum(chunks) != part.checksum:
+            problems.append(Problem("part", "a part's payload fails its checksum", block))
+    return sound

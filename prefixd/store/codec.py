@@ -15,11 +15,13 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c
 import numpy as np
 import zstandard
 
+from prefixd.errors import PayloadError
 from prefixd.schema.records import BlockRecord, Compression
 
 _PLANE_HEADER = struct.Struct("<I")
@@ -285,3 +287,17 @@ def _zstd_into(
         raise zstandard.ZstdError(
             f"frame decodes to a different size than the {total} bytes expected"
         )
+
+
+def payload_view(payload: Any, what: str) -> memoryview:
+    """`payload` as a flat byte view, or PayloadError naming `what` (a put's bytes must be a
+    non-empty contiguous buffer: anything else is the caller's mistake, said plainly)."""
+    try:
+        view = memoryview(payload)
+    except TypeError:
+        raise PayloadError(f"{what} is a {type(payload).__name__}, not a byte buffer") from None
+    if not view.c_contiguous:
+        raise PayloadError(f"{what} is not contiguous")
+    if view.nbytes == 0:
+        raise PayloadError(f"{what} is empty")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -9,6 +9,7 @@ import lmdb
 _U64 = struct.Struct("<q")
 
 BLOCKS = b"blocks"
+PARTS = b"parts"  # state-group payloads of hybrid identities (v4)
 PAYLOAD_BYTES = b"payload_bytes"
 STORED_BYTES = b"stored_bytes"
 QUARANTINED = b"quarantined"
@@ -16,7 +17,17 @@ COLLISIONS = b"collisions"
 SETTLES = b"settles"  # small commits that let LMDB reuse freed pages on a full map
 REMOVALS = b"removals"  # bumped by every transaction that removes blocks: the removal epoch
 EVICTED = b"evicted"
-NAMES = (BLOCKS, PAYLOAD_BYTES, STORED_BYTES, QUARANTINED, COLLISIONS, SETTLES, REMOVALS, EVICTED)
+NAMES = (
+    BLOCKS,
+    PARTS,
+    PAYLOAD_BYTES,
+    STORED_BYTES,
+    QUARANTINED,
+    COLLISIONS,
+    SETTLES,
+    REMOVALS,
+    EVICTED,
+)
 
 
 IDENTITY_STORED = b"identity_stored:"  # + identity digest: stored bytes of that identity (v3)

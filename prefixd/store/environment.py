@@ -10,6 +10,8 @@ Tables (LMDB named databases):
   quarantine  block hash -> msgpack {at_ns, reason} of blocks dropped for failing verification
   counters    name -> u64 running totals kept in the same transactions as the data
   identities  identity digest -> Identity.encode()
+  parts       block hash + u8 group -> PartRecord of a hybrid identity's state-group payload
+              (its chunks live in `chunks` under the part key), since schema version 4
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ TABLE_NAMES = (
     "quarantine",
     "counters",
     "identities",
+    "parts",
 )
 _DUPSORT = {"children"}
+# Tables added by a schema version: an older store gets them, empty, when a migration opens it.
+_TABLE_SINCE = {"parts": 4}
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Tables:
     quarantine: lmdb._Database
     counters: lmdb._Database
     identities: lmdb._Database
+    parts: lmdb._Database | None  # None only in a read-only view of a store older than version 4
 
 
 def open_environment(
@@ -140,11 +146,11 @@ def _open_existing(
         meta_db = _open_meta_table(env, path, None)
         with env.begin() as txn:
             meta = _read_meta(txn, meta_db, path, any_version)
-        return _open_tables(env, path, None, meta_db), meta
+        return _open_tables(env, path, None, meta_db, meta.schema_version), meta
     with env.begin(write=True) as txn:
         meta_db = _open_meta_table(env, path, txn)
         meta = _read_meta(txn, meta_db, path, any_version)
-        return _open_tables(env, path, txn, meta_db), meta
+        return _open_tables(env, path, txn, meta_db, meta.schema_version), meta
 
 
 def _open_meta_table(
@@ -176,10 +182,22 @@ def _read_meta(
 
 
 def _open_tables(
-    env: lmdb.Environment, path: Path, txn: lmdb.Transaction | None, meta_db: lmdb._Database
+    env: lmdb.Environment,
+    path: Path,
+    txn: lmdb.Transaction | None,
+    meta_db: lmdb._Database,
+    version: int,
 ) -> Tables:
-    handles = {"meta": meta_db}
+    handles: dict[str, lmdb._Database | None] = {"meta": meta_db}
     for name in TABLE_NAMES[1:]:
+        if version < _TABLE_SINCE.get(name, 0):
+            # an older store, opened to be migrated: the step to that version needs the table
+            handles[name] = (
+                None
+                if txn is None
+                else env.open_db(name.encode(), txn=txn, create=True, dupsort=name in _DUPSORT)
+            )
+            continue
         try:
             handles[name] = env.open_db(
                 name.encode(), txn=txn, create=False, dupsort=name in _DUPSORT

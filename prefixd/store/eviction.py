@@ -7,7 +7,7 @@ prefill it saves, over the bytes it holds and the time it has held them. prefixd
             a hit rate with a one-hit prior over TAU_S, decayed by the time since the last read;
   C_saved ~  the block's token count (prefill cost grows with tokens; the attention term that
             grows with depth is ignored, since a block is only ever evicted after its descendants);
-  M       =  the block's stored bytes.
+  M       =  the block's stored bytes (with its state-group parts, for a hybrid identity).
 
 Only leaves are candidates (a block is never evicted while a descendant is stored), so a prefix
 shrinks from its end and everything still stored stays reachable. `lru` orders leaves by last read
@@ -26,6 +26,7 @@ import lmdb
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
 from prefixd.store.environment import Tables
+from prefixd.store.joint import part_bytes
 
 TAU_S = 300.0
 IDLE_TAU_S = 3600.0
@@ -92,9 +93,10 @@ class VictimQueue:
             return None
         access = AccessRecord.read(self._txn.get(block, db=self._t.access), record.created_ns)
         parent_key = record.identity if record.parent == ROOT_PARENT else record.parent
-        return Candidate(
-            score(self._policy, record, access, self._now), block, parent_key, record.stored_size
-        )
+        # a hybrid identity's block holds its bytes in parts (its record's own payload is empty)
+        stored = record.stored_size + part_bytes(self._txn, self._t.parts, block)
+        record = record._replace(stored_size=stored)
+        return Candidate(score(self._policy, record, access, self._now), block, parent_key, stored)
 
     def __iter__(self) -> Iterator[Candidate]:
         while self._heap:

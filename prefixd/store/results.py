@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from prefixd.store.joint import JointMatch
+
 
 class BlockRef(NamedTuple):
     """One block of a found prefix (a NamedTuple: a long prefix builds hundreds per lookup)."""
@@ -47,11 +49,22 @@ class PrefixMatch:
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
-    """`stored` blocks were written, `existed` were already there (the put left them untouched)."""
+    """`stored` blocks were written, `existed` were already there (the put left them untouched);
+    `parts` state-group payloads were written (hybrid identities only)."""
 
     stored: int
     existed: int
     hashes: tuple[bytes, ...]
+    parts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StateLoad:
+    """A hybrid load: the joint match, and where each of its parts was written in the output
+    (`offsets[i]` for `match.parts[i]`, back to back)."""
+
+    match: JointMatch
+    offsets: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +38,20 @@ from prefixd.errors import (
 )
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT, BlockChain
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError, chunk_key
+from prefixd.schema.records import (
+    AccessRecord,
+    BlockRecord,
+    Compression,
+    CorruptRecordError,
+    PartRecord,
+    chunk_key,
+    part_key,
+)
+from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.check import check_store
-from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload
+from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload, payload_view
 from prefixd.store.config import (
     SHARE_PREFIX,
     StoreConfig,
@@ -52,6 +61,7 @@ from prefixd.store.config import (
 )
 from prefixd.store.environment import OwnerLock, Tables, open_environment
 from prefixd.store.eviction import VictimQueue
+from prefixd.store.joint import JointMatch, PlannedPart, joint_match, plan_put
 from prefixd.store.purge import (
     PurgeReport,
     PurgeSelector,
@@ -68,6 +78,7 @@ from prefixd.store.results import (
     Problem,
     PutResult,
     ReadResult,
+    StateLoad,
     StoreStats,
 )
 from prefixd.store.syncer import PeriodicSyncer
@@ -80,6 +91,8 @@ _BAD_RECORD = "record fails verification"
 # LMDB's free pages need the rest.
 DEFAULT_CAPACITY_SHARE = 0.8
 _BAD_PAYLOAD = "payload fails its checksum"
+_BAD_PART = "state-group payload fails verification"
+_NO_PAYLOAD = EncodedPayload(Compression.NONE, [], 0, 0, 0, 0)
 
 
 class _Damaged(NamedTuple):
@@ -195,8 +208,11 @@ class Store:
         if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
             raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
         identity, _ = self._namespace(identity, None)
+        _require_plain(identity, "put_state")
         chain = BlockChain(identity, token_ids)
-        views = [_payload_view(p, first_block + i) for i, p in enumerate(payloads)]
+        views = [
+            payload_view(p, f"payload of block {first_block + i}") for i, p in enumerate(payloads)
+        ]
         if not views:
             return PutResult(0, 0, ())
         end = first_block + len(views)
@@ -216,8 +232,15 @@ class Store:
                 self._codec.encode_many([views[i] for i in todo], self._pool),
             )
         )
+        return self._publish(
+            lambda: self._put_txn(identity, chain, first_block, views, encoded), identity.tenant
+        )
+
+    def _publish(self, write: Callable[[], tuple[PutResult, int]], tenant: str) -> PutResult:
+        """Run a put's write transaction (settling and evicting on a full map), then keep the
+        store within its capacity and the tenant within its quota."""
         try:
-            result, replaced = self._put_with_settle(identity, chain, first_block, views, encoded)
+            result, replaced = self._put_with_settle(write, tenant)
         except lmdb.MapFullError:
             raise StoreFullError(
                 f"store map of {self.config.map_size} bytes is full; the put was rolled back"
@@ -233,29 +256,30 @@ class Store:
             log.warning("replaced %d stored block(s) whose records failed verification", replaced)
         return result
 
-    def _put_with_settle(self, *args: Any) -> tuple[PutResult, int]:
+    def _put_with_settle(
+        self, write: Callable[[], tuple[PutResult, int]], tenant: str
+    ) -> tuple[PutResult, int]:
         """Run the put; on a full map, make room and try again.
 
         LMDB reuses the pages a transaction frees only once a later transaction has committed, so
         right after a delete the map can look full although the space is there: first one small
         settling commit, then eviction (to the low watermark) and a settling commit."""
         try:
-            result = self._put_txn(*args)
+            result = write()
         except lmdb.MapFullError:
             self._settle()
             try:
-                result = self._put_txn(*args)
+                result = write()
             except lmdb.MapFullError:
                 if not self.evict().blocks:
                     raise
                 self._settle()
-                result = self._put_txn(*args)
-        if not result[0].stored:
+                result = write()
+        if not (result[0].stored or result[0].parts):
             return result
         high = self.config.high_watermark
         if self._stored_bytes() > self._capacity * high:
             self.evict()
-        tenant = args[0].tenant
         quota = self._quotas.get(tenant, self.config.tenant_quota_bytes)
         if quota and self.tenant_bytes(tenant) > quota * high:
             self.evict(int(quota * self.config.low_watermark), tenant=tenant)
@@ -348,65 +372,16 @@ class Store:
         payload_bytes = stored_bytes = 0
         min_created = self._min_created_ns(identity)
         with self._env.begin(write=True) as txn:
-            walk = walk_chain(txn, t.blocks, chain, first_block, None, min_created)
-            if len(walk.hashes) < first_block:
-                missing = len(walk.hashes)
-                if walk.collided:
-                    error: PutRefusedError = BlockCollisionError(
-                        f"block {missing} of the prefix is owned by other tokens"
-                    )
-                else:
-                    state = "damaged" if walk.corrupt else "expired" if walk.expired else "missing"
-                    error = OrphanBlockError(
-                        f"block {first_block}'s ancestry is not stored (block {missing} is "
-                        f"{state}); put from block {missing}"
-                    )
-                raise _Refusal(error, walk.collided, _damaged_record(walk, chain))
+            self._check_ancestry(txn, chain, first_block, min_created)
             txn.put(digest, identity.encode(), db=t.identities, overwrite=False)
             for index in range(first_block, first_block + len(views)):
-                h = chain.hash(index)
-                parent = chain.parent_of(index)
-                raw = txn.get(h, db=t.blocks)
-                if raw is not None:
-                    try:
-                        record = BlockRecord.decode(raw)
-                    except CorruptRecordError:
-                        self._remove_subtree(txn, h, _parent_key(digest, parent), digest)
-                        self._record_quarantine(txn, h, _BAD_RECORD)
-                        replaced += 1
-                    else:
-                        if (
-                            record.identity != digest
-                            or record.parent != parent
-                            or record.tokens != chain.block_bytes(index)
-                        ):
-                            error = BlockCollisionError(
-                                f"block {index}'s hash is owned by other tokens"
-                            )
-                            raise _Refusal(error, collided=True)
-                        if record.created_ns >= min_created:
-                            existed += 1
-                            continue
-                        # past its tenant's time to live: stored afresh (with nothing below it)
-                        self._remove_subtree(txn, h, _parent_key(digest, parent), digest)
+                present, dropped = self._claim_block(txn, chain, index, min_created)
+                replaced += dropped
+                if present:
+                    existed += 1
+                    continue
                 payload = encoded.get(index) or self._codec.encode(views[index - first_block])
-                record = BlockRecord(
-                    payload.compression,
-                    payload.chunk_bytes,
-                    len(payload.chunks),
-                    payload.checksum,
-                    payload.payload_size,
-                    payload.stored_size,
-                    now,
-                    digest,
-                    parent,
-                    bytes(chain.block_bytes(index)),
-                )
-                txn.put(h, record.encode(), db=t.blocks)
-                for n, chunk in enumerate(payload.chunks):
-                    txn.put(chunk_key(h, n), chunk, db=t.chunks)
-                txn.put(_children_key(record), h, db=t.children)
-                txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
+                self._write_block(txn, chain, index, payload, now)
                 stored += 1
                 payload_bytes += payload.payload_size
                 stored_bytes += payload.stored_size
@@ -416,6 +391,90 @@ class Store:
             counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
         hashes = tuple(chain.hash(i) for i in range(first_block, first_block + len(views)))
         return PutResult(stored, existed, hashes), replaced
+
+    def _write_block(
+        self,
+        txn: lmdb.Transaction,
+        chain: BlockChain,
+        index: int,
+        payload: EncodedPayload | None,
+        now: int,
+    ) -> None:
+        """Write block `index`'s record, chunks, index entry and access record (no counters).
+        A block of a hybrid identity has no payload of its own: its state is in parts."""
+        t = self._tables
+        h = chain.hash(index)
+        payload = payload or _NO_PAYLOAD
+        record = BlockRecord(
+            payload.compression,
+            payload.chunk_bytes,
+            len(payload.chunks),
+            payload.checksum,
+            payload.payload_size,
+            payload.stored_size,
+            now,
+            chain.identity.digest,
+            chain.parent_of(index),
+            bytes(chain.block_bytes(index)),
+        )
+        txn.put(h, record.encode(), db=t.blocks)
+        for n, chunk in enumerate(payload.chunks):
+            txn.put(chunk_key(h, n), chunk, db=t.chunks)
+        txn.put(_children_key(record), h, db=t.children)
+        txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
+
+    def _check_ancestry(
+        self, txn: lmdb.Transaction, chain: BlockChain, first_block: int, min_created: int
+    ) -> list[bytes]:
+        """The stored blocks 0..first_block-1 of `chain`; refuse the put if any is not stored."""
+        walk = walk_chain(txn, self._tables.blocks, chain, first_block, None, min_created)
+        if len(walk.hashes) < first_block:
+            missing = len(walk.hashes)
+            if walk.collided:
+                error: PutRefusedError = BlockCollisionError(
+                    f"block {missing} of the prefix is owned by other tokens"
+                )
+            else:
+                state = "damaged" if walk.corrupt else "expired" if walk.expired else "missing"
+                error = OrphanBlockError(
+                    f"block {first_block}'s ancestry is not stored (block {missing} is "
+                    f"{state}); put from block {missing}"
+                )
+            raise _Refusal(error, walk.collided, _damaged_record(walk, chain))
+        return walk.hashes
+
+    def _claim_block(
+        self, txn: lmdb.Transaction, chain: BlockChain, index: int, min_created: int
+    ) -> tuple[bool, int]:
+        """(whether block `index` is stored already and matches, damaged records dropped).
+
+        A damaged record, or one past its tenant's time to live, is removed with everything
+        below it so the block is written afresh; a hash owned by other tokens refuses the put."""
+        t = self._tables
+        digest = chain.identity.digest
+        h = chain.hash(index)
+        parent = chain.parent_of(index)
+        raw = txn.get(h, db=t.blocks)
+        if raw is None:
+            return False, 0
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            self._remove_subtree(txn, h, _parent_key(digest, parent), digest)
+            self._record_quarantine(txn, h, _BAD_RECORD)
+            return False, 1
+        if (
+            record.identity != digest
+            or record.parent != parent
+            or record.tokens != chain.block_bytes(index)
+        ):
+            error = BlockCollisionError(f"block {index}'s hash is owned by other tokens")
+            raise _Refusal(error, collided=True)
+        if record.created_ns >= min_created:
+            return True, 0
+        # past its tenant's time to live: stored afresh (with nothing below it)
+        self._remove_subtree(txn, h, _parent_key(digest, parent), digest)
+        return False, 0
 
     def delete(self, hashes: Iterable[bytes]) -> int:
         """Remove the given blocks and every block below them; return how many blocks went."""
@@ -488,6 +547,7 @@ class Store:
         """
         self._check_usable()
         identity, hashes = self._namespace(identity, hashes)
+        _require_plain(identity, "lookup_state")
         chain = BlockChain(identity, token_ids, hashes)
         with self._env.begin(buffers=True) as txn:
             walk = self._walk(txn, chain, chain.n_blocks)
@@ -508,6 +568,7 @@ class Store:
         means: ask `longest_prefix`."""
         self._check_usable()
         identity, hashes = self._namespace(identity, hashes)
+        _require_plain(identity, "lookup_state")
         tokens = as_token_array(token_ids)  # a view: this answer is never remembered
         n_blocks = len(tokens) // identity.block_tokens
         if hashes is not None and len(hashes) != n_blocks * HASH_BYTES:
@@ -581,6 +642,7 @@ class Store:
         """
         self._check_usable()
         identity, hashes = self._namespace(identity, hashes)
+        _require_plain(identity, "load_state")
         chain = BlockChain(identity, token_ids, hashes)
         limit = chain.n_blocks if max_blocks is None else max(0, min(max_blocks, chain.n_blocks))
         buffer = _dest_view(out, 0, None)
@@ -619,6 +681,250 @@ class Store:
             self._activity.loaded_blocks += n_ok
             self._activity.loaded_bytes += sum(sizes)
         return LoadResult(n_ok, n_ok * chain.block_tokens, tuple(offsets[:n_ok]), sizes)
+
+    # --- hybrid identities: state groups ------------------------------------------------------
+
+    def put_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        paged: Mapping[str, Sequence[Any]] | None = None,
+        checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
+        upto_tokens: int | None = None,
+        first_block: int = 0,
+    ) -> PutResult:
+        """Publish the state of a hybrid identity's prefix, every group in one transaction.
+
+        Publishes blocks `first_block .. upto_tokens / block_tokens - 1` (`upto_tokens` defaults
+        to every token given) with `paged[group]`: one payload per page starting in that range;
+        and `checkpoints[group]`: boundary (a token count) -> payload, at boundaries of this put's
+        blocks or of blocks already stored (a checkpoint attaches only to a stored boundary of the
+        same chain). Refused whole, with nothing written: state that is not closed (OpenTailError),
+        payloads that do not match the spec or its policies (PayloadError), and everything `put`
+        refuses."""
+        self._check_usable()
+        if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
+            raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
+        identity, _ = self._namespace(identity, None)
+        spec = _require_hybrid(identity, "put")
+        chain = BlockChain(identity, token_ids)
+        bt = chain.block_tokens
+        upto = len(chain.tokens) if upto_tokens is None else upto_tokens
+        if (
+            isinstance(upto, bool)
+            or not isinstance(upto, int)
+            or not 0 <= upto <= len(chain.tokens)
+        ):
+            raise PayloadError(
+                f"upto_tokens must be an int in 0..{len(chain.tokens)}, got {upto!r}"
+            )
+        if upto % bt:
+            raise OpenTailError(
+                f"{upto} tokens end inside block {upto // bt} ({upto % bt} of {bt} tokens): only "
+                "closed blocks are stored"
+            )
+        end = upto // bt
+        if first_block > end:
+            raise PayloadError(f"first_block {first_block} is past the put's last block {end - 1}")
+        planned = plan_put(spec, bt, first_block, end, paged or {}, checkpoints or {})
+        encoded = self._codec.encode_many([part.view for part in planned], self._pool)
+        return self._publish(
+            lambda: self._put_state_txn(chain, first_block, end, planned, encoded),
+            identity.tenant,
+        )
+
+    def _put_state_txn(
+        self,
+        chain: BlockChain,
+        first_block: int,
+        end: int,
+        planned: list[PlannedPart],
+        encoded: list[EncodedPayload],
+    ) -> tuple[PutResult, int]:
+        t = self._tables
+        assert t.parts is not None
+        digest = chain.identity.digest
+        now = time.time_ns()
+        stored = existed = replaced = parts = 0
+        payload_bytes = stored_bytes = 0
+        min_created = self._min_created_ns(chain.identity)
+        with self._env.begin(write=True) as txn:
+            self._check_ancestry(txn, chain, first_block, min_created)
+            txn.put(digest, chain.identity.encode(), db=t.identities, overwrite=False)
+            for index in range(first_block, end):
+                present, dropped = self._claim_block(txn, chain, index, min_created)
+                replaced += dropped
+                if present:
+                    existed += 1
+                else:
+                    self._write_block(txn, chain, index, None, now)
+                    stored += 1
+            for part, payload in zip(planned, encoded):
+                key = part_key(chain.hash(part.block_index), part.group)
+                if txn.get(key, db=t.parts) is not None:
+                    continue  # a part is written once, like a block
+                record = PartRecord(
+                    payload.compression,
+                    part.group,
+                    part.block_index,
+                    payload.chunk_bytes,
+                    len(payload.chunks),
+                    payload.checksum,
+                    payload.payload_size,
+                    payload.stored_size,
+                    now,
+                )
+                txn.put(key, record.encode(), db=t.parts)
+                for n, chunk in enumerate(payload.chunks):
+                    txn.put(chunk_key(key, n), chunk, db=t.chunks)
+                parts += 1
+                payload_bytes += payload.payload_size
+                stored_bytes += payload.stored_size
+            counters.add(txn, t.counters, counters.BLOCKS, stored)
+            counters.add(txn, t.counters, counters.PARTS, parts)
+            counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
+            counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
+            counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
+        hashes = tuple(chain.hash(i) for i in range(first_block, end))
+        return PutResult(stored, existed, hashes, parts), replaced
+
+    def lookup_state(
+        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+    ) -> JointMatch:
+        """The longest boundary at which every state group of a hybrid identity is complete,
+        with where to replay from and the payloads to load (see prefixd.store.joint). Reads part
+        records, not payloads: `load_state` verifies those."""
+        self._check_usable()
+        identity, hashes = self._namespace(identity, hashes)
+        spec = _require_hybrid(identity, "longest_prefix")
+        chain = BlockChain(identity, token_ids, hashes)
+        damaged: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            walk = self._walk(txn, chain, chain.n_blocks)
+            match = self._joint(txn, spec, chain, walk.hashes, damaged)
+        self._after_walk(walk, chain)
+        self._quarantine(self._damaged_parts(damaged, chain, walk.hashes))
+        with self._lock:
+            self._activity.lookups += 1
+            self._activity.hit_blocks += len(match.hashes)
+        return match
+
+    def load_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        out: Any,
+        *,
+        hashes: bytes | None = None,
+    ) -> StateLoad:
+        """Find the joint prefix and write every payload it needs, verified, back to back into
+        `out` (in `match.parts` order), in one read transaction. A payload that fails
+        verification is quarantined with its block and everything below it, and the answer is
+        worked out again: what comes back is always a consistent boundary, possibly an earlier
+        one. DestinationError if `out` cannot hold the payloads."""
+        self._check_usable()
+        identity, hashes = self._namespace(identity, hashes)
+        spec = _require_hybrid(identity, "load")
+        chain = BlockChain(identity, token_ids, hashes)
+        buffer = _dest_view(out, 0, None)
+        while True:
+            damaged: list[bytes] = []
+            with self._env.begin(buffers=True) as txn:
+                walk = self._walk(txn, chain, chain.n_blocks)
+                match = self._joint(txn, spec, chain, walk.hashes, damaged)
+                if not damaged:
+                    offsets = self._read_parts(txn, spec, match, buffer, damaged)
+            self._after_walk(walk, chain)
+            if not damaged:
+                break
+            self._quarantine(self._damaged_parts(damaged, chain, walk.hashes))
+        with self._lock:
+            self._activity.lookups += 1
+            self._activity.hit_blocks += len(match.hashes)
+            self._activity.loaded_blocks += len(match.hashes)
+            self._activity.loaded_bytes += match.payload_bytes
+        return StateLoad(match, offsets)
+
+    def _joint(
+        self,
+        txn: lmdb.Transaction,
+        spec: StateSpec,
+        chain: BlockChain,
+        found: Sequence[bytes],
+        damaged: list[bytes],
+    ) -> JointMatch:
+        assert self._tables.parts is not None
+        identity = chain.identity
+        return joint_match(
+            txn, self._tables.parts, spec, identity.digest, identity.block_tokens, found, damaged
+        )
+
+    def _read_parts(
+        self,
+        txn: lmdb.Transaction,
+        spec: StateSpec,
+        match: JointMatch,
+        buffer: memoryview,
+        damaged: list[bytes],
+    ) -> tuple[int, ...]:
+        """Verify and copy every part of `match` into `buffer`; blocks whose part fails go to
+        `damaged` (and the destination bytes from the failure on are zeroed)."""
+        t = self._tables
+        assert t.parts is not None
+        needed = match.payload_bytes
+        if needed > buffer.nbytes:
+            raise DestinationError(
+                f"output buffer holds {buffer.nbytes} bytes, the state needs {needed}"
+            )
+        groups = {group.name: gi for gi, group in enumerate(spec)}
+        items: list[StoredPayload] = []
+        offsets: list[int] = []
+        offset = 0
+        for part in match.parts:
+            key = part_key(part.block, groups[part.group])
+            raw = txn.get(key, db=t.parts)
+            chunks = None
+            if raw is not None:
+                try:
+                    record = PartRecord.decode(raw)
+                except CorruptRecordError:
+                    record = None
+                if record is not None and record.payload_size == part.payload_size:
+                    chunks = [
+                        txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)
+                    ]
+            if (
+                chunks is None
+                or any(c is None for c in chunks)
+                or (sum(c.nbytes for c in chunks) != record.stored_size)
+            ):
+                damaged.append(part.block)
+                return ()
+            end = offset + part.payload_size
+            items.append(StoredPayload(record, chunks, buffer[offset:end]))
+            offsets.append(offset)
+            offset = end
+        n_ok = self._codec.decode_verified(items, self._pool)
+        items.clear()
+        if n_ok < len(match.parts):
+            damaged.append(match.parts[n_ok].block)
+            return ()
+        return tuple(offsets)
+
+    def _damaged_parts(
+        self, damaged: list[bytes], chain: BlockChain, found: Sequence[bytes]
+    ) -> list[_Damaged]:
+        """The blocks whose parts failed verification, for `_quarantine`: dropping a block drops
+        everything below it, so the joint entry is unreachable from that boundary on."""
+        index = {h: i for i, h in enumerate(found)}
+        digest = chain.identity.digest
+        out = []
+        for h in dict.fromkeys(damaged):
+            i = index[h]
+            parent = found[i - 1] if i else digest
+            out.append(_Damaged(h, parent, digest, _BAD_PART))
+        return out
 
     def block_info(self, block: bytes) -> BlockInfo | None:
         """What the store keeps about one block, or None if it is not stored (or damaged)."""
@@ -787,9 +1093,7 @@ class Store:
             )
         return walk
 
-    def _namespace(
-        self, identity: Identity, hashes: bytes | None
-    ) -> tuple[Identity, bytes | None]:
+    def _namespace(self, identity: Identity, hashes: bytes | None) -> tuple[Identity, bytes | None]:
         """The identity entries are stored under: a tenant of a share group stores and finds
         them under the group's namespace (and its own chain hashes do not apply there)."""
         if identity.tenant.startswith(SHARE_PREFIX):
@@ -943,7 +1247,7 @@ class Store:
         `root_parent_key` and `root_identity` stand in for what the root's record says when it
         is too damaged to say it (its place in the children index, its identity's byte count)."""
         t = self._tables
-        removed = payload_bytes = stored_bytes = 0
+        removed = payload_bytes = stored_bytes = parts_removed = 0
         by_identity: dict[bytes, int] = {}
         stack = [root]
         children = txn.cursor(db=t.children)
@@ -959,7 +1263,10 @@ class Store:
                 record: BlockRecord | None = BlockRecord.decode(raw)
             except CorruptRecordError:
                 record = None
+            part_payload, n_parts = _delete_parts(txn, t, h)
             freed = _delete_chunks(txn, t, h)
+            payload_bytes += part_payload
+            parts_removed += n_parts
             txn.delete(h, db=t.blocks)
             txn.delete(h, db=t.access)
             if record is not None:
@@ -976,11 +1283,27 @@ class Store:
             removed += 1
         counters.add(txn, t.counters, counters.REMOVALS, 1 if removed else 0)
         counters.add(txn, t.counters, counters.BLOCKS, -removed)
+        counters.add(txn, t.counters, counters.PARTS, -parts_removed)
         counters.add(txn, t.counters, counters.PAYLOAD_BYTES, -payload_bytes)
         counters.add(txn, t.counters, counters.STORED_BYTES, -stored_bytes)
         for digest, freed_bytes in by_identity.items():
             counters.add(txn, t.counters, counters.identity_stored(digest), -freed_bytes)
         return removed
+
+
+def _require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
+    if identity.state is None:
+        raise IdentityError(
+            "state", f"is not set: an identity without state groups uses {plain_method}"
+        )
+    return identity.state
+
+
+def _require_plain(identity: Identity, hybrid_method: str) -> None:
+    """A hybrid identity's blocks carry no payload of their own; the plain calls would report a
+    prefix that no state group backs (a partial hit), so they refuse it."""
+    if identity.state is not None:
+        raise IdentityError("state", f"is set: an identity with state groups uses {hybrid_method}")
 
 
 def _children_key(record: BlockRecord) -> bytes:
@@ -1000,6 +1323,18 @@ def _damaged_record(walk: Walk, chain: BlockChain) -> _Damaged | None:
     return _Damaged(walk.corrupt, parent, chain.identity.digest, _BAD_RECORD)
 
 
+def _chunk_bytes(txn: lmdb.Transaction, t: Tables, prefix: bytes) -> int:
+    """Bytes of the chunks whose keys start with `prefix`."""
+    cursor = txn.cursor(db=t.chunks)
+    total = 0
+    if cursor.set_range(prefix):
+        for key, value in cursor:
+            if bytes(key[: len(prefix)]) != prefix:
+                break
+            total += len(value)
+    return total
+
+
 def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:
     cursor = txn.cursor(db=t.chunks)
     freed = 0
@@ -1015,18 +1350,24 @@ def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:
     return freed
 
 
-def _payload_view(payload: Any, index: int) -> memoryview:
-    try:
-        view = memoryview(payload)
-    except TypeError:
-        raise PayloadError(
-            f"payload of block {index} is a {type(payload).__name__}, not a byte buffer"
-        ) from None
-    if not view.c_contiguous:
-        raise PayloadError(f"payload of block {index} is not contiguous")
-    if view.nbytes == 0:
-        raise PayloadError(f"payload of block {index} is empty")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+def _delete_parts(txn: lmdb.Transaction, t: Tables, h: bytes) -> tuple[int, int]:
+    """Delete the part records hung on block `h` (their chunks go with the block's, by prefix);
+    return their payload bytes and how many there were."""
+    if t.parts is None:
+        return 0, 0
+    cursor = txn.cursor(db=t.parts)
+    payload = removed = 0
+    if not cursor.set_range(h):
+        return 0, 0
+    while bytes(cursor.key()[: len(h)]) == h:
+        try:
+            payload += PartRecord.decode(cursor.value()).payload_size
+        except CorruptRecordError:  # its size is unknown: count what its chunks hold
+            payload += _chunk_bytes(txn, t, bytes(cursor.key()))
+        removed += 1
+        if not cursor.delete():
+            break
+    return payload, removed
 
 
 def _dest_view(buffer: Any, size: int, index: int | None) -> memoryview:

@@ -1,0 +1,293 @@
+"""Joint prefixes of hybrid identities: where every state group is complete at once.
+
+A hybrid identity's blocks are the lookup index (hash blocks of `block_tokens`); its state lives in
+part records hung on those blocks (prefixd.schema.state):
+
+  * a paged group's page covers `page_blocks` blocks and hangs on the page's first block;
+  * a checkpoint hangs on the block that ends at its boundary.
+
+A boundary b (in blocks) is reusable when the chain is stored up to b, every paged group has the
+pages that cover blocks 0..b-1, and every stored checkpoint group has a checkpoint at b. The answer
+is the largest such b: never a boundary at which any group is missing or damaged. A put is checked
+here, before any transaction, so an open page or an unclosed boundary is refused with nothing
+written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+
+from prefixd.errors import OpenTailError, PayloadError
+from prefixd.schema.records import CorruptRecordError, PartRecord, part_key
+from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec
+from prefixd.store.codec import payload_view
+
+
+@dataclass(frozen=True, slots=True)
+class PartRef:
+    """One payload of a joint match: which group, the block it hangs on, and what it covers.
+
+    A page covers tokens [first_token, first_token + tokens); a checkpoint is the state at
+    first_token (tokens is 0)."""
+
+    group: str
+    block: bytes
+    block_index: int
+    payload_size: int
+    first_token: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class JointMatch:
+    """The answer of a hybrid lookup.
+
+    `reusable_tokens` R: the longest boundary where every group is complete; `replay_from`: where
+    the engine recomputes from (R, or earlier for groups whose policy stores nothing);
+    `paged_tokens`: the longest run of complete paged groups (what sparse checkpoints cost is
+    paged_tokens - R); `matched_tokens`: the stored chain, by token ids; `parts`: the payloads to
+    load, group by group in spec order (pages in order, then the checkpoint at R)."""
+
+    identity_digest: bytes
+    block_tokens: int
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    matched_tokens: int
+    hashes: tuple[bytes, ...]
+    parts: tuple[PartRef, ...]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(part.payload_size for part in self.parts)
+
+
+@dataclass(frozen=True)
+class PlannedPart:
+    """A payload a put will store: group index, the block index it hangs on, its bytes."""
+
+    group: int
+    block_index: int
+    view: memoryview
+
+
+def joint_match(
+    txn: lmdb.Transaction,
+    parts_db: lmdb._Database,
+    spec: StateSpec,
+    identity_digest: bytes,
+    block_tokens: int,
+    hashes: Sequence[bytes],
+    damaged: list[bytes],
+) -> JointMatch:
+    """Find the joint boundary over the stored chain `hashes` (block 0 first). Part records that
+    fail verification are appended to `damaged` (by block) and count as missing."""
+    get = txn.cursor(db=parts_db).get
+    found: dict[tuple[int, int], PartRecord] = {}
+
+    def part(group: int, block: int) -> PartRecord | None:
+        raw = get(part_key(hashes[block], group))
+        if raw is None:
+            return None
+        try:
+            record = PartRecord.decode(raw)
+        except CorruptRecordError:
+            damaged.append(hashes[block])
+            return None
+        if record.group != group or record.block_index != block:
+            damaged.append(hashes[block])
+            return None
+        found[group, block] = record
+        return record
+
+    paged = len(hashes)
+    for gi, group in enumerate(spec):
+        if group.kind != PAGED:
+            continue
+        for start in range(0, paged, group.page_blocks):
+            if part(gi, start) is None:
+                paged = start
+                break
+    checkpointed = [gi for gi, g in enumerate(spec) if g.kind == CHECKPOINT and g.stored]
+    reusable = paged
+    while checkpointed and reusable > 0:
+        if all(part(gi, reusable - 1) is not None for gi in checkpointed):
+            break
+        reusable -= 1
+    replay = max((g.replay_tokens for g in spec if not g.stored), default=0)
+    replay_from = max(0, reusable * block_tokens - replay) // block_tokens * block_tokens
+    parts: list[PartRef] = []
+    for gi, group in enumerate(spec):
+        if group.kind == PAGED:
+            span = group.page_blocks * block_tokens
+            for start in range(0, reusable, group.page_blocks):
+                record = found[gi, start]
+                parts.append(
+                    PartRef(
+                        group.name,
+                        hashes[start],
+                        start,
+                        record.payload_size,
+                        start * block_tokens,
+                        span,
+                    )
+                )
+        elif group.stored and reusable:
+            record = found[gi, reusable - 1]
+            parts.append(
+                PartRef(
+                    group.name,
+                    hashes[reusable - 1],
+                    reusable - 1,
+                    record.payload_size,
+                    reusable * block_tokens,
+                    0,
+                )
+            )
+    return JointMatch(
+        identity_digest,
+        block_tokens,
+        reusable * block_tokens,
+        replay_from,
+        paged * block_tokens,
+        len(hashes) * block_tokens,
+        tuple(hashes[:reusable]),
+        tuple(parts),
+    )
+
+
+def plan_put(
+    spec: StateSpec,
+    block_tokens: int,
+    first_block: int,
+    end_block: int,
+    paged: Mapping[str, Sequence[Any]],
+    checkpoints: Mapping[str, Mapping[int, Any]],
+) -> list[PlannedPart]:
+    """Check a put of blocks [first_block, end_block) with these payloads against the spec and
+    return the parts it stores. Raises OpenTailError for state that is not closed (a page that
+    does not end within the put, a checkpoint off a block boundary) and PayloadError for any
+    other mismatch; nothing has been written when either is raised."""
+    groups = {g.name: (gi, g) for gi, g in enumerate(spec)}
+    for name in (*paged, *checkpoints):
+        if name not in groups:
+            raise PayloadError(f"state group {name!r} is not in the identity's state spec")
+    planned: list[PlannedPart] = []
+    for gi, group in enumerate(spec):
+        if group.kind == PAGED:
+            planned += _plan_pages(gi, group, first_block, end_block, paged.get(group.name))
+        elif group.name in paged:
+            raise PayloadError(f"state group {group.name!r} is a checkpoint group, not paged")
+        else:
+            planned += _plan_checkpoints(
+                gi, group, block_tokens, first_block, end_block, checkpoints.get(group.name, {})
+            )
+    return planned
+
+
+def _plan_pages(
+    gi: int, group: StateGroup, first: int, end: int, pages: Sequence[Any] | None
+) -> list[PlannedPart]:
+    k = group.page_blocks
+    if end > first and end % k:
+        open_page = end - end % k
+        raise OpenTailError(
+            f"state group {group.name!r}: the page of blocks {open_page}..{open_page + k - 1} is "
+            f"not closed (the put ends at block {end}); only closed pages are stored"
+        )
+    starts = [s for s in range(-(-first // k) * k, end, k)]
+    given = list(pages or ())
+    if len(given) != len(starts):
+        raise PayloadError(
+            f"state group {group.name!r}: {len(given)} page payload(s) for {len(starts)} page(s) "
+            f"starting in blocks {first}..{end - 1}"
+        )
+    return [
+        PlannedPart(gi, s, payload_view(p, f"state group {group.name!r}: page at block {s}"))
+        for s, p in zip(starts, given)
+    ]
+
+
+def _plan_checkpoints(
+    gi: int,
+    group: StateGroup,
+    block_tokens: int,
+    first: int,
+    end: int,
+    given: Mapping[int, Any],
+) -> list[PlannedPart]:
+    if not isinstance(given, Mapping):
+        raise PayloadError(f"state group {group.name!r}: checkpoints must map boundary -> payload")
+    if given and not group.stored:
+        raise PayloadError(f"state group {group.name!r} has policy 'none': nothing of it is stored")
+    planned = []
+    for boundary, payload in sorted(given.items(), key=lambda item: _boundary_sort(item[0])):
+        if isinstance(boundary, bool) or not isinstance(boundary, int):
+            raise PayloadError(f"state group {group.name!r}: boundary {boundary!r} is not an int")
+        if boundary % block_tokens:
+            raise OpenTailError(
+                f"state group {group.name!r}: a checkpoint at token {boundary} is past the last "
+                f"closed block boundary; only state at a multiple of {block_tokens} is stored"
+            )
+        if not 0 < boundary <= end * block_tokens:
+            last = end * block_tokens
+            raise PayloadError(
+                f"state group {group.name!r}: boundary {boundary} is outside 1..{last}"
+            )
+        if group.policy == "periodic" and boundary % group.period_tokens:
+            raise PayloadError(
+                f"state group {group.name!r}: policy 'periodic' stores only multiples of "
+                f"{group.period_tokens} tokens, not {boundary}"
+            )
+        block = boundary // block_tokens - 1
+        planned.append(
+            PlannedPart(
+                gi,
+                block,
+                payload_view(payload, f"state group {group.name!r}: checkpoint at {boundary}"),
+            )
+        )
+    required = _required_boundaries(group, block_tokens, first, end)
+    missing = sorted(required - set(given))
+    if missing:
+        raise PayloadError(
+            f"state group {group.name!r} has policy {group.policy!r}: the put needs a checkpoint "
+            f"at token {missing[0]}"
+        )
+    return planned
+
+
+def _required_boundaries(group: StateGroup, block_tokens: int, first: int, end: int) -> set[int]:
+    """Boundaries of the new blocks at which the group's policy promises a checkpoint."""
+    new = range((first + 1) * block_tokens, end * block_tokens + 1, block_tokens)
+    if group.policy == "full":
+        return set(new)
+    if group.policy == "periodic":
+        return {b for b in new if b % group.period_tokens == 0}
+    return set()
+
+
+def _boundary_sort(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
+def part_bytes(txn: lmdb.Transaction, parts_db: lmdb._Database | None, block: bytes) -> int:
+    """Stored bytes of every part hung on `block` (0 for a block of a plain identity)."""
+    if parts_db is None:
+        return 0
+    cursor = txn.cursor(db=parts_db)
+    total = 0
+    if not cursor.set_range(block):
+        return 0
+    for key, raw in cursor:
+        if bytes(key[: len(block)]) != block:
+            break
+        try:
+            total += PartRecord.decode(raw).stored_size
+        except CorruptRecordError:
+            continue
+    return total
