@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,9 @@ __all__ = [
     "Loaded",
     "Lookup",
     "RemoteError",
+    "StateLoaded",
+    "StateLookup",
+    "StatePart",
     "Stored",
 ]
 
@@ -59,6 +62,43 @@ class Lookup:
 class Stored:
     stored: int
     existed: int
+    parts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StatePart:
+    """One state-group payload of a hybrid hit: a page covering tokens [first_token,
+    first_token + tokens), or the checkpoint at first_token (tokens 0). After a load, `view` is
+    its verified bytes in the client's region."""
+
+    group: str
+    first_token: int
+    tokens: int
+    size: int
+    offset: int = -1
+    view: memoryview | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StateLookup:
+    """A hybrid identity's joint hit (see prefixd.store.joint.JointMatch): every state group is
+    complete at `reusable_tokens`; the engine recomputes from `replay_from`."""
+
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    matched_tokens: int
+    parts: tuple[StatePart, ...]
+
+    def by_group(self) -> dict[str, list[StatePart]]:
+        """The parts of each group, in order (a paged group's pages, or one checkpoint)."""
+        groups: dict[str, list[StatePart]] = {}
+        for part in self.parts:
+            groups.setdefault(part.group, []).append(part)
+        return groups
+
+
+StateLoaded = StateLookup  # a load's answer: the same fields, each part with its `view`
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +250,77 @@ class _Requests:
         views = tuple(region.view[o : o + n] for o, n in zip(offsets, sizes))
         return Loaded(reply["n_blocks"], reply["n_tokens"], offsets, sizes, views)
 
+    def stage_state(
+        self,
+        paged: Mapping[str, Sequence[Any]],
+        checkpoints: Mapping[str, Mapping[int, Any]],
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Stage a hybrid put's payloads in the region: the `paged` and `checkpoints` fields."""
+        payloads = [*(p for name in paged for p in paged[name])]
+        payloads += [p for name in checkpoints for p in checkpoints[name].values()]
+        spans = iter(self.stage(payloads))
+        paged_spans = {name: [next(spans) for _ in paged[name]] for name in paged}
+        checkpoint_spans = {
+            name: [[boundary, next(spans)] for boundary in placed]
+            for name, placed in checkpoints.items()
+        }
+        return paged_spans, checkpoint_spans
+
+    def put_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        paged: dict[str, Any],
+        checkpoints: dict[str, Any],
+        upto_tokens: int | None,
+        first_block: int,
+    ) -> dict[str, Any]:
+        message = {
+            "op": "put_state",
+            "identity": self.identity(identity),
+            **self.tokens(token_ids),
+            "first_block": first_block,
+            "paged": paged,
+            "checkpoints": checkpoints,
+        }
+        if upto_tokens is not None:
+            message["upto_tokens"] = upto_tokens
+        return message
+
+    def load_state(
+        self, identity: Identity, token_ids: TokenIds, offset: int, length: int | None
+    ) -> dict[str, Any]:
+        region = self.require_region()
+        return {
+            "op": "load_state",
+            "identity": self.identity(identity),
+            **self.tokens(token_ids),
+            "region": self.region_id,
+            "offset": offset,
+            "length": region.size - offset if length is None else length,
+        }
+
+    def state(self, result: dict[str, Any], loaded: bool = False) -> StateLookup:
+        region = self.require_region() if loaded else None
+        parts = tuple(
+            StatePart(
+                p["group"],
+                p["first_token"],
+                p["tokens"],
+                p["size"],
+                p.get("offset", -1),
+                region.view[p["offset"] : p["offset"] + p["size"]] if region else None,
+            )
+            for p in result["parts"]
+        )
+        return StateLookup(
+            result["reusable_tokens"],
+            result["replay_from"],
+            result["paged_tokens"],
+            result["matched_tokens"],
+            parts,
+        )
+
     def close(self) -> None:
         for _, region in self.regions():
             region.close()
@@ -308,6 +419,46 @@ class Client:
         message = self._requests.load(identity, token_ids, offset, length, max_blocks, hashes)
         return self._requests.loaded(self._call(message))
 
+    def put_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        paged: Mapping[str, Sequence[Any]] | None = None,
+        checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
+        upto_tokens: int | None = None,
+        first_block: int = 0,
+    ) -> Stored:
+        """Stage and publish a hybrid identity's state groups (see Store.put_state)."""
+        staged = self._requests.stage_state(paged or {}, checkpoints or {})
+        message = self._requests.put_state(identity, token_ids, *staged, upto_tokens, first_block)
+        reply = self._call(message)
+        return Stored(reply["stored"], reply["existed"], reply["parts"])
+
+    def lookup_state(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        *,
+        hashes: Sequence[bytes | None] | None = None,
+    ) -> list[StateLookup]:
+        """The joint hit of each prompt for a hybrid identity (one round trip)."""
+        message = {**self._requests.lookup(identity, prompts, hashes), "op": "lookup_state"}
+        return [self._requests.state(r) for r in self._call(message)["results"]]
+
+    def load_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+    ) -> StateLoaded:
+        """Load every verified payload of the joint hit into the region at `offset`; each part's
+        `view` holds its bytes (valid until the region is reused or closed)."""
+        message = self._requests.load_state(identity, token_ids, offset, length)
+        return self._requests.state(self._call(message), loaded=True)
+
     def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
         """Remove entries by tenant, model version or age (see PurgeSelector); the counts."""
         return self._call({"op": "purge", "dry_run": dry_run, **criteria})
@@ -341,7 +492,9 @@ class Client:
         self._sock = sock
         try:
             hello: dict[str, Any] = {
-                "op": "hello", "protocol": PROTOCOL_VERSION, "client": self.name
+                "op": "hello",
+                "protocol": PROTOCOL_VERSION,
+                "client": self.name,
             }
             if self.serves:
                 hello["serves"] = self.serves
@@ -483,6 +636,45 @@ class AsyncClient:
     ) -> Loaded:
         message = self._requests.load(identity, token_ids, offset, length, max_blocks, hashes)
         return self._requests.loaded(await self._call(message))
+
+    async def put_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        paged: Mapping[str, Sequence[Any]] | None = None,
+        checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
+        upto_tokens: int | None = None,
+        first_block: int = 0,
+    ) -> Stored:
+        async with self._put_lock:
+            staged = self._requests.stage_state(paged or {}, checkpoints or {})
+            message = self._requests.put_state(
+                identity, token_ids, *staged, upto_tokens, first_block
+            )
+            reply = await self._call(message)
+        return Stored(reply["stored"], reply["existed"], reply["parts"])
+
+    async def lookup_state(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        *,
+        hashes: Sequence[bytes | None] | None = None,
+    ) -> list[StateLookup]:
+        message = {**self._requests.lookup(identity, prompts, hashes), "op": "lookup_state"}
+        return [self._requests.state(r) for r in (await self._call(message))["results"]]
+
+    async def load_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+    ) -> StateLoaded:
+        message = self._requests.load_state(identity, token_ids, offset, length)
+        return self._requests.state(await self._call(message), loaded=True)
 
     async def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
         return await self._call({"op": "purge", "dry_run": dry_run, **criteria})

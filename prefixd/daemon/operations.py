@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -37,6 +37,7 @@ from prefixd.errors import (
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
+from prefixd.store.joint import JointMatch
 
 if TYPE_CHECKING:
     from prefixd.daemon.server import Connection
@@ -99,6 +100,9 @@ class Operations:
             "stats": self.stats,
             "health": self.health,
             "purge": self.purge,
+            "put_state": self.put_state,
+            "lookup_state": self.lookup_state,
+            "load_state": self.load_state,
         }
 
     async def hello(self, conn: Connection, request: Request) -> dict[str, Any]:
@@ -243,6 +247,77 @@ class Operations:
             sizes=_packed(result.sizes),
         )
 
+    # --- hybrid identities: state groups (prefixd.schema.state) ---------------------------------
+
+    async def put_state(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid, msg = request.id, request.message
+        identity = self._identity(msg)
+        tokens = _tokens(conn, msg)
+        first_block = int_field(msg, "first_block", default=0)
+        upto_tokens = int_field(msg, "upto_tokens", default=None)
+        paged_spans = field(msg, "paged", dict, default={})
+        checkpoint_spans = field(msg, "checkpoints", dict, default={})
+        lists = (*paged_spans.values(), *checkpoint_spans.values())
+        count = sum(len(v) for v in lists if isinstance(v, list))
+        if count > MAX_BLOCKS_PER_PUT:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"at most {MAX_BLOCKS_PER_PUT} payloads per put"
+            )
+        paged: dict[str, list[memoryview]] = {}
+        for name, spans in paged_spans.items():
+            where = f"paged[{name!r}]"
+            if not isinstance(name, str) or not isinstance(spans, list):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where} must map a name to spans")
+            paged[name] = [conn.span(_span(s, f"{where}[{i}]")) for i, s in enumerate(spans)]
+        checkpoints: dict[str, dict[int, memoryview]] = {}
+        for name, pairs in checkpoint_spans.items():
+            where = f"checkpoints[{name!r}]"
+            if not isinstance(name, str) or not isinstance(pairs, list):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where} must map a name to pairs")
+            placed: dict[int, memoryview] = {}
+            for i, pair in enumerate(pairs):
+                if not isinstance(pair, list) or len(pair) != 2 or not _is_int(pair[0]):
+                    raise ProtocolError(
+                        ErrorCode.BAD_REQUEST, f"{where}[{i}] must be [boundary, span]"
+                    )
+                placed[pair[0]] = conn.span(_span(pair[1], f"{where}[{i}]"))
+            checkpoints[name] = placed
+        result = await self._run(
+            partial(
+                self.store.put_state,
+                identity,
+                tokens,
+                paged=paged,
+                checkpoints=checkpoints,
+                upto_tokens=upto_tokens,
+                first_block=first_block,
+            )
+        )
+        return ok_reply(rid, stored=result.stored, existed=result.existed, parts=result.parts)
+
+    async def lookup_state(self, conn: Connection, request: Request) -> dict[str, Any]:
+        identity, queries = self._lookup_queries(conn, request.message)
+
+        def run() -> list[JointMatch]:
+            return [self.store.lookup_state(identity, t, hashes=h) for t, h in queries]
+
+        matches = await self._run(run)
+        return ok_reply(request.id, results=[_joint_result(m) for m in matches])
+
+    async def load_state(self, conn: Connection, request: Request) -> dict[str, Any]:
+        rid, msg = request.id, request.message
+        identity = self._identity(msg)
+        tokens = _tokens(conn, msg)
+        hashes = _hashes(msg)
+        region = conn.region(int_field(msg, "region", high=1 << 31))
+        offset = int_field(msg, "offset", default=0)
+        length = int_field(msg, "length", default=max(0, region.size - offset))
+        out = region.span(offset, length)
+        result = await self._run(
+            partial(self.store.load_state, identity, tokens, out, hashes=hashes)
+        )
+        return ok_reply(rid, **_joint_result(result.match, [offset + o for o in result.offsets]))
+
     async def purge(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
         dry_run = field(msg, "dry_run", bool, default=False)
@@ -307,6 +382,32 @@ def _lookup_result(match: PrefixMatch) -> dict[str, Any]:
         "n_tokens": match.n_tokens,
         "sizes": _packed(match.payload_sizes),
     }
+
+
+def _joint_result(match: JointMatch, offsets: Sequence[int] | None = None) -> dict[str, Any]:
+    """A joint match on the wire; with `offsets`, where each part was loaded in the region."""
+    parts = []
+    for i, part in enumerate(match.parts):
+        entry = {
+            "group": part.group,
+            "first_token": part.first_token,
+            "tokens": part.tokens,
+            "size": part.payload_size,
+        }
+        if offsets is not None:
+            entry["offset"] = offsets[i]
+        parts.append(entry)
+    return {
+        "reusable_tokens": match.reusable_tokens,
+        "replay_from": match.replay_from,
+        "paged_tokens": match.paged_tokens,
+        "matched_tokens": match.matched_tokens,
+        "parts": parts,
+    }
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _served_versions(msg: Mapping[str, Any]) -> list[tuple[str, str]]:
