@@ -140,6 +140,7 @@ class StoreStats:
     compress_gbps: float
     decompress_gbps: float
     compressed_payloads_stored_raw: int
+    parts: int = 0  # state-group payloads of hybrid identities
 
 
 @dataclass(frozen=True, slots=True)

@@ -1016,6 +1016,7 @@ class Store:
         stored = totals[counters.STORED_BYTES]
         return StoreStats(
             blocks=totals[counters.BLOCKS],
+            parts=totals[counters.PARTS],
             payload_bytes=payload,
             stored_bytes=stored,
             identities=n_identities,

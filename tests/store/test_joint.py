@@ -71,6 +71,7 @@ def test_design_note_scenario_joint_hit_stops_at_the_last_checkpoint(store: Stor
         checkpoints={"kda": {1024: snap("kda", 1024), 2560: snap("kda", 2560)}},
     )
     assert (result.stored, result.parts) == (24, 4)
+    assert (store.stats().blocks, store.stats().parts) == (24, 4)
     match = store.lookup_state(ident, tokens)
     assert match.matched_tokens == 12288 and match.paged_tokens == 12288
     assert match.reusable_tokens == 2560 and match.replay_from == 2560

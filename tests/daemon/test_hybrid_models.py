@@ -1,0 +1,84 @@
+"""Real models through the daemon: prefill, store the cache, restart the daemon, restore into a
+fresh cache in a fresh process, continue, and compare the logits with a full prefill."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache
+
+from prefixd.client import Client
+from prefixd.integrations.transformers import capture_checkpoint, export_state
+
+from ..integrations.models import (
+    BLOCK,
+    FAMILIES,
+    PAGE,
+    PREFIX,
+    TOL,
+    build,
+    forward,
+    tokens,
+)
+from ..integrations.restore_from_daemon import DIVERGE, as_ids, identity_for
+from .conftest import REPO, Daemon
+
+EARLY = 24  # a sparse checkpoint before the second prompt leaves the stored one
+PAGED_ONLY = {"llama", "deepseek_v3"}  # no checkpoint group: every block boundary is reusable
+
+
+def store_prefix(client: Client, family: str) -> None:
+    """Prefill PREFIX tokens in two chunks, with a checkpoint at EARLY and at PREFIX."""
+    config, model = build(family)
+    ids = tokens()
+    cache = DynamicCache(config=config)
+    forward(model, ids[:, :EARLY], 0, cache)
+    early = capture_checkpoint(config, cache, EARLY, block_tokens=BLOCK)
+    forward(model, ids[:, EARLY:PREFIX], EARLY, cache)
+    payloads = export_state(config, cache, n_tokens=PREFIX, block_tokens=BLOCK, page_blocks=PAGE)
+    checkpoints = {g: {EARLY: early[g], **late} for g, late in payloads.checkpoints.items()}
+    stored = client.put_state(
+        identity_for(family, config),
+        as_ids(ids),
+        upto_tokens=PREFIX,
+        paged=payloads.paged,
+        checkpoints=checkpoints,
+    )
+    assert stored.stored == PREFIX // BLOCK
+
+
+def test_every_family_continues_exactly_after_a_daemon_restart(daemon: Daemon) -> None:
+    with Client(daemon.socket, region_bytes=16 << 20) as client:
+        for family in FAMILIES:
+            store_prefix(client, family)
+    daemon.restart()
+    worker = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.restore_from_daemon", str(daemon.socket)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert worker.returncode == 0, worker.stderr[-4000:]
+    results = {r["family"]: r for r in map(json.loads, worker.stdout.splitlines())}
+    assert list(results) == FAMILIES
+    for family, result in results.items():
+        direct, replay = result["direct"], result["replay"]
+        print(
+            f"{family}: direct {direct['diff']:.2e}, replay from {replay['reusable_tokens']} "
+            f"{replay['diff']:.2e}"
+        )
+        assert direct["reusable_tokens"] == PREFIX
+        assert direct["diff"] <= TOL, family
+        # the second prompt leaves the stored one inside block 4: the hit falls back to the
+        # checkpoint at EARLY, or to block 4's start when there is no checkpoint group
+        expected = DIVERGE // BLOCK * BLOCK if family in PAGED_ONLY else EARLY
+        assert replay["reusable_tokens"] == expected, family
+        assert replay["diff"] <= TOL, family
