@@ -158,6 +158,7 @@ def _verify(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "path": str(path),
         "blocks": stats.blocks,
+        "parts": stats.parts,
         "problems": [str(p) for p in problems],
     }
     print(json.dumps(report, indent=2))
