@@ -231,11 +231,8 @@ class Operations:
         identity = self._identity(msg)
         tokens = _tokens(conn, msg)
         hashes = _hashes(msg)
-        region = conn.region(int_field(msg, "region", high=1 << 31))
-        offset = int_field(msg, "offset", default=0)
-        length = int_field(msg, "length", default=max(0, region.size - offset))
+        offset, out = _output(conn, msg)
         max_blocks = int_field(msg, "max_blocks", default=None)
-        out = region.span(offset, length)
         result = await self._run(
             partial(self.store.load, identity, tokens, out, max_blocks=max_blocks, hashes=hashes)
         )
@@ -309,10 +306,7 @@ class Operations:
         identity = self._identity(msg)
         tokens = _tokens(conn, msg)
         hashes = _hashes(msg)
-        region = conn.region(int_field(msg, "region", high=1 << 31))
-        offset = int_field(msg, "offset", default=0)
-        length = int_field(msg, "length", default=max(0, region.size - offset))
-        out = region.span(offset, length)
+        offset, out = _output(conn, msg)
         result = await self._run(
             partial(self.store.load_state, identity, tokens, out, hashes=hashes)
         )
@@ -462,6 +456,15 @@ def _tokens(conn: Connection, msg: Mapping[str, Any], where: str = "") -> bytes 
             f"{where}tokens holds {count} token ids, n_tokens says {declared!r}",
         )
     return tokens
+
+
+def _output(conn: Connection, msg: Mapping[str, Any]) -> tuple[int, memoryview]:
+    """Where a load writes: `region` from `offset` (default 0) for `length` bytes (default: to
+    the region's end)."""
+    region = conn.region(int_field(msg, "region", high=1 << 31))
+    offset = int_field(msg, "offset", default=0)
+    length = int_field(msg, "length", default=max(0, region.size - offset))
+    return offset, region.span(offset, length)
 
 
 def _hashes(msg: Mapping[str, Any]) -> bytes | None:

@@ -418,8 +418,7 @@ class Store:
             bytes(chain.block_bytes(index)),
         )
         txn.put(h, record.encode(), db=t.blocks)
-        for n, chunk in enumerate(payload.chunks):
-            txn.put(chunk_key(h, n), chunk, db=t.chunks)
+        _put_chunks(txn, t, h, payload.chunks)
         txn.put(_children_key(record), h, db=t.children)
         txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
 
@@ -776,8 +775,7 @@ class Store:
                     now,
                 )
                 txn.put(key, record.encode(), db=t.parts)
-                for n, chunk in enumerate(payload.chunks):
-                    txn.put(chunk_key(key, n), chunk, db=t.chunks)
+                _put_chunks(txn, t, key, payload.chunks)
                 parts += 1
                 payload_bytes += payload.payload_size
                 stored_bytes += payload.stored_size
@@ -1322,6 +1320,12 @@ def _damaged_record(walk: Walk, chain: BlockChain) -> _Damaged | None:
         return None
     parent = walk.hashes[-1] if walk.hashes else chain.identity.digest
     return _Damaged(walk.corrupt, parent, chain.identity.digest, _BAD_RECORD)
+
+
+def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> None:
+    """Write a payload's chunks under its owner's key (a block hash or a part key)."""
+    for n, chunk in enumerate(chunks):
+        txn.put(chunk_key(owner, n), chunk, db=t.chunks)
 
 
 def _chunk_bytes(txn: lmdb.Transaction, t: Tables, prefix: bytes) -> int:
