@@ -12,10 +12,11 @@ import asyncio
 import itertools
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,10 +32,14 @@ from prefixd.errors import PrefixdError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
 
+if TYPE_CHECKING:
+    from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
+
 __all__ = [
     "AsyncClient",
     "Client",
     "DaemonUnavailableError",
+    "HotPrefix",
     "Loaded",
     "Lookup",
     "RemoteError",
@@ -103,14 +108,25 @@ StateLoaded = StateLookup  # a load's answer: the same fields, each part with it
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """Verified payloads of the first `n_blocks` blocks, in the client's region: `views[i]` is
-    block i's payload (valid until the region is reused or closed)."""
+    """Verified payloads of `n_blocks` blocks from `first_block` on, in the client's region
+    (valid until the region is reused or closed); the prefix is usable up to `n_tokens`."""
 
     n_blocks: int
     n_tokens: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     views: tuple[memoryview, ...]
+    first_block: int = 0  # views[i] is block first_block + i's payload
+
+
+@dataclass(frozen=True)
+class HotPrefix:
+    """A prefix the daemon ranks among the most valuable (see Client.hot)."""
+
+    identity: Identity
+    tokens: np.ndarray
+    sizes: tuple[int, ...]
+    score: float
 
 
 INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not the socket
@@ -220,6 +236,8 @@ class _Requests:
         length: int | None,
         max_blocks: int | None,
         hashes: bytes | None,
+        first_block: int = 0,
+        warm: bool = False,
     ) -> dict[str, Any]:
         region = self.require_region()
         message: dict[str, Any] = {
@@ -234,6 +252,10 @@ class _Requests:
             message["max_blocks"] = max_blocks
         if hashes is not None:
             message["hashes"] = hashes
+        if first_block:
+            message["first_block"] = first_block
+        if warm:
+            message["warm"] = True
         return message
 
     @staticmethod
@@ -248,7 +270,8 @@ class _Requests:
         offsets = tuple(np.frombuffer(reply["offsets"], "<u8").tolist())
         sizes = tuple(np.frombuffer(reply["sizes"], "<u8").tolist())
         views = tuple(region.view[o : o + n] for o, n in zip(offsets, sizes))
-        return Loaded(reply["n_blocks"], reply["n_tokens"], offsets, sizes, views)
+        first = reply.get("first_block", 0)
+        return Loaded(reply["n_blocks"], reply["n_tokens"], offsets, sizes, views, first)
 
     def stage_state(
         self,
@@ -326,6 +349,15 @@ class _Requests:
             region.close()
 
 
+def _hot_prefix(entry: dict[str, Any]) -> HotPrefix:
+    return HotPrefix(
+        Identity.from_dict(entry["identity"]),
+        np.frombuffer(entry["tokens"], dtype="<u4"),
+        tuple(np.frombuffer(entry["sizes"], "<u8").tolist()),
+        float(entry["score"]),
+    )
+
+
 def _check(reply: dict[str, Any]) -> dict[str, Any]:
     if reply.get("ok") is not True:
         error = reply.get("error") or {}
@@ -358,6 +390,7 @@ class Client:
         self._requests = _Requests(region_bytes, token_region_bytes)
         self._sock: socket.socket | None = None
         self._header = bytearray(HEADER.size)
+        self._publisher: Publisher | None = None
         try:
             self._connect()
         except BaseException:
@@ -414,10 +447,20 @@ class Client:
         length: int | None = None,
         max_blocks: int | None = None,
         hashes: bytes | None = None,
+        first_block: int = 0,
+        warm: bool = False,
     ) -> Loaded:
-        """Load the longest stored prefix of `token_ids` into the region at `offset`."""
-        message = self._requests.load(identity, token_ids, offset, length, max_blocks, hashes)
+        """Load the longest stored prefix of `token_ids` (from `first_block` on) into the region
+        at `offset`. `warm` counts the load as restart warm-up in the daemon's stats."""
+        message = self._requests.load(
+            identity, token_ids, offset, length, max_blocks, hashes, first_block, warm
+        )
         return self._requests.loaded(self._call(message))
+
+    def hot(self, budget_bytes: int, *, limit: int = 64) -> list[HotPrefix]:
+        """The most valuable stored prefixes (by the eviction score) within `budget_bytes`."""
+        reply = self._call({"op": "hot", "budget_bytes": budget_bytes, "limit": limit})
+        return [_hot_prefix(p) for p in reply["prefixes"]]
 
     def put_state(
         self,
@@ -469,7 +512,76 @@ class Client:
     def health(self) -> dict[str, Any]:
         return self._call({"op": "health"})
 
+    # --- into and out of device memory (prefixd.transfer; needs torch) -------------------------
+
+    def load_into(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        destinations: Sequence[Any],
+        *,
+        slots: int = 3,
+        wait: bool = True,
+        hashes: bytes | None = None,
+    ) -> Installed:
+        """Stream the stored prefix's verified payloads into `destinations` (tensors on any
+        device, one per block) through the region's staging slots; see prefixd.transfer."""
+        from prefixd.transfer import load_into
+
+        return load_into(
+            self, identity, token_ids, destinations, slots=slots, wait=wait, hashes=hashes
+        )
+
+    def load_state_into(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        destinations: Mapping[str, Sequence[Any]],
+        *,
+        wait: bool = True,
+    ) -> InstalledState:
+        """A hybrid identity's joint hit into per-group destination tensors."""
+        from prefixd.transfer import load_state_into
+
+        return load_state_into(self, identity, token_ids, destinations, wait=wait)
+
+    def store_from(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        sources: Sequence[Any],
+        *,
+        first_block: int = 0,
+        ready: Any = None,
+        region_bytes: int = 256 << 20,
+    ) -> Future[Stored]:
+        """Publish blocks from device tensors in the background (their own connection and
+        region, of `region_bytes` on first use); the future resolves when they are stored."""
+        from prefixd.transfer import Publisher
+
+        if self._publisher is None:
+            self._publisher = Publisher(self, region_bytes)
+        return self._publisher.store_from(
+            identity, token_ids, sources, first_block=first_block, ready=ready
+        )
+
+    def warm_up(
+        self,
+        budget_bytes: int,
+        destinations_factory: Callable[[HotPrefix], Sequence[Any] | None],
+        *,
+        limit: int = 64,
+        slots: int = 3,
+    ) -> WarmUp:
+        """After a restart: the most valuable prefixes into destinations, up to `budget_bytes`."""
+        from prefixd.transfer import warm_up
+
+        return warm_up(self, budget_bytes, destinations_factory, limit=limit, slots=slots)
+
     def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
         self._drop()
         self._requests.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from functools import partial
@@ -59,6 +60,7 @@ _IDENTITY_CACHE = 1024
 MAX_REGIONS_PER_CONNECTION = 16
 MAX_PROMPTS_PER_LOOKUP = 4096
 MAX_BLOCKS_PER_PUT = 1 << 16
+MAX_HOT_PREFIXES = 4096
 PURGE_FIELDS = ("tenant", "model", "keep", "older_than_s", "everything")
 
 
@@ -103,7 +105,9 @@ class Operations:
             "put_state": self.put_state,
             "lookup_state": self.lookup_state,
             "load_state": self.load_state,
+            "hot": self.hot,
         }
+        self.warmed: Counter[str] = Counter()  # what engines loaded as warm-up (`load` with warm)
 
     async def hello(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
@@ -233,16 +237,54 @@ class Operations:
         hashes = _hashes(msg)
         offset, out = _output(conn, msg)
         max_blocks = int_field(msg, "max_blocks", default=None)
+        first_block = int_field(msg, "first_block", default=0)
+        warm = field(msg, "warm", bool, default=False)
         result = await self._run(
-            partial(self.store.load, identity, tokens, out, max_blocks=max_blocks, hashes=hashes)
+            partial(
+                self.store.load,
+                identity,
+                tokens,
+                out,
+                max_blocks=max_blocks,
+                hashes=hashes,
+                first_block=first_block,
+            )
         )
+        if warm:
+            self.warmed["warmed_blocks"] += result.n_blocks
+            self.warmed["warmed_bytes"] += sum(result.sizes)
         return ok_reply(
             rid,
             n_blocks=result.n_blocks,
             n_tokens=result.n_tokens,
             offsets=_packed([offset + o for o in result.offsets]),
             sizes=_packed(result.sizes),
+            first_block=result.first_block,
         )
+
+    async def hot(self, conn: Connection, request: Request) -> dict[str, Any]:
+        """The most valuable prefixes to warm after a restart, whole, within a byte budget; the
+        reply holds at most half a frame of token ids (the rest are left out, best first)."""
+        rid, msg = request.id, request.message
+        budget = int_field(msg, "budget_bytes", high=1 << 62)
+        limit = int_field(msg, "limit", default=64, low=1, high=MAX_HOT_PREFIXES)
+        found = await self._run(partial(self.store.hottest, budget, limit=limit))
+        room = self.max_frame_bytes // 2
+        prefixes = []
+        for prefix in found:
+            room -= len(prefix.tokens) + 1024
+            if room < 0:
+                break
+            prefixes.append(
+                {
+                    "identity": prefix.identity.to_dict(),
+                    "tokens": prefix.tokens,
+                    "sizes": _packed(prefix.payload_sizes),
+                    "score": prefix.score,
+                }
+            )
+        self.warmed["warm_listings"] += 1
+        return ok_reply(rid, prefixes=prefixes)
 
     # --- hybrid identities: state groups (prefixd.schema.state) ---------------------------------
 
@@ -326,7 +368,7 @@ class Operations:
     async def stats(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid = request.id
         stats = await self._run(self.store.stats)
-        server = {**conn.server.counters(), "models": dict(self.models)}
+        server = {**conn.server.counters(), **self.warmed, "models": dict(self.models)}
         return ok_reply(rid, store=dataclasses.asdict(stats), server=server)
 
     async def health(self, conn: Connection, request: Request) -> dict[str, Any]:

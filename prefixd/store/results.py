@@ -82,12 +82,14 @@ class ReadResult:
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
-    """Verified payloads of the first `n_blocks` blocks, back to back at `offsets` in the buffer."""
+    """Verified payloads of `n_blocks` blocks from `first_block` on, back to back at `offsets`
+    in the buffer; the prefix is usable up to `n_tokens` (the end of the last verified block)."""
 
     n_blocks: int
     n_tokens: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    first_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)

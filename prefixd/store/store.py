@@ -84,6 +84,7 @@ from prefixd.store.results import (
 from prefixd.store.syncer import PeriodicSyncer
 from prefixd.store.verified import VerifiedPrefixes
 from prefixd.store.walk import Walk, walk_chain
+from prefixd.store.warmup import HotPrefix, hottest_prefixes
 
 log = logging.getLogger(__name__)
 _BAD_RECORD = "record fails verification"
@@ -633,17 +634,23 @@ class Store:
         *,
         max_blocks: int | None = None,
         hashes: bytes | None = None,
+        first_block: int = 0,
     ) -> LoadResult:
         """Find the longest prefix and write its verified payloads back to back into `out`.
 
-        Loads as many leading blocks as fit in `out` (and at most `max_blocks`), in one read
-        transaction; the result says how many tokens the caller may skip.
+        Loads as many blocks from `first_block` on as fit in `out` (and at most `max_blocks`), in
+        one read transaction; the result says how many tokens the caller may skip. A caller that
+        streams a long prefix through a small buffer asks for it piece by piece with `first_block`.
         """
+        if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
+            raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
         self._check_usable()
         identity, hashes = self._namespace(identity, hashes)
         _require_plain(identity, "load_state")
         chain = BlockChain(identity, token_ids, hashes)
-        limit = chain.n_blocks if max_blocks is None else max(0, min(max_blocks, chain.n_blocks))
+        limit = chain.n_blocks
+        if max_blocks is not None:
+            limit = max(0, min(first_block + max_blocks, chain.n_blocks))
         buffer = _dest_view(out, 0, None)
         bad: list[_Damaged] = []
         offsets: list[int] = []
@@ -653,7 +660,10 @@ class Store:
             items: list[StoredPayload] = []
             parents = [identity.digest, *walk.hashes]
             offset = 0
-            for h, size, parent in zip(walk.hashes, walk.payload_sizes, parents):
+            start = min(first_block, len(walk.hashes))
+            for h, size, parent in zip(
+                walk.hashes[start:], walk.payload_sizes[start:], parents[start:]
+            ):
                 end = offset + size
                 if end > buffer.nbytes:
                     break
@@ -667,19 +677,32 @@ class Store:
                 offset = end
             n_ok = self._codec.decode_verified(items, self._pool)
             if n_ok < len(items):
+                failed = start + n_ok
                 bad.append(
-                    _Damaged(walk.hashes[n_ok], parents[n_ok], identity.digest, _BAD_PAYLOAD)
+                    _Damaged(walk.hashes[failed], parents[failed], identity.digest, _BAD_PAYLOAD)
                 )
             items.clear()
         self._after_walk(walk, chain)
         self._quarantine(bad)
-        sizes = tuple(walk.payload_sizes[:n_ok])
+        sizes = tuple(walk.payload_sizes[start : start + n_ok])
         with self._lock:
             self._activity.lookups += 1
             self._activity.hit_blocks += len(walk.hashes)
             self._activity.loaded_blocks += n_ok
             self._activity.loaded_bytes += sum(sizes)
-        return LoadResult(n_ok, n_ok * chain.block_tokens, tuple(offsets[:n_ok]), sizes)
+        return LoadResult(
+            n_ok, (start + n_ok) * chain.block_tokens, tuple(offsets[:n_ok]), sizes, start
+        )
+
+    def hottest(self, budget_bytes: int, *, limit: int = 64) -> list[HotPrefix]:
+        """The most valuable stored prefixes, by eviction score, whose payloads fit in
+        `budget_bytes` (see prefixd.store.warmup): what to bring back first after a restart.
+        Prefixes of share groups are left out (a client cannot name their namespace)."""
+        self._check_usable()
+        self.sync()  # the reads still counted in memory weigh too
+        with self._env.begin() as txn:
+            found = hottest_prefixes(txn, self._tables, time.time_ns(), budget_bytes, limit)
+        return [p for p in found if not p.identity.tenant.startswith(SHARE_PREFIX)]
 
     # --- hybrid identities: state groups ------------------------------------------------------
 

@@ -1,0 +1,121 @@
+"""Which prefixes to bring back first after a restart: the most valuable ones, by eviction score.
+
+Eviction removes the leaves worth least per byte (prefixd.store.eviction); warm-up does the
+opposite with the same estimate. Blocks are taken by value per byte, highest first; a block is
+only useful with its ancestors, so each one taken brings its missing ancestors along, and all of
+them count against the budget (each block once). The answer lists the tips of what was taken
+(taken blocks none of whose children were taken) as whole prefixes, from the first token: that is
+what an engine loads. Hybrid identities are left out: their state is loaded by groups.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import lmdb
+
+from prefixd.errors import IdentityError
+from prefixd.schema.chain import ROOT_PARENT
+from prefixd.schema.identity import Identity
+from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.store.environment import Tables
+from prefixd.store.eviction import value_per_byte
+
+
+@dataclass(frozen=True)
+class HotPrefix:
+    """A prefix to warm: its identity, its token ids (packed '<u4', whole blocks from token 0),
+    its blocks' payload sizes, and the best value per byte among the blocks that put it here."""
+
+    identity: Identity
+    tokens: bytes
+    payload_sizes: tuple[int, ...]
+    score: float
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(self.payload_sizes)
+
+
+def hottest_prefixes(
+    txn: lmdb.Transaction, t: Tables, now_ns: int, budget_bytes: int, limit: int
+) -> list[HotPrefix]:
+    """At most `limit` prefixes whose blocks together hold at most `budget_bytes` of payload."""
+    records: dict[bytes, BlockRecord] = {}
+    ranked: list[tuple[float, bytes]] = []
+    plain = _plain_identities(txn, t)
+    for key, raw in txn.cursor(db=t.blocks):
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            continue
+        if record.identity not in plain:
+            continue
+        block = bytes(key)
+        records[block] = record
+        access = AccessRecord.read(txn.get(block, db=t.access), record.created_ns)
+        ranked.append((-value_per_byte(record, access, now_ns), block))
+    heapq.heapify(ranked)
+    taken: dict[bytes, float] = {}
+    spent = 0
+    while ranked:
+        negative_score, block = heapq.heappop(ranked)
+        if block in taken:
+            continue
+        chain = _missing_ancestry(block, records, taken)
+        if chain is None:
+            continue  # an ancestor is not stored (damaged): nothing below it can be loaded
+        cost = sum(records[b].payload_size for b in chain)
+        if spent + cost > budget_bytes:
+            continue  # a cheaper block further down the ranking may still fit
+        spent += cost
+        for b in chain:
+            taken[b] = -negative_score
+    parents = {records[b].parent for b in taken}
+    tips = sorted((b for b in taken if b not in parents), key=lambda b: -taken[b])[:limit]
+    return [_prefix(tip, records, plain, taken[tip]) for tip in tips]
+
+
+def _plain_identities(txn: lmdb.Transaction, t: Tables) -> dict[bytes, Identity]:
+    identities = {}
+    for digest, encoded in txn.cursor(db=t.identities):
+        try:
+            identity = Identity.decode(bytes(encoded))
+        except IdentityError:
+            continue
+        if identity.state is None:
+            identities[bytes(digest)] = identity
+    return identities
+
+
+def _missing_ancestry(
+    block: bytes, records: dict[bytes, BlockRecord], taken: dict[bytes, float]
+) -> list[bytes] | None:
+    """`block` and those of its ancestors not yet taken, or None if an ancestor is missing."""
+    chain = []
+    current = block
+    while current not in taken:
+        record = records.get(current)
+        if record is None:
+            return None
+        chain.append(current)
+        if record.parent == ROOT_PARENT:
+            break
+        current = record.parent
+    return chain
+
+
+def _prefix(
+    tip: bytes, records: dict[bytes, BlockRecord], plain: dict[bytes, Identity], score: float
+) -> HotPrefix:
+    chain = [tip]
+    while records[chain[-1]].parent != ROOT_PARENT:
+        chain.append(records[chain[-1]].parent)
+    chain.reverse()
+    return HotPrefix(
+        plain[records[tip].identity],
+        b"".join(records[b].tokens for b in chain),
+        tuple(records[b].payload_size for b in chain),
+        score,
+    )

@@ -1,0 +1,395 @@
+"""The last hop: verified payloads from the shared region into destination tensors, and back.
+
+A load streams through the client's region cut into `slots` staging slots (double or triple
+buffering). The daemon verifies batch k into slot k % slots while batch k-1 is copied to the
+device, so verification (and decompression) overlaps the copies. On CUDA the region is registered
+as pinned memory and the copies run with `non_blocking=True` on a dedicated stream; an event per
+slot tells when the slot may be written again, and the engine's compute stream never waits: the
+caller gets an event to make it wait on, or asks the call to wait. Without CUDA (the CPU build of
+torch cannot pin memory) the same pipeline runs, the copies being synchronous, so every test runs
+everywhere.
+
+Nothing reaches a destination before the daemon verified it: a slot is copied only after the reply
+that says its bytes passed their checksums. A load that fails part way raises TransferError with the
+number of tokens installed; loads write the same bytes every time, so a retry is harmless.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from prefixd.errors import DestinationError, PrefixdError
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TokenIds, as_token_array
+
+if TYPE_CHECKING:
+    from prefixd.client import Client, HotPrefix, Stored
+    from prefixd.daemon.region import SharedRegion
+
+DEFAULT_SLOTS = 3
+
+
+class TransferError(PrefixdError):
+    """A load into destinations failed part way; `installed_tokens` tokens' state was installed
+    (and finished copying) before it failed."""
+
+    def __init__(self, message: str, installed_tokens: int) -> None:
+        super().__init__(f"{message} ({installed_tokens} tokens were installed)")
+        self.installed_tokens = installed_tokens
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What a load installed: `n_blocks` blocks, `n_tokens` tokens (the caller skips these).
+    `event` is recorded after the last copy (None on CPU, or when the call waited); `complete`
+    says whether every destination was filled (False: the stored prefix was shorter)."""
+
+    n_blocks: int
+    n_tokens: int
+    n_bytes: int
+    complete: bool
+    event: torch.cuda.Event | None = None
+
+
+@dataclass(frozen=True)
+class InstalledState:
+    """What a hybrid load installed (see prefixd.store.joint.JointMatch for the fields)."""
+
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    n_bytes: int
+    event: torch.cuda.Event | None = None
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a restart warm-up brought back."""
+
+    prefixes: int
+    blocks: int
+    tokens: int
+    bytes: int
+
+
+class Copier:
+    """Copies between the region's slots and tensors: on a dedicated CUDA stream with one event
+    per slot when the device is CUDA, synchronously otherwise."""
+
+    def __init__(self, region: SharedRegion, slots: int, device: torch.device) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.region = region
+        self.slots = slots
+        self.slot_bytes = region.size // slots
+        self.cuda = device.type == "cuda"
+        self._host = torch.frombuffer(region.view, dtype=torch.uint8)
+        self.stream: torch.cuda.Stream | None = None
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        if self.cuda:
+            region.pin()
+            self.stream = torch.cuda.Stream(device=device)
+
+    def begin(self) -> None:
+        """Order the copies after what the caller's stream has queued (destinations it wrote or
+        allocated, sources it computed)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+    def wait_free(self, slot: int) -> None:
+        """Block until every copy that read or wrote `slot` is done, so the daemon may reuse it."""
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()
+            self._events[slot] = None
+
+    def to_device(self, offset: int, size: int, dest: torch.Tensor) -> None:
+        """Queue a copy of region bytes [offset, offset + size) into the start of `dest`."""
+        target = _byte_view(dest, size)
+        source = self._host[offset : offset + size]
+        if self.stream is None:
+            target.copy_(source)
+            return
+        with torch.cuda.stream(self.stream):
+            target.copy_(source, non_blocking=True)
+            dest.record_stream(self.stream)
+
+    def from_device(self, source: torch.Tensor, offset: int) -> int:
+        """Queue a copy of `source`'s bytes into the region at `offset`; returns its size."""
+        data = _byte_view(source, None)
+        target = self._host[offset : offset + data.numel()]
+        if self.stream is None:
+            target.copy_(data)
+        else:
+            with torch.cuda.stream(self.stream):
+                target.copy_(data, non_blocking=True)
+                source.record_stream(self.stream)
+        return data.numel()
+
+    def finish(self, slot: int) -> None:
+        """Mark the end of the copies that use `slot`."""
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self._events[slot] = event
+
+    def done(self, wait: bool) -> torch.cuda.Event | None:
+        """An event after every queued copy, or None once they are all done (`wait`, or CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        if wait:
+            event.synchronize()
+            return None
+        return event
+
+    def drain(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def load_into(
+    client: Client,
+    identity: Identity,
+    token_ids: TokenIds,
+    destinations: Sequence[torch.Tensor],
+    *,
+    slots: int = DEFAULT_SLOTS,
+    wait: bool = True,
+    hashes: bytes | None = None,
+    warm: bool = False,
+) -> Installed:
+    """Stream the verified payloads of the stored prefix of `token_ids` into `destinations`
+    (block i into destinations[i], any device, contiguous, at least the payload's size), as many
+    blocks as there are destinations and the store holds."""
+    region = client.region
+    if region is None:
+        raise PrefixdError("load_into needs a client with a shared region (region_bytes)")
+    if not destinations:
+        return Installed(0, 0, 0, True)
+    copier = Copier(region, slots, _device_of(destinations))
+    [hit] = client.lookup(identity, [token_ids], hashes=None if hashes is None else [hashes])
+    wanted = min(len(destinations), hit.n_blocks)
+    sizes = hit.sizes[:wanted]
+    for i, (size, dest) in enumerate(zip(sizes, destinations, strict=False)):
+        if _nbytes(dest) < size:
+            raise DestinationError(f"destination {i} holds {_nbytes(dest)} bytes, needs {size}")
+    batches = _batches(sizes, copier.slot_bytes)
+    block_tokens = identity.block_tokens
+    copier.begin()
+    installed = n_bytes = 0
+    try:
+        for k, (start, stop) in enumerate(batches):
+            slot = k % copier.slots
+            copier.wait_free(slot)
+            loaded = client.load(
+                identity,
+                token_ids,
+                offset=copier.slot_offset(slot),
+                length=copier.slot_bytes,
+                first_block=start,
+                max_blocks=stop - start,
+                hashes=hashes,
+                warm=warm,
+            )
+            for i, (offset, size) in enumerate(zip(loaded.offsets, loaded.sizes, strict=True)):
+                copier.to_device(offset, size, destinations[start + i])
+                n_bytes += size
+            copier.finish(slot)
+            installed = start + loaded.n_blocks
+            if loaded.n_blocks < stop - start:
+                break  # evicted or failed verification since the lookup: a shorter hit
+    except Exception as exc:
+        copier.drain()  # what was queued is installed, then the error says how much
+        raise TransferError(
+            f"load into destinations failed: {exc}", installed * block_tokens
+        ) from exc
+    event = copier.done(wait)
+    complete = installed == len(destinations)
+    return Installed(installed, installed * block_tokens, n_bytes, complete, event)
+
+
+def load_state_into(
+    client: Client,
+    identity: Identity,
+    token_ids: TokenIds,
+    destinations: Mapping[str, Sequence[torch.Tensor]],
+    *,
+    wait: bool = True,
+) -> InstalledState:
+    """Load a hybrid identity's joint hit and copy each group's payloads into
+    `destinations[group]` (pages in order; a checkpoint group's first destination takes the
+    checkpoint). The whole hit passes through the region at once, so it must fit there."""
+    region = client.region
+    if region is None:
+        raise PrefixdError("load_state_into needs a client with a shared region (region_bytes)")
+    devices = [d for dests in destinations.values() for d in dests]
+    copier = Copier(region, 1, _device_of(devices) if devices else torch.device("cpu"))
+    hit = client.load_state(identity, token_ids)
+    copier.begin()
+    n_bytes = 0
+    try:
+        for group, parts in hit.by_group().items():
+            dests = destinations.get(group, ())
+            if len(dests) < len(parts):
+                raise DestinationError(
+                    f"state group {group!r}: {len(parts)} payloads, {len(dests)} destinations"
+                )
+            for part, dest in zip(parts, dests, strict=False):
+                if _nbytes(dest) < part.size:
+                    raise DestinationError(
+                        f"state group {group!r}: a destination holds {_nbytes(dest)} bytes, "
+                        f"the payload needs {part.size}"
+                    )
+                copier.to_device(part.offset, part.size, dest)
+                n_bytes += part.size
+    except DestinationError:
+        copier.drain()
+        raise
+    copier.finish(0)
+    return InstalledState(
+        hit.reusable_tokens, hit.replay_from, hit.paged_tokens, n_bytes, copier.done(wait)
+    )
+
+
+class Publisher:
+    """Stores from device tensors without making the engine wait: the copies to the host and the
+    put run on a thread of their own, through a connection and a region of their own."""
+
+    def __init__(self, client: Client, region_bytes: int) -> None:
+        from prefixd.client import Client
+
+        self._client = Client(
+            client.socket_path, region_bytes=region_bytes, name=f"{client.name}-publisher"
+        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixd-publish")
+        self._lock = threading.Lock()
+
+    def store_from(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        sources: Sequence[torch.Tensor],
+        *,
+        first_block: int = 0,
+        ready: torch.cuda.Event | None = None,
+    ) -> Future[Stored]:
+        """Publish blocks first_block.. of `token_ids` from `sources` (one tensor per block, any
+        device). On CUDA the copies wait for `ready` (recorded by the caller after it wrote the
+        sources; default: everything queued on the current stream now). The sources must not be
+        changed until the returned future is done."""
+        tokens = as_token_array(token_ids).copy()
+        sources = list(sources)
+        if ready is None and sources and _device_of(sources).type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(sources[0].device))
+        return self._executor.submit(self._publish, identity, tokens, sources, first_block, ready)
+
+    def _publish(
+        self,
+        identity: Identity,
+        tokens: Any,
+        sources: list[torch.Tensor],
+        first_block: int,
+        ready: torch.cuda.Event | None,
+    ) -> Stored:
+        region = self._client.region
+        assert region is not None
+        copier = Copier(region, 1, _device_of(sources) if sources else torch.device("cpu"))
+        if copier.stream is not None and ready is not None:
+            copier.stream.wait_event(ready)
+        spans, offset = [], 0
+        for i, source in enumerate(sources):
+            size = _nbytes(source)
+            if offset + size > region.size:
+                raise PrefixdError(
+                    f"sources need more than the {region.size}-byte region (block {i})"
+                )
+            copier.from_device(source, offset)
+            spans.append((offset, size))
+            offset += size
+        copier.drain()
+        return self._client.put_spans(identity, tokens, spans, first_block=first_block)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._client.close()
+
+
+def warm_up(
+    client: Client,
+    budget_bytes: int,
+    destinations_factory: Callable[[HotPrefix], Sequence[torch.Tensor] | None],
+    *,
+    limit: int = 64,
+    slots: int = DEFAULT_SLOTS,
+) -> WarmUp:
+    """After a restart, stream the most valuable stored prefixes (by the eviction score) into
+    destinations until `budget_bytes` of payload: `destinations_factory(prefix)` allocates one
+    destination per block of `prefix` (or returns None to skip it). The daemon counts what was
+    warmed (`prefixd stats`: warmed_blocks, warmed_bytes)."""
+    prefixes = blocks = tokens = n_bytes = 0
+    for prefix in client.hot(budget_bytes, limit=limit):
+        destinations = destinations_factory(prefix)
+        if destinations is None:
+            continue
+        installed = load_into(
+            client, prefix.identity, prefix.tokens, destinations, slots=slots, warm=True
+        )
+        prefixes += 1
+        blocks += installed.n_blocks
+        tokens += installed.n_tokens
+        n_bytes += installed.n_bytes
+    return WarmUp(prefixes, blocks, tokens, n_bytes)
+
+
+def _batches(sizes: Sequence[int], slot_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive runs of blocks [start, stop) whose payloads fit in one slot."""
+    batches: list[tuple[int, int]] = []
+    start, used = 0, 0
+    for i, size in enumerate(sizes):
+        if size > slot_bytes:
+            raise DestinationError(
+                f"block {i}'s payload is {size} bytes, a staging slot holds {slot_bytes}: "
+                "use a larger region or fewer slots"
+            )
+        if used + size > slot_bytes:
+            batches.append((start, i))
+            start, used = i, 0
+        used += size
+    if start < len(sizes):
+        batches.append((start, len(sizes)))
+    return batches
+
+
+def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise DestinationError(
+            f"all tensors must be on one device, got {sorted(map(str, devices))}"
+        )
+    return devices.pop()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _byte_view(tensor: torch.Tensor, size: int | None) -> torch.Tensor:
+    """The first `size` bytes (all with None) of a contiguous tensor, as a flat uint8 tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise DestinationError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise DestinationError("tensors must be contiguous")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return flat if size is None else flat[:size]

@@ -1,0 +1,209 @@
+"""Streaming between the daemon and tensors (prefixd.transfer): the CPU path runs everywhere;
+the CUDA tests run where a GPU is."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from prefixd.client import Client  # noqa: E402
+from prefixd.errors import DestinationError  # noqa: E402
+from prefixd.schema.state import StateGroup  # noqa: E402
+from prefixd.transfer import TransferError, _batches  # noqa: E402
+
+from ..store.test_faults import corrupt_payload  # noqa: E402
+from .conftest import IDENTITY, Daemon, make_identity, payload  # noqa: E402
+
+BT = IDENTITY.block_tokens
+SIZE = 3000  # a slot of a 16 KiB region cut in 3 holds one block: every block is its own batch
+
+
+def tokens(n_blocks: int, seed: int = 1) -> np.ndarray:
+    return (np.arange(n_blocks * BT, dtype=np.uint32) * 3 + seed * 1_000_003 + 9_000_000).astype(
+        np.uint32
+    )
+
+
+def payloads(n: int, seed: int = 1) -> list[bytes]:
+    return [payload(seed, i, SIZE) for i in range(n)]
+
+
+def put_all(daemon: Daemon, prompt: np.ndarray, data: list[bytes]) -> None:
+    """Store through a client with room for every payload (the streaming clients have little)."""
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        assert client.put(IDENTITY, prompt, data).stored == len(data)
+
+
+def destinations(n: int, size: int = SIZE, device: str = "cpu") -> list[torch.Tensor]:
+    """float32 tensors of `size` bytes, filled with a marker a load must overwrite."""
+    return [torch.full((size // 4,), -7.0, device=device) for _ in range(n)]
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def untouched(tensor: torch.Tensor) -> bool:
+    return bool((tensor == -7.0).all())
+
+
+def test_batches_fill_slots_in_order() -> None:
+    assert _batches([4, 4, 4, 1, 8], 8) == [(0, 2), (2, 4), (4, 5)]
+    assert _batches([], 8) == []
+    with pytest.raises(DestinationError, match="staging slot holds 8"):
+        _batches([4, 9], 8)
+
+
+def test_load_into_streams_through_every_slot(daemon: Daemon) -> None:
+    prompt, data = tokens(20), payloads(20)
+    put_all(daemon, prompt, data)
+    with Client(daemon.socket, region_bytes=16 << 10) as client:
+        dests = destinations(20)
+        installed = client.load_into(IDENTITY, prompt, dests, slots=3)
+        assert (installed.n_blocks, installed.n_tokens, installed.n_bytes) == (
+            20,
+            20 * BT,
+            20 * SIZE,
+        )
+        assert installed.complete and installed.event is None  # CPU: done when it returns
+        assert [as_bytes(d) for d in dests] == data
+        # a longer list of destinations than the store holds: the hit is shorter, the rest waits
+        more = destinations(24)
+        longer = np.concatenate([prompt, tokens(4, seed=2)])
+        installed = client.load_into(IDENTITY, longer, more, slots=2)
+        assert (installed.n_blocks, installed.complete) == (20, False)
+        assert all(untouched(d) for d in more[20:])
+        # fewer destinations than blocks: only those
+        assert client.load_into(IDENTITY, prompt, destinations(5)).n_blocks == 5
+
+
+def test_a_block_that_fails_verification_is_never_installed(daemon: Daemon) -> None:
+    prompt, data = tokens(8, seed=3), payloads(8, seed=3)
+    put_all(daemon, prompt, data)
+    daemon.restart()  # the data is on disk, where the test damages it
+    corrupt_payload(daemon.data_dir, data[5])
+    with Client(daemon.socket, region_bytes=16 << 10) as client:
+        dests = destinations(8)
+        installed = client.load_into(IDENTITY, prompt, dests)
+        assert (installed.n_blocks, installed.complete) == (5, False)
+        assert [as_bytes(d) for d in dests[:5]] == data[:5]
+        assert all(untouched(d) for d in dests[5:])
+
+
+def test_a_daemon_killed_mid_load_reports_what_was_installed(daemon: Daemon) -> None:
+    prompt, data = tokens(12, seed=4), payloads(12, seed=4)
+    put_all(daemon, prompt, data)
+    daemon.restart()
+    with Client(daemon.socket, region_bytes=16 << 10, timeout=5) as client:
+        real_load = client.load
+        calls = 0
+
+        def load_then_die(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            nonlocal calls
+            calls += 1
+            if calls == 4:
+                daemon.stop(signal.SIGKILL)
+            return real_load(*args, **kwargs)
+
+        client.load = load_then_die  # type: ignore[method-assign]
+        dests = destinations(12)
+        with pytest.raises(TransferError) as info:
+            client.load_into(IDENTITY, prompt, dests, slots=3)
+        assert info.value.installed_tokens == 3 * BT
+        assert [as_bytes(d) for d in dests[:3]] == data[:3]
+        assert all(untouched(d) for d in dests[3:])
+    daemon.start()
+    with Client(daemon.socket, region_bytes=16 << 10) as client:
+        installed = client.load_into(IDENTITY, prompt, dests)  # the retry, over what is there
+        assert installed.complete and [as_bytes(d) for d in dests] == data
+
+
+def test_store_from_publishes_in_the_background(daemon: Daemon) -> None:
+    prompt = tokens(6, seed=5)
+    sources = [torch.arange(i, i + SIZE // 4, dtype=torch.float32) for i in range(6)]
+    with Client(daemon.socket, region_bytes=16 << 10) as client:
+        future = client.store_from(IDENTITY, prompt, sources, region_bytes=1 << 20)
+        stored = future.result(timeout=30)
+        assert (stored.stored, stored.existed) == (6, 0)
+        dests = destinations(6)
+        client.load_into(IDENTITY, prompt, dests)
+        assert all(torch.equal(d, s) for d, s in zip(dests, sources, strict=True))
+        # later blocks of the same prompt, after the first ones
+        longer = np.concatenate([prompt, tokens(2, seed=6)])
+        more = [torch.ones(SIZE // 4), torch.zeros(SIZE // 4)]
+        assert client.store_from(IDENTITY, longer, more, first_block=6).result(30).stored == 2
+
+
+def test_warm_up_brings_back_the_most_valuable_prefixes(daemon: Daemon) -> None:
+    prompts = [tokens(4, seed=10 + i) for i in range(4)]
+    with Client(daemon.socket, region_bytes=64 << 10) as client:
+        for i, prompt in enumerate(prompts):
+            client.put(IDENTITY, prompt, payloads(4, seed=10 + i))
+        for _ in range(20):  # prompts 1 and 3 are read often
+            client.lookup(IDENTITY, [prompts[1], prompts[3]])
+    daemon.restart()
+    with Client(daemon.socket, region_bytes=64 << 10) as client:
+        seen = []
+
+        def allocate(prefix):  # noqa: ANN001, ANN202
+            seen.append(prefix.tokens.tobytes())
+            return destinations(len(prefix.sizes))
+
+        warmed = client.warm_up(8 * SIZE, allocate)
+        assert (warmed.prefixes, warmed.blocks, warmed.bytes) == (2, 8, 8 * SIZE)
+        assert sorted(seen) == sorted(p.tobytes() for p in (prompts[1], prompts[3]))
+        server = client.stats()["server"]
+        assert (server["warmed_blocks"], server["warmed_bytes"]) == (8, 8 * SIZE)
+
+
+def test_load_state_into_fills_each_group(daemon: Daemon) -> None:
+    hybrid = make_identity(state=(StateGroup.paged("kv"), StateGroup.checkpoint("ssm")))
+    prompt = tokens(3, seed=7)
+    pages = [payload(7, i, 400) for i in range(3)]
+    with Client(daemon.socket, region_bytes=16 << 10) as client:
+        client.put_state(
+            hybrid, prompt, paged={"kv": pages}, checkpoints={"ssm": {3 * BT: b"s" * 64}}
+        )
+        dests = {"kv": destinations(3, 400), "ssm": destinations(1, 64)}
+        installed = client.load_state_into(hybrid, prompt, dests)
+        assert installed.reusable_tokens == 3 * BT
+        assert [as_bytes(d) for d in dests["kv"]] == pages
+        assert as_bytes(dests["ssm"][0]) == b"s" * 64
+        with pytest.raises(DestinationError, match="'kv'"):
+            client.load_state_into(
+                hybrid, prompt, {"kv": destinations(2, 400), "ssm": dests["ssm"]}
+            )
+
+
+# --- CUDA -----------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@cuda
+def test_load_into_gpu_memory_returns_an_event(daemon: Daemon) -> None:
+    prompt, data = tokens(16, seed=8), payloads(16, seed=8)
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        client.put(IDENTITY, prompt, data)
+        dests = destinations(16, device="cuda")
+        installed = client.load_into(IDENTITY, prompt, dests, wait=False)
+        assert installed.event is not None
+        torch.cuda.current_stream().wait_event(installed.event)
+        assert [as_bytes(d) for d in dests] == data
+
+
+@pytest.mark.cuda
+@cuda
+def test_store_from_gpu_tensors(daemon: Daemon) -> None:
+    prompt = tokens(4, seed=9)
+    sources = [torch.randn(SIZE // 4, device="cuda") for _ in range(4)]
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        assert client.store_from(IDENTITY, prompt, sources).result(30).stored == 4
+        dests = destinations(4, device="cuda")
+        client.load_into(IDENTITY, prompt, dests)
+        assert all(torch.equal(d, s) for d, s in zip(dests, sources, strict=True))
