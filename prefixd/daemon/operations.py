@@ -107,7 +107,8 @@ class Operations:
             "load_state": self.load_state,
             "hot": self.hot,
         }
-        self.warmed: Counter[str] = Counter()  # what engines loaded as warm-up (`load` with warm)
+        # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
+        self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
 
     async def hello(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
