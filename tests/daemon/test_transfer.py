@@ -207,3 +207,16 @@ def test_store_from_gpu_tensors(daemon: Daemon) -> None:
         dests = destinations(4, device="cuda")
         client.load_into(IDENTITY, prompt, dests)
         assert all(torch.equal(d, s) for d, s in zip(dests, sources, strict=True))
+
+
+def test_compressed_payloads_stream_decompressed(daemon_factory) -> None:  # noqa: ANN001
+    """With compression on, the daemon decompresses batch k while batch k-1 is being copied."""
+    daemon = daemon_factory("--compression", "zstd")
+    prompt = tokens(9, seed=11)
+    data = [(b"layer %d, head %d " % (i, i % 3)) * (SIZE // 16) for i in range(9)]
+    put_all(daemon, prompt, data)
+    with Client(daemon.socket, region_bytes=16 << 10) as client:
+        assert client.stats()["store"]["compression_ratio"] > 2
+        dests = [torch.zeros(len(d), dtype=torch.uint8) for d in data]
+        assert client.load_into(IDENTITY, prompt, dests, slots=2).complete
+        assert [as_bytes(d) for d in dests] == data
