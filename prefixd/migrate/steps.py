@@ -33,8 +33,8 @@ class Migration:
 
 def registry() -> tuple[Migration, ...]:
     """Every migration step, in version order (append only: a shipped step never changes)."""
-    from prefixd.migrate import access_hits, identity_bytes, state_parts
+    from prefixd.migrate import access_hits, identity_blocks, identity_bytes, state_parts
 
-    steps = (access_hits.STEP, identity_bytes.STEP, state_parts.STEP)
+    steps = (access_hits.STEP, identity_bytes.STEP, state_parts.STEP, identity_blocks.STEP)
     assert [s.version for s in steps] == list(range(2, 2 + len(steps))), "steps out of order"
     return steps

@@ -113,14 +113,12 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
         per_identity[record.identity] += record.stored_size
     for key, part in parts.items():
         per_identity[records[key[:HASH_BYTES]].identity] += part.stored_size
-    prefix = counters.IDENTITY_STORED
-    kept_per_identity = {
-        bytes(key)[len(prefix) :]: counters.read(txn, t.counters, bytes(key))
-        for key in txn.cursor(db=t.counters).iternext(keys=True, values=False)
-        if bytes(key).startswith(prefix)
-    }
+    kept_per_identity = counters.read_prefixed(txn, t.counters, counters.IDENTITY_STORED)
     if kept_per_identity != {d: n for d, n in per_identity.items() if n}:
         problems.append(Problem("counters", "per-identity stored bytes differ from the tables"))
+    blocks_per_identity = Counter(record.identity for record in records.values())
+    if counters.read_prefixed(txn, t.counters, counters.IDENTITY_BLOCKS) != blocks_per_identity:
+        problems.append(Problem("counters", "per-identity block counts differ from the tables"))
 
     kept = counters.read_all(txn, t.counters)
     for name, total in (

@@ -38,6 +38,27 @@ def identity_stored(digest: bytes) -> bytes:
     return IDENTITY_STORED + digest
 
 
+IDENTITY_BLOCKS = b"identity_blocks:"  # + identity digest: that identity's stored blocks (v5)
+
+
+def identity_blocks(digest: bytes) -> bytes:
+    """The counter of one identity's stored blocks (the per-tenant entry counts)."""
+    return IDENTITY_BLOCKS + digest
+
+
+def read_prefixed(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> dict[bytes, int]:
+    """Every counter whose name starts with `prefix`, by the rest of its name."""
+    found = {}
+    cursor = txn.cursor(db=db)
+    if cursor.set_range(prefix):
+        for key, raw in cursor:
+            key = bytes(key)
+            if not key.startswith(prefix):
+                break
+            found[key[len(prefix) :]] = _U64.unpack(bytes(raw))[0]
+    return found
+
+
 def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:
     raw = txn.get(name, db=db)
     return _U64.unpack(bytes(raw))[0] if raw is not None else 0

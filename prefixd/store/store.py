@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 import os
 import threading
 import time
@@ -171,6 +172,7 @@ class Store:
         self._touched: dict[bytes, tuple[int, int]] = {}
         self._touched_runs: dict[bytes, tuple[Sequence[bytes], int, int]] = {}
         self._pending_collisions = 0
+        self._removals: Counter[tuple[str, str]] = Counter()
         self._activity = _Activity()
         self._closed = False
         self._syncer = PeriodicSyncer(self.sync, config.sync_interval_s)
@@ -348,7 +350,7 @@ class Store:
                 for victim in queue:
                     if stored <= target:
                         break
-                    self._remove_subtree(txn, victim.block)
+                    self._remove_subtree(txn, victim.block, reason="evicted")
                     stored -= victim.stored_size
                     freed += victim.stored_size
                     evicted += 1
@@ -390,6 +392,7 @@ class Store:
             counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
             counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
             counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
+            counters.add(txn, t.counters, counters.identity_blocks(digest), stored)
         hashes = tuple(chain.hash(i) for i in range(first_block, first_block + len(views)))
         return PutResult(stored, existed, hashes), replaced
 
@@ -460,7 +463,7 @@ class Store:
         try:
             record = BlockRecord.decode(raw)
         except CorruptRecordError:
-            self._remove_subtree(txn, h, _parent_key(digest, parent), digest)
+            self._remove_subtree(txn, h, _parent_key(digest, parent), digest, reason="quarantined")
             self._record_quarantine(txn, h, _BAD_RECORD)
             return False, 1
         if (
@@ -473,7 +476,7 @@ class Store:
         if record.created_ns >= min_created:
             return True, 0
         # past its tenant's time to live: stored afresh (with nothing below it)
-        self._remove_subtree(txn, h, _parent_key(digest, parent), digest)
+        self._remove_subtree(txn, h, _parent_key(digest, parent), digest, reason="expired")
         return False, 0
 
     def delete(self, hashes: Iterable[bytes]) -> int:
@@ -482,7 +485,7 @@ class Store:
         removed = 0
         with self._env.begin(write=True) as txn:
             for h in hashes:
-                removed += self._remove_subtree(txn, bytes(h))
+                removed += self._remove_subtree(txn, bytes(h), reason="deleted")
         return removed
 
     def purge(
@@ -501,6 +504,7 @@ class Store:
             self.sync()  # access times still in memory count
         t = self._tables
         cutoff = time.time_ns() - int((selector.older_than_s or 0) * 1e9)
+        reason = "retired" if selector.model is not None else "purged"
         begin = self._env.begin(buffers=True) if dry_run else self._env.begin(write=True)
         with begin as txn:
             digests = selected_identities(txn, t, selector)
@@ -514,7 +518,7 @@ class Store:
             else:
                 reported = 0
                 for n, root in enumerate(roots, 1):
-                    self._remove_subtree(txn, root)
+                    self._remove_subtree(txn, root, reason=reason)
                     if progress is not None and (n % 1024 == 0 or n == len(roots)):
                         progress(n - reported)
                         reported = n
@@ -807,6 +811,7 @@ class Store:
             counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
             counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
             counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
+            counters.add(txn, t.counters, counters.identity_blocks(digest), stored)
         hashes = tuple(chain.hash(i) for i in range(first_block, end))
         return PutResult(stored, existed, hashes, parts), replaced
 
@@ -1166,7 +1171,7 @@ class Store:
                 if record.created_ns < cutoff:
                     expired.append(bytes(key))
             for block in expired:
-                removed += self._remove_subtree(txn, block)
+                removed += self._remove_subtree(txn, block, reason="expired")
         if removed:
             log.info("reclaimed %d expired block(s)", removed)
         return removed
@@ -1244,7 +1249,7 @@ class Store:
             return
         with self._env.begin(write=True) as txn:
             for h, parent_key, identity, reason in bad:
-                dropped = self._remove_subtree(txn, h, parent_key, identity)
+                dropped = self._remove_subtree(txn, h, parent_key, identity, reason="quarantined")
                 if dropped:
                     self._record_quarantine(txn, h, reason)
                     log.warning(
@@ -1263,14 +1268,18 @@ class Store:
         root: bytes,
         root_parent_key: bytes | None = None,
         root_identity: bytes | None = None,
+        *,
+        reason: str,
     ) -> int:
-        """Delete `root` and its descendants (records, chunks, index entries, counters).
+        """Delete `root` and its descendants (records, chunks, index entries, counters), and
+        count them per tenant under `reason` (see `removals`).
 
         `root_parent_key` and `root_identity` stand in for what the root's record says when it
         is too damaged to say it (its place in the children index, its identity's byte count)."""
         t = self._tables
         removed = payload_bytes = stored_bytes = parts_removed = 0
         by_identity: dict[bytes, int] = {}
+        blocks_of: Counter[bytes] = Counter()
         stack = [root]
         children = txn.cursor(db=t.children)
         while stack:
@@ -1295,11 +1304,13 @@ class Store:
                 txn.delete(_children_key(record), h, db=t.children)
                 payload_bytes += record.payload_size
                 by_identity[record.identity] = by_identity.get(record.identity, 0) + freed
+                blocks_of[record.identity] += 1
             else:
                 if h == root and root_parent_key is not None:
                     txn.delete(root_parent_key, h, db=t.children)
                 if h == root and root_identity is not None:
                     by_identity[root_identity] = by_identity.get(root_identity, 0) + freed
+                    blocks_of[root_identity] += 1
                 payload_bytes += freed
             stored_bytes += freed
             removed += 1
@@ -1310,7 +1321,51 @@ class Store:
         counters.add(txn, t.counters, counters.STORED_BYTES, -stored_bytes)
         for digest, freed_bytes in by_identity.items():
             counters.add(txn, t.counters, counters.identity_stored(digest), -freed_bytes)
+        for digest, blocks in blocks_of.items():
+            counters.add(txn, t.counters, counters.identity_blocks(digest), -blocks)
+            self._tally_removal(txn, digest, reason, blocks)
         return removed
+
+    def _tally_removal(
+        self, txn: lmdb.Transaction, digest: bytes, reason: str, blocks: int
+    ) -> None:
+        """Count removed blocks per tenant and reason, in memory (after the write commits, the
+        count may run ahead of a transaction that aborted: it is a rate, not an inventory)."""
+        tenant = self._tenant_of.get(digest)
+        if tenant is None:
+            raw = txn.get(digest, db=self._tables.identities)
+            try:
+                tenant = Identity.decode(bytes(raw)).tenant if raw is not None else ""
+            except IdentityError:
+                tenant = ""
+            self._tenant_of[digest] = tenant
+        with self._lock:
+            self._removals[tenant, reason] += blocks
+
+    def removals(self) -> dict[str, dict[str, int]]:
+        """Blocks removed since the store was opened, per tenant and reason: evicted,
+        quarantined, retired (a model version purged), purged, expired, deleted, replaced."""
+        with self._lock:
+            tally = dict(self._removals)
+        out: dict[str, dict[str, int]] = {}
+        for (tenant, reason), blocks in tally.items():
+            out.setdefault(tenant, {})[reason] = blocks
+        return out
+
+    def tenant_totals(self) -> dict[str, dict[str, int]]:
+        """Stored blocks and bytes per tenant (from the per-identity counters)."""
+        self._tenant_identities("")  # refresh the digest -> tenant cache
+        with self._env.begin() as txn:
+            stored = counters.read_prefixed(txn, self._tables.counters, counters.IDENTITY_STORED)
+            blocks = counters.read_prefixed(txn, self._tables.counters, counters.IDENTITY_BLOCKS)
+        totals: dict[str, dict[str, int]] = {}
+        for digest in stored.keys() | blocks.keys():
+            tenant = totals.setdefault(
+                self._tenant_of.get(digest, ""), {"blocks": 0, "stored_bytes": 0}
+            )
+            tenant["blocks"] += blocks.get(digest, 0)
+            tenant["stored_bytes"] += stored.get(digest, 0)
+        return totals
 
 
 def _require_hybrid(identity: Identity, plain_method: str) -> StateSpec:

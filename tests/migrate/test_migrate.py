@@ -94,7 +94,7 @@ def test_status_of_a_fresh_store(tmp_path: Path) -> None:
 def test_status_of_the_version_1_fixture(tmp_path: Path) -> None:
     path = copy_fixture(tmp_path, "none")
     status = Migrator(path).status()
-    assert status.version == 1 and [m.version for m in status.pending] == [2, 3, 4]
+    assert status.version == 1 and [m.version for m in status.pending] == [2, 3, 4, 5]
     out = cli("migrate", "status", "--data-dir", str(path))
     assert out.returncode == 0 and json.loads(out.stdout)["pending"][0]["version"] == 2
 
