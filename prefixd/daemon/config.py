@@ -45,6 +45,7 @@ TiB = 1 << 40
 ENV_PREFIX = "PREFIXD_"
 CONFIG_ENV = "PREFIXD_CONFIG"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOOPBACKS = ("127.0.0.1", "::1")
 SOCKET_PATH_MAX = 107  # sun_path is 108 bytes on Linux, one of them the terminating NUL
 MAX_ID = (1 << 32) - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t)-1, which means "no id"
 
@@ -96,9 +97,18 @@ def _setting(
     low: float | None = None,
     high: float | None = None,
     choices: tuple[str, ...] = (),
+    optional: bool = False,
 ) -> Any:
-    """One Config field: its default plus what parsing, validation and --help need to know."""
-    meta = {"kind": kind, "help": doc, "low": low, "high": high, "choices": choices}
+    """One Config field: its default plus what parsing, validation and --help need to know.
+    An `optional` path defaults to None (off), and an empty value turns it off."""
+    meta = {
+        "kind": kind,
+        "help": doc,
+        "low": low,
+        "high": high,
+        "choices": choices,
+        "optional": optional,
+    }
     return field(default=default, metadata=meta)
 
 
@@ -156,6 +166,36 @@ class Config:
         "models this node serves, each with the files that fingerprint its weights "
         "(MODEL=FILE[+FILE...]); a change retires the model's other versions",
         (),
+    )
+    min_reusable_tokens: int = _setting(
+        "int",
+        "hits shorter than this many tokens are not offered (0: every hit)",
+        0,
+        low=0,
+        high=1 << 31,
+    )
+    prefill_tokens_per_s: float = _setting(
+        "float",
+        "the engine's prefill throughput, tokens/s: what a loaded token saves, for the stats",
+        10000.0,
+        low=1.0,
+        high=1e9,
+    )
+    metrics_port: int = _setting(
+        "int", "serve Prometheus metrics over HTTP on this port (0: off)", 0, low=0, high=65535
+    )
+    metrics_address: str = _setting(
+        "choice", "loopback address of the metrics port", "127.0.0.1", choices=LOOPBACKS
+    )
+    metrics_textfile: Path | None = _setting(
+        "path",
+        "write Prometheus metrics to this file for node_exporter's textfile collector (off if "
+        "empty)",
+        None,
+        optional=True,
+    )
+    metrics_interval_s: float = _setting(
+        "seconds", "how often the metrics textfile is rewritten", 15.0, low=1.0, high=86400.0
     )
     map_size: int = _store("map_size", "size", "LMDB map size: the store's largest size")
     durability: Durability = _store(
@@ -418,6 +458,8 @@ def _with_hint(shown: str, probe: str) -> str:
 def _convert(name: str, raw: Any, source: str, *, text: bool, base: Path) -> _Given:
     """Parse and validate one source's raw value; errors name the setting and the source."""
     kind = _META[name]["kind"]
+    if _META[name]["optional"] and raw in ("", None):
+        return _Given(source, raw, None)  # an optional path given empty: off
     if isinstance(raw, str) and (text or kind in _TEXT_IN_TOML):
         try:
             value = _PARSERS[kind](raw)
@@ -429,7 +471,7 @@ def _convert(name: str, raw: Any, source: str, *, text: bool, base: Path) -> _Gi
         raise ConfigError(
             f"{name}: {source} must be {_TOML_EXPECTED[kind]}, got {_toml_type(raw)} {raw!r}"
         )
-    if kind == "path":
+    if kind == "path" and value is not None:
         value = base / Path(value).expanduser()
     return _Given(source, raw, _attributed(name, value, source))
 
@@ -550,6 +592,8 @@ def _validated(name: str, value: Any) -> Any:
         return getattr(StoreConfig(path=Path("."), **{name: value}), name)
     meta = _META[name]
     kind = meta["kind"]
+    if meta["optional"] and value in (None, ""):
+        return None  # an optional path left empty: the feature is off
     if kind == "path":
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ConfigError(f"{name}: must be a path, got {value!r}")
@@ -609,6 +653,8 @@ def _plain(name: str, value: Any) -> Any:
     """A setting as a JSON/TOML-able value that parses back to the same setting."""
     if isinstance(value, Path):
         return str(value)
+    if value is None:
+        return ""  # an optional path that is off
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, tuple):
