@@ -46,12 +46,22 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(command=_serve)
 
     for name, run, text in (
-        ("stats", _stats, "print the daemon's statistics"),
+        ("stats", _stats, "print the daemon's statistics (tables; --json for scripts)"),
         ("health", _health, "check that the daemon answers"),
     ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--socket", type=Path, help="the daemon's socket (default: as serve)")
         sub.add_argument("--timeout", type=float, default=10.0)
+        if name == "stats":
+            sub.add_argument("--json", action="store_true", help="print JSON, for scripts")
+            sub.add_argument(
+                "--watch",
+                type=float,
+                nargs="?",
+                const=2.0,
+                metavar="SECONDS",
+                help="refresh every SECONDS (default 2) until interrupted",
+            )
         sub.set_defaults(command=run)
 
     migrate = commands.add_parser("migrate", help="show or apply on-disk schema migrations")
@@ -134,9 +144,36 @@ def _stats(args: argparse.Namespace) -> int:
     from prefixd.client import Client
 
     with Client(_default_socket(args), timeout=args.timeout) as client:
-        reply = client.stats()
-    print(json.dumps({k: reply[k] for k in ("store", "server")}, indent=2, sort_keys=True))
-    return 0
+        if args.json and not args.watch:
+            reply = client.stats()
+            shown = {k: reply[k] for k in ("store", "server", "metrics") if k in reply}
+            print(json.dumps(shown, indent=2, sort_keys=True))
+            return 0
+        return _show_stats(client, args.watch, as_json=args.json)
+
+
+def _show_stats(client: Any, watch: float | None, *, as_json: bool) -> int:
+    """Tables (or JSON lines), once or every `watch` seconds until interrupted."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from prefixd.statsview import render
+
+    console = Console()
+    if watch is None:
+        console.print(render(client.stats()))
+        return 0
+    if as_json:
+        while True:
+            reply = client.stats()
+            print(json.dumps({k: reply[k] for k in ("store", "server", "metrics")}), flush=True)
+            time.sleep(watch)
+    with Live(render(client.stats()), console=console, refresh_per_second=4) as live:
+        while True:
+            time.sleep(watch)
+            live.update(render(client.stats()))
 
 
 def _health(args: argparse.Namespace) -> int:

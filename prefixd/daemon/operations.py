@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import numpy as np
 
 from prefixd import __version__
+from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -39,6 +40,7 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
 from prefixd.store.joint import JointMatch
+from prefixd.store.results import LoadResult
 
 if TYPE_CHECKING:
     from prefixd.daemon.server import Connection
@@ -84,8 +86,12 @@ class Operations:
         max_frame_bytes: int,
         max_region_bytes: int,
         models: Mapping[str, str] | None = None,
+        metrics: Metrics | None = None,
+        min_reusable_tokens: int = 0,
     ) -> None:
         self.store = store
+        self.metrics = metrics if metrics is not None else Metrics(store, prefill_tokens_per_s=1e4)
+        self.min_reusable_tokens = min_reusable_tokens
         self.models = models if models is not None else {}  # served model -> weights fingerprint
         self.pool = pool
         self.max_frame_bytes = max_frame_bytes
@@ -172,6 +178,13 @@ class Operations:
         result = await self._run(
             partial(self.store.put, identity, tokens, views, first_block=first_block)
         )
+        self.metrics.observe_put(
+            identity.tenant,
+            identity.digest,
+            result.stored,
+            len(views) * identity.block_tokens,
+            sum(len(v) for v in views),
+        )
         return ok_reply(rid, stored=result.stored, existed=result.existed)
 
     def lookup_from_memory(self, conn: Connection, request: Request) -> dict[str, Any] | None:
@@ -187,7 +200,7 @@ class Operations:
             raise _protocol_error(exc) from None
         if any(m is None for m in matches):
             return None
-        return ok_reply(request.id, results=[_lookup_result(m) for m in matches if m])
+        return ok_reply(request.id, results=self._lookup_results(identity, queries, matches))
 
     def _lookup_queries(
         self, conn: Connection, msg: Mapping[str, Any]
@@ -229,7 +242,28 @@ class Operations:
 
             for i, match in zip(missing, await self._run(run)):
                 matches[i] = match
-        return ok_reply(rid, results=[_lookup_result(m) for m in matches if m is not None])
+        return ok_reply(rid, results=self._lookup_results(identity, queries, matches))
+
+    def _lookup_results(
+        self,
+        identity: Identity,
+        queries: Sequence[tuple[bytes | memoryview, bytes | None]],
+        matches: Sequence[PrefixMatch | None],
+    ) -> list[dict[str, Any]]:
+        """The replies of a lookup's prompts: hits shorter than `min_reusable_tokens` are not
+        offered; each comes with the benefit model's estimates; all are counted."""
+        results = []
+        bt = identity.block_tokens
+        for (tokens, _), match in zip(queries, matches, strict=True):
+            assert match is not None
+            offered = match.n_tokens >= self.min_reusable_tokens
+            n_tokens = match.n_tokens if offered else 0
+            n_bytes = match.payload_bytes if offered else 0
+            closed = len(tokens) // TOKEN_BYTES // bt * bt
+            self.metrics.observe_lookup(identity.tenant, identity.digest, closed, n_tokens, n_bytes)
+            result = _lookup_result(match) if offered else _NO_HIT
+            results.append({**result, **self.metrics.benefit(n_tokens, n_bytes)})
+        return results
 
     async def load(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
@@ -240,6 +274,7 @@ class Operations:
         max_blocks = int_field(msg, "max_blocks", default=None)
         first_block = int_field(msg, "first_block", default=0)
         warm = field(msg, "warm", bool, default=False)
+        started = time.perf_counter()
         result = await self._run(
             partial(
                 self.store.load,
@@ -251,9 +286,17 @@ class Operations:
                 first_block=first_block,
             )
         )
+        if not first_block and result.n_tokens < self.min_reusable_tokens:
+            result = LoadResult(0, 0, (), ())  # too short to be worth it: not offered
         if warm:
             self.warmed["warmed_blocks"] += result.n_blocks
             self.warmed["warmed_bytes"] += sum(result.sizes)
+        self.metrics.observe_load(
+            identity.tenant,
+            result.n_blocks * identity.block_tokens,
+            sum(result.sizes),
+            time.perf_counter() - started,
+        )
         return ok_reply(
             rid,
             n_blocks=result.n_blocks,
@@ -342,7 +385,23 @@ class Operations:
             return [self.store.lookup_state(identity, t, hashes=h) for t, h in queries]
 
         matches = await self._run(run)
-        return ok_reply(request.id, results=[_joint_result(m) for m in matches])
+        results = []
+        for (tokens, _), match in zip(queries, matches, strict=True):
+            match = self._offered(match)
+            closed = len(tokens) // TOKEN_BYTES // identity.block_tokens * identity.block_tokens
+            n_bytes = match.payload_bytes
+            self.metrics.observe_lookup(
+                identity.tenant, identity.digest, closed, match.reusable_tokens, n_bytes
+            )
+            benefit = self.metrics.benefit(match.reusable_tokens, n_bytes)
+            results.append({**_joint_result(match), **benefit})
+        return ok_reply(request.id, results=results)
+
+    def _offered(self, match: JointMatch) -> JointMatch:
+        """`match`, or no hit when it is shorter than `min_reusable_tokens`."""
+        if match.reusable_tokens >= self.min_reusable_tokens:
+            return match
+        return dataclasses.replace(match, reusable_tokens=0, replay_from=0, hashes=(), parts=())
 
     async def load_state(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
@@ -350,10 +409,18 @@ class Operations:
         tokens = _tokens(conn, msg)
         hashes = _hashes(msg)
         offset, out = _output(conn, msg)
+        started = time.perf_counter()
         result = await self._run(
             partial(self.store.load_state, identity, tokens, out, hashes=hashes)
         )
-        return ok_reply(rid, **_joint_result(result.match, [offset + o for o in result.offsets]))
+        match = self._offered(result.match)
+        self.metrics.observe_load(
+            identity.tenant,
+            match.reusable_tokens,
+            match.payload_bytes,
+            time.perf_counter() - started,
+        )
+        return ok_reply(rid, **_joint_result(match, [offset + o for o in result.offsets]))
 
     async def purge(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
@@ -369,8 +436,9 @@ class Operations:
     async def stats(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid = request.id
         stats = await self._run(self.store.stats)
+        metrics = await self._run(self.metrics.snapshot)
         server = {**conn.server.counters(), **self.warmed, "models": dict(self.models)}
-        return ok_reply(rid, store=dataclasses.asdict(stats), server=server)
+        return ok_reply(rid, store=dataclasses.asdict(stats), server=server, metrics=metrics)
 
     async def health(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid = request.id
@@ -411,6 +479,9 @@ class Operations:
                 self._identities.clear()
             self._identities[key] = identity
         return identity
+
+
+_NO_HIT = {"n_blocks": 0, "n_tokens": 0, "sizes": b""}
 
 
 def _lookup_result(match: PrefixMatch) -> dict[str, Any]:

@@ -17,12 +17,16 @@ import signal
 import socket
 import stat
 import struct
+import time
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from prefixd.daemon import systemd
+from prefixd.daemon.config import parse_manifests
+from prefixd.daemon.exporter import MetricsExporter
+from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import Operations, Request
 from prefixd.daemon.protocol import (
     HEADER,
@@ -35,9 +39,8 @@ from prefixd.daemon.protocol import (
     request_id,
 )
 from prefixd.daemon.region import MappedRegion, fds_from_ancillary
-from prefixd.errors import ServeError
-from prefixd.daemon.config import parse_manifests
 from prefixd.daemon.watchers import ManifestWatcher, Retire
+from prefixd.errors import ServeError
 from prefixd.store import PurgeSelector, Store
 
 if TYPE_CHECKING:
@@ -84,16 +87,27 @@ class Server:
         self.store = Store(config.store_config(), exclusive=True)
         pool = ThreadPoolExecutor(config.workers, thread_name_prefix="prefixd-worker")
         watcher = ManifestWatcher(parse_manifests(config.model_manifests), self._retirer(pool))
+        metrics = Metrics(self.store, prefill_tokens_per_s=config.prefill_tokens_per_s)
         operations = Operations(
             self.store,
             pool,
             max_frame_bytes=config.max_frame_bytes,
             max_region_bytes=config.max_region_bytes,
             models=watcher.fingerprints,
+            metrics=metrics,
+            min_reusable_tokens=config.min_reusable_tokens,
+        )
+        exporter = MetricsExporter(
+            metrics.registry,
+            port=config.metrics_port,
+            address=config.metrics_address,
+            textfile=config.metrics_textfile,
+            interval_s=config.metrics_interval_s,
         )
         tasks: list[asyncio.Task[None]] = []
         try:
             await watcher.start()
+            await exporter.start(pool)
             self._listener = self._bind()
             if install_signal_handlers:
                 for signum in (signal.SIGTERM, signal.SIGINT):
@@ -117,6 +131,9 @@ class Server:
             self._unbind()
             await watcher.stop()
             await self._drain()
+            await exporter.stop()
+            if config.metrics_textfile is not None:
+                exporter.write()  # the last figures, before the store closes
             pool.shutdown(wait=True)
             self.store.close()
             if install_signal_handlers:
@@ -388,6 +405,7 @@ class Connection:
             fds = []
         request = Request(rid, message, tuple(fds))
         if op == "lookup" and self.greeted and not self.server.stopping.is_set():
+            received = time.perf_counter()
             try:
                 reply = self.operations.lookup_from_memory(self, request)
             except ProtocolError:
@@ -395,6 +413,7 @@ class Connection:
             if reply is not None:
                 self.server.stats["requests.lookup"] += 1
                 self._reply_now(reply)
+                self.operations.metrics.observe_op("lookup", time.perf_counter() - received)
                 return
         self._spawn(self._handle(request))
 
@@ -433,7 +452,9 @@ class Connection:
             if self.server.stopping.is_set() and op != "health":
                 self.close_fds(list(request.fds))
                 raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+            started = time.perf_counter()
             reply = await handler(self, request)
+            self.operations.metrics.observe_op(op, time.perf_counter() - started)
             stats[f"requests.{op}"] += 1
         except ProtocolError as exc:
             stats[f"errors.{exc.code.value}"] += 1

@@ -68,6 +68,7 @@ class CodecCounters:
     decompress_out_bytes: int = 0
     decompress_s: float = 0.0
     copied_bytes: int = 0
+    copy_s: float = 0.0  # verified copies of payloads stored raw (copy and crc32c in one pass)
     verified_bytes: int = 0
     verify_failures: int = 0
 
@@ -205,6 +206,8 @@ class PayloadCodec:
             c.decompress_out_bytes += decompressed
             if decompressed:
                 c.decompress_s += elapsed * decompressed / (decompressed + copied)
+            if copied:
+                c.copy_s += elapsed * copied / (decompressed + copied)
         return done
 
     def _decode_chunks(

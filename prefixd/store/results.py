@@ -143,6 +143,7 @@ class StoreStats:
     decompress_gbps: float
     compressed_payloads_stored_raw: int
     parts: int = 0  # state-group payloads of hybrid identities
+    copy_verify_gbps: float = 0.0  # verified copies of payloads stored raw
 
 
 @dataclass(frozen=True, slots=True)

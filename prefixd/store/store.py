@@ -1043,6 +1043,7 @@ class Store:
         return StoreStats(
             blocks=totals[counters.BLOCKS],
             parts=totals[counters.PARTS],
+            copy_verify_gbps=c.copied_bytes / c.copy_s / 1e9 if c.copy_s else 0.0,
             payload_bytes=payload,
             stored_bytes=stored,
             identities=n_identities,

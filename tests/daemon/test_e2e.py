@@ -397,7 +397,7 @@ def test_stats_health_and_cli(daemon: Daemon) -> None:
         assert server["requests.load"] == 1 and server["requests.attach"] == 2
         assert server["open_connections"] == 1 and server["connections"] == 1
 
-        cli_stats = _cli("stats", "--socket", str(daemon.socket))
+        cli_stats = _cli("stats", "--json", "--socket", str(daemon.socket))
         assert cli_stats.returncode == 0, cli_stats.stderr
         printed = json.loads(cli_stats.stdout)
         assert printed["store"]["blocks"] == 5

@@ -1,0 +1,81 @@
+"""Prometheus exposition of the daemon's metrics: off unless configured.
+
+Two ways, either or both: an HTTP endpoint on a loopback port (`metrics_port`, scraped by
+Prometheus) and a file rewritten every `metrics_interval_s` for node_exporter's textfile collector
+(`metrics_textfile`; written to a temporary name and renamed, so a scrape never reads half a
+file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+
+from prefixd.errors import ServeError
+
+log = logging.getLogger(__name__)
+
+
+class MetricsExporter:
+    """Serves or writes `registry` as configured; `stop()` ends both."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        port: int,
+        address: str,
+        textfile: Path | None,
+        interval_s: float,
+    ) -> None:
+        self.registry = registry
+        self.port = port
+        self.address = address
+        self.textfile = textfile
+        self.interval_s = interval_s
+        self._http: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, pool: Executor) -> None:
+        if self.port:
+            try:
+                self._http, _thread = start_http_server(self.port, self.address, self.registry)
+            except OSError as exc:
+                raise ServeError(
+                    f"cannot serve metrics on {self.address}:{self.port}: {exc}"
+                ) from None
+            log.info("metrics on http://%s:%d/metrics", self.address, self.http_port)
+        if self.textfile is not None:
+            self.textfile.parent.mkdir(parents=True, exist_ok=True)
+            self._task = asyncio.create_task(self._write_every(pool), name="prefixd-metrics")
+
+    @property
+    def http_port(self) -> int:
+        """The port actually bound (the configured one, or the one chosen for port 0)."""
+        return int(self._http.server_address[1]) if self._http is not None else 0
+
+    async def _write_every(self, pool: Executor) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await loop.run_in_executor(pool, self.write)
+            except Exception:
+                log.exception("writing the metrics textfile failed")
+            await asyncio.sleep(self.interval_s)
+
+    def write(self) -> None:
+        assert self.textfile is not None
+        write_to_textfile(str(self.textfile), self.registry)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()

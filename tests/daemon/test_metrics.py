@@ -1,0 +1,131 @@
+"""What the daemon measures: hit rates at three levels, hit lengths, stage times, per-tenant
+totals, the benefit model, and the Prometheus exposition; never a prompt, token id or key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+from prefixd.client import Client
+
+from .conftest import IDENTITY, REPO, Daemon, DaemonFactory, make_identity, payload
+
+BT = IDENTITY.block_tokens
+SIZE = 1000
+
+
+def tokens(n: int, seed: int = 1) -> np.ndarray:
+    return (np.arange(n, dtype=np.uint32) * 11 + seed * 1_000_003 + 700_000_000).astype(np.uint32)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_workload(daemon: Daemon) -> tuple[np.ndarray, np.ndarray]:
+    """Store 8 blocks; look up the stored prompt (hit 8 blocks), a half-shared one (hit 4 of 8)
+    and a miss (0 of 8); load the stored prompt once."""
+    stored = tokens(8 * BT)
+    half = np.concatenate([stored[: 4 * BT], tokens(4 * BT, seed=2)])
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        client.put(IDENTITY, stored, [payload(1, i, SIZE) for i in range(8)])
+        client.lookup(IDENTITY, [stored, half, tokens(8 * BT, seed=3)])
+        client.load(IDENTITY, stored)
+    return stored, half
+
+
+def test_hit_rates_lengths_times_and_tenants(daemon_factory: DaemonFactory) -> None:
+    daemon = daemon_factory("--prefill-tokens-per-s", "1000")
+    run_workload(daemon)
+    other = make_identity(tenant="b")
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        client.put(other, tokens(2 * BT, seed=4), [b"x" * 10, b"y" * 10])
+        metrics = client.stats()["metrics"]
+    rates = metrics["hit_rate"]
+    assert rates["requests"] == round(2 / 3, 6)
+    assert rates["tokens"] == 12 / 24
+    # bytes: the miss's blocks are estimated at the identity's bytes per token (SIZE per block)
+    assert rates["bytes"] == 12 * SIZE / (24 * SIZE)
+    lengths = metrics["hit_length_tokens"]
+    assert sum(lengths.values()) == 3 and lengths["0.0"] == 1
+    assert set(metrics["latency_us"]) >= {"hello", "attach", "put", "lookup", "load"}
+    assert metrics["latency_us"]["lookup"]["count"] == 1
+    totals = metrics["totals"]
+    assert totals["loaded_tokens"] == 8 * BT and totals["loaded_bytes"] == 8 * SIZE
+    assert totals["prefill_saved_seconds"] == 8 * BT / 1000
+    tenants = metrics["tenants"]
+    assert tenants["a"]["stored_blocks"] == 8 and tenants["a"]["stored_bytes"] == 8 * SIZE
+    assert tenants["b"]["stored_blocks"] == 2 and tenants["b"]["put_blocks"] == 2
+
+
+def test_lookup_offers_only_hits_worth_loading(daemon_factory: DaemonFactory) -> None:
+    daemon = daemon_factory("--min-reusable-tokens", str(6 * BT))
+    stored, half = run_workload(daemon)
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        reply = client._call(
+            {
+                "op": "lookup",
+                "identity": IDENTITY.to_dict(),
+                "prompts": [{"tokens": stored.tobytes()}, {"tokens": half.tobytes()}],
+            }
+        )
+        full, short = reply["results"]
+        assert full["n_tokens"] == 8 * BT and short["n_tokens"] == 0  # 4 blocks: below 6
+        assert full["est_load_s"] > 0 and full["est_prefill_s"] > 0
+        assert short["est_load_s"] == 0
+        assert client.load(IDENTITY, half).n_blocks == 0
+        assert client.load(IDENTITY, stored).n_blocks == 8
+
+
+def test_prometheus_endpoint_and_textfile(daemon_factory: DaemonFactory, tmp_path) -> None:  # noqa: ANN001
+    port = free_port()
+    textfile = tmp_path / "metrics" / "prefixd.prom"
+    daemon = daemon_factory(
+        "--metrics-port", str(port), "--metrics-textfile", str(textfile),
+        "--metrics-interval-s", "1",
+    )  # fmt: skip
+    stored, half = run_workload(daemon)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for name in (
+        'prefixd_lookup_prompts_total{tenant="a"} 3.0',
+        'prefixd_hit_tokens_total{tenant="a"} 48.0',
+        "prefixd_operation_seconds_bucket",
+        'prefixd_stored_blocks{tenant="a"} 8.0',
+        "prefixd_hit_length_tokens_bucket",
+        "prefixd_compression_ratio",
+    ):
+        assert name in text, name
+    # no token id, hash or key in any label or value line
+    assert not any(str(t) in text for t in np.concatenate([stored, half]))
+    deadline = time.monotonic() + 10
+    while not (textfile.exists() and "prefixd_lookup_prompts_total" in textfile.read_text()):
+        assert time.monotonic() < deadline, "the textfile was not written"
+        time.sleep(0.2)
+    assert daemon.stop() == 0
+    assert 'prefixd_lookup_prompts_total{tenant="a"} 3.0' in textfile.read_text()
+
+
+def test_stats_cli_prints_tables_json_and_watches(daemon: Daemon) -> None:
+    run_workload(daemon)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
+    command = [sys.executable, "-m", "prefixd", "stats", "--socket", str(daemon.socket)]
+    tables = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=REPO, env=env)
+    assert tables.returncode == 0, tables.stderr
+    assert "hit rate" in tables.stdout and "66.7%" in tables.stdout and "lookup" in tables.stdout
+    watching = subprocess.Popen(
+        [*command, "--json", "--watch", "0.2"], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env
+    )
+    time.sleep(1.5)
+    watching.send_signal(signal.SIGINT)
+    out, _ = watching.communicate(timeout=10)
+    assert len(out.splitlines()) >= 2 and '"hit_rate"' in out
