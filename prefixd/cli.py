@@ -14,6 +14,7 @@ from typing import Any
 from prefixd import __version__
 from prefixd.errors import PrefixdError
 from prefixd.store.purge import VERSIONED_FIELDS
+from prefixd.store.verify import verify_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,10 +107,22 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument("--to", type=Path, required=True, help="an empty directory for the copy")
     compact.set_defaults(command=_compact)
 
-    verify = commands.add_parser("verify", help="check a store offline and list every problem")
+    verify = commands.add_parser(
+        "verify",
+        help="check a store and list every problem (exit 1 if any)",
+        description="Through the daemon when one holds the store (service goes on), offline "
+        "otherwise. Exit codes: 0 healthy (or repaired), 1 problems, 2 bad arguments.",
+    )
     verify.add_argument("--data-dir", type=Path, help="the store (default: as serve)")
+    verify.add_argument("--socket", type=Path, help="the daemon's socket (default: as serve)")
     verify.add_argument(
         "--no-payloads", action="store_true", help="skip payload checksums (metadata only)"
+    )
+    verify.add_argument(
+        "--fix",
+        action="store_true",
+        help="quarantine what is broken (each block with everything below it) and rebuild the "
+        "indexes and counters",
     )
     verify.set_defaults(command=_verify)
     return parser
@@ -186,20 +199,37 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from prefixd.store import Store
+    from tqdm import tqdm
 
+    from prefixd.store import Store
+    from prefixd.store.environment import is_held
+    from prefixd.store.verify import verify_report
+
+    if args.fix and args.no_payloads:
+        print("prefixd: --fix checks payloads too; drop --no-payloads", file=sys.stderr)
+        return 2
     path = _data_dir(args)
-    with Store.open(path, create=False) as store:
-        problems = store.check(verify_payloads=not args.no_payloads)
-        stats = store.stats()
-    report: dict[str, Any] = {
-        "path": str(path),
-        "blocks": stats.blocks,
-        "parts": stats.parts,
-        "problems": [str(p) for p in problems],
-    }
+    if is_held(path):  # a daemon serves this store: it checks (and repairs) while serving
+        from prefixd.client import Client
+
+        with Client(_default_socket(args), timeout=3600) as client:
+            reply = client.verify(fix=args.fix, payloads=not args.no_payloads)
+        report = {"mode": "online", "path": str(path), **reply}
+    else:
+        with Store.open(path, create=False, exclusive=True) as store:
+            blocks = store.stats().blocks
+            with tqdm(total=blocks, desc="verifying", unit=" blocks", file=sys.stderr) as bar:
+                if args.fix:
+                    repaired = store.repair(progress=bar.update)
+                    report = verify_report(blocks, store.stats().parts, fixed=repaired)
+                else:
+                    problems = store.check(
+                        verify_payloads=not args.no_payloads, progress=bar.update
+                    )
+                    report = verify_report(blocks, store.stats().parts, problems=problems)
+        report = {"mode": "offline", "path": str(path), **report}
     print(json.dumps(report, indent=2))
-    return 1 if problems else 0
+    return 1 if (report["remaining"] if args.fix else report["problems"]) else 0
 
 
 def _data_dir(args: argparse.Namespace) -> Path:
@@ -243,8 +273,8 @@ def _migrate_up(args: argparse.Namespace) -> int:
 def _purge(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from prefixd.store.config import parse_seconds
     from prefixd.store import PurgeSelector, Store
+    from prefixd.store.config import parse_seconds
     from prefixd.store.environment import is_held
 
     try:

@@ -509,6 +509,11 @@ class Client:
     def stats(self) -> dict[str, Any]:
         return self._call({"op": "stats"})
 
+    def verify(self, *, fix: bool = False, payloads: bool = True) -> dict[str, Any]:
+        """Check (or with `fix`, repair) the store the daemon serves; the report."""
+        reply = self._call({"op": "verify", "fix": fix, "payloads": payloads})
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
     def health(self) -> dict[str, Any]:
         return self._call({"op": "health"})
 

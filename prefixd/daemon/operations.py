@@ -41,6 +41,7 @@ from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
 from prefixd.store.joint import JointMatch
 from prefixd.store.results import LoadResult
+from prefixd.store.verify import verify_report
 
 if TYPE_CHECKING:
     from prefixd.daemon.server import Connection
@@ -112,6 +113,7 @@ class Operations:
             "lookup_state": self.lookup_state,
             "load_state": self.load_state,
             "hot": self.hot,
+            "verify": self.verify,
         }
         # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
         self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
@@ -432,6 +434,24 @@ class Operations:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
         report = await self._run(partial(self.store.purge, selector, dry_run=dry_run))
         return ok_reply(rid, **report.describe())
+
+    async def verify(self, conn: Connection, request: Request) -> dict[str, Any]:
+        """Check the store while serving (a read snapshot; writers go on), or repair it (one
+        write transaction: other writes wait for it, reads do not)."""
+        rid, msg = request.id, request.message
+        fix = field(msg, "fix", bool, default=False)
+        payloads = field(msg, "payloads", bool, default=True)
+
+        def run() -> dict[str, Any]:
+            if fix:
+                repaired = self.store.repair()
+                stats = self.store.stats()
+                return verify_report(stats.blocks, stats.parts, fixed=repaired)
+            problems = self.store.check(verify_payloads=payloads)
+            stats = self.store.stats()
+            return verify_report(stats.blocks, stats.parts, problems=problems)
+
+        return ok_reply(rid, **await self._run(run))
 
     async def stats(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid = request.id

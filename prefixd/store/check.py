@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import lmdb
 
@@ -22,8 +23,15 @@ from prefixd.store.environment import META_KEY, Tables
 from prefixd.store.results import Problem
 
 
-def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> list[Problem]:
-    """Walk every table in one read transaction and list each inconsistency."""
+def check_store(
+    txn: lmdb.Transaction,
+    t: Tables,
+    *,
+    verify_payloads: bool,
+    progress: Callable[[int], None] | None = None,
+) -> list[Problem]:
+    """Walk every table in one read transaction and list each inconsistency. `progress` is told
+    how many block records were checked, every 1024 and at the end."""
     problems: list[Problem] = []
     raw_meta = txn.get(META_KEY, db=t.meta)
     if raw_meta is None:
@@ -36,7 +44,9 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
 
     records: dict[bytes, BlockRecord] = {}
     totals: Counter[str] = Counter()
-    for key, raw in txn.cursor(db=t.blocks):
+    for n, (key, raw) in enumerate(txn.cursor(db=t.blocks), 1):
+        if progress is not None and n % 1024 == 0:
+            progress(1024)
         h = bytes(key)
         try:
             record = BlockRecord.decode(raw)
@@ -58,6 +68,8 @@ def check_store(txn: lmdb.Transaction, t: Tables, *, verify_payloads: bool) -> l
         elif verify_payloads and checksum(chunks) != record.checksum:
             problems.append(Problem("payload", "payload fails its checksum", h))
 
+    if progress is not None:
+        progress(txn.stat(t.blocks)["entries"] % 1024)
     parts = _check_parts(txn, t, records, totals, problems, verify_payloads=verify_payloads)
 
     identities = {bytes(k) for k in txn.cursor(db=t.identities).iternext(keys=True, values=False)}

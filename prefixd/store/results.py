@@ -153,3 +153,14 @@ class EvictionReport:
     blocks: int
     stored_bytes: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class RepairReport:
+    """What `Store.repair` found and did: `problems` found, `quarantined` blocks removed (with
+    their subtrees), `fixed` index and counter entries rebuilt, and what `remaining` still fails."""
+
+    problems: int
+    quarantined: int
+    fixed: int
+    remaining: tuple[Problem, ...]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,6 +71,7 @@ from prefixd.store.purge import (
     selected_identities,
     subtree_totals,
 )
+from prefixd.store.repair import BLOCK_PROBLEMS, rebuild_derived
 from prefixd.store.results import (
     BlockInfo,
     EvictionReport,
@@ -79,6 +80,7 @@ from prefixd.store.results import (
     Problem,
     PutResult,
     ReadResult,
+    RepairReport,
     StateLoad,
     StoreStats,
 )
@@ -1064,11 +1066,43 @@ class Store:
             compressed_payloads_stored_raw=c.stored_raw_after_trial,
         )
 
-    def check(self, *, verify_payloads: bool = True) -> list[Problem]:
-        """Every inconsistency in the store (not just the first); an empty list means healthy."""
+    def check(
+        self,
+        *,
+        verify_payloads: bool = True,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Problem]:
+        """Every inconsistency in the store (not just the first); an empty list means healthy.
+        Runs in one read transaction: writers go on meanwhile (LMDB readers see a snapshot)."""
         self._check_usable()
         with self._env.begin(buffers=True) as txn:
-            return check_store(txn, self._tables, verify_payloads=verify_payloads)
+            return check_store(
+                txn, self._tables, verify_payloads=verify_payloads, progress=progress
+            )
+
+    def repair(self, *, progress: Callable[[int], None] | None = None) -> RepairReport:
+        """Check, then quarantine every block a problem condemns (with everything below it) and
+        rebuild the indexes and counters from the remaining records, in one transaction; report
+        what was found, what was done, and whatever still fails a check afterwards."""
+        problems = self.check(progress=progress)
+        condemned = {
+            p.block: p.kind for p in problems if p.kind in BLOCK_PROBLEMS and p.block is not None
+        }
+        quarantined = 0
+        with self._env.begin(write=True) as txn:
+            for block, kind in condemned.items():
+                if txn.get(block, db=self._tables.blocks) is None:
+                    continue  # e.g. a part hung on no block: the rebuild drops it
+                quarantined += self._remove_subtree(txn, block, reason="quarantined")
+                self._record_quarantine(txn, block, f"verify: {kind} problem")
+            rebuilt = rebuild_derived(txn, self._tables, time.time_ns())
+        if quarantined or rebuilt.total:
+            log.warning(
+                "repair quarantined %d block(s) and fixed %d index or counter entries",
+                quarantined,
+                rebuilt.total,
+            )
+        return RepairReport(len(problems), quarantined, rebuilt.total, tuple(self.check()))
 
     def close(self) -> None:
         """Flush, fsync and close; idempotent. Only the opening process may close the environment."""

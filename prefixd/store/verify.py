@@ -1,0 +1,37 @@
+"""The report `prefixd verify` prints, offline or from the daemon: the same JSON either way."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from prefixd.store.results import Problem, RepairReport
+
+MAX_LISTED = 1000  # problems listed one by one; the counts by kind cover all of them
+
+
+def verify_report(
+    blocks: int,
+    parts: int,
+    *,
+    problems: Sequence[Problem] = (),
+    fixed: RepairReport | None = None,
+) -> dict[str, Any]:
+    """`problems` found by a check, or what a repair (`fixed`) found, did and left."""
+    if fixed is not None:
+        return {
+            "blocks": blocks,
+            "parts": parts,
+            "problems": fixed.problems,
+            "quarantined": fixed.quarantined,
+            "fixed": fixed.fixed,
+            "remaining": [str(p) for p in fixed.remaining[:MAX_LISTED]],
+        }
+    return {
+        "blocks": blocks,
+        "parts": parts,
+        "problems": [str(p) for p in problems[:MAX_LISTED]],
+        "by_kind": dict(Counter(p.kind for p in problems)),
+        "count": len(problems),
+    }

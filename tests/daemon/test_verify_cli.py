@@ -1,0 +1,69 @@
+"""`prefixd verify`: offline with a progress bar, online through the daemon without stopping
+service, `--fix` in both modes, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from prefixd import Store
+from prefixd.client import Client
+
+from ..store.test_faults import corrupt_payload
+from .conftest import IDENTITY, REPO, Daemon, payload
+
+BT = IDENTITY.block_tokens
+
+
+def verify(*args: str) -> tuple[int, dict, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "prefixd", "verify", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=env,
+    )
+    return done.returncode, json.loads(done.stdout) if done.stdout else {}, done.stderr
+
+
+def test_offline_verify_reports_and_fixes(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    prompt = np.arange(6 * BT, dtype=np.uint32) + 41_000_000
+    data = [payload(1, i, 20_000) for i in range(6)]
+    with Store.open(path, map_size=64 << 20) as store:
+        store.put(IDENTITY, prompt, data)
+    corrupt_payload(path, data[4])
+    code, report, stderr = verify("--data-dir", str(path))
+    assert code == 1 and report["mode"] == "offline"
+    assert report["by_kind"] == {"payload": 1} and report["count"] == 1
+    assert "verifying" in stderr  # the progress bar
+    code, report, _ = verify("--data-dir", str(path), "--fix")
+    assert code == 0 and report["quarantined"] == 2 and report["remaining"] == []
+    code, report, _ = verify("--data-dir", str(path))
+    assert code == 0 and report["problems"] == [] and report["blocks"] == 4
+    assert verify("--data-dir", str(path), "--fix", "--no-payloads")[0] == 2
+
+
+def test_online_verify_while_serving(daemon: Daemon) -> None:
+    prompt = np.arange(6 * BT, dtype=np.uint32) + 42_000_000
+    data = [payload(2, i, 20_000) for i in range(6)]
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        client.put(IDENTITY, prompt, data)
+    daemon.restart()  # the pages are on disk, where the test damages them
+    corrupt_payload(daemon.data_dir, data[3])
+    where = ("--data-dir", str(daemon.data_dir), "--socket", str(daemon.socket))
+    code, report, _ = verify(*where)
+    assert code == 1 and report["mode"] == "online" and report["by_kind"] == {"payload": 1}
+    code, report, _ = verify(*where, "--fix")
+    assert code == 0 and report["quarantined"] == 3 and report["remaining"] == []
+    with Client(daemon.socket, region_bytes=1 << 20) as client:  # still serving
+        loaded = client.load(IDENTITY, prompt)
+        assert loaded.n_blocks == 3 and [bytes(v) for v in loaded.views] == data[:3]
+    assert verify(*where)[0] == 0
