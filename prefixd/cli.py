@@ -14,7 +14,6 @@ from typing import Any
 from prefixd import __version__
 from prefixd.errors import PrefixdError
 from prefixd.store.purge import VERSIONED_FIELDS
-from prefixd.store.verify import verify_report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
