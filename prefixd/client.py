@@ -457,9 +457,11 @@ class Client:
         )
         return self._requests.loaded(self._call(message))
 
-    def hot(self, budget_bytes: int, *, limit: int = 64) -> list[HotPrefix]:
-        """The most valuable stored prefixes (by the eviction score) within `budget_bytes`."""
-        reply = self._call({"op": "hot", "budget_bytes": budget_bytes, "limit": limit})
+    def hot(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix]:
+        """The tenant's most valuable stored prefixes (by the eviction score) within
+        `budget_bytes`."""
+        message = {"op": "hot", "budget_bytes": budget_bytes, "tenant": tenant, "limit": limit}
+        reply = self._call(message)
         return [_hot_prefix(p) for p in reply["prefixes"]]
 
     def put_state(
@@ -575,13 +577,17 @@ class Client:
         budget_bytes: int,
         destinations_factory: Callable[[HotPrefix], Sequence[Any] | None],
         *,
+        tenant: str,
         limit: int = 64,
         slots: int = 3,
     ) -> WarmUp:
-        """After a restart: the most valuable prefixes into destinations, up to `budget_bytes`."""
+        """After a restart: the tenant's most valuable prefixes into destinations, up to
+        `budget_bytes`."""
         from prefixd.transfer import warm_up
 
-        return warm_up(self, budget_bytes, destinations_factory, limit=limit, slots=slots)
+        return warm_up(
+            self, budget_bytes, destinations_factory, tenant=tenant, limit=limit, slots=slots
+        )
 
     def close(self) -> None:
         if self._publisher is not None:

@@ -331,15 +331,16 @@ def warm_up(
     budget_bytes: int,
     destinations_factory: Callable[[HotPrefix], Sequence[torch.Tensor] | None],
     *,
+    tenant: str,
     limit: int = 64,
     slots: int = DEFAULT_SLOTS,
 ) -> WarmUp:
-    """After a restart, stream the most valuable stored prefixes (by the eviction score) into
+    """After a restart, stream the tenant's most valuable stored prefixes (by eviction score) into
     destinations until `budget_bytes` of payload: `destinations_factory(prefix)` allocates one
     destination per block of `prefix` (or returns None to skip it). The daemon counts what was
     warmed (`prefixd stats`: warmed_blocks, warmed_bytes)."""
     prefixes = blocks = tokens = n_bytes = 0
-    for prefix in client.hot(budget_bytes, limit=limit):
+    for prefix in client.hot(budget_bytes, tenant=tenant, limit=limit):
         destinations = destinations_factory(prefix)
         if destinations is None:
             continue

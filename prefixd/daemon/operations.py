@@ -309,12 +309,13 @@ class Operations:
         )
 
     async def hot(self, conn: Connection, request: Request) -> dict[str, Any]:
-        """The most valuable prefixes to warm after a restart, whole, within a byte budget; the
-        reply holds at most half a frame of token ids (the rest are left out, best first)."""
+        """A tenant's most valuable prefixes to warm after a restart, whole, within a byte
+        budget; the reply holds at most half a frame of token ids (the rest are left out)."""
         rid, msg = request.id, request.message
         budget = int_field(msg, "budget_bytes", high=1 << 62)
         limit = int_field(msg, "limit", default=64, low=1, high=MAX_HOT_PREFIXES)
-        found = await self._run(partial(self.store.hottest, budget, limit=limit))
+        tenant = field(msg, "tenant", str, code=ErrorCode.BAD_IDENTITY)
+        found = await self._run(partial(self.store.hottest, budget, tenant=tenant, limit=limit))
         room = self.max_frame_bytes // 2
         prefixes = []
         for prefix in found:

@@ -700,15 +700,26 @@ class Store:
             n_ok, (start + n_ok) * chain.block_tokens, tuple(offsets[:n_ok]), sizes, start
         )
 
-    def hottest(self, budget_bytes: int, *, limit: int = 64) -> list[HotPrefix]:
-        """The most valuable stored prefixes, by eviction score, whose payloads fit in
-        `budget_bytes` (see prefixd.store.warmup): what to bring back first after a restart.
-        Prefixes of share groups are left out (a client cannot name their namespace)."""
+    def hottest(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix]:
+        """The tenant's most valuable stored prefixes, by eviction score, whose payloads fit in
+        `budget_bytes` (see prefixd.store.warmup): what to bring back first after a restart. A
+        tenant of a share group gets the group's prefixes, named with its own identity."""
         self._check_usable()
+        if tenant.startswith(SHARE_PREFIX):
+            raise IdentityError("tenant", f"names starting with {SHARE_PREFIX!r} are reserved")
         self.sync()  # the reads still counted in memory weigh too
+        group = self._share_group.get(tenant)
+        stored_as = tenant if group is None else SHARE_PREFIX + group
         with self._env.begin() as txn:
-            found = hottest_prefixes(txn, self._tables, time.time_ns(), budget_bytes, limit)
-        return [p for p in found if not p.identity.tenant.startswith(SHARE_PREFIX)]
+            found = hottest_prefixes(
+                txn, self._tables, time.time_ns(), budget_bytes, limit, stored_as
+            )
+        if group is None:
+            return found
+        return [
+            dataclasses.replace(p, identity=dataclasses.replace(p.identity, tenant=tenant))
+            for p in found
+        ]
 
     # --- hybrid identities: state groups ------------------------------------------------------
 

@@ -39,12 +39,13 @@ class HotPrefix:
 
 
 def hottest_prefixes(
-    txn: lmdb.Transaction, t: Tables, now_ns: int, budget_bytes: int, limit: int
+    txn: lmdb.Transaction, t: Tables, now_ns: int, budget_bytes: int, limit: int, tenant: str
 ) -> list[HotPrefix]:
-    """At most `limit` prefixes whose blocks together hold at most `budget_bytes` of payload."""
+    """At most `limit` of `tenant`'s prefixes whose blocks together hold at most
+    `budget_bytes` of payload (a tenant never learns another's prompts)."""
     records: dict[bytes, BlockRecord] = {}
     ranked: list[tuple[float, bytes]] = []
-    plain = _plain_identities(txn, t)
+    plain = _plain_identities(txn, t, tenant)
     for key, raw in txn.cursor(db=t.blocks):
         try:
             record = BlockRecord.decode(raw)
@@ -77,14 +78,14 @@ def hottest_prefixes(
     return [_prefix(tip, records, plain, taken[tip]) for tip in tips]
 
 
-def _plain_identities(txn: lmdb.Transaction, t: Tables) -> dict[bytes, Identity]:
+def _plain_identities(txn: lmdb.Transaction, t: Tables, tenant: str) -> dict[bytes, Identity]:
     identities = {}
     for digest, encoded in txn.cursor(db=t.identities):
         try:
             identity = Identity.decode(bytes(encoded))
         except IdentityError:
             continue
-        if identity.state is None:
+        if identity.state is None and identity.tenant == tenant:
             identities[bytes(digest)] = identity
     return identities
 

@@ -153,9 +153,10 @@ def test_warm_up_brings_back_the_most_valuable_prefixes(daemon: Daemon) -> None:
             seen.append(prefix.tokens.tobytes())
             return destinations(len(prefix.sizes))
 
-        warmed = client.warm_up(8 * SIZE, allocate)
+        warmed = client.warm_up(8 * SIZE, allocate, tenant=IDENTITY.tenant)
         assert (warmed.prefixes, warmed.blocks, warmed.bytes) == (2, 8, 8 * SIZE)
         assert sorted(seen) == sorted(p.tobytes() for p in (prompts[1], prompts[3]))
+        assert client.hot(1 << 20, tenant="someone-else") == []  # never another tenant's prompts
         server = client.stats()["server"]
         assert (server["warmed_blocks"], server["warmed_bytes"]) == (8, 8 * SIZE)
 

@@ -32,21 +32,21 @@ def test_hot_prefixes_are_whole_and_fit_the_budget(tmp_path: Path, identity: Ide
             store.longest_prefix(identity, hot_a)
             store.longest_prefix(identity, hot_b)
         # 5 blocks: the shared 2 once, then the rest of both hot prompts; the cold one is left
-        found = store.hottest(5 * SIZE)
+        found = store.hottest(5 * SIZE, tenant="a")
         assert sorted(p.tokens for p in found) == sorted([hot_a.tobytes(), hot_b.tobytes()])
         assert all(p.identity == identity for p in found)
         assert [len(p.payload_sizes) for p in sorted(found, key=lambda p: len(p.tokens))] == [3, 4]
         assert found[0].score >= found[1].score
         # a smaller budget takes what fits, never a block without its ancestors
-        small = store.hottest(3 * SIZE)
+        small = store.hottest(3 * SIZE, tenant="a")
         assert [p.payload_bytes for p in small] == [3 * SIZE]
-        assert store.hottest(SIZE // 2) == []
-        assert len(store.hottest(100 * SIZE, limit=1)) == 1
+        assert store.hottest(SIZE // 2, tenant="a") == []
+        assert len(store.hottest(100 * SIZE, tenant="a", limit=1)) == 1
         # each prefix is whole (the shared blocks are in both): 4 + 3 + 3 blocks
-        assert sum(p.payload_bytes for p in store.hottest(100 * SIZE)) == 10 * SIZE
+        assert sum(p.payload_bytes for p in store.hottest(100 * SIZE, tenant="a")) == 10 * SIZE
 
 
-def test_hybrid_and_shared_prefixes_are_left_out(tmp_path: Path, identity: Identity) -> None:
+def test_only_the_tenants_plain_prefixes(tmp_path: Path, identity: Identity) -> None:
     bt = identity.block_tokens
     hybrid = dataclasses.replace(identity, state=(StateGroup.paged("kv"),))
     shared = dataclasses.replace(identity, tenant="b")
@@ -54,5 +54,8 @@ def test_hybrid_and_shared_prefixes_are_left_out(tmp_path: Path, identity: Ident
         store.put_state(hybrid, prompt(1, 2, bt), paged={"kv": [b"x" * SIZE] * 2})
         store.put(shared, prompt(2, 2, bt), [bytes(SIZE)] * 2)
         store.put(identity, prompt(3, 1, bt), [bytes(SIZE)])
-        found = store.hottest(1 << 20)
-        assert [p.identity for p in found] == [identity]
+        assert [p.identity for p in store.hottest(1 << 20, tenant="a")] == [identity]
+        # a tenant of a share group warms the group's prefixes, named as its own
+        [mine] = store.hottest(1 << 20, tenant="c")
+        assert mine.identity == dataclasses.replace(shared, tenant="c")
+        assert store.hottest(1 << 20, tenant="nobody") == []
