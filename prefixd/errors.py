@@ -82,6 +82,15 @@ class StoreFullError(PrefixdError):
     """The store's map is full; the put was rolled back whole. Evict or raise `map_size`."""
 
 
+class DiskFullError(StoreFullError):
+    """The file system under the store has no room left; the write was rolled back whole and
+    reads go on. Writes succeed again once space is freed."""
+
+
+class StoreWriteError(PrefixdError, OSError):
+    """The disk refused a write for another reason than space (an I/O error); rolled back."""
+
+
 class PutRefusedError(PrefixdError, ValueError):
     """A put was refused before anything was written; the store is unchanged."""
 

@@ -34,6 +34,7 @@ from prefixd.errors import (
     OrphanBlockError,
     PayloadError,
     StoreFullError,
+    StoreWriteError,
     TokenError,
 )
 from prefixd.schema.identity import Identity
@@ -58,6 +59,7 @@ _STORE_ERRORS: tuple[tuple[type[Exception], ErrorCode], ...] = (
     (TokenError, ErrorCode.BAD_TOKENS),
     (IdentityError, ErrorCode.BAD_IDENTITY),
     (StoreFullError, ErrorCode.STORE_FULL),
+    (StoreWriteError, ErrorCode.WRITE_FAILED),
 )
 _IDENTITY_CACHE = 1024
 MAX_REGIONS_PER_CONNECTION = 16

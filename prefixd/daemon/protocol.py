@@ -38,7 +38,8 @@ class ErrorCode(str, Enum):
     ORPHAN = "orphan"
     COLLISION = "collision"
     BAD_PAYLOAD = "bad_payload"
-    STORE_FULL = "store_full"
+    STORE_FULL = "store_full"  # the map or the disk is full: rolled back, reads go on
+    WRITE_FAILED = "write_failed"  # the disk refused a write (an I/O error): rolled back
     BUSY = "busy"
     FORBIDDEN = "forbidden"
     SHUTTING_DOWN = "shutting_down"

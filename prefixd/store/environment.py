@@ -107,11 +107,18 @@ def open_environment(
             readonly=readonly,
             mode=0o640,
         )
-    except (lmdb.InvalidError, lmdb.VersionMismatchError) as exc:
+    except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
         if not had_lock:  # leave a directory that is not a store as it was
             lock_file.unlink(missing_ok=True)
+        if not isinstance(exc, lmdb.VersionMismatchError) and _has_lmdb_magic(data_file):
+            raise CorruptStoreError(
+                f"{data_file} is an LMDB file whose meta pages are damaged; restore it from a "
+                "backup, or delete the directory and let the cache refill"
+            ) from None
         kind = (
-            "not an LMDB file" if isinstance(exc, lmdb.InvalidError) else "of another LMDB version"
+            "of another LMDB version"
+            if isinstance(exc, lmdb.VersionMismatchError)
+            else "not an LMDB file"
         )
         raise NotAStoreError(f"{data_file} is {kind}") from None
     except lmdb.Error as exc:
@@ -125,6 +132,26 @@ def open_environment(
         env.close()
         raise
     return env, tables, meta
+
+
+_LMDB_MAGIC = 0xBEEFC0DE
+_META_MAGIC_AT = 16  # after the page header, in both meta pages (pages 0 and 1)
+
+
+def _has_lmdb_magic(data_file: Path) -> bool:
+    """Whether the file starts like an LMDB environment (either meta page keeps its magic), so a
+    failure to open it is damage, not a file of something else."""
+    try:
+        with data_file.open("rb") as file:
+            head = file.read(2 * 65536)
+    except OSError:
+        return False
+    for page_size in (4096, 8192, 16384, 65536):
+        for page in (0, 1):
+            at = page * page_size + _META_MAGIC_AT
+            if int.from_bytes(head[at : at + 4], "little") == _LMDB_MAGIC:
+                return True
+    return False
 
 
 def _create(env: lmdb.Environment) -> tuple[Tables, StoreMeta]:

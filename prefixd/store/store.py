@@ -9,13 +9,14 @@ Invariants every write transaction keeps:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +28,17 @@ import msgpack
 from prefixd.errors import (
     BlockCollisionError,
     DestinationError,
+    DiskFullError,
     IdentityError,
     OpenTailError,
     OrphanBlockError,
     PayloadError,
+    PrefixdError,
     PutRefusedError,
     StoreClosedError,
     StoreFullError,
     StoreOpenError,
+    StoreWriteError,
     TokenError,
 )
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT, BlockChain
@@ -96,6 +100,8 @@ _BAD_RECORD = "record fails verification"
 DEFAULT_CAPACITY_SHARE = 0.8
 _BAD_PAYLOAD = "payload fails its checksum"
 _BAD_PART = "state-group payload fails verification"
+# Below this much free space, a failed commit is taken for a full file system.
+DISK_FULL_BYTES = 16 << 20
 _NO_PAYLOAD = EncodedPayload(Compression.NONE, [], 0, 0, 0, 0)
 
 
@@ -250,6 +256,8 @@ class Store:
             raise StoreFullError(
                 f"store map of {self.config.map_size} bytes is full; the put was rolled back"
             ) from None
+        except lmdb.Error as exc:
+            raise self._write_failure(exc) from None
         except _Refusal as refusal:
             if refusal.collided:
                 with self._lock:
@@ -260,6 +268,20 @@ class Store:
         if replaced:
             log.warning("replaced %d stored block(s) whose records failed verification", replaced)
         return result
+
+    def _write_failure(self, exc: lmdb.Error) -> PrefixdError:
+        """What a failed write transaction means for the caller. LMDB reports a file system
+        without room as an I/O error at commit, so the free space tells the two apart."""
+        try:
+            free = os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize
+        except OSError:
+            free = -1
+        if 0 <= free < DISK_FULL_BYTES:
+            return DiskFullError(
+                f"the file system under {self.path} is full ({free} bytes free); the write was "
+                "rolled back, reads go on, and writes resume once space is freed"
+            )
+        return StoreWriteError(f"the write to {self.path} failed and was rolled back: {exc}")
 
     def _put_with_settle(
         self, write: Callable[[], tuple[PutResult, int]], tenant: str
@@ -485,10 +507,21 @@ class Store:
         """Remove the given blocks and every block below them; return how many blocks went."""
         self._check_usable()
         removed = 0
-        with self._env.begin(write=True) as txn:
-            for h in hashes:
-                removed += self._remove_subtree(txn, bytes(h), reason="deleted")
+        with self._writing():
+            with self._env.begin(write=True) as txn:
+                for h in hashes:
+                    removed += self._remove_subtree(txn, bytes(h), reason="deleted")
         return removed
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Turn a failed write transaction into the error a caller can act on."""
+        try:
+            yield
+        except lmdb.MapFullError:
+            raise StoreFullError(f"store map of {self.config.map_size} bytes is full") from None
+        except lmdb.Error as exc:
+            raise self._write_failure(exc) from None
 
     def purge(
         self,
@@ -508,7 +541,7 @@ class Store:
         cutoff = time.time_ns() - int((selector.older_than_s or 0) * 1e9)
         reason = "retired" if selector.model is not None else "purged"
         begin = self._env.begin(buffers=True) if dry_run else self._env.begin(write=True)
-        with begin as txn:
+        with self._writing(), begin as txn:
             digests = selected_identities(txn, t, selector)
             if selector.older_than_s is None:
                 roots = [child for d in digests for child in children_of(txn, t, d)]
@@ -1015,9 +1048,12 @@ class Store:
                         new = AccessRecord(max(old.last_ns, at), old.hits + hits)
                         txn.put(h, new.encode(), db=t.access)
                     counters.add(txn, t.counters, counters.COLLISIONS, collisions)
-            except lmdb.MapFullError:
-                log.warning("store map full: %d access times not recorded", len(touched))
-        self._env.sync(True)
+            except lmdb.Error as exc:  # a full map or disk: the times are a hint, not data
+                log.warning("%d access times not recorded: %s", len(touched), exc)
+        try:
+            self._env.sync(True)
+        except lmdb.Error as exc:
+            log.warning("fsync of the store failed: %s", exc)
 
     def compact_to(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Write a compacted copy of the store (free pages dropped) into an empty `directory`.
@@ -1290,9 +1326,16 @@ class Store:
         return touched
 
     def _quarantine(self, bad: list[_Damaged]) -> None:
-        """Drop blocks that failed verification, and everything below them, in one transaction."""
+        """Drop blocks that failed verification, and everything below them, in one transaction.
+        If the disk refuses the write, they stay: they fail verification on every read anyway."""
         if not bad:
             return
+        try:
+            self._quarantine_txn(bad)
+        except lmdb.Error as exc:
+            log.warning("could not quarantine %d damaged block(s) now: %s", len(bad), exc)
+
+    def _quarantine_txn(self, bad: list[_Damaged]) -> None:
         with self._env.begin(write=True) as txn:
             for h, parent_key, identity, reason in bad:
                 dropped = self._remove_subtree(txn, h, parent_key, identity, reason="quarantined")
