@@ -28,3 +28,19 @@ def identity() -> Identity:
 def store(tmp_path: Path) -> Iterator[Store]:
     with Store.open(tmp_path / "store", map_size=64 << 20) as opened:
         yield opened
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="run the fault tests at length (many more kills, corruptions and fuzzed frames)",
+    )
+
+
+@pytest.fixture(scope="session")
+def long_run(request: pytest.FixtureRequest) -> bool:
+    """Whether the suite runs at length (`--long`, or PREFIXD_LONG=1)."""
+    import os
+
+    return bool(request.config.getoption("--long")) or os.environ.get("PREFIXD_LONG") == "1"
