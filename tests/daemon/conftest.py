@@ -9,6 +9,7 @@ Teardown sends SIGTERM and waits, SIGKILL being the last resort. Socket paths li
 from __future__ import annotations
 
 import contextlib
+import re
 import os
 import shutil
 import signal
@@ -33,8 +34,16 @@ REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 # Variables of the test runner's environment that must not reach a daemon under test.
-_SCRUBBED = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID", "LISTEN_FDS",
-             "LISTEN_FDNAMES", "STATE_DIRECTORY", "RUNTIME_DIRECTORY")
+_SCRUBBED = (
+    "NOTIFY_SOCKET",
+    "WATCHDOG_USEC",
+    "WATCHDOG_PID",
+    "LISTEN_PID",
+    "LISTEN_FDS",
+    "LISTEN_FDNAMES",
+    "STATE_DIRECTORY",
+    "RUNTIME_DIRECTORY",
+)
 
 
 def make_identity(**changes: Any) -> prefixd.Identity:
@@ -64,9 +73,7 @@ def payload(seed: int, index: int, size: int = 256) -> bytes:
 
 def daemon_env(**extra: str) -> dict[str, str]:
     env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("PREFIXD_") and k not in _SCRUBBED
+        k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_") and k not in _SCRUBBED
     }
     env.update(extra)
     return env
@@ -107,10 +114,14 @@ class Daemon:
 
     def command(self) -> list[str]:
         return [
-            *self.launcher, "serve",
-            "--data-dir", str(self.data_dir),
-            "--socket", str(self.socket),
-            "--map-size", "256MiB",
+            *self.launcher,
+            "serve",
+            "--data-dir",
+            str(self.data_dir),
+            "--socket",
+            str(self.socket),
+            "--map-size",
+            "256MiB",
             *self.flags,
         ]
 
@@ -151,7 +162,9 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"daemon ignored signal {sig} for {timeout} s:\n{self.log()}") from None
+            raise AssertionError(
+                f"daemon ignored signal {sig} for {timeout} s:\n{self.log()}"
+            ) from None
         self.exit_codes.append(code)
         return code
 
@@ -176,7 +189,7 @@ class Daemon:
         """The first datagram since the last start that contains `needle` (waits for it)."""
         deadline = time.monotonic() + timeout
         while True:
-            for message in self.messages[self._mark:]:
+            for message in self.messages[self._mark :]:
                 if needle in message.split(b"\n"):
                     return message
             left = deadline - time.monotonic()
@@ -187,7 +200,7 @@ class Daemon:
                 )
             if self.proc is not None and self.proc.poll() is not None:
                 self.receive(0.0)
-                if any(needle in m.split(b"\n") for m in self.messages[self._mark:]):
+                if any(needle in m.split(b"\n") for m in self.messages[self._mark :]):
                     continue
                 raise AssertionError(
                     f"daemon exited with {self.proc.returncode} before sending {needle!r}:\n"
@@ -209,11 +222,12 @@ class Daemon:
 
     def since_start(self) -> list[bytes]:
         self.receive(0.0)
-        return self.messages[self._mark:]
+        return self.messages[self._mark :]
 
     def log(self) -> str:
         return "".join(
-            f"--- {path.name}\n{path.read_text(errors='replace')}" for path in self.logs
+            f"--- {path.name}\n{path.read_text(errors='replace')}"
+            for path in self.logs
             if path.exists()
         )
 
@@ -243,10 +257,16 @@ DaemonFactory = Callable[..., Daemon]
 def _factory(workdir: Path, sockdir: Path) -> Iterator[DaemonFactory]:
     daemons: list[Daemon] = []
 
-    def start(*flags: str, env: dict[str, str] | None = None, wait: bool = True,
-              name: str | None = None, launcher: Sequence[str] | None = None,
-              pass_fds: Sequence[int] = (), socket_path: Path | None = None,
-              data_dir: Path | None = None) -> Daemon:
+    def start(
+        *flags: str,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        name: str | None = None,
+        launcher: Sequence[str] | None = None,
+        pass_fds: Sequence[int] = (),
+        socket_path: Path | None = None,
+        data_dir: Path | None = None,
+    ) -> Daemon:
         daemon = Daemon(
             workdir, sockdir, flags, env, name or f"d{len(daemons)}", launcher, pass_fds
         )
@@ -363,3 +383,24 @@ class Raw:
 def error_of(reply: dict[str, Any]) -> tuple[str, str]:
     assert reply.get("ok") is False, reply
     return reply["error"]["code"], reply["error"]["message"]
+
+
+# --- the whole suite's daemon logs ----------------------------------------------------------------
+
+# A run of 8 or more integers (a token id sequence) or 32 or more hex digits (a raw cache key).
+_TOKEN_RUN = re.compile(r"(?:\b\d+\b[,;\s]+){7,}\b\d+\b")
+_HEX_KEY = re.compile(r"\b[0-9a-fA-F]{32,}\b")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def daemon_logs_hold_no_prompts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After the whole session: no daemon log of any test holds token ids or cache keys."""
+    yield
+    base = tmp_path_factory.getbasetemp()
+    logs = sorted(base.rglob("*.stderr"))
+    offending = []
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            if _TOKEN_RUN.search(line) or _HEX_KEY.search(line):
+                offending.append(f"{log.name}: {line[:200]}")
+    assert not offending, "daemon logs hold token ids or keys:\n" + "\n".join(offending[:20])
