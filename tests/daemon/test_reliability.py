@@ -50,7 +50,7 @@ def test_the_daemon_killed_under_load_loses_no_acknowledged_put(
     for _ in range(kills):
         stop = threading.Event()
 
-        def writer(start: int) -> None:
+        def writer(start: int, stop: threading.Event = stop) -> None:
             i = start
             try:
                 with Client(daemon.socket, region_bytes=1 << 20, timeout=5) as client:
