@@ -563,9 +563,12 @@ class Client:
         region_bytes: int = 256 << 20,
     ) -> Future[Stored]:
         """Publish blocks from device tensors in the background (their own connection and
-        region, of `region_bytes` on first use); the future resolves when they are stored."""
+        region of at least `region_bytes`); the future resolves when they are stored."""
         from prefixd.transfer import Publisher
 
+        if self._publisher is not None and self._publisher.region_bytes < region_bytes:
+            self._publisher.close()  # waits for the stores under way, then makes room
+            self._publisher = None
         if self._publisher is None:
             self._publisher = Publisher(self, region_bytes)
         return self._publisher.store_from(

@@ -16,6 +16,8 @@ number of tokens installed; loads write the same bytes every time, so a retry is
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixd.errors import DestinationError, PrefixdError
+from prefixd.schema.chain import packed_hashes
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
 
@@ -33,6 +36,13 @@ if TYPE_CHECKING:
     from prefixd.daemon.region import SharedRegion
 
 DEFAULT_SLOTS = 3
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One dedicated copy stream per device, for the life of the process."""
+    return torch.cuda.Stream(device=device)
 
 
 class TransferError(PrefixdError):
@@ -93,8 +103,9 @@ class Copier:
         self.stream: torch.cuda.Stream | None = None
         self._events: list[torch.cuda.Event | None] = [None] * slots
         if self.cuda:
-            region.pin()
-            self.stream = torch.cuda.Stream(device=device)
+            if not region.pin():
+                log.warning("the region could not be pinned: copies to the GPU will be slower")
+            self.stream = _copy_stream(device)
 
     def begin(self) -> None:
         """Order the copies after what the caller's stream has queued (destinations it wrote or
@@ -178,7 +189,9 @@ def load_into(
     if not destinations:
         return Installed(0, 0, 0, True)
     copier = Copier(region, slots, _device_of(destinations))
-    [hit] = client.lookup(identity, [token_ids], hashes=None if hashes is None else [hashes])
+    if hashes is None:  # hashed once here, not again by the daemon for every batch
+        hashes = packed_hashes(identity, token_ids)
+    [hit] = client.lookup(identity, [token_ids], hashes=[hashes])
     wanted = min(len(destinations), hit.n_blocks)
     sizes = hit.sizes[:wanted]
     for i, (size, dest) in enumerate(zip(sizes, destinations, strict=False)):
@@ -269,6 +282,7 @@ class Publisher:
     def __init__(self, client: Client, region_bytes: int) -> None:
         from prefixd.client import Client
 
+        self.region_bytes = region_bytes
         self._client = Client(
             client.socket_path, region_bytes=region_bytes, name=f"{client.name}-publisher"
         )

@@ -136,6 +136,10 @@ def test_store_from_publishes_in_the_background(daemon: Daemon) -> None:
         longer = np.concatenate([prompt, tokens(2, seed=6)])
         more = [torch.ones(SIZE // 4), torch.zeros(SIZE // 4)]
         assert client.store_from(IDENTITY, longer, more, first_block=6).result(30).stored == 2
+        # a later store larger than the first publisher's region gets a larger one
+        big = [torch.ones(300_000) for _ in range(4)]  # 4.8 MB
+        other = tokens(4, seed=12)
+        assert client.store_from(IDENTITY, other, big, region_bytes=8 << 20).result(30).stored == 4
 
 
 def test_warm_up_brings_back_the_most_valuable_prefixes(daemon: Daemon) -> None:
