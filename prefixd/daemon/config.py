@@ -60,6 +60,7 @@ _EXPECTED = {
     "seconds": "a duration like 2.5, 10s, 500ms, 5m or 1h",
     "bool": "a boolean (true/false, 1/0, yes/no)",
     "choice": "a string",
+    "text": "a string",
     "ids": "a comma-separated list of integers like 1000,1001",
     "entries": "a comma-separated list of NAME=VALUE entries",
 }
@@ -72,6 +73,7 @@ _TOML_EXPECTED = {
     "seconds": "a number of seconds or a string like '10s'",
     "bool": "true or false",
     "choice": "a string",
+    "text": "a string",
     "ids": "an array of integers",
     "entries": "an array of strings like 'NAME=VALUE'",
 }
@@ -83,6 +85,7 @@ _METAVARS = {
     "float": "X",
     "seconds": "SECONDS",
     "bool": "BOOL",
+    "text": "TEXT",
     "ids": "ID[,ID...]",
     "entries": "NAME=VALUE[,...]",
 }
@@ -196,6 +199,39 @@ class Config:
     )
     metrics_interval_s: float = _setting(
         "seconds", "how often the metrics textfile is rewritten", 15.0, low=1.0, high=86400.0
+    )
+    cluster_master: str = _setting(
+        "text",
+        "the Mooncake master (HOST:PORT) of a shared tier behind the local store (empty: off); "
+        "in a TOML file, `master` under [cluster]",
+        "",
+    )
+    cluster_metadata: str = _setting(
+        "text", "the Mooncake metadata server (a URL like http://HOST:PORT/metadata)", ""
+    )
+    cluster_local_hostname: str = _setting(
+        "text", "this node's address as the shared tier's transfer engine sees it", "127.0.0.1"
+    )
+    cluster_timeout_s: float = _setting(
+        "seconds",
+        "how long a shared-tier call may take before it counts as failed",
+        2.0,
+        low=0.01,
+        high=600.0,
+    )
+    cluster_segment_bytes: int = _setting(
+        "size",
+        "memory this node contributes to the shared tier",
+        256 * MiB,
+        low=1 * MiB,
+        high=1 * TiB,
+    )
+    cluster_pending: int = _setting(
+        "int",
+        "blocks waiting to be published to the shared tier; more are dropped and counted",
+        4096,
+        low=1,
+        high=1 << 20,
     )
     map_size: int = _store("map_size", "size", "LMDB map size: the store's largest size")
     durability: Durability = _store(
@@ -436,6 +472,12 @@ def _file_settings(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config: {path} is not valid TOML: {exc}") from None
+    cluster = data.pop("cluster", None)
+    if isinstance(cluster, dict):  # [cluster] master = ... is cluster_master
+        for key, value in cluster.items():
+            data[f"cluster_{key}"] = value
+    elif cluster is not None:
+        raise ConfigError(f"config: cluster in {path} must be a table ([cluster])")
     unknown = sorted(set(data) - set(SETTINGS))
     if unknown:
         names = ", ".join(_with_hint(key, key) for key in unknown)
@@ -541,6 +583,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "seconds": parse_seconds,
     "bool": _parse_bool,
     "choice": lambda text: text,
+    "text": lambda text: text,
     "ids": _parse_ids,
     "entries": lambda text: tuple(item.strip() for item in text.split(",") if item.strip()),
 }
@@ -556,7 +599,7 @@ def _native_ok(kind: str, value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "bool":
         return isinstance(value, bool)
-    if kind == "choice":
+    if kind in ("choice", "text"):
         return isinstance(value, str)
     if kind == "entries":
         return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
@@ -619,6 +662,10 @@ def _validated(name: str, value: Any) -> Any:
         for item in value:
             _check_int(name, kind, item, 0, MAX_ID)
         return tuple(value)
+    if kind == "text":
+        if not isinstance(value, str) or len(value) > 4096 or "\n" in value:
+            raise ConfigError(f"{name}: must be one line of text, got {value!r}")
+        return value
     if kind == "choice":
         if value not in meta["choices"]:
             raise ConfigError(f"{name}: must be one of {', '.join(meta['choices'])}, got {value!r}")

@@ -114,9 +114,12 @@ class PurgeReport:
     stored_bytes: int
     dry_run: bool
     seconds: float
+    # the identity digests removed whole (not for an idle-time purge): a shared tier drops their
+    # objects too
+    digests: tuple[bytes, ...] = ()
 
     def describe(self) -> dict[str, Any]:
-        return dict(vars(self))
+        return {k: v for k, v in vars(self).items() if k != "digests"}
 
 
 def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> list[bytes]:

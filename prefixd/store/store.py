@@ -569,7 +569,13 @@ class Store:
         if not dry_run and blocks:
             log.info("purged %d block(s) of %d identity(ies)", blocks, identities)
         return PurgeReport(
-            identities, blocks, payload, stored, dry_run, round(time.perf_counter() - started, 6)
+            identities,
+            blocks,
+            payload,
+            stored,
+            dry_run,
+            round(time.perf_counter() - started, 6),
+            tuple(digests) if selector.older_than_s is None and not dry_run else (),
         )
 
     # --- reading -------------------------------------------------------------------------------

@@ -463,3 +463,22 @@ def test_only_the_given_environment_is_read(
     config = load(env=base_env)
     assert config.workers == 4
     assert config.data_dir == Path(base_env["STATE_DIRECTORY"])
+
+
+def test_a_cluster_table_maps_onto_the_cluster_settings(tmp_path: Path) -> None:
+    file = tmp_path / "prefixd.toml"
+    file.write_text(
+        '[cluster]\nmaster = "127.0.0.1:50051"\nmetadata = "http://127.0.0.1:8080/metadata"\n'
+        'timeout_s = "500ms"\n'
+    )
+    config = load(file=file)
+    assert config.cluster_master == "127.0.0.1:50051"
+    assert config.cluster_metadata == "http://127.0.0.1:8080/metadata"
+    assert config.cluster_timeout_s == 0.5
+    assert load(env={"PREFIXD_CLUSTER_MASTER": "10.0.0.1:1"}).cluster_master == "10.0.0.1:1"
+    file.write_text('[cluster]\nmastr = "x"\n')
+    with pytest.raises(ConfigError, match="cluster_mastr"):
+        load(file=file)
+    file.write_text('cluster = "x"\n')
+    with pytest.raises(ConfigError, match="must be a table"):
+        load(file=file)
