@@ -189,6 +189,10 @@ class Metrics:
                     self._bytes_per_token.popitem(last=False)
             return rate
 
+    def track_cluster(self, bridge: Any) -> None:
+        """Expose the shared tier's counts (prefixd.cluster.bridge) as metrics too."""
+        self.registry.register(_ClusterCollector(bridge))
+
     # --- the benefit model --------------------------------------------------------------------
 
     def benefit(self, hit_tokens: int, hit_bytes: int) -> dict[str, float]:
@@ -299,6 +303,27 @@ class _StoreCollector:
             ("prefixd_verify_failures", stats.verify_failures, "Payloads that failed checksums"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+
+
+class _ClusterCollector:
+    """The shared tier's counts: remote hits, fetches, verification failures, errors."""
+
+    def __init__(self, bridge: Any) -> None:
+        self.bridge = bridge
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in sorted(self.bridge.snapshot().items()):
+            if name == "publish_queued":
+                yield GaugeMetricFamily(
+                    "prefixd_cluster_publish_queued", "Blocks waiting to be published", value=value
+                )
+            else:
+                yield CounterMetricFamily(
+                    f"prefixd_cluster_{name}", f"Shared tier: {name.replace('_', ' ')}", value=value
+                )
 
 
 def _ratio(part: float, whole: float) -> float:

@@ -41,10 +41,12 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
 from prefixd.store.joint import JointMatch
+from prefixd.store.purge import PurgeReport
 from prefixd.store.results import LoadResult
 from prefixd.store.verify import verify_report
 
 if TYPE_CHECKING:
+    from prefixd.cluster.bridge import SharedTierBridge
     from prefixd.daemon.server import Connection
 
 T = TypeVar("T")
@@ -91,8 +93,10 @@ class Operations:
         models: Mapping[str, str] | None = None,
         metrics: Metrics | None = None,
         min_reusable_tokens: int = 0,
+        bridge: SharedTierBridge | None = None,
     ) -> None:
         self.store = store
+        self.bridge = bridge  # the shared tier, when one is configured
         self.metrics = metrics if metrics is not None else Metrics(store, prefill_tokens_per_s=1e4)
         self.min_reusable_tokens = min_reusable_tokens
         self.models = models if models is not None else {}  # served model -> weights fingerprint
@@ -119,6 +123,7 @@ class Operations:
         }
         # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
         self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
+        self.cluster_hits: Counter[str] = Counter(local_hit_blocks=0, remote_hit_blocks=0)
 
     async def hello(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
@@ -133,7 +138,7 @@ class Operations:
         for model, weights in serves:
             # the engine serves these weights now: other versions of the model are stale
             selector = PurgeSelector(model=model, keep={"weights": weights})
-            retired += (await self._run(partial(self.store.purge, selector))).blocks
+            retired += (await self._run(partial(self.purge_everywhere, selector))).blocks
         conn.greeted = True
         return ok_reply(
             rid,
@@ -182,6 +187,8 @@ class Operations:
         result = await self._run(
             partial(self.store.put, identity, tokens, views, first_block=first_block)
         )
+        if self.bridge is not None and result.stored:
+            self.bridge.published(identity, result.hashes[len(result.hashes) - result.stored :])
         self.metrics.observe_put(
             identity.tenant,
             identity.digest,
@@ -239,14 +246,38 @@ class Operations:
         if missing:
 
             def run() -> list[PrefixMatch]:
-                return [
-                    self.store.longest_prefix(identity, queries[i][0], hashes=queries[i][1])
-                    for i in missing
-                ]
+                return [self._longest_prefix(identity, *queries[i]) for i in missing]
 
             for i, match in zip(missing, await self._run(run)):
                 matches[i] = match
         return ok_reply(rid, results=self._lookup_results(identity, queries, matches))
+
+    def _longest_prefix(
+        self, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
+    ) -> PrefixMatch:
+        """The local prefix, extended from the shared tier first when one is configured."""
+        match = self.store.longest_prefix(identity, tokens, hashes=hashes)
+        if self.bridge is None:
+            return match
+        remote = self.bridge.read_through(identity, tokens, match.n_blocks)
+        self.cluster_hits["local_hit_blocks"] += match.n_blocks
+        self.cluster_hits["remote_hit_blocks"] += remote
+        return self.store.longest_prefix(identity, tokens, hashes=hashes) if remote else match
+
+    def _load(
+        self, identity: Identity, tokens: bytes | memoryview, out: memoryview, **options: Any
+    ) -> LoadResult:
+        """`Store.load`, after the prefix is extended from the shared tier when one is set."""
+        if self.bridge is not None and not options.get("first_block"):
+            self._longest_prefix(identity, tokens, options.get("hashes"))
+        return self.store.load(identity, tokens, out, **options)
+
+    def purge_everywhere(self, selector: PurgeSelector) -> PurgeReport:
+        """Purge the store, then the shared tier's copies of the identities removed whole."""
+        report = self.store.purge(selector)
+        if self.bridge is not None and report.digests:
+            self.bridge.purged(report.digests)
+        return report
 
     def _lookup_results(
         self,
@@ -281,7 +312,7 @@ class Operations:
         started = time.perf_counter()
         result = await self._run(
             partial(
-                self.store.load,
+                self._load,
                 identity,
                 tokens,
                 out,
@@ -435,7 +466,10 @@ class Operations:
             selector = PurgeSelector.from_dict(criteria)
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
-        report = await self._run(partial(self.store.purge, selector, dry_run=dry_run))
+        if dry_run:
+            report = await self._run(partial(self.store.purge, selector, dry_run=True))
+        else:
+            report = await self._run(partial(self.purge_everywhere, selector))
         return ok_reply(rid, **report.describe())
 
     async def verify(self, conn: Connection, request: Request) -> dict[str, Any]:
@@ -460,6 +494,8 @@ class Operations:
         rid = request.id
         stats = await self._run(self.store.stats)
         metrics = await self._run(self.metrics.snapshot)
+        if self.bridge is not None:
+            metrics["cluster"] = {**self.bridge.snapshot(), **self.cluster_hits}
         server = {**conn.server.counters(), **self.warmed, "models": dict(self.models)}
         return ok_reply(rid, store=dataclasses.asdict(stats), server=server, metrics=metrics)
 

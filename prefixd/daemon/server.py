@@ -44,6 +44,7 @@ from prefixd.errors import ServeError
 from prefixd.store import PurgeSelector, Store
 
 if TYPE_CHECKING:
+    from prefixd.cluster.bridge import SharedTierBridge
     from prefixd.daemon.config import Config
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class Server:
         self._listener: socket.socket | None = None
         self._created_socket = False
         self._forced = False
+        self._operations: Operations | None = None
 
     @property
     def open_connections(self) -> int:
@@ -88,7 +90,10 @@ class Server:
         pool = ThreadPoolExecutor(config.workers, thread_name_prefix="prefixd-worker")
         watcher = ManifestWatcher(parse_manifests(config.model_manifests), self._retirer(pool))
         metrics = Metrics(self.store, prefill_tokens_per_s=config.prefill_tokens_per_s)
-        operations = Operations(
+        bridge = self._shared_tier()
+        if bridge is not None:
+            metrics.track_cluster(bridge)
+        operations = self._operations = Operations(
             self.store,
             pool,
             max_frame_bytes=config.max_frame_bytes,
@@ -96,6 +101,7 @@ class Server:
             models=watcher.fingerprints,
             metrics=metrics,
             min_reusable_tokens=config.min_reusable_tokens,
+            bridge=bridge,
         )
         exporter = MetricsExporter(
             metrics.registry,
@@ -108,6 +114,8 @@ class Server:
         try:
             await watcher.start()
             await exporter.start(pool)
+            if bridge is not None:
+                bridge.start()
             self._listener = self._bind()
             if install_signal_handlers:
                 for signum in (signal.SIGTERM, signal.SIGINT):
@@ -131,6 +139,8 @@ class Server:
             self._unbind()
             await watcher.stop()
             await self._drain()
+            if bridge is not None:
+                await loop.run_in_executor(pool, bridge.stop)
             await exporter.stop()
             if config.metrics_textfile is not None:
                 exporter.write()  # the last figures, before the store closes
@@ -157,13 +167,39 @@ class Server:
         """Purge a model's entries of other weights than `keep`, on the pool."""
 
         async def retire(model: str, keep: str) -> int:
-            assert self.store is not None
+            assert self._operations is not None
             selector = PurgeSelector(model=model, keep={"weights": keep})
             loop = asyncio.get_running_loop()
-            report = await loop.run_in_executor(pool, self.store.purge, selector)
+            report = await loop.run_in_executor(pool, self._operations.purge_everywhere, selector)
             return report.blocks
 
         return retire
+
+    def _shared_tier(self) -> SharedTierBridge | None:
+        """The bridge to the shared tier when `cluster_master` names one (connected lazily: a
+        tier that is down at start only costs counted errors)."""
+        config = self.config
+        if not config.cluster_master:
+            return None
+        from prefixd.cluster.bridge import SharedTierBridge
+        from prefixd.cluster.mooncake import MooncakeSettings, SharedTier
+
+        assert self.store is not None
+        tier = SharedTier(
+            MooncakeSettings(
+                master=config.cluster_master,
+                metadata=config.cluster_metadata,
+                local_hostname=config.cluster_local_hostname,
+                segment_bytes=config.cluster_segment_bytes,
+                timeout_s=config.cluster_timeout_s,
+            )
+        )
+        return SharedTierBridge(
+            self.store,
+            tier,
+            pending=config.cluster_pending,
+            prefill_tokens_per_s=config.prefill_tokens_per_s,
+        )
 
     def stop(self) -> None:
         """First call: graceful shutdown. Second call: cancel in-flight requests at once."""

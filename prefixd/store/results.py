@@ -164,3 +164,12 @@ class RepairReport:
     quarantined: int
     fixed: int
     remaining: tuple[Problem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ExportedBlock:
+    """A block as another tier receives it: its record (with token ids, parent and identity) and
+    its verified payload."""
+
+    record: bytes
+    payload: bytes

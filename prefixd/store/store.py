@@ -79,6 +79,7 @@ from prefixd.store.repair import BLOCK_PROBLEMS, rebuild_derived
 from prefixd.store.results import (
     BlockInfo,
     EvictionReport,
+    ExportedBlock,
     LoadResult,
     PrefixMatch,
     Problem,
@@ -1003,6 +1004,31 @@ class Store:
             parent = found[i - 1] if i else digest
             out.append(_Damaged(h, parent, digest, _BAD_PART))
         return out
+
+    def export_block(self, block: bytes) -> ExportedBlock | None:
+        """A stored block's record and verified payload, as bytes, to publish it elsewhere;
+        None if it is not stored (or fails verification, and is quarantined)."""
+        self._check_usable()
+        bad: list[_Damaged] = []
+        with self._env.begin(buffers=True) as txn:
+            raw = txn.get(block, db=self._tables.blocks)
+            if raw is None:
+                return None
+            try:
+                record = BlockRecord.decode(raw)
+            except CorruptRecordError:
+                return None
+            out = bytearray(record.payload_size)
+            parent_key = _parent_key(record.identity, record.parent)
+            item = self._gather(
+                txn, block, parent_key, record.identity, record.payload_size, memoryview(out), bad
+            )
+            verified = item is not None and self._codec.decode_verified([item], self._pool) == 1
+            if item is not None and not verified:
+                bad.append(_Damaged(block, parent_key, record.identity, _BAD_PAYLOAD))
+            record_bytes = bytes(raw)
+        self._quarantine(bad)
+        return ExportedBlock(record_bytes, bytes(out)) if verified else None
 
     def block_info(self, block: bytes) -> BlockInfo | None:
         """What the store keeps about one block, or None if it is not stored (or damaged)."""

@@ -1,0 +1,179 @@
+"""The bridge between local stores and a shared tier, against an in-memory tier: two nodes, one
+publishing, one reading through; damage, outages and purges."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixd import Identity, Store
+from prefixd.cluster.blocks import RemoteBlockError, block_key, decode_block, encode_block
+from prefixd.cluster.bridge import SharedTierBridge
+from prefixd.errors import PrefixdError
+from prefixd.schema.chain import BlockChain
+from prefixd.store.purge import PurgeSelector
+
+IDENT = Identity(
+    model="m",
+    weights="w",
+    tokenizer="t",
+    template="c",
+    rope="r",
+    kv_layout="bf16",
+    block_tokens=16,
+    tenant="acme",
+)
+TOKENS = np.arange(16 * 6, dtype=np.uint32) + 900_000
+PAYLOADS = [bytes([i]) * 50_000 for i in range(6)]
+
+
+class MemoryTier:
+    """A shared tier in a dict; `down` makes every call fail as an unreachable tier would."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise PrefixdError("shared tier unavailable")
+
+    def put(self, key: str, value: bytes) -> None:
+        self._check()
+        self.objects[key] = bytes(value)
+
+    def get(self, key: str) -> bytes | None:
+        self._check()
+        return self.objects.get(key)
+
+    def remove_prefix(self, prefix: str) -> int:
+        self._check()
+        gone = [k for k in self.objects if k.startswith(prefix)]
+        for key in gone:
+            del self.objects[key]
+        return len(gone)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def nodes(tmp_path: Path):
+    tier = MemoryTier()
+    stores = [Store.open(tmp_path / name, map_size=64 << 20) for name in ("a", "b")]
+    bridges = [SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in stores]
+    for bridge in bridges:
+        bridge.start()
+    yield tier, stores, bridges
+    for bridge, store in zip(bridges, stores, strict=True):
+        bridge.stop(timeout_s=0.5)
+        store.close()
+
+
+def publish(store: Store, bridge: SharedTierBridge, tier: MemoryTier) -> None:
+    result = store.put(IDENT, TOKENS, PAYLOADS)
+    bridge.published(IDENT, result.hashes)
+    deadline = time.monotonic() + 10
+    while len(tier.objects) < len(PAYLOADS):
+        assert time.monotonic() < deadline, bridge.snapshot()
+        time.sleep(0.01)
+
+
+def loaded(store: Store) -> list[bytes]:
+    out = bytearray(1 << 20)
+    result = store.load(IDENT, TOKENS, out)
+    return [bytes(out[o : o + n]) for o, n in zip(result.offsets, result.sizes, strict=True)]
+
+
+def test_a_cold_miss_is_served_from_another_nodes_publication(nodes) -> None:  # noqa: ANN001
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
+    assert loaded(b) == PAYLOADS  # installed locally, verified again on the way out
+    assert b.check() == []
+    counts = bridge_b.snapshot()
+    assert counts["remote_hit_blocks"] == 6 and counts["remote_bytes"] == 6 * 50_000
+    # a partial local prefix fetches only what follows it
+    b.delete([BlockChain(IDENT, TOKENS).hash(4)])
+    assert bridge_b.read_through(IDENT, TOKENS, 4) == 2
+
+
+def test_a_damaged_remote_value_is_never_installed(nodes) -> None:  # noqa: ANN001
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    key = block_key(IDENT.digest, BlockChain(IDENT, TOKENS).hash(3))
+    damaged = bytearray(tier.objects[key])
+    damaged[-100] ^= 0x01
+    tier.objects[key] = bytes(damaged)
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 3  # stops before the damaged block
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 3
+    assert bridge_b.snapshot()["remote_verify_failures"] == 1
+    # a value that is another block's (a key pointing at the wrong object) is refused too
+    tier.objects[key] = tier.objects[block_key(IDENT.digest, BlockChain(IDENT, TOKENS).hash(4))]
+    assert bridge_b.read_through(IDENT, TOKENS, 3) == 0
+
+
+def test_the_tier_down_costs_nothing_but_a_count(nodes) -> None:  # noqa: ANN001
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    tier.down = True
+    result = a.put(IDENT, TOKENS, PAYLOADS)
+    bridge_a.published(IDENT, result.hashes)
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 0
+    assert loaded(a) == PAYLOADS  # the local store answers alone
+    assert bridge_b.snapshot()["fetch_errors"] == 1
+    deadline = time.monotonic() + 10
+    while bridge_a.snapshot().get("publish_errors", 0) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_purge_removes_the_remote_copies(nodes) -> None:  # noqa: ANN001
+    tier, (a, _), (bridge_a, _) = nodes
+    publish(a, bridge_a, tier)
+    other = Identity(**{**IDENT.to_dict(), "tenant": "globex"})
+    tier.objects[block_key(other.digest, b"\x01" * 16)] = b"x"
+    report = a.purge(PurgeSelector(tenant="acme"))
+    assert report.digests == (IDENT.digest,)
+    assert bridge_a.purged(report.digests) == 6
+    assert list(tier.objects) == [block_key(other.digest, b"\x01" * 16)]
+
+
+def test_the_benefit_model_skips_fetches_slower_than_prefill(nodes) -> None:  # noqa: ANN001
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])  # the store knows its bytes per block
+    bridge_b.prefill_tokens_per_s = 1e12  # prefill is (absurdly) faster than any fetch
+    assert bridge_b.read_through(IDENT, TOKENS, 1) == 0
+    assert bridge_b.snapshot()["remote_skipped_by_benefit"] == 1
+
+
+def test_remote_values_are_proven_before_use() -> None:
+    chain = BlockChain(IDENT, TOKENS)
+    from prefixd.schema.records import BlockRecord, Compression
+
+    record = BlockRecord(
+        Compression.NONE,
+        0,
+        0,
+        0,
+        3,
+        3,
+        1,
+        IDENT.digest,
+        chain.parent_of(0),
+        bytes(chain.block_bytes(0)),
+    ).encode()
+    value = encode_block(record, b"abc")
+    proven = dict(
+        identity_digest=IDENT.digest, parent=chain.parent_of(0), tokens=bytes(chain.block_bytes(0))
+    )
+    assert bytes(decode_block(value, **proven)) == b"abc"
+    for bad in (value[:10], b"XXXX" + value[4:], value[:-1] + b"d", value + b"!"):
+        with pytest.raises(RemoteBlockError):
+            decode_block(bad, **proven)
+    with pytest.raises(RemoteBlockError, match="another block"):
+        decode_block(value, **{**proven, "tokens": bytes(chain.block_bytes(1))})
