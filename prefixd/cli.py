@@ -201,7 +201,9 @@ def _verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prefixd.store import Store
+    from prefixd.store.checker import run_check
     from prefixd.store.environment import is_held
+    from prefixd.store.results import RepairReport
     from prefixd.store.verify import verify_report
 
     if args.fix and args.no_payloads:
@@ -216,16 +218,19 @@ def _verify(args: argparse.Namespace) -> int:
         report = {"mode": "online", "path": str(path), **reply}
     else:
         with Store.open(path, create=False, exclusive=True) as store:
-            blocks = store.stats().blocks
+            blocks, parts = store.stats().blocks, store.stats().parts
             with tqdm(total=blocks, desc="verifying", unit=" blocks", file=sys.stderr) as bar:
-                if args.fix:
-                    repaired = store.repair(progress=bar.update)
-                    report = verify_report(blocks, store.stats().parts, fixed=repaired)
-                else:
-                    problems = store.check(
-                        verify_payloads=not args.no_payloads, progress=bar.update
-                    )
-                    report = verify_report(blocks, store.stats().parts, problems=problems)
+                # in a child: LMDB may abort the process that meets a damaged page
+                payloads = not args.no_payloads
+                problems = run_check(path, verify_payloads=payloads, progress=bar.update)
+            mendable = not any(p.kind == "pages" for p in problems)
+            if args.fix and mendable:
+                report = verify_report(blocks, parts, fixed=store.repair(problems))
+            elif args.fix:
+                unfixed = RepairReport(len(problems), 0, 0, tuple(problems))
+                report = verify_report(blocks, parts, fixed=unfixed)
+            else:
+                report = verify_report(blocks, parts, problems=problems)
         report = {"mode": "offline", "path": str(path), **report}
     print(json.dumps(report, indent=2))
     return 1 if (report["remaining"] if args.fix else report["problems"]) else 0

@@ -28,6 +28,7 @@ from prefixd.daemon.region import MappedRegion
 from prefixd.errors import (
     BlockCollisionError,
     ConfigError,
+    CorruptStoreError,
     DestinationError,
     IdentityError,
     OpenTailError,
@@ -40,9 +41,10 @@ from prefixd.errors import (
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
+from prefixd.store.checker import run_check
 from prefixd.store.joint import JointMatch
 from prefixd.store.purge import PurgeReport
-from prefixd.store.results import LoadResult
+from prefixd.store.results import LoadResult, RepairReport
 from prefixd.store.verify import verify_report
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ _STORE_ERRORS: tuple[tuple[type[Exception], ErrorCode], ...] = (
     (IdentityError, ErrorCode.BAD_IDENTITY),
     (StoreFullError, ErrorCode.STORE_FULL),
     (StoreWriteError, ErrorCode.WRITE_FAILED),
+    (CorruptStoreError, ErrorCode.STORE_DAMAGED),
 )
 _IDENTITY_CACHE = 1024
 MAX_REGIONS_PER_CONNECTION = 16
@@ -480,12 +483,16 @@ class Operations:
         payloads = field(msg, "payloads", bool, default=True)
 
         def run() -> dict[str, Any]:
-            if fix:
-                repaired = self.store.repair()
+            # the check runs in a child: LMDB may abort the process that meets a damaged page
+            problems = run_check(self.store.path, verify_payloads=payloads or fix)
+            stats = self.store.stats()
+            if fix and not any(p.kind == "pages" for p in problems):
+                repaired = self.store.repair(problems)
                 stats = self.store.stats()
                 return verify_report(stats.blocks, stats.parts, fixed=repaired)
-            problems = self.store.check(verify_payloads=payloads)
-            stats = self.store.stats()
+            if fix:  # damage a repair cannot mend: nothing is changed
+                unfixed = RepairReport(len(problems), 0, 0, tuple(problems))
+                return verify_report(stats.blocks, stats.parts, fixed=unfixed)
             return verify_report(stats.blocks, stats.parts, problems=problems)
 
         return ok_reply(rid, **await self._run(run))

@@ -40,6 +40,7 @@ class ErrorCode(str, Enum):
     BAD_PAYLOAD = "bad_payload"
     STORE_FULL = "store_full"  # the map or the disk is full: rolled back, reads go on
     WRITE_FAILED = "write_failed"  # the disk refused a write (an I/O error): rolled back
+    STORE_DAMAGED = "store_damaged"  # a damaged page of the store: see `prefixd verify`
     BUSY = "busy"
     FORBIDDEN = "forbidden"
     SHUTTING_DOWN = "shutting_down"

@@ -85,6 +85,8 @@ def open_environment(
     data_file = path / DATA_FILE
     lock_file = path / LOCK_FILE
     creating = not data_file.exists()
+    if not creating and data_file.stat().st_size == 0:  # LMDB would write fresh meta pages
+        raise NotAStoreError(f"{data_file} is empty: not a store (nothing was written to it)")
     had_lock = lock_file.exists()
     if creating:
         if not config.create or readonly:
@@ -122,16 +124,38 @@ def open_environment(
         )
         raise NotAStoreError(f"{data_file} is {kind}") from None
     except lmdb.Error as exc:
+        if _has_lmdb_magic(data_file):
+            raise CorruptStoreError(
+                f"{data_file} is an LMDB file whose meta pages are damaged ({exc}); restore it "
+                "from a backup, or delete the directory and let the cache refill"
+            ) from None
         raise StoreOpenError(f"cannot open {path}: {exc}") from None
     try:
+        if not creating:
+            _check_whole(env, data_file)
         if creating:
             tables, meta = _create(env)
         else:
             tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
+    except lmdb.Error as exc:  # a damaged page met while reading the tables or the meta record
+        env.close()
+        raise CorruptStoreError(f"{data_file} has damaged pages: {exc}") from None
     except BaseException:
         env.close()
         raise
     return env, tables, meta
+
+
+def _check_whole(env: lmdb.Environment, data_file: Path) -> None:
+    """Refuse a data file shorter than its last page (a partial copy or restore): LMDB maps
+    pages past the end of the file, and reading one kills the process (SIGBUS)."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = data_file.stat().st_size
+    if size < needed:
+        raise CorruptStoreError(
+            f"{data_file} is {size} bytes, cut short: its pages reach {needed} bytes; restore it "
+            "from a backup, or delete the directory and let the cache refill"
+        )
 
 
 _LMDB_MAGIC = 0xBEEFC0DE
@@ -200,10 +224,13 @@ def _read_meta(
         meta = StoreMeta.decode(bytes(raw), supported=None if any_version else SCHEMA_VERSION)
     except SchemaVersionError as exc:
         raise SchemaVersionError(exc.found, exc.supported, path) from None
+    except CorruptMetaError as exc:
+        raise CorruptMetaError(f"{path}: {exc}") from None
     for key, expected in FORMAT_SETTINGS.items():
         if meta.settings.get(key) != expected:
             raise CorruptMetaError(
-                f"meta setting {key}={meta.settings.get(key)!r}, this prefixd writes {expected!r}"
+                f"{path}: meta setting {key}={meta.settings.get(key)!r}, this prefixd writes "
+                f"{expected!r}"
             )
     return meta
 

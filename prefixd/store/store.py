@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -20,13 +21,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import lmdb
 import msgpack
 
 from prefixd.errors import (
     BlockCollisionError,
+    CorruptStoreError,
     DestinationError,
     DiskFullError,
     IdentityError,
@@ -95,6 +97,7 @@ from prefixd.store.walk import Walk, walk_chain
 from prefixd.store.warmup import HotPrefix, hottest_prefixes
 
 log = logging.getLogger(__name__)
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 _BAD_RECORD = "record fails verification"
 # Without a capacity setting, payloads may fill this share of the map: records, indexes and
 # LMDB's free pages need the rest.
@@ -114,6 +117,20 @@ class _Damaged(NamedTuple):
     parent_key: bytes
     identity: bytes
     reason: str
+
+
+def _pages_checked(method: _Method) -> _Method:
+    """Report a damaged LMDB page met by a read as CorruptStoreError (the caller can act on it:
+    `prefixd verify`, or delete the store), never as an lmdb error from below."""
+
+    @functools.wraps(method)
+    def checked(self: Store, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError) as exc:
+            raise CorruptStoreError(f"{self.path} has damaged pages: {exc}") from None
+
+    return checked  # type: ignore[return-value]
 
 
 class _Refusal(Exception):
@@ -273,6 +290,8 @@ class Store:
     def _write_failure(self, exc: lmdb.Error) -> PrefixdError:
         """What a failed write transaction means for the caller. LMDB reports a file system
         without room as an I/O error at commit, so the free space tells the two apart."""
+        if isinstance(exc, (lmdb.CorruptedError, lmdb.PageNotFoundError)):
+            return CorruptStoreError(f"{self.path} has damaged pages: {exc}")
         try:
             free = os.statvfs(self.path).f_bavail * os.statvfs(self.path).f_frsize
         except OSError:
@@ -581,6 +600,7 @@ class Store:
 
     # --- reading -------------------------------------------------------------------------------
 
+    @_pages_checked
     def longest_prefix(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch:
@@ -605,6 +625,7 @@ class Store:
             identity.digest, identity.block_tokens, tuple(walk.hashes), tuple(walk.payload_sizes)
         )
 
+    @_pages_checked
     def cached_prefix(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch | None:
@@ -637,6 +658,7 @@ class Store:
             identity.digest, identity.block_tokens, known.hashes, known.payload_sizes
         )
 
+    @_pages_checked
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
         """Verify block i's payload and write it into `dests[i]`, in order, copying once.
 
@@ -672,6 +694,7 @@ class Store:
             self._activity.loaded_bytes += sum(verified)
         return ReadResult(n_ok, verified)
 
+    @_pages_checked
     def load(
         self,
         identity: Identity,
@@ -712,6 +735,8 @@ class Store:
             ):
                 end = offset + size
                 if end > buffer.nbytes:
+                    if self._damaged_record(txn, h):  # a damaged size is no reason to stop
+                        bad.append(_Damaged(h, parent, identity.digest, _BAD_RECORD))
                     break
                 item = self._gather(
                     txn, h, parent, identity.digest, size, buffer[offset:end], bad, min_created
@@ -868,6 +893,7 @@ class Store:
         hashes = tuple(chain.hash(i) for i in range(first_block, end))
         return PutResult(stored, existed, hashes, parts), replaced
 
+    @_pages_checked
     def lookup_state(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> JointMatch:
@@ -889,6 +915,7 @@ class Store:
             self._activity.hit_blocks += len(match.hashes)
         return match
 
+    @_pages_checked
     def load_state(
         self,
         identity: Identity,
@@ -1005,6 +1032,7 @@ class Store:
             out.append(_Damaged(h, parent, digest, _BAD_PART))
         return out
 
+    @_pages_checked
     def export_block(self, block: bytes) -> ExportedBlock | None:
         """A stored block's record and verified payload, as bytes, to publish it elsewhere;
         None if it is not stored (or fails verification, and is quarantined)."""
@@ -1030,6 +1058,7 @@ class Store:
         self._quarantine(bad)
         return ExportedBlock(record_bytes, bytes(out)) if verified else None
 
+    @_pages_checked
     def block_info(self, block: bytes) -> BlockInfo | None:
         """What the store keeps about one block, or None if it is not stored (or damaged)."""
         self._check_usable()
@@ -1106,6 +1135,7 @@ class Store:
             "bytes_after": after,
         }
 
+    @_pages_checked
     def stats(self) -> StoreStats:
         """Persisted totals plus this process's activity and codec speeds."""
         self._check_usable()
@@ -1145,6 +1175,7 @@ class Store:
             compressed_payloads_stored_raw=c.stored_raw_after_trial,
         )
 
+    @_pages_checked
     def check(
         self,
         *,
@@ -1159,11 +1190,18 @@ class Store:
                 txn, self._tables, verify_payloads=verify_payloads, progress=progress
             )
 
-    def repair(self, *, progress: Callable[[int], None] | None = None) -> RepairReport:
-        """Check, then quarantine every block a problem condemns (with everything below it) and
-        rebuild the indexes and counters from the remaining records, in one transaction; report
-        what was found, what was done, and whatever still fails a check afterwards."""
-        problems = self.check(progress=progress)
+    def repair(
+        self,
+        problems: Sequence[Problem] | None = None,
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> RepairReport:
+        """Check (unless given the `problems` a check found), then quarantine every block a
+        problem condemns (with everything below it) and rebuild the indexes and counters from
+        the remaining records, in one transaction; report what was found, what was done, and
+        whatever still fails a check afterwards."""
+        if problems is None:
+            problems = self.check(progress=progress)
         condemned = {
             p.block: p.kind for p in problems if p.kind in BLOCK_PROBLEMS and p.block is not None
         }
@@ -1328,6 +1366,16 @@ class Store:
             )
             return None
         return StoredPayload(record, chunks, dest)
+
+    def _damaged_record(self, txn: lmdb.Transaction, h: bytes) -> bool:
+        raw = txn.get(h, db=self._tables.blocks)
+        if raw is None:
+            return False
+        try:
+            BlockRecord.decode(raw)
+        except CorruptRecordError:
+            return True
+        return False
 
     def _after_walk(self, walk: Walk, chain: BlockChain) -> None:
         if walk.collided:

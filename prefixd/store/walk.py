@@ -38,6 +38,9 @@ _GROWTH = 8
 _MAGIC = int.from_bytes(record_prefix()[:4], "little")
 _VERSION = record_prefix()[4]
 _PAYLOAD_SIZE = PAYLOAD_SIZE_AT // 4
+_STORED_SIZE = _PAYLOAD_SIZE + 2  # stored_size follows payload_size (both u64)
+_CHUNK_BYTES = 2  # chunk_bytes and n_chunks: u32 words 2 and 3 of the header
+_N_CHUNKS = 3
 _CREATED = CREATED_AT // 4
 _IDENTITY = IDENTITY_AT // 4
 _PARENT = PARENT_AT // 4
@@ -134,6 +137,7 @@ def _matching_rows(
     ok &= (rows[:, _PARENT : _PARENT + 4] == parents.reshape(n, 4)).all(axis=1)
     ok &= (rows[:, _IDENTITY : _IDENTITY + 4] == digest).all(axis=1)
     ok &= (rows[:, 0] == _MAGIC) & (rows[:, 1] & 0xFF == _VERSION)
+    ok &= _plausible_sizes(rows)
     created = rows[:, _CREATED : _CREATED + 2].copy().view("<u8").ravel()
     fresh = created >= min_created_ns
     usable = ok & fresh
@@ -142,6 +146,25 @@ def _matching_rows(
     sizes = rows[:good, _PAYLOAD_SIZE : _PAYLOAD_SIZE + 2].copy().view("<u8").ravel()
     oldest = int(created[:good].min()) if good else 1 << 63
     return sizes.tolist(), oldest, expired
+
+
+def _plausible_sizes(rows: np.ndarray) -> np.ndarray:
+    """Whether each record's sizes agree with each other, without its checksum (too dear for
+    the walk): a payload fills its chunks but the last exactly, and one stored raw is as large
+    as its stored form. A record failing this ends the walk and is then checked in full, so a
+    damaged size is quarantined instead of reported; a damaged size that still agrees (a
+    compressed payload's, within its last chunk) is caught by the checksum when it is read."""
+    payload = rows[:, _PAYLOAD_SIZE : _PAYLOAD_SIZE + 2].copy().view("<u8").ravel()
+    stored = rows[:, _STORED_SIZE : _STORED_SIZE + 2].copy().view("<u8").ravel()
+    chunk = rows[:, _CHUNK_BYTES].astype(np.uint64)
+    n_chunks = rows[:, _N_CHUNKS].astype(np.uint64)
+    raw = (rows[:, 1] >> 8) & 0xFF == 0
+    filled = np.where(
+        n_chunks == 0,
+        payload == 0,
+        (payload <= n_chunks * chunk) & (payload > (n_chunks - 1) * chunk),
+    )
+    return filled & (~raw | (payload == stored))
 
 
 def _classify(walk: Walk, key: bytes, value: bytes | memoryview) -> None:

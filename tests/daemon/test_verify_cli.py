@@ -67,3 +67,35 @@ def test_online_verify_while_serving(daemon: Daemon) -> None:
         loaded = client.load(IDENTITY, prompt)
         assert loaded.n_blocks == 3 and [bytes(v) for v in loaded.views] == data[:3]
     assert verify(*where)[0] == 0
+
+
+def test_the_daemon_survives_verifying_pages_lmdb_cannot_read(
+    daemon_factory, tmp_path: Path
+) -> None:  # noqa: ANN001
+    """A branch page pointing at a meta page makes LMDB abort the process that walks it: the
+    daemon's check runs in a child, so the daemon reports the damage and goes on serving."""
+    import struct
+
+    import lmdb
+
+    from ..store.test_corruption import PAGE, _point_branch_child
+
+    path = tmp_path / "store"
+    with Store.open(path, map_size=64 << 20) as store:
+        for i in range(40):  # enough small records for the blocks table to need a branch page
+            store.put(IDENTITY, np.arange(BT, dtype=np.uint32) + 50_000_000 + 10 * i, [b"x" * 48])
+    env = lmdb.open(str(path), max_dbs=16, map_size=64 << 20, readonly=True, lock=False)
+    with env.begin() as txn:
+        db = txn.get(b"blocks")
+    env.close()
+    depth, root = struct.unpack_from("<H", db, 6)[0], struct.unpack_from("<Q", db, 40)[0]
+    assert depth == 2 and PAGE == 4096
+    _point_branch_child(path / "data.mdb", root, 0)
+    daemon = daemon_factory(data_dir=path)
+    code, report, _ = verify("--data-dir", str(path), "--socket", str(daemon.socket))
+    assert code == 1 and report["mode"] == "online"
+    assert report["by_kind"].get("pages") == 1, report
+    code, report, _ = verify("--data-dir", str(path), "--socket", str(daemon.socket), "--fix")
+    assert code == 1 and report["quarantined"] == 0  # nothing a repair could mend was touched
+    with Client(daemon.socket) as client:
+        assert client.health()["status"] == "ok"

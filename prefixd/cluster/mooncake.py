@@ -1,0 +1,745 @@
+"""A shared tier on Mooncake Store behind the local store, hidden behind a small typed adapter.
+
+Mooncake Store (github.com/kvcache-ai/Mooncake) is a distributed in-memory key-value store built
+for LLM KV caches. A `mooncake_master` process keeps only metadata (which key lives where); the
+bytes live in *segments*, memory that each client process contributes to a cluster-wide pool, and
+move between processes through Mooncake's transfer engine (TCP here; RDMA where there is a NIC).
+A prefix that one node computed and published can then be fetched by every other node of the
+cluster, which is why prefixd can put a shared tier behind its local, on-disk store: a local miss
+may still be a cluster hit, much cheaper than a prefill.
+
+`SharedTier` is what the daemon uses; it never exposes Mooncake's API, its integer return codes or
+its blocking behaviour. Facts this module relies on, measured with the PyPI package
+`mooncake-transfer-engine-non-cuda==0.3.13.post1`:
+
+* Packaging: the wheel ships `mooncake_master` and the Python client `mooncake.store`. Both link
+  Debian's `libibverbs1` even when only TCP is used; without it `import mooncake` fails.
+* Master on loopback, with its built-in HTTP metadata server (no etcd):
+  `mooncake_master --rpc_address=127.0.0.1 --rpc_port=50051 --enable_http_metadata_server=true
+  --http_metadata_server_host=127.0.0.1 --http_metadata_server_port=8080
+  --metrics_host=127.0.0.1 --metrics_port=9003 --default_kv_lease_ttl=...`. It is ready when
+  `GET http://<metrics>/health` answers `"service_ready": true` (about 1 s after start).
+  Clients set `MC_TCP_BIND_ADDRESS=127.0.0.1` on loopback so the transfer engine binds there.
+* Client: `MooncakeDistributedStore().setup(local_hostname, metadata_server_url,
+  global_segment_size, local_buffer_size, "tcp", rdma_devices="", master_server_addr)` returns 0.
+  `global_segment_size` is what this process lends to the pool (0, or at least 16 MiB: 8 MiB is
+  rejected); `local_buffer_size` is a staging buffer that `put(bytes)`/`get()` copy through, so
+  those two calls fail for values larger than it. `put_from`/`get_into` with a raw pointer skip the
+  staging and have no such limit; on TCP they work on unregistered memory (RDMA needs
+  `register_buffer`). This adapter therefore puts and gets through pointers on TCP.
+* `put` is insert-if-absent: a second put of an existing key returns 0 and keeps the old value
+  (`upsert` replaces). Empty values are refused (-600). `get` returns `b""` both for a missing key
+  and on failure (master down, value larger than the staging buffer), so `b""` is disambiguated
+  with `get_size` (-704 missing, -900 master unreachable).
+* Leases: a read (`get`, `get_into`, `is_exist`, `get_size`) grants the key a lease of
+  `--default_kv_lease_ttl` (default 10 s). While it lasts a plain `remove` fails with -706
+  (OBJECT_HAS_LEASE), `remove_by_regex` silently skips the key, and eviction passes it over;
+  `force=True` removes regardless. A put grants no lease. An unread object does *not* disappear
+  when the TTL passes (checked with 1 s and with the 10 s default): objects go only by removal,
+  by eviction once the pool passes `--eviction_high_watermark_ratio` (0.9; oldest first,
+  `--eviction_ratio` 0.05 at a time), when the client whose segment holds them closes or dies
+  (`--client_ttl`, 10 s of missed heartbeats), or when the master restarts (its metadata is in
+  memory only: a restarted master starts empty, and clients remount their segments on their own
+  about 1 s later; until then puts fail with -200).
+* Keys: any `str` Mooncake accepts, including spaces, newlines and non-ASCII text; 1 MiB keys were
+  accepted; the empty key is refused (-600). This adapter allows 1 to `MAX_KEY_BYTES` UTF-8 bytes
+  without NUL. `remove_by_regex` uses ECMAScript regex *search* semantics (unanchored), so a
+  prefix becomes `^` plus the prefix with every ASCII punctuation character backslash-escaped.
+* Failure behaviour, the reason for the worker threads and timeouts below: with the master killed,
+  calls return -900 (RPC_FAIL) after up to ~4.5 s each (the client reconnects first) and `get`
+  returns `b""`; with the master hung (stopped, or a network that drops packets), calls block
+  indefinitely. Both release the GIL, so a worker thread plus `Future.result(timeout)` bounds them.
+  Two calls hold the GIL while they block and cannot be bounded that way: `setup` against an
+  unreachable master (90 s when nothing listens, forever when the master is hung) and `close`
+  with the master gone (about 17 s). `connect` therefore probes the master's port and the HTTP
+  metadata server first, and `close` does not call Mooncake's `close` when that probe fails: it
+  abandons the client object (kept alive for the life of the process; its heartbeat thread keeps
+  logging to stderr).
+* Throughput on loopback (2-core CI box, one object after another): across processes (the
+  segment in another client) `put` 0.5-0.6 GB/s, `get` 0.7-1.1 GB/s, `get_into`/`put_from`
+  1.1-1.2 GB/s for 1 MiB and 64 MiB objects; within one process (the segment is local) 1.5 to
+  7 GB/s. A small RPC (`is_exist`, a miss) takes 25-45 us.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
+from typing import Any, Self, TypeVar
+
+import numpy as np
+
+from prefixd.errors import ConfigError, PrefixdError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_KEY_BYTES = 4096
+"""Longest key this adapter accepts, in UTF-8 bytes (Mooncake itself accepted 1 MiB keys)."""
+
+MIN_SEGMENT_BYTES = 16 << 20
+"""Smallest non-zero segment Mooncake's `setup` accepted (8 MiB is refused with -600)."""
+
+# Mooncake's ErrorCode values (mooncake-store/include/types.h) that this module names.
+_CODE_NAMES: dict[int, str] = {
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -100: "SHARD_INDEX_OUT_OF_RANGE",
+    -101: "SEGMENT_NOT_FOUND",
+    -102: "SEGMENT_ALREADY_EXISTS",
+    -103: "CLIENT_NOT_FOUND",
+    -200: "NO_AVAILABLE_HANDLE",
+    -300: "INVALID_VERSION",
+    -400: "INVALID_KEY",
+    -500: "WRITE_FAIL",
+    -600: "INVALID_PARAMS",
+    -601: "ILLEGAL_CLIENT",
+    -700: "INVALID_WRITE",
+    -701: "INVALID_READ",
+    -702: "INVALID_REPLICA",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -708: "OBJECT_HAS_REPLICATION_TASK",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
+    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+    -1011: "UNAVAILABLE_IN_CURRENT_MODE",
+}
+_NOT_FOUND = -704
+_HAS_LEASE = -706
+_INVALID_PARAMS = -600
+# Codes that mean "the cluster cannot be reached right now", not "this request is wrong".
+_UNAVAILABLE_CODES = frozenset({-103, -900, -1010, -1011})
+
+# Clients whose `close` could not be called safely (see the module docstring), kept alive on
+# purpose: destroying one runs Mooncake's close, which would hold the GIL for seconds.
+_ABANDONED: list[Any] = []
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class TierError(PrefixdError):
+    """A shared-tier operation failed; `code` is Mooncake's error code where there was one."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class TierUnavailableError(TierError):
+    """The shared tier cannot be reached now (master down or hung, package missing, timeout).
+
+    Serve from the local store and try again later; `SharedTier` itself refuses calls for
+    `cooldown_s` after one of these, so a dead master does not cost every request a timeout."""
+
+
+class TierValueError(TierError, ValueError):
+    """A key, value or buffer the shared tier cannot take (empty, too long, not contiguous...)."""
+
+
+class TierBusyError(TierError):
+    """The key is under a read lease (another reader fetched it lately); remove it with
+    `force=True` or retry after the master's `--default_kv_lease_ttl`."""
+
+
+def _code_name(code: int) -> str:
+    return f"{_CODE_NAMES.get(code, 'UNKNOWN')} ({code})"
+
+
+def _failure(what: str, code: int) -> TierError:
+    """The exception for Mooncake's negative return `code` of operation `what`."""
+    message = f"{what} failed: {_code_name(code)}"
+    if code in _UNAVAILABLE_CODES:
+        return TierUnavailableError(message, code)
+    if code == _HAS_LEASE:
+        return TierBusyError(message, code)
+    if code == -200:
+        message += " (pool full, or no segment mounted yet after a master restart)"
+    return TierError(message, code)
+
+
+# --- settings ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """Where the Mooncake cluster is and what this process lends to it.
+
+    `master` is the master's RPC address (host:port); `metadata` the transfer engine's metadata
+    server, here the master's built-in HTTP one (`http://host:port/metadata`). `segment_bytes` is
+    the memory this process adds to the shared pool (0: use the pool, lend nothing; else at least
+    16 MiB); `buffer_bytes` the client's staging buffer (bounds values on non-TCP protocols).
+    Every call gives up after `timeout_s`; after the tier was found unavailable, calls fail at once
+    for `cooldown_s`. `workers` threads run Mooncake calls (bounding how many can hang at once).
+    """
+
+    master: str = "127.0.0.1:50051"
+    metadata: str = "http://127.0.0.1:8080/metadata"
+    local_hostname: str = "127.0.0.1"
+    segment_bytes: int = 1 << 30
+    buffer_bytes: int = 64 << 20
+    protocol: str = "tcp"
+    device: str = ""
+    timeout_s: float = 5.0
+    cooldown_s: float = 1.0
+    workers: int = 4
+
+    def __post_init__(self) -> None:
+        host, _, port = self.master.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"mooncake master {self.master!r} is not host:port")
+        if not self.metadata:
+            raise ConfigError("mooncake metadata server URL is empty")
+        if not self.local_hostname:
+            raise ConfigError("mooncake local_hostname is empty")
+        if self.segment_bytes != 0 and self.segment_bytes < MIN_SEGMENT_BYTES:
+            raise ConfigError(
+                f"mooncake segment_bytes={self.segment_bytes}: use 0 or at least "
+                f"{MIN_SEGMENT_BYTES} (16 MiB)"
+            )
+        if self.buffer_bytes < 0:
+            raise ConfigError(f"mooncake buffer_bytes={self.buffer_bytes} is negative")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"mooncake protocol {self.protocol!r}: use 'tcp' or 'rdma'")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"mooncake timeout_s={self.timeout_s} must be positive")
+        if not self.cooldown_s >= 0:
+            raise ConfigError(f"mooncake cooldown_s={self.cooldown_s} must be >= 0")
+        if self.workers < 1:
+            raise ConfigError(f"mooncake workers={self.workers} must be at least 1")
+
+    @property
+    def master_host_port(self) -> tuple[str, int]:
+        host, _, port = self.master.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _check_key(key: str) -> str:
+    if not isinstance(key, str):
+        raise TierValueError(f"key must be a str, not {type(key).__name__}")
+    if not key:
+        raise TierValueError("key is empty")
+    if "\x00" in key:
+        raise TierValueError("key contains NUL")
+    try:
+        n = len(key.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise TierValueError(f"key is not valid Unicode text: {e}") from None
+    if n > MAX_KEY_BYTES:
+        raise TierValueError(f"key is {n} UTF-8 bytes, more than {MAX_KEY_BYTES}")
+    return key
+
+
+def _bytes_view(value: Any, *, writable: bool) -> tuple[np.ndarray, int, int]:
+    """(an array keeping the memory alive, its address, its length) for a contiguous buffer."""
+    try:
+        view = memoryview(value)
+    except TypeError:
+        raise TierValueError(f"{type(value).__name__} does not expose a buffer") from None
+    if writable and view.readonly:
+        raise TierValueError("the buffer is read-only")
+    if not view.c_contiguous:
+        raise TierValueError("the buffer is not C-contiguous")
+    if view.nbytes == 0:
+        return np.zeros(0, dtype=np.uint8), 0, 0
+    flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    array = np.frombuffer(flat, dtype=np.uint8)  # holds the buffer: it cannot be freed under us
+    return array, int(array.ctypes.data), array.nbytes
+
+
+def _escape_regex(text: str) -> str:
+    """`text` as a literal for Mooncake's (C++ std::regex, ECMAScript) patterns."""
+    return "".join(
+        "\\" + c if c.isascii() and c.isprintable() and not c.isalnum() and c != "_" else c
+        for c in text
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _import_store_class() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:  # the package, or libibverbs.so.1 (Debian's libibverbs1), missing
+        raise TierUnavailableError(
+            f"Mooncake's client cannot be imported ({e}); install prefixd[cluster] "
+            "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1"
+        ) from e
+    return MooncakeDistributedStore
+
+
+def _abandon(client: Any) -> None:
+    """Keep `client` alive for good: its destructor would run Mooncake's close (GIL held)."""
+    _ABANDONED.append(client)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))  # survives interpreter shutdown too
+
+
+class _Workers:
+    """Daemon threads running Mooncake calls. Unlike ThreadPoolExecutor's threads they never
+    keep the interpreter from exiting, even when a call hangs for good."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
+        self._queue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((future, fn))
+        return future
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+
+# --- the tier ----------------------------------------------------------------------------------
+
+
+class SharedTier:
+    """One Mooncake client for a daemon process: put, get, exists and remove shared objects.
+
+    Thread-safe. Connects lazily (on the first call, or `connect()`); every call finishes within
+    `settings.timeout_s` or raises `TierUnavailableError`; every failure is a `TierError`.
+    Objects are immutable once put: `put` keeps an existing key's value unless `overwrite=True`.
+    """
+
+    def __init__(self, settings: MooncakeSettings) -> None:
+        self.settings = settings
+        self._client: Any = None
+        self._workers: _Workers | None = None
+        self._slots = threading.BoundedSemaphore(settings.workers)
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self._connect_lock = threading.Lock()
+        self._closed = False
+        self._down_until = 0.0
+        self._down_reason = ""
+        self._registered: dict[int, tuple[int, np.ndarray]] = {}  # address -> (length, keepalive)
+        self._registered_lock = threading.Lock()
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    @property
+    def in_flight(self) -> int:
+        """Mooncake calls still running, those that timed out included. A buffer given to a
+        `get_into` (or `put`) that raised TierUnavailableError may still be written (read) by
+        Mooncake until this count drops: do not reuse it before, or use a fresh one."""
+        return self._in_flight
+
+    def connect(self) -> None:
+        """Connect now (idempotent). Raises TierUnavailableError when the master or the
+        metadata server does not answer, or Mooncake's setup fails or times out."""
+        with self._connect_lock:
+            if self._closed:
+                raise TierError("the shared tier is closed")
+            if self._client is not None:
+                return
+            self._check_cooldown()
+            try:
+                self._connect_locked()
+            except TierUnavailableError as e:
+                self._trip(str(e))
+                raise
+
+    def _connect_locked(self) -> None:
+        s = self.settings
+        store_class = _import_store_class()
+        problem = self._probe()
+        if problem:
+            raise TierUnavailableError(f"Mooncake is unreachable: {problem}")
+        if _is_loopback(s.local_hostname):
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", s.local_hostname)
+        if self._workers is None:
+            self._workers = _Workers(s.workers, "prefixd-mooncake")
+        client = store_class()
+
+        def setup() -> int:
+            return int(
+                client.setup(
+                    s.local_hostname,
+                    s.metadata,
+                    s.segment_bytes,
+                    s.buffer_bytes,
+                    s.protocol,
+                    s.device,
+                    s.master,
+                )
+            )
+
+        try:
+            rc = self._submit("setup", setup, time.monotonic() + s.timeout_s)
+        except TierError:
+            _abandon(client)
+            raise
+        if rc != 0:
+            _abandon(client)
+            raise TierUnavailableError(
+                f"Mooncake setup (master {s.master}, metadata {s.metadata}) failed: "
+                f"{_code_name(rc)}",
+                rc,
+            )
+        self._client = client
+        log.info("connected to Mooncake master %s as %s", s.master, s.local_hostname)
+
+    def close(self) -> None:
+        """Disconnect (idempotent). Objects held in this process's segment leave the pool."""
+        with self._connect_lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client = self._client, None
+        workers = self._workers
+        if client is None:
+            if workers is not None:
+                workers.shutdown()
+            return
+        deadline = time.monotonic() + self.settings.timeout_s
+        held = 0
+        while held < self.settings.workers and self._slots.acquire(
+            timeout=max(0.0, deadline - time.monotonic())
+        ):
+            held += 1
+        problem = self._probe()
+        if held < self.settings.workers or problem or workers is None:
+            log.warning(
+                "abandoning the Mooncake client without closing it (%s)",
+                problem or "calls still running",
+            )
+            _abandon(client)
+        else:
+            future = workers.submit(client.close)
+            try:
+                future.result(timeout=max(0.1, deadline - time.monotonic()))
+            except FutureTimeoutError:
+                log.warning("Mooncake close did not finish in time; abandoning the client")
+                _abandon(client)
+            except Exception as e:  # noqa: BLE001 - closing is best effort
+                log.warning("Mooncake close failed: %s", e)
+        for _ in range(held):
+            self._slots.release()
+        if workers is not None:
+            workers.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- operations -------------------------------------------------------------------------
+
+    def put(
+        self, key: str, value: bytes | bytearray | memoryview, *, overwrite: bool = False
+    ) -> None:
+        """Store `value` (any non-empty C-contiguous buffer) under `key`. Without `overwrite`
+        an existing key keeps its value (objects are content-addressed; no transfer happens)."""
+        _check_key(key)
+        array, address, n = _bytes_view(value, writable=False)
+        if n == 0:
+            raise TierValueError("the value is empty (Mooncake refuses empty objects)")
+        if self._direct(address, n):
+
+            def call(client: Any, _pin: np.ndarray = array) -> int:  # _pin: memory stays alive
+                fn = client.upsert_from if overwrite else client.put_from
+                return int(fn(key, address, n))
+
+        else:
+            if n > self.settings.buffer_bytes:
+                raise TierValueError(
+                    f"the value is {n} bytes, more than the staging buffer "
+                    f"({self.settings.buffer_bytes}); register the buffer first"
+                )
+
+            def call(client: Any) -> int:
+                fn = client.upsert if overwrite else client.put
+                return int(fn(key, array))
+
+        rc = self._call(f"put {key!r}", call)
+        if rc != 0:
+            raise _failure(f"put {key!r} ({n} bytes)", rc)
+
+    def get(self, key: str) -> bytes | None:
+        """The value under `key`, or None when there is none."""
+        _check_key(key)
+        direct = self.settings.protocol == "tcp"
+
+        def call(client: Any) -> bytes | None:
+            data = client.get(key)
+            if data:
+                return bytes(data)
+            # b"" is both "missing" and "failed" (empty values cannot exist): ask the size.
+            size = int(client.get_size(key))
+            if size == _NOT_FOUND:
+                return None
+            if size < 0:
+                raise _failure(f"get {key!r}", size)
+            if not direct:
+                raise TierError(f"get {key!r} ({size} bytes) failed through the staging buffer")
+            out = bytearray(size)
+            array = np.frombuffer(out, dtype=np.uint8)
+            rc = int(client.get_into(key, int(array.ctypes.data), size))
+            if rc == _NOT_FOUND:
+                return None
+            if rc < 0:
+                raise _failure(f"get {key!r}", rc)
+            return bytes(out) if rc == size else bytes(memoryview(out)[:rc])
+
+        return self._call(f"get {key!r}", call)
+
+    def get_into(self, key: str, buffer: bytearray | memoryview | Any) -> int | None:
+        """Copy the value under `key` into the start of `buffer` (any writable C-contiguous
+        buffer, e.g. a bytearray or a numpy array); the number of bytes, or None when missing.
+        Zero-copy on TCP and for registered buffers; otherwise through the staging buffer.
+        After a TierUnavailableError the buffer may still be written: see `in_flight`."""
+        _check_key(key)
+        array, address, n = _bytes_view(buffer, writable=True)
+        direct = self._direct(address, n)
+
+        def call(client: Any) -> int | None:
+            if direct:  # `array` (referenced below) keeps the buffer alive while Mooncake writes
+                rc = int(client.get_into(key, address, n))
+            else:
+                data = client.get(key)
+                if data and len(data) <= n:
+                    array[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+                    return len(data)
+                rc = _INVALID_PARAMS if data else _NOT_FOUND
+            if rc >= 0:
+                return rc
+            if rc == _NOT_FOUND or rc == _INVALID_PARAMS:
+                size = int(client.get_size(key))
+                if size == _NOT_FOUND:
+                    return None
+                if size > n:
+                    raise TierValueError(
+                        f"get_into {key!r}: the value is {size} bytes, the buffer {n}", rc
+                    )
+                if size < 0:
+                    raise _failure(f"get_into {key!r}", size)
+            raise _failure(f"get_into {key!r}", rc)
+
+        return self._call(f"get_into {key!r}", call)
+
+    def size(self, key: str) -> int | None:
+        """The value's length in bytes, or None when `key` has no value."""
+        _check_key(key)
+        rc = self._call(f"size {key!r}", lambda client: int(client.get_size(key)))
+        if rc == _NOT_FOUND:
+            return None
+        if rc < 0:
+            raise _failure(f"size {key!r}", rc)
+        return rc
+
+    def exists(self, key: str) -> bool:
+        """Whether `key` has a value (this grants the key a read lease, see TierBusyError)."""
+        _check_key(key)
+        rc = self._call(f"exists {key!r}", lambda client: int(client.is_exist(key)))
+        if rc < 0:
+            raise _failure(f"exists {key!r}", rc)
+        return rc == 1
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """`exists` for many keys in one round trip."""
+        names = [_check_key(k) for k in keys]
+        if not names:
+            return []
+        codes = self._call(
+            f"exists_many ({len(names)} keys)",
+            lambda client: [int(c) for c in client.batch_is_exist(names)],
+        )
+        if len(codes) != len(names):
+            raise TierError(f"exists_many: {len(codes)} answers for {len(names)} keys")
+        if any(c < 0 for c in codes):
+            raise TierUnavailableError(
+                f"exists_many: {sum(c < 0 for c in codes)} of {len(names)} keys failed"
+            )
+        return [c == 1 for c in codes]
+
+    def remove(self, key: str, *, force: bool = False) -> bool:
+        """Remove `key`; False when it was not there. A key read lately is under a lease:
+        TierBusyError, unless `force` (a reader mid-transfer may then see torn bytes)."""
+        _check_key(key)
+        rc = self._call(f"remove {key!r}", lambda client: int(client.remove(key, force)))
+        if rc == 0:
+            return True
+        if rc == _NOT_FOUND:
+            return False
+        raise _failure(f"remove {key!r}", rc)
+
+    def remove_prefix(self, prefix: str, *, force: bool = False) -> int:
+        """Remove every key starting with `prefix` (non-empty: the pool is shared), through
+        Mooncake's remove_by_regex; the number removed. Without `force`, keys under a read lease
+        are skipped silently. The master scans all its keys: an occasional, not a hot, call."""
+        _check_key(prefix)
+        pattern = "^" + _escape_regex(prefix)
+        rc = self._call(
+            f"remove_prefix {prefix!r}",
+            lambda client: int(client.remove_by_regex(pattern, force)),
+        )
+        if rc < 0:
+            raise _failure(f"remove_prefix {prefix!r}", rc)
+        return rc
+
+    def register(self, buffer: bytearray | memoryview | Any) -> None:
+        """Register `buffer` with the transfer engine for zero-copy `put`/`get_into` (needed for
+        RDMA; TCP reads and writes any memory). Keep it alive until `unregister`."""
+        array, address, n = _bytes_view(buffer, writable=True)
+        rc = self._call("register", lambda client: int(client.register_buffer(address, n)))
+        if rc != 0:
+            raise _failure(f"register ({n} bytes)", rc)
+        with self._registered_lock:
+            self._registered[address] = (n, array)
+
+    def unregister(self, buffer: bytearray | memoryview | Any) -> None:
+        _, address, _ = _bytes_view(buffer, writable=True)
+        with self._registered_lock:
+            if address not in self._registered:
+                raise TierValueError("the buffer is not registered")
+        rc = self._call("unregister", lambda client: int(client.unregister_buffer(address)))
+        with self._registered_lock:
+            self._registered.pop(address, None)
+        if rc != 0:
+            raise _failure("unregister", rc)
+
+    # --- machinery --------------------------------------------------------------------------
+
+    def _direct(self, address: int, n: int) -> bool:
+        """Whether Mooncake may read/write [address, address+n) itself (no staging copy)."""
+        if self.settings.protocol == "tcp":
+            return True
+        with self._registered_lock:
+            return any(
+                a <= address and address + n <= a + m for a, (m, _) in self._registered.items()
+            )
+
+    def _call(self, what: str, fn: Callable[[Any], T]) -> T:
+        deadline = time.monotonic() + self.settings.timeout_s
+        if self._closed:
+            raise TierError(f"{what}: the shared tier is closed")
+        self._check_cooldown()
+        if self._client is None:
+            self.connect()
+        client = self._client
+        if client is None:  # closed concurrently
+            raise TierError(f"{what}: the shared tier is closed")
+        try:
+            return self._submit(what, lambda: fn(client), deadline)
+        except TierUnavailableError as e:
+            self._trip(str(e))
+            raise
+
+    def _submit(self, what: str, fn: Callable[[], T], deadline: float) -> T:
+        """Run `fn` on a worker; a TierError instead of a hang, of an exception from Mooncake."""
+        workers = self._workers
+        assert workers is not None
+        if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TierUnavailableError(
+                f"{what}: all {self.settings.workers} Mooncake workers are busy (calls hanging?)"
+            )
+        with self._in_flight_lock:
+            self._in_flight += 1
+        future = workers.submit(fn)
+        future.add_done_callback(self._finished)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeoutError:
+            raise TierUnavailableError(
+                f"{what}: no answer within {self.settings.timeout_s} s (Mooncake master "
+                f"{self.settings.master} down or hung?)"
+            ) from None
+        except TierError:
+            raise
+        except Exception as e:
+            raise TierError(f"{what}: {type(e).__name__}: {e}") from e
+
+    def _finished(self, _: Future[Any]) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
+        self._slots.release()
+
+    def _probe(self) -> str:
+        """Why the master or the HTTP metadata server cannot be reached ('' when both answer)."""
+        s = self.settings
+        limit = min(1.0, s.timeout_s)
+        try:
+            with socket.create_connection(s.master_host_port, timeout=limit):
+                pass
+        except OSError as e:
+            return f"master {s.master}: {e}"
+        if s.metadata.startswith(("http://", "https://")):
+            url = s.metadata + ("&" if "?" in s.metadata else "?") + "key=prefixd-probe"
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            try:
+                with opener.open(url, timeout=limit):
+                    pass
+            except urllib.error.HTTPError:
+                pass  # an answer (404: no such key) is all we ask for
+            except (OSError, ValueError) as e:
+                return f"metadata server {s.metadata}: {e}"
+        return ""
+
+    def _check_cooldown(self) -> None:
+        if time.monotonic() < self._down_until:
+            raise TierUnavailableError(f"shared tier unavailable ({self._down_reason})")
+
+    def _trip(self, reason: str) -> None:
+        self._down_reason = reason
+        self._down_until = time.monotonic() + self.settings.cooldown_s
+
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "MooncakeSettings",
+    "SharedTier",
+    "TierBusyError",
+    "TierError",
+    "TierUnavailableError",
+    "TierValueError",
+]

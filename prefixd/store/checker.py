@@ -1,0 +1,96 @@
+"""Checking a store in a child process.
+
+A damaged B-tree page can make LMDB's own assertions abort the process that walks it. A daemon
+must survive its own `verify`, and the CLI should report such damage instead of dying of it, so
+both run the check (`check_store`, in a read-only environment) in a child: `python -m
+prefixd.store.checker PATH`. The child prints its progress on stderr and the problems as JSON on
+stdout; a child that dies reports the damage as one problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from prefixd.store.results import Problem
+
+_PROGRESS = "progress "
+
+
+def run_check(
+    path: Path,
+    *,
+    verify_payloads: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> list[Problem]:
+    """Every problem `Store.check` would list, found by a child process; a child killed by the
+    damage it met is itself a problem (kind "pages")."""
+    command = [sys.executable, "-m", "prefixd.store.checker", str(path)]
+    if not verify_payloads:
+        command.append("--no-payloads")
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert child.stdout is not None and child.stderr is not None
+    errors = []
+    for line in child.stderr:
+        if line.startswith(_PROGRESS):
+            if progress is not None:
+                progress(int(line[len(_PROGRESS) :]))
+        else:
+            errors.append(line)
+    out = child.stdout.read()
+    code = child.wait()
+    if code == 0:
+        return [
+            Problem(p["kind"], p["detail"], bytes.fromhex(p["block"]) if p["block"] else None)
+            for p in json.loads(out)
+        ]
+    how = f"died of {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+    last = errors[-1].strip() if errors else ""
+    return [
+        Problem(
+            "pages",
+            f"the check {how} reading the store ({last[-200:]}): LMDB pages are damaged beyond "
+            "what a repair can mend; restore the store from a backup, or delete it and let the "
+            "cache refill",
+        )
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from prefixd.store.check import check_store
+    from prefixd.store.config import StoreConfig
+    from prefixd.store.environment import open_environment
+
+    parser = argparse.ArgumentParser(prog="python -m prefixd.store.checker")
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--no-payloads", action="store_true")
+    args = parser.parse_args(argv)
+
+    def report(n: int) -> None:
+        print(f"{_PROGRESS}{n}", file=sys.stderr, flush=True)
+
+    env, tables, _meta = open_environment(StoreConfig(path=args.path, create=False), readonly=True)
+    try:
+        with env.begin(buffers=True) as txn:
+            problems = check_store(
+                txn, tables, verify_payloads=not args.no_payloads, progress=report
+            )
+    finally:
+        env.close()
+    listed = [
+        {"kind": p.kind, "detail": p.detail, "block": p.block.hex() if p.block else ""}
+        for p in problems
+    ]
+    print(json.dumps(listed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
