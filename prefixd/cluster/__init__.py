@@ -16,6 +16,7 @@ from prefixd.cluster.mooncake import (
     TierError,
     TierUnavailableError,
     TierValueError,
+    close_abandoned,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "TierError",
     "TierUnavailableError",
     "TierValueError",
+    "close_abandoned",
 ]

@@ -129,8 +129,10 @@ _INVALID_PARAMS = -600
 _UNAVAILABLE_CODES = frozenset({-103, -900, -1010, -1011})
 
 # Clients whose `close` could not be called safely (see the module docstring), kept alive on
-# purpose: destroying one runs Mooncake's close, which would hold the GIL for seconds.
-_ABANDONED: list[Any] = []
+# purpose: destroying one runs Mooncake's close, which would hold the GIL for seconds. Each with
+# a function telling how many calls of its tier still run (it may be closed once that is 0).
+_ABANDONED: list[tuple[Any, Callable[[], int]]] = []
+_ABANDONED_LOCK = threading.Lock()
 
 
 # --- errors ------------------------------------------------------------------------------------
@@ -156,8 +158,8 @@ class TierValueError(TierError, ValueError):
 
 
 class TierBusyError(TierError):
-    """The key is under a read lease (another reader fetched it lately); remove it with
-    `force=True` or retry after the master's `--default_kv_lease_ttl`."""
+    """`remove(key, force=False)` met a read lease (a reader fetched the key lately); force it,
+    or retry after the master's `--default_kv_lease_ttl`."""
 
 
 def _code_name(code: int) -> str:
@@ -294,10 +296,28 @@ def _import_store_class() -> Any:
     return MooncakeDistributedStore
 
 
-def _abandon(client: Any) -> None:
+def _abandon(client: Any, in_flight: Callable[[], int]) -> None:
     """Keep `client` alive for good: its destructor would run Mooncake's close (GIL held)."""
-    _ABANDONED.append(client)
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))  # survives interpreter shutdown too
+    with _ABANDONED_LOCK:
+        _ABANDONED.append((client, in_flight))
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))  # no destructor at interpreter exit
+
+
+def close_abandoned() -> int:
+    """Close the Mooncake clients `SharedTier` abandoned (see the module docstring) whose calls
+    have all returned; the number closed. Call it when the master answers again, or before the
+    process exits while it does: Mooncake closes every client left at exit, which takes seconds
+    per client when the master is gone. Each close holds the GIL for 1-2 s."""
+    with _ABANDONED_LOCK:
+        ready = [entry for entry in _ABANDONED if entry[1]() == 0]
+        for entry in ready:
+            _ABANDONED.remove(entry)
+    for client, _ in ready:
+        try:
+            client.close()
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.warning("closing an abandoned Mooncake client failed: %s", e)
+    return len(ready)
 
 
 class _Workers:
@@ -416,10 +436,10 @@ class SharedTier:
         try:
             rc = self._submit("setup", setup, time.monotonic() + s.timeout_s)
         except TierError:
-            _abandon(client)
+            _abandon(client, lambda: self._in_flight)
             raise
         if rc != 0:
-            _abandon(client)
+            _abandon(client, lambda: self._in_flight)
             raise TierUnavailableError(
                 f"Mooncake setup (master {s.master}, metadata {s.metadata}) failed: "
                 f"{_code_name(rc)}",
@@ -429,7 +449,11 @@ class SharedTier:
         log.info("connected to Mooncake master %s as %s", s.master, s.local_hostname)
 
     def close(self) -> None:
-        """Disconnect (idempotent). Objects held in this process's segment leave the pool."""
+        """Disconnect (idempotent). Objects held in this process's segment leave the pool.
+
+        Mooncake's close holds the GIL for 1-2 s even when all is well, and for much longer when
+        the master is gone; then (or with calls still hanging) the client is abandoned instead,
+        which returns within `timeout_s` (see `close_abandoned`)."""
         with self._connect_lock:
             if self._closed:
                 return
@@ -452,14 +476,17 @@ class SharedTier:
                 "abandoning the Mooncake client without closing it (%s)",
                 problem or "calls still running",
             )
-            _abandon(client)
+            _abandon(client, lambda: self._in_flight)
         else:
+            with self._in_flight_lock:
+                self._in_flight += 1
             future = workers.submit(client.close)
+            future.add_done_callback(self._close_finished)
             try:
-                future.result(timeout=max(0.1, deadline - time.monotonic()))
+                future.result(timeout=max(5.0, self.settings.timeout_s))
             except FutureTimeoutError:
                 log.warning("Mooncake close did not finish in time; abandoning the client")
-                _abandon(client)
+                _abandon(client, lambda: self._in_flight)
             except Exception as e:  # noqa: BLE001 - closing is best effort
                 log.warning("Mooncake close failed: %s", e)
         for _ in range(held):
@@ -602,9 +629,13 @@ class SharedTier:
             )
         return [c == 1 for c in codes]
 
-    def remove(self, key: str, *, force: bool = False) -> bool:
-        """Remove `key`; False when it was not there. A key read lately is under a lease:
-        TierBusyError, unless `force` (a reader mid-transfer may then see torn bytes)."""
+    def remove(self, key: str, *, force: bool = True) -> bool:
+        """Remove `key`; False when it was not there.
+
+        Forced by default: Mooncake would otherwise refuse a key read in the last
+        `--default_kv_lease_ttl` (TierBusyError), because a reader may be mid-transfer; that
+        reader can then get torn bytes, which prefixd's end-to-end checksums
+        (prefixd.cluster.blocks) reject. `force=False` respects the lease."""
         _check_key(key)
         rc = self._call(f"remove {key!r}", lambda client: int(client.remove(key, force)))
         if rc == 0:
@@ -613,10 +644,11 @@ class SharedTier:
             return False
         raise _failure(f"remove {key!r}", rc)
 
-    def remove_prefix(self, prefix: str, *, force: bool = False) -> int:
+    def remove_prefix(self, prefix: str, *, force: bool = True) -> int:
         """Remove every key starting with `prefix` (non-empty: the pool is shared), through
-        Mooncake's remove_by_regex; the number removed. Without `force`, keys under a read lease
-        are skipped silently. The master scans all its keys: an occasional, not a hot, call."""
+        Mooncake's remove_by_regex; the number removed. Forced by default, as `remove`; with
+        `force=False` keys under a read lease are skipped silently (and not counted). The master
+        scans all its keys: an occasional call (purges), not a hot one."""
         _check_key(prefix)
         pattern = "^" + _escape_regex(prefix)
         rc = self._call(
@@ -704,6 +736,10 @@ class SharedTier:
             self._in_flight -= 1
         self._slots.release()
 
+    def _close_finished(self, _: Future[Any]) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
+
     def _probe(self) -> str:
         """Why the master or the HTTP metadata server cannot be reached ('' when both answer)."""
         s = self.settings
@@ -742,4 +778,5 @@ __all__ = [
     "TierError",
     "TierUnavailableError",
     "TierValueError",
+    "close_abandoned",
 ]

@@ -12,13 +12,19 @@ Labels carry tenants and operation names only: never prompts, token ids or keys.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 if TYPE_CHECKING:
     from prefixd.store import Store
@@ -63,145 +69,147 @@ class LoadTimeModel:
         return self.overhead_s + n_bytes / self.bandwidth if n_bytes else 0.0
 
 
-class _TenantCounters(NamedTuple):
-    prompts: Any
-    hits: Any
-    prompt_tokens: Any
-    hit_tokens: Any
-    prompt_bytes: Any
-    hit_bytes: Any
-    loaded_bytes: Any
-    loaded_tokens: Any
-    saved_seconds: Any
+# The per-tenant counts: name (prefixd_<name>_total on the wire) and what it counts.
+_TALLIES = (
+    ("lookup_prompts", "Prompts looked up"),
+    ("lookup_hits", "Prompts with a hit that was offered"),
+    ("prompt_tokens", "Closed-block tokens of the prompts looked up"),
+    ("hit_tokens", "Tokens of the hits offered"),
+    (
+        "prompt_bytes",
+        "Payload bytes of the prompts' closed blocks (missed ones estimated from the identity's "
+        "bytes per token)",
+    ),
+    ("hit_bytes", "Payload bytes of the hits"),
+    ("loaded_bytes", "Verified payload bytes loaded"),
+    ("loaded_tokens", "Tokens whose state was loaded"),
+    ("prefill_saved_seconds", "Prefill time the loads saved, at the configured prefill throughput"),
+    ("put_blocks", "Blocks stored by puts"),
+)
+(PROMPTS, HITS, PROMPT_TOKENS, HIT_TOKENS, PROMPT_BYTES, HIT_BYTES, LOADED_BYTES, LOADED_TOKENS,
+ SAVED_S, PUT_BLOCKS) = range(len(_TALLIES))  # fmt: skip
+
+
+class _Histogram:
+    """Counts per bucket and a sum: what a Prometheus histogram exposes, kept as plain numbers
+    (the lookup path records into it, and prometheus_client's own costs a lock per call)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts keyed by upper bound, as Prometheus writes them."""
+        out, total = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+        return out
 
 
 class Metrics:
-    """The daemon's counters and histograms, plus the store's totals read at collection time."""
+    """The daemon's counts and histograms, plus the store's totals read at collection time.
+
+    Recording is a few additions under one lock; the registry reads them when it is scraped."""
 
     def __init__(self, store: Store, *, prefill_tokens_per_s: float) -> None:
         self.store = store
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.load_time = LoadTimeModel()
         self._bytes_per_token: OrderedDict[bytes, float] = OrderedDict()
-        self._tenants: dict[str, _TenantCounters] = {}
+        self._tenants: dict[str, list[float]] = {}
+        self.hit_length = _Histogram(HIT_TOKEN_BUCKETS)
+        self._ops: dict[str, _Histogram] = {}
         self._lock = threading.Lock()
-        r = self.registry = CollectorRegistry(auto_describe=True)
-        tenant = ["tenant"]
-        self.prompts = Counter("prefixd_lookup_prompts", "Prompts looked up", tenant, registry=r)
-        self.hits = Counter(
-            "prefixd_lookup_hits", "Prompts with a hit that was offered", tenant, registry=r
-        )
-        self.prompt_tokens = Counter(
-            "prefixd_prompt_tokens", "Closed-block tokens of the prompts looked up", tenant,
-            registry=r,
-        )  # fmt: skip
-        self.hit_tokens = Counter(
-            "prefixd_hit_tokens", "Tokens of the hits offered", tenant, registry=r
-        )
-        self.prompt_bytes = Counter(
-            "prefixd_prompt_bytes",
-            "Payload bytes of the prompts' closed blocks (missed ones estimated from the "
-            "identity's bytes per token)",
-            tenant,
-            registry=r,
-        )
-        self.hit_bytes = Counter(
-            "prefixd_hit_bytes", "Payload bytes of the hits", tenant, registry=r
-        )
-        self.hit_length = Histogram(
-            "prefixd_hit_length_tokens", "Tokens per hit offered", buckets=HIT_TOKEN_BUCKETS,
-            registry=r,
-        )  # fmt: skip
-        self.op_seconds = Histogram(
-            "prefixd_operation_seconds", "Time to answer a request, by operation", ["op"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.loaded_bytes = Counter(
-            "prefixd_loaded_bytes", "Verified payload bytes loaded", tenant, registry=r
-        )
-        self.loaded_tokens = Counter(
-            "prefixd_loaded_tokens", "Tokens whose state was loaded", tenant, registry=r
-        )
-        self.saved_seconds = Counter(
-            "prefixd_prefill_saved_seconds",
-            "Prefill time the loads saved, at the configured prefill throughput",
-            tenant,
-            registry=r,
-        )
-        self.put_blocks = Counter("prefixd_put_blocks", "Blocks stored by puts", tenant, registry=r)
-        r.register(_StoreCollector(store))
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_TallyCollector(self))
+        self.registry.register(_StoreCollector(store))
 
     # --- recording -------------------------------------------------------------------------------
 
     def observe_op(self, op: str, seconds: float) -> None:
-        self.op_seconds.labels(op).observe(seconds)
+        with self._lock:
+            histogram = self._ops.get(op)
+            if histogram is None:
+                histogram = self._ops[op] = _Histogram(LATENCY_BUCKETS)
+            histogram.observe(seconds)
 
     def observe_lookup(
         self, tenant: str, digest: bytes, prompt_tokens: int, hit_tokens: int, hit_bytes: int
     ) -> None:
         """One prompt looked up; `hit_tokens` is what was offered (0 for a miss)."""
-        rate = self._rate(digest, hit_bytes, hit_tokens)
-        c = self._of(tenant)
-        c.prompts.inc()
-        c.prompt_tokens.inc(prompt_tokens)
-        self.hit_length.observe(hit_tokens)
-        if hit_tokens:
-            c.hits.inc()
-            c.hit_tokens.inc(hit_tokens)
-            c.hit_bytes.inc(hit_bytes)
-        c.prompt_bytes.inc(hit_bytes + (prompt_tokens - hit_tokens) * rate)
+        with self._lock:
+            rate = self._rate(digest, hit_bytes, hit_tokens)
+            t = self._of(tenant)
+            t[PROMPTS] += 1
+            t[PROMPT_TOKENS] += prompt_tokens
+            t[PROMPT_BYTES] += hit_bytes + (prompt_tokens - hit_tokens) * rate
+            self.hit_length.observe(hit_tokens)
+            if hit_tokens:
+                t[HITS] += 1
+                t[HIT_TOKENS] += hit_tokens
+                t[HIT_BYTES] += hit_bytes
 
     def observe_load(self, tenant: str, n_tokens: int, n_bytes: int, seconds: float) -> None:
         if n_bytes:
             self.load_time.observe(n_bytes, seconds)
-        c = self._of(tenant)
-        c.loaded_bytes.inc(n_bytes)
-        c.loaded_tokens.inc(n_tokens)
-        c.saved_seconds.inc(n_tokens / self.prefill_tokens_per_s)
-
-    def _of(self, tenant: str) -> _TenantCounters:
-        """The tenant's labelled counters (looked up once: `labels()` costs a lock and a dict)."""
-        found = self._tenants.get(tenant)
-        if found is None and len(self._tenants) >= MAX_TENANT_LABELS:
-            return self._of(OTHER_TENANTS)  # label cardinality stays bounded
-        if found is None:
-            found = _TenantCounters(
-                *(getattr(self, name).labels(tenant) for name in _TenantCounters._fields)
-            )
-            self._tenants[tenant] = found
-        return found
+        with self._lock:
+            t = self._of(tenant)
+            t[LOADED_BYTES] += n_bytes
+            t[LOADED_TOKENS] += n_tokens
+            t[SAVED_S] += n_tokens / self.prefill_tokens_per_s
 
     def observe_put(
         self, tenant: str, digest: bytes, blocks: int, tokens: int, n_bytes: int
     ) -> None:
-        self.put_blocks.labels(tenant).inc(blocks)
-        self._rate(digest, n_bytes, tokens)
+        with self._lock:
+            self._of(tenant)[PUT_BLOCKS] += blocks
+            self._rate(digest, n_bytes, tokens)
+
+    def _of(self, tenant: str) -> list[float]:
+        """The tenant's tallies (call under the lock); tenants past MAX_TENANT_LABELS share one
+        set, so label cardinality stays bounded."""
+        found = self._tenants.get(tenant)
+        if found is None:
+            if len(self._tenants) >= MAX_TENANT_LABELS:
+                tenant = OTHER_TENANTS
+            found = self._tenants.setdefault(tenant, [0.0] * len(_TALLIES))
+        return found
 
     def _rate(self, digest: bytes, n_bytes: int, tokens: int) -> float:
-        """The identity's payload bytes per token, updated with this observation if it has any."""
-        with self._lock:
-            rate = self._bytes_per_token.get(digest, 0.0)
-            if tokens and n_bytes:
-                rate = n_bytes / tokens if not rate else 0.9 * rate + 0.1 * n_bytes / tokens
-                self._bytes_per_token[digest] = rate
-                self._bytes_per_token.move_to_end(digest)
-                if len(self._bytes_per_token) > _RATE_MEMORY:
-                    self._bytes_per_token.popitem(last=False)
-            return rate
+        """The identity's payload bytes per token, updated with this observation if it has any
+        (call under the lock)."""
+        rate = self._bytes_per_token.get(digest, 0.0)
+        if tokens and n_bytes:
+            rate = n_bytes / tokens if not rate else 0.9 * rate + 0.1 * n_bytes / tokens
+            self._bytes_per_token[digest] = rate
+            self._bytes_per_token.move_to_end(digest)
+            if len(self._bytes_per_token) > _RATE_MEMORY:
+                self._bytes_per_token.popitem(last=False)
+        return rate
 
-    def track_cluster(self, bridge: Any) -> None:
-        """Expose the shared tier's counts (prefixd.cluster.bridge) as metrics too."""
-        self.registry.register(_ClusterCollector(bridge))
+    def tallies(
+        self,
+    ) -> tuple[dict[str, list[float]], list[tuple[str, float]], float, dict[str, _Histogram]]:
+        """A consistent copy: per-tenant tallies, the hit-length buckets and sum, the op
+        histograms."""
+        with self._lock:
+            tenants = {t: list(v) for t, v in self._tenants.items()}
+            lengths, length_sum = self.hit_length.buckets(), self.hit_length.sum
+            ops = {op: _copy_histogram(h) for op, h in self._ops.items()}
+        return tenants, lengths, length_sum, ops
 
     # --- the benefit model --------------------------------------------------------------------
 
-    def benefit(self, hit_tokens: int, hit_bytes: int) -> dict[str, float]:
+    def benefit(self, hit_tokens: int, hit_bytes: int) -> tuple[float, float]:
         """What the engine compares: the estimated seconds to load the hit, and the prefill
         seconds it saves at the configured throughput."""
-        return {
-            "est_load_s": round(self.load_time.estimate(hit_bytes), 9),
-            "est_prefill_s": round(hit_tokens / self.prefill_tokens_per_s, 9),
-        }
+        return self.load_time.estimate(hit_bytes), hit_tokens / self.prefill_tokens_per_s
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -228,8 +236,8 @@ class Metrics:
                 "bytes": _ratio(totals["hit_bytes"], totals["prompt_bytes"]),
             },
             "totals": totals,
-            "hit_length_tokens": _buckets(self.hit_length.collect()),
-            "latency_us": _latencies(self.op_seconds.collect()),
+            "hit_length_tokens": _per_bucket(self.hit_length),
+            "latency_us": _latencies(self.tallies()[3]),
             "load_model": {
                 "overhead_us": round(self.load_time.overhead_s * 1e6, 1),
                 "bandwidth_gbps": round(self.load_time.bandwidth / 1e9, 3),
@@ -305,6 +313,33 @@ class _StoreCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _TallyCollector:
+    """The daemon's own counts as Prometheus families, read when scraped."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        tenants, lengths, length_sum, ops = self.metrics.tallies()
+        for i, (name, doc) in enumerate(_TALLIES):
+            family = CounterMetricFamily(f"prefixd_{name}", doc, labels=["tenant"])
+            for tenant, values in sorted(tenants.items()):
+                family.add_metric([tenant], values[i])
+            yield family
+        hits = HistogramMetricFamily("prefixd_hit_length_tokens", "Tokens per hit offered")
+        hits.add_metric([], lengths, length_sum)
+        yield hits
+        times = HistogramMetricFamily(
+            "prefixd_operation_seconds", "Time to answer a request, by operation", labels=["op"]
+        )
+        for op, histogram in sorted(ops.items()):
+            times.add_metric([op], histogram.buckets(), histogram.sum)
+        yield times
+
+
 class _ClusterCollector:
     """The shared tier's counts: remote hits, fetches, verification failures, errors."""
 
@@ -330,37 +365,31 @@ def _ratio(part: float, whole: float) -> float:
     return round(part / whole, 6) if whole else 0.0
 
 
-def _buckets(families: list[Metric]) -> dict[str, int]:
+def _copy_histogram(histogram: _Histogram) -> _Histogram:
+    copy = _Histogram(histogram.bounds)
+    copy.counts, copy.sum = list(histogram.counts), histogram.sum
+    return copy
+
+
+def _per_bucket(histogram: _Histogram) -> dict[str, int]:
     """Per-bucket counts (not cumulative) keyed by the bucket's upper bound."""
-    counts: dict[str, int] = {}
-    previous = 0.0
-    for sample in families[0].samples:
-        if sample.name.endswith("_bucket"):
-            counts[sample.labels["le"]] = int(sample.value - previous)
-            previous = sample.value
-    return counts
+    bounds = [repr(float(b)) for b in histogram.bounds] + ["+Inf"]
+    return dict(zip(bounds, histogram.counts, strict=True))
 
 
-def _latencies(families: list[Metric]) -> dict[str, dict[str, float]]:
+def _latencies(ops: dict[str, _Histogram]) -> dict[str, dict[str, float]]:
     """count, mean, p50 and p99 (bucket upper bounds) in microseconds, per operation."""
-    by_op: dict[str, list[tuple[float, float]]] = {}
-    sums: dict[str, float] = {}
-    for sample in families[0].samples:
-        op = sample.labels.get("op", "")
-        if sample.name.endswith("_bucket"):
-            by_op.setdefault(op, []).append((float(sample.labels["le"]), sample.value))
-        elif sample.name.endswith("_sum"):
-            sums[op] = sample.value
     out = {}
-    for op, buckets in by_op.items():
-        count = buckets[-1][1]
+    for op, histogram in ops.items():
+        cumulative = [(float(bound), count) for bound, count in histogram.buckets()]
+        count = cumulative[-1][1]
         if not count:
             continue
         out[op] = {
             "count": int(count),
-            "mean_us": round(sums.get(op, 0.0) / count * 1e6, 1),
-            "p50_us": _quantile(buckets, count, 0.5),
-            "p99_us": _quantile(buckets, count, 0.99),
+            "mean_us": round(histogram.sum / count * 1e6, 1),
+            "p50_us": _quantile(cumulative, count, 0.5),
+            "p99_us": _quantile(cumulative, count, 0.99),
         }
     return out
 

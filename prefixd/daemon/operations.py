@@ -201,9 +201,12 @@ class Operations:
         )
         return ok_reply(rid, stored=result.stored, existed=result.existed)
 
-    def lookup_from_memory(self, conn: Connection, request: Request) -> dict[str, Any] | None:
+    def lookup_from_memory(
+        self, conn: Connection, request: Request
+    ) -> tuple[dict[str, Any], Callable[[], None]] | None:
         """The lookup's reply if memory alone answers every prompt (see Store.cached_prefix),
-        computed at once on the event loop; None sends the request the usual way."""
+        computed at once on the event loop, and the counting to do once it is sent; None sends
+        the request the usual way."""
         identity, queries = self._lookup_queries(conn, request.message)
         try:
             matches = [
@@ -214,7 +217,8 @@ class Operations:
             raise _protocol_error(exc) from None
         if any(m is None for m in matches):
             return None
-        return ok_reply(request.id, results=self._lookup_results(identity, queries, matches))
+        results, observed = self._lookup_results(identity, queries, matches)
+        return ok_reply(request.id, results=results), partial(self._count, identity, observed)
 
     def _lookup_queries(
         self, conn: Connection, msg: Mapping[str, Any]
@@ -253,7 +257,9 @@ class Operations:
 
             for i, match in zip(missing, await self._run(run)):
                 matches[i] = match
-        return ok_reply(rid, results=self._lookup_results(identity, queries, matches))
+        results, observed = self._lookup_results(identity, queries, matches)
+        self._count(identity, observed)
+        return ok_reply(rid, results=results)
 
     def _longest_prefix(
         self, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
@@ -287,21 +293,29 @@ class Operations:
         identity: Identity,
         queries: Sequence[tuple[bytes | memoryview, bytes | None]],
         matches: Sequence[PrefixMatch | None],
-    ) -> list[dict[str, Any]]:
-        """The replies of a lookup's prompts: hits shorter than `min_reusable_tokens` are not
-        offered; each comes with the benefit model's estimates; all are counted."""
-        results = []
+    ) -> tuple[list[dict[str, Any]], list[tuple[int, int, int]]]:
+        """The replies of a lookup's prompts, and what to count for each (prompt tokens, hit
+        tokens, hit bytes): hits shorter than `min_reusable_tokens` are not offered; each comes
+        with the benefit model's estimates."""
+        results, observed = [], []
         bt = identity.block_tokens
+        benefit = self.metrics.benefit
         for (tokens, _), match in zip(queries, matches, strict=True):
             assert match is not None
             offered = match.n_tokens >= self.min_reusable_tokens
             n_tokens = match.n_tokens if offered else 0
             n_bytes = match.payload_bytes if offered else 0
-            closed = len(tokens) // TOKEN_BYTES // bt * bt
-            self.metrics.observe_lookup(identity.tenant, identity.digest, closed, n_tokens, n_bytes)
-            result = _lookup_result(match) if offered else _NO_HIT
-            results.append({**result, **self.metrics.benefit(n_tokens, n_bytes)})
-        return results
+            result = _lookup_result(match) if offered else dict(_NO_HIT)
+            result["est_load_s"], result["est_prefill_s"] = benefit(n_tokens, n_bytes)
+            results.append(result)
+            observed.append((len(tokens) // TOKEN_BYTES // bt * bt, n_tokens, n_bytes))
+        return results, observed
+
+    def _count(self, identity: Identity, observed: list[tuple[int, int, int]]) -> None:
+        for prompt_tokens, hit_tokens, hit_bytes in observed:
+            self.metrics.observe_lookup(
+                identity.tenant, identity.digest, prompt_tokens, hit_tokens, hit_bytes
+            )
 
     async def load(self, conn: Connection, request: Request) -> dict[str, Any]:
         rid, msg = request.id, request.message
@@ -432,8 +446,10 @@ class Operations:
             self.metrics.observe_lookup(
                 identity.tenant, identity.digest, closed, match.reusable_tokens, n_bytes
             )
-            benefit = self.metrics.benefit(match.reusable_tokens, n_bytes)
-            results.append({**_joint_result(match), **benefit})
+            est_load_s, est_prefill_s = self.metrics.benefit(match.reusable_tokens, n_bytes)
+            results.append(
+                {**_joint_result(match), "est_load_s": est_load_s, "est_prefill_s": est_prefill_s}
+            )
         return ok_reply(request.id, results=results)
 
     def _offered(self, match: JointMatch) -> JointMatch:

@@ -625,7 +625,6 @@ class Store:
             identity.digest, identity.block_tokens, tuple(walk.hashes), tuple(walk.payload_sizes)
         )
 
-    @_pages_checked
     def cached_prefix(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch | None:
@@ -643,8 +642,11 @@ class Store:
         closed = tokens[: n_blocks * identity.block_tokens]
         if not closed.size:
             return None
-        with self._env.begin(buffers=True) as txn:
-            epoch = counters.read(txn, self._tables.counters, counters.REMOVALS)
+        try:
+            with self._env.begin(buffers=True) as txn:
+                epoch = counters.read(txn, self._tables.counters, counters.REMOVALS)
+        except lmdb.Error:
+            return None  # a damaged page: `longest_prefix` reports it
         known = self._verified.find_whole(
             identity.digest, closed, epoch, self._min_created_ns(identity)
         )
