@@ -6,12 +6,16 @@ identity digest, parent hash, token ids and their own crc32c) and the raw payloa
 crc32c is computed at the origin, from bytes the origin verified; the receiver recomputes it, so a
 payload damaged anywhere on the way (memory, network, the remote tier) is caught end to end.
 
-Keys name the identity digest and the block hash: `prefixd-<digest hex>-<hash hex>`. A tenant's
-or a model version's objects are found by their identity digest prefix when they are purged.
+Keys are derived from the identity digest and the block hash, `prefixd-<name of the identity>-
+<name of the block>` (blake2b names in URL-safe base64: neither the tier nor its logs see a raw
+cache key). A tenant's or a model version's objects share their identity's key prefix, which is
+how they are found when they are purged.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import struct
 
 import crc32c
@@ -30,12 +34,19 @@ class RemoteBlockError(PrefixdError):
 
 
 def block_key(identity_digest: bytes, block: bytes) -> str:
-    return f"{identity_prefix(identity_digest)}{block.hex()}"
+    return identity_prefix(identity_digest) + _name(identity_digest + block, 16)
 
 
 def identity_prefix(identity_digest: bytes) -> str:
     """The start of every key of one identity's blocks."""
-    return f"{KEY_PREFIX}{identity_digest.hex()}-"
+    return f"{KEY_PREFIX}{_name(identity_digest, 9)}-"
+
+
+def _name(data: bytes, size: int) -> str:
+    """A hash of `data` in URL-safe base64: the tier (and its logs) never sees a raw cache key
+    or identity digest, only names derived from them the same way on every node."""
+    digest = hashlib.blake2b(data, digest_size=size, person=b"prefixd-tier").digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 def encode_block(record: bytes, payload: bytes) -> bytes:

@@ -108,20 +108,21 @@ class SharedTierBridge:
     def _publish_loop(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item is _STOP or self._stopping.is_set():
+                if item is not _STOP:
+                    self._count("publish_dropped", 1 + self._queue.qsize())
                 return
             digest, block = item  # type: ignore[misc]
-            exported = self.store.export_block(block)
-            if exported is None:
-                continue  # evicted or removed since
             try:
-                self.tier.put(
-                    block_key(digest, block), encode_block(exported.record, exported.payload)
-                )
+                exported = self.store.export_block(block)
+                if exported is None:
+                    continue  # evicted or removed since
+                value = encode_block(exported.record, exported.payload)
+                self.tier.put(block_key(digest, block), value)
             except PrefixdError as exc:
                 self._count("publish_errors")
                 log.warning("publishing to the shared tier failed: %s", exc)
-                time.sleep(_BACKOFF_S)
+                self._stopping.wait(_BACKOFF_S)
             else:
                 self._count("published_blocks")
 
@@ -198,7 +199,7 @@ class SharedTierBridge:
         self._count("remote_purged_objects", removed)
         return removed
 
-    # --- counts -------------------------------------------------------------------------------------
+    # --- counts ---------------------------------------------------------------------------------
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

@@ -33,13 +33,15 @@ its blocking behaviour. Facts this module relies on, measured with the PyPI pack
   with `get_size` (-704 missing, -900 master unreachable).
 * Leases: a read (`get`, `get_into`, `is_exist`, `get_size`) grants the key a lease of
   `--default_kv_lease_ttl` (default 10 s). While it lasts a plain `remove` fails with -706
-  (OBJECT_HAS_LEASE), `remove_by_regex` silently skips the key, and eviction passes it over;
-  `force=True` removes regardless. A put grants no lease. An unread object does *not* disappear
-  when the TTL passes (checked with 1 s and with the 10 s default): objects go only by removal,
-  by eviction once the pool passes `--eviction_high_watermark_ratio` (0.9; oldest first,
-  `--eviction_ratio` 0.05 at a time), when the client whose segment holds them closes or dies
-  (`--client_ttl`, 10 s of missed heartbeats), or when the master restarts (its metadata is in
-  memory only: a restarted master starts empty, and clients remount their segments on their own
+  (OBJECT_HAS_LEASE) and `remove_by_regex` silently skips the key (Mooncake's design also keeps
+  eviction off it); `force=True` removes regardless, and this adapter forces by default. A put
+  grants no lease. An unread object does *not* disappear when the TTL passes (checked with a 1 s
+  TTL after 3 s and with the 10 s default after 12 s), so a long TTL is not needed to keep
+  objects: they go only by removal, by eviction once the pool passes
+  `--eviction_high_watermark_ratio` (0.9; `--eviction_ratio` 0.05 at a time, the oldest went
+  first when we overfilled a pool), when the client whose segment holds them closes or dies
+  (`--client_ttl`, 10 s without heartbeats), or when the master restarts (its metadata is in
+  memory only: a restarted master starts empty, and clients remount their segments by themselves
   about 1 s later; until then puts fail with -200).
 * Keys: any `str` Mooncake accepts, including spaces, newlines and non-ASCII text; 1 MiB keys were
   accepted; the empty key is refused (-600). This adapter allows 1 to `MAX_KEY_BYTES` UTF-8 bytes
@@ -51,14 +53,18 @@ its blocking behaviour. Facts this module relies on, measured with the PyPI pack
   indefinitely. Both release the GIL, so a worker thread plus `Future.result(timeout)` bounds them.
   Two calls hold the GIL while they block and cannot be bounded that way: `setup` against an
   unreachable master (90 s when nothing listens, forever when the master is hung) and `close`
-  with the master gone (about 17 s). `connect` therefore probes the master's port and the HTTP
-  metadata server first, and `close` does not call Mooncake's `close` when that probe fails: it
-  abandons the client object (kept alive for the life of the process; its heartbeat thread keeps
-  logging to stderr).
-* Throughput on loopback (2-core CI box, one object after another): across processes (the
-  segment in another client) `put` 0.5-0.6 GB/s, `get` 0.7-1.1 GB/s, `get_into`/`put_from`
-  1.1-1.2 GB/s for 1 MiB and 64 MiB objects; within one process (the segment is local) 1.5 to
-  7 GB/s. A small RPC (`is_exist`, a miss) takes 25-45 us.
+  (1-2 s when all is well, about 17 s with the master gone). `connect` therefore probes the
+  master's port and the HTTP metadata server first, and `close` does not call Mooncake's `close`
+  when that probe fails: it abandons the client object (kept alive; its heartbeat thread keeps
+  logging to stderr; `close_abandoned` closes it once the master is back). Mooncake also closes
+  every client still open when the process exits, seconds each if the master is gone then.
+* Throughput on loopback (a noisy 2-core box, one object after another, 1 MiB and 64 MiB
+  objects held in another process's segment): `SharedTier.put` (put_from) 0.6-1.9 GB/s,
+  `get_into` 1.1-1.9 GB/s, `get` 0.6-0.8 GB/s (it returns a new `bytes`: prefer `get_into`);
+  Mooncake's own `put(bytes)` 0.5-0.6 and `get` 0.7-1.1 GB/s. Registering buffers changed
+  nothing on TCP. With the segment in the same process, 1.5 to 7 GB/s. A small RPC (`is_exist`,
+  a miss) takes 25-45 us. When a client dies, puts and gets that land on its segment fail with
+  TRANSFER_FAIL (-800, a TierError) until the master drops it (`--client_ttl`).
 """
 
 from __future__ import annotations
@@ -72,7 +78,6 @@ import socket
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -81,6 +86,7 @@ from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
 import numpy as np
+import xxhash
 
 from prefixd.errors import ConfigError, PrefixdError
 
@@ -265,7 +271,10 @@ def _bytes_view(value: Any, *, writable: bool) -> tuple[np.ndarray, int, int]:
         raise TierValueError("the buffer is not C-contiguous")
     if view.nbytes == 0:
         return np.zeros(0, dtype=np.uint8), 0, 0
-    flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    try:
+        flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    except (TypeError, ValueError) as e:
+        raise TierValueError(f"the buffer cannot be read as bytes: {e}") from None
     array = np.frombuffer(flat, dtype=np.uint8)  # holds the buffer: it cannot be freed under us
     return array, int(array.ctypes.data), array.nbytes
 
@@ -285,7 +294,16 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _tag(key: str) -> str:
+    """A key as log lines and errors name it: a short hash, never the key (prefixd's keys hold
+    identity digests and block hashes, which logs must not carry)."""
+    return f"key #{xxhash.xxh32_hexdigest(key.encode('utf-8', 'replace'))}"
+
+
 def _import_store_class() -> Any:
+    # Mooncake logs a line per connection and call at INFO; keep its warnings and errors
+    # (its keys are names derived from prefixd's keys: prefixd.cluster.blocks).
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:  # the package, or libibverbs.so.1 (Debian's libibverbs1), missing
@@ -361,8 +379,9 @@ class _Workers:
 class SharedTier:
     """One Mooncake client for a daemon process: put, get, exists and remove shared objects.
 
-    Thread-safe. Connects lazily (on the first call, or `connect()`); every call finishes within
-    `settings.timeout_s` or raises `TierUnavailableError`; every failure is a `TierError`.
+    Thread-safe. Connects lazily (on the first call, or `connect()`, each bounded by about
+    `settings.timeout_s` plus a 1 s probe); every call then finishes within `settings.timeout_s`
+    or raises `TierUnavailableError`; every failure is a `TierError`.
     Objects are immutable once put: `put` keeps an existing key's value unless `overwrite=True`.
     """
 
@@ -528,9 +547,9 @@ class SharedTier:
                 fn = client.upsert if overwrite else client.put
                 return int(fn(key, array))
 
-        rc = self._call(f"put {key!r}", call)
+        rc = self._call(f"put {_tag(key)}", call)
         if rc != 0:
-            raise _failure(f"put {key!r} ({n} bytes)", rc)
+            raise _failure(f"put {_tag(key)} ({n} bytes)", rc)
 
     def get(self, key: str) -> bytes | None:
         """The value under `key`, or None when there is none."""
@@ -546,19 +565,19 @@ class SharedTier:
             if size == _NOT_FOUND:
                 return None
             if size < 0:
-                raise _failure(f"get {key!r}", size)
+                raise _failure(f"get {_tag(key)}", size)
             if not direct:
-                raise TierError(f"get {key!r} ({size} bytes) failed through the staging buffer")
+                raise TierError(f"get {_tag(key)} ({size} bytes) failed through the staging buffer")
             out = bytearray(size)
             array = np.frombuffer(out, dtype=np.uint8)
             rc = int(client.get_into(key, int(array.ctypes.data), size))
             if rc == _NOT_FOUND:
                 return None
             if rc < 0:
-                raise _failure(f"get {key!r}", rc)
+                raise _failure(f"get {_tag(key)}", rc)
             return bytes(out) if rc == size else bytes(memoryview(out)[:rc])
 
-        return self._call(f"get {key!r}", call)
+        return self._call(f"get {_tag(key)}", call)
 
     def get_into(self, key: str, buffer: bytearray | memoryview | Any) -> int | None:
         """Copy the value under `key` into the start of `buffer` (any writable C-contiguous
@@ -586,30 +605,30 @@ class SharedTier:
                     return None
                 if size > n:
                     raise TierValueError(
-                        f"get_into {key!r}: the value is {size} bytes, the buffer {n}", rc
+                        f"get_into {_tag(key)}: the value is {size} bytes, the buffer {n}", rc
                     )
                 if size < 0:
-                    raise _failure(f"get_into {key!r}", size)
-            raise _failure(f"get_into {key!r}", rc)
+                    raise _failure(f"get_into {_tag(key)}", size)
+            raise _failure(f"get_into {_tag(key)}", rc)
 
-        return self._call(f"get_into {key!r}", call)
+        return self._call(f"get_into {_tag(key)}", call)
 
     def size(self, key: str) -> int | None:
         """The value's length in bytes, or None when `key` has no value."""
         _check_key(key)
-        rc = self._call(f"size {key!r}", lambda client: int(client.get_size(key)))
+        rc = self._call(f"size {_tag(key)}", lambda client: int(client.get_size(key)))
         if rc == _NOT_FOUND:
             return None
         if rc < 0:
-            raise _failure(f"size {key!r}", rc)
+            raise _failure(f"size {_tag(key)}", rc)
         return rc
 
     def exists(self, key: str) -> bool:
         """Whether `key` has a value (this grants the key a read lease, see TierBusyError)."""
         _check_key(key)
-        rc = self._call(f"exists {key!r}", lambda client: int(client.is_exist(key)))
+        rc = self._call(f"exists {_tag(key)}", lambda client: int(client.is_exist(key)))
         if rc < 0:
-            raise _failure(f"exists {key!r}", rc)
+            raise _failure(f"exists {_tag(key)}", rc)
         return rc == 1
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
@@ -623,10 +642,9 @@ class SharedTier:
         )
         if len(codes) != len(names):
             raise TierError(f"exists_many: {len(codes)} answers for {len(names)} keys")
-        if any(c < 0 for c in codes):
-            raise TierUnavailableError(
-                f"exists_many: {sum(c < 0 for c in codes)} of {len(names)} keys failed"
-            )
+        failed = [c for c in codes if c < 0]
+        if failed:
+            raise _failure(f"exists_many ({len(failed)} of {len(names)} keys)", failed[0])
         return [c == 1 for c in codes]
 
     def remove(self, key: str, *, force: bool = True) -> bool:
@@ -637,12 +655,12 @@ class SharedTier:
         reader can then get torn bytes, which prefixd's end-to-end checksums
         (prefixd.cluster.blocks) reject. `force=False` respects the lease."""
         _check_key(key)
-        rc = self._call(f"remove {key!r}", lambda client: int(client.remove(key, force)))
+        rc = self._call(f"remove {_tag(key)}", lambda client: int(client.remove(key, force)))
         if rc == 0:
             return True
         if rc == _NOT_FOUND:
             return False
-        raise _failure(f"remove {key!r}", rc)
+        raise _failure(f"remove {_tag(key)}", rc)
 
     def remove_prefix(self, prefix: str, *, force: bool = True) -> int:
         """Remove every key starting with `prefix` (non-empty: the pool is shared), through
@@ -652,11 +670,11 @@ class SharedTier:
         _check_key(prefix)
         pattern = "^" + _escape_regex(prefix)
         rc = self._call(
-            f"remove_prefix {prefix!r}",
+            f"remove_prefix {_tag(prefix)}",
             lambda client: int(client.remove_by_regex(pattern, force)),
         )
         if rc < 0:
-            raise _failure(f"remove_prefix {prefix!r}", rc)
+            raise _failure(f"remove_prefix {_tag(prefix)}", rc)
         return rc
 
     def register(self, buffer: bytearray | memoryview | Any) -> None:
@@ -692,15 +710,15 @@ class SharedTier:
             )
 
     def _call(self, what: str, fn: Callable[[Any], T]) -> T:
-        deadline = time.monotonic() + self.settings.timeout_s
         if self._closed:
             raise TierError(f"{what}: the shared tier is closed")
         self._check_cooldown()
         if self._client is None:
-            self.connect()
+            self.connect()  # bounded on its own; the call then gets its full timeout
         client = self._client
         if client is None:  # closed concurrently
             raise TierError(f"{what}: the shared tier is closed")
+        deadline = time.monotonic() + self.settings.timeout_s
         try:
             return self._submit(what, lambda: fn(client), deadline)
         except TierUnavailableError as e:

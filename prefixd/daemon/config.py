@@ -221,9 +221,9 @@ class Config:
     )
     cluster_segment_bytes: int = _setting(
         "size",
-        "memory this node contributes to the shared tier",
+        "memory this node lends to the shared tier (0: none, else at least 16MiB)",
         256 * MiB,
-        low=1 * MiB,
+        low=0,
         high=1 * TiB,
     )
     cluster_pending: int = _setting(
@@ -289,6 +289,10 @@ class Config:
         for name in SETTINGS:
             object.__setattr__(self, name, _validated(name, getattr(self, name)))
         self.store_config()  # any check StoreConfig makes across fields
+        if self.cluster_master and not self.cluster_metadata:
+            raise ConfigError("cluster_metadata: required with cluster_master (the metadata URL)")
+        if 0 < self.cluster_segment_bytes < 16 * MiB:
+            raise ConfigError("cluster_segment_bytes: must be 0 or at least 16MiB")
 
     def store_config(self) -> StoreConfig:
         """The store's settings: data_dir as the path, created on first start."""

@@ -204,6 +204,10 @@ class Metrics:
             ops = {op: _copy_histogram(h) for op, h in self._ops.items()}
         return tenants, lengths, length_sum, ops
 
+    def track_cluster(self, bridge: Any) -> None:
+        """Expose the shared tier's counts (prefixd.cluster.bridge) as metrics too."""
+        self.registry.register(_ClusterCollector(bridge))
+
     # --- the benefit model --------------------------------------------------------------------
 
     def benefit(self, hit_tokens: int, hit_bytes: int) -> tuple[float, float]:

@@ -475,7 +475,12 @@ def test_a_cluster_table_maps_onto_the_cluster_settings(tmp_path: Path) -> None:
     assert config.cluster_master == "127.0.0.1:50051"
     assert config.cluster_metadata == "http://127.0.0.1:8080/metadata"
     assert config.cluster_timeout_s == 0.5
-    assert load(env={"PREFIXD_CLUSTER_MASTER": "10.0.0.1:1"}).cluster_master == "10.0.0.1:1"
+    env = {"PREFIXD_CLUSTER_MASTER": "10.0.0.1:1", "PREFIXD_CLUSTER_METADATA": "http://x/m"}
+    assert load(env=env).cluster_master == "10.0.0.1:1"
+    with pytest.raises(ConfigError, match="cluster_metadata: required"):
+        load(env={"PREFIXD_CLUSTER_MASTER": "10.0.0.1:1"})
+    with pytest.raises(ConfigError, match="0 or at least 16MiB"):
+        load(env={"PREFIXD_CLUSTER_SEGMENT_BYTES": "8MiB"})
     file.write_text('[cluster]\nmastr = "x"\n')
     with pytest.raises(ConfigError, match="cluster_mastr"):
         load(file=file)

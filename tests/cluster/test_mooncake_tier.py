@@ -1,0 +1,261 @@
+"""SharedTier against a real Mooncake master on loopback: round trips, misses, bad input, and the
+master going away (killed, or hung) and coming back, each failure bounded in time."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import numpy as np
+import pytest
+
+from prefixd.cluster import (
+    MooncakeSettings,
+    SharedTier,
+    TierBusyError,
+    TierError,
+    TierUnavailableError,
+    TierValueError,
+)
+from prefixd.errors import ConfigError, PrefixdError
+from tests.cluster.conftest import MooncakeMaster
+
+T = TypeVar("T")
+SLACK_S = 1.0  # scheduling slack on top of a tier's timeout
+
+
+@pytest.fixture(scope="module")
+def _tiers(mooncake_master: MooncakeMaster) -> Iterator[dict[int, SharedTier]]:
+    made: dict[int, SharedTier] = {}
+    yield made
+    for opened in made.values():
+        opened.close()
+
+
+@pytest.fixture
+def tier(mooncake_master: MooncakeMaster, _tiers: dict[int, SharedTier]) -> SharedTier:
+    """A connected tier, shared by the tests of a master's run (closing one takes Mooncake 1-2 s);
+    a new one after the master restarted."""
+    if mooncake_master.generation not in _tiers:
+        _tiers[mooncake_master.generation] = SharedTier(mooncake_master.settings())
+    return _tiers[mooncake_master.generation]
+
+
+@pytest.fixture
+def prefix(request: pytest.FixtureRequest) -> str:
+    """Keys of this test only (tests share the master)."""
+    return f"t/{request.node.name}/{os.urandom(4).hex()}/"
+
+
+def eventually(fn: Callable[[], T], within_s: float = 15.0) -> T:
+    """`fn()` once it stops raising TierError (the master restarting, segments remounting)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return fn()
+        except TierError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+# --- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1 << 10, 8 << 20], ids=["1KiB", "8MiB"])
+def test_round_trip(tier: SharedTier, prefix: str, size: int) -> None:
+    # 8 MiB is twice the tier's 4 MiB staging buffer: get() takes its get_size + get_into path.
+    key, value = prefix + "v", os.urandom(size)
+    tier.put(key, value)
+    assert tier.exists(key)
+    assert tier.size(key) == size
+    got = tier.get(key)
+    assert type(got) is bytes and got == value
+    into = bytearray(size + 100)
+    assert tier.get_into(key, into) == size
+    assert into[:size] == value
+    array = np.zeros(size, dtype=np.uint8)
+    assert tier.get_into(key, array) == size
+    assert array.tobytes() == value
+    assert tier.remove(key) is True  # read just now (leased), removed anyway: forced by default
+    assert tier.get(key) is None
+    assert not tier.exists(key)
+    assert tier.remove(key) is False
+
+
+def test_missing_key(tier: SharedTier, prefix: str) -> None:
+    key = prefix + "absent"
+    assert tier.get(key) is None
+    assert tier.get_into(key, bytearray(16)) is None
+    assert tier.size(key) is None
+    assert tier.exists(key) is False
+    tier.put(prefix + "present", b"x")
+    assert tier.exists_many([key, prefix + "present"]) == [False, True]
+
+
+def test_put_keeps_the_first_value_unless_overwrite(tier: SharedTier, prefix: str) -> None:
+    key = prefix + "k"
+    tier.put(key, b"first")
+    tier.put(key, b"second value")
+    assert tier.get(key) == b"first"
+    tier.put(key, b"second value", overwrite=True)
+    assert tier.get(key) == b"second value"
+
+
+def test_values_from_any_contiguous_buffer(tier: SharedTier, prefix: str) -> None:
+    data = os.urandom(4096)
+    tier.put(prefix + "mv", memoryview(data)[100:300])
+    tier.put(prefix + "ba", bytearray(data))
+    tier.put(prefix + "np", np.frombuffer(data, dtype=np.uint32).reshape(32, 32))
+    assert tier.get(prefix + "mv") == data[100:300]
+    assert tier.get(prefix + "ba") == data
+    assert tier.get(prefix + "np") == data
+
+
+def test_keys_with_odd_characters(tier: SharedTier, prefix: str) -> None:
+    for name in ["a b", "ключ", "line\nbreak", "p.a+t*h?[x](y){z}|^$\\", "x" * 3000]:
+        tier.put(prefix + name, name.encode())
+        assert tier.get(prefix + name) == name.encode()
+
+
+def test_remove_prefix(tier: SharedTier, prefix: str) -> None:
+    inside = ["a.b+/1", "a.b+/2", "a.b+/deep/3", "a.b+"]
+    outside = ["a.b-/1", "aXb+/1", "a.b", "z/a.b+/1"]
+    for name in inside + outside:
+        tier.put(prefix + name, b"v")
+    tier.get(prefix + inside[0])  # a read lease: skipped unless forced
+    assert tier.remove_prefix(prefix + "a.b+", force=False) == len(inside) - 1
+    assert tier.exists(prefix + inside[0])
+    assert tier.remove_prefix(prefix + "a.b+") == 1
+    assert not any(tier.exists(prefix + n) for n in inside)
+    assert all(tier.get(prefix + n) == b"v" for n in outside)
+    assert tier.remove_prefix(prefix + "nothing/") == 0
+
+
+def test_unforced_remove_respects_a_read_lease(tier: SharedTier, prefix: str) -> None:
+    tier.put(prefix + "unread", b"v")
+    assert tier.remove(prefix + "unread", force=False) is True  # a put grants no lease
+    tier.put(prefix + "read", b"v")
+    assert tier.get(prefix + "read") == b"v"
+    with pytest.raises(TierBusyError) as caught:
+        tier.remove(prefix + "read", force=False)
+    assert caught.value.code == -706
+    assert tier.remove(prefix + "read") is True
+
+
+def test_bad_keys_values_and_buffers(tier: SharedTier, prefix: str) -> None:
+    for key in ["", "a\x00b", "x" * 5000, "\udcff"]:
+        with pytest.raises(TierValueError):
+            tier.put(key, b"v")
+    with pytest.raises(TierValueError):
+        tier.put(prefix + "empty", b"")
+    with pytest.raises(TierValueError):
+        tier.put(prefix + "strided", np.arange(16, dtype=np.uint8)[::2])
+    with pytest.raises(TierValueError):
+        tier.remove_prefix("")
+    tier.put(prefix + "big", os.urandom(1000))
+    with pytest.raises(TierValueError):
+        tier.get_into(prefix + "big", bytes(2000))  # read-only
+    with pytest.raises(TierValueError, match="1000 bytes"):
+        tier.get_into(prefix + "big", bytearray(10))
+    assert issubclass(TierValueError, ValueError) and issubclass(TierError, PrefixdError)
+
+
+def test_concurrent_callers(tier: SharedTier, prefix: str) -> None:
+    failures: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(20):
+                key, value = f"{prefix}{n}/{i}", os.urandom(1000 + i)
+                tier.put(key, value)
+                assert tier.get(key) == value
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not failures
+    assert tier.remove_prefix(prefix) == 160
+
+
+# --- settings and lifecycle without a master -----------------------------------------------------
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ConfigError):
+        MooncakeSettings(master="no-port")
+    with pytest.raises(ConfigError):
+        MooncakeSettings(segment_bytes=8 << 20)  # Mooncake refuses < 16 MiB (0 is fine)
+    with pytest.raises(ConfigError):
+        MooncakeSettings(timeout_s=0)
+    assert MooncakeSettings(segment_bytes=0).segment_bytes == 0
+
+
+def test_no_master_fails_fast() -> None:
+    # Nothing listens there; Mooncake's own setup would hold the GIL ~90 s, the probe answers now.
+    settings = MooncakeSettings(master="127.0.0.1:1", metadata="http://127.0.0.1:1/metadata")
+    tier = SharedTier(settings)
+    started = time.monotonic()
+    with pytest.raises(TierUnavailableError):
+        tier.get("k")
+    with pytest.raises(TierUnavailableError, match="unavailable"):
+        tier.put("k", b"v")  # within the cooldown: refused without trying
+    assert time.monotonic() - started < 2.0
+    tier.close()
+    with pytest.raises(TierError, match="closed"):
+        tier.get("k")
+
+
+# --- the master going away -----------------------------------------------------------------------
+
+
+def test_master_down_then_back(master_control: MooncakeMaster, prefix: str) -> None:
+    settings = master_control.settings()
+    with SharedTier(settings) as tier:
+        tier.put(prefix + "before", b"v")
+        master_control.stop()
+        for call in (lambda: tier.get(prefix + "before"), lambda: tier.put(prefix + "x", b"v")):
+            started = time.monotonic()
+            with pytest.raises(TierUnavailableError):
+                call()
+            assert time.monotonic() - started < settings.timeout_s + SLACK_S
+        master_control.start()
+        # The client remounts its segment by itself; a restarted master starts empty.
+        eventually(lambda: tier.put(prefix + "after", b"back"))
+        assert tier.get(prefix + "after") == b"back"
+        assert tier.get(prefix + "before") is None
+
+
+def test_hung_master_times_out(master_control: MooncakeMaster, prefix: str) -> None:
+    settings = master_control.settings(timeout_s=1.5)
+    with SharedTier(settings) as tier:
+        tier.put(prefix + "k", b"v")
+        master_control.pause()  # accepts connections, answers nothing: calls would block for good
+        started = time.monotonic()
+        with pytest.raises(TierUnavailableError, match="no answer"):
+            tier.get(prefix + "k")
+        assert time.monotonic() - started < settings.timeout_s + SLACK_S
+        assert tier.in_flight >= 1  # the Mooncake call is still blocked in its worker
+        master_control.resume()
+        assert eventually(lambda: tier.get(prefix + "k")) == b"v"
+        deadline = time.monotonic() + 10
+        while tier.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier.in_flight == 0
+
+
+def test_close_with_the_master_down_does_not_block(master_control: MooncakeMaster) -> None:
+    settings = master_control.settings()
+    tier = SharedTier(settings)
+    tier.connect()
+    master_control.stop()
+    started = time.monotonic()
+    tier.close()  # Mooncake's own close would hold the GIL ~17 s here; the client is abandoned
+    assert time.monotonic() - started < settings.timeout_s + SLACK_S
