@@ -17,7 +17,7 @@ from prefixd.cluster.blocks import block_key
 from prefixd.cluster.mooncake import SharedTier
 from prefixd.schema.chain import BlockChain
 
-from ..daemon.conftest import Daemon, DaemonFactory, _factory, make_identity, payload
+from ..daemon.conftest import Daemon, _factory, make_identity, payload
 from .conftest import MooncakeMaster
 
 IDENTITY = make_identity(tenant="acme", block_tokens=16)
