@@ -40,6 +40,7 @@ from prefixd.store import Store
 log = logging.getLogger(__name__)
 _STOP = object()
 _BACKOFF_S = 1.0  # after a failure, publishing pauses this long before the next try
+_INSTALL_BATCH = 64  # fetched blocks installed per local transaction
 
 
 class TierClient(Protocol):
@@ -141,40 +142,63 @@ class SharedTierBridge:
             self._count("remote_skipped_by_benefit")
             return 0
         installed = 0
+        batch: list[memoryview] = []
         for index in range(local_blocks, local_blocks + wanted):
-            key = block_key(identity.digest, chain.hash(index))
-            started = time.perf_counter()
-            try:
-                value = self.tier.get(key)
-            except PrefixdError as exc:
-                self._count("fetch_errors")
-                log.warning("fetching from the shared tier failed: %s", exc)
+            payload = self._fetch(identity, chain, index)
+            if payload is None:
                 break
-            if value is None:
-                self._count("remote_misses")
-                break
-            try:
-                payload = decode_block(
-                    value,
-                    identity_digest=identity.digest,
-                    parent=chain.parent_of(index),
-                    tokens=bytes(chain.block_bytes(index)),
-                )
-            except RemoteBlockError as exc:
-                self._count("remote_verify_failures")
-                log.warning("a block from the shared tier failed verification: %s", exc)
-                break
-            self.fetch_time.observe(len(value), time.perf_counter() - started)
-            try:
-                self.store.put(identity, chain.tokens, [payload], first_block=index)
-            except PrefixdError as exc:
-                self._count("install_errors")
-                log.warning("installing a block from the shared tier failed: %s", exc)
-                break
-            installed += 1
-            self._count("remote_bytes", len(payload))
+            batch.append(payload)
+            if len(batch) == _INSTALL_BATCH:
+                installed += self._install(identity, chain, local_blocks + installed, batch)
+                if len(batch):
+                    break  # the install failed
+        if batch:
+            installed += self._install(identity, chain, local_blocks + installed, batch)
         self._count("remote_hit_blocks", installed)
         return installed
+
+    def _fetch(self, identity: Identity, chain: BlockChain, index: int) -> memoryview | None:
+        """Block `index`'s payload from the tier, proven; None if absent, damaged or failing."""
+        key = block_key(identity.digest, chain.hash(index))
+        started = time.perf_counter()
+        try:
+            value = self.tier.get(key)
+        except PrefixdError as exc:
+            self._count("fetch_errors")
+            log.warning("fetching from the shared tier failed: %s", exc)
+            return None
+        if value is None:
+            self._count("remote_misses")
+            return None
+        try:
+            payload = decode_block(
+                value,
+                identity_digest=identity.digest,
+                parent=chain.parent_of(index),
+                tokens=bytes(chain.block_bytes(index)),
+            )
+        except RemoteBlockError as exc:
+            self._count("remote_verify_failures")
+            log.warning("a block from the shared tier failed verification: %s", exc)
+            return None
+        self.fetch_time.observe(len(value), time.perf_counter() - started)
+        return payload
+
+    def _install(
+        self, identity: Identity, chain: BlockChain, first: int, batch: list[memoryview]
+    ) -> int:
+        """Put a run of proven payloads in the local store in one transaction; empties `batch`
+        on success and returns how many were installed."""
+        try:
+            self.store.put(identity, chain.tokens, batch, first_block=first)
+        except PrefixdError as exc:
+            self._count("install_errors")
+            log.warning("installing blocks from the shared tier failed: %s", exc)
+            return 0
+        n = len(batch)
+        self._count("remote_bytes", sum(p.nbytes for p in batch))
+        batch.clear()
+        return n
 
     def _worth_it(self, identity: Identity, blocks: int) -> bool:
         """Whether fetching `blocks` blocks beats prefilling their tokens, by the fetch model

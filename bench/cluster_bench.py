@@ -1,0 +1,148 @@
+"""The shared tier on Mooncake Store: what a remote hit costs against a local one.
+
+Node A stores a prefix and publishes it to the tier; node B, cold, looks the prompt up (each block
+is fetched from the tier, proven against its origin checksum, installed in B's store) and loads it.
+In the same run, on the same bytes:
+
+  remote_hit      B's lookup (fetch + prove + install) and load, GB/s of payload;
+  local_hit       the same load again on B, now local;
+  mooncake_get    Mooncake's own `get` of the same objects (prefixd's adapter, no proof, no
+                  install): what the tier alone delivers.
+
+Run: `python bench/cluster_bench.py [--json] [--size-mib 256] [--block-kib 1024]`. Needs the
+package `mooncake-transfer-engine-non-cuda` and Debian's libibverbs1 (see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from suitelib import SuiteDaemon, machine_info, ratio  # noqa: E402
+
+from prefixd import Identity  # noqa: E402
+from prefixd.client import Client  # noqa: E402
+from prefixd.cluster.blocks import block_key  # noqa: E402
+from prefixd.cluster.localmaster import LocalMaster, master_binary  # noqa: E402
+from prefixd.cluster.mooncake import SharedTier  # noqa: E402
+from prefixd.schema.chain import BlockChain  # noqa: E402
+
+BLOCK_TOKENS = 256
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--block-kib", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    binary = master_binary()
+    if binary is None:
+        print("mooncake-transfer-engine-non-cuda is not installed", file=sys.stderr)
+        return 2
+    loadavg = tuple(float(x) for x in Path("/proc/loadavg").read_text().split()[:3])
+    block = args.block_kib << 10
+    n_blocks = (args.size_mib << 20) // block
+    segment = max(64 << 20, 2 * n_blocks * block)
+    with tempfile.TemporaryDirectory(prefix="pxd-cluster-") as tmp:
+        root = Path(tmp)
+        master = LocalMaster(binary, root)
+        master.start()
+        flags = [
+            "--cluster-master", master.master, "--cluster-metadata", master.metadata,
+            "--cluster-segment-bytes", str(segment), "--cluster-timeout-s", "30",
+            "--prefill-tokens-per-s", "100",  # slow prefill: every fetch is worth it
+        ]  # fmt: skip
+        try:
+            with (
+                SuiteDaemon(root, "a", map_size=4 * segment + (1 << 30), extra=flags) as a,
+                SuiteDaemon(root, "b", map_size=4 * segment + (1 << 30), extra=flags) as b,
+            ):
+                results = run(a, b, master, n_blocks, block, args.repeat)
+        finally:
+            master.stop()
+    report = {
+        "machine": machine_info(loadavg),
+        "settings": {"size_mib": args.size_mib, "block_kib": args.block_kib, "repeat": args.repeat},
+        **results,
+        "ratios": {
+            "remote_hit_vs_local_hit": ratio(results["remote_hit_gbps"], results["local_hit_gbps"]),
+            "remote_hit_vs_mooncake_get": ratio(
+                results["remote_hit_gbps"], results["mooncake_get_gbps"]
+            ),
+        },
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key in ("remote_hit_gbps", "local_hit_gbps", "mooncake_get_gbps"):
+            print(f"{key:24} {report[key]:8.3f}")
+        for key, value in report["ratios"].items():
+            print(f"{key:24} {value:8.3f}")
+    return 0
+
+
+def run(
+    a: SuiteDaemon, b: SuiteDaemon, master: LocalMaster, n_blocks: int, block: int, repeat: int
+) -> dict[str, float]:
+    total = n_blocks * block
+    remote, local, tier_get = [], [], []
+    rng = np.random.default_rng(7)
+    for round_ in range(repeat):
+        identity = Identity(
+            model="bench", weights=f"w{round_}", tokenizer="t", template="c", rope="r",
+            kv_layout="bf16", block_tokens=BLOCK_TOKENS, tenant="bench",
+        )  # fmt: skip
+        tokens = rng.integers(0, 1 << 31, n_blocks * BLOCK_TOKENS, dtype=np.uint32)
+        payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(n_blocks)]
+        with Client(a.socket, region_bytes=total + (1 << 20)) as client:
+            for start in range(0, n_blocks, 64):
+                client.put(identity, tokens, payloads[start : start + 64], first_block=start)
+            wait_published(client, n_blocks * (round_ + 1))
+        with Client(b.socket, region_bytes=total + (1 << 20), timeout=600) as client:
+            started = time.perf_counter()
+            [hit] = client.lookup(identity, [tokens])
+            loaded = client.load(identity, tokens)
+            remote.append(time.perf_counter() - started)
+            assert hit.n_blocks == loaded.n_blocks == n_blocks, (hit, loaded.n_blocks)
+            assert all(bytes(v) == p.tobytes() for v, p in zip(loaded.views, payloads, strict=True))
+            started = time.perf_counter()
+            loaded = client.load(identity, tokens)
+            local.append(time.perf_counter() - started)
+            assert loaded.n_blocks == n_blocks
+        keys = [block_key(identity.digest, h) for h in BlockChain(identity, tokens).hashes()]
+        with SharedTier(master.settings(segment_bytes=0, timeout_s=60)) as tier:
+            out = bytearray(block + (64 << 10))  # the value: header, record, payload
+            started = time.perf_counter()
+            for key in keys:
+                assert tier.get_into(key, out) is not None
+            tier_get.append(time.perf_counter() - started)
+    return {
+        "remote_hit_gbps": total / statistics.median(remote) / 1e9,
+        "local_hit_gbps": total / statistics.median(local) / 1e9,
+        "mooncake_get_gbps": total / statistics.median(tier_get) / 1e9,
+        "bytes": total,
+        "seconds": {"remote_hit": remote, "local_hit": local, "mooncake_get": tier_get},
+    }
+
+
+def wait_published(client: Client, n: int) -> None:
+    deadline = time.monotonic() + 600
+    while client.stats()["metrics"]["cluster"].get("published_blocks", 0) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError("node A did not publish its blocks in time")
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
