@@ -21,6 +21,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Protocol
 
 from prefixd.cluster.blocks import (
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 _STOP = object()
 _BACKOFF_S = 1.0  # after a failure, publishing pauses this long before the next try
 _INSTALL_BATCH = 64  # fetched blocks installed per local transaction
+_FETCHERS = 4  # blocks fetched from the tier at once
 
 
 class TierClient(Protocol):
@@ -77,6 +80,7 @@ class SharedTierBridge:
         self._queue: queue.Queue[object] = queue.Queue(maxsize=pending)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
+        self._fetchers = ThreadPoolExecutor(_FETCHERS, thread_name_prefix="prefixd-fetch")
 
     def start(self) -> None:
         self._thread.start()
@@ -92,6 +96,7 @@ class SharedTierBridge:
         except queue.Full:
             self._count("publish_dropped", self._queue.qsize())
         self._thread.join(timeout_s)
+        self._fetchers.shutdown(wait=True)
         self.tier.close()
 
     # --- write-behind -----------------------------------------------------------------------------
@@ -141,19 +146,22 @@ class SharedTierBridge:
         if not self._worth_it(identity, wanted):
             self._count("remote_skipped_by_benefit")
             return 0
+        chain.hashes_until(local_blocks + wanted)  # hashed here, not on the fetch threads
         installed = 0
-        batch: list[memoryview] = []
-        for index in range(local_blocks, local_blocks + wanted):
-            payload = self._fetch(identity, chain, index)
-            if payload is None:
+        for start in range(local_blocks, local_blocks + wanted, _INSTALL_BATCH):
+            stop = min(start + _INSTALL_BATCH, local_blocks + wanted)
+            # fetched _FETCHERS at a time, proven and installed in chain order
+            fetched = self._fetchers.map(partial(self._fetch, identity, chain), range(start, stop))
+            batch: list[memoryview] = []
+            for payload in fetched:
+                if payload is None:
+                    break
+                batch.append(payload)
+            complete = len(batch) == stop - start
+            if batch:
+                installed += self._install(identity, chain, start, batch)
+            if not complete or batch:  # a miss, a damaged block, or a failed install
                 break
-            batch.append(payload)
-            if len(batch) == _INSTALL_BATCH:
-                installed += self._install(identity, chain, local_blocks + installed, batch)
-                if len(batch):
-                    break  # the install failed
-        if batch:
-            installed += self._install(identity, chain, local_blocks + installed, batch)
         self._count("remote_hit_blocks", installed)
         return installed
 

@@ -133,7 +133,7 @@ class StoreConfig:
     verify_threads: int = 2
     readahead: bool = True
     max_readers: int = 256
-    verified_cache_bytes: int = 64 * MiB
+    verified_cache_bytes: int = 32 * MiB
     capacity_bytes: int = 0
     high_watermark: float = 0.95
     low_watermark: float = 0.85

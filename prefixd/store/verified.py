@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,7 +122,7 @@ class VerifiedPrefixes:
         if not self.max_bytes or not hashes:
             return
         tokens = chain.token_bytes[: len(hashes) * chain.block_tokens * 4]
-        if len(tokens) > self.max_bytes:
+        if _cost(tokens, hashes) > self.max_bytes:
             return
         digest = chain.identity.digest
         content = _content_key(digest, tokens)
@@ -134,15 +135,27 @@ class VerifiedPrefixes:
                 self._forget(old)
             self._entries[hashes[-1]] = entry
             self._by_content[content] = hashes[-1]
-            self._bytes += len(tokens)
+            self._bytes += _cost(tokens, entry.hashes)
             while self._bytes > self.max_bytes:
                 _, dropped = self._entries.popitem(last=False)
                 self._forget(dropped)
 
     def _forget(self, entry: VerifiedPrefix) -> None:
-        self._bytes -= len(entry.tokens)
+        self._bytes -= _cost(entry.tokens, entry.hashes)
         if self._by_content.get(entry.content) == entry.hashes[-1]:
             del self._by_content[entry.content]
+
+
+# What an entry costs beyond its token bytes, measured with sys.getsizeof: per block a 16-byte
+# bytes object (49 B) in a tuple (8 B) and a size in another tuple (8 B + a 28 B int); per entry
+# the entry, its tuples, its content key and two dict slots.
+_BLOCK_COST = 96
+_ENTRY_COST = 512
+
+
+def _cost(tokens: bytes | memoryview, hashes: Sequence[bytes]) -> int:
+    """The memory an entry really takes, so `max_bytes` bounds the process's memory."""
+    return len(tokens) + _BLOCK_COST * len(hashes) + _ENTRY_COST
 
 
 def _content_key(identity_digest: bytes, tokens: bytes | memoryview) -> bytes:

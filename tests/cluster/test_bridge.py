@@ -124,7 +124,7 @@ def test_the_tier_down_costs_nothing_but_a_count(nodes) -> None:  # noqa: ANN001
     bridge_a.published(IDENT, result.hashes)
     assert bridge_b.read_through(IDENT, TOKENS, 0) == 0
     assert loaded(a) == PAYLOADS  # the local store answers alone
-    assert bridge_b.snapshot()["fetch_errors"] == 1
+    assert bridge_b.snapshot()["fetch_errors"] >= 1
     deadline = time.monotonic() + 10
     while bridge_a.snapshot().get("publish_errors", 0) == 0:
         assert time.monotonic() < deadline
