@@ -104,6 +104,7 @@ _BAD_RECORD = "record fails verification"
 DEFAULT_CAPACITY_SHARE = 0.8
 _BAD_PAYLOAD = "payload fails its checksum"
 _BAD_PART = "state-group payload fails verification"
+_ACCESS_BATCH = 1024  # access records written per transaction by `sync`
 # Below this much free space, a failed commit is taken for a full file system.
 DISK_FULL_BYTES = 16 << 20
 _NO_PAYLOAD = EncodedPayload(Compression.NONE, [], 0, 0, 0, 0)
@@ -1100,19 +1101,24 @@ class Store:
             touched = self._take_touches()
             collisions, self._pending_collisions = self._pending_collisions, 0
         t = self._tables
-        if touched or collisions:
-            try:
+        # In batches, in key order: a write transaction holds a copy of every page it dirties,
+        # and the allocator keeps that memory (see prefixd.store.allocator), so one transaction
+        # over the accesses of a large store would grow the process by most of its access table.
+        pending = sorted(touched.items())
+        try:
+            for start in range(0, max(1, len(pending)), _ACCESS_BATCH):
                 with self._env.begin(write=True) as txn:
-                    for h, (at, hits) in touched.items():
+                    for h, (at, hits) in pending[start : start + _ACCESS_BATCH]:
                         raw = txn.get(h, db=t.access)
                         if raw is None:  # removed since: an access entry lives as its block does
                             continue
                         old = AccessRecord.read(raw, 0)
                         new = AccessRecord(max(old.last_ns, at), old.hits + hits)
                         txn.put(h, new.encode(), db=t.access)
-                    counters.add(txn, t.counters, counters.COLLISIONS, collisions)
-            except lmdb.Error as exc:  # a full map or disk: the times are a hint, not data
-                log.warning("%d access times not recorded: %s", len(touched), exc)
+                    if start == 0:
+                        counters.add(txn, t.counters, counters.COLLISIONS, collisions)
+        except lmdb.Error as exc:  # a full map or disk: the times are a hint, not data
+            log.warning("%d access times not recorded: %s", len(touched), exc)
         try:
             self._env.sync(True)
         except lmdb.Error as exc:
