@@ -55,3 +55,35 @@ def timed(action: Callable[[], Any]) -> tuple[float, Any]:
 
 def gbps(n_bytes: int, seconds: float) -> float:
     return n_bytes / seconds / 1e9
+
+
+def run_in_workdir(
+    settings: Any,
+    run: Callable[..., dict[str, Any]],
+    print_table: Callable[[dict[str, Any]], None],
+    *,
+    prefix: str,
+    with_sockets: bool = True,
+) -> int:
+    """A benchmark's `main`: run it in a temporary directory (under `settings.root` when set),
+    and a short one for Unix sockets (a socket path holds 107 bytes), print JSON or a table."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if settings.root is not None:
+        settings.root.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir=settings.root))
+    sock_dir = Path(tempfile.mkdtemp(prefix="pxd-")) if with_sockets else None
+    try:
+        report = run(settings, workdir, sock_dir) if sock_dir else run(settings, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if sock_dir is not None:
+            shutil.rmtree(sock_dir, ignore_errors=True)
+    if settings.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0

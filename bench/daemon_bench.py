@@ -53,15 +53,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,8 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from benchlib import Samples, gbps, same_bytes, split, timed, touched_buffer
+from benchlib import Samples, gbps, run_in_workdir, same_bytes, split, timed, touched_buffer
 
 from prefixd import Identity, Store
 from prefixd.client import Client
@@ -283,7 +279,9 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-                raise RuntimeError(f"the daemon did not stop within {STOP_TIMEOUT_S}s of SIGTERM") from None
+                raise RuntimeError(
+                    f"the daemon did not stop within {STOP_TIMEOUT_S}s of SIGTERM"
+                ) from None
         self.exit_code = process.returncode
         self.process = None
         return process.returncode
@@ -680,21 +678,9 @@ def run(settings: Settings, workdir: Path, sock_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = parse_args(argv)
-    if settings.root is not None:
-        settings.root.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="prefixd-bench-", dir=settings.root))
-    sock_dir = Path(tempfile.mkdtemp(prefix="pxd-"))  # a Unix socket path holds 107 bytes
-    try:
-        report = run(settings, workdir, sock_dir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(sock_dir, ignore_errors=True)
-    if settings.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
+    return run_in_workdir(
+        parse_args(argv), run, print_table, prefix="prefixd-bench-", with_sockets=True
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,16 @@ import numpy as np
 from prefixd import Identity, Store
 
 BT = 64
-IDENT = Identity(model="bench", weights="w", tokenizer="t", template="c", rope="r",
-                 kv_layout="bf16", block_tokens=BT, tenant="bench")
+IDENT = Identity(
+    model="bench",
+    weights="w",
+    tokenizer="t",
+    template="c",
+    rope="r",
+    kv_layout="bf16",
+    block_tokens=BT,
+    tenant="bench",
+)
 
 
 def trace(requests: int, seed: int) -> list[np.ndarray]:
@@ -36,20 +44,25 @@ def trace(requests: int, seed: int) -> list[np.ndarray]:
     prompts = []
     for i in range(requests):
         question = rng.integers(50_000, 100_000, int(rng.integers(4, 24)) * BT, dtype=np.uint32)
-        prompts.append(
-            np.concatenate([systems[i % len(systems)], documents[ranks[i]], question])
-        )
+        prompts.append(np.concatenate([systems[i % len(systems)], documents[ranks[i]], question]))
     return prompts
 
 
-def run(policy: str, prompts: list[np.ndarray], capacity: int, block_bytes: int) -> dict[str, float]:
+def run(
+    policy: str, prompts: list[np.ndarray], capacity: int, block_bytes: int
+) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix=f"prefixd-evict-{policy}-"))
     payload = bytes(block_bytes)
     hit_tokens = total_tokens = 0
     started = time.perf_counter()
     try:
-        with Store.open(work / "s", map_size=max(64 << 20, capacity * 3), capacity_bytes=capacity,
-                        eviction=policy, sync_interval_s=3600) as store:
+        with Store.open(
+            work / "s",
+            map_size=max(64 << 20, capacity * 3),
+            capacity_bytes=capacity,
+            eviction=policy,
+            sync_interval_s=3600,
+        ) as store:
             for prompt in prompts:
                 have = store.longest_prefix(IDENT, prompt).n_blocks
                 hit_tokens += have * BT
@@ -76,7 +89,9 @@ def main() -> None:
     args = parser.parse_args()
     prompts = trace(args.requests, args.seed)
     capacity = args.capacity_blocks * args.block_bytes
-    results = {policy: run(policy, prompts, capacity, args.block_bytes) for policy in ("value", "lru")}
+    results = {
+        policy: run(policy, prompts, capacity, args.block_bytes) for policy in ("value", "lru")
+    }
     summary = {
         "requests": args.requests,
         "capacity_blocks": args.capacity_blocks,

@@ -52,12 +52,9 @@ bytes per second. The payloads are bf16 normals, like a KV cache, uncompressed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +62,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchlib import Samples, gbps, split, timed
+from benchlib import Samples, gbps, run_in_workdir, split, timed
 from daemon_bench import Daemon, make_payload_bytes, make_tokens
 
 from prefixd import Identity
@@ -547,21 +544,9 @@ def run(settings: Settings, workdir: Path, sock_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = parse_args(argv)
-    if settings.root is not None:
-        settings.root.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="prefixd-gpu-bench-", dir=settings.root))
-    sock_dir = Path(tempfile.mkdtemp(prefix="pxd-"))  # a Unix socket path holds 107 bytes
-    try:
-        report = run(settings, workdir, sock_dir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(sock_dir, ignore_errors=True)
-    if settings.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
+    return run_in_workdir(
+        parse_args(argv), run, print_table, prefix="prefixd-gpu-bench-", with_sockets=True
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,14 @@ V1_ACCESS = struct.Struct("<Q")
 
 def write_store(path: Path, size_mib: int, block_kib: int) -> int:
     identity = Identity(
-        model="bench", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-        block_tokens=256, tenant="bench",
+        model="bench",
+        weights="w",
+        tokenizer="t",
+        template="c",
+        rope="r",
+        kv_layout="bf16",
+        block_tokens=256,
+        tenant="bench",
     )
     n_blocks = size_mib * 1024 // block_kib
     payload = np.random.default_rng(0).integers(0, 256, block_kib << 10, dtype=np.uint8).tobytes()

@@ -24,8 +24,14 @@ from prefixd.store import PurgeSelector
 
 def identity(tenant: str) -> Identity:
     return Identity(
-        model="bench", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-        block_tokens=16, tenant=tenant,
+        model="bench",
+        weights="w",
+        tokenizer="t",
+        template="c",
+        rope="r",
+        kv_layout="bf16",
+        block_tokens=16,
+        tenant=tenant,
     )
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -43,6 +42,7 @@ import peers
 import ratios
 import scale
 import workloads as wl
+from benchlib import run_in_workdir
 from suitelib import MiB, SuiteDaemon, machine_info, ratio
 
 from prefixd.client import Client
@@ -610,19 +610,9 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings = parse_args(argv)
-    if settings.root is not None:
-        settings.root.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="prefixd-suite-", dir=settings.root))
-    try:
-        report = run(settings, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if settings.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
+    return run_in_workdir(
+        parse_args(argv), run, print_table, prefix="prefixd-suite-", with_sockets=False
+    )
 
 
 if __name__ == "__main__":

@@ -433,8 +433,10 @@ def print_table(report: dict[str, Any]) -> None:
         f"  put / file write  {report['put_vs_file_write']:>6.2f}  (target "
         f"{target['put_vs_file_write']}: {'met' if met['put_vs_file_write'] else 'MISSED'})"
     )
-    print(f"  lookup of the whole chain {report['lookup_us']:.0f} us, "
-          f"compression ratio {report['compression_ratio']:.3f}")
+    print(
+        f"  lookup of the whole chain {report['lookup_us']:.0f} us, "
+        f"compression ratio {report['compression_ratio']:.3f}"
+    )
 
 
 # --- main ------------------------------------------------------------------------------------
