@@ -21,8 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from prefixd.cluster.blocks import (
@@ -42,8 +41,7 @@ from prefixd.store import Store
 log = logging.getLogger(__name__)
 _STOP = object()
 _BACKOFF_S = 1.0  # after a failure, publishing pauses this long before the next try
-_INSTALL_BATCH = 64  # fetched blocks installed per local transaction
-_FETCHERS = 4  # blocks fetched from the tier at once
+_INSTALL_BATCH = 16  # fetched blocks installed per local transaction
 
 
 class TierClient(Protocol):
@@ -52,6 +50,13 @@ class TierClient(Protocol):
     def put(self, key: str, value: bytes) -> None: ...
 
     def get(self, key: str) -> bytes | None: ...
+
+    def size(self, key: str) -> int | None: ...
+
+    def get_into(self, key: str, buffer: bytearray) -> int | None: ...
+
+    @property
+    def in_flight(self) -> int: ...
 
     def remove_prefix(self, prefix: str) -> int: ...
 
@@ -79,8 +84,9 @@ class SharedTierBridge:
         self._lock = threading.Lock()
         self._queue: queue.Queue[object] = queue.Queue(maxsize=pending)
         self._stopping = threading.Event()
+        self._held: list[bytearray] = []  # buffers a timed-out fetch may still write into
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
-        self._fetchers = ThreadPoolExecutor(_FETCHERS, thread_name_prefix="prefixd-fetch")
+        self._installer = ThreadPoolExecutor(1, thread_name_prefix="prefixd-install")
 
     def start(self) -> None:
         self._thread.start()
@@ -96,7 +102,7 @@ class SharedTierBridge:
         except queue.Full:
             self._count("publish_dropped", self._queue.qsize())
         self._thread.join(timeout_s)
-        self._fetchers.shutdown(wait=True)
+        self._installer.shutdown(wait=True)
         self.tier.close()
 
     # --- write-behind -----------------------------------------------------------------------------
@@ -146,22 +152,32 @@ class SharedTierBridge:
         if not self._worth_it(identity, wanted):
             self._count("remote_skipped_by_benefit")
             return 0
-        chain.hashes_until(local_blocks + wanted)  # hashed here, not on the fetch threads
+        # Batch k is installed (one local transaction) on a thread of its own while batch k+1
+        # is fetched and proven here; installs stay in chain order, each after the one before.
         installed = 0
+        pending: Future[int] | None = None
+        expected = 0
         for start in range(local_blocks, local_blocks + wanted, _INSTALL_BATCH):
             stop = min(start + _INSTALL_BATCH, local_blocks + wanted)
-            # fetched _FETCHERS at a time, proven and installed in chain order
-            fetched = self._fetchers.map(partial(self._fetch, identity, chain), range(start, stop))
             batch: list[memoryview] = []
-            for payload in fetched:
+            for index in range(start, stop):
+                payload = self._fetch(identity, chain, index)
                 if payload is None:
                     break
                 batch.append(payload)
-            complete = len(batch) == stop - start
+            if pending is not None:
+                done = pending.result()
+                installed += done
+                pending = None
+                if done < expected:
+                    batch = []  # the install before failed: nothing after it can go in
             if batch:
-                installed += self._install(identity, chain, start, batch)
-            if not complete or batch:  # a miss, a damaged block, or a failed install
+                expected = len(batch)
+                pending = self._installer.submit(self._install, identity, chain, start, batch)
+            if len(batch) < stop - start:
                 break
+        if pending is not None:
+            installed += pending.result()
         self._count("remote_hit_blocks", installed)
         return installed
 
@@ -170,7 +186,7 @@ class SharedTierBridge:
         key = block_key(identity.digest, chain.hash(index))
         started = time.perf_counter()
         try:
-            value = self.tier.get(key)
+            value = self._get(key)
         except PrefixdError as exc:
             self._count("fetch_errors")
             log.warning("fetching from the shared tier failed: %s", exc)
@@ -191,6 +207,29 @@ class SharedTierBridge:
             return None
         self.fetch_time.observe(len(value), time.perf_counter() - started)
         return payload
+
+    def _get(self, key: str) -> memoryview | None:
+        """The value under `key`, sized first, then fetched straight into a buffer of its own
+        (the tier's plain get goes through a staging copy). A buffer whose fetch failed is kept
+        until the tier lets go of it: a call that timed out may still write into it."""
+        size = self.tier.size(key)
+        if size is None:
+            return None
+        buffer = bytearray(size)
+        try:
+            n = self.tier.get_into(key, buffer)
+        except PrefixdError:
+            with self._lock:
+                self._held.append(buffer)
+            raise
+        finally:
+            self._release_held()
+        return None if n is None else memoryview(buffer)[:n]
+
+    def _release_held(self) -> None:
+        with self._lock:
+            if self._held and not self.tier.in_flight:
+                self._held.clear()
 
     def _install(
         self, identity: Identity, chain: BlockChain, first: int, batch: list[memoryview]

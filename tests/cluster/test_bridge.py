@@ -49,6 +49,21 @@ class MemoryTier:
         self._check()
         return self.objects.get(key)
 
+    def size(self, key: str) -> int | None:
+        self._check()
+        value = self.objects.get(key)
+        return None if value is None else len(value)
+
+    def get_into(self, key: str, buffer: bytearray) -> int | None:
+        self._check()
+        value = self.objects.get(key)
+        if value is None:
+            return None
+        buffer[: len(value)] = value
+        return len(value)
+
+    in_flight = 0
+
     def remove_prefix(self, prefix: str) -> int:
         self._check()
         gone = [k for k in self.objects if k.startswith(prefix)]
