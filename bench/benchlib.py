@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from prefixd import Identity
+
 COMPARE_CHUNK_BYTES = 64 << 20
 
 
@@ -87,3 +89,17 @@ def run_in_workdir(
     else:
         print_table(report)
     return 0
+
+
+def bench_identity(block_tokens: int, payload_bytes: int, tenant: str = "bench") -> Identity:
+    """The identity every benchmark stores under: a fixed model, the block's layout in kv_layout."""
+    return Identity(
+        model="bench-model",
+        weights="sha256:" + "0" * 64,
+        tokenizer="bench-tokenizer",
+        template="v1",
+        rope="rope-default",
+        kv_layout=f"bf16/tp1/rank0/{payload_bytes}B",
+        block_tokens=block_tokens,
+        tenant=tenant,
+    )

@@ -66,7 +66,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import Samples, gbps, run_in_workdir, same_bytes, split, timed, touched_buffer
+from benchlib import (
+    Samples,
+    bench_identity,
+    gbps,
+    run_in_workdir,
+    same_bytes,
+    split,
+    timed,
+    touched_buffer,
+)
 
 from prefixd import Identity, Store
 from prefixd.client import Client
@@ -167,19 +176,6 @@ def make_payload_bytes(total: int, rng: np.random.Generator) -> np.ndarray:
 
 def make_tokens(n_tokens: int, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, VOCAB, n_tokens, dtype=np.uint32)
-
-
-def make_identity(block_tokens: int, payload_bytes: int) -> Identity:
-    return Identity(
-        model="bench-model",
-        weights="sha256:" + "0" * 64,
-        tokenizer="bench-tokenizer",
-        template="v1",
-        rope="rope-default",
-        kv_layout=f"bf16/tp1/rank0/{payload_bytes}B",
-        block_tokens=block_tokens,
-        tenant="bench",
-    )
 
 
 def log(settings: Settings, message: str) -> None:
@@ -630,9 +626,9 @@ def run(settings: Settings, workdir: Path, sock_dir: Path) -> dict[str, Any]:
     source = make_payload_bytes(settings.total_bytes, rng)
     payloads = split(source, settings.payload_bytes)
     load_tokens = make_tokens(settings.n_blocks * LOAD_BLOCK_TOKENS, rng)
-    load_ident = make_identity(LOAD_BLOCK_TOKENS, settings.payload_bytes)
+    load_ident = bench_identity(LOAD_BLOCK_TOKENS, settings.payload_bytes)
     lookup_tokens = make_tokens(LOOKUP_PROMPT_TOKENS, rng)
-    lookup_ident = make_identity(LOOKUP_BLOCK_TOKENS, LOOKUP_PAYLOAD_BYTES)
+    lookup_ident = bench_identity(LOOKUP_BLOCK_TOKENS, LOOKUP_PAYLOAD_BYTES)
     n_lookup_blocks = LOOKUP_PROMPT_TOKENS // LOOKUP_BLOCK_TOKENS
     small = lookup_payloads(n_lookup_blocks, rng)
     hashes = packed_hashes(lookup_ident, lookup_tokens)

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchlib import Samples, gbps, run_in_workdir, split, timed
+from benchlib import Samples, bench_identity, gbps, run_in_workdir, split, timed
 from daemon_bench import Daemon, make_payload_bytes, make_tokens
 
 from prefixd import Identity
@@ -134,19 +134,6 @@ def parse_args(argv: Sequence[str] | None = None) -> Settings:
     )
 
 
-def make_identity(settings: Settings, tenant: str) -> Identity:
-    return Identity(
-        model="bench-model",
-        weights="sha256:" + "0" * 64,
-        tokenizer="bench-tokenizer",
-        template="v1",
-        rope="rope-default",
-        kv_layout=f"bf16/tp1/rank0/{settings.block_bytes}B",
-        block_tokens=BLOCK_TOKENS,
-        tenant=tenant,
-    )
-
-
 def log(settings: Settings, message: str) -> None:
     if settings.verbose:
         print(message, file=sys.stderr, flush=True)
@@ -165,8 +152,8 @@ class Bench:
         self.source = source  # the stored bytes, block after block
         self.source_t = torch.from_numpy(source)
         self.tokens = make_tokens(settings.n_blocks * BLOCK_TOKENS, np.random.default_rng(SEED))
-        self.load_ident = make_identity(settings, LOAD_TENANT)
-        self.store_ident = make_identity(settings, STORE_TENANT)
+        self.load_ident = bench_identity(BLOCK_TOKENS, settings.block_bytes, LOAD_TENANT)
+        self.store_ident = bench_identity(BLOCK_TOKENS, settings.block_bytes, STORE_TENANT)
         self.payloads = split(source, settings.block_bytes)
         self.samples = Samples()
         # The CPU destination, written once now so no measure pays for first touch.

@@ -19,7 +19,7 @@ from typing import Any
 import daemon_bench
 import numpy as np
 import store_bench
-from benchlib import Samples, gbps, same_bytes, split, timed, touched_buffer
+from benchlib import Samples, bench_identity, gbps, same_bytes, split, timed, touched_buffer
 from suitelib import GiB, MiB, SuiteDaemon, ratio
 
 from prefixd.client import Client
@@ -45,7 +45,7 @@ def measure(root: Path, *, size_bytes: int, block_bytes: int, repeat: int, run_b
     source = daemon_bench.make_payload_bytes(size_bytes, rng)
     payloads = split(source, block_bytes)
     block_tokens = daemon_bench.LOAD_BLOCK_TOKENS
-    ident = daemon_bench.make_identity(block_tokens, block_bytes)
+    ident = bench_identity(block_tokens, block_bytes)
     chains = [daemon_bench.make_tokens(n_blocks * block_tokens, rng) for _ in range(repeat + 1)]
     samples = Samples()
     map_size = max(8 * GiB, 4 * (repeat + 1) * size_bytes)

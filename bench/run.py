@@ -42,7 +42,7 @@ import peers
 import ratios
 import scale
 import workloads as wl
-from benchlib import run_in_workdir
+from benchlib import bench_identity, run_in_workdir
 from suitelib import MiB, SuiteDaemon, machine_info, ratio
 
 from prefixd.client import Client
@@ -250,7 +250,7 @@ def make_workloads(settings: Settings) -> list[wl.Workload]:
     traces = []
     for i, (name, make) in enumerate(makers.items()):
         rng = np.random.default_rng((settings.seed, i))
-        ident = wl.identity(name, p.block_tokens, p.payload_bytes)
+        ident = bench_identity(p.block_tokens, p.payload_bytes, f"bench-{name}")
         traces.append(make(rng, ident, **getattr(p, name)))
     drift = traces[-1]
     hot_bytes = p.drift["hot_set"] * p.drift["prefix_blocks"] * p.payload_bytes

@@ -52,8 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from benchlib import Samples, gbps, same_bytes, split, timed, touched_buffer
+from benchlib import Samples, bench_identity, gbps, same_bytes, split, timed, touched_buffer
 
 from prefixd import Identity, Store
 from prefixd.store.allocator import keep_write_buffers
@@ -153,19 +152,6 @@ def make_payload_bytes(total: int, kind: str, rng: np.random.Generator) -> np.nd
 
 def make_tokens(n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, VOCAB, n_blocks * BLOCK_TOKENS, dtype=np.uint32)
-
-
-def make_identity(payload_bytes: int) -> Identity:
-    return Identity(
-        model="bench-model",
-        weights="sha256:" + "0" * 64,
-        tokenizer="bench-tokenizer",
-        template="v1",
-        rope="rope-default",
-        kv_layout=f"bf16/tp1/rank0/{payload_bytes}B",
-        block_tokens=BLOCK_TOKENS,
-        tenant="bench",
-    )
 
 
 def open_store(path: Path, settings: Settings) -> Store:
@@ -448,7 +434,7 @@ def run(settings: Settings, workdir: Path) -> dict[str, Any]:
     source = make_payload_bytes(settings.total_bytes, settings.data, rng)
     payloads = split(source, settings.payload_bytes)
     tokens = make_tokens(settings.n_blocks, rng)
-    ident = make_identity(settings.payload_bytes)
+    ident = bench_identity(BLOCK_TOKENS, settings.payload_bytes)
     samples = Samples()
     store, file_path = bench_writes(settings, workdir, ident, tokens, payloads, samples)
     try:

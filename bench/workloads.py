@@ -69,19 +69,6 @@ class Workload:
         return len(seen)
 
 
-def identity(name: str, block_tokens: int, payload_bytes: int) -> Identity:
-    return Identity(
-        model="bench-model",
-        weights="sha256:" + "0" * 64,
-        tokenizer="bench-tokenizer",
-        template="v1",
-        rope="rope-default",
-        kv_layout=f"bf16/tp1/rank0/{payload_bytes}B",
-        block_tokens=block_tokens,
-        tenant=f"bench-{name}",
-    )
-
-
 def random_tokens(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, VOCAB, n, dtype=np.uint32)
 
@@ -487,7 +474,6 @@ __all__ = [
     "drift",
     "drive",
     "histogram",
-    "identity",
     "rag",
     "shared_prefix",
     "summarize",
