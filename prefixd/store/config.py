@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 
 from prefixd.errors import ConfigError
+
+T = TypeVar("T", int, float)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -70,17 +73,27 @@ def parse_size(text: str) -> int:
 
 def parse_tenant_quotas(entries: tuple[str, ...]) -> dict[str, int]:
     """{tenant: bytes} from TENANT=SIZE entries (16GiB); ValueError says which entry is wrong."""
-    quotas: dict[str, int] = {}
+    return _per_tenant(entries, parse_size, "SIZE (a positive size, once each)")
+
+
+def parse_tenant_durations(entries: tuple[str, ...]) -> dict[str, float]:
+    """{tenant: seconds} from TENANT=DURATION entries; ValueError says which entry is wrong."""
+    return _per_tenant(entries, parse_seconds, "DURATION (a positive duration, once each)")
+
+
+def _per_tenant(entries: tuple[str, ...], parse: Callable[[str], T], shape: str) -> dict[str, T]:
+    """{tenant: value} from TENANT=VALUE entries, each value positive, each tenant once."""
+    values: dict[str, T] = {}
     for entry in entries:
         tenant, sep, text = entry.partition("=")
         try:
-            size = parse_size(text) if sep and tenant else -1
+            value = parse(text) if sep and tenant else None
         except ValueError:
-            size = -1
-        if size <= 0 or tenant in quotas:
-            raise ValueError(f"{entry!r} is not TENANT=SIZE (a positive size, once each)")
-        quotas[tenant] = size
-    return quotas
+            value = None
+        if value is None or value <= 0 or tenant in values:  # type: ignore[operator]
+            raise ValueError(f"{entry!r} is not TENANT={shape}")
+        values[tenant] = value
+    return values
 
 
 SHARE_PREFIX = "share:"  # the tenant name a share group's entries are stored under
@@ -100,21 +113,6 @@ def parse_share_groups(entries: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
         seen.update(tenants)
         groups[group] = tenants
     return groups
-
-
-def parse_tenant_durations(entries: tuple[str, ...]) -> dict[str, float]:
-    """{tenant: seconds} from TENANT=DURATION entries; ValueError says which entry is wrong."""
-    durations: dict[str, float] = {}
-    for entry in entries:
-        tenant, sep, text = entry.partition("=")
-        try:
-            seconds = parse_seconds(text) if sep and tenant else -1.0
-        except ValueError:
-            seconds = -1.0
-        if seconds <= 0 or tenant in durations:
-            raise ValueError(f"{entry!r} is not TENANT=DURATION (a positive duration, once each)")
-        durations[tenant] = seconds
-    return durations
 
 
 @dataclass(frozen=True)

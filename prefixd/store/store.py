@@ -347,11 +347,7 @@ class Store:
             if txn.stat(self._tables.identities)["entries"] != len(self._tenant_of):
                 for digest, encoded in txn.cursor(db=self._tables.identities):
                     if bytes(digest) not in self._tenant_of:
-                        try:
-                            owner = Identity.decode(bytes(encoded)).tenant
-                        except IdentityError:
-                            owner = ""
-                        self._tenant_of[bytes(digest)] = owner
+                        self._tenant_of[bytes(digest)] = _owner(encoded)
         return {d for d, owner in self._tenant_of.items() if owner == tenant}
 
     def tenant_bytes(self, tenant: str) -> int:
@@ -1510,12 +1506,7 @@ class Store:
         count may run ahead of a transaction that aborted: it is a rate, not an inventory)."""
         tenant = self._tenant_of.get(digest)
         if tenant is None:
-            raw = txn.get(digest, db=self._tables.identities)
-            try:
-                tenant = Identity.decode(bytes(raw)).tenant if raw is not None else ""
-            except IdentityError:
-                tenant = ""
-            self._tenant_of[digest] = tenant
+            tenant = self._tenant_of[digest] = _owner(txn.get(digest, db=self._tables.identities))
         with self._lock:
             self._removals[tenant, reason] += blocks
 
@@ -1543,6 +1534,16 @@ class Store:
             tenant["blocks"] += blocks.get(digest, 0)
             tenant["stored_bytes"] += stored.get(digest, 0)
         return totals
+
+
+def _owner(encoded: bytes | memoryview | None) -> str:
+    """The tenant of an encoded identity ("" when it is missing or unreadable)."""
+    if encoded is None:
+        return ""
+    try:
+        return Identity.decode(bytes(encoded)).tenant
+    except IdentityError:
+        return ""
 
 
 def _require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
