@@ -298,7 +298,6 @@ class Operations:
         tokens, hit bytes): hits shorter than `min_reusable_tokens` are not offered; each comes
         with the benefit model's estimates."""
         results, observed = [], []
-        bt = identity.block_tokens
         benefit = self.metrics.benefit
         for (tokens, _), match in zip(queries, matches, strict=True):
             assert match is not None
@@ -308,7 +307,7 @@ class Operations:
             result = _lookup_result(match) if offered else dict(_NO_HIT)
             result["est_load_s"], result["est_prefill_s"] = benefit(n_tokens, n_bytes)
             results.append(result)
-            observed.append((len(tokens) // TOKEN_BYTES // bt * bt, n_tokens, n_bytes))
+            observed.append((_closed_tokens(tokens, identity), n_tokens, n_bytes))
         return results, observed
 
     def _count(self, identity: Identity, observed: list[tuple[int, int, int]]) -> None:
@@ -438,18 +437,17 @@ class Operations:
             return [self.store.lookup_state(identity, t, hashes=h) for t, h in queries]
 
         matches = await self._run(run)
-        results = []
+        results, observed = [], []
         for (tokens, _), match in zip(queries, matches, strict=True):
             match = self._offered(match)
-            closed = len(tokens) // TOKEN_BYTES // identity.block_tokens * identity.block_tokens
-            n_bytes = match.payload_bytes
-            self.metrics.observe_lookup(
-                identity.tenant, identity.digest, closed, match.reusable_tokens, n_bytes
+            hit_tokens, hit_bytes = match.reusable_tokens, match.payload_bytes
+            result = _joint_result(match)
+            result["est_load_s"], result["est_prefill_s"] = self.metrics.benefit(
+                hit_tokens, hit_bytes
             )
-            est_load_s, est_prefill_s = self.metrics.benefit(match.reusable_tokens, n_bytes)
-            results.append(
-                {**_joint_result(match), "est_load_s": est_load_s, "est_prefill_s": est_prefill_s}
-            )
+            results.append(result)
+            observed.append((_closed_tokens(tokens, identity), hit_tokens, hit_bytes))
+        self._count(identity, observed)
         return ok_reply(request.id, results=results)
 
     def _offered(self, match: JointMatch) -> JointMatch:
@@ -594,6 +592,12 @@ def _joint_result(match: JointMatch, offsets: Sequence[int] | None = None) -> di
         "matched_tokens": match.matched_tokens,
         "parts": parts,
     }
+
+
+def _closed_tokens(tokens: bytes | memoryview, identity: Identity) -> int:
+    """How many of a prompt's tokens lie in closed blocks (the part a lookup can hit)."""
+    bt = identity.block_tokens
+    return len(tokens) // TOKEN_BYTES // bt * bt
 
 
 def _is_int(value: Any) -> bool:
