@@ -79,8 +79,8 @@ from benchlib import (
 
 from prefixd import Identity, Store
 from prefixd.client import Client
-from prefixd.daemon.protocol import HEADER, PROTOCOL_VERSION, encode_frame
 from prefixd.schema.chain import packed_hashes
+from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
 
 MiB = 1 << 20
 GiB = 1 << 30

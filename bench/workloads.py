@@ -32,7 +32,8 @@ import numpy as np
 from suitelib import percentiles_us
 
 from prefixd import Identity
-from prefixd.client import Client, RemoteError
+from prefixd.client import Client
+from prefixd.errors import PrefixdError as RemoteError
 from prefixd.schema.chain import BlockChain
 
 VOCAB = 128_000

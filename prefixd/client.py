@@ -1,6 +1,6 @@
 """Clients for the daemon: `Client` (blocking, for an engine's hot path) and `AsyncClient`.
 
-Both share a memory region with the daemon (a sealed memfd, see prefixd.daemon.region): payloads
+Both share a memory region with the daemon (a sealed memfd, see prefixd.wire.region): payloads
 are staged in it for puts and loaded into it by the daemon, so bulk data never crosses the socket.
 Both reconnect after a daemon restart (re-attaching the same region) and retry the request once:
 every operation is idempotent.
@@ -20,17 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefixd.daemon.protocol import (
-    HEADER,
-    PROTOCOL_VERSION,
-    RemoteError,
-    decode_body,
-    encode_frame,
-)
-from prefixd.daemon.region import SharedRegion, send_with_fds
-from prefixd.errors import PrefixdError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
+from prefixd.errors import DaemonUnavailableError, PrefixdError, RemoteError
+from prefixd.wire.errors import error_for
+from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, decode_body, encode_frame
+from prefixd.wire.region import SharedRegion, send_with_fds
 
 if TYPE_CHECKING:
     from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
@@ -48,10 +43,6 @@ __all__ = [
     "StatePart",
     "Stored",
 ]
-
-
-class DaemonUnavailableError(PrefixdError, ConnectionError):
-    """The daemon cannot be reached (not running, wrong socket path, or gone mid-request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +352,7 @@ def _hot_prefix(entry: dict[str, Any]) -> HotPrefix:
 def _check(reply: dict[str, Any]) -> dict[str, Any]:
     if reply.get("ok") is not True:
         error = reply.get("error") or {}
-        raise RemoteError(str(error.get("code", "unknown")), str(error.get("message", "")))
+        raise error_for(str(error.get("code", "unknown")), str(error.get("message", "")))
     return reply
 
 

@@ -2,21 +2,157 @@
 
 Every error derives from `PrefixdError`. Errors caused by a caller's bad value also derive from
 `ValueError`, so generic validation handlers keep working.
+
+The classes survive the socket: each names the wire error code (`code`, see
+prefixd.wire.errors) that the daemon replies with when it raises one, and a client that receives
+that code raises the same class again (`from_wire`). Codes are the protocol's; classes are this
+package's way of saying them.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar, TypeVar
+
+_E = TypeVar("_E", bound="PrefixdError")
 
 
 class PrefixdError(Exception):
     """Base of every error prefixd raises on purpose."""
 
+    code: ClassVar[str] = "internal"  # the wire error code a daemon replies with
+    message: str = ""  # the daemon's text, when the error came through the socket
+
+    @classmethod
+    def from_wire(cls: type[_E], message: str) -> _E:
+        """The error a client raises for an error reply with this class's code: built without
+        the class's own constructor (whose arguments the reply does not carry)."""
+        error = cls.__new__(cls)
+        Exception.__init__(error, f"{cls.code}: {message}")
+        error.message = message
+        return error
+
+
+class InternalError(PrefixdError):
+    """The daemon failed in a way it did not expect; its log says more (never the client's
+    keys or prompts)."""
+
+    code = "internal"
+
+
+class RemoteError(PrefixdError):
+    """An error reply whose code this client does not know (a newer daemon's)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code  # type: ignore[misc]
+        self.message = message
+
+
+# --- the conversation with the daemon ----------------------------------------------------------
+
+
+class DaemonUnavailableError(PrefixdError, ConnectionError):
+    """The daemon cannot be reached (not running, wrong socket path, or gone mid-request)."""
+
+    code = "unavailable"  # never sent: a client-side condition
+
+
+class ShuttingDownError(DaemonUnavailableError):
+    """The daemon is shutting down and takes no new requests; a restarted one will."""
+
+    code = "shutting_down"
+
+
+class RequestTimeoutError(PrefixdError, TimeoutError):
+    """No reply within the client's timeout. The request may still run in the daemon: the
+    region spans it named stay out of use until a restarted daemon shows the old one is gone."""
+
+    code = "timeout"  # never sent: a client-side condition
+
+
+class ProtocolError(PrefixdError):
+    """A request the daemon could not take as a request (frame, operation or field); `code` is
+    an ErrorCode."""
+
+    code = "bad_request"
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{getattr(code, 'value', code)}: {message}")
+        self.code = code  # type: ignore[misc]
+        self.message = message
+
+
+class BadFrameError(ProtocolError):
+    """A frame body that is not a msgpack map with an int id and a str op."""
+
+    code = "bad_frame"
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame longer than the daemon's `max_frame_bytes`."""
+
+    code = "frame_too_large"
+
+
+class HelloRequiredError(ProtocolError):
+    """A request before `hello`."""
+
+    code = "hello_required"
+
+
+class UnsupportedVersionError(ProtocolError):
+    """The client speaks a protocol version the daemon does not."""
+
+    code = "unsupported_version"
+
+
+class UnknownOperationError(ProtocolError):
+    """An operation the daemon does not have."""
+
+    code = "unknown_op"
+
+
+class BadRequestError(ProtocolError, ValueError):
+    """A field is missing, of the wrong type or out of range."""
+
+    code = "bad_request"
+
+
+class BusyError(PrefixdError):
+    """The daemon is at its limit of connections or of requests in flight on this connection."""
+
+    code = "busy"
+
+
+class ForbiddenError(PrefixdError, PermissionError):
+    """The peer may not use the daemon, or not for this tenant or operation."""
+
+    code = "forbidden"
+
+
+class RegionError(PrefixdError, ValueError):
+    """A shared region or a span of one is unusable: not a sealed memfd, out of bounds, not
+    leased, or too small for what it must hold."""
+
+    code = "bad_region"
+
+
+class RegionFullError(RegionError):
+    """The client's region has no free span of the size an operation needs (client-side: the
+    message names the region's size and what is leased)."""
+
 
 class ConfigError(PrefixdError, ValueError):
     """A setting is missing, unknown, of the wrong type or out of range."""
 
+    code = "bad_request"
+
 
 class IdentityError(PrefixdError, ValueError):
     """An identity field holds a bad value; `field` names it."""
+
+    code = "bad_identity"
+    field: str = ""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"identity field {field!r}: {message}")
@@ -25,6 +161,8 @@ class IdentityError(PrefixdError, ValueError):
 
 class TokenError(PrefixdError, ValueError):
     """Token ids are not a flat sequence of integers in [0, 2**32)."""
+
+    code = "bad_tokens"
 
 
 # --- opening a store ---------------------------------------------------------------------------
@@ -62,6 +200,8 @@ class StoreBusyError(StoreOpenError):
 class CorruptStoreError(StoreOpenError):
     """The store's meta record or table layout is damaged; the store must be rebuilt or repaired."""
 
+    code = "store_damaged"
+
 
 class CorruptMetaError(CorruptStoreError):
     """The meta record fails its checksum or cannot be decoded."""
@@ -81,6 +221,8 @@ class StoreClosedError(PrefixdError):
 class StoreFullError(PrefixdError):
     """The store's map is full; the put was rolled back whole. Evict or raise `map_size`."""
 
+    code = "store_full"
+
 
 class DiskFullError(StoreFullError):
     """The file system under the store has no room left; the write was rolled back whole and
@@ -90,26 +232,38 @@ class DiskFullError(StoreFullError):
 class StoreWriteError(PrefixdError, OSError):
     """The disk refused a write for another reason than space (an I/O error); rolled back."""
 
+    code = "write_failed"
+
 
 class PutRefusedError(PrefixdError, ValueError):
     """A put was refused before anything was written; the store is unchanged."""
+
+    code = "bad_request"
 
 
 class OpenTailError(PutRefusedError):
     """A block has fewer than `block_tokens` tokens: an open tail is never stored."""
 
+    code = "open_tail"
+
 
 class OrphanBlockError(PutRefusedError):
     """The first block's parent is neither stored nor part of the same put."""
+
+    code = "orphan"
 
 
 class BlockCollisionError(PutRefusedError):
     """A block hash is already owned by a block with other tokens, parent or identity."""
 
+    code = "collision"
+
 
 class PayloadError(PutRefusedError):
     """A payload is empty, not a contiguous byte buffer, or there are too few/many of them."""
 
+    code = "bad_payload"
 
-class DestinationError(PrefixdError, ValueError):
+
+class DestinationError(RegionError):
     """A destination buffer is read-only, not contiguous, or too small for its block."""

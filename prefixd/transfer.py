@@ -33,7 +33,7 @@ from prefixd.schema.tokens import TokenIds, as_token_array
 
 if TYPE_CHECKING:
     from prefixd.client import Client, HotPrefix, Stored
-    from prefixd.daemon.region import SharedRegion
+    from prefixd.wire.region import SharedRegion
 
 DEFAULT_SLOTS = 3
 log = logging.getLogger(__name__)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -16,15 +17,6 @@ import numpy as np
 
 from prefixd import __version__
 from prefixd.daemon.metrics import Metrics
-from prefixd.daemon.protocol import (
-    PROTOCOL_VERSION,
-    ErrorCode,
-    ProtocolError,
-    field,
-    int_field,
-    ok_reply,
-)
-from prefixd.daemon.region import MappedRegion
 from prefixd.errors import (
     BlockCollisionError,
     ConfigError,
@@ -34,6 +26,7 @@ from prefixd.errors import (
     OpenTailError,
     OrphanBlockError,
     PayloadError,
+    ProtocolError,
     StoreFullError,
     StoreWriteError,
     TokenError,
@@ -46,6 +39,14 @@ from prefixd.store.joint import JointMatch
 from prefixd.store.purge import PurgeReport
 from prefixd.store.results import LoadResult, RepairReport
 from prefixd.store.verify import verify_report
+from prefixd.wire.errors import ErrorCode
+from prefixd.wire.frames import (
+    PROTOCOL_VERSION,
+    field,
+    int_field,
+    ok_reply,
+)
+from prefixd.wire.region import MappedRegion
 
 if TYPE_CHECKING:
     from prefixd.cluster.bridge import SharedTierBridge
@@ -107,6 +108,9 @@ class Operations:
         self.max_frame_bytes = max_frame_bytes
         self.max_region_bytes = max_region_bytes
         self.started = time.monotonic()
+        # Names this run of the daemon: a client that finds another one after reconnecting knows
+        # the old one can no longer touch the region spans its lost requests named.
+        self.instance = secrets.token_hex(8)
         self._identities: dict[tuple[tuple[str, Any], ...], Identity] = {}
         self.takes_fds = frozenset({"attach"})
         self.handlers: dict[str, Handler] = {
@@ -153,6 +157,7 @@ class Operations:
             max_inflight=conn.max_inflight,
             models=dict(self.models),
             retired=retired,
+            instance=self.instance,
         )
 
     async def attach(self, conn: Connection, request: Request) -> dict[str, Any]:

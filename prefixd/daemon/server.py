@@ -28,20 +28,19 @@ from prefixd.daemon.config import parse_manifests
 from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import Operations, Request
-from prefixd.daemon.protocol import (
+from prefixd.daemon.watchers import ManifestWatcher, Retire
+from prefixd.errors import ProtocolError, ServeError
+from prefixd.store import PurgeSelector, Store
+from prefixd.wire.errors import ErrorCode
+from prefixd.wire.frames import (
     HEADER,
     MAX_FDS_PER_FRAME,
-    ErrorCode,
-    ProtocolError,
     decode_body,
     encode_frame,
     error_reply,
     request_id,
 )
-from prefixd.daemon.region import MappedRegion, fds_from_ancillary
-from prefixd.daemon.watchers import ManifestWatcher, Retire
-from prefixd.errors import ServeError
-from prefixd.store import PurgeSelector, Store
+from prefixd.wire.region import MappedRegion, fds_from_ancillary
 
 if TYPE_CHECKING:
     from prefixd.cluster.bridge import SharedTierBridge

@@ -9,8 +9,8 @@ Teardown sends SIGTERM and waits, SIGKILL being the last resort. Socket paths li
 from __future__ import annotations
 
 import contextlib
-import re
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import prefixd
-from prefixd.daemon.protocol import HEADER, PROTOCOL_VERSION, encode_frame
-from prefixd.daemon.region import send_with_fds
+from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
+from prefixd.wire.region import send_with_fds
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 10.0

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from prefixd.client import Client
-from prefixd.daemon.protocol import HEADER, encode_frame
-from prefixd.daemon.region import SharedRegion, send_with_fds
 from prefixd.schema.chain import packed_hashes
+from prefixd.wire.frames import HEADER, encode_frame
+from prefixd.wire.region import SharedRegion, send_with_fds
 
 from .conftest import IDENTITY, IDENTITY_DICT, Daemon, DaemonFactory, Raw, error_of, payload
 

@@ -26,10 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixd.client import Client
-from prefixd.daemon.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, encode_frame
-from prefixd.daemon.region import SharedRegion
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.state import StateGroup
+from prefixd.wire.errors import ErrorCode
+from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
+from prefixd.wire.region import SharedRegion
 
 from .conftest import IDENTITY, IDENTITY_DICT, Daemon, DaemonFactory, Raw, make_identity, payload
 

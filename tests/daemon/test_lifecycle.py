@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from prefixd.client import Client
-from prefixd.daemon.protocol import encode_frame
-from prefixd.daemon.region import SharedRegion
+from prefixd.wire.frames import encode_frame
+from prefixd.wire.region import SharedRegion
 
 from .conftest import IDENTITY, IDENTITY_DICT, Daemon, DaemonFactory, Raw, error_of, payload
 

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 
 from prefixd import Identity
-from prefixd.client import Client, RemoteError
+from prefixd.client import Client
+from prefixd.errors import PrefixdError as RemoteError
 from prefixd.store import Store
 
 from .conftest import Daemon

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from prefixd.daemon.protocol import ProtocolError
-from prefixd.daemon.region import MappedRegion, SharedRegion
+from prefixd.errors import ProtocolError
+from prefixd.wire.region import MappedRegion, SharedRegion
 
 
 def test_a_shared_region_is_sealed_and_touched() -> None:

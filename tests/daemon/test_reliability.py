@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixd.client import Client, DaemonUnavailableError, RemoteError
+from prefixd.client import Client, DaemonUnavailableError
+from prefixd.errors import PrefixdError as RemoteError
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.state import StateGroup
 

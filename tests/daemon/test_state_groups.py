@@ -7,7 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from prefixd.client import AsyncClient, Client, RemoteError
+from prefixd.client import AsyncClient, Client
+from prefixd.errors import PrefixdError as RemoteError
 from prefixd.schema.state import StateGroup
 
 from .conftest import Daemon, make_identity, payload

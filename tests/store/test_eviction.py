@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from prefixd import Identity, Store
-from prefixd.store import PurgeSelector
 from prefixd.schema.chain import chain_hashes
+from prefixd.store import PurgeSelector
 
 IDENT = Identity(model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
                  block_tokens=2, tenant="a")

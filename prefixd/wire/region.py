@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prefixd.daemon.protocol import ErrorCode, ProtocolError
+from prefixd.errors import ProtocolError
+from prefixd.wire.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 

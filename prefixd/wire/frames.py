@@ -1,4 +1,4 @@
-"""The wire protocol: length-prefixed msgpack frames, error codes, and typed field access.
+"""Frames: a length-prefixed msgpack map, and the replies built from them.
 
 A frame is a 4-byte big-endian body length followed by a msgpack map. See docs/protocol.md for
 every operation and the evolution rules (new fields get defaults; nothing is renumbered or reused).
@@ -8,61 +8,18 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
-from enum import Enum
 from typing import Any, TypeVar
 
 import msgpack
 
-from prefixd.errors import PrefixdError
+from prefixd.errors import ProtocolError
+from prefixd.wire.errors import ErrorCode
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 MAX_FDS_PER_FRAME = 4
 
 T = TypeVar("T")
-
-
-class ErrorCode(str, Enum):
-    """Machine-readable error codes; the message says what exactly was wrong."""
-
-    BAD_FRAME = "bad_frame"  # body is not a msgpack map with an int id and a str op
-    FRAME_TOO_LARGE = "frame_too_large"
-    HELLO_REQUIRED = "hello_required"
-    UNSUPPORTED_VERSION = "unsupported_version"
-    UNKNOWN_OP = "unknown_op"
-    BAD_REQUEST = "bad_request"  # a field is missing, of the wrong type or out of range
-    BAD_IDENTITY = "bad_identity"
-    BAD_TOKENS = "bad_tokens"
-    BAD_REGION = "bad_region"
-    OPEN_TAIL = "open_tail"
-    ORPHAN = "orphan"
-    COLLISION = "collision"
-    BAD_PAYLOAD = "bad_payload"
-    STORE_FULL = "store_full"  # the map or the disk is full: rolled back, reads go on
-    WRITE_FAILED = "write_failed"  # the disk refused a write (an I/O error): rolled back
-    STORE_DAMAGED = "store_damaged"  # a damaged page of the store: see `prefixd verify`
-    BUSY = "busy"
-    FORBIDDEN = "forbidden"
-    SHUTTING_DOWN = "shutting_down"
-    INTERNAL = "internal"
-
-
-class ProtocolError(PrefixdError):
-    """A request that gets an error reply; `code` is an ErrorCode."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code.value}: {message}")
-        self.code = code
-        self.message = message
-
-
-class RemoteError(PrefixdError):
-    """An error reply received by a client."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 def encode_frame(message: Mapping[str, Any]) -> bytes:
