@@ -33,7 +33,7 @@ from suitelib import percentiles_us
 
 from prefixd import Identity
 from prefixd.client import Client
-from prefixd.errors import PrefixdError as RemoteError
+from prefixd.errors import PrefixdError
 from prefixd.schema.chain import BlockChain
 
 VOCAB = 128_000
@@ -301,7 +301,7 @@ class PrefixdBackend:
         end = (first_block + len(payloads)) * ident.block_tokens
         try:
             self.client.put(ident, prompt[:end], payloads, first_block=first_block)
-        except RemoteError as exc:
+        except PrefixdError as exc:
             # Under a capacity limit the parent may be evicted between the load and the put:
             # publish the whole prefix instead (blocks still there count as existing).
             if exc.code != "orphan" or first_block == 0:

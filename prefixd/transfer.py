@@ -9,6 +9,13 @@ caller gets an event to make it wait on, or asks the call to wait. Without CUDA 
 torch cannot pin memory) the same pipeline runs, the copies being synchronous, so every test runs
 everywhere.
 
+Every byte of the region these calls use is leased (prefixd.client.leases): a load's slots, a
+store's staging space. The lease is held until the copies that read or write it have completed,
+so concurrent calls on one client never overlap.
+
+The loads are steps of the client core (prefixd.client.core), so `Client` and `AsyncClient` run
+the same code.
+
 Nothing reaches a destination before the daemon verified it: a slot is copied only after the reply
 that says its bytes passed their checksums. A load that fails part way raises TransferError with the
 number of tokens installed; loads write the same bytes every time, so a retry is harmless.
@@ -32,8 +39,9 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
 
 if TYPE_CHECKING:
-    from prefixd.client import Client, HotPrefix, Stored
-    from prefixd.wire.region import SharedRegion
+    from prefixd.client.core import ClientCore, Steps
+    from prefixd.client.leases import Lease
+    from prefixd.client.results import HotPrefix, Stored
 
 DEFAULT_SLOTS = 3
 log = logging.getLogger(__name__)
@@ -42,7 +50,7 @@ log = logging.getLogger(__name__)
 @functools.cache
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     """One dedicated copy stream per device, for the life of the process."""
-    return torch.cuda.Stream(device=device)
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch leaves these untyped
 
 
 class TransferError(PrefixdError):
@@ -89,21 +97,20 @@ class WarmUp:
 
 
 class Copier:
-    """Copies between the region's slots and tensors: on a dedicated CUDA stream with one event
-    per slot when the device is CUDA, synchronously otherwise."""
+    """Copies between a lease's slots and tensors: on a dedicated CUDA stream with one event per
+    slot when the device is CUDA, synchronously otherwise."""
 
-    def __init__(self, region: SharedRegion, slots: int, device: torch.device) -> None:
+    def __init__(self, lease: Lease, slots: int, slot_bytes: int, device: torch.device) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
-        self.region = region
         self.slots = slots
-        self.slot_bytes = region.size // slots
+        self.slot_bytes = slot_bytes
         self.cuda = device.type == "cuda"
-        self._host = torch.frombuffer(region.view, dtype=torch.uint8)
+        self._host = torch.frombuffer(lease.view, dtype=torch.uint8) if lease.size else None
         self.stream: torch.cuda.Stream | None = None
         self._events: list[torch.cuda.Event | None] = [None] * slots
         if self.cuda:
-            if not region.pin():
+            if not lease.allocator.region.pin():
                 log.warning("the region could not be pinned: copies to the GPU will be slower")
             self.stream = _copy_stream(device)
 
@@ -116,17 +123,20 @@ class Copier:
     def slot_offset(self, slot: int) -> int:
         return slot * self.slot_bytes
 
-    def wait_free(self, slot: int) -> None:
-        """Block until every copy that read or wrote `slot` is done, so the daemon may reuse it."""
-        event = self._events[slot]
-        if event is not None:
-            event.synchronize()
-            self._events[slot] = None
+    def reuse(self, slot: int) -> torch.cuda.Event | None:
+        """The event to wait for before the daemon may write `slot` again (its copies out are
+        done then), or None."""
+        event, self._events[slot] = self._events[slot], None
+        return event
+
+    def host(self, offset: int, size: int) -> torch.Tensor:
+        assert self._host is not None
+        return self._host[offset : offset + size]
 
     def to_device(self, offset: int, size: int, dest: torch.Tensor) -> None:
         """Queue a copy of region bytes [offset, offset + size) into the start of `dest`."""
         target = _byte_view(dest, size)
-        source = self._host[offset : offset + size]
+        source = self.host(offset, size)
         if self.stream is None:
             target.copy_(source)
             return
@@ -137,7 +147,7 @@ class Copier:
     def from_device(self, source: torch.Tensor, offset: int) -> int:
         """Queue a copy of `source`'s bytes into the region at `offset`; returns its size."""
         data = _byte_view(source, None)
-        target = self._host[offset : offset + data.numel()]
+        target = self.host(offset, data.numel())
         if self.stream is None:
             target.copy_(data)
         else:
@@ -149,7 +159,7 @@ class Copier:
     def finish(self, slot: int) -> None:
         """Mark the end of the copies that use `slot`."""
         if self.stream is not None:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves these untyped
             event.record(self.stream)
             self._events[slot] = event
 
@@ -157,7 +167,7 @@ class Copier:
         """An event after every queued copy, or None once they are all done (`wait`, or CPU)."""
         if self.stream is None:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves these untyped
         event.record(self.stream)
         if wait:
             event.synchronize()
@@ -170,7 +180,7 @@ class Copier:
 
 
 def load_into(
-    client: Client,
+    core: ClientCore,
     identity: Identity,
     token_ids: TokenIds,
     destinations: Sequence[torch.Tensor],
@@ -179,76 +189,94 @@ def load_into(
     wait: bool = True,
     hashes: bytes | None = None,
     warm: bool = False,
-) -> Installed:
+) -> Steps[Installed]:
     """Stream the verified payloads of the stored prefix of `token_ids` into `destinations`
     (block i into destinations[i], any device, contiguous, at least the payload's size), as many
     blocks as there are destinations and the store holds."""
-    region = client.region
-    if region is None:
+    from prefixd.client.core import Reserve, Synchronize
+
+    allocator = core.payloads
+    if allocator is None:
         raise PrefixdError("load_into needs a client with a shared region (region_bytes)")
     if not destinations:
         return Installed(0, 0, 0, True)
-    copier = Copier(region, slots, _device_of(destinations))
+    device = _device_of(destinations)
     if hashes is None:  # hashed once here, not again by the daemon for every batch
         hashes = packed_hashes(identity, token_ids)
-    [hit] = client.lookup(identity, [token_ids], hashes=[hashes])
-    wanted = min(len(destinations), hit.n_blocks)
-    sizes = hit.sizes[:wanted]
+    [hit] = yield from core.lookup(identity, [token_ids], [hashes])
+    sizes = hit.sizes[: min(len(destinations), hit.n_blocks)]
     for i, (size, dest) in enumerate(zip(sizes, destinations, strict=False)):
         if _nbytes(dest) < size:
             raise DestinationError(f"destination {i} holds {_nbytes(dest)} bytes, needs {size}")
-    batches = _batches(sizes, copier.slot_bytes)
+    if not sizes:
+        return Installed(0, 0, 0, False)
+    slot_bytes = _slot_bytes(sizes, allocator.size, slots)
+    batches = _batches(sizes, slot_bytes)
+    n_slots = min(slots, len(batches))
+    lease: Lease = yield Reserve(allocator, n_slots * slot_bytes)
+    copier = Copier(lease, n_slots, slot_bytes, device)
     block_tokens = identity.block_tokens
     copier.begin()
     installed = n_bytes = 0
     try:
         for k, (start, stop) in enumerate(batches):
-            slot = k % copier.slots
-            copier.wait_free(slot)
-            loaded = client.load(
+            slot = k % n_slots
+            event = copier.reuse(slot)
+            if event is not None:
+                yield Synchronize(event)
+            loaded = yield from core.load_span(
                 identity,
                 token_ids,
-                offset=copier.slot_offset(slot),
-                length=copier.slot_bytes,
+                lease,
+                copier.slot_offset(slot),
+                slot_bytes,
                 first_block=start,
                 max_blocks=stop - start,
                 hashes=hashes,
                 warm=warm,
             )
             for i, (offset, size) in enumerate(zip(loaded.offsets, loaded.sizes, strict=True)):
-                copier.to_device(offset, size, destinations[start + i])
+                copier.to_device(offset - lease.offset, size, destinations[start + i])
                 n_bytes += size
             copier.finish(slot)
             installed = start + loaded.n_blocks
             if loaded.n_blocks < stop - start:
                 break  # evicted or failed verification since the lookup: a shorter hit
-    except Exception as exc:
+    except BaseException as exc:
         copier.drain()  # what was queued is installed, then the error says how much
+        del copier
+        lease.release()
+        if not isinstance(exc, Exception):
+            raise
         raise TransferError(
             f"load into destinations failed: {exc}", installed * block_tokens
         ) from exc
-    event = copier.done(wait)
+    done = copier.done(wait)
+    del copier
+    lease.release_after(done)  # the slots stay leased until the last copy out has read them
     complete = installed == len(destinations)
-    return Installed(installed, installed * block_tokens, n_bytes, complete, event)
+    return Installed(installed, installed * block_tokens, n_bytes, complete, done)
 
 
 def load_state_into(
-    client: Client,
+    core: ClientCore,
     identity: Identity,
     token_ids: TokenIds,
     destinations: Mapping[str, Sequence[torch.Tensor]],
     *,
     wait: bool = True,
-) -> InstalledState:
+) -> Steps[InstalledState]:
     """Load a hybrid identity's joint hit and copy each group's payloads into
     `destinations[group]` (pages in order; a checkpoint group's first destination takes the
     checkpoint). The whole hit passes through the region at once, so it must fit there."""
-    region = client.region
-    if region is None:
+    if core.payloads is None:
         raise PrefixdError("load_state_into needs a client with a shared region (region_bytes)")
     devices = [d for dests in destinations.values() for d in dests]
-    copier = Copier(region, 1, _device_of(devices) if devices else torch.device("cpu"))
-    hit = client.load_state(identity, token_ids)
+    device = _device_of(devices) if devices else torch.device("cpu")
+    hit = yield from core.load_state(identity, token_ids, None)
+    lease = hit.lease
+    assert lease is not None
+    copier = Copier(lease, 1, lease.size, device)
     copier.begin()
     n_bytes = 0
     try:
@@ -264,27 +292,33 @@ def load_state_into(
                         f"state group {group!r}: a destination holds {_nbytes(dest)} bytes, "
                         f"the payload needs {part.size}"
                     )
-                copier.to_device(part.offset, part.size, dest)
+                copier.to_device(part.offset - lease.offset, part.size, dest)
                 n_bytes += part.size
-    except DestinationError:
+    except BaseException:
         copier.drain()
+        del copier
+        hit.release()
         raise
     copier.finish(0)
-    return InstalledState(
-        hit.reusable_tokens, hit.replay_from, hit.paged_tokens, n_bytes, copier.done(wait)
-    )
+    done = copier.done(wait)
+    del copier
+    lease.release_after(done)
+    return InstalledState(hit.reusable_tokens, hit.replay_from, hit.paged_tokens, n_bytes, done)
 
 
 class Publisher:
     """Stores from device tensors without making the engine wait: the copies to the host and the
     put run on a thread of their own, through a connection and a region of their own."""
 
-    def __init__(self, client: Client, region_bytes: int) -> None:
-        from prefixd.client import Client
+    def __init__(self, core: ClientCore, region_bytes: int) -> None:
+        from prefixd.client.blocking import Client
 
         self.region_bytes = region_bytes
         self._client = Client(
-            client.socket_path, region_bytes=region_bytes, name=f"{client.name}-publisher"
+            core.socket_path,
+            region_bytes=region_bytes,
+            timeout=core.timeout,
+            name=f"{core.name}-publisher",
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixd-publish")
         self._lock = threading.Lock()
@@ -305,7 +339,7 @@ class Publisher:
         tokens = as_token_array(token_ids).copy()
         sources = list(sources)
         if ready is None and sources and _device_of(sources).type == "cuda":
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves these untyped
             ready.record(torch.cuda.current_stream(sources[0].device))
         return self._executor.submit(self._publish, identity, tokens, sources, first_block, ready)
 
@@ -317,23 +351,20 @@ class Publisher:
         first_block: int,
         ready: torch.cuda.Event | None,
     ) -> Stored:
-        region = self._client.region
-        assert region is not None
-        copier = Copier(region, 1, _device_of(sources) if sources else torch.device("cpu"))
-        if copier.stream is not None and ready is not None:
-            copier.stream.wait_event(ready)
-        spans, offset = [], 0
-        for i, source in enumerate(sources):
-            size = _nbytes(source)
-            if offset + size > region.size:
-                raise PrefixdError(
-                    f"sources need more than the {region.size}-byte region (block {i})"
-                )
-            copier.from_device(source, offset)
-            spans.append((offset, size))
-            offset += size
-        copier.drain()
-        return self._client.put_spans(identity, tokens, spans, first_block=first_block)
+        sizes = [_nbytes(source) for source in sources]
+        with self._client.reserve(max(sum(sizes), 1)) as lease:
+            device = _device_of(sources) if sources else torch.device("cpu")
+            copier = Copier(lease, 1, lease.size, device)
+            if copier.stream is not None and ready is not None:
+                copier.stream.wait_event(ready)
+            spans, offset = [], 0
+            for source, size in zip(sources, sizes, strict=True):
+                copier.from_device(source, offset)
+                spans.append((lease.offset + offset, size))
+                offset += size
+            copier.drain()
+            del copier
+            return self._client.put_spans(identity, tokens, spans, first_block=first_block)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -341,31 +372,38 @@ class Publisher:
 
 
 def warm_up(
-    client: Client,
+    core: ClientCore,
     budget_bytes: int,
     destinations_factory: Callable[[HotPrefix], Sequence[torch.Tensor] | None],
     *,
     tenant: str,
     limit: int = 64,
     slots: int = DEFAULT_SLOTS,
-) -> WarmUp:
+) -> Steps[WarmUp]:
     """After a restart, stream the tenant's most valuable stored prefixes (by eviction score) into
     destinations until `budget_bytes` of payload: `destinations_factory(prefix)` allocates one
     destination per block of `prefix` (or returns None to skip it). The daemon counts what was
     warmed (`prefixd stats`: warmed_blocks, warmed_bytes)."""
     prefixes = blocks = tokens = n_bytes = 0
-    for prefix in client.hot(budget_bytes, tenant=tenant, limit=limit):
+    for prefix in (yield from core.hot(budget_bytes, tenant, limit)):
         destinations = destinations_factory(prefix)
         if destinations is None:
             continue
-        installed = load_into(
-            client, prefix.identity, prefix.tokens, destinations, slots=slots, warm=True
+        installed = yield from load_into(
+            core, prefix.identity, prefix.tokens, destinations, slots=slots, warm=True
         )
         prefixes += 1
         blocks += installed.n_blocks
         tokens += installed.n_tokens
         n_bytes += installed.n_bytes
     return WarmUp(prefixes, blocks, tokens, n_bytes)
+
+
+def _slot_bytes(sizes: Sequence[int], region_bytes: int, slots: int) -> int:
+    """A staging slot's size: the whole hit when it fits in one slot's share of the region, else
+    that share (so a small load leases little of a shared region)."""
+    share = region_bytes // max(slots, 1)
+    return max(1, min(share, max(sum(sizes), 1)))
 
 
 def _batches(sizes: Sequence[int], slot_bytes: int) -> list[tuple[int, int]]:

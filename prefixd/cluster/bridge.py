@@ -22,7 +22,8 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from enum import Enum
+from typing import Final, Protocol
 
 from prefixd.cluster.blocks import (
     RemoteBlockError,
@@ -39,7 +40,15 @@ from prefixd.schema.tokens import TokenIds
 from prefixd.store import Store
 
 log = logging.getLogger(__name__)
-_STOP = object()
+
+
+class _Stop(Enum):
+    """The publish queue's end marker (an Enum member, so `item is _STOP` narrows the item)."""
+
+    STOP = 0
+
+
+_STOP: Final = _Stop.STOP
 _BACKOFF_S = 1.0  # after a failure, publishing pauses this long before the next try
 _INSTALL_BATCH = 16  # fetched blocks installed per local transaction
 
@@ -82,7 +91,7 @@ class SharedTierBridge:
         self.fetch_time = LoadTimeModel(overhead_s=2e-3, bandwidth=1e9)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=pending)
+        self._queue: queue.Queue[tuple[bytes, bytes] | _Stop] = queue.Queue(maxsize=pending)
         self._stopping = threading.Event()
         self._held: list[bytearray] = []  # buffers a timed-out fetch may still write into
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
@@ -124,7 +133,7 @@ class SharedTierBridge:
                 if item is not _STOP:
                     self._count("publish_dropped", 1 + self._queue.qsize())
                 return
-            digest, block = item  # type: ignore[misc]
+            digest, block = item
             try:
                 exported = self.store.export_block(block)
                 if exported is None:

@@ -149,7 +149,10 @@ class TierError(PrefixdError):
 
     def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        # Mooncake's code, on the instance; the class keeps PrefixdError's wire code, which is what
+        # prefixd.wire reads (`type(exc).code`). mypy cannot express an instance attribute
+        # shadowing a ClassVar of another type.
+        self.code = code  # type: ignore[misc, assignment]
 
 
 class TierUnavailableError(TierError):
@@ -530,12 +533,14 @@ class SharedTier:
         array, address, n = _bytes_view(value, writable=False)
         if n == 0:
             raise TierValueError("the value is empty (Mooncake refuses empty objects)")
+        call: Callable[[Any], int]
         if self._direct(address, n):
 
-            def call(client: Any, _pin: np.ndarray = array) -> int:  # _pin: memory stays alive
+            def direct(client: Any, _pin: np.ndarray = array) -> int:  # _pin: memory stays alive
                 fn = client.upsert_from if overwrite else client.put_from
                 return int(fn(key, address, n))
 
+            call = direct
         else:
             if n > self.settings.buffer_bytes:
                 raise TierValueError(
@@ -543,9 +548,11 @@ class SharedTier:
                     f"({self.settings.buffer_bytes}); register the buffer first"
                 )
 
-            def call(client: Any) -> int:
+            def staged(client: Any) -> int:
                 fn = client.upsert if overwrite else client.put
                 return int(fn(key, array))
+
+            call = staged
 
         rc = self._call(f"put {_tag(key)}", call)
         if rc != 0:

@@ -688,7 +688,11 @@ def _check_int(name: str, kind: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: must be an integer, got {type(value).__name__}")
     if not low <= value <= high:
-        show = {"size": _format_size, "mode": lambda n: f"{n:#o}"}.get(kind, str)
+        formats: dict[str, Callable[[int], str]] = {
+            "size": _format_size,
+            "mode": lambda n: f"{n:#o}",
+        }
+        show = formats.get(kind, str)
         raise ConfigError(f"{name}: must be in [{show(low)}, {show(high)}], got {show(value)}")
 
 

@@ -105,7 +105,8 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative counts keyed by upper bound, as Prometheus writes them."""
-        out, total = [], 0
+        out: list[tuple[str, float]] = []
+        total = 0
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             total += count
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))

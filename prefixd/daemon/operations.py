@@ -1,5 +1,7 @@
-"""What each protocol operation does. Handlers validate every field, then run store work on the
-bounded thread pool so the event loop never blocks on disk, checksums or zstd."""
+"""What each protocol operation does. Requests arrive decoded and type-checked against their
+schema (prefixd.wire.messages); handlers check what the schema cannot say (a span inside its
+region, token ids agreeing with `n_tokens`, ...), then run store work on the bounded thread pool
+so the event loop never blocks on disk, checksums or zstd."""
 
 from __future__ import annotations
 
@@ -11,26 +13,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
+from msgspec import Struct
 
 from prefixd import __version__
 from prefixd.daemon.metrics import Metrics
-from prefixd.errors import (
-    BlockCollisionError,
-    ConfigError,
-    CorruptStoreError,
-    DestinationError,
-    IdentityError,
-    OpenTailError,
-    OrphanBlockError,
-    PayloadError,
-    ProtocolError,
-    StoreFullError,
-    StoreWriteError,
-    TokenError,
-)
+from prefixd.errors import ConfigError, IdentityError, ProtocolError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
@@ -39,12 +29,43 @@ from prefixd.store.joint import JointMatch
 from prefixd.store.purge import PurgeReport
 from prefixd.store.results import LoadResult, RepairReport
 from prefixd.store.verify import verify_report
-from prefixd.wire.errors import ErrorCode
-from prefixd.wire.frames import (
-    PROTOCOL_VERSION,
-    field,
-    int_field,
-    ok_reply,
+from prefixd.wire.errors import ErrorCode, code_of
+from prefixd.wire.frames import PROTOCOL_VERSION
+from prefixd.wire.messages import (
+    MAX_BLOCKS_PER_PUT,
+    Attach,
+    AttachReply,
+    Health,
+    HealthReply,
+    Hello,
+    HelloReply,
+    Hot,
+    HotEntry,
+    HotReply,
+    JointResult,
+    Load,
+    LoadReply,
+    LoadState,
+    LoadStateReply,
+    Lookup,
+    LookupReply,
+    LookupResult,
+    LookupState,
+    LookupStateReply,
+    Purge,
+    PurgeReply,
+    Put,
+    PutReply,
+    PutState,
+    PutStateReply,
+    RequestMessage,
+    Span,
+    StatePart,
+    Stats,
+    StatsReply,
+    TokenFields,
+    Verify,
+    WireIdentity,
 )
 from prefixd.wire.region import MappedRegion
 
@@ -53,33 +74,21 @@ if TYPE_CHECKING:
     from prefixd.daemon.server import Connection
 
 T = TypeVar("T")
-Handler = Callable[["Connection", "Request"], Awaitable[dict[str, Any]]]
+M_co = TypeVar("M_co", bound=RequestMessage, covariant=True)
+# A reply: a struct of prefixd.wire.messages, or a map of the same fields (verify's report)
+AnyReply = Struct | dict[str, Any]
+Handler = Callable[["Connection", "Request[Any]"], Awaitable[AnyReply]]
 
-_STORE_ERRORS: tuple[tuple[type[Exception], ErrorCode], ...] = (
-    (OpenTailError, ErrorCode.OPEN_TAIL),
-    (OrphanBlockError, ErrorCode.ORPHAN),
-    (BlockCollisionError, ErrorCode.COLLISION),
-    (PayloadError, ErrorCode.BAD_PAYLOAD),
-    (DestinationError, ErrorCode.BAD_REGION),
-    (TokenError, ErrorCode.BAD_TOKENS),
-    (IdentityError, ErrorCode.BAD_IDENTITY),
-    (StoreFullError, ErrorCode.STORE_FULL),
-    (StoreWriteError, ErrorCode.WRITE_FAILED),
-    (CorruptStoreError, ErrorCode.STORE_DAMAGED),
-)
 _IDENTITY_CACHE = 1024
 MAX_REGIONS_PER_CONNECTION = 16
-MAX_PROMPTS_PER_LOOKUP = 4096
-MAX_BLOCKS_PER_PUT = 1 << 16
-MAX_HOT_PREFIXES = 4096
-PURGE_FIELDS = ("tenant", "model", "keep", "older_than_s", "everything")
+DEFAULT_HOT_LIMIT = 64
 
 
-class Request(NamedTuple):
+class Request(NamedTuple, Generic[M_co]):
     """One decoded request and the descriptors (SCM_RIGHTS) that arrived with its frame."""
 
     id: int
-    message: dict[str, Any]
+    message: M_co
     fds: tuple[int, ...] = ()
 
 
@@ -111,7 +120,7 @@ class Operations:
         # Names this run of the daemon: a client that finds another one after reconnecting knows
         # the old one can no longer touch the region spans its lost requests named.
         self.instance = secrets.token_hex(8)
-        self._identities: dict[tuple[tuple[str, Any], ...], Identity] = {}
+        self._identities: dict[WireIdentity, Identity] = {}
         self.takes_fds = frozenset({"attach"})
         self.handlers: dict[str, Handler] = {
             "hello": self.hello,
@@ -132,23 +141,21 @@ class Operations:
         self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
         self.cluster_hits: Counter[str] = Counter(local_hit_blocks=0, remote_hit_blocks=0)
 
-    async def hello(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def hello(self, conn: Connection, request: Request[Hello]) -> HelloReply:
         rid, msg = request.id, request.message
-        version = int_field(msg, "protocol", high=1 << 31)
-        if version != PROTOCOL_VERSION:
+        if msg.protocol != PROTOCOL_VERSION:
             raise ProtocolError(
                 ErrorCode.UNSUPPORTED_VERSION,
-                f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}",
+                f"client speaks protocol {msg.protocol}, this daemon speaks {PROTOCOL_VERSION}",
             )
-        serves = _served_versions(msg)
         retired = 0
-        for model, weights in serves:
+        for served in msg.serves or ():
             # the engine serves these weights now: other versions of the model are stale
-            selector = PurgeSelector(model=model, keep={"weights": weights})
+            selector = PurgeSelector(model=served.model, keep={"weights": served.weights})
             retired += (await self._run(partial(self.purge_everywhere, selector))).blocks
         conn.greeted = True
-        return ok_reply(
-            rid,
+        return HelloReply(
+            id=rid,
             protocol=PROTOCOL_VERSION,
             server=f"prefixd/{__version__}",
             ops=sorted(self.handlers),
@@ -160,11 +167,14 @@ class Operations:
             instance=self.instance,
         )
 
-    async def attach(self, conn: Connection, request: Request) -> dict[str, Any]:
-        rid, msg = request.id, request.message
+    async def attach(self, conn: Connection, request: Request[Attach]) -> AttachReply:
+        rid, size = request.id, request.message.size
         fds = list(request.fds)
         try:
-            size = int_field(msg, "size", low=1, high=self.max_region_bytes)
+            if size > self.max_region_bytes:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST, f"attach: size must be in [1, {self.max_region_bytes}]"
+                )
             if len(fds) != 1:
                 raise ProtocolError(
                     ErrorCode.BAD_REGION,
@@ -179,19 +189,14 @@ class Operations:
         finally:
             conn.close_fds(fds)
         region = await self._run(partial(MappedRegion, fd, size, self.max_region_bytes))
-        return ok_reply(rid, region=conn.add_region(region), size=size)
+        return AttachReply(id=rid, region=conn.add_region(region), size=size)
 
-    async def put(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def put(self, conn: Connection, request: Request[Put]) -> PutReply:
         rid, msg = request.id, request.message
-        identity = self._identity(msg)
+        identity = self._identity(msg.identity)
         tokens = _tokens(conn, msg)
-        first_block = int_field(msg, "first_block", default=0)
-        spans = field(msg, "blocks", list)
-        if len(spans) > MAX_BLOCKS_PER_PUT:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"at most {MAX_BLOCKS_PER_PUT} blocks per put"
-            )
-        views = [conn.span(_span(span, f"blocks[{i}]")) for i, span in enumerate(spans)]
+        first_block = msg.first_block or 0
+        views = [conn.span(span) for span in msg.blocks]
         result = await self._run(
             partial(self.store.put, identity, tokens, views, first_block=first_block)
         )
@@ -204,11 +209,11 @@ class Operations:
             len(views) * identity.block_tokens,
             sum(len(v) for v in views),
         )
-        return ok_reply(rid, stored=result.stored, existed=result.existed)
+        return PutReply(id=rid, stored=result.stored, existed=result.existed)
 
     def lookup_from_memory(
-        self, conn: Connection, request: Request
-    ) -> tuple[dict[str, Any], Callable[[], None]] | None:
+        self, conn: Connection, request: Request[Lookup]
+    ) -> tuple[LookupReply, Callable[[], None]] | None:
         """The lookup's reply if memory alone answers every prompt (see Store.cached_prefix),
         computed at once on the event loop, and the counting to do once it is sent; None sends
         the request the usual way."""
@@ -223,25 +228,20 @@ class Operations:
         if any(m is None for m in matches):
             return None
         results, observed = self._lookup_results(identity, queries, matches)
-        return ok_reply(request.id, results=results), partial(self._count, identity, observed)
+        reply = LookupReply(id=request.id, results=results)
+        return reply, partial(self._count, identity, observed)
 
     def _lookup_queries(
-        self, conn: Connection, msg: Mapping[str, Any]
+        self, conn: Connection, msg: Lookup | LookupState
     ) -> tuple[Identity, list[tuple[bytes | memoryview, bytes | None]]]:
-        identity = self._identity(msg)
-        prompts = field(msg, "prompts", list)
-        if len(prompts) > MAX_PROMPTS_PER_LOOKUP:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"at most {MAX_PROMPTS_PER_LOOKUP} prompts per lookup"
-            )
-        queries = []
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, dict):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"prompts[{i}] must be a map")
-            queries.append((_tokens(conn, prompt, f"prompts[{i}]."), _hashes(prompt)))
+        identity = self._identity(msg.identity)
+        queries = [
+            (_tokens(conn, prompt, f"prompts[{i}]."), prompt.hashes)
+            for i, prompt in enumerate(msg.prompts)
+        ]
         return identity, queries
 
-    async def lookup(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def lookup(self, conn: Connection, request: Request[Lookup]) -> LookupReply:
         rid = request.id
         identity, queries = self._lookup_queries(conn, request.message)
 
@@ -264,7 +264,7 @@ class Operations:
                 matches[i] = match
         results, observed = self._lookup_results(identity, queries, matches)
         self._count(identity, observed)
-        return ok_reply(rid, results=results)
+        return LookupReply(id=rid, results=results)
 
     def _longest_prefix(
         self, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
@@ -298,7 +298,7 @@ class Operations:
         identity: Identity,
         queries: Sequence[tuple[bytes | memoryview, bytes | None]],
         matches: Sequence[PrefixMatch | None],
-    ) -> tuple[list[dict[str, Any]], list[tuple[int, int, int]]]:
+    ) -> tuple[list[LookupResult], list[tuple[int, int, int]]]:
         """The replies of a lookup's prompts, and what to count for each (prompt tokens, hit
         tokens, hit bytes): hits shorter than `min_reusable_tokens` are not offered; each comes
         with the benefit model's estimates."""
@@ -309,9 +309,16 @@ class Operations:
             offered = match.n_tokens >= self.min_reusable_tokens
             n_tokens = match.n_tokens if offered else 0
             n_bytes = match.payload_bytes if offered else 0
-            result = _lookup_result(match) if offered else dict(_NO_HIT)
-            result["est_load_s"], result["est_prefill_s"] = benefit(n_tokens, n_bytes)
-            results.append(result)
+            est_load_s, est_prefill_s = benefit(n_tokens, n_bytes)
+            results.append(
+                LookupResult(
+                    n_blocks=match.n_blocks if offered else 0,
+                    n_tokens=n_tokens,
+                    sizes=_packed(match.payload_sizes) if offered else b"",
+                    est_load_s=est_load_s,
+                    est_prefill_s=est_prefill_s,
+                )
+            )
             observed.append((_closed_tokens(tokens, identity), n_tokens, n_bytes))
         return results, observed
 
@@ -321,15 +328,12 @@ class Operations:
                 identity.tenant, identity.digest, prompt_tokens, hit_tokens, hit_bytes
             )
 
-    async def load(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def load(self, conn: Connection, request: Request[Load]) -> LoadReply:
         rid, msg = request.id, request.message
-        identity = self._identity(msg)
+        identity = self._identity(msg.identity)
         tokens = _tokens(conn, msg)
-        hashes = _hashes(msg)
         offset, out = _output(conn, msg)
-        max_blocks = int_field(msg, "max_blocks", default=None)
-        first_block = int_field(msg, "first_block", default=0)
-        warm = field(msg, "warm", bool, default=False)
+        first_block = msg.first_block or 0
         started = time.perf_counter()
         result = await self._run(
             partial(
@@ -337,14 +341,14 @@ class Operations:
                 identity,
                 tokens,
                 out,
-                max_blocks=max_blocks,
-                hashes=hashes,
+                max_blocks=msg.max_blocks,
+                hashes=msg.hashes,
                 first_block=first_block,
             )
         )
         if not first_block and result.n_tokens < self.min_reusable_tokens:
             result = LoadResult(0, 0, (), ())  # too short to be worth it: not offered
-        if warm:
+        if msg.warm:
             self.warmed["warmed_blocks"] += result.n_blocks
             self.warmed["warmed_bytes"] += sum(result.sizes)
         self.metrics.observe_load(
@@ -353,23 +357,24 @@ class Operations:
             sum(result.sizes),
             time.perf_counter() - started,
         )
-        return ok_reply(
-            rid,
+        return LoadReply(
+            id=rid,
             n_blocks=result.n_blocks,
             n_tokens=result.n_tokens,
             offsets=_packed([offset + o for o in result.offsets]),
             sizes=_packed(result.sizes),
             first_block=result.first_block,
+            next_size=result.next_size,
         )
 
-    async def hot(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def hot(self, conn: Connection, request: Request[Hot]) -> HotReply:
         """A tenant's most valuable prefixes to warm after a restart, whole, within a byte
         budget; the reply holds at most half a frame of token ids (the rest are left out)."""
         rid, msg = request.id, request.message
-        budget = int_field(msg, "budget_bytes", high=1 << 62)
-        limit = int_field(msg, "limit", default=64, low=1, high=MAX_HOT_PREFIXES)
-        tenant = field(msg, "tenant", str, code=ErrorCode.BAD_IDENTITY)
-        found = await self._run(partial(self.store.hottest, budget, tenant=tenant, limit=limit))
+        limit = DEFAULT_HOT_LIMIT if msg.limit is None else msg.limit  # at most MAX_HOT_PREFIXES
+        found = await self._run(
+            partial(self.store.hottest, msg.budget_bytes, tenant=msg.tenant, limit=limit)
+        )
         room = self.max_frame_bytes // 2
         prefixes = []
         for prefix in found:
@@ -377,51 +382,35 @@ class Operations:
             if room < 0:
                 break
             prefixes.append(
-                {
-                    "identity": prefix.identity.to_dict(),
-                    "tokens": prefix.tokens,
-                    "sizes": _packed(prefix.payload_sizes),
-                    "score": prefix.score,
-                }
+                HotEntry(
+                    identity=WireIdentity.of(prefix.identity),
+                    tokens=prefix.tokens,
+                    sizes=_packed(prefix.payload_sizes),
+                    score=prefix.score,
+                )
             )
         self.warmed["warm_listings"] += 1
-        return ok_reply(rid, prefixes=prefixes)
+        return HotReply(id=rid, prefixes=prefixes)
 
     # --- hybrid identities: state groups (prefixd.schema.state) ---------------------------------
 
-    async def put_state(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def put_state(self, conn: Connection, request: Request[PutState]) -> PutStateReply:
         rid, msg = request.id, request.message
-        identity = self._identity(msg)
+        identity = self._identity(msg.identity)
         tokens = _tokens(conn, msg)
-        first_block = int_field(msg, "first_block", default=0)
-        upto_tokens = int_field(msg, "upto_tokens", default=None)
-        paged_spans = field(msg, "paged", dict, default={})
-        checkpoint_spans = field(msg, "checkpoints", dict, default={})
-        lists = (*paged_spans.values(), *checkpoint_spans.values())
-        count = sum(len(v) for v in lists if isinstance(v, list))
+        paged_spans = msg.paged or {}
+        checkpoint_spans = msg.checkpoints or {}
+        count = sum(map(len, paged_spans.values())) + sum(map(len, checkpoint_spans.values()))
         if count > MAX_BLOCKS_PER_PUT:
             raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"at most {MAX_BLOCKS_PER_PUT} payloads per put"
+                ErrorCode.BAD_REQUEST, f"put_state: at most {MAX_BLOCKS_PER_PUT} payloads per put"
             )
-        paged: dict[str, list[memoryview]] = {}
-        for name, spans in paged_spans.items():
-            where = f"paged[{name!r}]"
-            if not isinstance(name, str) or not isinstance(spans, list):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where} must map a name to spans")
-            paged[name] = [conn.span(_span(s, f"{where}[{i}]")) for i, s in enumerate(spans)]
-        checkpoints: dict[str, dict[int, memoryview]] = {}
-        for name, pairs in checkpoint_spans.items():
-            where = f"checkpoints[{name!r}]"
-            if not isinstance(name, str) or not isinstance(pairs, list):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where} must map a name to pairs")
-            placed: dict[int, memoryview] = {}
-            for i, pair in enumerate(pairs):
-                if not isinstance(pair, list) or len(pair) != 2 or not _is_int(pair[0]):
-                    raise ProtocolError(
-                        ErrorCode.BAD_REQUEST, f"{where}[{i}] must be [boundary, span]"
-                    )
-                placed[pair[0]] = conn.span(_span(pair[1], f"{where}[{i}]"))
-            checkpoints[name] = placed
+        paged = {name: [conn.span(s) for s in spans] for name, spans in paged_spans.items()}
+        checkpoints = {
+            name: {boundary: conn.span(s) for boundary, s in pairs}
+            for name, pairs in checkpoint_spans.items()
+        }
+        first_block, upto_tokens = msg.first_block or 0, msg.upto_tokens
         result = await self._run(
             partial(
                 self.store.put_state,
@@ -433,9 +422,13 @@ class Operations:
                 first_block=first_block,
             )
         )
-        return ok_reply(rid, stored=result.stored, existed=result.existed, parts=result.parts)
+        return PutStateReply(
+            id=rid, stored=result.stored, existed=result.existed, parts=result.parts
+        )
 
-    async def lookup_state(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def lookup_state(
+        self, conn: Connection, request: Request[LookupState]
+    ) -> LookupStateReply:
         identity, queries = self._lookup_queries(conn, request.message)
 
         def run() -> list[JointMatch]:
@@ -446,14 +439,21 @@ class Operations:
         for (tokens, _), match in zip(queries, matches, strict=True):
             match = self._offered(match)
             hit_tokens, hit_bytes = match.reusable_tokens, match.payload_bytes
-            result = _joint_result(match)
-            result["est_load_s"], result["est_prefill_s"] = self.metrics.benefit(
-                hit_tokens, hit_bytes
+            est_load_s, est_prefill_s = self.metrics.benefit(hit_tokens, hit_bytes)
+            results.append(
+                JointResult(
+                    reusable_tokens=match.reusable_tokens,
+                    replay_from=match.replay_from,
+                    paged_tokens=match.paged_tokens,
+                    matched_tokens=match.matched_tokens,
+                    parts=_state_parts(match),
+                    est_load_s=est_load_s,
+                    est_prefill_s=est_prefill_s,
+                )
             )
-            results.append(result)
             observed.append((_closed_tokens(tokens, identity), hit_tokens, hit_bytes))
         self._count(identity, observed)
-        return ok_reply(request.id, results=results)
+        return LookupStateReply(id=request.id, results=results)
 
     def _offered(self, match: JointMatch) -> JointMatch:
         """`match`, or no hit when it is shorter than `min_reusable_tokens`."""
@@ -461,15 +461,14 @@ class Operations:
             return match
         return dataclasses.replace(match, reusable_tokens=0, replay_from=0, hashes=(), parts=())
 
-    async def load_state(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def load_state(self, conn: Connection, request: Request[LoadState]) -> LoadStateReply:
         rid, msg = request.id, request.message
-        identity = self._identity(msg)
+        identity = self._identity(msg.identity)
         tokens = _tokens(conn, msg)
-        hashes = _hashes(msg)
         offset, out = _output(conn, msg)
         started = time.perf_counter()
         result = await self._run(
-            partial(self.store.load_state, identity, tokens, out, hashes=hashes)
+            partial(self.store.load_state, identity, tokens, out, hashes=msg.hashes)
         )
         match = self._offered(result.match)
         self.metrics.observe_load(
@@ -478,28 +477,48 @@ class Operations:
             match.payload_bytes,
             time.perf_counter() - started,
         )
-        return ok_reply(rid, **_joint_result(match, [offset + o for o in result.offsets]))
+        return LoadStateReply(
+            id=rid,
+            reusable_tokens=match.reusable_tokens,
+            replay_from=match.replay_from,
+            paged_tokens=match.paged_tokens,
+            matched_tokens=match.matched_tokens,
+            parts=_state_parts(match, [offset + o for o in result.offsets]),
+        )
 
-    async def purge(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def purge(self, conn: Connection, request: Request[Purge]) -> PurgeReply:
         rid, msg = request.id, request.message
-        dry_run = field(msg, "dry_run", bool, default=False)
-        criteria = {k: msg[k] for k in PURGE_FIELDS if k in msg and msg[k] is not None}
         try:
-            selector = PurgeSelector.from_dict(criteria)
+            selector = PurgeSelector(
+                tenant=msg.tenant,
+                model=msg.model,
+                keep=dict(msg.keep or {}),
+                older_than_s=msg.older_than_s,
+                everything=bool(msg.everything),
+            )
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
-        if dry_run:
+        if msg.dry_run:
             report = await self._run(partial(self.store.purge, selector, dry_run=True))
         else:
             report = await self._run(partial(self.purge_everywhere, selector))
-        return ok_reply(rid, **report.describe())
+        return PurgeReply(
+            id=rid,
+            identities=report.identities,
+            blocks=report.blocks,
+            payload_bytes=report.payload_bytes,
+            stored_bytes=report.stored_bytes,
+            dry_run=report.dry_run,
+            seconds=report.seconds,
+        )
 
-    async def verify(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def verify(self, conn: Connection, request: Request[Verify]) -> dict[str, Any]:
         """Check the store while serving (a read snapshot; writers go on), or repair it (one
-        write transaction: other writes wait for it, reads do not)."""
+        write transaction: other writes wait for it, reads do not). The reply is the report
+        `prefixd verify` prints, as a map (its two forms: prefixd.wire.messages.VerifyReply)."""
         rid, msg = request.id, request.message
-        fix = field(msg, "fix", bool, default=False)
-        payloads = field(msg, "payloads", bool, default=True)
+        fix = bool(msg.fix)
+        payloads = msg.payloads is not False
 
         def run() -> dict[str, Any]:
             # the check runs in a child: LMDB may abort the process that meets a damaged page
@@ -514,22 +533,22 @@ class Operations:
                 return verify_report(stats.blocks, stats.parts, fixed=unfixed)
             return verify_report(stats.blocks, stats.parts, problems=problems)
 
-        return ok_reply(rid, **await self._run(run))
+        return {"id": rid, "ok": True, **await self._run(run)}
 
-    async def stats(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def stats(self, conn: Connection, request: Request[Stats]) -> StatsReply:
         rid = request.id
         stats = await self._run(self.store.stats)
         metrics = await self._run(self.metrics.snapshot)
         if self.bridge is not None:
             metrics["cluster"] = {**self.bridge.snapshot(), **self.cluster_hits}
         server = {**conn.server.counters(), **self.warmed, "models": dict(self.models)}
-        return ok_reply(rid, store=dataclasses.asdict(stats), server=server, metrics=metrics)
+        return StatsReply(id=rid, store=dataclasses.asdict(stats), server=server, metrics=metrics)
 
-    async def health(self, conn: Connection, request: Request) -> dict[str, Any]:
+    async def health(self, conn: Connection, request: Request[Health]) -> HealthReply:
         rid = request.id
         await self._run(self.store.stats)  # the store answers through the pool
-        return ok_reply(
-            rid,
+        return HealthReply(
+            id=rid,
             status="ok",
             uptime_s=round(time.monotonic() - self.started, 3),
             connections=conn.server.open_connections,
@@ -545,58 +564,34 @@ class Operations:
         except Exception as exc:
             raise _protocol_error(exc) from None
 
-    def _identity(self, msg: Mapping[str, Any]) -> Identity:
-        raw = field(msg, "identity", dict, code=ErrorCode.BAD_IDENTITY)
-        try:
-            # the type is part of the key: 4.0 == 4 and True == 1, but only ints are block_tokens
-            key = tuple(sorted((name, type(value), value) for name, value in raw.items()))
-            cached = self._identities.get(key)
-        except TypeError:  # unhashable or unsortable values: let validation name the field
-            key, cached = (), None
+    def _identity(self, wire: WireIdentity) -> Identity:
+        """The identity a request names; parsed ones are cached by their (frozen, type-checked)
+        wire form, so 4.0 or True can never pass for block_tokens 4 or 1."""
+        cached = self._identities.get(wire)
         if cached is not None:
             return cached
         try:
-            identity = Identity.from_dict(raw)
+            identity = wire.to_identity()
         except IdentityError as exc:
             raise ProtocolError(ErrorCode.BAD_IDENTITY, str(exc)) from None
-        if key:
-            if len(self._identities) >= _IDENTITY_CACHE:
-                self._identities.clear()
-            self._identities[key] = identity
+        if len(self._identities) >= _IDENTITY_CACHE:
+            self._identities.clear()
+        self._identities[wire] = identity
         return identity
 
 
-_NO_HIT = {"n_blocks": 0, "n_tokens": 0, "sizes": b""}
-
-
-def _lookup_result(match: PrefixMatch) -> dict[str, Any]:
-    return {
-        "n_blocks": match.n_blocks,
-        "n_tokens": match.n_tokens,
-        "sizes": _packed(match.payload_sizes),
-    }
-
-
-def _joint_result(match: JointMatch, offsets: Sequence[int] | None = None) -> dict[str, Any]:
-    """A joint match on the wire; with `offsets`, where each part was loaded in the region."""
-    parts = []
-    for i, part in enumerate(match.parts):
-        entry = {
-            "group": part.group,
-            "first_token": part.first_token,
-            "tokens": part.tokens,
-            "size": part.payload_size,
-        }
-        if offsets is not None:
-            entry["offset"] = offsets[i]
-        parts.append(entry)
-    return {
-        "reusable_tokens": match.reusable_tokens,
-        "replay_from": match.replay_from,
-        "paged_tokens": match.paged_tokens,
-        "matched_tokens": match.matched_tokens,
-        "parts": parts,
-    }
+def _state_parts(match: JointMatch, offsets: Sequence[int] | None = None) -> list[StatePart]:
+    """A joint match's parts on the wire; with `offsets`, where each was loaded in the region."""
+    return [
+        StatePart(
+            group=part.group,
+            first_token=part.first_token,
+            tokens=part.tokens,
+            size=part.payload_size,
+            offset=None if offsets is None else offsets[i],
+        )
+        for i, part in enumerate(match.parts)
+    ]
 
 
 def _closed_tokens(tokens: bytes | memoryview, identity: Identity) -> int:
@@ -605,93 +600,54 @@ def _closed_tokens(tokens: bytes | memoryview, identity: Identity) -> int:
     return len(tokens) // TOKEN_BYTES // bt * bt
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _served_versions(msg: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """hello's optional `serves`: [{model, weights}, ...], the versions an engine serves."""
-    serves = field(msg, "serves", list, default=[])
-    pairs = []
-    for i, item in enumerate(serves):
-        if (
-            not isinstance(item, dict)
-            or not isinstance(item.get("model"), str)
-            or not isinstance(item.get("weights"), str)
-            or not item["model"]
-            or not item["weights"]
-        ):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"serves[{i}] must be a map of non-empty model and weights"
-            )
-        pairs.append((item["model"], item["weights"]))
-    return pairs
-
-
 def _protocol_error(exc: Exception) -> Exception:
-    """A store error as the protocol error a client gets; anything else unchanged (internal)."""
+    """A store error as the protocol error a client gets (prefixd.wire.errors.code_of); anything
+    else, or an error of prefixd's that says `internal`, unchanged (the server logs it)."""
     if isinstance(exc, ProtocolError):
         return exc
-    for kind, code in _STORE_ERRORS:
-        if isinstance(exc, kind):
-            return ProtocolError(code, str(exc))
-    return exc
+    code = code_of(exc)
+    if code is None or code is ErrorCode.INTERNAL:
+        return exc
+    return ProtocolError(code, str(exc))
 
 
-def _tokens(conn: Connection, msg: Mapping[str, Any], where: str = "") -> bytes | memoryview:
+def _tokens(conn: Connection, fields: TokenFields, where: str = "") -> bytes | memoryview:
     """Packed token ids: inline (`tokens`, a bin) or in a shared region (`tokens_span`,
-    [region, offset, n_tokens]), which keeps a long prompt's ids off the socket."""
-    span = msg.get("tokens_span")
+    [region, offset, n_tokens]), which keeps a long prompt's ids off the socket; exactly one of
+    them, agreeing with `n_tokens` when that is given."""
+    span: Span | None = fields.tokens_span
+    tokens: bytes | memoryview | None = fields.tokens
     if span is not None:
-        if "tokens" in msg:
+        if tokens is not None:
             raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens and tokens_span both given")
-        region, offset, count = _span(span, f"{where}tokens_span")
-        tokens: bytes | memoryview = conn.span((region, offset, count * TOKEN_BYTES))
-    else:
-        tokens = field(msg, "tokens", bytes, code=ErrorCode.BAD_TOKENS)
+        region, offset, count = span
+        tokens = conn.span((region, offset, count * TOKEN_BYTES))
+    elif tokens is None:
+        raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens (or tokens_span) is required")
     if len(tokens) % TOKEN_BYTES:
         raise ProtocolError(
             ErrorCode.BAD_TOKENS, f"{where}tokens is {len(tokens)} bytes, not a multiple of 4"
         )
     count = len(tokens) // TOKEN_BYTES
-    declared = msg.get("n_tokens")
+    declared = fields.n_tokens
     if declared is not None and declared != count:
         raise ProtocolError(
-            ErrorCode.BAD_TOKENS,
-            f"{where}tokens holds {count} token ids, n_tokens says {declared!r}",
+            ErrorCode.BAD_TOKENS, f"{where}tokens holds {count} token ids, n_tokens says {declared}"
         )
     return tokens
 
 
-def _output(conn: Connection, msg: Mapping[str, Any]) -> tuple[int, memoryview]:
+def _output(conn: Connection, msg: Load | LoadState) -> tuple[int, memoryview]:
     """Where a load writes: `region` from `offset` (default 0) for `length` bytes (default: to
     the region's end)."""
-    region = conn.region(int_field(msg, "region", high=1 << 31))
-    offset = int_field(msg, "offset", default=0)
-    length = int_field(msg, "length", default=max(0, region.size - offset))
+    region = conn.region(msg.region)
+    offset = msg.offset or 0
+    length = max(0, region.size - offset) if msg.length is None else msg.length
     return offset, region.span(offset, length)
-
-
-def _hashes(msg: Mapping[str, Any]) -> bytes | None:
-    return field(msg, "hashes", bytes, default=None, code=ErrorCode.BAD_TOKENS)
-
-
-def _span(span: Any, where: str) -> tuple[int, int, int]:
-    if (
-        not isinstance(span, list)
-        or len(span) != 3
-        or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in span
-        )
-    ):
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"{where} must be [region, offset, length] of ints >= 0"
-        )
-    return span[0], span[1], span[2]
 
 
 def _packed(values: Any) -> bytes:
     return np.asarray(values, dtype="<u8").tobytes()
 
 
-__all__ = ["MAX_REGIONS_PER_CONNECTION", "Operations"]
+__all__ = ["MAX_REGIONS_PER_CONNECTION", "Operations", "Request"]

@@ -23,22 +23,25 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from msgspec import Struct
+
 from prefixd.daemon import systemd
 from prefixd.daemon.config import parse_manifests
 from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
-from prefixd.daemon.operations import Operations, Request
+from prefixd.daemon.operations import AnyReply, Operations, Request
 from prefixd.daemon.watchers import ManifestWatcher, Retire
 from prefixd.errors import ProtocolError, ServeError
 from prefixd.store import PurgeSelector, Store
-from prefixd.wire.errors import ErrorCode
-from prefixd.wire.frames import (
-    HEADER,
-    MAX_FDS_PER_FRAME,
-    decode_body,
-    encode_frame,
+from prefixd.wire.errors import ErrorCode, code_of
+from prefixd.wire.frames import HEADER, MAX_FDS_PER_FRAME, encode_frame
+from prefixd.wire.messages import (
+    Lookup,
+    LookupReply,
+    RequestError,
+    decode_request,
     error_reply,
-    request_id,
+    op_of,
 )
 from prefixd.wire.region import MappedRegion, fds_from_ancillary
 
@@ -420,42 +423,65 @@ class Connection:
 
     def _start(self, body: bytearray, fds: list[int]) -> None:
         """Decode one frame and start its request; `fds` arrived with this frame."""
+        stats = self.server.stats
         try:
-            message = decode_body(body)
-            rid = request_id(message)
-        except ProtocolError as exc:
+            message = decode_request(body)
+        except RequestError as exc:
             self.close_fds(fds)
-            self.server.stats[f"errors.{exc.code.value}"] += 1
-            self._spawn(self._send(error_reply(None, exc.code, exc.message)))
+            if exc.rid is not None and len(self._requests) >= self.max_inflight:
+                self._busy(exc.rid)
+            else:
+                self._spawn(self._refuse(exc))
             return
+        rid = message.id
         if len(self._requests) >= self.max_inflight:
             self.close_fds(fds)
-            self.server.stats["errors.busy"] += 1
-            message_text = f"at most {self.max_inflight} requests in flight per connection"
-            self._spawn(self._send(error_reply(rid, ErrorCode.BUSY, message_text)))
+            self._busy(rid)
             return
-        op = message.get("op")
-        if fds and op not in self.operations.takes_fds:
+        if fds and op_of(message) not in self.operations.takes_fds:
             self.close_fds(fds)  # a descriptor belongs to the frame it came with
             fds = []
-        request = Request(rid, message, tuple(fds))
-        if op == "lookup" and self.greeted and not self.server.stopping.is_set():
+        if type(message) is Lookup and self.greeted and not self.server.stopping.is_set():
             received = time.perf_counter()
             try:
-                answered = self.operations.lookup_from_memory(self, request)
+                answered = self.operations.lookup_from_memory(self, Request(rid, message))
             except ProtocolError:
                 answered = None  # the usual path reports it
             if answered is not None:
                 reply, count = answered
-                self.server.stats["requests.lookup"] += 1
+                stats["requests.lookup"] += 1
                 self._reply_now(reply)
                 sent = time.perf_counter()
                 count()  # after the reply left: the counting is off the client's wait
                 self.operations.metrics.observe_op("lookup", sent - received)
                 return
-        self._spawn(self._handle(request))
+        self._spawn(self._handle(Request(rid, message, tuple(fds))))
 
-    def _reply_now(self, reply: dict[str, Any]) -> None:
+    def _busy(self, rid: int) -> None:
+        self.server.stats["errors.busy"] += 1
+        text = f"at most {self.max_inflight} requests in flight per connection"
+        self._spawn(self._send(error_reply(rid, ErrorCode.BUSY, text)))
+
+    def _refusal(self, op: str) -> ProtocolError | None:
+        """Why a request of `op` is not taken now, whatever its fields: before hello, or while
+        the daemon drains."""
+        if op != "hello" and not self.greeted:
+            return ProtocolError(ErrorCode.HELLO_REQUIRED, "send hello first")
+        if self.server.stopping.is_set() and op != "health":
+            return ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        return None
+
+    async def _refuse(self, exc: RequestError) -> None:
+        """Reply to a frame that decoded to no request (as a request task: in order with the
+        requests before it). A known op's hello_required or shutting_down comes first."""
+        refused: ProtocolError = exc
+        if exc.op is not None:
+            refused = self._refusal(exc.op) or exc
+        code = _code(refused)
+        self.server.stats[f"errors.{code.value}"] += 1
+        await self._send(error_reply(exc.rid, code, refused.message))
+
+    def _reply_now(self, reply: LookupReply) -> None:
         """Send a reply computed on the loop without a task, when no other send is under way."""
         frame = encode_frame(reply)
         sent = 0
@@ -474,40 +500,34 @@ class Connection:
         self._requests.add(task)
         task.add_done_callback(self._requests.discard)
 
-    async def _handle(self, request: Request) -> None:
-        rid, message = request.id, request.message
-        op = message.get("op")
+    async def _handle(self, request: Request[Any]) -> None:
+        rid, op = request.id, op_of(request.message)
         stats = self.server.stats
+        reply: AnyReply
         try:
-            if not isinstance(op, str):
-                raise ProtocolError(ErrorCode.BAD_FRAME, "'op' must be a str")
-            handler = self.operations.handlers.get(op)
-            if handler is None:
-                raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown operation {op[:64]!r}")
-            if op != "hello" and not self.greeted:
+            refused = self._refusal(op)
+            if refused is not None:
                 self.close_fds(list(request.fds))
-                raise ProtocolError(ErrorCode.HELLO_REQUIRED, "send hello first")
-            if self.server.stopping.is_set() and op != "health":
-                self.close_fds(list(request.fds))
-                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+                raise refused
             started = time.perf_counter()
-            reply = await handler(self, request)
+            reply = await self.operations.handlers[op](self, request)
             self.operations.metrics.observe_op(op, time.perf_counter() - started)
             stats[f"requests.{op}"] += 1
         except ProtocolError as exc:
-            stats[f"errors.{exc.code.value}"] += 1
-            reply = error_reply(rid, exc.code, exc.message)
+            code = _code(exc)
+            stats[f"errors.{code.value}"] += 1
+            reply = error_reply(rid, code, exc.message)
         except asyncio.CancelledError:
             raise
         except Exception:
             stats["errors.internal"] += 1
-            log.exception("operation %s failed", op if isinstance(op, str) else "?")
+            log.exception("operation %s failed", op)
             reply = error_reply(rid, ErrorCode.INTERNAL, "internal error (see the daemon log)")
         await self._send(reply)
 
     # --- socket I/O ------------------------------------------------------------------------------
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, message: Struct | dict[str, Any]) -> None:
         await self._send_frame(encode_frame(message))
 
     async def _send_frame(self, frame: bytes) -> None:
@@ -597,6 +617,12 @@ async def _reply_and_close(sock: socket.socket, code: ErrorCode, message: str) -
     sock.close()
 
 
+def _code(exc: ProtocolError) -> ErrorCode:
+    """The wire code of a protocol error (`internal` for a code that is none of the protocol's,
+    which would be a bug)."""
+    return code_of(exc) or ErrorCode.INTERNAL
+
+
 def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
     """The peer's supplementary groups as the kernel recorded them at connect (SO_PEERGROUPS)."""
     try:
@@ -625,4 +651,4 @@ def run_server(config: Config) -> int:
         import uvloop
     except ImportError:
         return asyncio.run(server.serve())
-    return uvloop.run(server.serve())  # type: ignore[no-any-return]
+    return uvloop.run(server.serve())

@@ -508,7 +508,7 @@ def state_layout(
 
 
 def _layer_state(
-    text: PreTrainedConfig, index: int, kind: str, kwargs: dict, dtype: torch.dtype
+    text: PreTrainedConfig, index: int, kind: str, kwargs: dict[str, Any], dtype: torch.dtype
 ) -> _LayerState:
     v4 = text.model_type == "deepseek_v4"
     if kind == "dummy":
@@ -770,15 +770,16 @@ def _fresh_cache(config: PreTrainedConfig) -> DynamicCache:
     return DynamicCache(config=config)
 
 
-def _check_positive(name: str, value: object) -> None:
+def _check_positive(name: str, value: object) -> int:
+    """`value`, if it is a positive int (not a bool); LayoutError otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise LayoutError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def _check_boundary(name: str, n_tokens: object, block_tokens: object) -> None:
-    _check_positive("block_tokens", block_tokens)
-    _check_positive(name, n_tokens)
-    if n_tokens % block_tokens:
+    block = _check_positive("block_tokens", block_tokens)
+    if _check_positive(name, n_tokens) % block:
         raise LayoutError(
             f"{name} {n_tokens} is not a multiple of block_tokens {block_tokens}: state is"
             " stored at block boundaries only (an open tail is never stored)"
@@ -802,11 +803,10 @@ def _cache_dtype(cache: Cache) -> torch.dtype:
         keys = getattr(layer, "keys", None)
         if isinstance(keys, torch.Tensor):
             return keys.dtype
-        if (
-            isinstance(layer, LinearAttentionCacheLayerMixin)
-            and layer.conv_states.get(0) is not None
-        ):
-            return layer.conv_states[0].dtype
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            conv = layer.conv_states.get(0)
+            if conv is not None:
+                return conv.dtype
     raise LayoutError("the cache holds no state yet: run the prefill first, or pass dtype")
 
 

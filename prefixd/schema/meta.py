@@ -40,7 +40,7 @@ class StoreMeta:
     settings: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        settings = msgpack.packb(self.settings, use_bin_type=True)
+        settings: bytes = msgpack.packb(self.settings, use_bin_type=True)
         body = _HEAD.pack(MAGIC, self.schema_version, len(settings)) + settings
         return body + _CRC.pack(crc32c.crc32c(body))
 

@@ -107,7 +107,21 @@ class BlockRecord(NamedTuple):
         if crc32c.crc32c(body) != _TRAILER.unpack_from(data, size - _TRAILER.size)[0]:
             raise CorruptRecordError("record fails its checksum")
         fields = _HEADER.unpack_from(data, 0)
-        magic, version, compression, _reserved, *sizes, identity, parent, n_tokens = fields
+        (
+            magic,
+            version,
+            compression,
+            _reserved,
+            chunk_bytes,
+            n_chunks,
+            checksum,
+            payload_size,
+            stored_size,
+            created_ns,
+            identity,
+            parent,
+            n_tokens,
+        ) = fields
         if magic != RECORD_MAGIC or version != RECORD_VERSION:
             raise CorruptRecordError("record has an unknown magic or version")
         if HEADER_BYTES + n_tokens * TOKEN_BYTES != len(body):
@@ -115,7 +129,18 @@ class BlockRecord(NamedTuple):
         if compression >= len(_COMPRESSIONS):
             raise CorruptRecordError(f"record has unknown compression {compression}")
         tokens = bytes(body[HEADER_BYTES:])
-        return cls(_COMPRESSIONS[compression], *sizes, identity, parent, tokens)
+        return cls(
+            _COMPRESSIONS[compression],
+            chunk_bytes,
+            n_chunks,
+            checksum,
+            payload_size,
+            stored_size,
+            created_ns,
+            identity,
+            parent,
+            tokens,
+        )
 
 
 class AccessRecord(NamedTuple):

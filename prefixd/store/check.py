@@ -18,13 +18,13 @@ from prefixd.schema.records import (
     chunk_key,
 )
 from prefixd.store import counters
-from prefixd.store.codec import checksum
+from prefixd.store.codec import checksum, chunks_present
 from prefixd.store.environment import META_KEY, Tables
 from prefixd.store.results import Problem
 
 
 def check_store(
-    txn: lmdb.Transaction,
+    txn: lmdb.Transaction[memoryview],
     t: Tables,
     *,
     verify_payloads: bool,
@@ -60,7 +60,7 @@ def check_store(
         totals["payload"] += record.payload_size
         totals["stored"] += record.stored_size
         chunks = [txn.get(chunk_key(h, n), db=t.chunks) for n in range(record.n_chunks)]
-        if any(c is None for c in chunks):
+        if not chunks_present(chunks):
             problems.append(Problem("payload", "a payload chunk is missing", h))
             continue
         if sum(len(c) for c in chunks) != record.stored_size:
@@ -83,10 +83,12 @@ def check_store(
     for key, value in txn.cursor(db=t.children):
         parent, child = bytes(key), bytes(value)
         indexed.add((parent, child))
-        record = records.get(child)
-        if record is None:
+        child_record = records.get(child)
+        if child_record is None:
             problems.append(Problem("children", "index names a block that is not stored", child))
-        elif parent != (record.identity if record.parent == ROOT_PARENT else record.parent):
+        elif parent != (
+            child_record.identity if child_record.parent == ROOT_PARENT else child_record.parent
+        ):
             problems.append(
                 Problem("children", "index files a block under the wrong parent", child)
             )
@@ -95,17 +97,17 @@ def check_store(
         if (parent, h) not in indexed:
             problems.append(Problem("children", "block is missing from the children index", h))
 
-    for key in txn.cursor(db=t.chunks).iternext(keys=True, values=False):
-        key = bytes(key)
-        owner, index = key[:HASH_BYTES], int.from_bytes(key[-4:], "big")
-        record = records.get(owner)
-        if record is None:
+    for stored_key in txn.cursor(db=t.chunks).iternext(keys=True, values=False):
+        ckey = bytes(stored_key)
+        owner, index = ckey[:HASH_BYTES], int.from_bytes(ckey[-4:], "big")
+        owner_record = records.get(owner)
+        if owner_record is None:
             problems.append(Problem("chunk", "chunk belongs to no stored block", owner))
-        elif len(key) == HASH_BYTES + 5:
-            part = parts.get(key[: HASH_BYTES + 1])
+        elif len(ckey) == HASH_BYTES + 5:
+            part = parts.get(ckey[: HASH_BYTES + 1])
             if part is None or index >= part.n_chunks:
                 problems.append(Problem("chunk", "chunk of a part that does not hold it", owner))
-        elif index >= record.n_chunks or len(key) != HASH_BYTES + 4:
+        elif index >= owner_record.n_chunks or len(ckey) != HASH_BYTES + 4:
             problems.append(Problem("chunk", "chunk beyond its block's chunk count", owner))
     for key, value in txn.cursor(db=t.access):
         block = bytes(key)
@@ -123,8 +125,8 @@ def check_store(
     per_identity: Counter[bytes] = Counter()
     for record in records.values():
         per_identity[record.identity] += record.stored_size
-    for key, part in parts.items():
-        per_identity[records[key[:HASH_BYTES]].identity] += part.stored_size
+    for pk, part in parts.items():
+        per_identity[records[pk[:HASH_BYTES]].identity] += part.stored_size
     kept_per_identity = counters.read_prefixed(txn, t.counters, counters.IDENTITY_STORED)
     if kept_per_identity != {d: n for d, n in per_identity.items() if n}:
         problems.append(Problem("counters", "per-identity stored bytes differ from the tables"))
@@ -149,7 +151,7 @@ def check_store(
 
 
 def _check_parts(
-    txn: lmdb.Transaction,
+    txn: lmdb.Transaction[memoryview],
     t: Tables,
     records: dict[bytes, BlockRecord],
     totals: Counter[str],
@@ -161,8 +163,8 @@ def _check_parts(
     sound: dict[bytes, PartRecord] = {}
     if t.parts is None:
         return sound
-    for key, raw in txn.cursor(db=t.parts):
-        key = bytes(key)
+    for stored_key, raw in txn.cursor(db=t.parts):
+        key = bytes(stored_key)
         block = key[:HASH_BYTES]
         try:
             part = PartRecord.decode(raw)
@@ -180,7 +182,7 @@ def _check_parts(
         totals["stored"] += part.stored_size
         sound[key] = part
         chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(part.n_chunks)]
-        if any(c is None for c in chunks):
+        if not chunks_present(chunks):
             problems.append(Problem("part", "a part's payload chunk is missing", block))
         elif sum(len(c) for c in chunks) != part.stored_size:
             problems.append(Problem("part", "a part's stored size differs from its record", block))

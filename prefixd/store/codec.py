@@ -15,14 +15,14 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 import crc32c
 import numpy as np
 import zstandard
 
 from prefixd.errors import PayloadError
-from prefixd.schema.records import BlockRecord, Compression
+from prefixd.schema.records import BlockRecord, Compression, PartRecord
 
 _PLANE_HEADER = struct.Struct("<I")
 _PIECE = 256 << 10  # copy-then-checksum granularity: the piece is still in L2 when it is hashed
@@ -33,6 +33,8 @@ COMPRESSION_BY_NAME = {
 }
 
 Buffer = bytes | bytearray | memoryview
+PayloadRecord = BlockRecord | PartRecord  # both name a payload's compression, sizes and checksum
+_C = TypeVar("_C")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ class EncodedPayload:
     """A payload as it will be stored."""
 
     compression: Compression
-    chunks: list[Buffer]
+    chunks: Sequence[Buffer]
     chunk_bytes: int
     payload_size: int
     stored_size: int
@@ -52,7 +54,7 @@ class StoredPayload:
     """One block to decode: its record, its chunk views (valid only inside the read transaction)
     and where its payload goes."""
 
-    record: BlockRecord
+    record: PayloadRecord
     chunks: list[memoryview]
     dest: memoryview
 
@@ -79,6 +81,11 @@ def checksum(chunks: Sequence[Buffer]) -> int:
     for chunk in chunks:
         value = crc32c.crc32c(chunk, value)
     return value
+
+
+def chunks_present(chunks: list[_C | None]) -> TypeGuard[list[_C]]:
+    """Whether every chunk read is there (none is None)."""
+    return all(c is not None for c in chunks)
 
 
 def _as_array(buffer: Buffer) -> np.ndarray:
@@ -139,7 +146,7 @@ class PayloadCodec:
         if kind is Compression.ZSTD:
             return compressor.compress(chunk)
         pairs = _as_array(chunk).reshape(-1, 2)
-        high = compressor.compress(np.ascontiguousarray(pairs[:, 1]))
+        high = compressor.compress(np.ascontiguousarray(pairs[:, 1]).data)
         return b"".join((_PLANE_HEADER.pack(len(high)), high, pairs[:, 0].tobytes()))
 
     def _compressor(self) -> zstandard.ZstdCompressor:
@@ -211,7 +218,7 @@ class PayloadCodec:
         return done
 
     def _decode_chunks(
-        self, record: BlockRecord, chunks: Sequence[memoryview], dest: memoryview
+        self, record: PayloadRecord, chunks: Sequence[memoryview], dest: memoryview
     ) -> None:
         step = record.chunk_bytes
         size = record.payload_size

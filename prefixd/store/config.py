@@ -90,7 +90,7 @@ def _per_tenant(entries: tuple[str, ...], parse: Callable[[str], T], shape: str)
             value = parse(text) if sep and tenant else None
         except ValueError:
             value = None
-        if value is None or value <= 0 or tenant in values:  # type: ignore[operator]
+        if value is None or value <= 0 or tenant in values:
             raise ValueError(f"{entry!r} is not TENANT={shape}")
         values[tenant] = value
     return values

@@ -242,15 +242,15 @@ def _open_tables(
     meta_db: lmdb._Database,
     version: int,
 ) -> Tables:
-    handles: dict[str, lmdb._Database | None] = {"meta": meta_db}
+    handles: dict[str, lmdb._Database] = {"meta": meta_db}
     for name in TABLE_NAMES[1:]:
         if version < _TABLE_SINCE.get(name, 0):
             # an older store, opened to be migrated: the step to that version needs the table
-            handles[name] = (
-                None
-                if txn is None
-                else env.open_db(name.encode(), txn=txn, create=True, dupsort=name in _DUPSORT)
-            )
+            # (a read-only view, without a transaction, goes without it: None in Tables)
+            if txn is not None:
+                handles[name] = env.open_db(
+                    name.encode(), txn=txn, create=True, dupsort=name in _DUPSORT
+                )
             continue
         try:
             handles[name] = env.open_db(
@@ -260,7 +260,8 @@ def _open_tables(
             raise CorruptStoreError(f"{path} lacks the {name!r} table") from None
         except lmdb.IncompatibleError:
             raise CorruptStoreError(f"{path} has a {name!r} table of the wrong kind") from None
-    return Tables(**handles)
+    parts = handles.pop("parts", None)  # the one table a store may lack (_TABLE_SINCE)
+    return Tables(**handles, parts=parts)
 
 
 class OwnerLock:

@@ -11,7 +11,8 @@ from prefixd.store.joint import JointMatch
 class BlockRef(NamedTuple):
     """One block of a found prefix (a NamedTuple: a long prefix builds hundreds per lookup)."""
 
-    index: int
+    # A public field name that shadows tuple.index, which mypy reports as an incompatible override.
+    index: int  # type: ignore[assignment]
     hash: bytes
     payload_size: int
 
@@ -83,13 +84,16 @@ class ReadResult:
 @dataclass(frozen=True, slots=True)
 class LoadResult:
     """Verified payloads of `n_blocks` blocks from `first_block` on, back to back at `offsets`
-    in the buffer; the prefix is usable up to `n_tokens` (the end of the last verified block)."""
+    in the buffer; the prefix is usable up to `n_tokens` (the end of the last verified block).
+    `next_size` is the payload size of the next stored block when the buffer had no room for it
+    (0 when the load stopped for another reason): a caller with more room may ask again."""
 
     n_blocks: int
     n_tokens: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     first_block: int = 0
+    next_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,13 @@ from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.check import check_store
-from prefixd.store.codec import EncodedPayload, PayloadCodec, StoredPayload, payload_view
+from prefixd.store.codec import (
+    EncodedPayload,
+    PayloadCodec,
+    StoredPayload,
+    chunks_present,
+    payload_view,
+)
 from prefixd.store.config import (
     SHARE_PREFIX,
     StoreConfig,
@@ -727,7 +733,7 @@ class Store:
             walk = self._walk(txn, chain, limit)
             items: list[StoredPayload] = []
             parents = [identity.digest, *walk.hashes]
-            offset = 0
+            offset = next_size = 0
             start = min(first_block, len(walk.hashes))
             for h, size, parent in zip(
                 walk.hashes[start:], walk.payload_sizes[start:], parents[start:]
@@ -736,6 +742,8 @@ class Store:
                 if end > buffer.nbytes:
                     if self._damaged_record(txn, h):  # a damaged size is no reason to stop
                         bad.append(_Damaged(h, parent, identity.digest, _BAD_RECORD))
+                    else:
+                        next_size = size
                     break
                 item = self._gather(
                     txn, h, parent, identity.digest, size, buffer[offset:end], bad, min_created
@@ -747,6 +755,7 @@ class Store:
                 offset = end
             n_ok = self._codec.decode_verified(items, self._pool)
             if n_ok < len(items):
+                next_size = 0  # stopped at a damaged payload, not for room
                 failed = start + n_ok
                 bad.append(
                     _Damaged(walk.hashes[failed], parents[failed], identity.digest, _BAD_PAYLOAD)
@@ -761,7 +770,12 @@ class Store:
             self._activity.loaded_blocks += n_ok
             self._activity.loaded_bytes += sum(sizes)
         return LoadResult(
-            n_ok, (start + n_ok) * chain.block_tokens, tuple(offsets[:n_ok]), sizes, start
+            n_ok,
+            (start + n_ok) * chain.block_tokens,
+            tuple(offsets[:n_ok]),
+            sizes,
+            start,
+            next_size,
         )
 
     def hottest(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix]:
@@ -967,7 +981,7 @@ class Store:
 
     def _read_parts(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[memoryview],
         spec: StateSpec,
         match: JointMatch,
         buffer: memoryview,
@@ -989,7 +1003,8 @@ class Store:
         for part in match.parts:
             key = part_key(part.block, groups[part.group])
             raw = txn.get(key, db=t.parts)
-            chunks = None
+            record: PartRecord | None = None
+            chunks: list[memoryview | None] | None = None
             if raw is not None:
                 try:
                     record = PartRecord.decode(raw)
@@ -1000,8 +1015,9 @@ class Store:
                         txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)
                     ]
             if (
-                chunks is None
-                or any(c is None for c in chunks)
+                record is None
+                or chunks is None
+                or not chunks_present(chunks)
                 or (sum(c.nbytes for c in chunks) != record.stored_size)
             ):
                 damaged.append(part.block)
@@ -1334,7 +1350,7 @@ class Store:
 
     def _gather(
         self,
-        txn: lmdb.Transaction,
+        txn: lmdb.Transaction[memoryview],
         h: bytes,
         parent_key: bytes,
         identity_digest: bytes,
@@ -1357,7 +1373,7 @@ class Store:
         if record.created_ns < min_created_ns:
             return None  # past its tenant's time to live since it was found
         chunks_db = self._tables.chunks
-        chunks = []
+        chunks: list[memoryview] = []
         for n in range(record.n_chunks):
             chunk = txn.get(chunk_key(h, n), db=chunks_db)
             if chunk is None:

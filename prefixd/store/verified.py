@@ -93,12 +93,13 @@ class VerifiedPrefixes:
         possibly a view of memory a client shares: it is read, never kept), still valid."""
         if not self.max_bytes or not self._entries:
             return None
-        content = _content_key(identity_digest, memoryview(closed).cast("B"))
+        content = _content_key(identity_digest, closed.data.cast("B"))
         with self._lock:
             key = self._by_content.get(content)
             entry = self._entries.get(key) if key is not None else None
             if (
-                entry is None
+                key is None
+                or entry is None
                 or entry.epoch != epoch
                 or entry.oldest_created_ns < min_created_ns
                 or entry.identity != identity_digest

@@ -164,7 +164,8 @@ def _plausible_sizes(rows: np.ndarray) -> np.ndarray:
         payload == 0,
         (payload <= n_chunks * chunk) & (payload > (n_chunks - 1) * chunk),
     )
-    return filled & (~raw | (payload == stored))
+    plausible: np.ndarray = filled & (~raw | (payload == stored))  # numpy types this as Any
+    return plausible
 
 
 def _classify(walk: Walk, key: bytes, value: bytes | memoryview) -> None:

@@ -46,6 +46,11 @@ class SharedRegion:
         np.frombuffer(self.view, dtype=np.uint8).fill(0)  # first touch now, not on the hot path
         self.pinned = False
 
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The mapping itself (the client's leases make ctypes buffers over spans of it)."""
+        return self._mmap
+
     def pin(self) -> bool:
         """Register the region as page-locked with CUDA (when torch and a GPU are present) so a
         copy to the GPU is one DMA. Returns whether it is pinned."""
@@ -58,7 +63,9 @@ class SharedRegion:
         if not torch.cuda.is_available():
             return False
         address = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
-        status = torch.cuda.cudart().cudaHostRegister(address, self.size, 0)
+        status = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+            address, self.size, 0
+        )
         self.pinned = int(status) == 0
         return self.pinned
 
@@ -69,7 +76,7 @@ class SharedRegion:
             import torch
 
             address = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
-            torch.cuda.cudart().cudaHostUnregister(address)
+            torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
             self.pinned = False
         os.close(self.fd)
         self.fd = -1

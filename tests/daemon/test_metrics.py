@@ -71,7 +71,7 @@ def test_lookup_offers_only_hits_worth_loading(daemon_factory: DaemonFactory) ->
     daemon = daemon_factory("--min-reusable-tokens", str(6 * BT))
     stored, half = run_workload(daemon)
     with Client(daemon.socket, region_bytes=1 << 20) as client:
-        reply = client._call(
+        reply = client.call(
             {
                 "op": "lookup",
                 "identity": IDENTITY.to_dict(),

@@ -10,7 +10,7 @@ import numpy as np
 
 from prefixd import Identity
 from prefixd.client import Client
-from prefixd.errors import PrefixdError as RemoteError
+from prefixd.errors import PrefixdError
 from prefixd.store import Store
 
 from .conftest import Daemon
@@ -92,7 +92,7 @@ def test_the_purge_operation_checks_its_fields(daemon: Daemon) -> None:
         for criteria in ({"tenant": 7}, {"keep": {"weights": "x"}}, {"colour": "red"}, {}):
             try:
                 client.purge(**criteria)
-            except RemoteError as exc:
+            except PrefixdError as exc:
                 assert exc.code == "bad_request"
             else:
                 raise AssertionError(f"{criteria} was accepted")
@@ -109,7 +109,7 @@ def test_share_groups_through_the_daemon(daemon_factory) -> None:  # noqa: ANN00
                      lambda: client.put(ident(tenant="share:labs"), PROMPT, [b"x"])):
             try:
                 call()
-            except RemoteError as exc:
+            except PrefixdError as exc:
                 assert exc.code == "bad_identity" and "reserved" in exc.message
             else:
                 raise AssertionError("a reserved tenant name was accepted")
@@ -127,7 +127,7 @@ def test_an_engine_declaring_its_version_retires_the_others(daemon: Daemon) -> N
         assert engine.lookup(new, [PROMPT])[0].n_blocks == 5
     try:
         Client(daemon.socket, serves=[("m", "")])
-    except RemoteError as exc:
+    except PrefixdError as exc:
         assert exc.code == "bad_request" and "serves[0]" in exc.message
     else:
         raise AssertionError("an empty weights version was accepted")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from prefixd.client import Client, DaemonUnavailableError
-from prefixd.errors import PrefixdError as RemoteError
+from prefixd.errors import PrefixdError, StoreFullError
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.state import StateGroup
 
@@ -59,7 +59,7 @@ def test_the_daemon_killed_under_load_loses_no_acknowledged_put(
                         client.put(IDENTITY, tokens(i), [payload(i, b, 2000) for b in range(3)])
                         acknowledged.append(i)  # put returned: acknowledged
                         i += 1
-            except (DaemonUnavailableError, OSError, RemoteError):
+            except (DaemonUnavailableError, OSError, PrefixdError):
                 pass  # the daemon died under it
 
         thread = threading.Thread(target=writer, args=(next_i,))
@@ -111,7 +111,7 @@ def test_a_full_disk_refuses_puts_keeps_reads_and_recovers(
         daemon = daemon_factory(data_dir=disk / "store")
         stored: list[int] = []
         with Client(daemon.socket, region_bytes=1 << 20) as client:
-            with pytest.raises(RemoteError) as full:
+            with pytest.raises(StoreFullError) as full:
                 for i in range(200):
                     client.put(IDENTITY, tokens(i), [payload(i, b, 100_000) for b in range(3)])
                     stored.append(i)
@@ -236,7 +236,7 @@ def test_a_tenant_never_obtains_another_tenants_payloads(daemon: Daemon) -> None
                 assert client.load_state(hybrid_alice, prompt).parts == ()
         attempts["hot"] += 1
         assert client.hot(1 << 30, tenant="alice") == []
-        with pytest.raises(RemoteError):
+        with pytest.raises(PrefixdError):
             client.hot(1 << 30, tenant="share:anything")
         assert not leaked()
         print(f"\nisolation: {sum(attempts.values())} attempts, nothing of another tenant served")

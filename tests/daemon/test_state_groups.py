@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from prefixd.client import AsyncClient, Client
-from prefixd.errors import PrefixdError as RemoteError
+from prefixd.errors import PrefixdError
 from prefixd.schema.state import StateGroup
 
 from .conftest import Daemon, make_identity, payload
@@ -57,23 +57,23 @@ def test_joint_put_lookup_load_survive_a_restart(daemon: Daemon) -> None:
         assert [bytes(p.view) for p in groups["mla"]] == pages[:3]
         assert [bytes(p.view) for p in groups["kda"]] == [snaps[20]]
         # the plain operations refuse a hybrid identity: they cannot say what is jointly there
-        with pytest.raises(RemoteError, match="lookup_state"):
+        with pytest.raises(PrefixdError, match="lookup_state"):
             client.lookup(HYBRID, [prompt])
-        with pytest.raises(RemoteError, match="load_state"):
+        with pytest.raises(PrefixdError, match="load_state"):
             client.load(HYBRID, prompt)
 
 
 def test_open_state_and_bad_spans_are_refused(daemon: Daemon) -> None:
     prompt = tokens(4 * BT)
     with Client(daemon.socket, region_bytes=1 << 16) as client:
-        with pytest.raises(RemoteError, match="not closed") as info:
+        with pytest.raises(PrefixdError, match="not closed") as info:
             client.put_state(HYBRID, prompt, upto_tokens=3 * BT, paged={"mla": [b"a", b"b"]})
         assert info.value.code == "open_tail"
-        with pytest.raises(RemoteError, match="past the last closed block"):
+        with pytest.raises(PrefixdError, match="past the last closed block"):
             client.put_state(
                 HYBRID, prompt, paged={"mla": [b"a", b"b"]}, checkpoints={"kda": {6: b"s"}}
             )
-        with pytest.raises(RemoteError, match="policy 'none'"):
+        with pytest.raises(PrefixdError, match="policy 'none'"):
             client.put_state(
                 HYBRID, prompt, paged={"mla": [b"a", b"b"]}, checkpoints={"swa": {8: b"s"}}
             )
@@ -88,8 +88,8 @@ def test_open_state_and_bad_spans_are_refused(daemon: Daemon) -> None:
         ]
         base = {"op": "put_state", "identity": HYBRID.to_dict(), "tokens": prompt.tobytes()}
         for extra in bad_messages:
-            with pytest.raises(RemoteError) as info:
-                client._roundtrip({**base, **extra, "id": 1})
+            with pytest.raises(PrefixdError) as info:
+                client.call({**base, **extra})
             assert info.value.code in ("bad_request", "bad_region"), extra
         assert client.health()["status"] == "ok"
         assert client.lookup_state(HYBRID, [prompt])[0].matched_tokens == 0

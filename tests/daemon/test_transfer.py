@@ -99,7 +99,8 @@ def test_a_daemon_killed_mid_load_reports_what_was_installed(daemon: Daemon) -> 
     put_all(daemon, prompt, data)
     daemon.restart()
     with Client(daemon.socket, region_bytes=16 << 10, timeout=5) as client:
-        real_load = client.load
+        core = client._core
+        real_load = core.load_span
         calls = 0
 
         def load_then_die(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -109,7 +110,7 @@ def test_a_daemon_killed_mid_load_reports_what_was_installed(daemon: Daemon) -> 
                 daemon.stop(signal.SIGKILL)
             return real_load(*args, **kwargs)
 
-        client.load = load_then_die  # type: ignore[method-assign]
+        core.load_span = load_then_die  # type: ignore[method-assign]
         dests = destinations(12)
         with pytest.raises(TransferError) as info:
             client.load_into(IDENTITY, prompt, dests, slots=3)

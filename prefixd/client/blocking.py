@@ -1,0 +1,465 @@
+"""`Client`: the blocking shell around the client core, for an engine's hot path and its threads.
+
+Any number of threads may share one `Client`. Requests go over one connection one at a time (a
+lock around each round trip, tens of microseconds); region space is leased per operation, so
+threads never see each other's bytes, and a thread waiting for space holds no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from prefixd.client.core import Call, ClientCore, Reserve, Steps, Synchronize
+from prefixd.client.leases import Lease, RegionUsage
+from prefixd.client.results import (
+    HotPrefix,
+    Loaded,
+    Lookup,
+    StateLoaded,
+    StateLookup,
+    Stored,
+)
+from prefixd.errors import DaemonUnavailableError, RequestTimeoutError
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TokenIds
+from prefixd.wire.frames import HEADER, decode_body
+from prefixd.wire.region import SharedRegion, send_with_fds
+
+if TYPE_CHECKING:
+    from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
+
+T = TypeVar("T")
+
+
+class Client:
+    """Blocking client; safe to share between threads."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        region_bytes: int = 0,
+        token_region_bytes: int = 4 << 20,
+        timeout: float = 30.0,
+        name: str = "prefixd-client",
+        serves: Sequence[tuple[str, str]] = (),
+        reconnect_wait_s: float = 0.0,
+    ) -> None:
+        """`region_bytes`: the shared region payloads are staged in and loaded into (0: none,
+        for lookups only). `token_region_bytes`: where long prompts' token ids are staged.
+        `serves`: (model, weights) pairs this engine serves; on connecting, the daemon retires
+        the other stored versions of those models. `reconnect_wait_s`: how long a call waits
+        for a restarting daemon to come back (with backoff) before DaemonUnavailableError."""
+        self._core = ClientCore(
+            socket_path,
+            region_bytes=region_bytes,
+            token_region_bytes=token_region_bytes,
+            timeout=timeout,
+            name=name,
+            serves=serves,
+            reconnect_wait_s=reconnect_wait_s,
+        )
+        self._sock: socket.socket | None = None
+        self._lock = threading.RLock()  # one round trip at a time on the connection
+        self._header = bytearray(HEADER.size)
+        self._publisher: Publisher | None = None
+        self._publisher_lock = threading.Lock()
+        try:
+            with self._lock:
+                self._connect(wait_s=0.0)
+        except BaseException:
+            self._core.close()
+            raise
+
+    @property
+    def socket_path(self) -> os.PathLike[str]:
+        return self._core.socket_path
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def timeout(self) -> float:
+        return self._core.timeout
+
+    @property
+    def server(self) -> dict[str, Any]:
+        """The daemon's hello reply (limits, operations, served models, instance)."""
+        return self._core.server
+
+    @property
+    def region(self) -> SharedRegion | None:
+        return self._core.region
+
+    def region_usage(self) -> RegionUsage | None:
+        """What the payload region's space is doing (None without a region)."""
+        return None if self._core.payloads is None else self._core.payloads.usage()
+
+    # --- operations -----------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> Lease:
+        """Lease `nbytes` of the region to fill yourself (then `put_spans`), waiting for room."""
+        return self._run(self._core.reserve(nbytes))
+
+    def put(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        payloads: Sequence[Any],
+        *,
+        first_block: int = 0,
+    ) -> Stored:
+        """Stage `payloads` in the region and publish blocks first_block.. of `token_ids`."""
+        return self._run(self._core.put(identity, token_ids, payloads, first_block))
+
+    def put_spans(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        spans: Sequence[tuple[int, int]],
+        *,
+        first_block: int = 0,
+    ) -> Stored:
+        """Publish payloads the engine wrote into leased region space, named by (region offset,
+        length) spans; a span outside every held lease is refused (RegionError)."""
+        return self._run(self._core.put_spans(identity, token_ids, spans, first_block))
+
+    def lookup(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        *,
+        hashes: Sequence[bytes | None] | None = None,
+    ) -> list[Lookup]:
+        """The stored prefix of each prompt (one round trip for the whole batch)."""
+        return self._run(self._core.lookup(identity, prompts, hashes))
+
+    def load(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        length: int | None = None,
+        max_blocks: int | None = None,
+        hashes: bytes | None = None,
+        first_block: int = 0,
+        warm: bool = False,
+    ) -> Loaded:
+        """Load the longest stored prefix of `token_ids` (from `first_block` on, at most
+        `length` bytes) into leased region space. The result's views stay valid until it is
+        released (`release()`, `with`, or when it and its views are gone). `warm` counts the load
+        as restart warm-up in the daemon's stats."""
+        return self._run(
+            self._core.load(
+                identity,
+                token_ids,
+                length=length,
+                max_blocks=max_blocks,
+                hashes=hashes,
+                first_block=first_block,
+                warm=warm,
+            )
+        )
+
+    def hot(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix]:
+        """The tenant's most valuable stored prefixes (by the eviction score) within
+        `budget_bytes`."""
+        return self._run(self._core.hot(budget_bytes, tenant, limit))
+
+    def put_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        paged: Mapping[str, Sequence[Any]] | None = None,
+        checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
+        upto_tokens: int | None = None,
+        first_block: int = 0,
+    ) -> Stored:
+        """Stage and publish a hybrid identity's state groups (see Store.put_state)."""
+        steps = self._core.put_state(
+            identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
+        )
+        return self._run(steps)
+
+    def lookup_state(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        *,
+        hashes: Sequence[bytes | None] | None = None,
+    ) -> list[StateLookup]:
+        """The joint hit of each prompt for a hybrid identity (one round trip)."""
+        return self._run(self._core.lookup_state(identity, prompts, hashes))
+
+    def load_state(
+        self, identity: Identity, token_ids: TokenIds, *, length: int | None = None
+    ) -> StateLoaded:
+        """Load every verified payload of the joint hit into leased region space; each part's
+        `view` holds its bytes until the result is released."""
+        return self._run(self._core.load_state(identity, token_ids, length))
+
+    def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
+        """Remove entries by tenant, model version or age (see PurgeSelector); the counts."""
+        return self._run(self._core.simple({"op": "purge", "dry_run": dry_run, **criteria}))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._core.simple({"op": "stats"}))
+
+    def verify(self, *, fix: bool = False, payloads: bool = True) -> dict[str, Any]:
+        """Check (or with `fix`, repair) the store the daemon serves; the report."""
+        reply = self._run(self._core.simple({"op": "verify", "fix": fix, "payloads": payloads}))
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    def health(self) -> dict[str, Any]:
+        return self._run(self._core.simple({"op": "health"}))
+
+    def call(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send one protocol message as it is (for operations this client has no call for, or
+        tests); the reply, or its error raised as the error's class."""
+        return self._run(self._core.simple(dict(message)))
+
+    # --- into and out of device memory (prefixd.transfer; needs torch) -------------------------
+
+    def load_into(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        destinations: Sequence[Any],
+        *,
+        slots: int = 3,
+        wait: bool = True,
+        hashes: bytes | None = None,
+    ) -> Installed:
+        """Stream the stored prefix's verified payloads into `destinations` (tensors on any
+        device, one per block) through leased staging slots; see prefixd.transfer."""
+        from prefixd.transfer import load_into
+
+        steps = load_into(
+            self._core, identity, token_ids, destinations, slots=slots, wait=wait, hashes=hashes
+        )
+        return self._run(steps)
+
+    def load_state_into(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        destinations: Mapping[str, Sequence[Any]],
+        *,
+        wait: bool = True,
+    ) -> InstalledState:
+        """A hybrid identity's joint hit into per-group destination tensors."""
+        from prefixd.transfer import load_state_into
+
+        return self._run(load_state_into(self._core, identity, token_ids, destinations, wait=wait))
+
+    def store_from(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        sources: Sequence[Any],
+        *,
+        first_block: int = 0,
+        ready: Any = None,
+        region_bytes: int = 256 << 20,
+    ) -> Future[Stored]:
+        """Publish blocks from device tensors in the background (a connection and region of
+        their own, of at least `region_bytes`); the future resolves when they are stored."""
+        publisher = self._publisher_for(region_bytes)
+        return publisher.store_from(
+            identity, token_ids, sources, first_block=first_block, ready=ready
+        )
+
+    def warm_up(
+        self,
+        budget_bytes: int,
+        destinations_factory: Callable[[HotPrefix], Sequence[Any] | None],
+        *,
+        tenant: str,
+        limit: int = 64,
+        slots: int = 3,
+    ) -> WarmUp:
+        """After a restart: the tenant's most valuable prefixes into destinations, up to
+        `budget_bytes`."""
+        from prefixd.transfer import warm_up
+
+        steps = warm_up(
+            self._core, budget_bytes, destinations_factory, tenant=tenant, limit=limit, slots=slots
+        )
+        return self._run(steps)
+
+    def _publisher_for(self, region_bytes: int) -> Publisher:
+        from prefixd.transfer import Publisher
+
+        with self._publisher_lock:
+            if self._publisher is not None and self._publisher.region_bytes < region_bytes:
+                self._publisher.close()  # waits for the stores under way, then makes room
+                self._publisher = None
+            if self._publisher is None:
+                self._publisher = Publisher(self._core, region_bytes)
+            return self._publisher
+
+    def close(self) -> None:
+        with self._publisher_lock:
+            if self._publisher is not None:
+                self._publisher.close()
+                self._publisher = None
+        with self._lock:
+            self._drop()
+        self._core.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- the shell: steps over a blocking socket ------------------------------------------------
+
+    def _run(self, steps: Steps[T]) -> T:
+        """Drive one call's steps; an error of a step is raised inside the call, so it releases
+        what it leased on its way out."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = steps.send(value) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            value, error = None, None
+            try:
+                value = self._perform(step)
+            except BaseException as exc:
+                error = exc
+
+    def _perform(self, step: Call | Reserve | Synchronize) -> Any:
+        if isinstance(step, Reserve):
+            return step.allocator.acquire(
+                step.nbytes, timeout=self._core.timeout, largest=step.largest
+            )
+        if isinstance(step, Synchronize):
+            step.event.synchronize()
+            return None
+        with self._lock:
+            if self._sock is None:
+                self._connect(wait_s=self._core.reconnect_wait_s)
+            instance = self._core.instance
+            try:
+                return self._request(step)
+            except DaemonUnavailableError as lost:
+                self._drop()
+                if step.spans:  # their space may be what other threads wait for
+                    for allocator in self._core.allocators():
+                        allocator.interrupt(
+                            DaemonUnavailableError(f"{lost} (while waiting for space)")
+                        )
+                self._connect(wait_s=self._core.reconnect_wait_s)
+                if step.spans and self._core.instance == instance:
+                    # the same daemon may still be working on the lost request: its spans stay
+                    # quarantined, and the call fails rather than reuse them
+                    raise
+                return self._request(step)  # nothing in the region at risk: retry once
+
+    def _request(self, step: Call) -> Any:
+        """One round trip on the current connection; the spans the request names are in flight
+        until its reply arrives (a lost one leaves them quarantined)."""
+        sock = self._sock
+        assert sock is not None
+        rid, frame = self._core.frame(step.message)
+        for span in step.spans:
+            span.begin_request()
+        lost = True
+        try:
+            if step.fds:
+                send_with_fds(sock, frame, step.fds)
+            else:
+                sock.sendall(frame)
+            while True:
+                body = self._receive(sock)
+                got = ClientCore.reply_id(body)
+                if got == rid:
+                    lost = False  # the daemon is done with the request once it replied
+                    break
+                if got is None:  # a connection-level error addressed to no request
+                    ClientCore.check(decode_body(body))
+        except TimeoutError:
+            self._drop()  # the reply may still come: this connection is out of step
+            raise RequestTimeoutError(
+                f"no reply from {self._core.socket_path} within {self._core.timeout:g} s"
+            ) from None
+        except DaemonUnavailableError:
+            raise
+        except OSError as exc:
+            raise DaemonUnavailableError(f"connection to the daemon lost: {exc}") from None
+        finally:
+            for span in step.spans:
+                span.end_request(lost=lost)
+        return ClientCore.reply(step.message, body)
+
+    def _connect(self, *, wait_s: float) -> None:
+        """Connect and greet, waiting up to `wait_s` (with backoff) for a restarting daemon."""
+        deadline = time.monotonic() + wait_s
+        delay = 0.02
+        while True:
+            try:
+                self._connect_once()
+                return
+            except DaemonUnavailableError:
+                if time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _connect_once(self) -> None:
+        path = os.fspath(self._core.socket_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._core.timeout)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
+        self._sock = sock
+        try:
+            greeting = self._core.greeting()
+            reply = None
+            while True:
+                try:
+                    step = greeting.send(reply)
+                except StopIteration:
+                    return
+                assert isinstance(step, Call)
+                reply = self._request(step)
+        except BaseException:
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _receive(self, sock: socket.socket) -> memoryview:
+        _recv_exact(sock, memoryview(self._header))
+        (length,) = HEADER.unpack(self._header)
+        body = memoryview(bytearray(length))
+        _recv_exact(sock, body)
+        return body
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        got = sock.recv_into(view)
+        if not got:
+            raise DaemonUnavailableError("the daemon closed the connection")
+        view = view[got:]
+
+
+__all__ = ["Client"]

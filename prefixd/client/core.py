@@ -1,0 +1,616 @@
+"""The client's protocol core, without I/O: what every call sends, what it leases, what it makes
+of the replies. `Client` and `AsyncClient` are thin shells that drive these steps over a socket,
+so the two cannot drift apart.
+
+Each call is a generator of steps (in the manner of h11's sans-I/O core):
+
+- `Reserve(allocator, nbytes)`: the shell waits for region space (a thread blocks, a task
+  awaits) and sends back the `Lease`;
+- `Call(message, spans)`: the shell sends one request and sends back its reply (an error reply is
+  raised into the generator as its exception class); `spans` are the leased region spans the
+  request names, kept out of use until its reply arrives;
+- `Synchronize(event)`: the shell waits for a CUDA event (copies to or from a device).
+
+A generator releases what it leased in `finally` blocks, so an error, a timeout or a cancelled
+task never leaks space, and never frees space a request in flight still names (see leases.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import msgspec
+import numpy as np
+
+from prefixd.client.leases import Lease, RegionAllocator, Span
+from prefixd.client.results import (
+    HotPrefix,
+    Loaded,
+    Lookup,
+    StateLoaded,
+    StateLookup,
+    StatePart,
+    Stored,
+)
+from prefixd.errors import PrefixdError, RegionError
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TokenIds, as_token_array
+from prefixd.wire import messages as wire
+from prefixd.wire.errors import error_for
+from prefixd.wire.frames import PROTOCOL_VERSION, decode_body, encode_frame
+from prefixd.wire.region import SharedRegion
+
+T = TypeVar("T")
+
+INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not the socket
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Send `message` (with `fds` attached) and return its reply: the typed reply of a typed
+    request (prefixd.wire.messages), or the map of a raw one (a dict, given its id on sending)."""
+
+    message: wire.RequestMessage | dict[str, Any]
+    spans: tuple[Span, ...] = ()
+    fds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Lease `nbytes` of `allocator`'s region (with `largest`: the largest free span of at least
+    `nbytes`), waiting for space up to the client's timeout."""
+
+    allocator: RegionAllocator
+    nbytes: int
+    largest: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Synchronize:
+    """Wait until a CUDA event has completed."""
+
+    event: Any
+
+
+Step = Call | Reserve | Synchronize
+Steps = Generator[Step, Any, T]
+
+
+class LoadReply(NamedTuple):
+    """A load's reply: blocks first_block.. at region offsets `offsets`."""
+
+    n_blocks: int
+    n_tokens: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    first_block: int
+    next_size: int  # the next block's size when the span had no room for it (0: other reason)
+
+
+class ClientCore:
+    """A client's state apart from its socket: regions and their allocators, request ids, the
+    daemon's greeting, and every call as steps."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        region_bytes: int,
+        token_region_bytes: int,
+        timeout: float,
+        name: str,
+        serves: Sequence[tuple[str, str]] = (),
+        reconnect_wait_s: float = 0.0,
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout = timeout
+        self.name = name
+        self.serves = [{"model": m, "weights": w} for m, w in serves]
+        self.reconnect_wait_s = reconnect_wait_s
+        self.server: dict[str, Any] = {}
+        self.instance: str | None = None
+        self.region = SharedRegion(region_bytes) if region_bytes else None
+        try:
+            self.token_region = (
+                SharedRegion(token_region_bytes, name="prefixd-tokens")
+                if token_region_bytes
+                else None
+            )
+        except BaseException:
+            if self.region is not None:
+                self.region.close()
+            raise
+        self.payloads = RegionAllocator(self.region) if self.region else None
+        self.tokens = (
+            RegionAllocator(self.token_region, name="token region") if self.token_region else None
+        )
+        self._region_ids: dict[int, int] = {}  # id(allocator) -> the daemon's region id
+        self._ids = itertools.count(1)
+        self._identities: dict[int, tuple[Identity, wire.WireIdentity]] = {}
+
+    # --- the conversation -----------------------------------------------------------------------
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def allocators(self) -> list[RegionAllocator]:
+        return [a for a in (self.payloads, self.tokens) if a is not None]
+
+    def greeting(self) -> Steps[None]:
+        """What a fresh connection sends first: hello, then one attach per region."""
+        serves = [wire.Served(model=m["model"], weights=m["weights"]) for m in self.serves]
+        hello = wire.Hello(
+            id=self.next_id(), protocol=PROTOCOL_VERSION, client=self.name, serves=serves or None
+        )
+        server: wire.HelloReply = yield Call(hello)
+        instance = server.instance or None
+        if self.instance is not None and instance != self.instance:
+            for allocator in self.allocators():  # the daemon that had lost requests is gone
+                allocator.daemon_restarted()
+        self.instance = instance
+        self.server = msgspec.structs.asdict(server)
+        for allocator in self.allocators():
+            region = allocator.region
+            attach = wire.Attach(id=self.next_id(), size=region.size)
+            attached: wire.AttachReply = yield Call(attach, fds=(region.fd,))
+            self._region_ids[id(allocator)] = attached.region
+
+    def frame(self, message: wire.RequestMessage | dict[str, Any]) -> tuple[int, bytes]:
+        """A request's id and its whole frame."""
+        if isinstance(message, dict):
+            rid = self.next_id()
+            return rid, encode_frame({**message, "id": rid})
+        return message.id, wire.encode(message)
+
+    @staticmethod
+    def reply(message: wire.RequestMessage | dict[str, Any], body: memoryview) -> Any:
+        """The reply to `message` a frame body holds: its typed reply, or for a raw message its
+        map; an error reply raises as its code's class."""
+        if isinstance(message, dict):
+            return ClientCore.check(decode_body(body))
+        return wire.decode_reply(body, wire.REPLY_OF[type(message)])
+
+    @staticmethod
+    def reply_id(body: memoryview) -> int | None:
+        return wire.reply_id(body)
+
+    @staticmethod
+    def check(reply: dict[str, Any]) -> dict[str, Any]:
+        """The reply, or its error raised as the error's class."""
+        if reply.get("ok") is not True:
+            error = reply.get("error") or {}
+            raise error_for(str(error.get("code", "unknown")), str(error.get("message", "")))
+        return reply
+
+    def close(self) -> None:
+        for region in (self.region, self.token_region):
+            if region is not None:
+                region.close()
+
+    # --- request pieces -------------------------------------------------------------------------
+
+    def _identity(self, identity: Identity) -> wire.WireIdentity:
+        cached = self._identities.get(id(identity))
+        if cached is None or cached[0] is not identity:
+            cached = (identity, wire.WireIdentity.of(identity))
+            if len(self._identities) >= 256:
+                self._identities.clear()
+            self._identities[id(identity)] = cached
+        return cached[1]
+
+    def _require_payloads(self) -> RegionAllocator:
+        if self.payloads is None:
+            raise PrefixdError("this client has no shared region: pass region_bytes")
+        return self.payloads
+
+    def _region_id(self, allocator: RegionAllocator) -> int:
+        return self._region_ids[id(allocator)]
+
+    def _prompt(self, token_ids: TokenIds, held: list[Lease]) -> dict[str, Any]:
+        """A prompt's token fields: staged in a lease of the token region when long and there
+        is room now (the lease goes to `held`), else inline in the frame."""
+        tokens = as_token_array(token_ids)
+        allocator = self.tokens
+        if allocator is None or tokens.nbytes < INLINE_TOKEN_BYTES:
+            return {"tokens": tokens.tobytes(), "n_tokens": len(tokens)}
+        lease = allocator.try_acquire(tokens.nbytes)
+        if lease is None:
+            return {"tokens": tokens.tobytes(), "n_tokens": len(tokens)}
+        held.append(lease)
+        np.frombuffer(lease.view, dtype=tokens.dtype)[:] = tokens
+        return {
+            "tokens_span": (self._region_id(allocator), lease.offset, len(tokens)),
+            "n_tokens": len(tokens),
+        }
+
+    def _stage(self, payloads: Sequence[Any]) -> Steps[tuple[Lease | None, list[wire.Span]]]:
+        """Lease room for `payloads` and copy them in back to back; the spans a put names."""
+        allocator = self._require_payloads()
+        sources = [np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in payloads]
+        total = sum(s.nbytes for s in sources)
+        if total == 0:
+            return None, [(self._region_id(allocator), 0, 0) for _ in sources]
+        lease: Lease = yield Reserve(allocator, total)
+        region_id = self._region_id(allocator)
+        spans: list[wire.Span] = []
+        offset = 0
+        target = np.frombuffer(lease.view, dtype=np.uint8)
+        for source in sources:
+            target[offset : offset + source.nbytes] = source
+            spans.append((region_id, lease.offset + offset, source.nbytes))
+            offset += source.nbytes
+        return lease, spans
+
+    # --- operations -----------------------------------------------------------------------------
+
+    def simple(self, message: dict[str, Any]) -> Steps[dict[str, Any]]:
+        """An operation with no region and no token ids, as maps (stats, health, purge, verify:
+        free-form reports; and raw messages)."""
+        reply: dict[str, Any] = yield Call(message)
+        return reply
+
+    def reserve(self, nbytes: int) -> Steps[Lease]:
+        """Region space for the caller to fill itself (then `put_spans`)."""
+        lease: Lease = yield Reserve(self._require_payloads(), nbytes)
+        return lease
+
+    def put(
+        self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], first_block: int
+    ) -> Steps[Stored]:
+        held: list[Lease] = []
+        try:
+            lease, spans = yield from self._stage(payloads)
+            if lease is not None:
+                held.append(lease)
+            message = wire.Put(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                **self._prompt(token_ids, held),
+                first_block=first_block,
+                blocks=spans,
+            )
+            reply: wire.PutReply = yield Call(message, _spans(held))
+        finally:
+            _release(held)
+        return Stored(reply.stored, reply.existed)
+
+    def put_spans(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        spans: Sequence[tuple[int, int]],
+        first_block: int,
+    ) -> Steps[Stored]:
+        """Publish payloads the caller wrote into region space it leased (`reserve`)."""
+        allocator = self._require_payloads()
+        region_id = self._region_id(allocator)
+        named: list[Span] = []
+        for offset, length in spans:
+            span = allocator.covering(offset, length)
+            if span is None:
+                raise RegionError(
+                    f"[{offset}, {offset + length}) is not inside a lease this client holds: "
+                    "reserve() the space and write the payloads there first"
+                )
+            if span not in named:
+                named.append(span)
+        held: list[Lease] = []
+        try:
+            message = wire.Put(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                **self._prompt(token_ids, held),
+                first_block=first_block,
+                blocks=[(region_id, o, n) for o, n in spans],
+            )
+            reply: wire.PutReply = yield Call(message, (*named, *_spans(held)))
+        finally:
+            _release(held)
+        return Stored(reply.stored, reply.existed)
+
+    def _prompts(
+        self,
+        prompts: Sequence[TokenIds],
+        hashes: Sequence[bytes | None] | None,
+        held: list[Lease],
+    ) -> list[wire.Prompt]:
+        return [
+            wire.Prompt(**self._prompt(prompt, held), hashes=None if hashes is None else hashes[i])
+            for i, prompt in enumerate(prompts)
+        ]
+
+    def lookup(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        hashes: Sequence[bytes | None] | None,
+    ) -> Steps[list[Lookup]]:
+        held: list[Lease] = []
+        try:
+            message = wire.Lookup(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                prompts=self._prompts(prompts, hashes, held),
+            )
+            reply: wire.LookupReply = yield Call(message, _spans(held))
+        finally:
+            _release(held)
+        return [
+            Lookup(r.n_blocks, r.n_tokens, _unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
+            for r in reply.results
+        ]
+
+    def load_span(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        lease: Lease,
+        start: int,
+        length: int,
+        *,
+        max_blocks: int | None = None,
+        hashes: bytes | None = None,
+        first_block: int = 0,
+        warm: bool = False,
+    ) -> Steps[LoadReply]:
+        """Load into bytes [start, start + length) of a lease the caller holds."""
+        if not 0 <= start <= start + length <= lease.size or lease.released:
+            raise RegionError(f"[{start}, {start + length}) is not inside a held lease")
+        allocator = self._require_payloads()
+        held: list[Lease] = []
+        try:
+            message = wire.Load(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                **self._prompt(token_ids, held),
+                hashes=hashes,
+                region=self._region_id(allocator),
+                offset=lease.offset + start,
+                length=length,
+                max_blocks=max_blocks,
+                first_block=first_block or None,
+                warm=warm or None,
+            )
+            reply: wire.LoadReply = yield Call(message, (lease.span, *_spans(held)))
+        finally:
+            _release(held)
+        return LoadReply(
+            reply.n_blocks,
+            reply.n_tokens,
+            _unpacked(reply.offsets),
+            _unpacked(reply.sizes),
+            reply.first_block,
+            reply.next_size,
+        )
+
+    def load(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        length: int | None = None,
+        max_blocks: int | None = None,
+        hashes: bytes | None = None,
+        first_block: int = 0,
+        warm: bool = False,
+    ) -> Steps[Loaded]:
+        """The longest stored prefix (from `first_block` on) into leased region space: at most
+        `length` bytes, or as much of the hit as the region holds."""
+        allocator = self._require_payloads()
+        options: dict[str, Any] = {
+            "max_blocks": max_blocks,
+            "hashes": hashes,
+            "first_block": first_block,
+            "warm": warm,
+        }
+        # Into as much of the region as is free (all of it when nothing else is leased). When
+        # others held space and the hit did not fit, ask again once with a lease of the hit's
+        # size, holding nothing while waiting for it: a load never comes back short for lack of
+        # room that it could have had.
+        if length is not None:
+            lease = yield Reserve(allocator, max(length, 1))
+        else:
+            lease = yield Reserve(allocator, 1, largest=True)
+        try:
+            reply = yield from self.load_span(identity, token_ids, lease, 0, lease.size, **options)
+        except BaseException:
+            lease.release()
+            raise
+        if length is None and reply.next_size and lease.size < allocator.size:
+            lease.release()
+            [hit] = yield from self.lookup(
+                identity, [token_ids], None if hashes is None else [hashes]
+            )
+            wanted = hit.sizes[first_block:]
+            if max_blocks is not None:
+                wanted = wanted[:max_blocks]
+            lease = yield Reserve(allocator, min(max(sum(wanted), 1), allocator.size))
+            try:
+                reply = yield from self.load_span(
+                    identity, token_ids, lease, 0, lease.size, **options
+                )
+            except BaseException:
+                lease.release()
+                raise
+        try:
+            base = lease.offset
+            lease.trim(max((o + n - base for o, n in zip(reply.offsets, reply.sizes)), default=0))
+            views = tuple(lease.slice(o - base, o - base + n) for o, n in zip(*reply[2:4]))
+        except BaseException:
+            lease.release()
+            raise
+        return Loaded(
+            reply.n_blocks,
+            reply.n_tokens,
+            reply.offsets,
+            reply.sizes,
+            views,
+            reply.first_block,
+            lease,
+        )
+
+    def hot(self, budget_bytes: int, tenant: str, limit: int) -> Steps[list[HotPrefix]]:
+        message = wire.Hot(id=self.next_id(), budget_bytes=budget_bytes, tenant=tenant, limit=limit)
+        reply: wire.HotReply = yield Call(message)
+        return [
+            HotPrefix(
+                p.identity.to_identity(),
+                np.frombuffer(p.tokens, dtype="<u4"),
+                _unpacked(p.sizes),
+                p.score,
+            )
+            for p in reply.prefixes
+        ]
+
+    # --- hybrid identities ----------------------------------------------------------------------
+
+    def put_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        paged: Mapping[str, Sequence[Any]],
+        checkpoints: Mapping[str, Mapping[int, Any]],
+        upto_tokens: int | None,
+        first_block: int,
+    ) -> Steps[Stored]:
+        payloads = [p for name in paged for p in paged[name]]
+        payloads += [p for name in checkpoints for p in checkpoints[name].values()]
+        held: list[Lease] = []
+        try:
+            lease, staged = yield from self._stage(payloads)
+            if lease is not None:
+                held.append(lease)
+            spans = iter(staged)
+            message = wire.PutState(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                **self._prompt(token_ids, held),
+                first_block=first_block,
+                upto_tokens=upto_tokens,
+                paged={name: [next(spans) for _ in paged[name]] for name in paged},
+                checkpoints={
+                    name: [(boundary, next(spans)) for boundary in placed]
+                    for name, placed in checkpoints.items()
+                },
+            )
+            reply: wire.PutStateReply = yield Call(message, _spans(held))
+        finally:
+            _release(held)
+        return Stored(reply.stored, reply.existed, reply.parts)
+
+    def lookup_state(
+        self,
+        identity: Identity,
+        prompts: Sequence[TokenIds],
+        hashes: Sequence[bytes | None] | None,
+    ) -> Steps[list[StateLookup]]:
+        held: list[Lease] = []
+        try:
+            message = wire.LookupState(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                prompts=self._prompts(prompts, hashes, held),
+            )
+            reply: wire.LookupStateReply = yield Call(message, _spans(held))
+        finally:
+            _release(held)
+        return [
+            StateLookup(
+                r.reusable_tokens,
+                r.replay_from,
+                r.paged_tokens,
+                r.matched_tokens,
+                tuple(_part(p, None, 0) for p in r.parts),
+                r.est_load_s,
+                r.est_prefill_s,
+            )
+            for r in reply.results
+        ]
+
+    def load_state(
+        self, identity: Identity, token_ids: TokenIds, length: int | None
+    ) -> Steps[StateLoaded]:
+        """Every verified payload of the joint hit, back to back in leased region space."""
+        allocator = self._require_payloads()
+        if length is not None:
+            lease = yield Reserve(allocator, max(length, 1))
+        else:
+            lease = yield Reserve(allocator, 1, largest=True)
+        try:
+            result = yield from self._load_state_span(identity, token_ids, lease)
+        except RegionError:
+            lease.release()
+            if length is not None or lease.size >= allocator.size:
+                raise
+            # others held space and the hit did not fit: once more with a lease of its size
+            [hit] = yield from self.lookup_state(identity, [token_ids], None)
+            lease = yield Reserve(allocator, min(max(hit.payload_bytes, 1), allocator.size))
+            try:
+                result = yield from self._load_state_span(identity, token_ids, lease)
+            except BaseException:
+                lease.release()
+                raise
+        except BaseException:
+            lease.release()
+            raise
+        try:
+            parts = result.parts
+            ends = ((p.offset or 0) + p.size - lease.offset for p in parts)
+            lease.trim(max(ends, default=0))
+            loaded = tuple(_part(p, lease, lease.offset) for p in parts)
+        except BaseException:
+            lease.release()
+            raise
+        return StateLoaded(
+            result.reusable_tokens,
+            result.replay_from,
+            result.paged_tokens,
+            result.matched_tokens,
+            loaded,
+            lease,
+        )
+
+    def _load_state_span(
+        self, identity: Identity, token_ids: TokenIds, lease: Lease
+    ) -> Steps[wire.LoadStateReply]:
+        allocator = self._require_payloads()
+        held: list[Lease] = []
+        try:
+            message = wire.LoadState(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                **self._prompt(token_ids, held),
+                region=self._region_id(allocator),
+                offset=lease.offset,
+                length=lease.size,
+            )
+            reply: wire.LoadStateReply = yield Call(message, (lease.span, *_spans(held)))
+        finally:
+            _release(held)
+        return reply
+
+
+def _part(entry: wire.StatePart, lease: Lease | None, base: int) -> StatePart:
+    offset = -1 if entry.offset is None else entry.offset
+    view = None
+    if lease is not None:
+        view = lease.slice(offset - base, offset - base + entry.size)
+    return StatePart(entry.group, entry.first_token, entry.tokens, entry.size, offset, view)
+
+
+def _spans(leases: Sequence[Lease]) -> tuple[Span, ...]:
+    return tuple(lease.span for lease in leases)
+
+
+def _release(leases: Sequence[Lease]) -> None:
+    for lease in leases:
+        lease.release()
+
+
+def _unpacked(packed: bytes) -> tuple[int, ...]:
+    return tuple(np.frombuffer(packed, "<u8").tolist())

@@ -1,0 +1,488 @@
+"""Who owns which bytes of a client's shared region: an allocator of leased spans.
+
+Every operation that puts bytes in the region (a put's staged payloads, a long prompt's token ids)
+or has the daemon write there (a load's output) first leases the span it names, and the daemon
+only ever reads or writes spans the client leased for that request. A span returns to the free
+list only when all of these are over:
+
+- its `Lease` was released (or garbage collected),
+- no Python buffer made from it is alive (a `memoryview`, numpy array or tensor of its bytes:
+  each keeps the span's ctypes buffer, and so the span, alive),
+- no request that names it is in flight (a request whose caller gave up, an asyncio task that was
+  cancelled, still owns its spans until its reply arrives),
+- the request was not lost: when a connection breaks with a request in flight, the daemon may
+  still be working on it, so its spans stay quarantined until a reconnect finds another instance
+  of the daemon (the old one, and its threads, are gone).
+
+So an overlap of two live uses of the same bytes cannot happen, and a released view raises on use
+instead of reading someone else's bytes.
+
+The allocator is shared by threads and asyncio tasks: its state is guarded by a lock, and waiters
+(FIFO, so a large request is not starved by small ones) are woken by whoever frees space.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefixd.errors import RegionError, RegionFullError
+from prefixd.wire.region import SharedRegion
+
+ALIGN = 64  # every span starts on a cache line
+
+
+class Event(Protocol):
+    """What `release_after` waits on: a CUDA event (or anything with `query`)."""
+
+    def query(self) -> bool: ...
+
+
+class Span:
+    """One allocated extent and what still holds it (see the module docstring)."""
+
+    __slots__ = ("owner", "offset", "size", "holders", "inflight", "lost")
+
+    def __init__(self, owner: RegionAllocator, offset: int, size: int) -> None:
+        self.owner = owner
+        self.offset = offset
+        self.size = size
+        self.holders = 1  # the lease handle
+        self.inflight = 0  # requests naming it whose replies have not arrived
+        self.lost = False  # named by a request lost with its connection
+
+    def begin_request(self) -> None:
+        """A request naming this span is about to be sent."""
+        self.owner.begin_request(self)
+
+    def end_request(self, *, lost: bool) -> None:
+        """That request's reply arrived, or (`lost`) its connection broke first."""
+        self.owner.end_request(self, lost=lost)
+
+
+class Lease:
+    """`size` bytes of the region from `offset`, owned by one operation or caller.
+
+    `view` is the span's bytes; `release()` gives the span back and makes every view handed out
+    by this lease raise on use. The space is reused only once nothing refers to it any more."""
+
+    __slots__ = ("allocator", "offset", "size", "_span", "_buffer", "_views", "_released")
+
+    def __init__(self, allocator: RegionAllocator, span: Span, size: int) -> None:
+        self.allocator = allocator
+        self.offset = span.offset
+        self.size = size
+        self._span = span
+        self._buffer: ctypes.Array[ctypes.c_ubyte] | None = None
+        self._views: list[memoryview] = []
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def view(self) -> memoryview:
+        """The whole span, writable."""
+        return self.slice(0, self.size)
+
+    def slice(self, start: int, stop: int) -> memoryview:
+        """Bytes [start, stop) of the span (offsets within the lease), invalidated by release."""
+        if self._released:
+            raise RegionError("this lease was released: its bytes may belong to another request")
+        if not 0 <= start <= stop <= self.size:
+            raise RegionError(f"[{start}, {stop}) is outside a lease of {self.size} bytes")
+        if self._buffer is None:
+            self._buffer = self.allocator.buffer(self._span, self.size)
+        view = memoryview(self._buffer).cast("B")[start:stop]
+        self._views.append(view)
+        return view
+
+    def trim(self, used: int) -> None:
+        """Keep only the first `used` bytes (at least one byte is kept while the lease lives);
+        the rest is free again at once. Only before any view was taken."""
+        if self._buffer is not None or self._released:
+            raise RegionError("a lease can only be trimmed before its bytes are viewed")
+        self.size = min(self.size, max(used, 0))
+        self.allocator.shrink(self._span, max(self.size, 1))
+
+    def release(self) -> None:
+        """Give the span back: the views this lease handed out raise from now on (a view that
+        something else still exports, a numpy array made from it say, stays readable, and keeps
+        the span out of use until it is gone). Releasing twice is harmless."""
+        if self._released:
+            return
+        self._released = True
+        for view in self._views:
+            try:
+                view.release()
+            except BufferError:  # exported elsewhere: that export keeps the span alive
+                pass
+        self._views.clear()
+        self._buffer = None  # the span's buffer dies with its last export
+        self.allocator.drop(self._span)
+
+    def release_after(self, event: Event | None) -> None:
+        """Release once `event` has completed (an asynchronous copy still reads or writes the
+        span); at once when there is no event."""
+        if event is None or event.query():
+            self.release()
+        else:
+            self.allocator.defer(self, event)
+
+    @property
+    def span(self) -> Span:
+        """What a request naming these bytes holds while it is in flight."""
+        return self._span
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        """Garbage collected without release: give the handle back, but leave the views made
+        from it valid (`client.load(...).views` outlives its result); their buffer holds the span
+        until the last of them is gone."""
+        if getattr(self, "_released", True):
+            return
+        self._released = True
+        self._views.clear()
+        self._buffer = None
+        try:
+            self.allocator.drop(self._span)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to give back to
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"Lease(offset={self.offset}, size={self.size}, {state})"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionUsage:
+    """What the region's space is doing now."""
+
+    size: int
+    free_bytes: int
+    leased_bytes: int
+    leases: int
+    quarantined_bytes: int
+    waiters: int
+
+
+class _Waiter:
+    """One operation waiting for space: `nbytes` exactly, or (largest) any span of at least
+    `nbytes`. `lease` is set under the allocator's lock when it is served."""
+
+    __slots__ = ("nbytes", "largest", "lease", "error", "wake")
+
+    def __init__(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> None:
+        self.nbytes = nbytes
+        self.largest = largest
+        self.lease: Lease | None = None
+        self.error: BaseException | None = None  # set instead when the wait is interrupted
+        self.wake = wake
+
+
+class RegionAllocator:
+    """Leases spans of one shared region (first fit, spans aligned to ALIGN bytes)."""
+
+    def __init__(self, region: SharedRegion, *, name: str = "region") -> None:
+        self.region = region
+        self.size = region.size
+        self.name = name
+        self._lock = threading.RLock()  # RLock: a buffer may die (and free) while it is held
+        self._free: list[list[int]] = [[0, region.size]]  # [offset, size], sorted, coalesced
+        self._spans: dict[int, Span] = {}  # live spans by offset
+        self._waiters: deque[_Waiter] = deque()
+        self._deferred: list[tuple[Lease, Event]] = []
+        self._lost: list[Span] = []
+
+    # --- taking space ---------------------------------------------------------------------------
+
+    def try_acquire(self, nbytes: int, *, largest: bool = False) -> Lease | None:
+        """A lease of `nbytes` (with `largest`: the largest free span, if it holds at least
+        `nbytes`), or None when there is no such span now or others wait ahead."""
+        self._check_fits(nbytes)
+        with self._lock:
+            self._poll_deferred()
+            if self._waiters:
+                return None
+            return self._take(nbytes, largest)
+
+    def acquire(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
+        """A lease, waiting up to `timeout` seconds for space (threads)."""
+        self._check_fits(nbytes)
+        ready = threading.Event()
+        waiter = self._enqueue(nbytes, largest, ready.set)
+        if isinstance(waiter, Lease):
+            return waiter
+        deadline = time.monotonic() + timeout
+        served = False
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                ready.wait(max(0.0, self._wait_slice(left)))
+                lease = self._outcome(waiter, time.monotonic() >= deadline, timeout)
+                if lease is not None:
+                    served = True
+                    return lease
+        finally:
+            if not served:
+                self._abandon(waiter)
+
+    async def acquire_async(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
+        """A lease, waiting up to `timeout` seconds for space (asyncio; never blocks the loop)."""
+        self._check_fits(nbytes)
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(ready.set)
+
+        waiter = self._enqueue(nbytes, largest, wake)
+        if isinstance(waiter, Lease):
+            return waiter
+        deadline = loop.time() + timeout
+        served = False
+        try:
+            while True:
+                left = max(0.0, deadline - loop.time())
+                try:
+                    await asyncio.wait_for(ready.wait(), self._wait_slice(left))
+                except TimeoutError:
+                    pass
+                ready.clear()
+                lease = self._outcome(waiter, loop.time() >= deadline, timeout)
+                if lease is not None:
+                    served = True
+                    return lease
+        finally:
+            if not served:  # timed out or cancelled: served meanwhile, or still queued
+                self._abandon(waiter)
+
+    def _enqueue(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> Lease | _Waiter:
+        """A lease at once when no one waits ahead and there is room, else a queued waiter."""
+        with self._lock:
+            self._poll_deferred()
+            if not self._waiters:
+                lease = self._take(nbytes, largest)
+                if lease is not None:
+                    return lease
+            waiter = _Waiter(nbytes, largest, wake)
+            self._waiters.append(waiter)
+            return waiter
+
+    def _wait_slice(self, left: float) -> float:
+        """How long to sleep: poll while copies that hold space may finish without anyone
+        freeing it (release_after)."""
+        return min(left, 0.005) if self._deferred else left
+
+    def _outcome(self, waiter: _Waiter, expired: bool, timeout: float) -> Lease | None:
+        """After a wake-up: the lease the waiter was served, its error, the timeout, or None
+        to wait on."""
+        with self._lock:
+            self._poll_deferred()
+            if waiter.lease is not None:
+                return waiter.lease
+            if waiter.error is not None:
+                raise waiter.error
+            if expired:
+                raise self._full(waiter.nbytes, timeout)
+            return None
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        with self._lock:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+                self._serve()  # the waiters behind it may fit now
+            elif waiter.lease is not None:
+                waiter.lease.release()
+
+    def _check_fits(self, nbytes: int) -> None:
+        if nbytes > self.size:
+            raise RegionFullError(
+                f"{nbytes} bytes are needed at once, the {self.name} holds {self.size}: "
+                "use a larger region"
+            )
+        if nbytes < 0:
+            raise RegionError(f"a lease of {nbytes} bytes")
+
+    def _full(self, nbytes: int, waited: float) -> RegionFullError:
+        usage = self.usage()
+        return RegionFullError(
+            f"the {self.name} of {self.size} bytes has no free span of {nbytes} bytes after "
+            f"waiting {waited:g} s ({usage.leases} leases hold {usage.leased_bytes} bytes, "
+            f"{usage.quarantined_bytes} bytes wait for lost requests): release loaded results "
+            "sooner or use a larger region"
+        )
+
+    def _take(self, nbytes: int, largest: bool) -> Lease | None:
+        """Under the lock: carve a span out of the free list, or None."""
+        want = _aligned(nbytes)
+        best = -1
+        for i, (_, free) in enumerate(self._free):
+            if largest:
+                if free >= nbytes and (best < 0 or free > self._free[best][1]):
+                    best = i
+            elif free >= want or (free >= nbytes and self._free[i][0] + free == self.size):
+                best = i
+                break
+        if best < 0:
+            return None
+        offset, free = self._free[best]
+        size = free if largest else min(want, free)
+        if size == free:
+            del self._free[best]
+        else:
+            self._free[best] = [offset + size, free - size]
+        span = Span(self, offset, size)
+        self._spans[offset] = span
+        return Lease(self, span, size if largest else nbytes)
+
+    # --- giving it back -------------------------------------------------------------------------
+
+    def buffer(self, span: Span, size: int) -> ctypes.Array[ctypes.c_ubyte]:
+        """A ctypes buffer over the span's bytes whose lifetime holds the span: every memoryview,
+        numpy array or tensor made from it keeps it (and so the span) alive."""
+        buffer = (ctypes.c_ubyte * size).from_buffer(self.region.mapping, span.offset)
+        with self._lock:
+            span.holders += 1
+        weakref.finalize(buffer, self.drop, span)
+        return buffer
+
+    def shrink(self, span: Span, size: int) -> None:
+        with self._lock:
+            size = min(_aligned(size), span.size)
+            if size < span.size:
+                self._insert(span.offset + size, span.size - size)
+                span.size = size
+                self._serve()
+
+    def drop(self, span: Span) -> None:
+        """One holder of `span` let go; free it when it was the last."""
+        with self._lock:
+            span.holders -= 1
+            self._maybe_free(span)
+
+    def begin_request(self, span: Span) -> None:
+        with self._lock:
+            span.inflight += 1
+
+    def end_request(self, span: Span, *, lost: bool) -> None:
+        """A request naming `span` got its reply, or (`lost`) its connection broke first."""
+        with self._lock:
+            span.inflight -= 1
+            if lost and not span.lost:
+                span.lost = True
+                self._lost.append(span)
+            self._maybe_free(span)
+
+    def daemon_restarted(self) -> int:
+        """A reconnect found another daemon instance: the old one can no longer touch the spans
+        of requests lost with it. Returns the bytes given back."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+            freed = 0
+            for span in lost:
+                span.lost = False
+                if span.holders <= 0 and span.inflight <= 0:
+                    freed += span.size
+                self._maybe_free(span)
+            return freed
+
+    def interrupt(self, error: BaseException) -> None:
+        """Wake every waiter with `error` instead of space: the connection broke with requests in
+        flight, whose spans the waiters might otherwise wait for until they time out."""
+        with self._lock:
+            waiters, self._waiters = self._waiters, deque()
+            for waiter in waiters:
+                waiter.error = error
+                waiter.wake()
+
+    def defer(self, lease: Lease, event: Event) -> None:
+        with self._lock:
+            self._deferred.append((lease, event))
+
+    def _poll_deferred(self) -> None:
+        if not self._deferred:
+            return
+        done = [(lease, event) for lease, event in self._deferred if event.query()]
+        if done:
+            self._deferred = [pair for pair in self._deferred if pair not in done]
+            for lease, _ in done:
+                lease.release()
+
+    def _maybe_free(self, span: Span) -> None:
+        if span.holders > 0 or span.inflight > 0 or span.lost:
+            return
+        if self._spans.get(span.offset) is not span:
+            return  # freed already
+        del self._spans[span.offset]
+        self._insert(span.offset, span.size)
+        self._serve()
+
+    def _insert(self, offset: int, size: int) -> None:
+        """Put [offset, offset + size) back in the free list, merged with its neighbours."""
+        free = self._free
+        lo, hi = 0, len(free)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if free[mid][0] < offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        free.insert(lo, [offset, size])
+        if lo + 1 < len(free) and offset + size == free[lo + 1][0]:
+            free[lo][1] += free[lo + 1][1]
+            del free[lo + 1]
+        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == offset:
+            free[lo - 1][1] += free[lo][1]
+            del free[lo]
+
+    def _serve(self) -> None:
+        """Hand free space to waiters in order, stopping at the first that cannot be served."""
+        while self._waiters:
+            waiter = self._waiters[0]
+            lease = self._take(waiter.nbytes, waiter.largest)
+            if lease is None:
+                return
+            self._waiters.popleft()
+            waiter.lease = lease
+            waiter.wake()
+
+    # --- what is where --------------------------------------------------------------------------
+
+    def covering(self, offset: int, length: int) -> Span | None:
+        """The live span that holds [offset, offset + length), if a lease holds one."""
+        with self._lock:
+            for span in self._spans.values():
+                if span.offset <= offset and offset + length <= span.offset + span.size:
+                    return span if span.holders > 0 else None
+        return None
+
+    def usage(self) -> RegionUsage:
+        with self._lock:
+            free = sum(size for _, size in self._free)
+            lost = sum(span.size for span in self._lost)
+            return RegionUsage(
+                self.size,
+                free,
+                self.size - free,
+                len(self._spans),
+                lost,
+                len(self._waiters),
+            )
+
+
+def _aligned(nbytes: int) -> int:
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)

@@ -1,0 +1,153 @@
+"""What the clients' calls return. A loaded result owns the region span its bytes lie in: its views
+stay valid until it is released (explicitly, with `with`, or when it and every view made from it
+are gone), and raise on use after release instead of showing another request's bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefixd.client.leases import Lease
+from prefixd.schema.identity import Identity
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """How much of one prompt is stored: `n_tokens` tokens in `n_blocks` blocks of `sizes` bytes.
+    `est_load_s` and `est_prefill_s` are the daemon's estimates of loading the hit and of
+    prefilling it instead (the benefit rule: load when est_load_s < est_prefill_s)."""
+
+    n_blocks: int
+    n_tokens: int
+    sizes: tuple[int, ...]
+    est_load_s: float = field(default=0.0, compare=False)  # estimates: not part of the hit
+    est_prefill_s: float = field(default=0.0, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    stored: int
+    existed: int
+    parts: int = 0
+
+
+class _Releasable:
+    """A result whose views lie in leased region space."""
+
+    __slots__ = ()
+    lease: Lease | None
+    views: tuple[memoryview, ...]
+
+    def release(self) -> None:
+        """Give the region space back; the views raise from now on. Harmless twice."""
+        for view in self.views:
+            try:
+                view.release()
+            except BufferError:  # exported elsewhere: that export keeps the span out of use
+                pass
+        if self.lease is not None:
+            self.lease.release()
+
+    @property
+    def released(self) -> bool:
+        return self.lease is not None and self.lease.released
+
+    def __enter__(self) -> _Releasable:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded(_Releasable):
+    """Verified payloads of `n_blocks` blocks from `first_block` on, in the client's region; the
+    prefix is usable up to `n_tokens`. `views[i]` is block first_block + i's payload, at region
+    offset `offsets[i]`."""
+
+    n_blocks: int
+    n_tokens: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    views: tuple[memoryview, ...]
+    first_block: int = 0
+    lease: Lease | None = field(default=None, repr=False, compare=False)
+
+    def __enter__(self) -> Loaded:
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class StatePart:
+    """One state-group payload of a hybrid hit: a page covering tokens [first_token,
+    first_token + tokens), or the checkpoint at first_token (tokens 0). After a load, `view` is
+    its verified bytes in the client's region."""
+
+    group: str
+    first_token: int
+    tokens: int
+    size: int
+    offset: int = -1
+    view: memoryview | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StateLookup:
+    """A hybrid identity's joint hit (see prefixd.store.joint.JointMatch): every state group is
+    complete at `reusable_tokens`; the engine recomputes from `replay_from`."""
+
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    matched_tokens: int
+    parts: tuple[StatePart, ...]
+    est_load_s: float = field(default=0.0, compare=False)
+    est_prefill_s: float = field(default=0.0, compare=False)
+
+    def by_group(self) -> dict[str, list[StatePart]]:
+        """The parts of each group, in order (a paged group's pages, or one checkpoint)."""
+        return _by_group(self.parts)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(part.size for part in self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class StateLoaded(_Releasable):
+    """A joint hit loaded into the region: the lookup's fields, each part with its `view`."""
+
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    matched_tokens: int
+    parts: tuple[StatePart, ...]
+    lease: Lease | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def views(self) -> tuple[memoryview, ...]:  # type: ignore[override]
+        return tuple(part.view for part in self.parts if part.view is not None)
+
+    def by_group(self) -> dict[str, list[StatePart]]:
+        return _by_group(self.parts)
+
+    def __enter__(self) -> StateLoaded:
+        return self
+
+
+@dataclass(frozen=True)
+class HotPrefix:
+    """A prefix the daemon ranks among the most valuable (see Client.hot)."""
+
+    identity: Identity
+    tokens: np.ndarray
+    sizes: tuple[int, ...]
+    score: float
+
+
+def _by_group(parts: tuple[StatePart, ...]) -> dict[str, list[StatePart]]:
+    groups: dict[str, list[StatePart]] = {}
+    for part in parts:
+        groups.setdefault(part.group, []).append(part)
+    return groups

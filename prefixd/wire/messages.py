@@ -1,0 +1,779 @@
+"""Every message on the wire as a typed struct, and the one place a request is decoded.
+
+Requests are msgspec Structs tagged by `op` (`{"id": 7, "op": "lookup", ...}` on the wire); replies
+are untagged Structs (`{"id": 7, "ok": true, ...}`). msgpack stays the format and the field names
+and types are today's, so a peer that builds plain msgpack maps (an older client or daemon) is
+understood and understands these: optional fields have defaults (nil counts as absent), fields a
+receiver does not know are ignored (docs/protocol.md, "Evolution rules"); only an identity refuses
+fields it does not know, since every identity field is part of the cache key.
+
+`decode_request` is the daemon's one entry point for a frame body. Its limits live in the schema:
+the frame size is bounded by the header check before the body is read; arrays, maps and strings
+carry length bounds (`MAX_*` below); no field is typed `Any`, so the nesting depth is the schema's
+(at most five levels; deeper input in an ignored field ends in msgspec's recursion limit, a
+`bad_frame`). A refused body raises `RequestError`, whose code comes from one table (`_CODES`) and
+whose message names the field and the reason, never a value (no token ids, hashes or prompt
+bytes; an unknown field's or op's name is cut to 64 characters).
+
+The client builds requests with these structs and sends `encode(request)` (a whole frame), then
+reads `reply_id(body)` to match the reply and `decode_reply(body, ReplyType)` to take it, which
+raises the error class of an error reply's code (prefixd.wire.errors.error_for).
+"""
+
+import re
+from typing import Annotated, Any, Protocol, TypeAlias, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from prefixd.errors import BadFrameError, ProtocolError
+from prefixd.schema.identity import MAX_BLOCK_TOKENS, MAX_FIELD_BYTES, Identity
+from prefixd.schema.state import MAX_GROUP_NAME_BYTES, MAX_GROUPS, MAX_PAGE_BLOCKS, StateGroup
+from prefixd.wire.errors import ErrorCode, error_for
+from prefixd.wire.frames import encode_frame
+
+# --- limits -------------------------------------------------------------------------------------
+
+MAX_ID = (1 << 63) - 1  # request ids: non-negative int64
+MAX_INT = 1 << 62  # counts, offsets, lengths, boundaries
+MAX_PROTOCOL = 1 << 31
+MAX_REGION_ID = 1 << 31
+MAX_TEXT = MAX_FIELD_BYTES  # characters of a free-text field (an identity field: bytes too)
+MAX_NAME = 64  # a state group's name and kind, a kept version's field name
+MAX_PROMPTS_PER_LOOKUP = 4096
+MAX_BLOCKS_PER_PUT = 1 << 16  # put: blocks; put_state: payloads of one group (and in all)
+MAX_HOT_PREFIXES = 4096
+MAX_SERVES = 1024  # hello's served (model, weights) versions
+MAX_KEPT = 16  # purge's kept versions (one per versioned identity field)
+MAX_QUOTED = 64  # characters of a client's field or op name quoted back in an error
+
+# --- field types --------------------------------------------------------------------------------
+
+Id = Annotated[int, Meta(ge=0, le=MAX_ID)]
+Count = Annotated[int, Meta(ge=0, le=MAX_INT)]
+SpanInt = Annotated[int, Meta(ge=0, lt=MAX_INT)]
+Span = tuple[SpanInt, SpanInt, SpanInt]  # [region, offset, length]; tokens_span: n_tokens
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Required = Annotated[str, Meta(min_length=1, max_length=MAX_TEXT)]  # a non-empty Text
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+GroupName = Annotated[str, Meta(max_length=MAX_GROUP_NAME_BYTES)]
+
+
+# --- the identity -------------------------------------------------------------------------------
+
+
+class WireStateGroup(Struct, frozen=True, forbid_unknown_fields=True):
+    """One group of a hybrid identity's state spec (prefixd.schema.state.StateGroup)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=MAX_GROUP_NAME_BYTES)]
+    kind: Name
+    page_blocks: Annotated[int, Meta(ge=1, le=MAX_PAGE_BLOCKS)] = 1
+    policy: Name = "chosen"
+    period_tokens: Count = 0
+    replay_tokens: Count = 0
+
+
+class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True):
+    """prefixd.Identity on the wire (its `to_dict()`): a map of scalar fields and an optional
+    state spec. Frozen, so the daemon keys its cache of parsed identities by it."""
+
+    model: Required
+    weights: Required
+    tokenizer: Required
+    template: Required
+    rope: Required
+    kv_layout: Required
+    block_tokens: Annotated[int, Meta(ge=1, le=MAX_BLOCK_TOKENS)]
+    tenant: Required
+    adapter: Required | None = None
+    mm: Required | None = None
+    state: (
+        Annotated[tuple[WireStateGroup, ...], Meta(min_length=1, max_length=MAX_GROUPS)] | None
+    ) = None
+
+    @classmethod
+    def of(cls, identity: Identity) -> "WireIdentity":
+        state = None
+        if identity.state is not None:
+            state = tuple(
+                WireStateGroup(
+                    g.name, g.kind, g.page_blocks, g.policy, g.period_tokens, g.replay_tokens
+                )
+                for g in identity.state
+            )
+        return cls(
+            identity.model,
+            identity.weights,
+            identity.tokenizer,
+            identity.template,
+            identity.rope,
+            identity.kv_layout,
+            identity.block_tokens,
+            identity.tenant,
+            identity.adapter,
+            identity.mm,
+            state,
+        )
+
+    def to_identity(self) -> Identity:
+        """The identity; raises IdentityError for what the schema cannot say (a string's bytes,
+        a state spec that does not fit the block size, ...)."""
+        state = None
+        if self.state is not None:
+            state = tuple(
+                StateGroup(
+                    g.name, g.kind, g.page_blocks, g.policy, g.period_tokens, g.replay_tokens
+                )
+                for g in self.state
+            )
+        return Identity(
+            model=self.model,
+            weights=self.weights,
+            tokenizer=self.tokenizer,
+            template=self.template,
+            rope=self.rope,
+            kv_layout=self.kv_layout,
+            block_tokens=self.block_tokens,
+            tenant=self.tenant,
+            adapter=self.adapter,
+            mm=self.mm,
+            state=state,
+        )
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+class RequestMessage(Struct, tag_field="op", kw_only=True):
+    """A request: `id` (chosen by the client, echoed in the reply) and, as the tag, `op`."""
+
+    id: Id
+
+
+class TokenFields(Protocol):
+    """A prompt's token ids: inline `tokens` (packed u32 LE) or `tokens_span` ([region, offset,
+    n_tokens] in a shared region), exactly one of them; `n_tokens`, when given, must agree."""
+
+    @property
+    def tokens(self) -> bytes | None: ...
+
+    @property
+    def tokens_span(self) -> Span | None: ...
+
+    @property
+    def n_tokens(self) -> int | None: ...
+
+
+class Served(Struct, kw_only=True):
+    """A model version an engine serves (hello's `serves`)."""
+
+    model: Required
+    weights: Required
+
+
+class Hello(RequestMessage, tag="hello", kw_only=True):
+    protocol: Annotated[int, Meta(ge=0, le=MAX_PROTOCOL)]
+    client: Text | None = None
+    serves: Annotated[list[Served], Meta(max_length=MAX_SERVES)] | None = None
+
+
+class Attach(RequestMessage, tag="attach", kw_only=True):
+    """Sent with one memfd as SCM_RIGHTS."""
+
+    size: Annotated[int, Meta(ge=1, le=MAX_INT)]
+
+
+class Put(RequestMessage, tag="put", kw_only=True):
+    identity: WireIdentity
+    tokens: bytes | None = None
+    tokens_span: Span | None = None
+    n_tokens: Count | None = None
+    first_block: Count | None = None  # default 0
+    blocks: Annotated[list[Span], Meta(max_length=MAX_BLOCKS_PER_PUT)]
+
+
+class Prompt(Struct, kw_only=True):
+    """One prompt of a lookup."""
+
+    tokens: bytes | None = None
+    tokens_span: Span | None = None
+    n_tokens: Count | None = None
+    hashes: bytes | None = None
+
+
+class Lookup(RequestMessage, tag="lookup", kw_only=True):
+    identity: WireIdentity
+    prompts: Annotated[list[Prompt], Meta(max_length=MAX_PROMPTS_PER_LOOKUP)]
+
+
+class Load(RequestMessage, tag="load", kw_only=True):
+    identity: WireIdentity
+    tokens: bytes | None = None
+    tokens_span: Span | None = None
+    n_tokens: Count | None = None
+    hashes: bytes | None = None
+    region: Annotated[int, Meta(ge=0, le=MAX_REGION_ID)]
+    offset: Count | None = None  # default 0
+    length: Count | None = None  # default: to the region's end
+    max_blocks: Count | None = None
+    first_block: Count | None = None  # default 0
+    warm: bool | None = None  # default false
+
+
+class Stats(RequestMessage, tag="stats", kw_only=True):
+    pass
+
+
+class Health(RequestMessage, tag="health", kw_only=True):
+    pass
+
+
+class Purge(RequestMessage, tag="purge", kw_only=True):
+    tenant: Text | None = None
+    model: Text | None = None
+    keep: Annotated[dict[Name, Text | None], Meta(max_length=MAX_KEPT)] | None = None
+    older_than_s: float | None = None
+    everything: bool | None = None  # default false
+    dry_run: bool | None = None  # default false
+
+
+class PutState(RequestMessage, tag="put_state", kw_only=True):
+    identity: WireIdentity
+    tokens: bytes | None = None
+    tokens_span: Span | None = None
+    n_tokens: Count | None = None
+    first_block: Count | None = None  # default 0
+    upto_tokens: Count | None = None  # default: every token given
+    paged: (
+        Annotated[
+            dict[GroupName, Annotated[list[Span], Meta(max_length=MAX_BLOCKS_PER_PUT)]],
+            Meta(max_length=MAX_GROUPS),
+        ]
+        | None
+    ) = None
+    checkpoints: (
+        Annotated[
+            dict[
+                GroupName,
+                Annotated[list[tuple[Count, Span]], Meta(max_length=MAX_BLOCKS_PER_PUT)],
+            ],
+            Meta(max_length=MAX_GROUPS),
+        ]
+        | None
+    ) = None
+
+
+class LookupState(RequestMessage, tag="lookup_state", kw_only=True):
+    identity: WireIdentity
+    prompts: Annotated[list[Prompt], Meta(max_length=MAX_PROMPTS_PER_LOOKUP)]
+
+
+class LoadState(RequestMessage, tag="load_state", kw_only=True):
+    identity: WireIdentity
+    tokens: bytes | None = None
+    tokens_span: Span | None = None
+    n_tokens: Count | None = None
+    hashes: bytes | None = None
+    region: Annotated[int, Meta(ge=0, le=MAX_REGION_ID)]
+    offset: Count | None = None
+    length: Count | None = None
+
+
+class Hot(RequestMessage, tag="hot", kw_only=True):
+    budget_bytes: Count
+    tenant: Text
+    limit: Annotated[int, Meta(ge=1, le=MAX_HOT_PREFIXES)] | None = None  # default 64
+
+
+class Verify(RequestMessage, tag="verify", kw_only=True):
+    fix: bool | None = None  # default false
+    payloads: bool | None = None  # default true
+
+
+AnyRequest: TypeAlias = (
+    Hello
+    | Attach
+    | Put
+    | Lookup
+    | Load
+    | Stats
+    | Health
+    | Purge
+    | PutState
+    | LookupState
+    | LoadState
+    | Hot
+    | Verify
+)
+REQUESTS: dict[str, type[RequestMessage]] = {}  # by op
+for _kind in (
+    Hello,
+    Attach,
+    Put,
+    Lookup,
+    Load,
+    Stats,
+    Health,
+    Purge,
+    PutState,
+    LookupState,
+    LoadState,
+    Hot,
+    Verify,
+):
+    assert isinstance(_kind.__struct_config__.tag, str)
+    REQUESTS[_kind.__struct_config__.tag] = _kind
+_OPS: dict[type[Struct], str] = {t: op for op, t in REQUESTS.items()}
+
+
+def op_of(message: RequestMessage) -> str:
+    """The operation a request names (its tag)."""
+    return _OPS[type(message)]
+
+
+# --- replies ------------------------------------------------------------------------------------
+
+
+class Reply(Struct, kw_only=True):
+    """A reply: the request's `id` and `ok` (a reply of the request's type when true, an
+    ErrorReply when false)."""
+
+    id: int | None
+    ok: bool = True
+
+
+class ErrorInfo(Struct, kw_only=True):
+    code: str
+    message: str
+
+
+class ErrorReply(Reply, kw_only=True):
+    """`{id, ok: false, error: {code, message}}`; `id` is nil for a frame whose id could not
+    be read."""
+
+    ok: bool = False
+    error: ErrorInfo
+
+
+class HelloReply(Reply, kw_only=True):
+    protocol: int
+    server: str
+    ops: list[str]
+    max_frame_bytes: int
+    max_region_bytes: int
+    max_inflight: int = 0
+    models: dict[str, str] = msgspec.field(default_factory=dict)  # model -> weights fingerprint
+    retired: int = 0
+    instance: str = ""
+
+
+class AttachReply(Reply, kw_only=True):
+    region: int
+    size: int
+
+
+class PutReply(Reply, kw_only=True):
+    stored: int
+    existed: int
+
+
+class LookupResult(Struct, kw_only=True):
+    """`sizes`: the hit's payload sizes, u64 LE."""
+
+    n_blocks: int
+    n_tokens: int
+    sizes: bytes
+    est_load_s: float = 0.0
+    est_prefill_s: float = 0.0
+
+
+class LookupReply(Reply, kw_only=True):
+    results: list[LookupResult]
+
+
+class LoadReply(Reply, kw_only=True):
+    """`offsets` (absolute in the region) and `sizes`: u64 LE. `next_size`: the payload size of
+    the next stored block when the output span had no room for it (0: stopped for another
+    reason), so a client that had less room than its region holds can ask again with more."""
+
+    n_blocks: int
+    n_tokens: int
+    offsets: bytes
+    sizes: bytes
+    first_block: int = 0
+    next_size: int = 0
+
+
+class StatePart(Struct, kw_only=True, omit_defaults=True):
+    """One payload of a joint match; `offset` (where it was loaded) in load_state replies only."""
+
+    group: str
+    first_token: int
+    tokens: int
+    size: int
+    offset: int | None = None
+
+
+class JointResult(Struct, kw_only=True):
+    """One prompt's answer to lookup_state."""
+
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    matched_tokens: int
+    parts: list[StatePart]
+    est_load_s: float = 0.0
+    est_prefill_s: float = 0.0
+
+
+class LookupStateReply(Reply, kw_only=True):
+    results: list[JointResult]
+
+
+class LoadStateReply(Reply, kw_only=True):
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    matched_tokens: int
+    parts: list[StatePart]
+
+
+class PutStateReply(Reply, kw_only=True):
+    stored: int
+    existed: int
+    parts: int
+
+
+class HotEntry(Struct, kw_only=True):
+    """A prefix to warm: `tokens` packed u32 LE, `sizes` u64 LE."""
+
+    identity: WireIdentity
+    tokens: bytes
+    sizes: bytes
+    score: float
+
+
+class HotReply(Reply, kw_only=True):
+    prefixes: list[HotEntry]
+
+
+class PurgeReply(Reply, kw_only=True):
+    identities: int
+    blocks: int
+    payload_bytes: int
+    stored_bytes: int
+    dry_run: bool
+    seconds: float
+
+
+class VerifyReply(Reply, kw_only=True):
+    """A check's report (`problems` listed as text, `count`, `by_kind`) or, with `fix`, a
+    repair's (`problems` a count, `quarantined`, `fixed`, `remaining`): see prefixd.store.verify.
+    The daemon sends the report's map as it is; the fields of the other form are absent."""
+
+    blocks: int
+    parts: int
+    problems: list[str] | int
+    count: int | None = None
+    by_kind: dict[str, int] | None = None
+    quarantined: int | None = None
+    fixed: int | None = None
+    remaining: list[str] | None = None
+
+
+class StatsReply(Reply, kw_only=True):
+    """Reports of other modules, passed through: the store's totals, the server's counters and
+    the metrics summary (`prefixd stats`)."""
+
+    store: dict[str, Any]
+    server: dict[str, Any]
+    metrics: dict[str, Any]
+
+
+class HealthReply(Reply, kw_only=True):
+    status: str
+    uptime_s: float
+    connections: int
+
+
+REPLIES: tuple[type[Reply], ...] = (
+    ErrorReply,
+    HelloReply,
+    AttachReply,
+    PutReply,
+    LookupReply,
+    LoadReply,
+    LookupStateReply,
+    LoadStateReply,
+    PutStateReply,
+    HotReply,
+    PurgeReply,
+    VerifyReply,
+    StatsReply,
+    HealthReply,
+)
+REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
+    Hello: HelloReply,
+    Attach: AttachReply,
+    Put: PutReply,
+    Lookup: LookupReply,
+    Load: LoadReply,
+    Stats: StatsReply,
+    Health: HealthReply,
+    Purge: PurgeReply,
+    PutState: PutStateReply,
+    LookupState: LookupStateReply,
+    LoadState: LoadStateReply,
+    Hot: HotReply,
+    Verify: VerifyReply,
+}
+
+
+def error_reply(rid: int | None, code: ErrorCode, message: str) -> ErrorReply:
+    return ErrorReply(id=rid, error=ErrorInfo(code=code.value, message=message))
+
+
+# --- encoding -----------------------------------------------------------------------------------
+
+
+def encode(message: Struct) -> bytes:
+    """A whole frame (length header and body) holding `message`, a request or a reply."""
+    return encode_frame(message)
+
+
+# --- decoding requests --------------------------------------------------------------------------
+
+
+class RequestError(ProtocolError):
+    """A frame body refused as a request: `code` (an ErrorCode), the request's `id` when it
+    could be read (None: the reply's id is nil) and its `op` when it names a known one."""
+
+    def __init__(
+        self, code: ErrorCode, message: str, *, rid: int | None = None, op: str | None = None
+    ) -> None:
+        super().__init__(code, message)
+        self.rid = rid
+        self.op = op
+
+
+class _Envelope(Struct):
+    """What identifies a request, read only when the typed decode failed."""
+
+    id: msgspec.Raw = msgspec.Raw()
+    op: msgspec.Raw = msgspec.Raw()
+
+
+_REQUEST_DECODER = msgspec.msgpack.Decoder(AnyRequest)
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
+_ID_DECODER = msgspec.msgpack.Decoder(Id)
+_OP_DECODER = msgspec.msgpack.Decoder(str)
+
+# The code of a refused field, by its path without indices ("prompts.tokens"): `op.path` first,
+# then `path`, then the path's parents; any other field is a bad_request. The one table.
+_CODES: dict[str, ErrorCode] = {
+    "id": ErrorCode.BAD_FRAME,
+    "op": ErrorCode.BAD_FRAME,
+    "identity": ErrorCode.BAD_IDENTITY,
+    "tokens": ErrorCode.BAD_TOKENS,
+    "n_tokens": ErrorCode.BAD_TOKENS,
+    "hashes": ErrorCode.BAD_TOKENS,
+    "prompts.tokens": ErrorCode.BAD_TOKENS,
+    "prompts.n_tokens": ErrorCode.BAD_TOKENS,
+    "prompts.hashes": ErrorCode.BAD_TOKENS,
+    "hot.tenant": ErrorCode.BAD_IDENTITY,  # the tenant whose prefixes to list
+}
+_AT = " - at "
+_NAMED = re.compile(r"^Object (missing required|contains unknown) field `(.*)`$", re.DOTALL)
+_INDEX = re.compile(r"\[[^\]]*\]")
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def decode_request(body: bytes | bytearray | memoryview) -> AnyRequest:
+    """The request a frame body holds; raises RequestError (a ProtocolError) and nothing else."""
+    try:
+        return _REQUEST_DECODER.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _refusal(body, str(exc)) from None
+    except msgspec.DecodeError as exc:
+        reason = f"body is not valid msgpack ({_redact(exc)})"
+        raise RequestError(ErrorCode.BAD_FRAME, reason) from None
+    except RecursionError:
+        raise RequestError(ErrorCode.BAD_FRAME, "body is nested too deeply") from None
+
+
+def _refusal(body: bytes | bytearray | memoryview, reason: str) -> RequestError:
+    """Why a body that is msgpack is no request: read its id and op (bad_frame without an int
+    id or a str op, unknown_op), then name the field at fault."""
+    try:
+        envelope = _ENVELOPE_DECODER.decode(body)
+    except msgspec.ValidationError:
+        return RequestError(ErrorCode.BAD_FRAME, "body is not a map with str keys")
+    except (msgspec.DecodeError, RecursionError):  # not reached: the typed decode read it all
+        return RequestError(ErrorCode.BAD_FRAME, "body is not valid msgpack")
+    try:
+        rid: int = _ID_DECODER.decode(envelope.id)
+    except (msgspec.DecodeError, RecursionError):
+        return RequestError(ErrorCode.BAD_FRAME, f"'id' must be an int in [0, {MAX_ID}]")
+    try:
+        op: str = _OP_DECODER.decode(envelope.op)
+    except (msgspec.DecodeError, RecursionError):
+        return RequestError(ErrorCode.BAD_FRAME, "'op' must be a str", rid=rid)
+    if op not in REQUESTS:
+        return RequestError(ErrorCode.UNKNOWN_OP, f"unknown operation {op[:MAX_QUOTED]!r}", rid=rid)
+    code, message = field_error(op, reason)
+    return RequestError(code, message, rid=rid, op=op)
+
+
+def field_error(op: str, reason: str) -> tuple[ErrorCode, str]:
+    """The code and message for msgspec's ValidationError text `reason` about a request of
+    `op`: "Expected `int` >= 0 - at `$.blocks[0][1]`" is a bad_request saying
+    "put: blocks[0][1]: expected `int` >= 0"."""
+    what, at, where = reason.rpartition(_AT)
+    if not at:
+        what, where = reason, "`$`"
+    in_key = where.startswith("`key` in ")
+    path = where.removeprefix("`key` in ").strip("`").removeprefix("$").removeprefix(".")
+    named = _NAMED.match(what)
+    if named is not None:
+        name = named.group(2)[:MAX_QUOTED]
+        path = f"{path}.{name}" if path else name
+        what = "is required" if named.group(1) == "missing required" else "is not a known field"
+    else:
+        what = _redact(what)
+        what = what[:1].lower() + what[1:]
+        if in_key:
+            what = f"a key: {what}"
+    segments = _INDEX.sub("", path).split(".")
+    code = ErrorCode.BAD_REQUEST
+    for n in range(len(segments), 0, -1):
+        key = ".".join(segments[:n])
+        found = _CODES.get(f"{op}.{key}", _CODES.get(key))
+        if found is not None:
+            code = found
+            break
+    if not path:
+        return code, f"{op}: {what}"
+    return code, f"{op}: {path}{'' if what.startswith('is ') else ':'} {what}"
+
+
+def _redact(reason: object) -> str:
+    """An error text without the quoted input it may hold (a byte, a value)."""
+    return _QUOTED.sub("…", str(reason))
+
+
+# --- decoding replies ---------------------------------------------------------------------------
+
+R = TypeVar("R", bound=Reply)
+
+
+class _ReplyHead(Struct):
+    id: int | None = None
+    ok: bool = False
+    error: ErrorInfo | None = None
+
+
+_REPLY_DECODERS: "dict[type[Reply], msgspec.msgpack.Decoder[Any]]" = {
+    kind: msgspec.msgpack.Decoder(kind) for kind in REPLIES
+}
+_HEAD_DECODER = msgspec.msgpack.Decoder(_ReplyHead)
+
+
+def reply_id(body: bytes | bytearray | memoryview) -> int | None:
+    """A reply's id (None for the reply to a frame whose id the daemon could not read), to match
+    it to its request before decoding it as that request's reply type."""
+    return _head(body).id
+
+
+def decode_reply(body: bytes | bytearray | memoryview, kind: type[R]) -> R:
+    """The reply of type `kind` a frame body holds. An error reply raises the error class of its
+    code (prefixd.wire.errors.error_for); a body that is neither raises BadFrameError."""
+    decoder = _REPLY_DECODERS.get(kind)
+    if decoder is None:
+        decoder = _REPLY_DECODERS[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        reply: R = decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        refused: Exception = exc  # an error reply, or no reply of this kind: the head says which
+    else:
+        if reply.ok or kind is ErrorReply:
+            return reply
+        refused = ValueError("ok is false")
+    head = _head(body)
+    if head.ok is not True or head.error is not None:
+        error = head.error or ErrorInfo(code="unknown", message="an error reply without error")
+        raise error_for(error.code, error.message)
+    raise BadFrameError(ErrorCode.BAD_FRAME, f"not a {kind.__name__}: {_redact(refused)}")
+
+
+def _head(body: bytes | bytearray | memoryview) -> _ReplyHead:
+    try:
+        head: _ReplyHead = _HEAD_DECODER.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise BadFrameError(
+            ErrorCode.BAD_FRAME, f"reply is no msgpack map ({_redact(exc)})"
+        ) from None
+    return head
+
+
+__all__ = [
+    "MAX_BLOCKS_PER_PUT",
+    "MAX_HOT_PREFIXES",
+    "MAX_ID",
+    "MAX_INT",
+    "MAX_KEPT",
+    "MAX_PROMPTS_PER_LOOKUP",
+    "MAX_SERVES",
+    "MAX_TEXT",
+    "REPLIES",
+    "REPLY_OF",
+    "REQUESTS",
+    "AnyRequest",
+    "Attach",
+    "AttachReply",
+    "ErrorInfo",
+    "ErrorReply",
+    "Health",
+    "HealthReply",
+    "Hello",
+    "HelloReply",
+    "Hot",
+    "HotEntry",
+    "HotReply",
+    "JointResult",
+    "Load",
+    "LoadReply",
+    "LoadState",
+    "LoadStateReply",
+    "Lookup",
+    "LookupReply",
+    "LookupResult",
+    "LookupState",
+    "LookupStateReply",
+    "Prompt",
+    "Purge",
+    "PurgeReply",
+    "Put",
+    "PutReply",
+    "PutState",
+    "PutStateReply",
+    "Reply",
+    "RequestError",
+    "RequestMessage",
+    "Served",
+    "Span",
+    "StatePart",
+    "Stats",
+    "StatsReply",
+    "TokenFields",
+    "Verify",
+    "VerifyReply",
+    "WireIdentity",
+    "WireStateGroup",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "error_reply",
+    "field_error",
+    "op_of",
+    "reply_id",
+]
