@@ -389,6 +389,7 @@ class Client:
                     break
                 if got is None:  # a connection-level error addressed to no request
                     ClientCore.check(decode_body(body))
+                # else a reply to an earlier request of this connection: not ours
         except TimeoutError:
             self._drop()  # the reply may still come: this connection is out of step
             raise RequestTimeoutError(

@@ -40,6 +40,7 @@ from prefixd.client.results import (
 from prefixd.errors import PrefixdError, RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
+from prefixd.wire import decoding
 from prefixd.wire import messages as wire
 from prefixd.wire.errors import error_for
 from prefixd.wire.frames import PROTOCOL_VERSION, decode_body, encode_frame
@@ -165,7 +166,7 @@ class ClientCore:
         if isinstance(message, dict):
             rid = self.next_id()
             return rid, encode_frame({**message, "id": rid})
-        return message.id, wire.encode(message)
+        return message.id, decoding.encode(message)
 
     @staticmethod
     def reply(message: wire.RequestMessage | dict[str, Any], body: memoryview) -> Any:
@@ -173,11 +174,11 @@ class ClientCore:
         map; an error reply raises as its code's class."""
         if isinstance(message, dict):
             return ClientCore.check(decode_body(body))
-        return wire.decode_reply(body, wire.REPLY_OF[type(message)])
+        return decoding.decode_reply(body, wire.REPLY_OF[type(message)])
 
     @staticmethod
     def reply_id(body: memoryview) -> int | None:
-        return wire.reply_id(body)
+        return decoding.reply_id(body)
 
     @staticmethod
     def check(reply: dict[str, Any]) -> dict[str, Any]:
@@ -211,22 +212,30 @@ class ClientCore:
     def _region_id(self, allocator: RegionAllocator) -> int:
         return self._region_ids[id(allocator)]
 
-    def _prompt(self, token_ids: TokenIds, held: list[Lease]) -> dict[str, Any]:
-        """A prompt's token fields: staged in a lease of the token region when long and there
-        is room now (the lease goes to `held`), else inline in the frame."""
+    def _prompt(self, token_ids: TokenIds, held: list[Lease | Span]) -> dict[str, Any]:
+        """A prompt's token fields: staged in a span of the token region when long and there
+        is room now (the span goes to `held`), else inline in the frame."""
+        entry = self._entry(token_ids, None, held)
+        return {
+            "tokens": entry.tokens,
+            "tokens_span": entry.tokens_span,
+            "n_tokens": entry.n_tokens,
+        }
+
+    def _entry(
+        self, token_ids: TokenIds, hashes: bytes | None, held: list[Lease | Span]
+    ) -> wire.Prompt:
         tokens = as_token_array(token_ids)
         allocator = self.tokens
-        if allocator is None or tokens.nbytes < INLINE_TOKEN_BYTES:
-            return {"tokens": tokens.tobytes(), "n_tokens": len(tokens)}
-        lease = allocator.try_acquire(tokens.nbytes)
-        if lease is None:
-            return {"tokens": tokens.tobytes(), "n_tokens": len(tokens)}
-        held.append(lease)
-        np.frombuffer(lease.view, dtype=tokens.dtype)[:] = tokens
-        return {
-            "tokens_span": (self._region_id(allocator), lease.offset, len(tokens)),
-            "n_tokens": len(tokens),
-        }
+        span = None
+        if allocator is not None and tokens.nbytes >= INLINE_TOKEN_BYTES:
+            span = allocator.try_span(tokens.nbytes)
+        if span is None:
+            return wire.Prompt(tokens=tokens.tobytes(), n_tokens=len(tokens), hashes=hashes)
+        held.append(span)
+        span.write(tokens)
+        where = (self._region_id(allocator), span.offset, len(tokens))  # type: ignore[arg-type]
+        return wire.Prompt(tokens_span=where, n_tokens=len(tokens), hashes=hashes)
 
     def _stage(self, payloads: Sequence[Any]) -> Steps[tuple[Lease | None, list[wire.Span]]]:
         """Lease room for `payloads` and copy them in back to back; the spans a put names."""
@@ -239,9 +248,8 @@ class ClientCore:
         region_id = self._region_id(allocator)
         spans: list[wire.Span] = []
         offset = 0
-        target = np.frombuffer(lease.view, dtype=np.uint8)
         for source in sources:
-            target[offset : offset + source.nbytes] = source
+            lease.write(source, offset)
             spans.append((region_id, lease.offset + offset, source.nbytes))
             offset += source.nbytes
         return lease, spans
@@ -262,7 +270,7 @@ class ClientCore:
     def put(
         self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], first_block: int
     ) -> Steps[Stored]:
-        held: list[Lease] = []
+        held: list[Lease | Span] = []
         try:
             lease, spans = yield from self._stage(payloads)
             if lease is not None:
@@ -299,7 +307,7 @@ class ClientCore:
                 )
             if span not in named:
                 named.append(span)
-        held: list[Lease] = []
+        held: list[Lease | Span] = []
         try:
             message = wire.Put(
                 id=self.next_id(),
@@ -317,10 +325,10 @@ class ClientCore:
         self,
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
-        held: list[Lease],
+        held: list[Lease | Span],
     ) -> list[wire.Prompt]:
         return [
-            wire.Prompt(**self._prompt(prompt, held), hashes=None if hashes is None else hashes[i])
+            self._entry(prompt, None if hashes is None else hashes[i], held)
             for i, prompt in enumerate(prompts)
         ]
 
@@ -330,7 +338,7 @@ class ClientCore:
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
     ) -> Steps[list[Lookup]]:
-        held: list[Lease] = []
+        held: list[Lease | Span] = []
         try:
             message = wire.Lookup(
                 id=self.next_id(),
@@ -362,7 +370,7 @@ class ClientCore:
         if not 0 <= start <= start + length <= lease.size or lease.released:
             raise RegionError(f"[{start}, {start + length}) is not inside a held lease")
         allocator = self._require_payloads()
-        held: list[Lease] = []
+        held: list[Lease | Span] = []
         try:
             message = wire.Load(
                 id=self.next_id(),
@@ -480,7 +488,7 @@ class ClientCore:
     ) -> Steps[Stored]:
         payloads = [p for name in paged for p in paged[name]]
         payloads += [p for name in checkpoints for p in checkpoints[name].values()]
-        held: list[Lease] = []
+        held: list[Lease | Span] = []
         try:
             lease, staged = yield from self._stage(payloads)
             if lease is not None:
@@ -509,7 +517,7 @@ class ClientCore:
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
     ) -> Steps[list[StateLookup]]:
-        held: list[Lease] = []
+        held: list[Lease | Span] = []
         try:
             message = wire.LookupState(
                 id=self.next_id(),
@@ -579,7 +587,7 @@ class ClientCore:
         self, identity: Identity, token_ids: TokenIds, lease: Lease
     ) -> Steps[wire.LoadStateReply]:
         allocator = self._require_payloads()
-        held: list[Lease] = []
+        held: list[Lease | Span] = []
         try:
             message = wire.LoadState(
                 id=self.next_id(),
@@ -603,11 +611,11 @@ def _part(entry: wire.StatePart, lease: Lease | None, base: int) -> StatePart:
     return StatePart(entry.group, entry.first_token, entry.tokens, entry.size, offset, view)
 
 
-def _spans(leases: Sequence[Lease]) -> tuple[Span, ...]:
+def _spans(leases: Sequence[Lease | Span]) -> tuple[Span, ...]:
     return tuple(lease.span for lease in leases)
 
 
-def _release(leases: Sequence[Lease]) -> None:
+def _release(leases: Sequence[Lease | Span]) -> None:
     for lease in leases:
         lease.release()
 

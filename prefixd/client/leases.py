@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from prefixd.errors import RegionError, RegionFullError
 from prefixd.wire.region import SharedRegion
 
@@ -57,6 +59,24 @@ class Span:
         self.holders = 1  # the lease handle
         self.inflight = 0  # requests naming it whose replies have not arrived
         self.lost = False  # named by a request lost with its connection
+
+    @property
+    def span(self) -> Span:
+        return self
+
+    def write(self, data: np.ndarray, at: int = 0) -> None:
+        """Copy `data` (a contiguous array) into the span from `at` (see Lease.write)."""
+        if not 0 <= at <= at + data.nbytes <= self.size or self.holders <= 0:
+            raise RegionError(f"{data.nbytes} bytes at {at} do not fit a held span of {self.size}")
+        target = np.frombuffer(
+            self.owner.region.view, np.uint8, count=data.nbytes, offset=self.offset + at
+        )
+        target[:] = data.reshape(-1).view(np.uint8)
+
+    def release(self) -> None:
+        """Let go of a span taken with `RegionAllocator.try_span` (no lease around it)."""
+        if self.holders > 0:
+            self.owner.drop(self)
 
     def begin_request(self) -> None:
         """A request naming this span is about to be sent."""
@@ -104,6 +124,14 @@ class Lease:
         view = memoryview(self._buffer).cast("B")[start:stop]
         self._views.append(view)
         return view
+
+    def write(self, data: np.ndarray, at: int = 0) -> None:
+        """Copy `data` (a contiguous array) into the span from `at`, through the region's own
+        mapping: no view is made, so nothing is left to outlive the lease (the client's staging
+        of puts and token ids, on its hot path)."""
+        if self._released or not 0 <= at <= at + data.nbytes <= self.size:
+            raise RegionError(f"{data.nbytes} bytes at {at} do not fit a held lease of {self.size}")
+        self._span.write(data, at)
 
     def trim(self, used: int) -> None:
         """Keep only the first `used` bytes (at least one byte is kept while the lease lives);
@@ -219,6 +247,16 @@ class RegionAllocator:
                 return None
             return self._take(nbytes, largest)
 
+    def try_span(self, nbytes: int) -> Span | None:
+        """A bare span of `nbytes` for the client's own short use (a request's token ids): no
+        Lease around it, released with `Span.release()`; None when there is no room now."""
+        with self._lock:
+            if self._deferred:
+                self._poll_deferred()
+            if self._waiters or nbytes > self.size:
+                return None
+            return self._carve(nbytes, False)
+
     def acquire(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
         """A lease, waiting up to `timeout` seconds for space (threads)."""
         self._check_fits(nbytes)
@@ -327,14 +365,22 @@ class RegionAllocator:
         )
 
     def _take(self, nbytes: int, largest: bool) -> Lease | None:
-        """Under the lock: carve a span out of the free list, or None."""
+        """Under the lock: a lease carved out of the free list, or None."""
+        span = self._carve(nbytes, largest)
+        if span is None:
+            return None
+        return Lease(self, span, span.size if largest else nbytes)
+
+    def _carve(self, nbytes: int, largest: bool) -> Span | None:
+        """Under the lock: a span carved out of the free list (first fit, or the largest), or
+        None."""
         want = _aligned(nbytes)
         best = -1
-        for i, (_, free) in enumerate(self._free):
+        for i, (start, free) in enumerate(self._free):
             if largest:
                 if free >= nbytes and (best < 0 or free > self._free[best][1]):
                     best = i
-            elif free >= want or (free >= nbytes and self._free[i][0] + free == self.size):
+            elif free >= want or (free >= nbytes and start + free == self.size):
                 best = i
                 break
         if best < 0:
@@ -347,7 +393,7 @@ class RegionAllocator:
             self._free[best] = [offset + size, free - size]
         span = Span(self, offset, size)
         self._spans[offset] = span
-        return Lease(self, span, size if largest else nbytes)
+        return span
 
     # --- giving it back -------------------------------------------------------------------------
 

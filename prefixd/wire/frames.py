@@ -37,7 +37,7 @@ _STRUCTS = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
 def encode_frame(message: Mapping[str, Any] | msgspec.Struct) -> bytes:
-    """A whole frame: a message struct (see prefixd.wire.messages.encode) or a plain map."""
+    """A whole frame: a message struct (see prefixd.wire.decoding.encode) or a plain map."""
     body: bytes
     if isinstance(message, msgspec.Struct):
         body = _STRUCTS.encode(message)
@@ -48,7 +48,7 @@ def encode_frame(message: Mapping[str, Any] | msgspec.Struct) -> bytes:
 
 def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     """A frame body as a plain map, untyped (the daemon decodes requests with
-    prefixd.wire.messages.decode_request); raises ProtocolError(BAD_FRAME) on anything else."""
+    prefixd.wire.decoding.decode_request); raises ProtocolError(BAD_FRAME) on anything else."""
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:

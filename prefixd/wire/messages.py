@@ -7,7 +7,7 @@ understood and understands these: optional fields have defaults (nil counts as a
 receiver does not know are ignored (docs/protocol.md, "Evolution rules"); only an identity refuses
 fields it does not know, since every identity field is part of the cache key.
 
-`decode_request` is the daemon's one entry point for a frame body. Its limits live in the schema:
+`decode_request` (prefixd.wire.decoding) is the daemon's one entry point for a frame body. Its limits live in the schema:
 the frame size is bounded by the header check before the body is read; arrays, maps and strings
 carry length bounds (`MAX_*` below); no field is typed `Any`, so the nesting depth is the schema's
 (at most five levels; deeper input in an ignored field ends in msgspec's recursion limit, a
@@ -20,17 +20,14 @@ reads `reply_id(body)` to match the reply and `decode_reply(body, ReplyType)` to
 raises the error class of an error reply's code (prefixd.wire.errors.error_for).
 """
 
-import re
-from typing import Annotated, Any, Protocol, TypeAlias, TypeVar
+from typing import Annotated, Any, Protocol, TypeAlias
 
 import msgspec
 from msgspec import Meta, Struct
 
-from prefixd.errors import BadFrameError, ProtocolError
 from prefixd.schema.identity import MAX_BLOCK_TOKENS, MAX_FIELD_BYTES, Identity
 from prefixd.schema.state import MAX_GROUP_NAME_BYTES, MAX_GROUPS, MAX_PAGE_BLOCKS, StateGroup
-from prefixd.wire.errors import ErrorCode, error_for
-from prefixd.wire.frames import encode_frame
+from prefixd.wire.errors import ErrorCode
 
 # --- limits -------------------------------------------------------------------------------------
 
@@ -144,8 +141,9 @@ class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True):
 # --- requests -----------------------------------------------------------------------------------
 
 
-class RequestMessage(Struct, tag_field="op", kw_only=True):
-    """A request: `id` (chosen by the client, echoed in the reply) and, as the tag, `op`."""
+class RequestMessage(Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    """A request: `id` (chosen by the client, echoed in the reply) and, as the tag, `op`. Fields
+    left at their defaults are not sent (absent and nil mean the same to a daemon)."""
 
     id: Id
 
@@ -192,7 +190,7 @@ class Put(RequestMessage, tag="put", kw_only=True):
     blocks: Annotated[list[Span], Meta(max_length=MAX_BLOCKS_PER_PUT)]
 
 
-class Prompt(Struct, kw_only=True):
+class Prompt(Struct, kw_only=True, omit_defaults=True):
     """One prompt of a lookup."""
 
     tokens: bytes | None = None
@@ -533,188 +531,6 @@ def error_reply(rid: int | None, code: ErrorCode, message: str) -> ErrorReply:
     return ErrorReply(id=rid, error=ErrorInfo(code=code.value, message=message))
 
 
-# --- encoding -----------------------------------------------------------------------------------
-
-
-def encode(message: Struct) -> bytes:
-    """A whole frame (length header and body) holding `message`, a request or a reply."""
-    return encode_frame(message)
-
-
-# --- decoding requests --------------------------------------------------------------------------
-
-
-class RequestError(ProtocolError):
-    """A frame body refused as a request: `code` (an ErrorCode), the request's `id` when it
-    could be read (None: the reply's id is nil) and its `op` when it names a known one."""
-
-    def __init__(
-        self, code: ErrorCode, message: str, *, rid: int | None = None, op: str | None = None
-    ) -> None:
-        super().__init__(code, message)
-        self.rid = rid
-        self.op = op
-
-
-class _Envelope(Struct):
-    """What identifies a request, read only when the typed decode failed."""
-
-    id: msgspec.Raw = msgspec.Raw()
-    op: msgspec.Raw = msgspec.Raw()
-
-
-_REQUEST_DECODER = msgspec.msgpack.Decoder(AnyRequest)
-_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
-_ID_DECODER = msgspec.msgpack.Decoder(Id)
-_OP_DECODER = msgspec.msgpack.Decoder(str)
-
-# The code of a refused field, by its path without indices ("prompts.tokens"): `op.path` first,
-# then `path`, then the path's parents; any other field is a bad_request. The one table.
-_CODES: dict[str, ErrorCode] = {
-    "id": ErrorCode.BAD_FRAME,
-    "op": ErrorCode.BAD_FRAME,
-    "identity": ErrorCode.BAD_IDENTITY,
-    "tokens": ErrorCode.BAD_TOKENS,
-    "n_tokens": ErrorCode.BAD_TOKENS,
-    "hashes": ErrorCode.BAD_TOKENS,
-    "prompts.tokens": ErrorCode.BAD_TOKENS,
-    "prompts.n_tokens": ErrorCode.BAD_TOKENS,
-    "prompts.hashes": ErrorCode.BAD_TOKENS,
-    "hot.tenant": ErrorCode.BAD_IDENTITY,  # the tenant whose prefixes to list
-}
-_AT = " - at "
-_NAMED = re.compile(r"^Object (missing required|contains unknown) field `(.*)`$", re.DOTALL)
-_INDEX = re.compile(r"\[[^\]]*\]")
-_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
-
-
-def decode_request(body: bytes | bytearray | memoryview) -> AnyRequest:
-    """The request a frame body holds; raises RequestError (a ProtocolError) and nothing else."""
-    try:
-        return _REQUEST_DECODER.decode(body)
-    except msgspec.ValidationError as exc:
-        raise _refusal(body, str(exc)) from None
-    except msgspec.DecodeError as exc:
-        reason = f"body is not valid msgpack ({_redact(exc)})"
-        raise RequestError(ErrorCode.BAD_FRAME, reason) from None
-    except RecursionError:
-        raise RequestError(ErrorCode.BAD_FRAME, "body is nested too deeply") from None
-
-
-def _refusal(body: bytes | bytearray | memoryview, reason: str) -> RequestError:
-    """Why a body that is msgpack is no request: read its id and op (bad_frame without an int
-    id or a str op, unknown_op), then name the field at fault."""
-    try:
-        envelope = _ENVELOPE_DECODER.decode(body)
-    except msgspec.ValidationError:
-        return RequestError(ErrorCode.BAD_FRAME, "body is not a map with str keys")
-    except (msgspec.DecodeError, RecursionError):  # not reached: the typed decode read it all
-        return RequestError(ErrorCode.BAD_FRAME, "body is not valid msgpack")
-    try:
-        rid: int = _ID_DECODER.decode(envelope.id)
-    except (msgspec.DecodeError, RecursionError):
-        return RequestError(ErrorCode.BAD_FRAME, f"'id' must be an int in [0, {MAX_ID}]")
-    try:
-        op: str = _OP_DECODER.decode(envelope.op)
-    except (msgspec.DecodeError, RecursionError):
-        return RequestError(ErrorCode.BAD_FRAME, "'op' must be a str", rid=rid)
-    if op not in REQUESTS:
-        return RequestError(ErrorCode.UNKNOWN_OP, f"unknown operation {op[:MAX_QUOTED]!r}", rid=rid)
-    code, message = field_error(op, reason)
-    return RequestError(code, message, rid=rid, op=op)
-
-
-def field_error(op: str, reason: str) -> tuple[ErrorCode, str]:
-    """The code and message for msgspec's ValidationError text `reason` about a request of
-    `op`: "Expected `int` >= 0 - at `$.blocks[0][1]`" is a bad_request saying
-    "put: blocks[0][1]: expected `int` >= 0"."""
-    what, at, where = reason.rpartition(_AT)
-    if not at:
-        what, where = reason, "`$`"
-    in_key = where.startswith("`key` in ")
-    path = where.removeprefix("`key` in ").strip("`").removeprefix("$").removeprefix(".")
-    named = _NAMED.match(what)
-    if named is not None:
-        name = named.group(2)[:MAX_QUOTED]
-        path = f"{path}.{name}" if path else name
-        what = "is required" if named.group(1) == "missing required" else "is not a known field"
-    else:
-        what = _redact(what)
-        what = what[:1].lower() + what[1:]
-        if in_key:
-            what = f"a key: {what}"
-    segments = _INDEX.sub("", path).split(".")
-    code = ErrorCode.BAD_REQUEST
-    for n in range(len(segments), 0, -1):
-        key = ".".join(segments[:n])
-        found = _CODES.get(f"{op}.{key}", _CODES.get(key))
-        if found is not None:
-            code = found
-            break
-    if not path:
-        return code, f"{op}: {what}"
-    return code, f"{op}: {path}{'' if what.startswith('is ') else ':'} {what}"
-
-
-def _redact(reason: object) -> str:
-    """An error text without the quoted input it may hold (a byte, a value)."""
-    return _QUOTED.sub("…", str(reason))
-
-
-# --- decoding replies ---------------------------------------------------------------------------
-
-R = TypeVar("R", bound=Reply)
-
-
-class _ReplyHead(Struct):
-    id: int | None = None
-    ok: bool = False
-    error: ErrorInfo | None = None
-
-
-_REPLY_DECODERS: "dict[type[Reply], msgspec.msgpack.Decoder[Any]]" = {
-    kind: msgspec.msgpack.Decoder(kind) for kind in REPLIES
-}
-_HEAD_DECODER = msgspec.msgpack.Decoder(_ReplyHead)
-
-
-def reply_id(body: bytes | bytearray | memoryview) -> int | None:
-    """A reply's id (None for the reply to a frame whose id the daemon could not read), to match
-    it to its request before decoding it as that request's reply type."""
-    return _head(body).id
-
-
-def decode_reply(body: bytes | bytearray | memoryview, kind: type[R]) -> R:
-    """The reply of type `kind` a frame body holds. An error reply raises the error class of its
-    code (prefixd.wire.errors.error_for); a body that is neither raises BadFrameError."""
-    decoder = _REPLY_DECODERS.get(kind)
-    if decoder is None:
-        decoder = _REPLY_DECODERS[kind] = msgspec.msgpack.Decoder(kind)
-    try:
-        reply: R = decoder.decode(body)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        refused: Exception = exc  # an error reply, or no reply of this kind: the head says which
-    else:
-        if reply.ok or kind is ErrorReply:
-            return reply
-        refused = ValueError("ok is false")
-    head = _head(body)
-    if head.ok is not True or head.error is not None:
-        error = head.error or ErrorInfo(code="unknown", message="an error reply without error")
-        raise error_for(error.code, error.message)
-    raise BadFrameError(ErrorCode.BAD_FRAME, f"not a {kind.__name__}: {_redact(refused)}")
-
-
-def _head(body: bytes | bytearray | memoryview) -> _ReplyHead:
-    try:
-        head: _ReplyHead = _HEAD_DECODER.decode(body)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise BadFrameError(
-            ErrorCode.BAD_FRAME, f"reply is no msgpack map ({_redact(exc)})"
-        ) from None
-    return head
-
-
 __all__ = [
     "MAX_BLOCKS_PER_PUT",
     "MAX_HOT_PREFIXES",
@@ -757,7 +573,6 @@ __all__ = [
     "PutState",
     "PutStateReply",
     "Reply",
-    "RequestError",
     "RequestMessage",
     "Served",
     "Span",
@@ -769,11 +584,6 @@ __all__ = [
     "VerifyReply",
     "WireIdentity",
     "WireStateGroup",
-    "decode_reply",
-    "decode_request",
-    "encode",
     "error_reply",
-    "field_error",
     "op_of",
-    "reply_id",
 ]

@@ -111,8 +111,8 @@ def test_long_prompts_use_the_token_region_and_agree_with_inline(daemon: Daemon)
     ) as inline:
         # The first client really sends long prompts through its token region, the second inline.
         held: list[Any] = []
-        assert "tokens_span" in spans._core._prompt(long, held)
-        assert "tokens_span" not in inline._core._prompt(long, [])
+        assert spans._core._prompt(long, held)["tokens_span"] is not None
+        assert inline._core._prompt(long, [])["tokens_span"] is None
         held[0].release()
 
         assert spans.put(IDENTITY, long, pays).stored == n_blocks

@@ -24,6 +24,13 @@ from prefixd.errors import (
     TokenError,
 )
 from prefixd.schema.state import MAX_GROUPS, StateGroup
+from prefixd.wire.decoding import (
+    RequestError,
+    decode_reply,
+    decode_request,
+    encode,
+    reply_id,
+)
 from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import HEADER, encode_frame
 from prefixd.wire.messages import (
@@ -61,7 +68,6 @@ from prefixd.wire.messages import (
     PutReply,
     PutState,
     PutStateReply,
-    RequestError,
     RequestMessage,
     Served,
     StatePart,
@@ -70,12 +76,8 @@ from prefixd.wire.messages import (
     Verify,
     VerifyReply,
     WireIdentity,
-    decode_reply,
-    decode_request,
-    encode,
     error_reply,
     op_of,
-    reply_id,
 )
 
 IDENTITY = Identity(
