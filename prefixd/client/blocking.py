@@ -25,9 +25,15 @@ from prefixd.client.results import (
     StateLookup,
     Stored,
 )
-from prefixd.errors import DaemonUnavailableError, RequestTimeoutError
+from prefixd.errors import (
+    BadFrameError,
+    DaemonUnavailableError,
+    PrefixdError,
+    RequestTimeoutError,
+)
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
+from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import HEADER, decode_body
 from prefixd.wire.region import SharedRegion, send_with_fds
 
@@ -340,13 +346,17 @@ class Client:
                 error = exc
 
     def _perform(self, step: Call | Reserve | Synchronize) -> Any:
+        if type(step) is Call:
+            return self._call(step)
         if isinstance(step, Reserve):
             return step.allocator.acquire(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
             )
-        if isinstance(step, Synchronize):
-            step.event.synchronize()
-            return None
+        assert isinstance(step, Synchronize)
+        step.event.synchronize()
+        return None
+
+    def _call(self, step: Call) -> Any:
         with self._lock:
             if self._sock is None:
                 self._connect(wait_s=self._core.reconnect_wait_s)
@@ -383,12 +393,18 @@ class Client:
                 sock.sendall(frame)
             while True:
                 body = self._receive(sock)
-                got = ClientCore.reply_id(body)
-                if got == rid:
-                    lost = False  # the daemon is done with the request once it replied
+                try:
+                    ours, reply = ClientCore.reply_if_for(step.message, rid, body)
+                except PrefixdError as exc:
+                    lost = False  # an error reply to this request: the daemon is done with it
+                    refused = exc
                     break
-                if got is None:  # a connection-level error addressed to no request
-                    ClientCore.check(decode_body(body))
+                if ours:
+                    lost = False  # the daemon is done with the request once it replied
+                    return reply
+                if ClientCore.reply_id(body) is None:  # an error addressed to no request
+                    refused = _error_of(body)
+                    break
                 # else a reply to an earlier request of this connection: not ours
         except TimeoutError:
             self._drop()  # the reply may still come: this connection is out of step
@@ -402,7 +418,7 @@ class Client:
         finally:
             for span in step.spans:
                 span.end_request(lost=lost)
-        return ClientCore.reply(step.message, body)
+        raise refused  # outside the I/O handlers: an error reply is never a lost connection
 
     def _connect(self, *, wait_s: float) -> None:
         """Connect and greet, waiting up to `wait_s` (with backoff) for a restarting daemon."""
@@ -453,6 +469,16 @@ class Client:
         body = memoryview(bytearray(length))
         _recv_exact(sock, body)
         return body
+
+
+def _error_of(body: memoryview) -> PrefixdError:
+    """The error of a reply addressed to no request (or BadFrameError for a reply that is no
+    error either: the connection is out of step)."""
+    try:
+        ClientCore.check(decode_body(body))
+    except PrefixdError as exc:
+        return exc
+    return BadFrameError(ErrorCode.BAD_FRAME, "a reply with no id that is no error")
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -51,8 +50,7 @@ T = TypeVar("T")
 INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not the socket
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
+class Call(NamedTuple):
     """Send `message` (with `fds` attached) and return its reply: the typed reply of a typed
     request (prefixd.wire.messages), or the map of a raw one (a dict, given its id on sending)."""
 
@@ -61,8 +59,7 @@ class Call:
     fds: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Reserve:
+class Reserve(NamedTuple):
     """Lease `nbytes` of `allocator`'s region (with `largest`: the largest free span of at least
     `nbytes`), waiting for space up to the client's timeout."""
 
@@ -71,8 +68,7 @@ class Reserve:
     largest: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Synchronize:
+class Synchronize(NamedTuple):
     """Wait until a CUDA event has completed."""
 
     event: Any
@@ -175,6 +171,24 @@ class ClientCore:
         if isinstance(message, dict):
             return ClientCore.check(decode_body(body))
         return decoding.decode_reply(body, wire.REPLY_OF[type(message)])
+
+    @staticmethod
+    def reply_if_for(
+        message: wire.RequestMessage | dict[str, Any], rid: int, body: memoryview
+    ) -> tuple[bool, Any]:
+        """(True, the reply) when `body` answers request `rid`, else (False, None): one decode on
+        the usual path (a typed reply whose id matches), the head only otherwise."""
+        if not isinstance(message, dict):
+            try:
+                reply = decoding.decode_reply(body, wire.REPLY_OF[type(message)])
+            except PrefixdError:
+                if decoding.reply_id(body) == rid:
+                    raise
+                return False, None
+            return reply.id == rid, reply
+        if decoding.reply_id(body) != rid:
+            return False, None
+        return True, ClientCore.check(decode_body(body))
 
     @staticmethod
     def reply_id(body: memoryview) -> int | None:
