@@ -383,7 +383,8 @@ class Client:
         sock = self._sock
         assert sock is not None
         rid, frame = self._core.frame(step.message)
-        for span in step.spans:
+        counted = () if step.owned else step.spans  # the call's own spans cannot be released
+        for span in counted:
             span.begin_request()
         lost = True
         try:
@@ -416,8 +417,11 @@ class Client:
         except OSError as exc:
             raise DaemonUnavailableError(f"connection to the daemon lost: {exc}") from None
         finally:
-            for span in step.spans:
+            for span in counted:
                 span.end_request(lost=lost)
+            if lost and step.owned:
+                for span in step.spans:
+                    span.owner.lose(span)
         raise refused  # outside the I/O handlers: an error reply is never a lost connection
 
     def _connect(self, *, wait_s: float) -> None:

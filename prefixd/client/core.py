@@ -57,6 +57,9 @@ class Call(NamedTuple):
     message: wire.RequestMessage | dict[str, Any]
     spans: tuple[Span, ...] = ()
     fds: tuple[int, ...] = ()
+    # Whether the call alone holds `spans` (so no one can release them while a blocking shell
+    # waits for the reply); False for spans a caller leased and may release from another thread.
+    owned: bool = True
 
 
 class Reserve(NamedTuple):
@@ -330,7 +333,7 @@ class ClientCore:
                 first_block=first_block,
                 blocks=[(region_id, o, n) for o, n in spans],
             )
-            reply: wire.PutReply = yield Call(message, (*named, *_spans(held)))
+            reply: wire.PutReply = yield Call(message, (*named, *_spans(held)), owned=False)
         finally:
             _release(held)
         return Stored(reply.stored, reply.existed)

@@ -255,6 +255,11 @@ class RegionAllocator:
                 self._poll_deferred()
             if self._waiters or nbytes > self.size:
                 return None
+            if not self._spans:  # the usual case for token ids: the region is all free
+                size = min(_aligned(nbytes), self.size)
+                self._free = [[size, self.size - size]] if size < self.size else []
+                span = self._spans[0] = Span(self, 0, size)
+                return span
             return self._carve(nbytes, False)
 
     def acquire(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
@@ -424,6 +429,14 @@ class RegionAllocator:
         with self._lock:
             span.inflight += 1
 
+    def lose(self, span: Span) -> None:
+        """A request naming `span`, which its caller still holds, was lost with its connection:
+        quarantine the span (a blocking caller's own spans need no in-flight count)."""
+        with self._lock:
+            if not span.lost:
+                span.lost = True
+                self._lost.append(span)
+
     def end_request(self, span: Span, *, lost: bool) -> None:
         """A request naming `span` got its reply, or (`lost`) its connection broke first."""
         with self._lock:
@@ -474,8 +487,12 @@ class RegionAllocator:
         if self._spans.get(span.offset) is not span:
             return  # freed already
         del self._spans[span.offset]
-        self._insert(span.offset, span.size)
-        self._serve()
+        if not self._spans:  # the last one: all of the region is free again
+            self._free = [[0, self.size]]
+        else:
+            self._insert(span.offset, span.size)
+        if self._waiters:
+            self._serve()
 
     def _insert(self, offset: int, size: int) -> None:
         """Put [offset, offset + size) back in the free list, merged with its neighbours."""
