@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixd.client.core import Call, ClientCore, Reserve, Steps, Synchronize
-from prefixd.client.leases import Lease, RegionUsage, Span
+from prefixd.client.core import Call, ClientCore, Reserve, Shell, Steps, Synchronize
+from prefixd.client.leases import Lease, Span
 from prefixd.client.results import (
     HotPrefix,
     Loaded,
@@ -30,7 +30,7 @@ from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutE
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
 from prefixd.wire.frames import HEADER
-from prefixd.wire.region import SharedRegion, send_with_fds
+from prefixd.wire.region import send_with_fds
 
 if TYPE_CHECKING:
     from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
@@ -47,7 +47,7 @@ class _Pending:
     waited: bool = True  # False once the caller gave up: nobody will retrieve the outcome
 
 
-class AsyncClient:
+class AsyncClient(Shell):
     """asyncio client; safe to share between tasks of one event loop."""
 
     def __init__(
@@ -88,29 +88,6 @@ class AsyncClient:
             await client.close()
             raise
         return client
-
-    @property
-    def socket_path(self) -> os.PathLike[str]:
-        return self._core.socket_path
-
-    @property
-    def name(self) -> str:
-        return self._core.name
-
-    @property
-    def timeout(self) -> float:
-        return self._core.timeout
-
-    @property
-    def server(self) -> dict[str, Any]:
-        return self._core.server
-
-    @property
-    def region(self) -> SharedRegion | None:
-        return self._core.region
-
-    def region_usage(self) -> RegionUsage | None:
-        return None if self._core.payloads is None else self._core.payloads.usage()
 
     # --- operations (the same as Client's; see there) -------------------------------------------
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixd.client.core import Call, ClientCore, Reserve, Steps, Synchronize
-from prefixd.client.leases import Lease, RegionUsage
+from prefixd.client.core import Call, ClientCore, Reserve, Shell, Steps, Synchronize
+from prefixd.client.leases import Lease
 from prefixd.client.results import (
     HotPrefix,
     Loaded,
@@ -35,7 +35,7 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
 from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import HEADER, decode_body
-from prefixd.wire.region import SharedRegion, send_with_fds
+from prefixd.wire.region import send_with_fds
 
 if TYPE_CHECKING:
     from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class Client:
+class Client(Shell):
     """Blocking client; safe to share between threads."""
 
     def __init__(
@@ -82,31 +82,6 @@ class Client:
         except BaseException:
             self._core.close()
             raise
-
-    @property
-    def socket_path(self) -> os.PathLike[str]:
-        return self._core.socket_path
-
-    @property
-    def name(self) -> str:
-        return self._core.name
-
-    @property
-    def timeout(self) -> float:
-        return self._core.timeout
-
-    @property
-    def server(self) -> dict[str, Any]:
-        """The daemon's hello reply (limits, operations, served models, instance)."""
-        return self._core.server
-
-    @property
-    def region(self) -> SharedRegion | None:
-        return self._core.region
-
-    def region_usage(self) -> RegionUsage | None:
-        """What the payload region's space is doing (None without a region)."""
-        return None if self._core.payloads is None else self._core.payloads.usage()
 
     # --- operations -----------------------------------------------------------------------------
 

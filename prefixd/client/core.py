@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 import numpy as np
 
-from prefixd.client.leases import Lease, RegionAllocator, Span
+from prefixd.client.leases import Lease, RegionAllocator, RegionUsage, Span
 from prefixd.client.results import (
     HotPrefix,
     Loaded,
@@ -639,3 +639,36 @@ def _release(leases: Sequence[Lease | Span]) -> None:
 
 def _unpacked(packed: bytes) -> tuple[int, ...]:
     return tuple(np.frombuffer(packed, "<u8").tolist())
+
+
+class Shell:
+    """What `Client` and `AsyncClient` share apart from how they drive steps: the core and
+    the views of it a caller reads."""
+
+    _core: ClientCore
+
+    @property
+    def socket_path(self) -> os.PathLike[str]:
+        return self._core.socket_path
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def timeout(self) -> float:
+        return self._core.timeout
+
+    @property
+    def server(self) -> dict[str, Any]:
+        """The daemon's hello reply (limits, operations, served models, instance)."""
+        return self._core.server
+
+    @property
+    def region(self) -> SharedRegion | None:
+        return self._core.region
+
+    def region_usage(self) -> RegionUsage | None:
+        """What the payload region's space is doing (None without a region)."""
+        payloads = self._core.payloads
+        return None if payloads is None else payloads.usage()

@@ -33,19 +33,14 @@ class Stored:
 
 
 class _Releasable:
-    """A result whose views lie in leased region space."""
+    """A result whose views are slices of its lease (Lease.slice), so releasing the lease
+    releases them."""
 
     __slots__ = ()
     lease: Lease | None
-    views: tuple[memoryview, ...]
 
     def release(self) -> None:
         """Give the region space back; the views raise from now on. Harmless twice."""
-        for view in self.views:
-            try:
-                view.release()
-            except BufferError:  # exported elsewhere: that export keeps the span out of use
-                pass
         if self.lease is not None:
             self.lease.release()
 
@@ -124,10 +119,6 @@ class StateLoaded(_Releasable):
     matched_tokens: int
     parts: tuple[StatePart, ...]
     lease: Lease | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def views(self) -> tuple[memoryview, ...]:  # type: ignore[override]
-        return tuple(part.view for part in self.parts if part.view is not None)
 
     def by_group(self) -> dict[str, list[StatePart]]:
         return _by_group(self.parts)

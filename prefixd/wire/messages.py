@@ -181,15 +181,6 @@ class Attach(RequestMessage, tag="attach", kw_only=True):
     size: Annotated[int, Meta(ge=1, le=MAX_INT)]
 
 
-class Put(RequestMessage, tag="put", kw_only=True):
-    identity: WireIdentity
-    tokens: bytes | None = None
-    tokens_span: Span | None = None
-    n_tokens: Count | None = None
-    first_block: Count | None = None  # default 0
-    blocks: Annotated[list[Span], Meta(max_length=MAX_BLOCKS_PER_PUT)]
-
-
 class Prompt(Struct, kw_only=True, omit_defaults=True):
     """One prompt of a lookup."""
 
@@ -199,16 +190,32 @@ class Prompt(Struct, kw_only=True, omit_defaults=True):
     hashes: bytes | None = None
 
 
-class Lookup(RequestMessage, tag="lookup", kw_only=True):
-    identity: WireIdentity
-    prompts: Annotated[list[Prompt], Meta(max_length=MAX_PROMPTS_PER_LOOKUP)]
+class Prompted(RequestMessage, kw_only=True):
+    """A request about one prompt of one identity: its token fields (see TokenFields)."""
 
-
-class Load(RequestMessage, tag="load", kw_only=True):
     identity: WireIdentity
     tokens: bytes | None = None
     tokens_span: Span | None = None
     n_tokens: Count | None = None
+
+
+class Prompts(RequestMessage, kw_only=True):
+    """A request about a batch of prompts of one identity."""
+
+    identity: WireIdentity
+    prompts: Annotated[list[Prompt], Meta(max_length=MAX_PROMPTS_PER_LOOKUP)]
+
+
+class Put(Prompted, tag="put", kw_only=True):
+    first_block: Count | None = None  # default 0
+    blocks: Annotated[list[Span], Meta(max_length=MAX_BLOCKS_PER_PUT)]
+
+
+class Lookup(Prompts, tag="lookup", kw_only=True):
+    pass
+
+
+class Load(Prompted, tag="load", kw_only=True):
     hashes: bytes | None = None
     region: Annotated[int, Meta(ge=0, le=MAX_REGION_ID)]
     offset: Count | None = None  # default 0
@@ -235,11 +242,7 @@ class Purge(RequestMessage, tag="purge", kw_only=True):
     dry_run: bool | None = None  # default false
 
 
-class PutState(RequestMessage, tag="put_state", kw_only=True):
-    identity: WireIdentity
-    tokens: bytes | None = None
-    tokens_span: Span | None = None
-    n_tokens: Count | None = None
+class PutState(Prompted, tag="put_state", kw_only=True):
     first_block: Count | None = None  # default 0
     upto_tokens: Count | None = None  # default: every token given
     paged: (
@@ -261,16 +264,11 @@ class PutState(RequestMessage, tag="put_state", kw_only=True):
     ) = None
 
 
-class LookupState(RequestMessage, tag="lookup_state", kw_only=True):
-    identity: WireIdentity
-    prompts: Annotated[list[Prompt], Meta(max_length=MAX_PROMPTS_PER_LOOKUP)]
+class LookupState(Prompts, tag="lookup_state", kw_only=True):
+    pass
 
 
-class LoadState(RequestMessage, tag="load_state", kw_only=True):
-    identity: WireIdentity
-    tokens: bytes | None = None
-    tokens_span: Span | None = None
-    n_tokens: Count | None = None
+class LoadState(Prompted, tag="load_state", kw_only=True):
     hashes: bytes | None = None
     region: Annotated[int, Meta(ge=0, le=MAX_REGION_ID)]
     offset: Count | None = None

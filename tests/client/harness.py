@@ -54,6 +54,15 @@ class AsyncOnThread:
             self.loop.close()
 
 
+async def settle(condition: Callable[[], bool], *, turns: int = 100_000) -> None:
+    """Let the event loop run until `condition` holds (a condition, not a wall-clock guess)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)  # one turn of the loop
+    raise AssertionError("the condition never held")
+
+
 def open_client(kind: str, socket_path: Any, **options: Any) -> Any:
     if kind == "blocking":
         return Client(socket_path, **options)

@@ -29,7 +29,7 @@ from prefixd.wire.errors import ERROR_CLASSES, ErrorCode, code_of, error_for
 from prefixd.wire.region import fds_from_ancillary
 from tests.daemon.conftest import IDENTITY, Daemon
 
-from .harness import KINDS, opener
+from .harness import KINDS, opener, settle
 
 _HEADER = struct.Struct(">I")
 
@@ -212,7 +212,7 @@ def test_a_reconnecting_async_client_leaves_no_noise(daemon: Daemon) -> None:
             calls = [client.load(IDENTITY, prompt) for _ in range(8)]
             calls += [client.lookup(IDENTITY, [prompt]) for _ in range(8)]
             tasks = [asyncio.ensure_future(c) for c in calls]
-            await asyncio.sleep(0)
+            await settle(lambda: bool(client._pending))  # requests are in flight
             daemon.stop(9)  # SIGKILL: the requests in flight are lost
             results = await asyncio.gather(*tasks, return_exceptions=True)
             daemon.start()

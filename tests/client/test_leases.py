@@ -15,6 +15,8 @@ from prefixd.client.leases import ALIGN, Lease, RegionAllocator
 from prefixd.errors import RegionError, RegionFullError
 from prefixd.wire.region import SharedRegion
 
+from .harness import settle
+
 
 @pytest.fixture
 def allocator() -> RegionAllocator:
@@ -156,9 +158,9 @@ def test_waiters_are_served_in_order(allocator: RegionAllocator) -> None:
             lease.release()
 
         big = asyncio.create_task(want(1 << 16, 0))
-        await asyncio.sleep(0)
+        await settle(lambda: allocator.usage().waiters == 1)
         small = asyncio.create_task(want(64, 1))
-        await asyncio.sleep(0)
+        await settle(lambda: allocator.usage().waiters == 2)
         assert allocator.try_acquire(64) is None  # queued behind the waiters
         held.release()
         await asyncio.gather(big, small)
@@ -173,7 +175,7 @@ def test_a_cancelled_async_waiter_leaves_nothing_behind(allocator: RegionAllocat
 
     async def scenario() -> None:
         task = asyncio.create_task(allocator.acquire_async(64, timeout=60))
-        await asyncio.sleep(0.01)
+        await settle(lambda: allocator.usage().waiters == 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

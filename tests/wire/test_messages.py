@@ -79,28 +79,10 @@ from prefixd.wire.messages import (
     error_reply,
     op_of,
 )
+from tests.daemon.conftest import make_identity
 
-IDENTITY = Identity(
-    model="m",
-    weights="w",
-    tokenizer="t",
-    template="c",
-    rope="r",
-    kv_layout="bf16",
-    block_tokens=4,
-    tenant="a",
-)
-HYBRID = Identity(
-    model="m",
-    weights="w",
-    tokenizer="t",
-    template="c",
-    rope="r",
-    kv_layout="bf16",
-    block_tokens=4,
-    tenant="a",
-    state=(StateGroup.paged("mla", page_blocks=2), StateGroup.checkpoint("kda")),
-)
+IDENTITY = make_identity()
+HYBRID = make_identity(state=(StateGroup.paged("mla", page_blocks=2), StateGroup.checkpoint("kda")))
 IDENTITY_DICT = IDENTITY.to_dict()
 HYBRID_DICT = HYBRID.to_dict()
 TOKENS = np.arange(12, dtype="<u4").tobytes()
