@@ -29,7 +29,7 @@ from prefixd.client.results import (
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
-from prefixd.wire.frames import HEADER
+from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
 
 if TYPE_CHECKING:
@@ -404,13 +404,17 @@ class AsyncClient(Shell):
 
     async def _read_replies(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        header = bytearray(HEADER.size)
+        frames = FrameReader()
         try:
             while True:
-                await _recv_exact(loop, sock, memoryview(header))
-                (length,) = HEADER.unpack(header)
-                body = memoryview(bytearray(length))
-                await _recv_exact(loop, sock, body)
+                view = frames.next_body()
+                if view is None:
+                    got = await loop.sock_recv_into(sock, frames.space())
+                    if not got:
+                        raise DaemonUnavailableError("the daemon closed the connection")
+                    frames.filled(got)
+                    continue
+                body = memoryview(bytes(view))  # its task decodes it after the buffer moves on
                 rid = ClientCore.reply_id(body)
                 if rid is None:
                     continue  # a connection-level error addressed to no request of ours
@@ -447,13 +451,3 @@ class AsyncClient(Shell):
         if any(entry.spans for entry in pending.values()):
             for allocator in self._core.allocators():  # their space may be what others await
                 allocator.interrupt(DaemonUnavailableError(f"{reason} (while waiting for space)"))
-
-
-async def _recv_exact(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview
-) -> None:
-    while len(view):
-        got = await loop.sock_recv_into(sock, view)
-        if not got:
-            raise DaemonUnavailableError("the daemon closed the connection")
-        view = view[got:]

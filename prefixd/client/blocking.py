@@ -28,13 +28,14 @@ from prefixd.client.results import (
 from prefixd.errors import (
     BadFrameError,
     DaemonUnavailableError,
+    FrameTooLargeError,
     PrefixdError,
     RequestTimeoutError,
 )
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
 from prefixd.wire.errors import ErrorCode
-from prefixd.wire.frames import HEADER, decode_body
+from prefixd.wire.frames import FrameReader, decode_body
 from prefixd.wire.region import send_with_fds
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class Client(Shell):
         )
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()  # one round trip at a time on the connection
-        self._header = bytearray(HEADER.size)
+        self._frames = FrameReader()
         self._publisher: Publisher | None = None
         self._publisher_lock = threading.Lock()
         try:
@@ -316,13 +317,11 @@ class Client(Shell):
                 return done.value  # type: ignore[no-any-return]
             value, error = None, None
             try:
-                value = self._perform(step)
+                value = self._call(step) if isinstance(step, Call) else self._perform(step)
             except BaseException as exc:
                 error = exc
 
-    def _perform(self, step: Call | Reserve | Synchronize) -> Any:
-        if type(step) is Call:
-            return self._call(step)
+    def _perform(self, step: Reserve | Synchronize) -> Any:
         if isinstance(step, Reserve):
             return step.allocator.acquire(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
@@ -423,6 +422,7 @@ class Client(Shell):
             sock.close()
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
         self._sock = sock
+        self._frames = FrameReader()  # nothing read on another connection carries over
         try:
             greeting = self._core.greeting()
             reply = None
@@ -443,10 +443,18 @@ class Client(Shell):
             self._sock = None
 
     def _receive(self, sock: socket.socket) -> memoryview:
-        _recv_exact(sock, memoryview(self._header))
-        (length,) = HEADER.unpack(self._header)
-        body = memoryview(bytearray(length))
-        _recv_exact(sock, body)
+        """The next reply's body (valid until the next receive): usually one recv brings it."""
+        frames = self._frames
+        try:
+            body = frames.next_body()
+            while body is None:
+                got = sock.recv_into(frames.space())
+                if not got:
+                    raise DaemonUnavailableError("the daemon closed the connection")
+                frames.filled(got)
+                body = frames.next_body()
+        except FrameTooLargeError as exc:  # the stream cannot be followed past it
+            raise DaemonUnavailableError(f"connection to the daemon lost: {exc}") from None
         return body
 
 
@@ -458,14 +466,6 @@ def _error_of(body: memoryview) -> PrefixdError:
     except PrefixdError as exc:
         return exc
     return BadFrameError(ErrorCode.BAD_FRAME, "a reply with no id that is no error")
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while len(view):
-        got = sock.recv_into(view)
-        if not got:
-            raise DaemonUnavailableError("the daemon closed the connection")
-        view = view[got:]
 
 
 __all__ = ["Client"]

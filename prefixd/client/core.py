@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -165,7 +165,7 @@ class ClientCore:
         if isinstance(message, dict):
             rid = self.next_id()
             return rid, encode_frame({**message, "id": rid})
-        return message.id, decoding.encode(message)
+        return message.id, encode_frame(message)
 
     @staticmethod
     def reply(message: wire.RequestMessage | dict[str, Any], body: memoryview) -> Any:
@@ -232,7 +232,7 @@ class ClientCore:
     def _prompt(self, token_ids: TokenIds, held: list[Lease | Span]) -> dict[str, Any]:
         """A prompt's token fields: staged in a span of the token region when long and there
         is room now (the span goes to `held`), else inline in the frame."""
-        entry = self._entry(token_ids, None, held)
+        entry = self._entry(token_ids, None, held.append)
         return {
             "tokens": entry.tokens,
             "tokens_span": entry.tokens_span,
@@ -240,8 +240,9 @@ class ClientCore:
         }
 
     def _entry(
-        self, token_ids: TokenIds, hashes: bytes | None, held: list[Lease | Span]
+        self, token_ids: TokenIds, hashes: bytes | None, keep: Callable[[Span], None]
     ) -> wire.Prompt:
+        """One prompt of a request; a token-region span it stages its ids in goes to `keep`."""
         tokens = as_token_array(token_ids)
         allocator = self.tokens
         span = None
@@ -249,9 +250,9 @@ class ClientCore:
             span = allocator.try_span(tokens.nbytes)
         if span is None:
             return wire.Prompt(tokens=tokens.tobytes(), n_tokens=len(tokens), hashes=hashes)
-        held.append(span)
+        keep(span)
         span.write(tokens)
-        where = (self._region_id(allocator), span.offset, len(tokens))  # type: ignore[arg-type]
+        where = (self._region_ids[id(allocator)], span.offset, len(tokens))
         return wire.Prompt(tokens_span=where, n_tokens=len(tokens), hashes=hashes)
 
     def _stage(self, payloads: Sequence[Any]) -> Steps[tuple[Lease | None, list[wire.Span]]]:
@@ -342,12 +343,12 @@ class ClientCore:
         self,
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
-        held: list[Lease | Span],
+        held: list[Span],
     ) -> list[wire.Prompt]:
-        return [
-            self._entry(prompt, None if hashes is None else hashes[i], held)
-            for i, prompt in enumerate(prompts)
-        ]
+        keep = held.append
+        if hashes is None:
+            return [self._entry(prompt, None, keep) for prompt in prompts]
+        return [self._entry(prompt, hashes[i], keep) for i, prompt in enumerate(prompts)]
 
     def lookup(
         self,
@@ -355,18 +356,26 @@ class ClientCore:
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
     ) -> Steps[list[Lookup]]:
-        held: list[Lease | Span] = []
+        held: list[Span] = []  # the token spans (the engine's hot path: kept lean)
         try:
             message = wire.Lookup(
                 id=self.next_id(),
                 identity=self._identity(identity),
                 prompts=self._prompts(prompts, hashes, held),
             )
-            reply: wire.LookupReply = yield Call(message, _spans(held))
+            reply: wire.LookupReply = yield Call(message, tuple(held))
         finally:
-            _release(held)
+            for span in held:
+                span.release()
+        frombuffer = np.frombuffer
         return [
-            Lookup(r.n_blocks, r.n_tokens, _unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
+            Lookup(
+                r.n_blocks,
+                r.n_tokens,
+                tuple(frombuffer(r.sizes, "<u8").tolist()),
+                r.est_load_s,
+                r.est_prefill_s,
+            )
             for r in reply.results
         ]
 
@@ -534,14 +543,14 @@ class ClientCore:
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
     ) -> Steps[list[StateLookup]]:
-        held: list[Lease | Span] = []
+        held: list[Span] = []
         try:
             message = wire.LookupState(
                 id=self.next_id(),
                 identity=self._identity(identity),
                 prompts=self._prompts(prompts, hashes, held),
             )
-            reply: wire.LookupStateReply = yield Call(message, _spans(held))
+            reply: wire.LookupStateReply = yield Call(message, tuple(held))
         finally:
             _release(held)
         return [

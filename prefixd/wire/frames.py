@@ -14,12 +14,14 @@ from typing import Any
 import msgpack
 import msgspec
 
-from prefixd.errors import ProtocolError
+from prefixd.errors import FrameTooLargeError, ProtocolError
 from prefixd.wire.errors import ErrorCode
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
 MAX_FDS_PER_FRAME = 4
+MAX_REPLY_BYTES = 64 << 20  # what a client accepts as one reply body (a load of 4M blocks)
+READ_AHEAD_BYTES = 64 << 10
 
 
 def _enc_hook(value: Any) -> Any:
@@ -56,3 +58,69 @@ def decode_body(body: bytes | memoryview) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "body is not a map")
     return message
+
+
+class FrameReader:
+    """Cuts a byte stream into frame bodies, without I/O: a shell reads into `space()`, reports
+    `filled(n)`, and takes whole bodies from `next_body()`. Reading ahead into one buffer brings a
+    reply's header and body (and a frame right behind it) in with one recv, where reading the
+    header and then the body takes two.
+
+    A body is a view into the buffer, valid until the next `space()`; a body too long for the
+    buffer gets one of its own. A length over `max_body` raises FrameTooLargeError."""
+
+    def __init__(self, *, max_body: int = MAX_REPLY_BYTES, size: int = READ_AHEAD_BYTES) -> None:
+        self.max_body = max_body
+        self._buffer = memoryview(bytearray(size))
+        self._start = 0  # the first byte not yet handed out
+        self._end = 0  # the end of the bytes read
+        self._large: memoryview | None = None  # the body being read into a buffer of its own
+        self._large_have = 0
+
+    def space(self) -> memoryview:
+        """Where the next read goes (never empty)."""
+        if self._large is not None:
+            return self._large[self._large_have :]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._start and self._end == len(self._buffer):  # move the partial frame up front
+            pending = self._end - self._start
+            self._buffer[:pending] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, pending
+        return self._buffer[self._end :]
+
+    def filled(self, n: int) -> None:
+        """`n` bytes were read into the last `space()`."""
+        if self._large is not None:
+            self._large_have += n
+        else:
+            self._end += n
+
+    def next_body(self) -> memoryview | None:
+        """The next whole frame body read, or None until more bytes come."""
+        large = self._large
+        if large is not None:
+            if self._large_have < len(large):
+                return None
+            self._large = None
+            return large
+        have = self._end - self._start
+        if have < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(self._buffer, self._start)
+        if length > self.max_body:
+            raise FrameTooLargeError(
+                ErrorCode.FRAME_TOO_LARGE, f"a {length}-byte frame (the limit is {self.max_body})"
+            )
+        begin = self._start + HEADER.size
+        if begin + length <= self._end:
+            self._start = begin + length
+            return self._buffer[begin : begin + length]
+        if HEADER.size + length <= len(self._buffer):
+            return None  # it fits the buffer: wait for the rest
+        body = memoryview(bytearray(length))
+        got = self._end - begin
+        body[:got] = self._buffer[begin : self._end]
+        self._start = self._end = 0
+        self._large, self._large_have = body, got
+        return None

@@ -92,6 +92,9 @@ class FakeDaemon:
                 elif self.code == "hang_up":
                     conn.close()
                     return
+                elif self.code == "huge":  # a reply claiming 2 GiB, which never comes
+                    conn.sendall(_HEADER.pack(2 << 30) + b"\x80" * 16)
+                    continue
                 else:
                     error = {"code": self.code, "message": f"the {self.code} case"}
                     reply = {"id": rid, "ok": False, "error": error}
@@ -165,6 +168,19 @@ def test_a_daemon_that_hangs_up_is_unavailable(fake: FakeDaemon, kind: str) -> N
         assert client.region_usage().quarantined_bytes > 0  # the same daemon may still write
     with pytest.raises(DaemonUnavailableError, match="cannot connect"):
         Client(fake.path.with_name("nothing.sock"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_reply_longer_than_any_reply_drops_the_connection(fake: FakeDaemon, kind: str) -> None:
+    """Nothing is allocated for a length no reply can have; the call fails at once (rather than
+    at its timeout, waiting for 2 GiB) and the connection, out of step, is dropped."""
+    fake.code = "huge"
+    with opener(kind)(fake.path, region_bytes=1 << 16, timeout=60.0) as client:
+        with pytest.raises(DaemonUnavailableError, match="frame"):
+            client.lookup(IDENTITY, [np.arange(8, dtype=np.uint32)])
+        fake.code = "internal"  # the client reconnects and carries on
+        with pytest.raises(PrefixdError, match="the internal case"):
+            client.stats()
 
 
 def test_reconnect_waits_for_a_restarting_daemon(daemon: Daemon) -> None:
