@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, TypeVar
 import lmdb
 import msgpack
 
+from prefixd.clock import Clock, SystemClock
 from prefixd.errors import (
     BlockCollisionError,
     CorruptStoreError,
@@ -98,6 +99,7 @@ from prefixd.store.results import (
     StoreStats,
 )
 from prefixd.store.syncer import PeriodicSyncer
+from prefixd.store.tenancy import TenantIndex
 from prefixd.store.verified import VerifiedPrefixes
 from prefixd.store.walk import Walk, walk_chain
 from prefixd.store.warmup import HotPrefix, hottest_prefixes
@@ -167,10 +169,14 @@ class Store:
     not be closed while other threads still call it.
     """
 
-    def __init__(self, config: StoreConfig, *, exclusive: bool = False) -> None:
+    def __init__(
+        self, config: StoreConfig, *, exclusive: bool = False, clock: Clock | None = None
+    ) -> None:
         """`exclusive`: hold the store's owner lock (a daemon does) so that offline tools refuse
-        to run beside this process; StoreBusyError if another process holds it."""
+        to run beside this process; StoreBusyError if another process holds it. `clock`: what
+        entry ages and time to live are read from (tests pass a ManualClock)."""
         self.config = config
+        self._clock: Clock = clock or SystemClock()
         self._env, self._tables, self.meta = open_environment(config)
         try:
             self._owner = OwnerLock(config.path) if exclusive else None
@@ -191,8 +197,8 @@ class Store:
             else None
         )
         self._verified = VerifiedPrefixes(config.verified_cache_bytes)
+        self._tenants = TenantIndex(self._tables.identities)
         self._capacity = config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
-        self._tenant_of: dict[bytes, str] = {}
         self._ttl_s = parse_tenant_durations(config.tenant_ttls)
         self._quotas = parse_tenant_quotas(config.tenant_quotas)
         self._share_group = {
@@ -213,10 +219,15 @@ class Store:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], *, exclusive: bool = False, **settings: Any
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        exclusive: bool = False,
+        clock: Clock | None = None,
+        **settings: Any,
     ) -> Store:
         """Open the store at `path`; `settings` are `StoreConfig` fields."""
-        return cls(StoreConfig(path=Path(path), **settings), exclusive=exclusive)
+        return cls(StoreConfig(path=Path(path), **settings), exclusive=exclusive, clock=clock)
 
     @property
     def path(self) -> Path:
@@ -347,23 +358,15 @@ class Store:
         with self._env.begin() as txn:
             return counters.read(txn, self._tables.counters, counters.STORED_BYTES)
 
-    def _tenant_identities(self, tenant: str) -> set[bytes]:
-        """Digests of the tenant's identities (the identities table, cached: rows never change)."""
-        with self._env.begin() as txn:
-            if txn.stat(self._tables.identities)["entries"] != len(self._tenant_of):
-                for digest, encoded in txn.cursor(db=self._tables.identities):
-                    if bytes(digest) not in self._tenant_of:
-                        self._tenant_of[bytes(digest)] = _owner(encoded)
-        return {d for d, owner in self._tenant_of.items() if owner == tenant}
-
     def tenant_bytes(self, tenant: str) -> int:
         """Stored bytes of every identity of `tenant` (what its quota limits)."""
-        digests = self._tenant_identities(tenant)
         with self._env.begin() as txn:
-            return sum(
-                counters.read(txn, self._tables.counters, counters.identity_stored(d))
-                for d in digests
-            )
+            return self._tenant_stored(txn, self._tenants.digests_of(txn, tenant))
+
+    def _tenant_stored(self, txn: lmdb.Transaction, digests: set[bytes]) -> int:
+        return sum(
+            counters.read(txn, self._tables.counters, counters.identity_stored(d)) for d in digests
+        )
 
     def evict(
         self, target_bytes: int | None = None, *, tenant: str | None = None
@@ -384,16 +387,14 @@ class Store:
         t = self._tables
         self.reclaim_expired()  # what no lookup can reach goes first
         self.sync()  # the reads still counted in memory must be weighed too
-        owned = self._tenant_identities(tenant) if tenant is not None else None
         with self._env.begin(write=True) as txn:
+            owned = None if tenant is None else self._tenants.digests_of(txn, tenant)
             if owned is None:
                 stored = counters.read(txn, t.counters, counters.STORED_BYTES)
             else:
-                stored = sum(
-                    counters.read(txn, t.counters, counters.identity_stored(d)) for d in owned
-                )
+                stored = self._tenant_stored(txn, owned)
             if stored > target:
-                queue = VictimQueue(txn, t, self.config.eviction, time.time_ns(), owned)
+                queue = VictimQueue(txn, t, self.config.eviction, self._clock.time_ns(), owned)
                 for victim in queue:
                     if stored <= target:
                         break
@@ -417,7 +418,7 @@ class Store:
     ) -> tuple[PutResult, int]:
         t = self._tables
         digest = identity.digest
-        now = time.time_ns()
+        now = self._clock.time_ns()
         stored = existed = replaced = 0
         payload_bytes = stored_bytes = 0
         min_created = self._min_created_ns(identity)
@@ -561,7 +562,7 @@ class Store:
         if selector.older_than_s is not None and not dry_run:
             self.sync()  # access times still in memory count
         t = self._tables
-        cutoff = time.time_ns() - int((selector.older_than_s or 0) * 1e9)
+        cutoff = self._clock.time_ns() - int((selector.older_than_s or 0) * 1e9)
         reason = "retired" if selector.model is not None else "purged"
         begin = self._env.begin(buffers=True) if dry_run else self._env.begin(write=True)
         with self._writing(), begin as txn:
@@ -678,9 +679,9 @@ class Store:
         views = [_dest_view(d, size, i) for i, (size, d) in enumerate(zip(sizes, dests))]
         bad: list[_Damaged] = []
         digest = match.identity_digest
-        min_created = self._min_created_for(digest)
         parents = [digest, *hashes]
         with self._env.begin(buffers=True) as txn:
+            min_created = self._min_created_for(txn, digest)
             items: list[StoredPayload] = []
             for h, size, dest, parent in zip(hashes, sizes, views, parents):
                 item = self._gather(txn, h, parent, digest, size, dest, bad, min_created)
@@ -790,7 +791,7 @@ class Store:
         stored_as = tenant if group is None else SHARE_PREFIX + group
         with self._env.begin() as txn:
             found = hottest_prefixes(
-                txn, self._tables, time.time_ns(), budget_bytes, limit, stored_as
+                txn, self._tables, self._clock.time_ns(), budget_bytes, limit, stored_as
             )
         if group is None:
             return found
@@ -862,7 +863,7 @@ class Store:
         t = self._tables
         assert t.parts is not None
         digest = chain.identity.digest
-        now = time.time_ns()
+        now = self._clock.time_ns()
         stored = existed = replaced = parts = 0
         payload_bytes = stored_bytes = 0
         min_created = self._min_created_ns(chain.identity)
@@ -1232,7 +1233,7 @@ class Store:
                     continue  # e.g. a part hung on no block: the rebuild drops it
                 quarantined += self._remove_subtree(txn, block, reason="quarantined")
                 self._record_quarantine(txn, block, f"verify: {kind} problem")
-            rebuilt = rebuild_derived(txn, self._tables, time.time_ns())
+            rebuilt = rebuild_derived(txn, self._tables, self._clock.time_ns())
         if quarantined or rebuilt.total:
             log.warning(
                 "repair quarantined %d block(s) and fixed %d index or counter entries",
@@ -1308,19 +1309,17 @@ class Store:
 
     def _min_created_ns(self, identity: Identity) -> int:
         """Blocks created before this are past the tenant's time to live (0: no limit)."""
-        return self._ttl_cutoff_ns(identity.tenant, time.time_ns())
+        return self._ttl_cutoff_ns(identity.tenant, self._clock.time_ns())
 
     def _ttl_cutoff_ns(self, tenant: str, now_ns: int) -> int:
         ttl = self._ttl_s.get(tenant)
         return now_ns - int(ttl * 1e9) if ttl else 0
 
-    def _min_created_for(self, digest: bytes) -> int:
-        """`_min_created_ns` of the identity with this digest."""
+    def _min_created_for(self, txn: lmdb.Transaction, digest: bytes) -> int:
+        """`_min_created_ns` of the identity with this digest, as `txn` sees it."""
         if not self._ttl_s:
             return 0
-        if digest not in self._tenant_of:
-            self._tenant_identities("")  # refreshes the digest -> tenant cache
-        return self._ttl_cutoff_ns(self._tenant_of.get(digest, ""), time.time_ns())
+        return self._ttl_cutoff_ns(self._tenants.tenant_of(txn, digest) or "", self._clock.time_ns())
 
     def reclaim_expired(self) -> int:
         """Remove the blocks past their tenant's time to live (already unreachable: lookups and
@@ -1328,10 +1327,9 @@ class Store:
         self._check_usable()
         if not self._ttl_s:
             return 0
-        now = time.time_ns()
+        now = self._clock.time_ns()
         t = self._tables
         removed = 0
-        self._tenant_identities("")  # refresh the digest -> tenant cache first
         with self._env.begin(write=True) as txn:
             expired = []
             for key, raw in txn.cursor(db=t.blocks):
@@ -1339,7 +1337,8 @@ class Store:
                     record = BlockRecord.decode(raw)
                 except CorruptRecordError:
                     continue
-                cutoff = self._ttl_cutoff_ns(self._tenant_of.get(record.identity, ""), now)
+                tenant = self._tenants.tenant_of(txn, record.identity) or ""
+                cutoff = self._ttl_cutoff_ns(tenant, now)
                 if record.created_ns < cutoff:
                     expired.append(bytes(key))
             for block in expired:
@@ -1410,7 +1409,7 @@ class Store:
         """Note an access; runs of blocks are kept whole (keyed by their last block) and spread
         over the blocks only when written, so a repeated long lookup costs one dict entry."""
         if hashes:
-            now = time.time_ns()
+            now = self._clock.time_ns()
             with self._lock:
                 _, _, count = self._touched_runs.get(hashes[-1], (None, 0, 0))
                 self._touched_runs[hashes[-1]] = (hashes, now, count + 1)
@@ -1447,7 +1446,7 @@ class Store:
 
     def _record_quarantine(self, txn: lmdb.Transaction, h: bytes, reason: str) -> None:
         t = self._tables
-        entry = msgpack.packb({"at_ns": time.time_ns(), "reason": reason})
+        entry = msgpack.packb({"at_ns": self._clock.time_ns(), "reason": reason})
         txn.put(h, entry, db=t.quarantine)
         counters.add(txn, t.counters, counters.QUARANTINED, 1)
 
@@ -1520,9 +1519,7 @@ class Store:
     ) -> None:
         """Count removed blocks per tenant and reason, in memory (after the write commits, the
         count may run ahead of a transaction that aborted: it is a rate, not an inventory)."""
-        tenant = self._tenant_of.get(digest)
-        if tenant is None:
-            tenant = self._tenant_of[digest] = _owner(txn.get(digest, db=self._tables.identities))
+        tenant = self._tenants.tenant_of(txn, digest) or ""
         with self._lock:
             self._removals[tenant, reason] += blocks
 
@@ -1538,28 +1535,19 @@ class Store:
 
     def tenant_totals(self) -> dict[str, dict[str, int]]:
         """Stored blocks and bytes per tenant (from the per-identity counters)."""
-        self._tenant_identities("")  # refresh the digest -> tenant cache
+        totals: dict[str, dict[str, int]] = {}
         with self._env.begin() as txn:
             stored = counters.read_prefixed(txn, self._tables.counters, counters.IDENTITY_STORED)
             blocks = counters.read_prefixed(txn, self._tables.counters, counters.IDENTITY_BLOCKS)
-        totals: dict[str, dict[str, int]] = {}
-        for digest in stored.keys() | blocks.keys():
-            tenant = totals.setdefault(
-                self._tenant_of.get(digest, ""), {"blocks": 0, "stored_bytes": 0}
-            )
-            tenant["blocks"] += blocks.get(digest, 0)
-            tenant["stored_bytes"] += stored.get(digest, 0)
+            for digest in stored.keys() | blocks.keys():
+                n_blocks, n_bytes = blocks.get(digest, 0), stored.get(digest, 0)
+                owner = self._tenants.tenant_of(txn, digest)
+                if owner is None and not (n_blocks or n_bytes):
+                    continue  # the spent counters of a purged identity
+                tenant = totals.setdefault(owner or "", {"blocks": 0, "stored_bytes": 0})
+                tenant["blocks"] += n_blocks
+                tenant["stored_bytes"] += n_bytes
         return totals
-
-
-def _owner(encoded: bytes | memoryview | None) -> str:
-    """The tenant of an encoded identity ("" when it is missing or unreadable)."""
-    if encoded is None:
-        return ""
-    try:
-        return Identity.decode(bytes(encoded)).tenant
-    except IdentityError:
-        return ""
 
 
 def _require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
