@@ -201,10 +201,10 @@ def _verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prefixd.store import Store
-    from prefixd.store.checker import run_check
+    from prefixd.store.check_process import run_check
+    from prefixd.store.check_report import verify_report
     from prefixd.store.environment import is_held
     from prefixd.store.results import RepairReport
-    from prefixd.store.verify import verify_report
 
     if args.fix and args.no_payloads:
         print("prefixd: --fix checks payloads too; drop --no-payloads", file=sys.stderr)

@@ -24,11 +24,11 @@ from prefixd.errors import ConfigError, IdentityError, ProtocolError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
-from prefixd.store.checker import run_check
+from prefixd.store.check_process import run_check
+from prefixd.store.check_report import verify_report
 from prefixd.store.joint import JointMatch
 from prefixd.store.purge import PurgeReport
 from prefixd.store.results import LoadResult, RepairReport
-from prefixd.store.verify import verify_report
 from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.frames import PROTOCOL_VERSION
 from prefixd.wire.messages import (

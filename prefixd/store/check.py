@@ -1,4 +1,7 @@
-"""A full consistency check of a store that reports every problem it finds, not just the first."""
+"""A full consistency check of a store that reports every problem it finds, not just the first.
+
+`Store.check` runs it in-process; prefixd.store.check_process runs it in a child (which survives
+LMDB aborting on a damaged page); prefixd.store.check_report formats what it found."""
 
 from __future__ import annotations
 

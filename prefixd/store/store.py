@@ -76,6 +76,7 @@ from prefixd.store.config import (
 from prefixd.store.environment import OwnerLock, Tables, open_environment
 from prefixd.store.eviction import VictimQueue
 from prefixd.store.joint import JointMatch, PlannedPart, joint_match, plan_put
+from prefixd.store.lookup_memo import VerifiedPrefixes
 from prefixd.store.purge import (
     PurgeReport,
     PurgeSelector,
@@ -100,7 +101,6 @@ from prefixd.store.results import (
 )
 from prefixd.store.syncer import PeriodicSyncer
 from prefixd.store.tenancy import TenantIndex
-from prefixd.store.verified import VerifiedPrefixes
 from prefixd.store.walk import Walk, walk_chain
 from prefixd.store.warmup import HotPrefix, hottest_prefixes
 

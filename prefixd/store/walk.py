@@ -68,7 +68,7 @@ def walk_chain(
     min_created_ns: int = 0,
 ) -> Walk:
     """Follow `chain` from block 0 for at most `limit` blocks; `verified`, when given, holds
-    blocks 0..k-1 already verified (see prefixd.store.verified), and the walk goes on from k.
+    blocks 0..k-1 already verified (see prefixd.store.lookup_memo), and the walk goes on from k.
     A block created before `min_created_ns` (past its tenant's time to live) counts as missing."""
     walk = Walk()
     if verified is not None:

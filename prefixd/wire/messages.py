@@ -464,8 +464,9 @@ class PurgeReply(Reply, kw_only=True):
 
 class VerifyReply(Reply, kw_only=True):
     """A check's report (`problems` listed as text, `count`, `by_kind`) or, with `fix`, a
-    repair's (`problems` a count, `quarantined`, `fixed`, `remaining`): see prefixd.store.verify.
-    The daemon sends the report's map as it is; the fields of the other form are absent."""
+    repair's (`problems` a count, `quarantined`, `fixed`, `remaining`): see
+    prefixd.store.check_report. The daemon sends the report's map as it is; the fields of the
+    other form are absent."""
 
     blocks: int
     parts: int

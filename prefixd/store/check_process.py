@@ -2,9 +2,9 @@
 
 A damaged B-tree page can make LMDB's own assertions abort the process that walks it. A daemon
 must survive its own `verify`, and the CLI should report such damage instead of dying of it, so
-both run the check (`check_store`, in a read-only environment) in a child: `python -m
-prefixd.store.checker PATH`. The child prints its progress on stderr and the problems as JSON on
-stdout; a child that dies reports the damage as one problem.
+both run the check (`check_store` of prefixd.store.check, in a read-only environment) in a
+child: `python -m prefixd.store.check_process PATH`. The child prints its progress on stderr and
+the problems as JSON on stdout; a child that dies reports the damage as one problem.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def run_check(
 ) -> list[Problem]:
     """Every problem `Store.check` would list, found by a child process; a child killed by the
     damage it met is itself a problem (kind "pages")."""
-    command = [sys.executable, "-m", "prefixd.store.checker", str(path)]
+    command = [sys.executable, "-m", "prefixd.store.check_process", str(path)]
     if not verify_payloads:
         command.append("--no-payloads")
     child = subprocess.Popen(
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prefixd.store.config import StoreConfig
     from prefixd.store.environment import open_environment
 
-    parser = argparse.ArgumentParser(prog="python -m prefixd.store.checker")
+    parser = argparse.ArgumentParser(prog="python -m prefixd.store.check_process")
     parser.add_argument("path", type=Path)
     parser.add_argument("--no-payloads", action="store_true")
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The verified-prefix cache: repeated lookups skip the walk, and nothing stale is ever served."""
+"""The lookup memo (prefixd.store.lookup_memo): repeated lookups skip the walk, and nothing
+stale is ever served."""
 
 from __future__ import annotations
 

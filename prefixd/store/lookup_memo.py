@@ -1,4 +1,5 @@
-"""Prefixes a walk has verified, kept in memory so a repeated lookup skips re-reading them.
+"""The lookup memo: prefixes a walk has verified, kept in memory so a repeated lookup skips
+re-reading them (a cache of the read path, unrelated to `prefixd verify`).
 
 An engine looks up the same long prompts again and again. A walk that verified blocks 0..n-1 of a
 chain (identity, parent links and token ids, record by record) is remembered under its last block's

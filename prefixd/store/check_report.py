@@ -1,4 +1,5 @@
-"""The report `prefixd verify` prints, offline or from the daemon: the same JSON either way."""
+"""The report `prefixd verify` prints, offline or from the daemon: the same JSON either way
+(the check itself is prefixd.store.check; run in a child, prefixd.store.check_process)."""
 
 from __future__ import annotations
 
