@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import lmdb
 
@@ -24,6 +25,20 @@ from prefixd.store import counters
 from prefixd.store.codec import checksum, chunks_present
 from prefixd.store.environment import META_KEY, Tables
 from prefixd.store.results import Problem
+
+if TYPE_CHECKING:
+    from prefixd.store.context import StoreContext
+
+
+def check(
+    ctx: StoreContext,
+    *,
+    verify_payloads: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> list[Problem]:
+    """`check_store` over an open store, in one read transaction (writers go on meanwhile)."""
+    with ctx.env.begin(buffers=True) as txn:
+        return check_store(txn, ctx.tables, verify_payloads=verify_payloads, progress=progress)
 
 
 def check_store(

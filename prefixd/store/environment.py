@@ -21,6 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -32,8 +33,11 @@ from prefixd.errors import (
     StoreBusyError,
     StoreOpenError,
 )
+from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.meta import FORMAT_SETTINGS, SCHEMA_VERSION, StoreMeta, new_meta
+from prefixd.schema.records import BlockRecord
 from prefixd.store.config import Durability, StoreConfig
+from prefixd.store.lmdb_errors import lmdb_errors
 
 META_KEY = b"meta"
 DATA_FILE = "data.mdb"
@@ -68,6 +72,17 @@ class Tables:
     counters: lmdb._Database
     identities: lmdb._Database
     parts: lmdb._Database | None  # None only in a read-only view of a store older than version 4
+
+
+def parent_key(identity_digest: bytes, parent: bytes) -> bytes:
+    """The children-index key a block hangs under: its parent's hash, or for a first block its
+    identity's digest (so an identity's blocks can be enumerated)."""
+    return identity_digest if parent == ROOT_PARENT else parent
+
+
+def children_key(record: BlockRecord) -> bytes:
+    """`parent_key` of the block `record` describes."""
+    return parent_key(record.identity, record.parent)
 
 
 def open_environment(
@@ -262,6 +277,24 @@ def _open_tables(
             raise CorruptStoreError(f"{path} has a {name!r} table of the wrong kind") from None
     parts = handles.pop("parts", None)  # the one table a store may lack (_TABLE_SINCE)
     return Tables(**handles, parts=parts)
+
+
+def copy_compacted(
+    env: lmdb.Environment, source: Path, target: Path, map_size: int
+) -> dict[str, Any]:
+    """Write a compacted copy of `env` (free pages dropped: a consistent snapshot) into the
+    empty directory `target`; report both files' sizes."""
+    if target.exists() and any(target.iterdir()):
+        raise StoreOpenError(f"{target} is not empty")
+    target.mkdir(mode=0o750, parents=True, exist_ok=True)
+    with lmdb_errors(target, map_size, "the compacted copy"):  # the copy's disk, not the store's
+        env.copy(str(target), compact=True)
+    return {
+        "from": str(source),
+        "to": str(target),
+        "bytes_before": (source / DATA_FILE).stat().st_size,
+        "bytes_after": (target / DATA_FILE).stat().st_size,
+    }
 
 
 class OwnerLock:

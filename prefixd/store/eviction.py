@@ -12,25 +12,50 @@ prefill it saves, over the bytes it holds and the time it has held them. prefixd
 Only leaves are candidates (a block is never evicted while a descendant is stored), so a prefix
 shrinks from its end and everything still stored stays reachable. `lru` orders leaves by last read
 alone; it exists to compare against (bench/eviction_bench.py).
+
+`evict` runs a round: to the low watermark of the capacity, or of a tenant's quota when a put
+took the tenant past it (prefixd.store.put decides when; prefixd.store.tenancy holds quotas).
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lmdb
 
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.store import counters
+from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables
 from prefixd.store.joint import part_bytes
+from prefixd.store.removal import remove_subtree
+from prefixd.store.results import EvictionReport
+
+if TYPE_CHECKING:
+    from prefixd.store.access import AccessTimes
+    from prefixd.store.context import StoreContext
+    from prefixd.store.tenancy import Tenancy
+
+log = logging.getLogger(__name__)
 
 TAU_S = 300.0
 IDLE_TAU_S = 3600.0
 POLICIES = ("value", "lru", "none")
+# Without a capacity setting, payloads may fill this share of the map: records, indexes and
+# LMDB's free pages need the rest.
+DEFAULT_CAPACITY_SHARE = 0.8
+
+
+def capacity_bytes(config: StoreConfig) -> int:
+    """The stored bytes the store keeps below its high watermark of (and evicts down from)."""
+    return config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +142,45 @@ class VictimQueue:
                 self._heap,
                 (candidate.score, parent_key, candidate.parent_key, candidate.stored_size),
             )
+
+
+def evict(
+    ctx: StoreContext,
+    tenancy: Tenancy,
+    access: AccessTimes,
+    target_bytes: int | None = None,
+    tenant: str | None = None,
+) -> EvictionReport:
+    """Evict leaves, lowest score first, until the stored bytes (the tenant's, with `tenant`)
+    are at most `target_bytes` (default: the low watermark of the capacity), in one write
+    transaction; expired blocks go first and pending read times are written first."""
+    config = ctx.config
+    if config.eviction == "none":
+        return EvictionReport(0, 0, 0.0)
+    started = time.perf_counter()
+    if target_bytes is None:
+        target_bytes = int(capacity_bytes(config) * config.low_watermark)
+    evicted = freed = 0
+    t = ctx.tables
+    tenancy.reclaim_expired()  # what no lookup can reach goes first
+    access.sync()  # the reads still counted in memory must be weighed too
+    with ctx.env.begin(write=True) as txn:
+        owned = None if tenant is None else ctx.tenants.digests_of(txn, tenant)
+        if owned is None:
+            stored = counters.read(txn, t.counters, counters.STORED_BYTES)
+        else:
+            stored = tenancy.stored_bytes(txn, owned)
+        if stored > target_bytes:
+            queue = VictimQueue(txn, t, config.eviction, ctx.clock.time_ns(), owned)
+            for victim in queue:
+                if stored <= target_bytes:
+                    break
+                remove_subtree(ctx, txn, victim.block, reason="evicted")
+                stored -= victim.stored_size
+                freed += victim.stored_size
+                evicted += 1
+                queue.parent_freed(victim.parent_key)
+            counters.add(txn, t.counters, counters.EVICTED, evicted)
+    if evicted:
+        log.info("evicted %d block(s), %d bytes", evicted, freed)
+    return EvictionReport(evicted, freed, round(time.perf_counter() - started, 6))

@@ -21,10 +21,27 @@ from typing import Any
 
 import lmdb
 
-from prefixd.errors import OpenTailError, PayloadError
+from prefixd.errors import IdentityError, OpenTailError, PayloadError
+from prefixd.schema.identity import Identity
 from prefixd.schema.records import CorruptRecordError, PartRecord, part_key
 from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec
 from prefixd.store.codec import payload_view
+
+
+def require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
+    """The identity's state spec; IdentityError naming `plain_method` if it has none."""
+    if identity.state is None:
+        raise IdentityError(
+            "state", f"is not set: an identity without state groups uses {plain_method}"
+        )
+    return identity.state
+
+
+def require_plain(identity: Identity, hybrid_method: str) -> None:
+    """A hybrid identity's blocks carry no payload of their own; the plain calls would report a
+    prefix that no state group backs (a partial hit), so they refuse it."""
+    if identity.state is not None:
+        raise IdentityError("state", f"is set: an identity with state groups uses {hybrid_method}")
 
 
 @dataclass(frozen=True, slots=True)

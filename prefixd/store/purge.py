@@ -7,16 +7,26 @@ their pages; reads already in flight finish on their own snapshot with the old, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 
 from prefixd.errors import ConfigError, IdentityError
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.store import counters
 from prefixd.store.environment import Tables
+from prefixd.store.removal import remove_subtree
+
+if TYPE_CHECKING:
+    from prefixd.store.access import AccessTimes
+    from prefixd.store.context import StoreContext
+
+log = logging.getLogger(__name__)
 
 # Identity fields whose version a model retirement may keep ("--except-weights V" and the like).
 VERSIONED_FIELDS = ("weights", "tokenizer", "template", "adapter", "mm", "rope", "kv_layout")
@@ -120,6 +130,62 @@ class PurgeReport:
 
     def describe(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "digests"}
+
+
+def purge(
+    ctx: StoreContext,
+    access: AccessTimes,
+    selector: PurgeSelector,
+    *,
+    dry_run: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> PurgeReport:
+    """Remove what `selector` names in one write transaction (a dry run only counts, in a read
+    transaction). `progress` is told how many root blocks each step handled."""
+    started = time.perf_counter()
+    if selector.older_than_s is not None and not dry_run:
+        access.sync()  # access times still in memory count
+    t = ctx.tables
+    whole = selector.older_than_s is None  # whole identities go, not idle subtrees
+    cutoff = ctx.clock.time_ns() - int((selector.older_than_s or 0) * 1e9)
+    reason = "retired" if selector.model is not None else "purged"
+    begin = ctx.env.begin(buffers=True) if dry_run else ctx.env.begin(write=True)
+    with begin as txn:
+        digests = selected_identities(txn, t, selector)
+        if whole:
+            roots = [child for d in digests for child in children_of(txn, t, d)]
+        else:
+            roots = idle_blocks(txn, t, set(digests), cutoff)
+        before = counters.read_all(txn, t.counters)
+        if dry_run:
+            blocks, payload, stored = subtree_totals(txn, t, roots)
+        else:
+            reported = 0
+            for n, root in enumerate(roots, 1):
+                remove_subtree(ctx, txn, root, reason=reason)
+                if progress is not None and (n % 1024 == 0 or n == len(roots)):
+                    progress(n - reported)
+                    reported = n
+            if whole:
+                for digest in digests:
+                    txn.delete(digest, db=t.identities)
+            after = counters.read_all(txn, t.counters)
+            blocks, payload, stored = (
+                before[name] - after[name]
+                for name in (counters.BLOCKS, counters.PAYLOAD_BYTES, counters.STORED_BYTES)
+            )
+    identities = len(digests) if whole else 0
+    if not dry_run and blocks:
+        log.info("purged %d block(s) of %d identity(ies)", blocks, identities)
+    return PurgeReport(
+        identities,
+        blocks,
+        payload,
+        stored,
+        dry_run,
+        round(time.perf_counter() - started, 6),
+        tuple(digests) if whole and not dry_run else (),
+    )
 
 
 def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> list[bytes]:

@@ -1,25 +1,66 @@
 """Putting a store's indexes and counters back in line with its block records (`verify --fix`).
 
-Blocks whose record, payload, parts, parent or identity fail the check are quarantined by the
-store first (each with everything below it, as a failed read would). What is left is derived
-data, rebuilt here from the records in one write transaction: the children index, the access
-records, chunks and parts that belong to no block, and every counter.
+`repair` checks the store, then in one write transaction quarantines the blocks whose record,
+payload, parts, parent or identity fail the check (each with everything below it, as a failed
+read would) and rebuilds what is derived from the records that are left: the children index, the
+access records, chunks and parts that belong to no block, and every counter.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lmdb
 
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError, PartRecord
-from prefixd.store import counters
+from prefixd.store import counters, quarantine
+from prefixd.store.check import check
 from prefixd.store.environment import Tables
+from prefixd.store.removal import remove_subtree
+from prefixd.store.results import Problem, RepairReport
+
+if TYPE_CHECKING:
+    from prefixd.store.context import StoreContext
+
+log = logging.getLogger(__name__)
 
 # Problems that condemn their block (and so everything below it).
 BLOCK_PROBLEMS = frozenset({"record", "payload", "part", "orphan", "identity"})
+
+
+def repair(
+    ctx: StoreContext,
+    problems: Sequence[Problem] | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> RepairReport:
+    """Check (unless given the `problems` a check found), quarantine every block a problem
+    condemns and rebuild what is derived, in one write transaction; then check again."""
+    if problems is None:
+        problems = check(ctx, progress=progress)
+    condemned = {
+        p.block: p.kind for p in problems if p.kind in BLOCK_PROBLEMS and p.block is not None
+    }
+    quarantined = 0
+    with ctx.env.begin(write=True) as txn:
+        for block, kind in condemned.items():
+            if txn.get(block, db=ctx.tables.blocks) is None:
+                continue  # e.g. a part hung on no block: the rebuild drops it
+            quarantined += remove_subtree(ctx, txn, block, reason="quarantined")
+            quarantine.note(ctx, txn, block, f"verify: {kind} problem")
+        rebuilt = rebuild_derived(txn, ctx.tables, ctx.clock.time_ns())
+    if quarantined or rebuilt.total:
+        log.warning(
+            "repair quarantined %d block(s) and fixed %d index or counter entries",
+            quarantined,
+            rebuilt.total,
+        )
+    return RepairReport(len(problems), quarantined, rebuilt.total, tuple(check(ctx)))
 
 
 @dataclass(frozen=True)

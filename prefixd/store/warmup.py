@@ -10,8 +10,10 @@ what an engine loads. Hybrid identities are left out: their state is loaded by g
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import lmdb
 
@@ -21,6 +23,11 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
 from prefixd.store.environment import Tables
 from prefixd.store.eviction import value_per_byte
+
+if TYPE_CHECKING:
+    from prefixd.store.access import AccessTimes
+    from prefixd.store.context import StoreContext
+    from prefixd.store.tenancy import Tenancy
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,30 @@ class HotPrefix:
     @property
     def payload_bytes(self) -> int:
         return sum(self.payload_sizes)
+
+
+def hottest(
+    ctx: StoreContext,
+    tenancy: Tenancy,
+    access: AccessTimes,
+    budget_bytes: int,
+    tenant: str,
+    limit: int,
+) -> list[HotPrefix]:
+    """`hottest_prefixes` of the store, after writing the pending read times (they weigh too);
+    a tenant of a share group gets the group's prefixes, named with its own identity."""
+    stored_as = tenancy.stored_as(tenant)
+    access.sync()
+    with ctx.env.begin() as txn:
+        found = hottest_prefixes(
+            txn, ctx.tables, ctx.clock.time_ns(), budget_bytes, limit, stored_as
+        )
+    if stored_as == tenant:
+        return found
+    return [
+        dataclasses.replace(p, identity=dataclasses.replace(p.identity, tenant=tenant))
+        for p in found
+    ]
 
 
 def hottest_prefixes(

@@ -211,19 +211,19 @@ def test_full_policy_needs_a_window_at_every_new_boundary(store: Store) -> None:
 
 
 def _flip_part_payload(store: Store, block: bytes, group: int) -> None:
-    with store._env.begin(write=True) as txn:
+    with store._ctx.env.begin(write=True) as txn:
         key = chunk_key(part_key(block, group), 0)
-        raw = bytearray(txn.get(key, db=store._tables.chunks))
+        raw = bytearray(txn.get(key, db=store._ctx.tables.chunks))
         raw[len(raw) // 2] ^= 0x40
-        txn.put(key, bytes(raw), db=store._tables.chunks)
+        txn.put(key, bytes(raw), db=store._ctx.tables.chunks)
 
 
 def _flip_part_record(store: Store, block: bytes, group: int) -> None:
-    with store._env.begin(write=True) as txn:
+    with store._ctx.env.begin(write=True) as txn:
         key = part_key(block, group)
-        raw = bytearray(txn.get(key, db=store._tables.parts))
+        raw = bytearray(txn.get(key, db=store._ctx.tables.parts))
         raw[12] ^= 0x01
-        txn.put(key, bytes(raw), db=store._tables.parts)
+        txn.put(key, bytes(raw), db=store._ctx.tables.parts)
 
 
 def _two_checkpoints(store: Store) -> tuple[Identity, np.ndarray, list[bytes]]:
@@ -299,8 +299,8 @@ def test_purging_a_tenant_removes_its_parts(store: Store) -> None:
     )
     report = store.purge(PurgeSelector(tenant="a"))
     assert report.blocks == 6
-    with store._env.begin() as txn:
-        assert txn.stat(store._tables.parts)["entries"] == 3
+    with store._ctx.env.begin() as txn:
+        assert txn.stat(store._ctx.tables.parts)["entries"] == 3
     assert store.lookup_state(ident, tokens).matched_tokens == 0
     assert store.lookup_state(other, tokens).reusable_tokens == 8
     assert store.check() == []

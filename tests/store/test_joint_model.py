@@ -154,10 +154,10 @@ class JointModel(RuleBasedStateMachine):
         group, prefix = data.draw(st.sampled_from(sorted(self.parts)))
         chain = BlockChain(IDENTITY, list(prefix))
         key = chunk_key(part_key(chain.hash(chain.n_blocks - 1), GROUP_INDEX[group]), 0)
-        with self.store._env.begin(write=True) as txn:
-            raw = bytearray(txn.get(key, db=self.store._tables.chunks))
+        with self.store._ctx.env.begin(write=True) as txn:
+            raw = bytearray(txn.get(key, db=self.store._ctx.tables.chunks))
             raw[0] ^= 0x01
-            txn.put(key, bytes(raw), db=self.store._tables.chunks)
+            txn.put(key, bytes(raw), db=self.store._ctx.tables.chunks)
         self.corrupt ^= {(group, prefix)}  # a second flip restores the byte
 
     @rule(data=st.data())

@@ -22,9 +22,9 @@ def payloads(n: int, start: int = 0) -> list[bytes]:
 def test_repeated_lookups_hit_and_agree(store: Store, identity: Identity) -> None:
     store.put(identity, TOKENS, payloads(10))
     first = store.longest_prefix(identity, TOKENS)
-    hits = store._verified.hits
+    hits = store._reader.memo.hits
     again = store.longest_prefix(identity, TOKENS)
-    assert store._verified.hits == hits + 1
+    assert store._reader.memo.hits == hits + 1
     assert again == first
     out = bytearray(1000)
     loaded = store.load(identity, TOKENS, out)
@@ -87,7 +87,7 @@ def test_cache_is_bounded(tmp_path: Path, identity: Identity) -> None:
             tokens = rng.integers(0, 1000, 8).tolist()
             store.put(identity, tokens, payloads(2))
             store.longest_prefix(identity, tokens)
-        assert store._verified._bytes <= 200
+        assert store._reader.memo._bytes <= 200
 
 
 def test_cached_prefix_answers_only_whole_unchanged_prompts(store: Store, identity: Identity) -> None:

@@ -25,8 +25,8 @@ def test_repair_fixes_every_kind_of_damage(tmp_path: Path, identity: Identity) -
         store.put(identity, good, [b"g%d" % i * 300 for i in range(4)])
         hashes = store.put(identity, bad, [b"b%d" % i * 300 for i in range(4)]).hashes
         store.put_state(hybrid, chain(3, 2, bt), paged={"kv": [b"p" * 50, b"q" * 50]})
-        t = store._tables
-        with store._env.begin(write=True) as txn:
+        t = store._ctx.tables
+        with store._ctx.env.begin(write=True) as txn:
             # a damaged payload chunk in block 2 of the bad chain
             key = chunk_key(hashes[2], 0)
             raw = bytearray(txn.get(key, db=t.chunks))
@@ -56,7 +56,7 @@ def test_repair_fixes_every_kind_of_damage(tmp_path: Path, identity: Identity) -
         assert store.load(identity, bad, out).n_blocks == 2
         assert store.lookup_state(hybrid, chain(3, 2, bt)).reusable_tokens == 2 * bt
         assert store.stats().quarantined == 1
-        with store._env.begin() as txn:
+        with store._ctx.env.begin() as txn:
             assert AccessRecord.decode(txn.get(hashes[1], db=t.access)).hits == 0
         # a second repair has nothing to do
         again = store.repair()

@@ -1,0 +1,93 @@
+"""Read times, batched: a lookup notes in memory which blocks it touched, and `sync` writes them.
+
+A lookup must not write (it would serialise every reader behind the one LMDB writer), yet eviction
+and warm-up weigh each block by its last read and its hits. So reads are noted here, as runs of
+blocks kept whole (a repeated long lookup costs one dict entry), and spread over their blocks when
+`sync` writes them to the access table: on every periodic sync (prefixd.store.syncer), before an
+eviction, an idle-time purge or a warm-up ranks blocks, and at close. The times come from the
+store's clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from prefixd.schema.records import AccessRecord
+from prefixd.store import counters
+
+if TYPE_CHECKING:
+    from prefixd.store.context import StoreContext
+
+log = logging.getLogger(__name__)
+
+# Access records written per transaction: a write transaction holds a copy of every page it
+# dirties, and the allocator keeps that memory (see prefixd.store.allocator), so one transaction
+# over the accesses of a large store would grow the process by most of its access table.
+ACCESS_BATCH = 1024
+
+
+class AccessTimes:
+    """The reads not yet written to the access table; thread-safe."""
+
+    def __init__(self, ctx: StoreContext) -> None:
+        self._ctx = ctx
+        self._lock = threading.Lock()
+        self._touched: dict[bytes, tuple[int, int]] = {}  # block -> (last read ns, hits)
+        self._runs: dict[bytes, tuple[Sequence[bytes], int, int]] = {}  # by last block
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Note a read of these blocks (a run of one prefix), now."""
+        if hashes:
+            now = self._ctx.clock.time_ns()
+            with self._lock:
+                _, _, count = self._runs.get(hashes[-1], (None, 0, 0))
+                self._runs[hashes[-1]] = (hashes, now, count + 1)
+
+    def pending(self, block: bytes) -> tuple[int, int]:
+        """(last read ns, hits) of `block` noted since the last sync ((0, 0) if none)."""
+        with self._lock:
+            self._spread()
+            return self._touched.get(block, (0, 0))
+
+    def sync(self) -> None:
+        """Write the pending read times and collision count, then fsync the environment. A
+        failure is logged, not raised: the times are a hint, not data."""
+        ctx = self._ctx
+        with self._lock:
+            self._spread()
+            touched, self._touched = self._touched, {}
+        collisions = ctx.tallies.take_collisions()
+        t = ctx.tables
+        pending = sorted(touched.items())  # in key order: each batch dirties neighbouring pages
+        try:
+            for start in range(0, max(1, len(pending)), ACCESS_BATCH):
+                with ctx.env.begin(write=True) as txn:
+                    for h, (at, hits) in pending[start : start + ACCESS_BATCH]:
+                        raw = txn.get(h, db=t.access)
+                        if raw is None:  # removed since: an access entry lives as its block does
+                            continue
+                        old = AccessRecord.read(raw, 0)
+                        new = AccessRecord(max(old.last_ns, at), old.hits + hits)
+                        txn.put(h, new.encode(), db=t.access)
+                    if start == 0:
+                        counters.add(txn, t.counters, counters.COLLISIONS, collisions)
+        except lmdb.Error as exc:  # a full map or disk
+            log.warning("%d access times not recorded: %s", len(touched), exc)
+        try:
+            ctx.env.sync(True)
+        except lmdb.Error as exc:
+            log.warning("fsync of the store failed: %s", exc)
+
+    def _spread(self) -> None:
+        """Spread the noted runs over their blocks (call under the lock)."""
+        touched = self._touched
+        for hashes, at, count in self._runs.values():
+            for h in hashes:
+                last, hits = touched.get(h, (0, 0))
+                touched[h] = (max(last, at), hits + count)
+        self._runs = {}

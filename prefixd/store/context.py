@@ -1,0 +1,41 @@
+"""What the parts of one open store share, handed to each of them explicitly (no globals).
+
+`Store` (prefixd.store.store) builds one `StoreContext` when it opens and passes it to the write
+path (put), the read path (read), tenancy, access times, quarantine, removal, eviction, purge and
+repair; each file keeps its own state and reads the shared handles from here.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from prefixd.clock import Clock
+from prefixd.schema.meta import StoreMeta
+from prefixd.store.codec import PayloadCodec
+from prefixd.store.config import StoreConfig
+from prefixd.store.environment import Tables
+from prefixd.store.tallies import Tallies
+from prefixd.store.tenancy import TenantIndex
+
+
+@dataclass(eq=False)
+class StoreContext:
+    """The handles of one open store: fixed while it is open (a fault test may swap `env`)."""
+
+    config: StoreConfig
+    env: lmdb.Environment
+    tables: Tables
+    meta: StoreMeta  # as read (or written) when the store was opened
+    clock: Clock  # every entry age and time to live is read from it
+    codec: PayloadCodec
+    pool: ThreadPoolExecutor | None  # verify/encode threads (config.verify_threads)
+    tenants: TenantIndex  # digest -> tenant, over the identities table
+    tallies: Tallies  # this process's counts
+
+    @property
+    def path(self) -> Path:
+        return self.config.path

@@ -1,0 +1,445 @@
+"""The write path: `put` and `put_state` publish blocks (and state-group parts) atomically.
+
+Every put is one write transaction that keeps the store's invariants:
+  * ancestry: a put from block k > 0 is refused unless blocks 0..k-1 are stored, match the
+    writer's tokens and are within their tenant's time to live (`_check_ancestry`), so a stored
+    block is reachable exactly when its prefix is (there are no orphans);
+  * claims: a block is written once and never modified; a hash already stored for other tokens
+    refuses the put (a collision), a damaged or expired one is removed with its subtree and
+    written afresh (`_claim_block`);
+  * records, chunks, the children index and the counters change in that same transaction.
+
+A refused put aborts its transaction and raises the refusal's error; nothing was written. A full
+map makes room (a settling commit, then an eviction) and tries once more. After a put, the store
+is kept within its capacity and the tenant within its quota by evicting (prefixd.store.eviction).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+import lmdb
+
+from prefixd.errors import BlockCollisionError, OpenTailError, OrphanBlockError, PayloadError
+from prefixd.schema.chain import BlockChain
+from prefixd.schema.identity import Identity
+from prefixd.schema.records import (
+    AccessRecord,
+    BlockRecord,
+    Compression,
+    CorruptRecordError,
+    PartRecord,
+    chunk_key,
+    part_key,
+)
+from prefixd.schema.tokens import TokenIds
+from prefixd.store import counters, quarantine
+from prefixd.store.codec import EncodedPayload, payload_view
+from prefixd.store.environment import Tables, children_key, parent_key
+from prefixd.store.eviction import capacity_bytes, evict
+from prefixd.store.joint import PlannedPart, plan_put, require_hybrid, require_plain
+from prefixd.store.quarantine import Damaged
+from prefixd.store.removal import remove_subtree
+from prefixd.store.results import EvictionReport, PutResult
+from prefixd.store.walk import walk_chain
+
+if TYPE_CHECKING:
+    from prefixd.errors import PutRefusedError
+    from prefixd.store.access import AccessTimes
+    from prefixd.store.context import StoreContext
+    from prefixd.store.tenancy import Tenancy
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+_NO_PAYLOAD = EncodedPayload(Compression.NONE, [], 0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a put's transaction was aborted: the error for the caller, whether a collision is to
+    be counted, and a damaged block met on the way (quarantined once the transaction is over)."""
+
+    error: PutRefusedError
+    collided: bool = False
+    damaged: Damaged | None = None
+
+
+class Written(NamedTuple):
+    """What a committed put did, and how many damaged records it replaced."""
+
+    result: PutResult
+    replaced: int
+
+
+Outcome = Written | Refusal
+
+
+class Writer:
+    """`put` and `put_state` of one store."""
+
+    def __init__(self, ctx: StoreContext, tenancy: Tenancy, access: AccessTimes) -> None:
+        self._ctx = ctx
+        self._tenancy = tenancy
+        self._access = access  # for the evictions a put sets off
+
+    # --- plain identities -----------------------------------------------------------------------
+
+    def put(
+        self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], first_block: int
+    ) -> PutResult:
+        """See `Store.put`."""
+        check_first_block(first_block)
+        identity, _ = self._tenancy.namespace(identity, None)
+        require_plain(identity, "put_state")
+        chain = BlockChain(identity, token_ids)
+        views = [
+            payload_view(p, f"payload of block {first_block + i}") for i, p in enumerate(payloads)
+        ]
+        if not views:
+            return PutResult(0, 0, ())
+        end = first_block + len(views)
+        if end > chain.n_blocks:
+            have = len(chain.tokens) - chain.n_blocks * chain.block_tokens
+            raise OpenTailError(
+                f"block {chain.n_blocks} has {have if end == chain.n_blocks + 1 else 'too few'} of "
+                f"{chain.block_tokens} tokens: only closed blocks are stored"
+            )
+        ctx = self._ctx
+        hashes = [chain.hash(i) for i in range(first_block, end)]
+        with ctx.env.begin(buffers=True) as txn:  # encode only what is not stored yet
+            absent = [txn.get(h, db=ctx.tables.blocks) is None for h in hashes]
+        todo = [i for i, missing in enumerate(absent) if missing]
+        encoded: dict[int, EncodedPayload] = dict(
+            zip(
+                (first_block + i for i in todo),
+                ctx.codec.encode_many([views[i] for i in todo], ctx.pool),
+            )
+        )
+        return self._publish(
+            lambda txn: self._put_txn(txn, chain, first_block, views, encoded), identity.tenant
+        )
+
+    def _put_txn(
+        self,
+        txn: lmdb.Transaction,
+        chain: BlockChain,
+        first_block: int,
+        views: list[memoryview],
+        encoded: dict[int, EncodedPayload],
+    ) -> Outcome:
+        t = self._ctx.tables
+        identity = chain.identity
+        digest = identity.digest
+        now = self._ctx.clock.time_ns()
+        stored = existed = replaced = 0
+        payload_bytes = stored_bytes = 0
+        min_created = self._tenancy.min_created_ns(identity)
+        refused = self._check_ancestry(txn, chain, first_block, min_created)
+        if refused is not None:
+            return refused
+        txn.put(digest, identity.encode(), db=t.identities, overwrite=False)
+        for index in range(first_block, first_block + len(views)):
+            claim = self._claim_block(txn, chain, index, min_created)
+            if isinstance(claim, Refusal):
+                return claim
+            present, dropped = claim
+            replaced += dropped
+            if present:
+                existed += 1
+                continue
+            payload = encoded.get(index) or self._ctx.codec.encode(views[index - first_block])
+            self._write_block(txn, chain, index, payload, now)
+            stored += 1
+            payload_bytes += payload.payload_size
+            stored_bytes += payload.stored_size
+        _count(txn, t, digest, stored, 0, payload_bytes, stored_bytes)
+        hashes = tuple(chain.hash(i) for i in range(first_block, first_block + len(views)))
+        return Written(PutResult(stored, existed, hashes), replaced)
+
+    # --- hybrid identities: state groups --------------------------------------------------------
+
+    def put_state(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        paged: Mapping[str, Sequence[Any]],
+        checkpoints: Mapping[str, Mapping[int, Any]],
+        upto_tokens: int | None,
+        first_block: int,
+    ) -> PutResult:
+        """See `Store.put_state`."""
+        check_first_block(first_block)
+        identity, _ = self._tenancy.namespace(identity, None)
+        spec = require_hybrid(identity, "put")
+        chain = BlockChain(identity, token_ids)
+        bt = chain.block_tokens
+        upto = len(chain.tokens) if upto_tokens is None else upto_tokens
+        if (
+            isinstance(upto, bool)
+            or not isinstance(upto, int)
+            or not 0 <= upto <= len(chain.tokens)
+        ):
+            raise PayloadError(
+                f"upto_tokens must be an int in 0..{len(chain.tokens)}, got {upto!r}"
+            )
+        if upto % bt:
+            raise OpenTailError(
+                f"{upto} tokens end inside block {upto // bt} ({upto % bt} of {bt} tokens): only "
+                "closed blocks are stored"
+            )
+        end = upto // bt
+        if first_block > end:
+            raise PayloadError(f"first_block {first_block} is past the put's last block {end - 1}")
+        planned = plan_put(spec, bt, first_block, end, paged, checkpoints)
+        ctx = self._ctx
+        encoded = ctx.codec.encode_many([part.view for part in planned], ctx.pool)
+        return self._publish(
+            lambda txn: self._put_state_txn(txn, chain, first_block, end, planned, encoded),
+            identity.tenant,
+        )
+
+    def _put_state_txn(
+        self,
+        txn: lmdb.Transaction,
+        chain: BlockChain,
+        first_block: int,
+        end: int,
+        planned: list[PlannedPart],
+        encoded: list[EncodedPayload],
+    ) -> Outcome:
+        t = self._ctx.tables
+        assert t.parts is not None
+        digest = chain.identity.digest
+        now = self._ctx.clock.time_ns()
+        stored = existed = replaced = parts = 0
+        payload_bytes = stored_bytes = 0
+        min_created = self._tenancy.min_created_ns(chain.identity)
+        refused = self._check_ancestry(txn, chain, first_block, min_created)
+        if refused is not None:
+            return refused
+        txn.put(digest, chain.identity.encode(), db=t.identities, overwrite=False)
+        for index in range(first_block, end):
+            claim = self._claim_block(txn, chain, index, min_created)
+            if isinstance(claim, Refusal):
+                return claim
+            present, dropped = claim
+            replaced += dropped
+            if present:
+                existed += 1
+            else:
+                self._write_block(txn, chain, index, None, now)
+                stored += 1
+        for part, payload in zip(planned, encoded):
+            key = part_key(chain.hash(part.block_index), part.group)
+            if txn.get(key, db=t.parts) is not None:
+                continue  # a part is written once, like a block
+            record = PartRecord(
+                payload.compression,
+                part.group,
+                part.block_index,
+                payload.chunk_bytes,
+                len(payload.chunks),
+                payload.checksum,
+                payload.payload_size,
+                payload.stored_size,
+                now,
+            )
+            txn.put(key, record.encode(), db=t.parts)
+            _put_chunks(txn, t, key, payload.chunks)
+            parts += 1
+            payload_bytes += payload.payload_size
+            stored_bytes += payload.stored_size
+        _count(txn, t, digest, stored, parts, payload_bytes, stored_bytes)
+        hashes = tuple(chain.hash(i) for i in range(first_block, end))
+        return Written(PutResult(stored, existed, hashes, parts), replaced)
+
+    # --- one put's transaction ------------------------------------------------------------------
+
+    def _publish(self, body: Callable[[lmdb.Transaction], Outcome], tenant: str) -> PutResult:
+        """Run a put's write transaction (making room on a full map), then keep the store within
+        its capacity and the tenant within its quota; raise a refusal's error."""
+        outcome = self._with_room(lambda: _transact(self._ctx.env, body))
+        if isinstance(outcome, Refusal):
+            if outcome.collided:
+                self._ctx.tallies.collided()
+            if outcome.damaged is not None:
+                quarantine.quarantine(self._ctx, [outcome.damaged])
+            raise outcome.error
+        if outcome.replaced:
+            log.warning(
+                "replaced %d stored block(s) whose records failed verification", outcome.replaced
+            )
+        if outcome.result.stored or outcome.result.parts:
+            self._keep_within_limits(tenant)
+        return outcome.result
+
+    def _with_room(self, write: Callable[[], Outcome]) -> Outcome:
+        """Run the put; on a full map, make room and try again.
+
+        LMDB reuses the pages a transaction frees only once a later transaction has committed, so
+        right after a delete the map can look full although the space is there: first one small
+        settling commit, then eviction (to the low watermark) and a settling commit."""
+        try:
+            return write()
+        except lmdb.MapFullError:
+            self._settle()
+        try:
+            return write()
+        except lmdb.MapFullError:
+            if not self._evict().blocks:
+                raise
+        self._settle()
+        return write()
+
+    def _keep_within_limits(self, tenant: str) -> None:
+        """Evict past the high watermark of the capacity, or of the tenant's quota."""
+        config = self._ctx.config
+        high = config.high_watermark
+        with self._ctx.env.begin() as txn:
+            stored = counters.read(txn, self._ctx.tables.counters, counters.STORED_BYTES)
+        if stored > capacity_bytes(config) * high:
+            self._evict()
+        quota = self._tenancy.quota_of(tenant)
+        if quota and self._tenancy.tenant_bytes(tenant) > quota * high:
+            self._evict(int(quota * config.low_watermark), tenant)
+
+    def _evict(self, target_bytes: int | None = None, tenant: str | None = None) -> EvictionReport:
+        return evict(self._ctx, self._tenancy, self._access, target_bytes, tenant)
+
+    def _settle(self) -> None:
+        with self._ctx.env.begin(write=True) as txn:
+            counters.add(txn, self._ctx.tables.counters, counters.SETTLES, 1)
+
+    # --- ancestry and claims --------------------------------------------------------------------
+
+    def _check_ancestry(
+        self, txn: lmdb.Transaction, chain: BlockChain, first_block: int, min_created: int
+    ) -> Refusal | None:
+        """Refuse the put unless blocks 0..first_block-1 of `chain` are stored (and fresh)."""
+        walk = walk_chain(txn, self._ctx.tables.blocks, chain, first_block, None, min_created)
+        if len(walk.hashes) >= first_block:
+            return None
+        missing = len(walk.hashes)
+        if walk.collided:
+            return Refusal(
+                BlockCollisionError(f"block {missing} of the prefix is owned by other tokens"),
+                collided=True,
+            )
+        state = "damaged" if walk.corrupt else "expired" if walk.expired else "missing"
+        error = OrphanBlockError(
+            f"block {first_block}'s ancestry is not stored (block {missing} is {state}); put "
+            f"from block {missing}"
+        )
+        return Refusal(error, damaged=quarantine.met_by_walk(walk, chain))
+
+    def _claim_block(
+        self, txn: lmdb.Transaction, chain: BlockChain, index: int, min_created: int
+    ) -> tuple[bool, int] | Refusal:
+        """(whether block `index` is stored already and matches, damaged records dropped).
+
+        A damaged record, or one past its tenant's time to live, is removed with everything
+        below it so the block is written afresh; a hash owned by other tokens refuses the put."""
+        ctx = self._ctx
+        digest = chain.identity.digest
+        h = chain.hash(index)
+        parent = chain.parent_of(index)
+        raw = txn.get(h, db=ctx.tables.blocks)
+        if raw is None:
+            return False, 0
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            remove_subtree(ctx, txn, h, parent_key(digest, parent), digest, reason="quarantined")
+            quarantine.note(ctx, txn, h, quarantine.BAD_RECORD)
+            return False, 1
+        if (
+            record.identity != digest
+            or record.parent != parent
+            or record.tokens != chain.block_bytes(index)
+        ):
+            error = BlockCollisionError(f"block {index}'s hash is owned by other tokens")
+            return Refusal(error, collided=True)
+        if record.created_ns >= min_created:
+            return True, 0
+        # past its tenant's time to live: stored afresh (with nothing below it)
+        remove_subtree(ctx, txn, h, parent_key(digest, parent), digest, reason="expired")
+        return False, 0
+
+    def _write_block(
+        self,
+        txn: lmdb.Transaction,
+        chain: BlockChain,
+        index: int,
+        payload: EncodedPayload | None,
+        now: int,
+    ) -> None:
+        """Write block `index`'s record, chunks, index entry and access record (no counters).
+        A block of a hybrid identity has no payload of its own: its state is in parts."""
+        t = self._ctx.tables
+        h = chain.hash(index)
+        payload = payload or _NO_PAYLOAD
+        record = BlockRecord(
+            payload.compression,
+            payload.chunk_bytes,
+            len(payload.chunks),
+            payload.checksum,
+            payload.payload_size,
+            payload.stored_size,
+            now,
+            chain.identity.digest,
+            chain.parent_of(index),
+            bytes(chain.block_bytes(index)),
+        )
+        txn.put(h, record.encode(), db=t.blocks)
+        _put_chunks(txn, t, h, payload.chunks)
+        txn.put(children_key(record), h, db=t.children)
+        txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
+
+
+def _transact(env: lmdb.Environment, body: Callable[[lmdb.Transaction], _T]) -> _T:
+    """Run `body` in one write transaction: committed with its outcome, aborted on a Refusal
+    (or an exception), so a refused put leaves nothing behind."""
+    txn = env.begin(write=True)
+    try:
+        outcome = body(txn)
+    except BaseException:
+        txn.abort()
+        raise
+    if isinstance(outcome, Refusal):
+        txn.abort()
+    else:
+        txn.commit()
+    return outcome
+
+
+def check_first_block(first_block: object) -> None:
+    """Refuse a `first_block` that is not a non-negative int (a bool is not one)."""
+    if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
+        raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
+
+
+def _count(
+    txn: lmdb.Transaction,
+    t: Tables,
+    digest: bytes,
+    blocks: int,
+    parts: int,
+    payload_bytes: int,
+    stored_bytes: int,
+) -> None:
+    """Add a put's blocks and bytes to the counters, in its own transaction."""
+    counters.add(txn, t.counters, counters.BLOCKS, blocks)
+    counters.add(txn, t.counters, counters.PARTS, parts)
+    counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
+    counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
+    counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
+    counters.add(txn, t.counters, counters.identity_blocks(digest), blocks)
+
+
+def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> None:
+    """Write a payload's chunks under its owner's key (a block hash or a part key)."""
+    for n, chunk in enumerate(chunks):
+        txn.put(chunk_key(owner, n), chunk, db=t.chunks)

@@ -1,0 +1,476 @@
+"""The read path: lookups walk the chain, loads gather verified payloads into caller buffers.
+
+  * a lookup (`longest_prefix`, `lookup_state`) walks the blocks table from block 0
+    (prefixd.store.walk), starting after the longest prefix the lookup memo remembers
+    (prefixd.store.lookup_memo); it reads records, not payloads;
+  * a load (`read_into`, `load`, `load_state`, `export_block`) gathers each block's record and
+    chunk views in one read transaction (`_gather`) and has the codec verify and copy them into
+    the destinations; the first block that fails ends the answer, its destination bytes are zeroed,
+    and it is quarantined (prefixd.store.quarantine) once the transaction is over.
+
+Every read notes the blocks it touched (prefixd.store.access) and counts itself (tallies); a block
+past its tenant's time to live is a miss (prefixd.store.tenancy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+
+from prefixd.errors import DestinationError, TokenError
+from prefixd.schema.chain import HASH_BYTES, BlockChain
+from prefixd.schema.identity import Identity
+from prefixd.schema.records import (
+    AccessRecord,
+    BlockRecord,
+    CorruptRecordError,
+    PartRecord,
+    chunk_key,
+    part_key,
+)
+from prefixd.schema.state import StateSpec
+from prefixd.schema.tokens import TokenIds, as_token_array
+from prefixd.store import counters
+from prefixd.store.codec import StoredPayload, chunks_present
+from prefixd.store.environment import parent_key
+from prefixd.store.joint import JointMatch, joint_match, require_hybrid, require_plain
+from prefixd.store.lookup_memo import VerifiedPrefixes
+from prefixd.store.quarantine import (
+    BAD_PAYLOAD,
+    BAD_RECORD,
+    Damaged,
+    damaged_parts,
+    met_by_walk,
+    quarantine,
+)
+from prefixd.store.results import (
+    BlockInfo,
+    ExportedBlock,
+    LoadResult,
+    PrefixMatch,
+    ReadResult,
+    StateLoad,
+)
+from prefixd.store.walk import Walk, walk_chain
+
+if TYPE_CHECKING:
+    from prefixd.store.access import AccessTimes
+    from prefixd.store.context import StoreContext
+    from prefixd.store.tenancy import Tenancy
+
+
+class Reader:
+    """The lookups and loads of one store, with its lookup memo."""
+
+    def __init__(self, ctx: StoreContext, tenancy: Tenancy, access: AccessTimes) -> None:
+        self._ctx = ctx
+        self._tenancy = tenancy
+        self._access = access
+        self.memo = VerifiedPrefixes(ctx.config.verified_cache_bytes)
+
+    # --- plain identities -----------------------------------------------------------------------
+
+    def longest_prefix(
+        self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
+    ) -> PrefixMatch:
+        """See `Store.longest_prefix`."""
+        identity, hashes = self._tenancy.namespace(identity, hashes)
+        require_plain(identity, "lookup_state")
+        chain = BlockChain(identity, token_ids, hashes)
+        with self._ctx.env.begin(buffers=True) as txn:
+            walk = self._walk(txn, chain, chain.n_blocks)
+        self._after_walk(walk, chain)
+        self._ctx.tallies.count(lookups=1, hit_blocks=len(walk.hashes))
+        return PrefixMatch(
+            identity.digest, identity.block_tokens, tuple(walk.hashes), tuple(walk.payload_sizes)
+        )
+
+    def cached_prefix(
+        self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
+    ) -> PrefixMatch | None:
+        """See `Store.cached_prefix`: the memo's answer, reading only the removal epoch."""
+        identity, hashes = self._tenancy.namespace(identity, hashes)
+        require_plain(identity, "lookup_state")
+        tokens = as_token_array(token_ids)  # a view: this answer is never remembered
+        n_blocks = len(tokens) // identity.block_tokens
+        if hashes is not None and len(hashes) != n_blocks * HASH_BYTES:
+            raise TokenError(f"{len(hashes)} bytes of block hashes for {n_blocks} closed blocks")
+        closed = tokens[: n_blocks * identity.block_tokens]
+        if not closed.size:
+            return None
+        ctx = self._ctx
+        try:
+            with ctx.env.begin(buffers=True) as txn:
+                epoch = counters.read(txn, ctx.tables.counters, counters.REMOVALS)
+        except lmdb.Error:
+            return None  # a damaged page: `longest_prefix` reports it
+        known = self.memo.find_whole(
+            identity.digest, closed, epoch, self._tenancy.min_created_ns(identity)
+        )
+        if known is None:
+            return None
+        self._access.touch(known.hashes)
+        ctx.tallies.count(lookups=1, hit_blocks=len(known.hashes))
+        return PrefixMatch(
+            identity.digest, identity.block_tokens, known.hashes, known.payload_sizes
+        )
+
+    def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
+        """See `Store.read_into`."""
+        hashes, sizes = match.hashes, match.payload_sizes
+        if len(dests) != len(hashes):
+            raise DestinationError(f"{len(hashes)} blocks but {len(dests)} destinations")
+        views = [dest_view(d, size, i) for i, (size, d) in enumerate(zip(sizes, dests))]
+        ctx = self._ctx
+        bad: list[Damaged] = []
+        digest = match.identity_digest
+        parents = [digest, *hashes]
+        with ctx.env.begin(buffers=True) as txn:
+            min_created = self._tenancy.min_created_for(txn, digest)
+            items: list[StoredPayload] = []
+            for h, size, dest, parent in zip(hashes, sizes, views, parents):
+                item = self._gather(txn, h, parent, digest, size, dest, bad, min_created)
+                if item is None:
+                    break
+                items.append(item)
+            n_ok = ctx.codec.decode_verified(items, ctx.pool)
+            if n_ok < len(items):
+                bad.append(Damaged(hashes[n_ok], parents[n_ok], digest, BAD_PAYLOAD))
+            items.clear()  # the chunk views die with the transaction
+        quarantine(ctx, bad)
+        self._access.touch(hashes[:n_ok])
+        verified = sizes[:n_ok]
+        ctx.tallies.count(loaded_blocks=n_ok, loaded_bytes=sum(verified))
+        return ReadResult(n_ok, verified)
+
+    def load(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        out: Any,
+        max_blocks: int | None,
+        hashes: bytes | None,
+        first_block: int,
+    ) -> LoadResult:
+        """See `Store.load`."""
+        identity, hashes = self._tenancy.namespace(identity, hashes)
+        require_plain(identity, "load_state")
+        chain = BlockChain(identity, token_ids, hashes)
+        limit = chain.n_blocks
+        if max_blocks is not None:
+            limit = max(0, min(first_block + max_blocks, chain.n_blocks))
+        buffer = dest_view(out, 0, None)
+        ctx = self._ctx
+        bad: list[Damaged] = []
+        offsets: list[int] = []
+        digest = identity.digest
+        min_created = self._tenancy.min_created_ns(identity)
+        with ctx.env.begin(buffers=True) as txn:
+            walk = self._walk(txn, chain, limit)
+            items: list[StoredPayload] = []
+            parents = [digest, *walk.hashes]
+            offset = next_size = 0
+            start = min(first_block, len(walk.hashes))
+            for h, size, parent in zip(
+                walk.hashes[start:], walk.payload_sizes[start:], parents[start:]
+            ):
+                end = offset + size
+                if end > buffer.nbytes:
+                    if self._damaged_record(txn, h):  # a damaged size is no reason to stop
+                        bad.append(Damaged(h, parent, digest, BAD_RECORD))
+                    else:
+                        next_size = size
+                    break
+                item = self._gather(
+                    txn, h, parent, digest, size, buffer[offset:end], bad, min_created
+                )
+                if item is None:
+                    break
+                items.append(item)
+                offsets.append(offset)
+                offset = end
+            n_ok = ctx.codec.decode_verified(items, ctx.pool)
+            if n_ok < len(items):
+                next_size = 0  # stopped at a damaged payload, not for room
+                failed = start + n_ok
+                bad.append(Damaged(walk.hashes[failed], parents[failed], digest, BAD_PAYLOAD))
+            items.clear()
+        self._after_walk(walk, chain)
+        quarantine(ctx, bad)
+        sizes = tuple(walk.payload_sizes[start : start + n_ok])
+        ctx.tallies.count(
+            lookups=1, hit_blocks=len(walk.hashes), loaded_blocks=n_ok, loaded_bytes=sum(sizes)
+        )
+        return LoadResult(
+            n_ok,
+            (start + n_ok) * chain.block_tokens,
+            tuple(offsets[:n_ok]),
+            sizes,
+            start,
+            next_size,
+        )
+
+    # --- hybrid identities: state groups --------------------------------------------------------
+
+    def lookup_state(
+        self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
+    ) -> JointMatch:
+        """See `Store.lookup_state`."""
+        identity, hashes = self._tenancy.namespace(identity, hashes)
+        spec = require_hybrid(identity, "longest_prefix")
+        chain = BlockChain(identity, token_ids, hashes)
+        damaged: list[bytes] = []
+        with self._ctx.env.begin(buffers=True) as txn:
+            walk = self._walk(txn, chain, chain.n_blocks)
+            match = self._joint(txn, spec, chain, walk.hashes, damaged)
+        self._after_walk(walk, chain)
+        quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes))
+        self._ctx.tallies.count(lookups=1, hit_blocks=len(match.hashes))
+        return match
+
+    def load_state(
+        self, identity: Identity, token_ids: TokenIds, out: Any, hashes: bytes | None
+    ) -> StateLoad:
+        """See `Store.load_state`: a part that fails is quarantined and the answer worked out
+        again, so what comes back is always a consistent boundary."""
+        identity, hashes = self._tenancy.namespace(identity, hashes)
+        spec = require_hybrid(identity, "load")
+        chain = BlockChain(identity, token_ids, hashes)
+        buffer = dest_view(out, 0, None)
+        while True:
+            damaged: list[bytes] = []
+            with self._ctx.env.begin(buffers=True) as txn:
+                walk = self._walk(txn, chain, chain.n_blocks)
+                match = self._joint(txn, spec, chain, walk.hashes, damaged)
+                if not damaged:
+                    offsets = self._read_parts(txn, spec, match, buffer, damaged)
+            self._after_walk(walk, chain)
+            if not damaged:
+                break
+            quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes))
+        n = len(match.hashes)
+        self._ctx.tallies.count(
+            lookups=1, hit_blocks=n, loaded_blocks=n, loaded_bytes=match.payload_bytes
+        )
+        return StateLoad(match, offsets)
+
+    def _joint(
+        self,
+        txn: lmdb.Transaction,
+        spec: StateSpec,
+        chain: BlockChain,
+        found: Sequence[bytes],
+        damaged: list[bytes],
+    ) -> JointMatch:
+        parts = self._ctx.tables.parts
+        assert parts is not None
+        identity = chain.identity
+        return joint_match(txn, parts, spec, identity.digest, identity.block_tokens, found, damaged)
+
+    def _read_parts(
+        self,
+        txn: lmdb.Transaction[memoryview],
+        spec: StateSpec,
+        match: JointMatch,
+        buffer: memoryview,
+        damaged: list[bytes],
+    ) -> tuple[int, ...]:
+        """Verify and copy every part of `match` into `buffer`; blocks whose part fails go to
+        `damaged` (and the destination bytes from the failure on are zeroed)."""
+        ctx = self._ctx
+        t = ctx.tables
+        assert t.parts is not None
+        needed = match.payload_bytes
+        if needed > buffer.nbytes:
+            raise DestinationError(
+                f"output buffer holds {buffer.nbytes} bytes, the state needs {needed}"
+            )
+        groups = {group.name: gi for gi, group in enumerate(spec)}
+        items: list[StoredPayload] = []
+        offsets: list[int] = []
+        offset = 0
+        for part in match.parts:
+            key = part_key(part.block, groups[part.group])
+            raw = txn.get(key, db=t.parts)
+            record: PartRecord | None = None
+            chunks: list[memoryview | None] | None = None
+            if raw is not None:
+                try:
+                    record = PartRecord.decode(raw)
+                except CorruptRecordError:
+                    record = None
+                if record is not None and record.payload_size == part.payload_size:
+                    chunks = [
+                        txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)
+                    ]
+            if (
+                record is None
+                or chunks is None
+                or not chunks_present(chunks)
+                or (sum(c.nbytes for c in chunks) != record.stored_size)
+            ):
+                damaged.append(part.block)
+                return ()
+            end = offset + part.payload_size
+            items.append(StoredPayload(record, chunks, buffer[offset:end]))
+            offsets.append(offset)
+            offset = end
+        n_ok = ctx.codec.decode_verified(items, ctx.pool)
+        items.clear()
+        if n_ok < len(match.parts):
+            damaged.append(match.parts[n_ok].block)
+            return ()
+        return tuple(offsets)
+
+    # --- single blocks --------------------------------------------------------------------------
+
+    def export_block(self, block: bytes) -> ExportedBlock | None:
+        """See `Store.export_block`."""
+        ctx = self._ctx
+        bad: list[Damaged] = []
+        with ctx.env.begin(buffers=True) as txn:
+            raw = txn.get(block, db=ctx.tables.blocks)
+            if raw is None:
+                return None
+            try:
+                record = BlockRecord.decode(raw)
+            except CorruptRecordError:
+                return None
+            out = bytearray(record.payload_size)
+            parent = parent_key(record.identity, record.parent)
+            item = self._gather(
+                txn, block, parent, record.identity, record.payload_size, memoryview(out), bad
+            )
+            verified = item is not None and ctx.codec.decode_verified([item], ctx.pool) == 1
+            if item is not None and not verified:
+                bad.append(Damaged(block, parent, record.identity, BAD_PAYLOAD))
+            record_bytes = bytes(raw)
+        quarantine(ctx, bad)
+        return ExportedBlock(record_bytes, bytes(out)) if verified else None
+
+    def block_info(self, block: bytes) -> BlockInfo | None:
+        """See `Store.block_info`: the access fields include reads not yet synced."""
+        t = self._ctx.tables
+        with self._ctx.env.begin() as txn:
+            raw = txn.get(block, db=t.blocks)
+            access = txn.get(block, db=t.access)
+        if raw is None:
+            return None
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            return None
+        pending_at, pending_hits = self._access.pending(block)
+        stored = AccessRecord.read(access, record.created_ns)
+        return BlockInfo(
+            block,
+            record.parent,
+            record.identity,
+            record.n_tokens,
+            record.payload_size,
+            record.stored_size,
+            record.compression.name.lower().replace("_", "-"),
+            record.created_ns,
+            max(stored.last_ns, pending_at),
+            stored.hits + pending_hits,
+        )
+
+    # --- walking and gathering ------------------------------------------------------------------
+
+    def _walk(self, txn: lmdb.Transaction, chain: BlockChain, limit: int) -> Walk:
+        """`walk_chain`, starting after the longest prefix verified earlier (and still valid)."""
+        epoch = counters.read(txn, self._ctx.tables.counters, counters.REMOVALS)
+        min_created = self._tenancy.min_created_ns(chain.identity)
+        known = self.memo.find(chain, epoch, limit, min_created)
+        start = None
+        if known is not None:
+            start = Walk(
+                list(known.hashes),
+                list(known.payload_sizes),
+                oldest_created_ns=known.oldest_created_ns,
+            )
+        walk = walk_chain(txn, self._ctx.tables.blocks, chain, limit, start, min_created)
+        if walk.corrupt is None and len(walk.hashes) > (len(known.hashes) if known else 0):
+            self.memo.remember(
+                chain, epoch, walk.hashes, walk.payload_sizes, walk.oldest_created_ns
+            )
+        return walk
+
+    def _after_walk(self, walk: Walk, chain: BlockChain) -> None:
+        """Count a collision the walk met, quarantine a damaged record, note the reads."""
+        if walk.collided:
+            self._ctx.tallies.collided()
+        damaged = met_by_walk(walk, chain)
+        if damaged is not None:
+            quarantine(self._ctx, [damaged])
+        self._access.touch(walk.hashes)
+
+    def _gather(
+        self,
+        txn: lmdb.Transaction[memoryview],
+        h: bytes,
+        parent: bytes,
+        identity_digest: bytes,
+        payload_size: int,
+        dest: memoryview,
+        bad: list[Damaged],
+        min_created_ns: int = 0,
+    ) -> StoredPayload | None:
+        """The record and chunk views of block `h` (checked against each other, not yet against
+        the checksum: the codec does that as it copies), or None if it cannot be read; a
+        damaged block goes to `bad`."""
+        raw = txn.get(h, db=self._ctx.tables.blocks)
+        if raw is None:
+            return None
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            bad.append(Damaged(h, parent, identity_digest, BAD_RECORD))
+            return None
+        if record.identity != identity_digest or record.payload_size != payload_size:
+            return None
+        if record.created_ns < min_created_ns:
+            return None  # past its tenant's time to live since it was found
+        chunks_db = self._ctx.tables.chunks
+        chunks: list[memoryview] = []
+        for n in range(record.n_chunks):
+            chunk = txn.get(chunk_key(h, n), db=chunks_db)
+            if chunk is None:
+                bad.append(Damaged(h, parent, identity_digest, "payload chunk missing"))
+                return None
+            chunks.append(chunk)
+        if sum(c.nbytes for c in chunks) != record.stored_size:
+            bad.append(Damaged(h, parent, identity_digest, "payload size differs from its record"))
+            return None
+        return StoredPayload(record, chunks, dest)
+
+    def _damaged_record(self, txn: lmdb.Transaction, h: bytes) -> bool:
+        raw = txn.get(h, db=self._ctx.tables.blocks)
+        if raw is None:
+            return False
+        try:
+            BlockRecord.decode(raw)
+        except CorruptRecordError:
+            return True
+        return False
+
+
+def dest_view(buffer: Any, size: int, index: int | None) -> memoryview:
+    """`buffer` as a writable flat byte view of at least `size` bytes (the whole of it for the
+    output buffer, `index` None; the first `size` bytes for block `index`'s destination)."""
+    what = "output buffer" if index is None else f"destination of block {index}"
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise DestinationError(f"{what} is a {type(buffer).__name__}, not a byte buffer") from None
+    if view.readonly:
+        raise DestinationError(f"{what} is read-only")
+    if not view.c_contiguous:
+        raise DestinationError(f"{what} is not contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if view.nbytes < size:
+        raise DestinationError(f"{what} holds {view.nbytes} bytes, the payload needs {size}")
+    return view if index is None else view[:size]

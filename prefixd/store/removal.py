@@ -1,0 +1,145 @@
+"""Removing a block and everything below it: the one way blocks leave the store.
+
+Eviction, purges, retirements, expiry, quarantine, `delete` and a put replacing a damaged or
+expired block all come here, inside their own write transaction. A block is removed with its
+subtree so no stored block is ever left without its parent; its record, chunks, parts, index
+entries, access record and counters go in that same transaction, and the removal epoch
+(counters.REMOVALS, what the lookup memo checks) is bumped with them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from prefixd.schema.records import BlockRecord, CorruptRecordError, PartRecord
+from prefixd.store import counters
+from prefixd.store.environment import Tables, children_key
+
+if TYPE_CHECKING:
+    from prefixd.store.context import StoreContext
+
+
+def remove_subtree(
+    ctx: StoreContext,
+    txn: lmdb.Transaction,
+    root: bytes,
+    root_parent_key: bytes | None = None,
+    root_identity: bytes | None = None,
+    *,
+    reason: str,
+) -> int:
+    """Delete `root` and its descendants (records, chunks, index entries, counters), count them
+    per tenant under `reason` (see `Store.removals`), and return how many blocks went.
+
+    `root_parent_key` and `root_identity` stand in for what the root's record says when it
+    is too damaged to say it (its place in the children index, its identity's byte count)."""
+    t = ctx.tables
+    removed = payload_bytes = stored_bytes = parts_removed = 0
+    by_identity: dict[bytes, int] = {}
+    blocks_of: Counter[bytes] = Counter()
+    stack = [root]
+    children = txn.cursor(db=t.children)
+    while stack:
+        h = stack.pop()
+        raw = txn.get(h, db=t.blocks)
+        if raw is None:
+            continue
+        if children.set_key(h):
+            stack.extend(bytes(child) for child in children.iternext_dup())
+            txn.delete(h, db=t.children)
+        try:
+            record: BlockRecord | None = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            record = None
+        part_payload, n_parts = _delete_parts(txn, t, h)
+        freed = _delete_chunks(txn, t, h)
+        payload_bytes += part_payload
+        parts_removed += n_parts
+        txn.delete(h, db=t.blocks)
+        txn.delete(h, db=t.access)
+        if record is not None:
+            txn.delete(children_key(record), h, db=t.children)
+            payload_bytes += record.payload_size
+            by_identity[record.identity] = by_identity.get(record.identity, 0) + freed
+            blocks_of[record.identity] += 1
+        else:
+            if h == root and root_parent_key is not None:
+                txn.delete(root_parent_key, h, db=t.children)
+            if h == root and root_identity is not None:
+                by_identity[root_identity] = by_identity.get(root_identity, 0) + freed
+                blocks_of[root_identity] += 1
+            payload_bytes += freed
+        stored_bytes += freed
+        removed += 1
+    counters.add(txn, t.counters, counters.REMOVALS, 1 if removed else 0)
+    counters.add(txn, t.counters, counters.BLOCKS, -removed)
+    counters.add(txn, t.counters, counters.PARTS, -parts_removed)
+    counters.add(txn, t.counters, counters.PAYLOAD_BYTES, -payload_bytes)
+    counters.add(txn, t.counters, counters.STORED_BYTES, -stored_bytes)
+    for digest, freed_bytes in by_identity.items():
+        counters.add(txn, t.counters, counters.identity_stored(digest), -freed_bytes)
+    for digest, blocks in blocks_of.items():
+        counters.add(txn, t.counters, counters.identity_blocks(digest), -blocks)
+        ctx.tallies.removed(ctx.tenants.tenant_of(txn, digest) or "", reason, blocks)
+    return removed
+
+
+def delete(ctx: StoreContext, hashes: Iterable[bytes]) -> int:
+    """Remove the given blocks and every block below them, in one transaction."""
+    removed = 0
+    with ctx.env.begin(write=True) as txn:
+        for h in hashes:
+            removed += remove_subtree(ctx, txn, bytes(h), reason="deleted")
+    return removed
+
+
+def _chunk_bytes(txn: lmdb.Transaction, t: Tables, prefix: bytes) -> int:
+    """Bytes of the chunks whose keys start with `prefix`."""
+    cursor = txn.cursor(db=t.chunks)
+    total = 0
+    if cursor.set_range(prefix):
+        for key, value in cursor:
+            if bytes(key[: len(prefix)]) != prefix:
+                break
+            total += len(value)
+    return total
+
+
+def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:
+    """Delete the chunks under `h` (a block's, and its parts', which share the prefix)."""
+    cursor = txn.cursor(db=t.chunks)
+    freed = 0
+    if not cursor.set_range(h):
+        return 0
+    while True:
+        key = cursor.key()
+        if key[: len(h)] != h:
+            break
+        freed += len(cursor.value())
+        if not cursor.delete():
+            break
+    return freed
+
+
+def _delete_parts(txn: lmdb.Transaction, t: Tables, h: bytes) -> tuple[int, int]:
+    """Delete the part records hung on block `h` (their chunks go with the block's, by prefix);
+    return their payload bytes and how many there were."""
+    if t.parts is None:
+        return 0, 0
+    cursor = txn.cursor(db=t.parts)
+    payload = removed = 0
+    if not cursor.set_range(h):
+        return 0, 0
+    while bytes(cursor.key()[: len(h)]) == h:
+        try:
+            payload += PartRecord.decode(cursor.value()).payload_size
+        except CorruptRecordError:  # its size is unknown: count what its chunks hold
+            payload += _chunk_bytes(txn, t, bytes(cursor.key()))
+        removed += 1
+        if not cursor.delete():
+            break
+    return payload, removed
