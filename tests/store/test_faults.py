@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 
 from prefixd import Identity, Store
+from prefixd.clock import ManualClock
 from prefixd.errors import (
     CorruptMetaError,
     NotAStoreError,
@@ -32,6 +34,8 @@ from prefixd.errors import (
 )
 from prefixd.schema.meta import FORMAT_SETTINGS, SCHEMA_VERSION, StoreMeta
 from prefixd.schema.records import chunk_key
+from prefixd.store import lmdb_errors
+from prefixd.store.purge import PurgeSelector
 
 IDENT = Identity(
     model="m",
@@ -502,12 +506,94 @@ def test_put_right_after_freeing_delete_succeeds(tmp_path: Path) -> None:
         assert_loads(store, payloads, tokens)
 
 
+class FullMapEnv:
+    """A store's environment whose write transactions all fail at commit as a full map does,
+    and whose copies fail as a full disk does (LMDB's own error, as it would come)."""
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self._env = env
+
+    def begin(self, *, write: bool = False, **kwargs: object) -> object:
+        txn = self._env.begin(write=write, **kwargs)
+        return FullAtCommit(txn) if write else txn
+
+    def copy(self, path: str, compact: bool = False) -> None:
+        raise lmdb.Error(f"{path}: No space left on device")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._env, name)
+
+
+class FullAtCommit:
+    """A write transaction that does its work, then fails to commit with MDB_MAP_FULL."""
+
+    def __init__(self, txn: lmdb.Transaction) -> None:
+        self._txn = txn
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._txn, name)
+
+    def __enter__(self) -> FullAtCommit:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        self._txn.abort()
+        if kind is None:
+            raise lmdb.MapFullError("mdb_txn_commit: MDB_MAP_FULL: Environment mapsize limit")
+
+    def commit(self) -> None:
+        self.__exit__(None)
+
+
+def _writes(store: Store, tmp_path: Path) -> dict[str, Callable[[], object]]:
+    """Each path that writes, set to write something."""
+    return {
+        "evict": lambda: store.evict(0),
+        "reclaim_expired": store.reclaim_expired,
+        "repair": store.repair,
+        "compact_to": lambda: store.compact_to(tmp_path / "copy"),
+        "delete": lambda: store.delete([store.longest_prefix(IDENT, TOKENS).hashes[1]]),
+        "purge": lambda: store.purge(PurgeSelector(tenant="a")),
+        "put": lambda: store.put(IDENT, TOKENS + [1, 2, 3, 4], [b"x" * 100], first_block=4),
+    }
+
+
+@pytest.mark.parametrize(
+    "operation",
+    ["evict", "reclaim_expired", "repair", "compact_to", "delete", "purge", "put"],
+)
+def test_a_full_map_in_any_write_is_a_store_full_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, operation: str
+) -> None:
+    """Every path that writes reports a full map (or, for the compacted copy, a full disk under
+    it) as StoreFullError, never as an lmdb error, and leaves the store as it was."""
+    clock = ManualClock()
+    ttls = ("a=1h",) if operation == "reclaim_expired" else ()
+    with open_store(tmp_path / "s", clock=clock, tenant_ttls=ttls) as store:
+        store.put(IDENT, TOKENS, random_payloads(N_BLOCKS, size=1000))
+        if ttls:
+            clock.advance(7200)  # past the tenant's time to live: there is something to reclaim
+        call = _writes(store, tmp_path)[operation]
+        monkeypatch.setattr(lmdb_errors, "free_bytes", lambda path: 0)  # the copy's disk is full
+        ctx = store._ctx
+        real = ctx.env
+        ctx.env = FullMapEnv(real)
+        try:
+            with pytest.raises(StoreFullError) as caught:
+                call()
+        finally:
+            ctx.env = real
+        assert not isinstance(caught.value, lmdb.Error) and "full" in str(caught.value)
+        assert store.stats().blocks == N_BLOCKS and store.check() == []
+
+
 # --- 6. kill -9 in the middle of a stream of puts ---------------------------------------------
 
 CHILD = textwrap.dedent(
     """
     import random, sys
     from prefixd import Identity, Store
+from prefixd.clock import ManualClock
 
     path, start = sys.argv[1], int(sys.argv[2])
     ident = Identity(model="m", weights="w", tokenizer="t", template="c", rope="r",
