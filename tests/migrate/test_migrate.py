@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -189,20 +190,26 @@ def test_up_refuses_a_store_a_daemon_holds(tmp_path: Path) -> None:
 def test_a_running_daemon_holds_its_store(tmp_path: Path) -> None:
     Store.open(tmp_path / "s").close()
     sock = Path(f"/tmp/pd-mig-{os.getpid()}.sock")
+    notify_path = f"/tmp/pd-mig-{os.getpid()}.notify"
+    Path(notify_path).unlink(missing_ok=True)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # the daemon says READY=1 here
+    notify.bind(notify_path)
+    notify.settimeout(20)
     daemon = subprocess.Popen(
         [sys.executable, "-m", "prefixd", "serve", "--data-dir", str(tmp_path / "s"),
          "--socket", str(sock)],
         stderr=subprocess.PIPE,
+        env={**os.environ, "NOTIFY_SOCKET": notify_path},
     )
     try:
-        deadline = time.monotonic() + 20
-        while not sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sock.exists()
+        while b"READY=1" not in notify.recv(65536).split(b"\n"):
+            pass  # other states (STATUS=...) come first
         out = cli("migrate", "up", "--data-dir", str(tmp_path / "s"))
         assert out.returncode == 1 and "held by another process" in out.stderr
     finally:
         daemon.send_signal(signal.SIGTERM)
+        notify.close()
+        Path(notify_path).unlink(missing_ok=True)
         assert daemon.wait(20) == 0
 
 
@@ -235,6 +242,8 @@ def test_kill_9_at_any_point_then_resume(tmp_path: Path) -> None:
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30
+        # real time, on purpose: the migration runs in another process, whose progress is read
+        # from the store until it is under way, and the kill lands `delay` seconds into it
         while time.monotonic() < deadline and child.poll() is None:
             status = Migrator(path).status()
             if status.resuming == 2 or status.version >= 2:

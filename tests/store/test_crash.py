@@ -82,6 +82,8 @@ def test_random_kills_lose_no_acknowledged_put(tmp_path: Path, long_run: bool) -
             )
             try:
                 assert child.stdout.readline() == "ready\n", (tmp_path / "stderr.txt").read_text()
+                # real time, on purpose: the writer is another process, and the kill must land
+                # at a random moment of its puts (no clock of ours can move it)
                 time.sleep(rng.uniform(0.0, 0.12))
                 os.kill(child.pid, signal.SIGKILL)
                 acks = [int(line) for line in child.stdout.read().split()]

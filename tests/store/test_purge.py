@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import lmdb
 import pytest
 
 from prefixd import Identity, Store
+from prefixd.clock import ManualClock
 from prefixd.errors import ConfigError, IdentityError
 from prefixd.store import PurgeSelector
 
@@ -102,17 +102,19 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
         assert (tmp_path / "s" / "data.mdb").read_bytes() == before
 
 
-def test_older_than_removes_idle_subtrees_only(store: Store) -> None:
+def test_older_than_removes_idle_subtrees_only(tmp_path: Path) -> None:
     identity = ident()
-    fill(store, identity)
-    fill(store, identity, PROMPT[:8] + [5] * 12)
-    time.sleep(0.2)
-    store.longest_prefix(identity, PROMPT)  # keeps PROMPT's blocks fresh, the branch goes idle
-    report = store.purge(PurgeSelector(older_than_s=0.1))
-    assert report.blocks == 3
-    assert store.longest_prefix(identity, PROMPT).n_blocks == 5
-    assert store.longest_prefix(identity, PROMPT[:8] + [5] * 12).n_blocks == 2
-    assert store.check() == []
+    clock = ManualClock()
+    with Store.open(tmp_path / "s", map_size=64 << 20, clock=clock) as store:
+        fill(store, identity)
+        fill(store, identity, PROMPT[:8] + [5] * 12)
+        clock.advance(0.2)
+        store.longest_prefix(identity, PROMPT)  # keeps PROMPT's blocks fresh, the branch idles
+        report = store.purge(PurgeSelector(older_than_s=0.1))
+        assert report.blocks == 3
+        assert store.longest_prefix(identity, PROMPT).n_blocks == 5
+        assert store.longest_prefix(identity, PROMPT[:8] + [5] * 12).n_blocks == 2
+        assert store.check() == []
 
 
 def test_everything(store: Store) -> None:
@@ -179,8 +181,10 @@ def test_loads_during_a_purge_are_whole_or_miss(tmp_path: Path) -> None:
             store.put(ident(), prompt, expected[i])
         errors: list[str] = []
         stop = threading.Event()
+        passes = [0, 0]  # whole passes over the prompts, per reader
+        passed = threading.Condition()
 
-        def reader() -> None:
+        def reader(n: int) -> None:
             out = bytearray(10 * 1000)
             while not stop.is_set():
                 for i, prompt in enumerate(prompts):
@@ -188,13 +192,22 @@ def test_loads_during_a_purge_are_whole_or_miss(tmp_path: Path) -> None:
                     for b, (offset, size) in enumerate(zip(loaded.offsets, loaded.sizes)):
                         if bytes(out[offset : offset + size]) != expected[i][b]:
                             errors.append(f"prompt {i} block {b} torn")
+                with passed:
+                    passes[n] += 1
+                    passed.notify_all()
 
-        threads = [threading.Thread(target=reader) for _ in range(2)]
+        def each_reader_passes(after: list[int]) -> None:
+            with passed:
+                assert passed.wait_for(lambda: all(p > a for p, a in zip(passes, after)), 60)
+
+        threads = [threading.Thread(target=reader, args=(n,)) for n in range(2)]
         for thread in threads:
             thread.start()
-        time.sleep(0.05)
+        each_reader_passes([0, 0])  # both are reading (and go on) when the purge begins
         report = store.purge(PurgeSelector(tenant="a"))
-        time.sleep(0.05)
+        with passed:
+            after = list(passes)
+        each_reader_passes(after)  # and both read every prompt again once it is over
         stop.set()
         for thread in threads:
             thread.join()

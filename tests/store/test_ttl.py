@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from prefixd import Identity, Store
+from prefixd.clock import ManualClock
 from prefixd.errors import ConfigError, OrphanBlockError
 
 BASE = dict(model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
@@ -21,12 +21,15 @@ def ident(tenant: str) -> Identity:
 
 def test_expired_entries_are_unreachable_then_reclaimed(tmp_path: Path) -> None:
     short, forever = ident("short"), ident("forever")
-    with Store.open(tmp_path / "s", tenant_ttls=("short=0.3s",)) as store:
+    clock = ManualClock()
+    with Store.open(tmp_path / "s", tenant_ttls=("short=0.3s",), clock=clock) as store:
         store.put(short, PROMPT, [b"s" * 100] * 4)
         store.put(forever, PROMPT, [b"f" * 100] * 4)
         assert store.longest_prefix(short, PROMPT).n_blocks == 4
         assert store.cached_prefix(short, PROMPT) is not None  # remembered while fresh
-        time.sleep(0.4)
+        clock.advance(0.25)
+        assert store.longest_prefix(short, PROMPT).n_blocks == 4  # within its 0.3 s
+        clock.advance(0.1)
         assert store.cached_prefix(short, PROMPT) is None
         assert store.longest_prefix(short, PROMPT).n_blocks == 0
         assert store.load(short, PROMPT, bytearray(1000)).n_blocks == 0
@@ -40,9 +43,10 @@ def test_expired_entries_are_unreachable_then_reclaimed(tmp_path: Path) -> None:
 
 def test_a_put_refreshes_an_expired_entry(tmp_path: Path) -> None:
     short = ident("short")
-    with Store.open(tmp_path / "s", tenant_ttls=("short=0.3s",)) as store:
+    clock = ManualClock()
+    with Store.open(tmp_path / "s", tenant_ttls=("short=0.3s",), clock=clock) as store:
         store.put(short, PROMPT, [b"old!" * 25] * 4)
-        time.sleep(0.4)
+        clock.advance(0.4)
         result = store.put(short, PROMPT, [b"new!" * 25] * 4)
         assert (result.stored, result.existed) == (4, 0)
         out = bytearray(1000)
@@ -53,10 +57,11 @@ def test_a_put_refreshes_an_expired_entry(tmp_path: Path) -> None:
 
 def test_a_read_after_expiry_misses(tmp_path: Path) -> None:
     short = ident("short")
-    with Store.open(tmp_path / "s", tenant_ttls=("short=0.3s",)) as store:
+    clock = ManualClock()
+    with Store.open(tmp_path / "s", tenant_ttls=("short=0.3s",), clock=clock) as store:
         store.put(short, PROMPT, [b"s" * 100] * 4)
         match = store.longest_prefix(short, PROMPT)
-        time.sleep(0.4)
+        clock.advance(0.4)
         assert store.read_into(match, [bytearray(100) for _ in range(4)]).n_blocks == 0
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import numpy as np
 
 from prefixd import Identity, Store
+from prefixd.clock import ManualClock
 from prefixd.schema.state import StateGroup
 
 SIZE = 100
@@ -24,10 +24,11 @@ def test_hot_prefixes_are_whole_and_fit_the_budget(tmp_path: Path, identity: Ide
     hot_a = np.concatenate([shared, prompt(2, 2, bt)])  # 2 shared blocks + 2 of its own
     hot_b = np.concatenate([shared, prompt(3, 1, bt)])  # the same 2 shared + 1
     cold = prompt(4, 3, bt)
-    with Store.open(tmp_path / "s", map_size=64 << 20) as store:
+    clock = ManualClock()
+    with Store.open(tmp_path / "s", map_size=64 << 20, clock=clock) as store:
         for tokens in (hot_a, hot_b, cold):
             store.put(identity, tokens, [bytes(SIZE)] * (len(tokens) // bt))
-        time.sleep(0.01)
+        clock.advance(0.01)
         for _ in range(10):
             store.longest_prefix(identity, hot_a)
             store.longest_prefix(identity, hot_b)
