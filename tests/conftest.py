@@ -1,4 +1,5 @@
-"""Shared fixtures: a small identity and a fresh store per test."""
+"""Shared fixtures: a small identity and a fresh store per test (checked on teardown: see
+tests/must_check.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from prefixd import Identity, Store
+
+from .must_check import assert_store_checks, checks_on_teardown
 
 
 @pytest.fixture
@@ -25,9 +28,11 @@ def identity() -> Identity:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
+def store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Store]:
     with Store.open(tmp_path / "store", map_size=64 << 20) as opened:
         yield opened
+        if checks_on_teardown(request):
+            assert_store_checks(opened)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

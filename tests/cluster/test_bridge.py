@@ -16,6 +16,8 @@ from prefixd.errors import PrefixdError
 from prefixd.schema.chain import BlockChain
 from prefixd.store.purge import PurgeSelector
 
+from ..must_check import assert_store_checks, checks_on_teardown
+
 IDENT = Identity(
     model="m",
     weights="w",
@@ -76,16 +78,21 @@ class MemoryTier:
 
 
 @pytest.fixture
-def nodes(tmp_path: Path):
+def nodes(tmp_path: Path, request: pytest.FixtureRequest):
     tier = MemoryTier()
     stores = [Store.open(tmp_path / name, map_size=64 << 20) for name in ("a", "b")]
     bridges = [SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in stores]
     for bridge in bridges:
         bridge.start()
     yield tier, stores, bridges
-    for bridge, store in zip(bridges, stores, strict=True):
+    for bridge in bridges:
         bridge.stop(timeout_s=0.5)
-        store.close()
+    try:
+        for store in stores if checks_on_teardown(request) else ():
+            assert_store_checks(store)
+    finally:
+        for store in stores:
+            store.close()
 
 
 def publish(store: Store, bridge: SharedTierBridge, tier: MemoryTier) -> None:

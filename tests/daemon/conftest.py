@@ -30,6 +30,8 @@ import prefixd
 from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
 from prefixd.wire.region import send_with_fds
 
+from ..must_check import assert_data_dir_checks, checks_on_teardown
+
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
@@ -173,6 +175,11 @@ class Daemon:
         assert code == 0, self.log()
         return self.start()
 
+    def check_store(self) -> None:
+        """Once stopped: the store it served checks clean (tests/must_check.py)."""
+        if any(b"READY=1" in m.split(b"\n") for m in self.messages):
+            assert_data_dir_checks(self.data_dir)
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -254,7 +261,9 @@ DaemonFactory = Callable[..., Daemon]
 
 
 @contextlib.contextmanager
-def _factory(workdir: Path, sockdir: Path) -> Iterator[DaemonFactory]:
+def _factory(
+    workdir: Path, sockdir: Path, check_stores: bool = True
+) -> Iterator[DaemonFactory]:
     daemons: list[Daemon] = []
 
     def start(
@@ -282,11 +291,15 @@ def _factory(workdir: Path, sockdir: Path) -> Iterator[DaemonFactory]:
     finally:
         for daemon in daemons:
             daemon.close()
+    for daemon in daemons if check_stores else ():
+        daemon.check_store()
 
 
 @pytest.fixture
-def daemon_factory(tmp_path: Path, sock_dir: Path) -> Iterator[DaemonFactory]:
-    with _factory(tmp_path, sock_dir) as start:
+def daemon_factory(
+    tmp_path: Path, sock_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[DaemonFactory]:
+    with _factory(tmp_path, sock_dir, checks_on_teardown(request)) as start:
         yield start
 
 

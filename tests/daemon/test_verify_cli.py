@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from prefixd import Store
 from prefixd.client import Client
@@ -69,6 +70,7 @@ def test_online_verify_while_serving(daemon: Daemon) -> None:
     assert verify(*where)[0] == 0
 
 
+@pytest.mark.damages_store  # and a check in this process would die of it: LMDB aborts
 def test_the_daemon_survives_verifying_pages_lmdb_cannot_read(
     daemon_factory, tmp_path: Path
 ) -> None:  # noqa: ANN001

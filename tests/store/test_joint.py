@@ -14,6 +14,8 @@ from prefixd.schema.records import chunk_key, part_key
 from prefixd.schema.state import StateGroup
 from prefixd.store.purge import PurgeSelector
 
+from ..must_check import assert_store_checks, checks_on_teardown
+
 BASE = dict(
     model="kimi",
     weights="w1",
@@ -42,9 +44,11 @@ def pages_for(group: str, starts: range) -> list[bytes]:
 
 
 @pytest.fixture
-def store(tmp_path: Path):
+def store(tmp_path: Path, request: pytest.FixtureRequest):
     with Store.open(tmp_path / "s", map_size=64 << 20, verify_threads=1) as s:
         yield s
+        if checks_on_teardown(request):
+            assert_store_checks(s)
 
 
 def load(store: Store, identity: Identity, tokens: np.ndarray):
