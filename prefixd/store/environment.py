@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,13 +87,18 @@ def children_key(record: BlockRecord) -> bytes:
 
 
 def open_environment(
-    config: StoreConfig, *, any_version: bool = False, readonly: bool = False
+    config: StoreConfig,
+    *,
+    any_version: bool = False,
+    readonly: bool = False,
+    now_ns: Callable[[], int] = time.time_ns,
 ) -> tuple[lmdb.Environment, Tables, StoreMeta]:
     """Open (or, when allowed, create) the store at `config.path`.
 
     Never writes into a directory that is not already a store, unless it is absent or empty.
     `any_version` accepts a store of an older schema version (for migrations); `readonly` opens
-    an existing store without the possibility of writing to it.
+    an existing store without the possibility of writing to it. `now_ns` dates a new store's meta
+    record (the store's clock).
     """
     path = config.path
     if path.exists() and not path.is_dir():
@@ -149,7 +155,7 @@ def open_environment(
         if not creating:
             _check_whole(env, data_file)
         if creating:
-            tables, meta = _create(env)
+            tables, meta = _create(env, now_ns())
         else:
             tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
     except lmdb.Error as exc:  # a damaged page met while reading the tables or the meta record
@@ -193,8 +199,8 @@ def _has_lmdb_magic(data_file: Path) -> bool:
     return False
 
 
-def _create(env: lmdb.Environment) -> tuple[Tables, StoreMeta]:
-    meta = new_meta(time.time_ns())
+def _create(env: lmdb.Environment, created_ns: int) -> tuple[Tables, StoreMeta]:
+    meta = new_meta(created_ns)
     with env.begin(write=True) as txn:
         handles = {
             name: env.open_db(name.encode(), txn=txn, create=True, dupsort=name in _DUPSORT)

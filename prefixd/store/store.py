@@ -104,7 +104,8 @@ class Store:
         to run beside this process; StoreBusyError if another process holds it. `clock`: what
         entry ages and time to live are read from (tests pass a ManualClock)."""
         self.config = config
-        env, tables, self.meta = open_environment(config)
+        clock = clock or SystemClock()
+        env, tables, self.meta = open_environment(config, now_ns=clock.time_ns)
         """The meta record read (or written) when the store was opened."""
         try:
             self._owner = OwnerLock(config.path) if exclusive else None
@@ -117,7 +118,7 @@ class Store:
             env=env,
             tables=tables,
             meta=self.meta,
-            clock=clock or SystemClock(),
+            clock=clock,
             codec=PayloadCodec(
                 config.compression,
                 level=config.zstd_level,
