@@ -32,8 +32,8 @@ from prefixd.cluster.blocks import (
     encode_block,
     identity_prefix,
 )
-from prefixd.daemon.metrics import LoadTimeModel
 from prefixd.errors import PrefixdError
+from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
