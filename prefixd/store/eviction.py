@@ -30,7 +30,6 @@ from prefixd.store.joint import part_bytes
 
 TAU_S = 300.0
 IDLE_TAU_S = 3600.0
-POLICIES = ("value", "lru", "none")
 
 
 @dataclass(frozen=True, slots=True)
