@@ -405,10 +405,6 @@ class SharedTier:
     # --- lifecycle --------------------------------------------------------------------------
 
     @property
-    def connected(self) -> bool:
-        return self._client is not None
-
-    @property
     def in_flight(self) -> int:
         """Mooncake calls still running, those that timed out included. A buffer given to a
         `get_into` (or `put`) that raised TierUnavailableError may still be written (read) by
@@ -686,24 +682,14 @@ class SharedTier:
 
     def register(self, buffer: bytearray | memoryview | Any) -> None:
         """Register `buffer` with the transfer engine for zero-copy `put`/`get_into` (needed for
-        RDMA; TCP reads and writes any memory). Keep it alive until `unregister`."""
+        RDMA; TCP reads and writes any memory). It stays registered, and alive, until the tier
+        closes."""
         array, address, n = _bytes_view(buffer, writable=True)
         rc = self._call("register", lambda client: int(client.register_buffer(address, n)))
         if rc != 0:
             raise _failure(f"register ({n} bytes)", rc)
         with self._registered_lock:
             self._registered[address] = (n, array)
-
-    def unregister(self, buffer: bytearray | memoryview | Any) -> None:
-        _, address, _ = _bytes_view(buffer, writable=True)
-        with self._registered_lock:
-            if address not in self._registered:
-                raise TierValueError("the buffer is not registered")
-        rc = self._call("unregister", lambda client: int(client.unregister_buffer(address)))
-        with self._registered_lock:
-            self._registered.pop(address, None)
-        if rc != 0:
-            raise _failure("unregister", rc)
 
     # --- machinery --------------------------------------------------------------------------
 
