@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import crc32c
 
+# Re-exported while the store's own modules (store.py, check.py) still import it from here.
+from prefixd.errors import CorruptRecordError as CorruptRecordError
 from prefixd.schema.tokens import TOKEN_BYTES
 
 RECORD_MAGIC = b"PXBR"
@@ -50,10 +52,6 @@ class Compression(IntEnum):
 
 
 _COMPRESSIONS = tuple(Compression)  # indexable by code, cheaper than Compression(code)
-
-
-class CorruptRecordError(Exception):
-    """A record fails its checksum or layout; internal to the store, which quarantines the block."""
 
 
 class BlockRecord(NamedTuple):

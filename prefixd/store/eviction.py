@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import lmdb
 
+from prefixd.errors import CorruptRecordError
 from prefixd.schema.chain import ROOT_PARENT
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store.environment import Tables
 from prefixd.store.joint import part_bytes
 

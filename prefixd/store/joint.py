@@ -21,8 +21,8 @@ from typing import Any
 
 import lmdb
 
-from prefixd.errors import OpenTailError, PayloadError
-from prefixd.schema.records import CorruptRecordError, PartRecord, part_key
+from prefixd.errors import CorruptRecordError, OpenTailError, PayloadError
+from prefixd.schema.records import PartRecord, part_key
 from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec
 from prefixd.store.codec import payload_view
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import lmdb
 
-from prefixd.errors import ConfigError, IdentityError
+from prefixd.errors import ConfigError, CorruptRecordError, IdentityError
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store.environment import Tables
 
 # Identity fields whose version a model retirement may keep ("--except-weights V" and the like).

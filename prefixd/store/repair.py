@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import lmdb
 
+from prefixd.errors import CorruptRecordError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError, PartRecord
+from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord
 from prefixd.store import counters
 from prefixd.store.environment import Tables
 
