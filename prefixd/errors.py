@@ -286,6 +286,9 @@ class DestinationError(RegionError):
     """A destination buffer is read-only, not contiguous, or too small for its block."""
 
 
+# --- device memory and engines -----------------------------------------------------------------
+
+
 class TransferError(PrefixdError):
     """A load into destinations failed part way; `installed_tokens` tokens' state was installed
     (and finished copying) before it failed."""
@@ -299,15 +302,18 @@ class LayoutError(PrefixdError, ValueError):
     """The config, the cache and the payloads disagree on the state layout; nothing was restored."""
 
 
+# --- migrating a store -------------------------------------------------------------------------
+
+
+class MigrationError(PrefixdError):
+    """A migration cannot run (a bad target version, a backup directory in the way...)."""
+
+
 # --- inside the store --------------------------------------------------------------------------
 
 
 class CorruptRecordError(Exception):
     """A record fails its checksum or layout; internal to the store, which quarantines the block."""
-
-
-class MigrationError(PrefixdError):
-    """A migration cannot run (a bad target version, a backup directory in the way...)."""
 
 
 # --- the shared tier ---------------------------------------------------------------------------
