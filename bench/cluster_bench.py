@@ -27,12 +27,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from localmaster import LocalMaster, master_binary  # noqa: E402
 from suitelib import SuiteDaemon, machine_info, ratio  # noqa: E402
 
 from prefixd import Identity  # noqa: E402
 from prefixd.client import Client  # noqa: E402
 from prefixd.cluster.blocks import block_key  # noqa: E402
-from prefixd.cluster.localmaster import LocalMaster, master_binary  # noqa: E402
 from prefixd.cluster.mooncake import SharedTier  # noqa: E402
 from prefixd.schema.chain import BlockChain  # noqa: E402
 

@@ -1,7 +1,9 @@
 """The exceptions prefixd raises on purpose, arranged so a caller can act on the class alone.
 
 Every error derives from `PrefixdError`. Errors caused by a caller's bad value also derive from
-`ValueError`, so generic validation handlers keep working.
+`ValueError`, so generic validation handlers keep working. One exception is no `PrefixdError` on
+purpose: `CorruptRecordError` never leaves the store (which quarantines the block), so one that
+escapes is a bug, not an error a caller handles.
 
 The classes survive the socket: each names the wire error code (`code`, see
 prefixd.wire.errors) that the daemon replies with when it raises one, and a client that receives
@@ -11,7 +13,10 @@ package's way of saying them.
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    from prefixd.wire.errors import ErrorCode
 
 _E = TypeVar("_E", bound="PrefixdError")
 
@@ -116,6 +121,18 @@ class BadRequestError(ProtocolError, ValueError):
     """A field is missing, of the wrong type or out of range."""
 
     code = "bad_request"
+
+
+class RequestError(ProtocolError):
+    """A frame body refused as a request: `code` (an ErrorCode), the request's `id` when it
+    could be read (None: the reply's id is nil) and its `op` when it names a known one."""
+
+    def __init__(
+        self, code: ErrorCode, message: str, *, rid: int | None = None, op: str | None = None
+    ) -> None:
+        super().__init__(code, message)
+        self.rid = rid
+        self.op = op
 
 
 class BusyError(PrefixdError):
@@ -267,3 +284,67 @@ class PayloadError(PutRefusedError):
 
 class DestinationError(RegionError):
     """A destination buffer is read-only, not contiguous, or too small for its block."""
+
+
+# --- device memory and engines -----------------------------------------------------------------
+
+
+class TransferError(PrefixdError):
+    """A load into destinations failed part way; `installed_tokens` tokens' state was installed
+    (and finished copying) before it failed."""
+
+    def __init__(self, message: str, installed_tokens: int) -> None:
+        super().__init__(f"{message} ({installed_tokens} tokens were installed)")
+        self.installed_tokens = installed_tokens
+
+
+class LayoutError(PrefixdError, ValueError):
+    """The config, the cache and the payloads disagree on the state layout; nothing was restored."""
+
+
+# --- migrating a store -------------------------------------------------------------------------
+
+
+class MigrationError(PrefixdError):
+    """A migration cannot run (a bad target version, a backup directory in the way...)."""
+
+
+# --- inside the store --------------------------------------------------------------------------
+
+
+class CorruptRecordError(Exception):
+    """A record fails its checksum or layout; internal to the store, which quarantines the block."""
+
+
+# --- the shared tier ---------------------------------------------------------------------------
+
+
+class RemoteBlockError(PrefixdError):
+    """A value fetched from the shared tier is not the block asked for, or is damaged."""
+
+
+class TierError(PrefixdError):
+    """A shared-tier operation failed; `code` is Mooncake's error code where there was one."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        # Mooncake's code, on the instance; the class keeps PrefixdError's wire code, which is what
+        # prefixd.wire reads (`type(exc).code`). mypy cannot express an instance attribute
+        # shadowing a ClassVar of another type.
+        self.code = code  # type: ignore[misc, assignment]
+
+
+class TierUnavailableError(TierError):
+    """The shared tier cannot be reached now (master down or hung, package missing, timeout).
+
+    Serve from the local store and try again later; `SharedTier` itself refuses calls for
+    `cooldown_s` after one of these, so a dead master does not cost every request a timeout."""
+
+
+class TierValueError(TierError, ValueError):
+    """A key, value or buffer the shared tier cannot take (empty, too long, not contiguous...)."""
+
+
+class TierBusyError(TierError):
+    """`remove(key, force=False)` met a read lease (a reader fetched the key lately); force it,
+    or retry after the master's `--default_kv_lease_ttl`."""

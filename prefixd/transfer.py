@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prefixd.errors import DestinationError, PrefixdError
+from prefixd.errors import DestinationError, PrefixdError, TransferError
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
@@ -51,15 +51,6 @@ log = logging.getLogger(__name__)
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     """One dedicated copy stream per device, for the life of the process."""
     return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch leaves these untyped
-
-
-class TransferError(PrefixdError):
-    """A load into destinations failed part way; `installed_tokens` tokens' state was installed
-    (and finished copying) before it failed."""
-
-    def __init__(self, message: str, installed_tokens: int) -> None:
-        super().__init__(f"{message} ({installed_tokens} tokens were installed)")
-        self.installed_tokens = installed_tokens
 
 
 @dataclass(frozen=True)

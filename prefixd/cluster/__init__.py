@@ -8,16 +8,8 @@ client is loaded on the first connection.
 
 from __future__ import annotations
 
-from prefixd.cluster.mooncake import (
-    MAX_KEY_BYTES,
-    MooncakeSettings,
-    SharedTier,
-    TierBusyError,
-    TierError,
-    TierUnavailableError,
-    TierValueError,
-    close_abandoned,
-)
+from prefixd.cluster.mooncake import MAX_KEY_BYTES, MooncakeSettings, SharedTier, close_abandoned
+from prefixd.errors import TierBusyError, TierError, TierUnavailableError, TierValueError
 
 __all__ = [
     "MAX_KEY_BYTES",

@@ -20,17 +20,13 @@ import struct
 
 import crc32c
 
-from prefixd.errors import PrefixdError
-from prefixd.schema.records import BlockRecord, CorruptRecordError
+from prefixd.errors import CorruptRecordError, RemoteBlockError
+from prefixd.schema.records import BlockRecord
 
 MAGIC = b"PXSB"
 VERSION = 1
 _HEAD = struct.Struct("<4sB3xIII")
 KEY_PREFIX = "prefixd-"
-
-
-class RemoteBlockError(PrefixdError):
-    """A value fetched from the shared tier is not the block asked for, or is damaged."""
 
 
 def block_key(identity_digest: bytes, block: bytes) -> str:

@@ -25,15 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from typing import Final, Protocol
 
-from prefixd.cluster.blocks import (
-    RemoteBlockError,
-    block_key,
-    decode_block,
-    encode_block,
-    identity_prefix,
-)
-from prefixd.daemon.metrics import LoadTimeModel
-from prefixd.errors import PrefixdError
+from prefixd.cluster.blocks import block_key, decode_block, encode_block, identity_prefix
+from prefixd.errors import PrefixdError, RemoteBlockError
+from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds

@@ -88,7 +88,13 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import xxhash
 
-from prefixd.errors import ConfigError, PrefixdError
+from prefixd.errors import (
+    ConfigError,
+    TierBusyError,
+    TierError,
+    TierUnavailableError,
+    TierValueError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,33 +148,6 @@ _ABANDONED_LOCK = threading.Lock()
 
 
 # --- errors ------------------------------------------------------------------------------------
-
-
-class TierError(PrefixdError):
-    """A shared-tier operation failed; `code` is Mooncake's error code where there was one."""
-
-    def __init__(self, message: str, code: int | None = None) -> None:
-        super().__init__(message)
-        # Mooncake's code, on the instance; the class keeps PrefixdError's wire code, which is what
-        # prefixd.wire reads (`type(exc).code`). mypy cannot express an instance attribute
-        # shadowing a ClassVar of another type.
-        self.code = code  # type: ignore[misc, assignment]
-
-
-class TierUnavailableError(TierError):
-    """The shared tier cannot be reached now (master down or hung, package missing, timeout).
-
-    Serve from the local store and try again later; `SharedTier` itself refuses calls for
-    `cooldown_s` after one of these, so a dead master does not cost every request a timeout."""
-
-
-class TierValueError(TierError, ValueError):
-    """A key, value or buffer the shared tier cannot take (empty, too long, not contiguous...)."""
-
-
-class TierBusyError(TierError):
-    """`remove(key, force=False)` met a read lease (a reader fetched the key lately); force it,
-    or retry after the master's `--default_kv_lease_ttl`."""
 
 
 def _code_name(code: int) -> str:
@@ -403,10 +382,6 @@ class SharedTier:
         self._registered_lock = threading.Lock()
 
     # --- lifecycle --------------------------------------------------------------------------
-
-    @property
-    def connected(self) -> bool:
-        return self._client is not None
 
     @property
     def in_flight(self) -> int:
@@ -686,24 +661,14 @@ class SharedTier:
 
     def register(self, buffer: bytearray | memoryview | Any) -> None:
         """Register `buffer` with the transfer engine for zero-copy `put`/`get_into` (needed for
-        RDMA; TCP reads and writes any memory). Keep it alive until `unregister`."""
+        RDMA; TCP reads and writes any memory). It stays registered, and alive, until the tier
+        closes."""
         array, address, n = _bytes_view(buffer, writable=True)
         rc = self._call("register", lambda client: int(client.register_buffer(address, n)))
         if rc != 0:
             raise _failure(f"register ({n} bytes)", rc)
         with self._registered_lock:
             self._registered[address] = (n, array)
-
-    def unregister(self, buffer: bytearray | memoryview | Any) -> None:
-        _, address, _ = _bytes_view(buffer, writable=True)
-        with self._registered_lock:
-            if address not in self._registered:
-                raise TierValueError("the buffer is not registered")
-        rc = self._call("unregister", lambda client: int(client.unregister_buffer(address)))
-        with self._registered_lock:
-            self._registered.pop(address, None)
-        if rc != 0:
-            raise _failure("unregister", rc)
 
     # --- machinery --------------------------------------------------------------------------
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -25,6 +24,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+
+from prefixd.loadtime import LoadTimeModel
 
 if TYPE_CHECKING:
     from prefixd.store import Store
@@ -37,36 +38,6 @@ LATENCY_BUCKETS = (
 MAX_TENANT_LABELS = 1024  # tenants beyond this many are counted together
 OTHER_TENANTS = "_other"
 _RATE_MEMORY = 4096  # identities whose bytes per token are remembered (least recent dropped)
-_LOAD_SAMPLES = 256  # recent loads the load-time model is fitted to
-
-
-class LoadTimeModel:
-    """Estimated seconds to load `n` bytes: overhead + n / bandwidth, fitted by least squares to
-    the recent loads (defaults until loads of at least two sizes were seen)."""
-
-    def __init__(self, overhead_s: float = 300e-6, bandwidth: float = 2e9) -> None:
-        self._samples: deque[tuple[float, float]] = deque(maxlen=_LOAD_SAMPLES)
-        self._lock = threading.Lock()
-        self.overhead_s = overhead_s
-        self.bandwidth = bandwidth
-
-    def observe(self, n_bytes: int, seconds: float) -> None:
-        with self._lock:
-            self._samples.append((float(n_bytes), seconds))
-            if len(self._samples) >= 8 and len(self._samples) % 8 == 0:
-                self._fit()
-
-    def _fit(self) -> None:
-        sizes, times = np.array(self._samples).T
-        if np.ptp(sizes) <= 0:
-            return
-        slope, intercept = np.polyfit(sizes, times, 1)
-        if slope > 0:
-            self.bandwidth = 1.0 / slope
-            self.overhead_s = max(0.0, float(intercept))
-
-    def estimate(self, n_bytes: int) -> float:
-        return self.overhead_s + n_bytes / self.bandwidth if n_bytes else 0.0
 
 
 # The per-tenant counts: name (prefixd_<name>_total on the wire) and what it counts.

@@ -31,12 +31,9 @@ from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import AnyReply, Operations, Request
 from prefixd.daemon.watchers import ManifestWatcher, Retire
-from prefixd.errors import ProtocolError, ServeError
+from prefixd.errors import ProtocolError, RequestError, ServeError
 from prefixd.store import PurgeSelector, Store
-from prefixd.wire.decoding import (
-    RequestError,
-    decode_request,
-)
+from prefixd.wire.decoding import decode_request
 from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.frames import HEADER, MAX_FDS_PER_FRAME, encode_frame
 from prefixd.wire.messages import (

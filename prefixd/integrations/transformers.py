@@ -43,7 +43,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from prefixd.errors import PrefixdError
+from prefixd.errors import LayoutError
 from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec, check_spec
 
 __all__ = [
@@ -82,10 +82,6 @@ _HCA = "heavily_compressed_attention"
 _F32 = torch.float32  # recurrent states and V4 gates are float32 in every model dtype
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
-
-
-class LayoutError(PrefixdError, ValueError):
-    """The config, the cache and the payloads disagree on the state layout; nothing was restored."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,7 @@
 """Ordered, resumable migrations of the on-disk schema (`prefixd migrate`)."""
 
-from prefixd.migrate.runner import (
-    MigrationError,
-    MigrationStatus,
-    Migrator,
-    UpgradeReport,
-)
+from prefixd.errors import MigrationError
+from prefixd.migrate.runner import MigrationStatus, Migrator, UpgradeReport
 from prefixd.migrate.steps import Migration, registry
 
 __all__ = [

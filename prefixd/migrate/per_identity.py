@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import lmdb
 
+from prefixd.errors import CorruptRecordError
 from prefixd.migrate.steps import ApplyBatch, CountPending, Cursor
-from prefixd.schema.records import BlockRecord, CorruptRecordError
+from prefixd.schema.records import BlockRecord
 from prefixd.store import counters
 from prefixd.store.environment import Tables
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import lmdb
 
-from prefixd.errors import PrefixdError, StoreBusyError
+from prefixd.errors import MigrationError, StoreBusyError
 from prefixd.migrate.steps import Migration, registry
 from prefixd.schema.meta import SCHEMA_VERSION, StoreMeta, with_version
 from prefixd.store.config import StoreConfig
@@ -20,10 +20,6 @@ from prefixd.store.environment import META_KEY, OwnerLock, Tables, is_held, open
 # A step's batch size: large enough to amortise commits, small enough that a batch is quick.
 DEFAULT_BATCH = 10_000
 Progress = Callable[[Migration, int], None]  # (step, items looked at in the last batch)
-
-
-class MigrationError(PrefixdError):
-    """A migration cannot run (a bad target version, a backup directory in the way...)."""
 
 
 @dataclass(frozen=True)

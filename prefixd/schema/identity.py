@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
 
@@ -68,8 +68,6 @@ class Identity:
     _encoded: bytes = field(init=False, repr=False, compare=False)
     _digest: bytes = field(init=False, repr=False, compare=False)
 
-    FIELDS: ClassVar[tuple[str, ...]] = _ALL_FIELDS
-
     def __post_init__(self) -> None:
         for name in _REQUIRED_TEXT:
             _check_text(name, getattr(self, name), required=True)
@@ -123,11 +121,6 @@ class Identity:
         if self.state is not None:
             values["state"] = [group.to_dict() for group in self.state]
         return values
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether entries of this identity are stored as state groups (see `state`)."""
-        return self.state is not None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Identity:

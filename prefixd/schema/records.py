@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import crc32c
 
+from prefixd.errors import CorruptRecordError
 from prefixd.schema.tokens import TOKEN_BYTES
 
 RECORD_MAGIC = b"PXBR"
@@ -50,10 +51,6 @@ class Compression(IntEnum):
 
 
 _COMPRESSIONS = tuple(Compression)  # indexable by code, cheaper than Compression(code)
-
-
-class CorruptRecordError(Exception):
-    """A record fails its checksum or layout; internal to the store, which quarantines the block."""
 
 
 class BlockRecord(NamedTuple):

@@ -153,9 +153,3 @@ def spec_from_value(value: object) -> StateSpec | None:
     if not isinstance(value, (list, tuple)):
         raise IdentityError("state", f"must be a list of groups, got {type(value).__name__}")
     return tuple(g if isinstance(g, StateGroup) else StateGroup.from_dict(g) for g in value)
-
-
-def page_count(group: StateGroup, first_block: int, end_block: int) -> int:
-    """How many of `group`'s pages start in blocks [first_block, end_block)."""
-    k = group.page_blocks
-    return max(0, -(-end_block // k) - -(-first_block // k))

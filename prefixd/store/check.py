@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from prefixd.errors import StoreOpenError
+from prefixd.errors import CorruptRecordError, StoreOpenError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.meta import StoreMeta
 from prefixd.schema.records import (
     AccessRecord,
     BlockRecord,
-    CorruptRecordError,
     PartRecord,
     chunk_key,
 )

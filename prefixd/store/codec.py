@@ -64,14 +64,12 @@ class CodecCounters:
     """Bytes and seconds spent in the codec since the store was opened."""
 
     compress_in_bytes: int = 0
-    compress_out_bytes: int = 0
     compress_s: float = 0.0
     stored_raw_after_trial: int = 0
     decompress_out_bytes: int = 0
     decompress_s: float = 0.0
     copied_bytes: int = 0
     copy_s: float = 0.0  # verified copies of payloads stored raw (copy and crc32c in one pass)
-    verified_bytes: int = 0
     verify_failures: int = 0
 
 
@@ -121,7 +119,6 @@ class PayloadCodec:
             stored = sum(len(c) for c in packed)
             with self._lock:
                 self.counters.compress_in_bytes += size
-                self.counters.compress_out_bytes += stored
                 self.counters.compress_s += time.perf_counter() - started
             if stored <= size * (1.0 - self.min_gain):
                 return EncodedPayload(kind, packed, step, size, stored, checksum(packed))
@@ -182,8 +179,6 @@ class PayloadCodec:
                 self.counters.verify_failures += 1
             for unreported in items[verified:]:
                 _as_array(unreported.dest[: unreported.record.payload_size]).fill(0)
-        with self._lock:
-            self.counters.verified_bytes += sum(i.record.payload_size for i in items[:verified])
         return verified
 
     def _decode_run(self, items: Sequence[StoredPayload]) -> int:

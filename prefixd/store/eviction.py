@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
+from prefixd.errors import CorruptRecordError
 from prefixd.schema.chain import ROOT_PARENT
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 TAU_S = 300.0
 IDLE_TAU_S = 3600.0
-POLICIES = ("value", "lru", "none")
 # Without a capacity setting, payloads may fill this share of the map: records, indexes and
 # LMDB's free pages need the rest.
 DEFAULT_CAPACITY_SHARE = 0.8

@@ -21,9 +21,9 @@ from typing import Any
 
 import lmdb
 
-from prefixd.errors import IdentityError, OpenTailError, PayloadError
+from prefixd.errors import CorruptRecordError, IdentityError, OpenTailError, PayloadError
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import CorruptRecordError, PartRecord, part_key
+from prefixd.schema.records import PartRecord, part_key
 from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec
 from prefixd.store.codec import payload_view
 

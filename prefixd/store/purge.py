@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from prefixd.errors import ConfigError, IdentityError
+from prefixd.errors import ConfigError, CorruptRecordError, IdentityError
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
 from prefixd.store.environment import Tables
 from prefixd.store.removal import remove_subtree

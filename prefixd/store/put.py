@@ -23,14 +23,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import lmdb
 
-from prefixd.errors import BlockCollisionError, OpenTailError, OrphanBlockError, PayloadError
+from prefixd.errors import (
+    BlockCollisionError,
+    CorruptRecordError,
+    OpenTailError,
+    OrphanBlockError,
+    PayloadError,
+)
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import (
     AccessRecord,
     BlockRecord,
     Compression,
-    CorruptRecordError,
     PartRecord,
     chunk_key,
     part_key,

@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from prefixd.errors import DestinationError, TokenError
+from prefixd.errors import CorruptRecordError, DestinationError, TokenError
 from prefixd.schema.chain import HASH_BYTES, BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import (
     AccessRecord,
     BlockRecord,
-    CorruptRecordError,
     PartRecord,
     chunk_key,
     part_key,

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from prefixd.schema.records import BlockRecord, CorruptRecordError, PartRecord
+from prefixd.errors import CorruptRecordError
+from prefixd.schema.records import BlockRecord, PartRecord
 from prefixd.store import counters
 from prefixd.store.environment import Tables, children_key
 

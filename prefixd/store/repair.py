@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
+from prefixd.errors import CorruptRecordError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError, PartRecord
+from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord
 from prefixd.store import counters, quarantine
 from prefixd.store.check import check
 from prefixd.store.environment import Tables

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from prefixd.errors import IdentityError
+from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import BlockRecord, CorruptRecordError
+from prefixd.schema.records import BlockRecord
 from prefixd.store import counters
 from prefixd.store.config import (
     SHARE_PREFIX,

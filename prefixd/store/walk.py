@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import lmdb
 import numpy as np
 
+from prefixd.errors import CorruptRecordError
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.records import (
     CREATED_AT,
@@ -27,7 +28,6 @@ from prefixd.schema.records import (
     PAYLOAD_SIZE_AT,
     TOKENS_AT,
     BlockRecord,
-    CorruptRecordError,
     record_bytes,
     record_prefix,
 )

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from prefixd.errors import IdentityError
+from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import AccessRecord, BlockRecord, CorruptRecordError
+from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store.environment import Tables
 from prefixd.store.eviction import value_per_byte
 

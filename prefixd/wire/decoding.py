@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import Struct
 
-from prefixd.errors import BadFrameError, ProtocolError
+from prefixd.errors import BadFrameError, RequestError
 from prefixd.wire.errors import ErrorCode, error_for
 from prefixd.wire.frames import encode_frame
 from prefixd.wire.messages import (
@@ -33,18 +33,6 @@ def encode(message: Struct) -> bytes:
 
 
 # --- decoding requests --------------------------------------------------------------------------
-
-
-class RequestError(ProtocolError):
-    """A frame body refused as a request: `code` (an ErrorCode), the request's `id` when it
-    could be read (None: the reply's id is nil) and its `op` when it names a known one."""
-
-    def __init__(
-        self, code: ErrorCode, message: str, *, rid: int | None = None, op: str | None = None
-    ) -> None:
-        super().__init__(code, message)
-        self.rid = rid
-        self.op = op
 
 
 class _Envelope(Struct):

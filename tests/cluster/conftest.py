@@ -15,13 +15,20 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from prefixd.cluster import close_abandoned
-from prefixd.cluster.localmaster import LocalMaster as MooncakeMaster
+
+_BENCH = str(Path(__file__).resolve().parents[2] / "bench")
+sys.path.insert(0, _BENCH)  # the master is bench/localmaster.py, shared with bench/cluster_bench.py
+try:
+    from localmaster import LocalMaster as MooncakeMaster
+finally:
+    sys.path.remove(_BENCH)
 
 
 def _master_binary() -> Path:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from prefixd import Identity, Store
-from prefixd.cluster.blocks import RemoteBlockError, block_key, decode_block, encode_block
+from prefixd.cluster.blocks import block_key, decode_block, encode_block
 from prefixd.cluster.bridge import SharedTierBridge
-from prefixd.errors import PrefixdError
+from prefixd.errors import PrefixdError, RemoteBlockError
 from prefixd.schema.chain import BlockChain
 from prefixd.store.purge import PurgeSelector
 

@@ -11,9 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from prefixd.client import Client  # noqa: E402
-from prefixd.errors import DestinationError  # noqa: E402
+from prefixd.errors import DestinationError, TransferError  # noqa: E402
 from prefixd.schema.state import StateGroup  # noqa: E402
-from prefixd.transfer import TransferError, _batches  # noqa: E402
+from prefixd.transfer import _batches  # noqa: E402
 
 from ..store.test_faults import corrupt_payload  # noqa: E402
 from .conftest import IDENTITY, Daemon, make_identity, payload  # noqa: E402

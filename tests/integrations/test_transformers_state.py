@@ -17,9 +17,8 @@ torch = pytest.importorskip("torch")
 from transformers import DynamicCache
 
 from prefixd import Identity
-from prefixd.errors import PrefixdError
+from prefixd.errors import LayoutError, PrefixdError
 from prefixd.integrations.transformers import (
-    LayoutError,
     StatePayloads,
     capture_checkpoint,
     export_state,

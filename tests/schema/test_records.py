@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixd.errors import CorruptMetaError, NotAStoreError, SchemaVersionError
+from prefixd.errors import CorruptMetaError, CorruptRecordError, NotAStoreError, SchemaVersionError
 from prefixd.schema.meta import SCHEMA_VERSION, StoreMeta, new_meta
-from prefixd.schema.records import BlockRecord, Compression, CorruptRecordError
+from prefixd.schema.records import BlockRecord, Compression
 
 records = st.builds(
     BlockRecord,

@@ -21,11 +21,11 @@ from prefixd.errors import (
     PrefixdError,
     ProtocolError,
     RemoteError,
+    RequestError,
     TokenError,
 )
 from prefixd.schema.state import MAX_GROUPS, StateGroup
 from prefixd.wire.decoding import (
-    RequestError,
     decode_reply,
     decode_request,
     encode,

@@ -1,5 +1,6 @@
-"""A Mooncake master on loopback, run as a child process: for the tests, the benchmarks, and
-trying the shared tier on one machine (`LocalMaster(binary, workdir).start()`).
+"""A Mooncake master on loopback, run as a child process: for the benchmarks (cluster_bench.py),
+the tests (tests/cluster/conftest.py imports it from here) and trying the shared tier on one
+machine (`LocalMaster(binary, workdir).start()`).
 
 It runs the `mooncake_master` binary that the wheel `mooncake-transfer-engine-non-cuda` ships, on
 free 127.0.0.1 ports, with its built-in HTTP metadata server (no etcd), and waits until its admin

@@ -171,7 +171,7 @@ def _show_stats(client: Any, watch: float | None, *, as_json: bool) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from prefixd.statsview import render
+    from prefixd.cli.statsview import render  # the tables, kept apart from the commands
 
     console = Console()
     if watch is None:
