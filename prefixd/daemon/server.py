@@ -209,8 +209,9 @@ class Server:
         if not await self._work_done(grace_ends):
             running = sum(pool.running for pool in self._pools)
             log.warning(
-                "grace period over: abandoning %d call(s) still running on store threads; the "
-                "store is left as a kill would leave it (committed transactions kept)",
+                "%s: abandoning %d call(s) still running on store threads; the store is left as "
+                "a kill would leave it (committed transactions kept)",
+                "forced" if self._forced else "grace period over",
                 running,
             )
             self.abandoned = True
