@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from prefixd.daemon.config import config_from_args
-    from prefixd.daemon.server import run_server
+    from prefixd.daemon.server import Server, run_server
 
     config = config_from_args(args, os.environ)
     if args.print_config:
@@ -143,7 +143,16 @@ def _serve(args: argparse.Namespace) -> int:
     from prefixd.store.allocator import keep_write_buffers
 
     keep_write_buffers()  # the daemon owns its process: let LMDB reuse its write buffers
-    return run_server(config)
+    server = Server(config)
+    code = run_server(server)
+    if server.abandoned:
+        # Shutdown left store work running on threads past the grace period: end now, as a kill
+        # would (LMDB keeps every committed transaction; the running ones never commit).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _default_socket(args: argparse.Namespace) -> Path:

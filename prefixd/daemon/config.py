@@ -161,7 +161,11 @@ class Config:
         "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
     )
     shutdown_grace_s: float = _setting(
-        "seconds", "how long shutdown waits for requests in flight", 10.0, low=0.0, high=3600.0
+        "seconds",
+        "how long shutdown waits for requests and store work in flight",
+        10.0,
+        low=0.0,
+        high=3600.0,
     )
     log_level: str = _setting("choice", "log verbosity", "info", choices=LOG_LEVELS)
     model_manifests: tuple[str, ...] = _setting(

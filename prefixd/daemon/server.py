@@ -4,7 +4,11 @@ One task per connection reads frames with recvmsg (memfds for shared regions arr
 ancillary data with their frame) and starts one task per request, so several requests are in flight
 per connection. Store work runs on a bounded thread pool. Shutdown follows uvicorn: stop accepting,
 let in-flight requests finish within the grace period, then cancel; a second signal cancels at once.
-`serve` returns an exit code: only the CLI exits the process.
+The grace period also bounds the wait for store work still running on threads (a cancelled request
+cannot stop its thread): work that outlives it is abandoned, and the store is left as a kill would
+leave it (every committed transaction kept, the running ones never commit) instead of closed under
+it. `serve` returns an exit code and says whether it abandoned work (`Server.abandoned`): only the
+CLI exits the process, at once in that case.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import stat
 import struct
 import time
 from collections import Counter
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
@@ -31,6 +35,7 @@ from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import AnyReply, Operations, Request
 from prefixd.daemon.watchers import ManifestWatcher, Retire
+from prefixd.daemon.work import WorkPool
 from prefixd.errors import ProtocolError, RequestError, ServeError
 from prefixd.store import PurgeSelector, Store
 from prefixd.wire.decoding import decode_request
@@ -58,6 +63,15 @@ _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * 4)
 # the frame limit; beyond that the connection is closed.
 _DISCARD_FACTOR = 64
 RECLAIM_INTERVAL_S = 60.0
+# After the grace period, with no store work left running: how long the last steps (the metrics
+# textfile's last write, the store's last sync and close) may take before they are abandoned too.
+CLOSE_TIMEOUT_S = 5.0
+# The shared tier's bridge stops within its own bounds (a publish queue drained for up to 5 s, a
+# thread joined for up to 5 s, ...); past this the daemon stops waiting for it.
+BRIDGE_STOP_TIMEOUT_S = 20.0
+# A connection's reader yields to the event loop after reading frames for this long without
+# waiting, so that a client whose frames keep arriving cannot hold off signals and other clients.
+READ_STRETCH_S = 0.005
 
 
 class Server:
@@ -73,14 +87,26 @@ class Server:
         self._listener: socket.socket | None = None
         self._created_socket = False
         self._forced = False
+        self._force = asyncio.Event()  # set by a second stop(): every shutdown wait ends
+        self._grace_ends: float | None = None  # time.monotonic() when the grace period ends
         self._operations: Operations | None = None
+        self._pools: tuple[WorkPool, ...] = ()
+        self._watcher: ManifestWatcher | None = None
+        # Whether shutdown left work running on a thread (and so the store unclosed): the process
+        # must then end without waiting for those threads (see run_server and the CLI).
+        self.abandoned = False
 
     @property
     def open_connections(self) -> int:
         return len(self.connections)
 
     def counters(self) -> dict[str, int]:
-        return {**self.stats, "open_connections": len(self.connections)}
+        return {
+            **self.stats,
+            "open_connections": len(self.connections),
+            "work_running": sum(pool.running for pool in self._pools),
+            "manifest_checks": self._watcher.checks if self._watcher is not None else 0,
+        }
 
     async def serve(self, *, install_signal_handlers: bool = True) -> int:
         """Open the store, bind, serve until SIGTERM/SIGINT (or `stop()`), shut down; return 0
@@ -88,8 +114,15 @@ class Server:
         loop = asyncio.get_running_loop()
         config = self.config
         self.store = Store(config.store_config(), exclusive=True)
-        pool = ThreadPoolExecutor(config.workers, thread_name_prefix="prefixd-worker")
+        pool = WorkPool(config.workers, thread_name_prefix="prefixd-worker")
+        # Everything else the loop hands to threads (health checks, manifest reads, joins), so
+        # that shutdown sees that work too; the closing steps get a thread of their own.
+        aux = WorkPool(thread_name_prefix="prefixd-aux")
+        closer = WorkPool(1, thread_name_prefix="prefixd-close")
+        self._pools = (pool, aux, closer)
+        loop.set_default_executor(aux)
         watcher = ManifestWatcher(parse_manifests(config.model_manifests), self._retirer(pool))
+        self._watcher = watcher
         metrics = Metrics(self.store, prefill_tokens_per_s=config.prefill_tokens_per_s)
         bridge = self._shared_tier()
         if bridge is not None:
@@ -134,26 +167,106 @@ class Server:
             systemd.notify("STOPPING=1", self.env)
             log.info("stopping: no new connections, draining in-flight requests")
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self._unbind()
-            await watcher.stop()
-            await self._drain()
-            if bridge is not None:
-                await loop.run_in_executor(pool, bridge.stop)
-            await exporter.stop()
-            if config.metrics_textfile is not None:
-                exporter.write()  # the last figures, before the store closes
-            pool.shutdown(wait=True)
-            self.store.close()
-            if install_signal_handlers:
-                for signum in (signal.SIGTERM, signal.SIGINT):
-                    loop.remove_signal_handler(signum)
+            if self._grace_ends is None:  # not stopped by stop(): startup failed, or cancelled
+                self._grace_ends = time.monotonic() + config.shutdown_grace_s
+            try:
+                await self._shut_down(tasks, watcher, exporter, bridge, loop)
+            finally:
+                for each in self._pools:
+                    each.shutdown(wait=False, cancel_futures=True)
+                if self.abandoned:
+                    # The runner would wait for the default executor's threads: give it one
+                    # that has none (the abandoned work ends with the process).
+                    loop.set_default_executor(ThreadPoolExecutor(1))
+                if install_signal_handlers:
+                    for signum in (signal.SIGTERM, signal.SIGINT):
+                        loop.remove_signal_handler(signum)
         log.info("stopped%s", " (forced)" if self._forced else "")
         return 1 if self._forced else 0
 
-    async def _reclaim(self, pool: ThreadPoolExecutor) -> None:
+    async def _shut_down(
+        self,
+        tasks: list[asyncio.Task[None]],
+        watcher: ManifestWatcher,
+        exporter: MetricsExporter,
+        bridge: SharedTierBridge | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """Stop everything within the grace period (a second stop() ends every wait), then close
+        the store if no work of ours still runs on a thread; else leave it unclosed (abandoned)."""
+        assert self.store is not None and self._grace_ends is not None
+        grace_ends = self._grace_ends
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._unbind()
+        await self._within(grace_ends, [asyncio.ensure_future(watcher.stop())])
+        await self._drain(grace_ends)
+        await exporter.stop()
+        if not await self._work_done(grace_ends):
+            running = sum(pool.running for pool in self._pools)
+            log.warning(
+                "%s: abandoning %d call(s) still running on store threads; the store is left as "
+                "a kill would leave it (committed transactions kept)",
+                "forced" if self._forced else "grace period over",
+                running,
+            )
+            self.abandoned = True
+            return
+        closer = self._pools[-1]
+        if bridge is not None:
+            stopped = loop.run_in_executor(closer, bridge.stop)
+            if not await self._within(time.monotonic() + BRIDGE_STOP_TIMEOUT_S, [stopped]):
+                log.warning("the shared tier did not stop in time; exiting without closing")
+                self.abandoned = True
+                return
+        store = self.store
+
+        def close() -> None:
+            if exporter.textfile is not None:
+                exporter.write()  # the last figures, before the store closes
+            store.close()
+
+        closed = loop.run_in_executor(closer, close)
+        if not await self._within(time.monotonic() + CLOSE_TIMEOUT_S, [closed], forced=False):
+            log.warning(
+                "closing the store took over %s s; exiting without waiting", CLOSE_TIMEOUT_S
+            )
+            self.abandoned = True
+            return
+        closed.result()  # its error, if any
+
+    async def _within(
+        self, deadline: float, waiting: Iterable[asyncio.Future[Any]], *, forced: bool = True
+    ) -> bool:
+        """Wait for `waiting` until `deadline` (time.monotonic()) or, with `forced`, a second
+        stop(); True when all finished (none is cancelled either way)."""
+        left = set(waiting)
+        force = asyncio.ensure_future(self._force.wait())
+        try:
+            while left:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (forced and self._force.is_set()):
+                    return False
+                watched = left | {force} if forced else left
+                done, _ = await asyncio.wait(
+                    watched, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+                left -= done
+            return True
+        finally:
+            force.cancel()
+
+    async def _work_done(self, deadline: float) -> bool:
+        """Wait until no pool runs work of ours (until `deadline`, or a second stop())."""
+        while True:
+            unfinished = [f for pool in self._pools for f in pool.unfinished()]
+            if not unfinished:
+                return True
+            if not await self._within(deadline, [asyncio.wrap_future(f) for f in unfinished]):
+                return False
+
+    async def _reclaim(self, pool: Executor) -> None:
         """Free the space of expired entries now and then (they are unreachable already)."""
         loop = asyncio.get_running_loop()
         while True:
@@ -164,7 +277,7 @@ class Server:
             except Exception:
                 log.exception("reclaiming expired entries failed")
 
-    def _retirer(self, pool: ThreadPoolExecutor) -> Retire:
+    def _retirer(self, pool: Executor) -> Retire:
         """Purge a model's entries of other weights than `keep`, on the pool."""
 
         async def retire(model: str, keep: str) -> int:
@@ -206,9 +319,11 @@ class Server:
         """First call: graceful shutdown. Second call: cancel in-flight requests at once."""
         if self.stopping.is_set():
             self._forced = True
+            self._force.set()
             for conn in list(self.connections):
                 conn.cancel()
             return
+        self._grace_ends = time.monotonic() + self.config.shutdown_grace_s
         self.stopping.set()
 
     # --- listening ------------------------------------------------------------------------------
@@ -294,19 +409,21 @@ class Server:
             return ErrorCode.BUSY, f"the daemon serves at most {config.max_connections} connections"
         return None
 
-    async def _drain(self) -> None:
+    async def _drain(self, grace_ends: float) -> None:
         """Let connections finish their in-flight requests within the grace period, then cancel."""
         conns = list(self.connections)
         for conn in conns:
             conn.stop_reading()
         waiting = [c.task for c in conns if c.task is not None]
-        if waiting and not self._forced:
-            _, pending = await asyncio.wait(waiting, timeout=self.config.shutdown_grace_s)
-            if pending:
-                log.warning("grace period over: cancelling %d connection(s)", len(pending))
+        if not await self._within(grace_ends, waiting):
+            pending = sum(not task.done() for task in waiting)
+            why = "forced" if self._forced else "grace period over"
+            log.warning("%s: cancelling %d connection(s)", why, pending)
         for conn in conns:
             conn.cancel()
-        await asyncio.gather(*waiting, return_exceptions=True)
+        # Cancelled, a connection only closes its socket and regions (its requests' threads are
+        # not waited for here): this is quick, but bounded all the same.
+        await self._within(time.monotonic() + CLOSE_TIMEOUT_S, waiting, forced=False)
 
     async def _healthy(self) -> bool:
         if self.store is None:
@@ -402,7 +519,11 @@ class Connection:
     async def _read_frames(self) -> None:
         config = self.server.config
         header = bytearray(HEADER.size)
+        stretch = time.monotonic()
         while True:
+            if time.monotonic() - stretch > READ_STRETCH_S:
+                await asyncio.sleep(0)  # frames keep coming without a wait: let others run
+                stretch = time.monotonic()
             if not await self._recv_exact(memoryview(header), at_boundary=True):
                 return
             (length,) = HEADER.unpack(header)
@@ -643,9 +764,10 @@ def _socket_answers(path: os.PathLike[str]) -> bool:
     return True
 
 
-def run_server(config: Config) -> int:
-    """Run `Server.serve` on a fresh event loop (uvloop where installed); return the exit code."""
-    server = Server(config)
+def run_server(server: Server) -> int:
+    """Run `server.serve` on a fresh event loop (uvloop where installed); return the exit code.
+    When `server.abandoned` is then true, threads still run store work: the caller must end the
+    process without waiting for them (an interpreter's exit joins pool threads)."""
     try:
         import uvloop
     except ImportError:

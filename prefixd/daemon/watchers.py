@@ -52,6 +52,7 @@ class ManifestWatcher:
         self._pending: dict[str, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.checks = 0  # fingerprints recomputed after a change was seen (changed or not)
 
     async def start(self) -> None:
         """Fingerprint every model, retire other versions already stored, then watch."""
@@ -71,11 +72,12 @@ class ManifestWatcher:
     async def stop(self) -> None:
         for handle in self._pending.values():
             handle.cancel()
-        self._observer.stop()
-        await asyncio.get_running_loop().run_in_executor(None, self._observer.join)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._observer.stop()
+        if self._observer.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, self._observer.join)
 
     def _changed(self, model: str) -> None:
         """Called on the observer's thread."""
@@ -96,16 +98,21 @@ class ManifestWatcher:
         task.add_done_callback(self._tasks.discard)
 
     async def _refresh(self, model: str) -> None:
-        new = await fingerprint(self.models[model])
-        if new == self.fingerprints.get(model):
-            return
-        self.fingerprints[model] = new
         try:
-            removed = await self._retire(model, new)
-        except Exception:
-            log.exception("retiring old versions of a model failed")
-            return
-        log.info("model %s changed weights; retired %d block(s) of other versions", model, removed)
+            new = await fingerprint(self.models[model])
+            if new == self.fingerprints.get(model):
+                return
+            self.fingerprints[model] = new
+            try:
+                removed = await self._retire(model, new)
+            except Exception:
+                log.exception("retiring old versions of a model failed")
+                return
+            log.info(
+                "model %s changed weights; retired %d block(s) of other versions", model, removed
+            )
+        finally:
+            self.checks += 1
 
 
 class _Handler(FileSystemEventHandler):

@@ -11,6 +11,8 @@ from typing import Any
 
 from prefixd.client import AsyncClient, Client
 
+DEADLINE_S = 120.0  # a failure bound only: waits end when their condition holds
+
 
 class AsyncOnThread:
     """An AsyncClient on an event loop of its own thread; every call blocks for its result."""
@@ -22,7 +24,7 @@ class AsyncOnThread:
         self.client: AsyncClient = self.run(AsyncClient.connect(socket_path, **options))
 
     def run(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(120)
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(DEADLINE_S)
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self.client, name)
@@ -50,17 +52,22 @@ class AsyncOnThread:
             self.run(self.client.close())
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)
+            self.thread.join(DEADLINE_S)
             self.loop.close()
 
 
-async def settle(condition: Callable[[], bool], *, turns: int = 100_000) -> None:
-    """Let the event loop run until `condition` holds (a condition, not a wall-clock guess)."""
-    for _ in range(turns):
-        if condition():
-            return
-        await asyncio.sleep(0)  # one turn of the loop
-    raise AssertionError("the condition never held")
+async def settle(condition: Callable[[], bool], *, timeout: float = DEADLINE_S) -> None:
+    """Let the event loop run until `condition` holds (a condition, not a wall-clock guess): turn
+    by turn at first, then in short naps, so that other threads (a busy machine's) get to run too;
+    fail only after `timeout`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    turns = 0
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"the condition never held within {timeout} s")
+        turns += 1
+        await asyncio.sleep(0 if turns < 1000 else 0.001)
 
 
 def open_client(kind: str, socket_path: Any, **options: Any) -> Any:

@@ -22,7 +22,7 @@ from prefixd.schema.chain import packed_hashes
 from prefixd.schema.state import StateGroup
 from tests.daemon.conftest import IDENTITY, Daemon, DaemonFactory, make_identity
 
-from .harness import KINDS, opener
+from .harness import DEADLINE_S, KINDS, opener
 
 BT = IDENTITY.block_tokens
 HYBRID = make_identity(state=(StateGroup.paged("kv", page_blocks=1), StateGroup.checkpoint("rec")))
@@ -170,7 +170,7 @@ def test_the_same_errors(
     shared_daemon: Daemon, open_client: Callable[..., Any], case: str, error: type[Exception]
 ) -> None:
     prompt = tokens(500, 3 * BT)
-    with open_client(shared_daemon.socket, region_bytes=4096, timeout=2.0) as client:
+    with open_client(shared_daemon.socket, region_bytes=4096, timeout=DEADLINE_S) as client:
         with pytest.raises(error) as info:
             if case == "open_tail":
                 client.put(IDENTITY, prompt[: BT - 1], [b"x"])

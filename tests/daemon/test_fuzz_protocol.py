@@ -32,7 +32,16 @@ from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
 from prefixd.wire.region import SharedRegion
 
-from .conftest import IDENTITY, IDENTITY_DICT, Daemon, DaemonFactory, Raw, make_identity, payload
+from .conftest import (
+    DEADLINE_S,
+    IDENTITY,
+    IDENTITY_DICT,
+    Daemon,
+    DaemonFactory,
+    Raw,
+    make_identity,
+    payload,
+)
 
 MAX_FRAME = 65536
 REGION = 1 << 16
@@ -198,7 +207,7 @@ def serves_well(daemon: Daemon, seed: int) -> None:
     assert daemon.proc is not None and daemon.proc.poll() is None, daemon.log()
     tokens = np.arange(3 * BT, dtype=np.uint32) + 7_000_000 + seed * 100
     payloads = [payload(seed, i) for i in range(3)]
-    with Client(daemon.socket, region_bytes=1 << 16, timeout=10) as client:
+    with Client(daemon.socket, region_bytes=1 << 16, timeout=DEADLINE_S) as client:
         assert client.health()["status"] == "ok"
         client.put(IDENTITY, tokens, payloads)
         assert client.lookup(IDENTITY, [tokens])[0].n_blocks == 3
@@ -537,7 +546,7 @@ def test_misframed_streams(fuzz_daemon: Daemon, tally: Tally, scale: int) -> Non
             claimed = delta if delta > MAX_FRAME else max(0, len(body) + delta)
             stream += HEADER.pack(claimed) + body
         stream += tail  # part of a header, maybe
-        with Raw(fuzz_daemon.socket, timeout=10) as conn:
+        with Raw(fuzz_daemon.socket, timeout=DEADLINE_S) as conn:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 conn.sock.sendall(stream)
                 conn.sock.shutdown(socket.SHUT_WR)
@@ -550,7 +559,7 @@ def test_misframed_streams(fuzz_daemon: Daemon, tally: Tally, scale: int) -> Non
                 check_reply(reply)
                 key = "ok" if reply["ok"] else reply["error"]["code"]
                 tally.misframed_replies[key] += 1
-            assert conn.closed_by_peer(timeout=10), (
+            assert conn.closed_by_peer(timeout=DEADLINE_S), (
                 "the daemon kept a connection we stopped writing"
             )
             tally.closed_connections += 1

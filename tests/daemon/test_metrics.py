@@ -8,14 +8,23 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 import urllib.request
 
 import numpy as np
 
 from prefixd.client import Client
 
-from .conftest import IDENTITY, REPO, Daemon, DaemonFactory, make_identity, payload
+from .conftest import (
+    DEADLINE_S,
+    IDENTITY,
+    REPO,
+    Daemon,
+    DaemonFactory,
+    make_identity,
+    payload,
+    wait_for,
+)
 
 BT = IDENTITY.block_tokens
 SIZE = 1000
@@ -94,7 +103,7 @@ def test_prometheus_endpoint_and_textfile(daemon_factory: DaemonFactory, tmp_pat
         "--metrics-interval-s", "1",
     )  # fmt: skip
     stored, half = run_workload(daemon)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=DEADLINE_S) as response:
         text = response.read().decode()
     for name in (
         'prefixd_lookup_prompts_total{tenant="a"} 3.0',
@@ -107,10 +116,10 @@ def test_prometheus_endpoint_and_textfile(daemon_factory: DaemonFactory, tmp_pat
         assert name in text, name
     # no token id, hash or key in any label or value line
     assert not any(str(t) in text for t in np.concatenate([stored, half]))
-    deadline = time.monotonic() + 10
-    while not (textfile.exists() and "prefixd_lookup_prompts_total" in textfile.read_text()):
-        assert time.monotonic() < deadline, "the textfile was not written"
-        time.sleep(0.2)
+    wait_for(
+        lambda: textfile.exists() and "prefixd_lookup_prompts_total" in textfile.read_text(),
+        "the textfile written",
+    )
     assert daemon.stop() == 0
     assert 'prefixd_lookup_prompts_total{tenant="a"} 3.0' in textfile.read_text()
 
@@ -119,13 +128,32 @@ def test_stats_cli_prints_tables_json_and_watches(daemon: Daemon) -> None:
     run_workload(daemon)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")}
     command = [sys.executable, "-m", "prefixd", "stats", "--socket", str(daemon.socket)]
-    tables = subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=REPO, env=env)
+    tables = subprocess.run(
+        command, capture_output=True, text=True, timeout=DEADLINE_S, cwd=REPO, env=env
+    )
     assert tables.returncode == 0, tables.stderr
     assert "hit rate" in tables.stdout and "66.7%" in tables.stdout and "lookup" in tables.stdout
     watching = subprocess.Popen(
         [*command, "--json", "--watch", "0.2"], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env
     )
-    time.sleep(1.5)
-    watching.send_signal(signal.SIGINT)
-    out, _ = watching.communicate(timeout=10)
-    assert len(out.splitlines()) >= 2 and '"hit_rate"' in out
+    lines: list[str] = []
+
+    def read() -> None:
+        assert watching.stdout is not None
+        while line := watching.stdout.readline():
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        # Interrupted only once it watches (two refreshes printed), never while it starts up.
+        wait_for(lambda: len(lines) >= 2 or watching.poll() is not None, "two refreshes")
+        assert watching.poll() is None, lines
+        watching.send_signal(signal.SIGINT)
+        code = watching.wait(DEADLINE_S)
+    finally:
+        watching.kill()
+        watching.wait()
+    reader.join(DEADLINE_S)
+    assert code == 130, code  # interrupted, as a user's Ctrl-C
+    assert len(lines) >= 2 and all('"hit_rate"' in line for line in lines), lines

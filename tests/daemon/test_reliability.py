@@ -21,7 +21,7 @@ from prefixd.errors import PrefixdError, StoreFullError
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.state import StateGroup
 
-from .conftest import IDENTITY, Daemon, DaemonFactory, make_identity, payload
+from .conftest import DEADLINE_S, IDENTITY, Daemon, DaemonFactory, make_identity, payload, wait_for
 
 BT = IDENTITY.block_tokens
 
@@ -54,7 +54,7 @@ def test_the_daemon_killed_under_load_loses_no_acknowledged_put(
         def writer(start: int, stop: threading.Event = stop) -> None:
             i = start
             try:
-                with Client(daemon.socket, region_bytes=1 << 20, timeout=5) as client:
+                with Client(daemon.socket, region_bytes=1 << 20, timeout=DEADLINE_S) as client:
                     while not stop.is_set():
                         client.put(IDENTITY, tokens(i), [payload(i, b, 2000) for b in range(3)])
                         acknowledged.append(i)  # put returned: acknowledged
@@ -63,11 +63,19 @@ def test_the_daemon_killed_under_load_loses_no_acknowledged_put(
                 pass  # the daemon died under it
 
         thread = threading.Thread(target=writer, args=(next_i,))
+        before = len(acknowledged)
         thread.start()
-        time.sleep(rng.uniform(0.05, 0.3))
+        # Killed while it writes: once this round's first put was acknowledged, at a random point
+        # of the puts that follow (the jitter is the fault's timing, not a wait for anything).
+        wait_for(
+            lambda t=thread, n=before: len(acknowledged) > n or not t.is_alive(),
+            "a put acknowledged",
+        )
+        assert thread.is_alive(), "the writer stopped before the kill"
+        time.sleep(rng.uniform(0.0, 0.25))
         daemon.stop(signal.SIGKILL)
         stop.set()
-        thread.join(timeout=30)
+        thread.join(timeout=DEADLINE_S)
         daemon.start()
         with Client(daemon.socket, region_bytes=1 << 20) as client:
             for i in {*acknowledged[-10:], *rng.sample(acknowledged, min(10, len(acknowledged)))}:

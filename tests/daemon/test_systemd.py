@@ -141,10 +141,26 @@ def test_watchdog_interval_reads_os_environ_by_default(monkeypatch: pytest.Monke
 # --- Watchdog -----------------------------------------------------------------------------------
 
 
+DEADLINE_S = 120.0  # a failure bound only: each wait below ends when its condition holds
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """Let the loop run (the watchdog's timers included) until `condition` holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not condition():
+        assert loop.time() < deadline, f"{what}: not within {DEADLINE_S} s"
+        await asyncio.sleep(0.01)
+
+
 async def _watch(
-    address: str, receiver: socket.socket, healthy: Callable[[], Awaitable[bool]], seconds: float
+    address: str,
+    receiver: socket.socket,
+    healthy: Callable[[], Awaitable[bool]],
+    enough: Callable[[Watchdog], bool],
 ) -> tuple[Watchdog, list[bytes]]:
-    """Run a 0.05 s Watchdog for `seconds`, collecting what reaches the receiver meanwhile."""
+    """Run a 0.05 s Watchdog until `enough(watchdog)`, then stop it and collect every datagram it
+    sent (its `pings` counts each one the socket took)."""
     receiver.setblocking(False)
     loop = asyncio.get_running_loop()
     received: list[bytes] = []
@@ -154,13 +170,17 @@ async def _watch(
             received.append(await loop.sock_recv(receiver, 4096))
 
     watchdog = Watchdog(0.05, healthy, env={"NOTIFY_SOCKET": address})
-    tasks = [asyncio.create_task(watchdog.run()), asyncio.create_task(collect())]
-    await asyncio.sleep(seconds)
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with pytest.raises(asyncio.CancelledError):
-            await task
+    run, collecting = asyncio.create_task(watchdog.run()), asyncio.create_task(collect())
+    await _until(lambda: enough(watchdog), "the watchdog running its checks")
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    # No more are sent: what was sent is all in the socket, read it to the last one.
+    await _until(lambda: len(received) >= watchdog.pings, "every ping sent received")
+    collecting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await collecting
+    received += _drain(receiver)
     return watchdog, received
 
 
@@ -168,8 +188,8 @@ def test_watchdog_pings_while_healthy(notify_socket: tuple[str, socket.socket]) 
     async def healthy() -> bool:
         return True
 
-    watchdog, received = asyncio.run(_watch(*notify_socket, healthy, 0.5))
-    assert len(received) >= 4  # ~10 expected; slack for a loaded 2-core machine
+    watchdog, received = asyncio.run(_watch(*notify_socket, healthy, lambda w: w.pings >= 4))
+    assert len(received) >= 4
     assert set(received) == {b"WATCHDOG=1"}
     assert watchdog.pings == len(received)
     assert watchdog.skipped == 0
@@ -183,13 +203,15 @@ def test_watchdog_withholds_pings_while_unhealthy(
         if failure == "raises":
             raise RuntimeError("store does not answer")
         if failure == "hangs":
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # the health check that never answers
         return False
 
-    watchdog, received = asyncio.run(_watch(*notify_socket, unhealthy, 0.4))
+    watchdog, received = asyncio.run(
+        _watch(*notify_socket, unhealthy, lambda w: w.skipped + w.pings >= 3)
+    )
     assert received == []
     assert watchdog.pings == 0
-    assert watchdog.skipped >= 2  # the loop did run its checks
+    assert watchdog.skipped >= 3  # the loop did run its checks
 
 
 def test_watchdog_resumes_when_health_returns(notify_socket: tuple[str, socket.socket]) -> None:
@@ -199,23 +221,22 @@ def test_watchdog_resumes_when_health_returns(notify_socket: tuple[str, socket.s
     async def healthy() -> bool:
         return state["healthy"]
 
-    async def scenario() -> tuple[list[bytes], list[bytes]]:
+    async def scenario() -> tuple[list[bytes], list[bytes], Watchdog]:
         receiver.setblocking(False)
         watchdog = Watchdog(0.05, healthy, env={"NOTIFY_SOCKET": address})
         task = asyncio.create_task(watchdog.run())
-        await asyncio.sleep(0.3)
+        await _until(lambda: watchdog.skipped >= 2, "two failed checks")
         before = _drain(receiver)
         state["healthy"] = True
-        await asyncio.sleep(0.3)
-        after = _drain(receiver)
+        await _until(lambda: watchdog.pings >= 2, "two pings after health returned")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return before, after
+        return before, _drain(receiver), watchdog
 
-    before, after = asyncio.run(scenario())
+    before, after, watchdog = asyncio.run(scenario())
     assert before == []
-    assert len(after) >= 2 and set(after) == {b"WATCHDOG=1"}
+    assert len(after) == watchdog.pings >= 2 and set(after) == {b"WATCHDOG=1"}
 
 
 def _drain(receiver: socket.socket) -> list[bytes]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ from prefixd.client import Client
 from prefixd.daemon.config import parse_manifests
 from prefixd.daemon.watchers import fingerprint
 
-from .conftest import DaemonFactory
+from .conftest import DaemonFactory, wait_for
 
 PROMPT = np.arange(100, 112, dtype=np.uint32)
 
@@ -62,18 +61,20 @@ def test_a_changed_manifest_retires_the_old_weights(
         client.put(identity(first), PROMPT, [b"v1"] * 3)
         client.put(identity("some-other-weights"), PROMPT, [b"xx"] * 3)
         (models / "index.json").write_text('{"shard": "v2"}')  # new weights arrive
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if client.lookup(identity(first), [PROMPT])[0].n_blocks == 0:
-                break
-            time.sleep(0.1)
-        assert client.lookup(identity(first), [PROMPT])[0].n_blocks == 0
+        wait_for(
+            lambda: client.lookup(identity(first), [PROMPT])[0].n_blocks == 0,
+            "the old weights retired",
+        )
         assert client.lookup(identity("some-other-weights"), [PROMPT])[0].n_blocks == 0
         second = client.stats()["server"]["models"]["m"]
         assert second != first
         client.put(identity(second), PROMPT, [b"v2"] * 3)
-        time.sleep(1.0)  # no change: the new version stays
-        assert client.lookup(identity(second), [PROMPT])[0].n_blocks == 3
+        checks = client.stats()["server"]["manifest_checks"]
+        (models / "index.json").write_text('{"shard": "v2"}')  # rewritten, the same bytes
+        wait_for(
+            lambda: client.stats()["server"]["manifest_checks"] > checks, "the manifest checked"
+        )
+        assert client.lookup(identity(second), [PROMPT])[0].n_blocks == 3  # the same: it stays
         client.put(identity("stale"), PROMPT, [b"st"] * 3)
     daemon.restart()  # a start retires whatever other versions were stored meanwhile
     with Client(daemon.socket) as client:
