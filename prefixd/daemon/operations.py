@@ -19,6 +19,7 @@ import numpy as np
 from msgspec import Struct
 
 from prefixd import __version__
+from prefixd.clock import Clock, SystemClock
 from prefixd.daemon.metrics import Metrics
 from prefixd.errors import ConfigError, IdentityError, ProtocolError
 from prefixd.schema.identity import Identity
@@ -107,8 +108,10 @@ class Operations:
         metrics: Metrics | None = None,
         min_reusable_tokens: int = 0,
         bridge: SharedTierBridge | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.store = store
+        self.clock: Clock = clock or SystemClock()  # the store's: one time for the daemon
         self.bridge = bridge  # the shared tier, when one is configured
         self.metrics = metrics if metrics is not None else Metrics(store, prefill_tokens_per_s=1e4)
         self.min_reusable_tokens = min_reusable_tokens
@@ -116,7 +119,7 @@ class Operations:
         self.pool = pool
         self.max_frame_bytes = max_frame_bytes
         self.max_region_bytes = max_region_bytes
-        self.started = time.monotonic()
+        self.started = self.clock.monotonic()
         # Names this run of the daemon: a client that finds another one after reconnecting knows
         # the old one can no longer touch the region spans its lost requests named.
         self.instance = secrets.token_hex(8)
@@ -550,7 +553,7 @@ class Operations:
         return HealthReply(
             id=rid,
             status="ok",
-            uptime_s=round(time.monotonic() - self.started, 3),
+            uptime_s=round(self.clock.monotonic() - self.started, 3),
             connections=conn.server.open_connections,
         )
 

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 
+from prefixd.clock import Clock, SystemClock
 from prefixd.daemon import systemd
 from prefixd.daemon.config import parse_manifests
 from prefixd.daemon.exporter import MetricsExporter
@@ -77,9 +78,14 @@ READ_STRETCH_S = 0.005
 class Server:
     """Serves one store on one Unix socket until stopped."""
 
-    def __init__(self, config: Config, *, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, config: Config, *, env: Mapping[str, str] | None = None, clock: Clock | None = None
+    ) -> None:
+        """`clock`: what the store and the operations read time from (entry ages, TTLs,
+        uptime); the shutdown's waits run on the event loop's own clock."""
         self.config = config
         self.env = os.environ if env is None else env
+        self.clock: Clock = clock or SystemClock()
         self.store: Store | None = None
         self.stopping = asyncio.Event()
         self.connections: set[Connection] = set()
@@ -113,7 +119,7 @@ class Server:
         after a graceful stop, 1 after a forced one."""
         loop = asyncio.get_running_loop()
         config = self.config
-        self.store = Store(config.store_config(), exclusive=True)
+        self.store = Store(config.store_config(), exclusive=True, clock=self.clock)
         pool = WorkPool(config.workers, thread_name_prefix="prefixd-worker")
         # Everything else the loop hands to threads (health checks, manifest reads, joins), so
         # that shutdown sees that work too; the closing steps get a thread of their own.
@@ -136,6 +142,7 @@ class Server:
             metrics=metrics,
             min_reusable_tokens=config.min_reusable_tokens,
             bridge=bridge,
+            clock=self.clock,
         )
         exporter = MetricsExporter(
             metrics.registry,

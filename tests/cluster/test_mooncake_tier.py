@@ -50,7 +50,7 @@ def prefix(request: pytest.FixtureRequest) -> str:
     return f"t/{request.node.name}/{os.urandom(4).hex()}/"
 
 
-def eventually(fn: Callable[[], T], within_s: float = 15.0) -> T:
+def eventually(fn: Callable[[], T], within_s: float = 120.0) -> T:
     """`fn()` once it stops raising TierError (the master restarting, segments remounting)."""
     deadline = time.monotonic() + within_s
     while True:
@@ -247,7 +247,7 @@ def test_hung_master_times_out(master_control: MooncakeMaster, prefix: str) -> N
         assert tier.in_flight >= 1  # the Mooncake call is still blocked in its worker
         master_control.resume()
         assert eventually(lambda: tier.get(prefix + "k")) == b"v"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a failure bound only
         while tier.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         assert tier.in_flight == 0

@@ -1,0 +1,72 @@
+"""One clock for the store and the daemon: a daemon served in this process on a ManualClock
+expires a tenant's entries and reports its uptime as that clock says, with no waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixd.client import Client
+from prefixd.clock import ManualClock
+from prefixd.daemon.config import Config
+from prefixd.daemon.server import Server
+
+from .conftest import DEADLINE_S, IDENTITY, payload, wait_for
+
+TTL_S = 60.0
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Path, ManualClock]]:
+    clock = ManualClock()
+    sock_dir = Path(tempfile.mkdtemp(prefix="pxclk", dir="/tmp"))
+    socket_path = sock_dir / "d.sock"
+    config = Config(
+        data_dir=tmp_path / "data",
+        socket=socket_path,
+        map_size=64 << 20,
+        tenant_ttls=(f"{IDENTITY.tenant}={TTL_S:g}s",),
+    )
+    server = Server(config, env={}, clock=clock)
+    loop = asyncio.new_event_loop()
+    codes: list[int] = []
+    thread = threading.Thread(
+        target=lambda: codes.append(
+            loop.run_until_complete(server.serve(install_signal_handlers=False))
+        ),
+        daemon=True,
+    )
+    thread.start()
+    try:
+        wait_for(socket_path.exists, "the socket")
+        yield socket_path, clock
+    finally:
+        loop.call_soon_threadsafe(server.stop)
+        thread.join(DEADLINE_S)
+        loop.close()
+        socket_path.unlink(missing_ok=True)
+        sock_dir.rmdir()
+    assert codes == [0]
+
+
+def test_a_tenants_time_to_live_and_the_uptime_follow_the_daemons_clock(
+    served: tuple[Path, ManualClock],
+) -> None:
+    socket_path, clock = served
+    bt = IDENTITY.block_tokens
+    prompt = np.arange(3 * bt, dtype=np.uint32)
+    with Client(socket_path, region_bytes=1 << 20) as client:
+        client.put(IDENTITY, prompt, [payload(1, i) for i in range(3)])
+        assert client.lookup(IDENTITY, [prompt])[0].n_blocks == 3
+        up = client.health()["uptime_s"]
+        clock.advance(TTL_S - 1)
+        assert client.lookup(IDENTITY, [prompt])[0].n_blocks == 3  # not expired yet
+        clock.advance(2)
+        assert client.lookup(IDENTITY, [prompt])[0].n_blocks == 0  # past its time to live
+        assert client.health()["uptime_s"] == pytest.approx(up + TTL_S + 1)
