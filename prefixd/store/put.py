@@ -278,7 +278,12 @@ class Writer:
                 "replaced %d stored block(s) whose records failed verification", outcome.replaced
             )
         if outcome.result.stored or outcome.result.parts:
-            self._keep_within_limits(tenant)
+            try:
+                self._keep_within_limits(tenant)
+            except lmdb.MapFullError:
+                # The put is committed and acknowledged; only the eviction after it failed. The
+                # next put (or the daemon's own eviction) tries again: never report it as lost.
+                log.warning("eviction after a put found the map full; the put is stored")
         return outcome.result
 
     def _with_room(self, write: Callable[[], Outcome]) -> Outcome:

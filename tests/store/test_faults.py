@@ -587,6 +587,25 @@ def test_a_full_map_in_any_write_is_a_store_full_error(
         assert store.stats().blocks == N_BLOCKS and store.check() == []
 
 
+def test_a_full_map_in_the_eviction_after_a_put_leaves_the_put_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The put committed before the quota's eviction ran: that eviction failing is no reason to
+    tell the caller the put was rolled back (it was not, and its blocks serve)."""
+    from prefixd.store import put as put_path
+
+    def full(*args: object, **kwargs: object) -> object:
+        raise lmdb.MapFullError("mdb_txn_commit: MDB_MAP_FULL: Environment mapsize limit")
+
+    with open_store(tmp_path / "s", tenant_quota_bytes=2000) as store:
+        monkeypatch.setattr(put_path, "evict", full)
+        result = store.put(IDENT, TOKENS, random_payloads(N_BLOCKS, size=1000))
+        assert result.stored == N_BLOCKS
+        assert store.longest_prefix(IDENT, TOKENS).n_blocks == N_BLOCKS
+        monkeypatch.undo()
+        assert store.check() == []
+
+
 # --- 6. kill -9 in the middle of a stream of puts ---------------------------------------------
 
 CHILD = textwrap.dedent(
