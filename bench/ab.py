@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -136,7 +137,7 @@ def compare_clients(other: Path, scratch: Path, lookups: int, chunk: int) -> dic
                 process.wait()
     finally:
         daemon.stop()
-        subprocess.run(["rm", "-rf", str(sock_dir)], check=False)
+        shutil.rmtree(sock_dir, ignore_errors=True)
     figures = {name: percentiles(values) for name, values in times.items()}
     return {
         "lookups": lookups,

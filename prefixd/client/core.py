@@ -365,17 +365,9 @@ class ClientCore:
             )
             reply: wire.LookupReply = yield Call(message, tuple(held))
         finally:
-            for span in held:
-                span.release()
-        frombuffer = np.frombuffer
+            _release(held)
         return [
-            Lookup(
-                r.n_blocks,
-                r.n_tokens,
-                tuple(frombuffer(r.sizes, "<u8").tolist()),
-                r.est_load_s,
-                r.est_prefill_s,
-            )
+            Lookup(r.n_blocks, r.n_tokens, _unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
             for r in reply.results
         ]
 

@@ -256,7 +256,7 @@ class RegionAllocator:
             if self._waiters or nbytes > self.size:
                 return None
             if not self._spans:  # the usual case for token ids: the region is all free
-                size = min(max(ALIGN, -(-nbytes // ALIGN) * ALIGN), self.size)
+                size = min(_aligned(nbytes), self.size)
                 self._free = [[size, self.size - size]] if size < self.size else []
                 span = self._spans[0] = Span(self, 0, size)
                 return span
@@ -423,13 +423,7 @@ class RegionAllocator:
         """One holder of `span` let go; free it when it was the last."""
         with self._lock:
             span.holders -= 1
-            if span.holders <= 0 and not span.inflight and self._spans.get(span.offset) is span:
-                if len(self._spans) == 1 and not span.lost and not self._waiters:
-                    # the usual case for token ids: the last span goes, all is free again
-                    del self._spans[span.offset]
-                    self._free = [[0, self.size]]
-                else:
-                    self._maybe_free(span)
+            self._maybe_free(span)
 
     def begin_request(self, span: Span) -> None:
         with self._lock:

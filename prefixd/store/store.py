@@ -31,8 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import lmdb
-
 from prefixd.clock import Clock, SystemClock
 from prefixd.errors import StoreClosedError
 from prefixd.schema.identity import Identity
@@ -44,7 +42,7 @@ from prefixd.store.config import StoreConfig
 from prefixd.store.context import StoreContext
 from prefixd.store.environment import OwnerLock, copy_compacted, open_environment
 from prefixd.store.joint import JointMatch
-from prefixd.store.lmdb_errors import translate
+from prefixd.store.lmdb_errors import lmdb_errors
 from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.put import Writer, check_first_block
 from prefixd.store.read import Reader
@@ -79,11 +77,8 @@ def _translated(
     def wrap(method: Callable[Concatenate[Store, _P], _R]) -> Callable[Concatenate[Store, _P], _R]:
         @functools.wraps(method)
         def run(self: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-            try:
+            with lmdb_errors(self.config.path, self.config.map_size, doing, writing=writing):
                 return method(self, *args, **kwargs)
-            except lmdb.Error as exc:
-                config = self.config
-                raise translate(exc, config.path, config.map_size, doing, writing=writing) from None
 
         return run
 

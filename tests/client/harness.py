@@ -10,8 +10,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from prefixd.client import AsyncClient, Client
-
-DEADLINE_S = 120.0  # a failure bound only: waits end when their condition holds
+from tests.waiting import DEADLINE_S
+from tests.waiting import settle as settle
 
 
 class AsyncOnThread:
@@ -54,20 +54,6 @@ class AsyncOnThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(DEADLINE_S)
             self.loop.close()
-
-
-async def settle(condition: Callable[[], bool], *, timeout: float = DEADLINE_S) -> None:
-    """Let the event loop run until `condition` holds (a condition, not a wall-clock guess): turn
-    by turn at first, then in short naps, so that other threads (a busy machine's) get to run too;
-    fail only after `timeout`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    turns = 0
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"the condition never held within {timeout} s")
-        turns += 1
-        await asyncio.sleep(0 if turns < 1000 else 0.001)
 
 
 def open_client(kind: str, socket_path: Any, **options: Any) -> Any:

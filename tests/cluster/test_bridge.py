@@ -3,7 +3,6 @@ publishing, one reading through; damage, outages and purges."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from prefixd.cluster.bridge import SharedTierBridge
 from prefixd.errors import PrefixdError, RemoteBlockError
 from prefixd.schema.chain import BlockChain
 from prefixd.store.purge import PurgeSelector
+from tests.waiting import wait_for
 
 from ..must_check import assert_store_checks, checks_on_teardown
 
@@ -98,10 +98,7 @@ def nodes(tmp_path: Path, request: pytest.FixtureRequest):
 def publish(store: Store, bridge: SharedTierBridge, tier: MemoryTier) -> None:
     result = store.put(IDENT, TOKENS, PAYLOADS)
     bridge.published(IDENT, result.hashes)
-    deadline = time.monotonic() + 120  # a failure bound only: the wait ends on the condition
-    while len(tier.objects) < len(PAYLOADS):
-        assert time.monotonic() < deadline, bridge.snapshot()
-        time.sleep(0.01)
+    wait_for(lambda: len(tier.objects) >= len(PAYLOADS), "every block published", poll_s=0.01)
 
 
 def loaded(store: Store) -> list[bytes]:
@@ -147,10 +144,7 @@ def test_the_tier_down_costs_nothing_but_a_count(nodes) -> None:  # noqa: ANN001
     assert bridge_b.read_through(IDENT, TOKENS, 0) == 0
     assert loaded(a) == PAYLOADS  # the local store answers alone
     assert bridge_b.snapshot()["fetch_errors"] >= 1
-    deadline = time.monotonic() + 120  # a failure bound only: the wait ends on the condition
-    while bridge_a.snapshot().get("publish_errors", 0) == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: bridge_a.snapshot().get("publish_errors", 0) > 0, "a publish error")
 
 
 def test_a_purge_removes_the_remote_copies(nodes) -> None:  # noqa: ANN001

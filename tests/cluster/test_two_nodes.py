@@ -16,6 +16,7 @@ from prefixd.client import Client
 from prefixd.cluster.blocks import block_key
 from prefixd.cluster.mooncake import SharedTier
 from prefixd.schema.chain import BlockChain
+from tests.waiting import wait_for
 
 from ..daemon.conftest import Daemon, _factory, make_identity, payload
 from .conftest import MooncakeMaster
@@ -58,10 +59,7 @@ def cluster_counts(node: Daemon) -> dict[str, int]:
 
 
 def wait_published(node: Daemon, n: int) -> None:
-    deadline = time.monotonic() + 120  # a failure bound only
-    while cluster_counts(node).get("published_blocks", 0) < n:
-        assert time.monotonic() < deadline, cluster_counts(node)
-        time.sleep(0.05)
+    wait_for(lambda: cluster_counts(node).get("published_blocks", 0) >= n, f"{n} blocks published")
 
 
 def test_a_cold_miss_is_served_from_the_other_node(nodes: tuple[Daemon, Daemon]) -> None:

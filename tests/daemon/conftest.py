@@ -29,6 +29,8 @@ import pytest
 import prefixd
 from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
 from prefixd.wire.region import send_with_fds
+from tests.waiting import DEADLINE_S as DEADLINE_S
+from tests.waiting import wait_for as wait_for
 
 from ..must_check import assert_data_dir_checks, checks_on_teardown
 
@@ -36,7 +38,6 @@ REPO = Path(__file__).resolve().parents[2]
 # Failure bounds, not expectations: a test waits for an event (READY=1, an exit, a condition) and
 # fails only if it never comes. They are generous so that an oversubscribed machine (a CI runner,
 # a laptop building something) is slow without failing.
-DEADLINE_S = 120.0
 READY_TIMEOUT_S = DEADLINE_S
 STOP_TIMEOUT_S = DEADLINE_S
 # Variables of the test runner's environment that must not reach a daemon under test.
@@ -50,17 +51,6 @@ _SCRUBBED = (
     "STATE_DIRECTORY",
     "RUNTIME_DIRECTORY",
 )
-
-
-def wait_for(
-    condition: Callable[[], object], what: str, timeout: float = DEADLINE_S, poll_s: float = 0.02
-) -> None:
-    """Poll `condition` until it is true; fail, saying `what` never happened, after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(poll_s)
 
 
 def make_identity(**changes: Any) -> prefixd.Identity:

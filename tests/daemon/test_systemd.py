@@ -20,6 +20,7 @@ import pytest
 
 from prefixd.daemon.systemd import Watchdog, listen_sockets, notify, watchdog_interval
 from prefixd.errors import ConfigError
+from tests.waiting import settle
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = ("prefixd.service", "prefixd.socket")
@@ -141,18 +142,6 @@ def test_watchdog_interval_reads_os_environ_by_default(monkeypatch: pytest.Monke
 # --- Watchdog -----------------------------------------------------------------------------------
 
 
-DEADLINE_S = 120.0  # a failure bound only: each wait below ends when its condition holds
-
-
-async def _until(condition: Callable[[], bool], what: str) -> None:
-    """Let the loop run (the watchdog's timers included) until `condition` holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE_S
-    while not condition():
-        assert loop.time() < deadline, f"{what}: not within {DEADLINE_S} s"
-        await asyncio.sleep(0.01)
-
-
 async def _watch(
     address: str,
     receiver: socket.socket,
@@ -171,12 +160,12 @@ async def _watch(
 
     watchdog = Watchdog(0.05, healthy, env={"NOTIFY_SOCKET": address})
     run, collecting = asyncio.create_task(watchdog.run()), asyncio.create_task(collect())
-    await _until(lambda: enough(watchdog), "the watchdog running its checks")
+    await settle(lambda: enough(watchdog), "the watchdog running its checks")
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
     # No more are sent: what was sent is all in the socket, read it to the last one.
-    await _until(lambda: len(received) >= watchdog.pings, "every ping sent received")
+    await settle(lambda: len(received) >= watchdog.pings, "every ping sent received")
     collecting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await collecting
@@ -225,10 +214,10 @@ def test_watchdog_resumes_when_health_returns(notify_socket: tuple[str, socket.s
         receiver.setblocking(False)
         watchdog = Watchdog(0.05, healthy, env={"NOTIFY_SOCKET": address})
         task = asyncio.create_task(watchdog.run())
-        await _until(lambda: watchdog.skipped >= 2, "two failed checks")
+        await settle(lambda: watchdog.skipped >= 2, "two failed checks")
         before = _drain(receiver)
         state["healthy"] = True
-        await _until(lambda: watchdog.pings >= 2, "two pings after health returned")
+        await settle(lambda: watchdog.pings >= 2, "two pings after health returned")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
