@@ -598,9 +598,9 @@ def _state_parts(match: JointMatch, offsets: Sequence[int] | None = None) -> lis
 
 
 def _closed_tokens(tokens: bytes | memoryview, identity: Identity) -> int:
-    """How many of a prompt's tokens lie in closed blocks (the part a lookup can hit)."""
-    bt = identity.block_tokens
-    return len(tokens) // TOKEN_BYTES // bt * bt
+    """How many of a prompt's tokens lie in closed blocks (the part a lookup can hit); for an
+    engine-keyed identity, the tokens its closed keys stand for."""
+    return len(tokens) // TOKEN_BYTES // identity.block_words * identity.block_tokens
 
 
 def _protocol_error(exc: Exception) -> Exception:

@@ -1,6 +1,8 @@
 """The prefix chain: block i is named by a hash of (identity digest, parent hash, block i's tokens).
 
-All three inputs have fixed widths (16 + 16 + 4 * block_tokens bytes), so the concatenation is
+An engine-keyed identity (`Identity.key_bytes`) chains the engine's block keys the same way: each
+key takes the place of one block's tokens, so its blocks get every guarantee the chain gives.
+All three inputs have fixed widths (16 + 16 + 4 * block_words bytes), so the concatenation is
 unambiguous. xxh3-128 gives 128 bits against accidental collisions at ~10 GB/s; the store also keeps
 each block's tokens, parent and identity and compares them on every hit, so a collision, accidental
 or crafted, is a miss and never a wrong answer.
@@ -42,7 +44,8 @@ class BlockChain:
         # shares cannot change between hashing and comparing.
         self._bytes = token_ids if isinstance(token_ids, bytes) else tokens.tobytes()
         self.tokens = np.frombuffer(self._bytes, dtype=TOKEN_DTYPE)
-        self.block_tokens = identity.block_tokens
+        # The words that name one block: its token ids, or an engine-keyed identity's key.
+        self.block_tokens = identity.block_words
         self.n_blocks = len(self.tokens) // self.block_tokens
         self._span = self.block_tokens * TOKEN_BYTES
         self._hashes: list[bytes] = []

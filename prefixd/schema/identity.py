@@ -23,6 +23,10 @@ IDENTITY_VERSION = 1
 DIGEST_BYTES = 16
 MAX_BLOCK_TOKENS = 1 << 20
 MAX_FIELD_BYTES = 4096
+# Engine block keys: at least 128 bits (README: "Engine-keyed blocks" gives the collision bound),
+# whole 4-byte words (they travel as the chain's '<u4' words), and short enough to stay a key.
+MIN_KEY_BYTES = 16
+MAX_KEY_BYTES = 256
 
 _REQUIRED_TEXT = ("model", "weights", "tokenizer", "template", "rope", "kv_layout", "tenant")
 _OPTIONAL_TEXT = ("adapter", "mm")
@@ -39,9 +43,9 @@ _ENCODING_ORDER = (
     "block_tokens",
     "tenant",
 )
-# `state` follows the fields above in the encoding only when it is set, so the digest of an
-# identity without a state spec is what it always was.
-_ALL_FIELDS = (*_ENCODING_ORDER, "state")
+# `state` and then `key_bytes` follow the fields above in the encoding only when set (a nil for
+# `state` when only `key_bytes` is), so the digest of an identity without them is what it always was.
+_ALL_FIELDS = (*_ENCODING_ORDER, "state", "key_bytes")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,12 @@ class Identity:
     sharding and the rank: each rank's shard is its own entry. `adapter` and `mm` are None when no
     LoRA adapter or multimodal preprocessing is involved. `state` is the state spec of a hybrid
     model (prefixd.schema.state); None stores one opaque payload per block.
+
+    `key_bytes` makes the identity engine-keyed: its blocks are named by the engine's own block
+    keys of exactly that many bytes (vLLM's 32-byte block hash and 4-byte group index, say), not
+    by token ids. The store then chains keys as it chains token blocks (each key in the place of
+    one block's tokens, compared on every hit), and `block_tokens` still says how many tokens one
+    block holds (what a hit saves). None: keyed by token ids.
     """
 
     model: str
@@ -65,6 +75,7 @@ class Identity:
     adapter: str | None = None
     mm: str | None = None
     state: StateSpec | None = None
+    key_bytes: int | None = None
     _encoded: bytes = field(init=False, repr=False, compare=False)
     _digest: bytes = field(init=False, repr=False, compare=False)
 
@@ -82,12 +93,21 @@ class Identity:
         if self.state is not None:
             object.__setattr__(self, "state", spec_from_value(self.state))
             check_spec(self.state, bt)
-            items.append([group.encode_fields() for group in self.state])
+        if self.state is not None or self.key_bytes is not None:
+            items.append(None if self.state is None else [g.encode_fields() for g in self.state])
+        if self.key_bytes is not None:
+            _check_key_bytes(self.key_bytes, self.state)
+            items.append(self.key_bytes)
         encoded = msgpack.packb(items, use_bin_type=True)
         object.__setattr__(self, "_encoded", encoded)
         object.__setattr__(
             self, "_digest", hashlib.blake2b(encoded, digest_size=DIGEST_BYTES).digest()
         )
+
+    @property
+    def block_words(self) -> int:
+        """How many '<u4' words name one block in the chain: its token ids, or its engine key."""
+        return self.block_tokens if self.key_bytes is None else self.key_bytes // 4
 
     @property
     def digest(self) -> bytes:
@@ -107,12 +127,14 @@ class Identity:
             raise IdentityError("encoding", f"cannot be decoded: {exc}") from None
         if (
             not isinstance(items, list)
-            or len(items) not in (2 + len(_ENCODING_ORDER), 2 + len(_ALL_FIELDS))
+            or not 2 + len(_ENCODING_ORDER) <= len(items) <= 2 + len(_ALL_FIELDS)
             or items[0] != IDENTITY_FORMAT
         ):
             raise IdentityError("encoding", "is not a prefixd identity")
         if items[1] != IDENTITY_VERSION:
             raise IdentityError("encoding", f"has unknown identity version {items[1]!r}")
+        if len(items) == 2 + len(_ALL_FIELDS) and items[-1] is None:
+            raise IdentityError("encoding", "is not canonical (a nil key_bytes)")
         return cls(**dict(zip(_ALL_FIELDS, items[2:])))
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,6 +156,19 @@ class Identity:
         if missing:
             raise IdentityError(missing[0], "is required")
         return cls(**values)
+
+
+def _check_key_bytes(key_bytes: object, state: StateSpec | None) -> None:
+    if isinstance(key_bytes, bool) or not isinstance(key_bytes, int):
+        raise IdentityError("key_bytes", f"must be an int, got {type(key_bytes).__name__}")
+    if not MIN_KEY_BYTES <= key_bytes <= MAX_KEY_BYTES or key_bytes % 4:
+        raise IdentityError(
+            "key_bytes",
+            f"must be a multiple of 4 in {MIN_KEY_BYTES}..{MAX_KEY_BYTES} (keys shorter than 128 "
+            f"bits are refused), got {key_bytes}",
+        )
+    if state is not None:
+        raise IdentityError("key_bytes", "an engine-keyed identity has no state spec")
 
 
 def _check_text(name: str, value: object, *, required: bool) -> None:

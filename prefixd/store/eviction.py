@@ -5,8 +5,9 @@ prefill it saves, over the bytes it holds and the time it has held them. prefixd
 
   p / T  ~  (hits + 1) / (residence_s + TAU_S) * exp(-idle_s / IDLE_TAU_S)
             a hit rate with a one-hit prior over TAU_S, decayed by the time since the last read;
-  C_saved ~  the block's token count (prefill cost grows with tokens; the attention term that
-            grows with depth is ignored, since a block is only ever evicted after its descendants);
+  C_saved ~  the block's token count, its identity's `block_tokens` (prefill cost grows with
+            tokens; the attention term that grows with depth is ignored, since a block is only ever
+            evicted after its descendants); an engine-keyed block holds a key, not its tokens;
   M       =  the block's stored bytes (with its state-group parts, for a hybrid identity).
 
 Only leaves are candidates (a block is never evicted while a descendant is stored), so a prefix
@@ -29,8 +30,9 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError
+from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
+from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
 from prefixd.store.config import StoreConfig
@@ -66,17 +68,41 @@ class Candidate:
     stored_size: int
 
 
-def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int) -> float:
+class TokensPerBlock:
+    """How many tokens one block of each identity holds, read once per identity in a transaction:
+    a block's record holds its token ids, or (engine-keyed) only the engine's key for them."""
+
+    def __init__(self, txn: lmdb.Transaction, identities: lmdb._Database) -> None:
+        self._txn = txn
+        self._db = identities
+        self._known: dict[bytes, int] = {}
+
+    def of(self, record: BlockRecord) -> int:
+        known = self._known.get(record.identity)
+        if known is None:
+            known = record.n_tokens
+            raw = self._txn.get(record.identity, db=self._db)
+            if raw is not None:
+                try:
+                    known = Identity.decode(bytes(raw)).block_tokens
+                except IdentityError:
+                    pass  # check reports it; the record's own count is the best guess
+            self._known[record.identity] = known
+        return known
+
+
+def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int) -> float:
+    """The estimated value per byte of a block holding `tokens` tokens (see the module's text)."""
     residence_s = max(0.0, (now_ns - record.created_ns) / 1e9)
     idle_s = max(0.0, (now_ns - access.last_ns) / 1e9)
     rate = (access.hits + 1) / (residence_s + TAU_S) * math.exp(-idle_s / IDLE_TAU_S)
-    return rate * record.n_tokens / max(1, record.stored_size)
+    return rate * tokens / max(1, record.stored_size)
 
 
-def score(policy: str, record: BlockRecord, access: AccessRecord, now_ns: int) -> float:
+def score(policy: str, record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int) -> float:
     if policy == "lru":
         return float(access.last_ns)
-    return value_per_byte(record, access, now_ns)
+    return value_per_byte(record, access, now_ns, tokens)
 
 
 class VictimQueue:
@@ -96,6 +122,7 @@ class VictimQueue:
         self._t = tables
         self._policy = policy
         self._now = now_ns
+        self._tokens = TokensPerBlock(txn, tables.identities)
         self._heap: list[tuple[float, bytes, bytes, int]] = []
         children = txn.cursor(db=tables.children)
         for key, value in txn.cursor(db=tables.blocks):
@@ -121,7 +148,8 @@ class VictimQueue:
         # a hybrid identity's block holds its bytes in parts (its record's own payload is empty)
         stored = record.stored_size + part_bytes(self._txn, self._t.parts, block)
         record = record._replace(stored_size=stored)
-        return Candidate(score(self._policy, record, access, self._now), block, parent_key, stored)
+        value = score(self._policy, record, access, self._now, self._tokens.of(record))
+        return Candidate(value, block, parent_key, stored)
 
     def __iter__(self) -> Iterator[Candidate]:
         while self._heap:

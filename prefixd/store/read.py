@@ -93,10 +93,10 @@ class Reader:
         identity, hashes = self._tenancy.namespace(identity, hashes)
         require_plain(identity, "lookup_state")
         tokens = as_token_array(token_ids)  # a view: this answer is never remembered
-        n_blocks = len(tokens) // identity.block_tokens
+        n_blocks = len(tokens) // identity.block_words
         if hashes is not None and len(hashes) != n_blocks * HASH_BYTES:
             raise TokenError(f"{len(hashes)} bytes of block hashes for {n_blocks} closed blocks")
-        closed = tokens[: n_blocks * identity.block_tokens]
+        closed = tokens[: n_blocks * identity.block_words]
         if not closed.size:
             return None
         ctx = self._ctx
@@ -204,7 +204,7 @@ class Reader:
         )
         return LoadResult(
             n_ok,
-            (start + n_ok) * chain.block_tokens,
+            (start + n_ok) * chain.identity.block_tokens,
             tuple(offsets[:n_ok]),
             sizes,
             start,

@@ -22,7 +22,7 @@ from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store.environment import Tables
-from prefixd.store.eviction import value_per_byte
+from prefixd.store.eviction import TokensPerBlock, value_per_byte
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -77,6 +77,7 @@ def hottest_prefixes(
     records: dict[bytes, BlockRecord] = {}
     ranked: list[tuple[float, bytes]] = []
     plain = _plain_identities(txn, t, tenant)
+    tokens = TokensPerBlock(txn, t.identities)
     for key, raw in txn.cursor(db=t.blocks):
         try:
             record = BlockRecord.decode(raw)
@@ -87,7 +88,7 @@ def hottest_prefixes(
         block = bytes(key)
         records[block] = record
         access = AccessRecord.read(txn.get(block, db=t.access), record.created_ns)
-        ranked.append((-value_per_byte(record, access, now_ns), block))
+        ranked.append((-value_per_byte(record, access, now_ns, tokens.of(record)), block))
     heapq.heapify(ranked)
     taken: dict[bytes, float] = {}
     spent = 0

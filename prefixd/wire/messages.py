@@ -25,7 +25,13 @@ from typing import Annotated, Any, Protocol, TypeAlias
 import msgspec
 from msgspec import Meta, Struct
 
-from prefixd.schema.identity import MAX_BLOCK_TOKENS, MAX_FIELD_BYTES, Identity
+from prefixd.schema.identity import (
+    MAX_BLOCK_TOKENS,
+    MAX_FIELD_BYTES,
+    MAX_KEY_BYTES,
+    MIN_KEY_BYTES,
+    Identity,
+)
 from prefixd.schema.state import MAX_GROUP_NAME_BYTES, MAX_GROUPS, MAX_PAGE_BLOCKS, StateGroup
 from prefixd.wire.errors import ErrorCode
 
@@ -70,9 +76,10 @@ class WireStateGroup(Struct, frozen=True, forbid_unknown_fields=True):
     replay_tokens: Count = 0
 
 
-class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True):
+class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """prefixd.Identity on the wire (its `to_dict()`): a map of scalar fields and an optional
-    state spec. Frozen, so the daemon keys its cache of parsed identities by it."""
+    state spec. Frozen, so the daemon keys its cache of parsed identities by it. Unset optional
+    fields are left out, so a daemon that predates one (`key_bytes`) still reads the rest."""
 
     model: Required
     weights: Required
@@ -87,6 +94,7 @@ class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True):
     state: (
         Annotated[tuple[WireStateGroup, ...], Meta(min_length=1, max_length=MAX_GROUPS)] | None
     ) = None
+    key_bytes: Annotated[int, Meta(ge=MIN_KEY_BYTES, le=MAX_KEY_BYTES, multiple_of=4)] | None = None
 
     @classmethod
     def of(cls, identity: Identity) -> "WireIdentity":
@@ -110,6 +118,7 @@ class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True):
             identity.adapter,
             identity.mm,
             state,
+            identity.key_bytes,
         )
 
     def to_identity(self) -> Identity:
@@ -135,6 +144,7 @@ class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True):
             adapter=self.adapter,
             mm=self.mm,
             state=state,
+            key_bytes=self.key_bytes,
         )
 
 

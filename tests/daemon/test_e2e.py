@@ -448,3 +448,31 @@ def test_stats_and_health_while_busy(daemon_factory: DaemonFactory) -> None:
         finally:
             stop.set()
             thread.join(DEADLINE_S)
+
+
+# --- engine-keyed blocks through the daemon ------------------------------------------------------
+
+
+def test_engine_keyed_blocks_through_the_daemon(daemon: Daemon) -> None:
+    import dataclasses
+
+    from prefixd.schema.keys import pack_keys
+
+    engine = dataclasses.replace(IDENTITY, key_bytes=36, block_tokens=32)
+    keys = [bytes([i]) * 32 + (0).to_bytes(4, "big") for i in range(1, 7)]
+    pays = block_payloads(5, 6)
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        assert client.put(engine, pack_keys(engine, keys), pays).stored == 6
+        sizes = tuple(len(p) for p in pays)
+        found = client.lookup(
+            engine,
+            [pack_keys(engine, keys), pack_keys(engine, keys[:2] + [bytes(36)] + keys[3:])],
+        )
+        assert found == [Lookup(6, 6 * 32, sizes), Lookup(2, 64, sizes[:2])]
+        assert _views(client.load(engine, pack_keys(engine, keys))) == pays
+        # the same keys under the token-keyed identity (or another key width) are not found
+        token_keyed = dataclasses.replace(engine, key_bytes=None)
+        assert client.lookup(token_keyed, [pack_keys(engine, keys)]) == [Lookup(0, 0, ())]
+    daemon.restart()
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        assert _views(client.load(engine, pack_keys(engine, keys))) == pays
