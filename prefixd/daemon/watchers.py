@@ -1,8 +1,8 @@
 """Retiring a model's old entries when its weights change on disk.
 
 Each served model is fingerprinted from its manifest files (say its config and weight index):
-`sha256:` over the files' names and bytes, read with aiofiles so the event loop never blocks on
-disk. An engine uses the fingerprint as the identity's `weights` (the daemon reports it in `hello`
+`sha256:` over the files' names and bytes (prefixd.schema.fingerprint), read on a thread so the
+event loop never blocks on disk. An engine uses the fingerprint as the identity's `weights` (the daemon reports it in `hello`
 and `stats`). A watchdog observer notices when a manifest changes; after a short settling delay the
 fingerprint is recomputed and every entry of that model with other weights is purged, which makes
 it unreachable at once.
@@ -11,14 +11,14 @@ it unreachable at once.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
-import aiofiles
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+
+from prefixd.schema.fingerprint import fingerprint_files
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +27,8 @@ Retire = Callable[[str, str], Awaitable[int]]  # (model, fingerprint to keep) ->
 
 
 async def fingerprint(paths: tuple[Path, ...]) -> str:
-    """`sha256:<hex>` over each file's name and content, in order; a missing file counts as empty
-    (a model mid-copy then fingerprints differently, and settles on the next change)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode() + b"\0")
-        try:
-            async with aiofiles.open(path, "rb") as file:
-                while chunk := await file.read(1 << 20):
-                    digest.update(chunk)
-        except FileNotFoundError:
-            digest.update(b"\0missing\0")
-    return "sha256:" + digest.hexdigest()
+    """The model's weights fingerprint (prefixd.schema.fingerprint), computed on a thread."""
+    return await asyncio.to_thread(fingerprint_files, paths)
 
 
 class ManifestWatcher:

@@ -1,0 +1,448 @@
+"""`PrefixdTier`: prefixd as a secondary tier of vLLM's tiering offloading manager.
+
+vLLM runs a secondary tier in its scheduler process and requires every call to return at once.
+So the tier only queues work: lookups go through vLLM's own AsyncLookupManager (answered on its
+thread, RETRY until then), stores and loads through one job thread of ours; finished jobs are
+reported by `get_finished_jobs()`. Both threads share one prefixd Client.
+
+Keys are vLLM's (a 32-byte block hash and a 4-byte group index). Each KV group is an engine-keyed
+identity of its own (prefixd.schema.keys), and a request's keys of that group, in prefix order (the
+end-token position the scheduler records for each key), are the chain: a block is stored only
+after its parents, a lookup hits a key only when every key before it is stored, and a load copies
+only verified payloads. A payload moves between vLLM's primary-tier row and prefixd's shared
+region with one copy each way; nothing goes through the socket but the request.
+
+When the daemon is down or slow, lookups are misses and jobs fail (vLLM recomputes); nothing
+raises into the scheduler, and the next job after `reconnect_s` tries to connect again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from prefixd.client import Client
+from prefixd.errors import PrefixdError
+from prefixd.schema.identity import Identity
+from prefixd.schema.keys import pack_keys
+
+log = logging.getLogger(__name__)
+
+KEY_BYTES = 36  # vLLM's OffloadKey: block hash (32) + big-endian group index (4)
+_GROUP_BYTES = 4
+
+
+def group_of(key: bytes) -> int:
+    return int.from_bytes(key[-_GROUP_BYTES:], "big")
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive blocks `first .. first + len(rows) - 1` of one group's chain, with the
+    primary-tier rows they come from or go to."""
+
+    identity: Identity
+    chain: list[bytes]  # the group's keys 0 .. first + len(rows) - 1
+    first: int
+    keys: list[bytes]
+    rows: list[int]
+
+
+class Chains:
+    """A request's keys in prefix order, per KV group, from the end-token positions vLLM's
+    scheduler records in the request's context (every key of the request, from its first
+    chunk). A key whose chain has a gap before it has no chain: never stored or reported."""
+
+    def __init__(self, tokens_per_chunk: Mapping[int, int]) -> None:
+        self._tokens_per_chunk = dict(tokens_per_chunk)
+
+    def of(self, req_context: ReqContext) -> dict[int, list[bytes]]:
+        positions: dict[bytes, int] = getattr(req_context, "_offload_key_positions", {}).copy()
+        by_group: dict[int, dict[int, bytes]] = {}
+        for key, end_token in positions.items():
+            group = group_of(key)
+            span = self._tokens_per_chunk.get(group)
+            if span is None or end_token % span:
+                continue  # a boundary key of another group's kind: not a chunk of the chain
+            by_group.setdefault(group, {})[end_token // span - 1] = key
+        chains = {}
+        for group, keys in by_group.items():
+            chain: list[bytes] = []
+            while len(chain) in keys:
+                chain.append(keys[len(chain)])
+            chains[group] = chain
+        return chains
+
+
+class _Lookups(AsyncLookupManager):  # type: ignore[misc]
+    """vLLM's async lookup manager, asking the daemon for a batch of one request's keys."""
+
+    def __init__(self, tier: PrefixdTier, tier_type: str) -> None:
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier.present(keys, req_context)
+
+
+class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
+    """A vLLM secondary tier backed by the prefixd daemon at `socket`.
+
+    Loaded by vLLM as `{"type": "PrefixdTier", "module_path": "prefixd.integrations.vllm",
+    "socket": PATH, "identity": {...}}` (`kv_transfer_config` builds it, with the identity fields
+    taken from the engine's config)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        socket: str,
+        identity: Mapping[str, str | None],
+        tenant: str = "default",
+        region_bytes: int = 64 << 20,
+        timeout_s: float = 10.0,
+        reconnect_s: float = 1.0,
+        enable_kv_events: bool = False,
+        backpressure_detector: Any = None,
+        **unused: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if unused:
+            log.warning("prefixd tier: ignoring unknown settings %s", sorted(unused))
+        if not primary_kv_view.c_contiguous:
+            raise ValueError("prefixd tier: the primary tier's memory is not contiguous")
+        self._rows = primary_kv_view.cast("B")
+        self._row_bytes = self.block_size_bytes
+        config = offloading_spec.config
+        self._identities = group_identities(config, identity, tenant, self._row_bytes)
+        self._chains = Chains(
+            {g.group_id: g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups}
+        )
+        self._socket = socket
+        self._region_bytes = max(region_bytes, self._row_bytes)
+        self._timeout_s = timeout_s
+        self._reconnect_s = reconnect_s
+        self._client: Client | None = None
+        self._client_lock = threading.Lock()
+        self._next_connect = 0.0
+        self._events: list[OffloadingEvent] | None = None
+        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
+            self._events = []
+        self._events_lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[str, TransferJob, list[dict[int, list[bytes]]]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._lookups = _Lookups(self, tier_type)
+        self._worker = threading.Thread(target=self._work, name="prefixd-tier-jobs", daemon=True)
+        self._worker.start()
+
+    # --- vLLM's calls (scheduler thread; none of them waits) -----------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit("store", job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit("load", job_metadata)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        finished = []
+        while True:
+            try:
+                finished.append(self._finished.get_nowait())
+            except queue.Empty:
+                return finished
+
+    def has_pending_work(self) -> bool:
+        return self._pending > 0
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    def drain_jobs(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def shutdown(self) -> None:
+        self._jobs.put(None)
+        self._worker.join()
+        self._lookups.shutdown()
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+        self._rows.release()  # vLLM unmaps the primary tier after its tiers shut down
+
+    # --- the lookup thread ----------------------------------------------------------------------
+
+    def present(self, keys: Sequence[bytes], req_context: ReqContext) -> list[bool]:
+        """Which of `keys` are stored after every key before them (one daemon call per group)."""
+        chains = self._chains.of(req_context)
+        hit_blocks: dict[int, int] = {}
+        for group in {group_of(k) for k in keys}:
+            identity, chain = self._identities.get(group), chains.get(group, [])
+            wanted = [chain.index(k) for k in keys if group_of(k) == group and k in chain]
+            if identity is None or not wanted:
+                continue
+            prefix = chain[: max(wanted) + 1]
+            found = self._call(lambda c: c.lookup(identity, [pack_keys(identity, prefix)]))
+            hit_blocks[group] = found[0].n_blocks if found else 0
+        hits = []
+        for key in keys:
+            chain = chains.get(group_of(key), [])
+            hits.append(key in chain and chain.index(key) < hit_blocks.get(group_of(key), 0))
+        return hits
+
+    # --- the job thread -------------------------------------------------------------------------
+
+    def _submit(self, kind: str, job: TransferJob) -> None:
+        with self._idle:
+            self._pending += 1
+        # the chains as they are now: the scheduler thread goes on adding to the request's keys
+        self._jobs.put((kind, job, [self._chains.of(job.req_context)]))
+
+    def _work(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            kind, job, (chains,) = item
+            started = time.monotonic()
+            try:
+                result = self._store(job, chains) if kind == "store" else self._load(job, chains)
+            except Exception:  # a bug must not stop the tier: the job fails, vLLM recomputes
+                log.exception("prefixd tier: %s job failed", kind)
+                result = JobResult(job.job_id, success=False)
+            result.transfer_time = time.monotonic() - started
+            self._finished.put(result)
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _store(self, job: TransferJob, chains: dict[int, list[bytes]]) -> JobResult:
+        runs, unplaced = self._runs(job, chains)
+        stored: list[bytes] = []
+        per_put = max(1, self._region_bytes // self._row_bytes)
+        for run in runs:
+            for at in range(0, len(run.keys), per_put):
+                rows = run.rows[at : at + per_put]
+                payloads = [self._row(r) for r in rows]
+                first = run.first + at
+                chain = run.chain[: first + len(rows)]
+                put = self._call(
+                    lambda c: c.put(
+                        run.identity, pack_keys(run.identity, chain), payloads, first_block=first
+                    )
+                )
+                if put is None:
+                    break  # refused (say, a parent not stored) or the daemon is away
+                stored.extend(run.keys[at : at + per_put])
+        if self._events is not None and stored:
+            with self._events_lock:
+                self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False))
+        success = not unplaced and len(stored) == len(job.keys)
+        return JobResult(job.job_id, success=success, transfer_bytes=len(stored) * self._row_bytes)
+
+    def _load(self, job: TransferJob, chains: dict[int, list[bytes]]) -> JobResult:
+        runs, unplaced = self._runs(job, chains)
+        loaded: list[bytes] = []
+        for run in runs:
+            done = self._load_run(run)
+            loaded.extend(run.keys[:done])
+            if done < len(run.keys):
+                break
+        if len(loaded) == len(job.keys) and not unplaced:
+            return JobResult(job.job_id, success=True, transfer_bytes=len(loaded) * self._row_bytes)
+        failed = [k for k in job.keys if k not in set(loaded)]
+        self._lookups.mark_miss(failed)
+        return JobResult(
+            job.job_id,
+            success=False,
+            successful_keys=tuple(loaded) or None,
+            transfer_bytes=len(loaded) * self._row_bytes,
+        )
+
+    def _load_run(self, run: Run) -> int:
+        """Copy run's verified payloads into their rows; how many leading blocks made it."""
+        done = 0
+        per_load = max(1, self._region_bytes // self._row_bytes)
+        while done < len(run.keys):
+            first = run.first + done
+            count = min(per_load, len(run.keys) - done)
+            words = pack_keys(run.identity, run.chain[: first + count])
+            result = self._call(
+                lambda c: c.load(run.identity, words, first_block=first, max_blocks=count)
+            )
+            if result is None:
+                return done
+            with result:
+                ok = 0
+                for view, row in zip(result.views, run.rows[done : done + result.n_blocks]):
+                    if len(view) != self._row_bytes:
+                        break  # stored by an engine with other rows: not this layout's bytes
+                    self._row(row)[:] = view
+                    ok += 1
+            done += ok
+            if ok < count:
+                return done
+        return done
+
+    def _runs(
+        self, job: TransferJob, chains: dict[int, list[bytes]]
+    ) -> tuple[list[Run], list[bytes]]:
+        """The job's keys as runs of consecutive chain blocks per group; keys with no place in
+        a chain (or of a group this tier does not know) are returned apart."""
+        by_group: dict[int, list[tuple[int, bytes, int]]] = {}
+        unplaced: list[bytes] = []
+        for key, row in zip(job.keys, job.chunk_ids):
+            group = group_of(key)
+            chain = chains.get(group, [])
+            if group not in self._identities or key not in chain:
+                unplaced.append(key)
+                continue
+            by_group.setdefault(group, []).append((chain.index(key), key, int(row)))
+        runs = []
+        for group, entries in by_group.items():
+            entries.sort()
+            chain, identity = chains[group], self._identities[group]
+            start = 0
+            for i in range(1, len(entries) + 1):
+                if i == len(entries) or entries[i][0] != entries[i - 1][0] + 1:
+                    part = entries[start:i]
+                    first = part[0][0]
+                    runs.append(
+                        Run(
+                            identity,
+                            chain[: first + len(part)],
+                            first,
+                            [key for _, key, _ in part],
+                            [row for _, _, row in part],
+                        )
+                    )
+                    start = i
+        return runs, unplaced
+
+    def _row(self, chunk_id: int) -> memoryview:
+        at = chunk_id * self._row_bytes
+        return self._rows[at : at + self._row_bytes]
+
+    # --- the daemon -----------------------------------------------------------------------------
+
+    def _call(self, operation: Any) -> Any:
+        """`operation(client)`, or None when the daemon is away or refuses it (logged without
+        keys); a lost connection is dropped and tried again after `reconnect_s`."""
+        client = self._connected()
+        if client is None:
+            return None
+        try:
+            return operation(client)
+        except PrefixdError as exc:
+            log.info("prefixd tier: %s (%s)", type(exc).__name__, getattr(exc, "code", ""))
+            if type(exc).__name__ in ("DaemonUnavailableError", "RequestTimeoutError"):
+                self._disconnect(client)
+            return None
+
+    def _connected(self) -> Client | None:
+        with self._client_lock:
+            if self._client is not None:
+                return self._client
+            now = time.monotonic()
+            if now < self._next_connect:
+                return None
+            try:
+                self._client = Client(
+                    self._socket,
+                    region_bytes=self._region_bytes,
+                    timeout=self._timeout_s,
+                    name="vllm-tier",
+                )
+            except (PrefixdError, OSError) as exc:
+                self._next_connect = now + self._reconnect_s
+                log.warning("prefixd tier: daemon at %s not reachable (%s)", self._socket, exc)
+                return None
+            return self._client
+
+    def _disconnect(self, client: Client) -> None:
+        with self._client_lock:
+            if self._client is client:
+                self._client = None
+                self._next_connect = time.monotonic() + self._reconnect_s
+        client.close()
+
+
+def group_identities(
+    config: Any, fields: Mapping[str, str | None], tenant: str, row_bytes: int
+) -> dict[int, Identity]:
+    """One engine-keyed identity per KV group: the engine's fields (prefixd.integrations.vllm
+    .identity), with what vLLM's offloading config says about the KV added to `kv_layout`."""
+    parallel = config.parallel
+    layout = (
+        f"{fields['kv_layout']} kv={config.model.dtype} row={row_bytes} "
+        f"worker_block={config.worker_kv_bytes_per_block}"
+        f" hash_tokens={config.cache.tokens_per_hash}"
+        f" chunk_blocks={config.cache.blocks_per_chunk} world={parallel.world_size}"
+        f" tp={parallel.tp_size} pp={parallel.pp_size} pcp={parallel.pcp_size}"
+        f" dcp={parallel.dcp_size} layout={config.kv_cache_layout}"
+        f" canonical={config.canonical_layout} replicated={config.replicated_layout}"
+    )
+    base = Identity(
+        model=str(fields["model"]),
+        weights=str(fields["weights"]),
+        tokenizer=str(fields["tokenizer"]),
+        template=str(fields["template"]),
+        rope=str(fields["rope"]),
+        kv_layout=layout,
+        block_tokens=1,
+        tenant=tenant,
+        adapter=fields.get("adapter"),
+        mm=fields.get("mm"),
+        key_bytes=KEY_BYTES,
+    )
+    return {
+        group.group_id: replace(
+            base,
+            kv_layout=f"{layout} group={group.group_id} layers={len(group.layer_names)}",
+            block_tokens=group.tokens_per_block * config.cache.blocks_per_chunk,
+        )
+        for group in config.groups
+    }
+
+
+__all__ = ["KEY_BYTES", "Chains", "PrefixdTier", "group_identities", "group_of"]
