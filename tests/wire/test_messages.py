@@ -497,6 +497,9 @@ WRONG = [
         ErrorCode.BAD_IDENTITY,
         "block_tokens",
     ),
+    (_put(identity={**IDENTITY_DICT, "key_bytes": 12}), ErrorCode.BAD_IDENTITY, "key_bytes"),
+    (_put(identity={**IDENTITY_DICT, "key_bytes": 34}), ErrorCode.BAD_IDENTITY, "key_bytes"),
+    (_put(identity={**IDENTITY_DICT, "key_bytes": "36"}), ErrorCode.BAD_IDENTITY, "key_bytes"),
     (_put(identity={**IDENTITY_DICT, "model": ""}), ErrorCode.BAD_IDENTITY, "model"),
     (_put(identity={**IDENTITY_DICT, "mm": 3}), ErrorCode.BAD_IDENTITY, "mm"),
     (

@@ -13,7 +13,8 @@ everything that changes the KV those tokens produce; each field's source:
               tokenizer_config.json where the model is local, else the hub revision
   rope        the HF config's rope_scaling / rope_parameters, rope_theta, max_position_embeddings,
               and ModelConfig.max_model_len when rope scaling is set (it then sets positions)
-  kv_layout   ModelConfig.dtype and CacheConfig.cache_dtype here; the tier adds what vLLM's
+  kv_layout   ModelConfig.dtype, CacheConfig.cache_dtype and prefix_caching_hash_algo (the keys'
+              hash) here; the tier adds what vLLM's
               offloading config says: the KV dtype, bytes per block, block and chunk size,
               tensor / pipeline / context parallel sizes and layout, and the KV group
   adapter     LoRAConfig (max_loras, max_lora_rank, lora_dtype) when LoRA is enabled, else None
@@ -56,9 +57,10 @@ def engine_fields(vllm_config: Any) -> dict[str, str | None]:
         "tokenizer": tokenizer,
         "template": _template(local, revision),
         "rope": _rope(model_config),
-        "kv_layout": "dtype={} cache={}".format(
+        "kv_layout": "dtype={} cache={} keys={}".format(
             str(model_config.dtype).removeprefix("torch."),
             vllm_config.cache_config.cache_dtype,
+            getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"),
         ),
         "adapter": _adapter(vllm_config.lora_config),
         "mm": _multimodal(model_config),
@@ -84,13 +86,14 @@ def _rope(model_config: Any) -> str:
     hf = model_config.hf_config
     text = getattr(hf, "get_text_config", lambda: hf)()
     rope = {key: getattr(text, key, None) for key in _ROPE_KEYS}
-    if rope["rope_scaling"] or _scaled(rope["rope_parameters"]):
+    if _scaled(rope["rope_scaling"]) or _scaled(rope["rope_parameters"]):
         rope["max_model_len"] = model_config.max_model_len
     return _canonical(rope)
 
 
 def _scaled(parameters: object) -> bool:
-    """Whether rope parameters (transformers' rope_parameters) scale positions."""
+    """Whether rope parameters (rope_scaling, or transformers' rope_parameters, per layer type or
+    not) scale positions."""
     if not isinstance(parameters, dict):
         return False
     layers = (
@@ -98,7 +101,10 @@ def _scaled(parameters: object) -> bool:
         if all(isinstance(v, dict) for v in parameters.values())
         else [parameters]
     )
-    return any(layer.get("rope_type", "default") != "default" for layer in layers)
+    return any(
+        layer.get("rope_type", layer.get("type", "default")) not in ("default", None)
+        for layer in layers
+    )
 
 
 def _adapter(lora_config: Any) -> str | None:

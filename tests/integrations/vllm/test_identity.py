@@ -1,0 +1,86 @@
+"""The tier's identity comes from vLLM's own config: every field that changes the KV a token
+prefix produces changes it, and nothing else does."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from prefixd.integrations.vllm import engine_fields, kv_transfer_config
+
+from .tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+def base_args(model: Path, **changes: Any) -> EngineArgs:
+    args = EngineArgs(
+        model=str(model),
+        block_size=32,
+        max_model_len=512,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        dtype="float32",
+    )
+    return dataclasses.replace(args, **changes)
+
+
+def fields(args: EngineArgs) -> dict[str, str | None]:
+    return engine_fields(args.create_engine_config())
+
+
+def test_the_same_config_is_the_same_identity(model: Path) -> None:
+    assert fields(base_args(model)) == fields(base_args(model))
+    assert fields(base_args(model))["adapter"] is None
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"dtype": "bfloat16"}, "kv_layout"),
+        ({"kv_cache_dtype": "fp8"}, "kv_layout"),
+        ({"prefix_caching_hash_algo": "xxhash"}, "kv_layout"),
+        ({"hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}}, "rope"),
+        ({"enable_lora": True}, "adapter"),
+        ({"tokenizer_mode": "slow"}, "tokenizer"),
+    ],
+)
+def test_each_engine_setting_changes_its_field(
+    model: Path, change: dict[str, Any], field: str
+) -> None:
+    before, after = fields(base_args(model)), fields(base_args(model, **change))
+    assert {k for k in before if before[k] != after[k]} == {field}
+
+
+def test_max_model_len_counts_only_when_rope_scaling_sets_positions(model: Path) -> None:
+    assert fields(base_args(model)) == fields(base_args(model, max_model_len=256))
+    scaled = {"hf_overrides": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}
+    assert (
+        fields(base_args(model, **scaled))["rope"]
+        != fields(base_args(model, max_model_len=256, **scaled))["rope"]
+    )
+
+
+def test_other_weights_are_another_identity(model: Path, tmp_path: Path) -> None:
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    ours, theirs = fields(base_args(model)), fields(base_args(other))
+    assert ours["weights"] != theirs["weights"]
+    rebuilt = build_tiny_model(tmp_path / "rebuilt")  # the same bytes elsewhere: same weights
+    assert fields(base_args(rebuilt))["weights"] == ours["weights"]
+
+
+def test_kv_transfer_config_loads_the_tier_with_those_fields(model: Path) -> None:
+    args = base_args(model)
+    config = kv_transfer_config(args, socket="/run/prefixd/prefixd.sock", tenant="acme")
+    [tier] = config.kv_connector_extra_config["secondary_tiers"]
+    assert config.kv_connector == "OffloadingConnector"
+    assert config.kv_connector_extra_config["spec_name"] == "TieringOffloadingSpec"
+    assert (tier["type"], tier["module_path"]) == ("PrefixdTier", "prefixd.integrations.vllm")
+    assert (tier["tenant"], tier["identity"]) == ("acme", fields(args))
