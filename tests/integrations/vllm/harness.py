@@ -1,0 +1,153 @@
+"""vLLM's scheduler-side offloading, driven as vLLM drives it, without an engine: a real
+TieringOffloadingSpec and TieringOffloadingManager over a real CPU primary tier, secondary tiers
+loaded through vLLM's own factory (`module_path` for prefixd). Used by the tier's tests and by
+bench/vllm_tier.py. Runs only in the vLLM venv."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from ...waiting import wait_for
+
+TOKENS_PER_BLOCK = 32
+ROW_BYTES = 4096  # bytes of one chunk in the primary tier (one block per chunk)
+FIELDS = {
+    "model": "tiny",
+    "weights": "w1",
+    "tokenizer": "t",
+    "template": "none",
+    "rope": "{}",
+    "kv_layout": "dtype=float32 cache=auto",
+    "adapter": None,
+    "mm": None,
+}
+
+
+def prefixd_tier(socket: str, **tier: Any) -> dict[str, Any]:
+    """The `secondary_tiers` entry of a prefixd tier (the tests' identity fields, unless given)."""
+    return {
+        "type": "PrefixdTier",
+        "module_path": "prefixd.integrations.vllm",
+        "socket": socket,
+        "identity": FIELDS,
+        **tier,
+    }
+
+
+def offloading_config(
+    tier: dict[str, Any], row_bytes: int = ROW_BYTES, rows: int = 64
+) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(TOKENS_PER_BLOCK, ("layer.0", "layer.1"), 0),),
+        worker_kv_bytes_per_block=row_bytes,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": rows * row_bytes, "secondary_tiers": [tier]},
+        engine_id=f"prefixd-test-{uuid.uuid4().hex[:8]}",  # a fresh primary region each time
+        model=OffloadingModelConfig(name="tiny", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_BLOCK, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True),
+    )
+
+
+def request_keys(seed: int, n: int) -> list[bytes]:
+    keys, parent = [], seed.to_bytes(8, "big")
+    for _ in range(n):
+        parent = hashlib.sha256(parent).digest()
+        keys.append(make_offload_key(parent, 0))
+    return keys
+
+
+def context(req_id: str, keys: list[bytes]) -> ReqContext:
+    """A request's context as vLLM's scheduler fills it: every key's end-token position."""
+    ctx = ReqContext(req_id=req_id)
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, (i + 1) * TOKENS_PER_BLOCK)
+    return ctx
+
+
+@dataclass
+class Engine:
+    """One engine's scheduler-side offloading: vLLM's spec and manager with a prefixd tier."""
+
+    spec: TieringOffloadingSpec
+    manager: Any
+
+    @classmethod
+    def start(cls, socket: str, **tier: Any) -> Engine:
+        """An engine with a prefixd tier on `socket`."""
+        return cls.with_tier(prefixd_tier(socket, **tier))
+
+    @classmethod
+    def with_tier(cls, tier: dict[str, Any], row_bytes: int = ROW_BYTES, rows: int = 64) -> Engine:
+        spec = TieringOffloadingSpec(offloading_config(tier, row_bytes, rows))
+        return cls(spec, spec.get_manager())
+
+    @property
+    def tier(self) -> Any:
+        return self.manager.secondary_tiers[0]
+
+    def rows(self) -> np.ndarray:
+        view = self.manager.primary_tier.get_kv_memoryview()
+        return np.frombuffer(view, dtype=np.uint8).reshape(-1, view.strides[0])
+
+    def step(self) -> None:
+        self.manager.on_schedule_end(ScheduleEndContext((), ()))
+
+    def store(self, ctx: ReqContext, keys: list[bytes], payloads: list[bytes]) -> None:
+        """What vLLM does after a forward pass: rows into the primary tier, then cascade."""
+        self.manager.on_new_request(ctx)
+        prepared = self.manager.prepare_store(keys, ctx)
+        assert prepared is not None and list(prepared.keys_to_store) == keys
+        rows = self.rows()
+        for chunk, data in zip(prepared.store_spec.block_ids, payloads):
+            rows[int(chunk)][: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.manager.complete_store(keys, ctx)
+        self.tier.drain_jobs()
+        self.step()  # the finished cascade is collected
+
+    def lookup_until_settled(self, ctx: ReqContext, key: bytes) -> LookupResult:
+        """vLLM's lookup loop: RETRY while the tier's lookup thread asks the daemon, HIT_PENDING
+        while the promotion's load runs, then HIT or MISS."""
+        results: list[LookupResult] = []
+
+        def settled() -> bool:
+            results.append(self.manager.lookup(key, ctx))
+            if results[-1] in (LookupResult.RETRY, LookupResult.HIT_PENDING):
+                self.step()  # flushes lookups and submits promotions
+                self.tier.drain_jobs()
+                return False
+            return True
+
+        wait_for(settled, "a lookup through the tier to settle")
+        return results[-1]
+
+    def load(self, ctx: ReqContext, keys: list[bytes]) -> list[bytes]:
+        """Look each key up in prefix order until the first miss, then read the loaded rows."""
+        self.manager.on_new_request(ctx)
+        hits = []
+        for key in keys:
+            if self.lookup_until_settled(ctx, key) is not LookupResult.HIT:
+                break
+            hits.append(key)
+        if not hits:
+            return []
+        spec = self.manager.prepare_load(hits, ctx)
+        rows = self.rows()
+        return [rows[int(chunk)].tobytes() for chunk in spec.block_ids]
+
+    def close(self) -> None:
+        self.manager.shutdown()
