@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="where to write the result JSON")
     p.add_argument("--tier-json", help="secondary_tiers: a JSON list of tier configs, or a file")
     p.add_argument("--no-offload", action="store_true", help="no KV transfer config at all")
+    p.add_argument(
+        "--prefixd-socket",
+        help="prefixd as the secondary tier, at this daemon socket: the transfer config comes "
+        "from prefixd.integrations.vllm.kv_transfer_config (the identity from the engine's config)",
+    )
+    p.add_argument("--prefixd-tenant", default="default")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=32, help="KV block size (multiple of 32)")
     p.add_argument(
@@ -188,14 +194,29 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.max_model_len is not None:
         engine_kwargs["max_model_len"] = args.max_model_len
+    if args.engine_args:
+        engine_kwargs.update(_json_arg(args.engine_args))
     extra: dict[str, Any] | None = None
-    if not args.no_offload:
+    if args.prefixd_socket:
+        from vllm.engine.arg_utils import EngineArgs
+
+        from prefixd.integrations.vllm import kv_transfer_config
+
+        config = kv_transfer_config(
+            EngineArgs(**engine_kwargs),
+            socket=args.prefixd_socket,
+            tenant=args.prefixd_tenant,
+            spec_name=SPEC_NAME,
+            spec_module_path=SPEC_MODULE,
+            extra_config={"cpu_bytes_to_use": args.cpu_bytes},
+        )
+        extra = config.kv_connector_extra_config
+        engine_kwargs["kv_transfer_config"] = config
+    elif not args.no_offload:
         extra = connector_config(args)
         engine_kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
         )
-    if args.engine_args:
-        engine_kwargs.update(_json_arg(args.engine_args))
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs)

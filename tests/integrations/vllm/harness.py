@@ -119,30 +119,38 @@ class Engine:
         self.tier.drain_jobs()
         self.step()  # the finished cascade is collected
 
-    def lookup_until_settled(self, ctx: ReqContext, key: bytes) -> LookupResult:
-        """vLLM's lookup loop: RETRY while the tier's lookup thread asks the daemon, HIT_PENDING
-        while the promotion's load runs, then HIT or MISS."""
-        results: list[LookupResult] = []
+    def scheduler_lookup(self, ctx: ReqContext, keys: list[bytes]) -> int | None:
+        """One scheduler step's lookup, as vLLM's offloading scheduler does it
+        (OffloadingConnectorScheduler._lookup): consecutive hits from the first key, or None
+        while the tiers are still answering (RETRY) or loading (HIT_PENDING)."""
+        hits, deferred = 0, False
+        for key in keys:
+            result = self.manager.lookup(key, ctx)
+            if result is LookupResult.HIT:
+                hits += 1
+            elif result is LookupResult.HIT_PENDING:
+                hits, deferred = hits + 1, True
+            elif result is LookupResult.RETRY:
+                deferred = True
+            else:
+                break
+        return None if deferred else hits
+
+    def load(self, ctx: ReqContext, keys: list[bytes]) -> list[bytes]:
+        """Step as the scheduler does until the lookup settles, then read the loaded rows."""
+        self.manager.on_new_request(ctx)
+        found: list[int | None] = []
 
         def settled() -> bool:
-            results.append(self.manager.lookup(key, ctx))
-            if results[-1] in (LookupResult.RETRY, LookupResult.HIT_PENDING):
-                self.step()  # flushes lookups and submits promotions
+            found.append(self.scheduler_lookup(ctx, keys))
+            if found[-1] is None:
+                self.step()  # flushes the lookups and submits the promotions' loads
                 self.tier.drain_jobs()
                 return False
             return True
 
-        wait_for(settled, "a lookup through the tier to settle")
-        return results[-1]
-
-    def load(self, ctx: ReqContext, keys: list[bytes]) -> list[bytes]:
-        """Look each key up in prefix order until the first miss, then read the loaded rows."""
-        self.manager.on_new_request(ctx)
-        hits = []
-        for key in keys:
-            if self.lookup_until_settled(ctx, key) is not LookupResult.HIT:
-                break
-            hits.append(key)
+        wait_for(settled, "a lookup through the tiers to settle")
+        hits = keys[: found[-1]]
         if not hits:
             return []
         spec = self.manager.prepare_load(hits, ctx)
