@@ -183,6 +183,11 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             except queue.Empty:
                 return finished
 
+    @property
+    def connected(self) -> bool:
+        """Whether the tier holds a connection to the daemon now."""
+        return self._client is not None
+
     def has_pending_work(self) -> bool:
         return self._pending > 0
 
@@ -242,6 +247,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         self._jobs.put((kind, job, [self._chains.of(job.req_context)]))
 
     def _work(self) -> None:
+        self._connected()  # at once, off vLLM's thread: the region is touched before any load
         while (item := self._jobs.get()) is not None:
             kind, job, (chains,) = item
             started = time.monotonic()

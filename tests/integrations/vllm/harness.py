@@ -136,8 +136,9 @@ class Engine:
                 break
         return None if deferred else hits
 
-    def load(self, ctx: ReqContext, keys: list[bytes]) -> list[bytes]:
-        """Step as the scheduler does until the lookup settles, then read the loaded rows."""
+    def load(self, ctx: ReqContext, keys: list[bytes], poll_s: float = 0.02) -> list[bytes]:
+        """Step as the scheduler does (every `poll_s`) until the lookup settles, then read the
+        loaded rows."""
         self.manager.on_new_request(ctx)
         found: list[int | None] = []
 
@@ -149,7 +150,7 @@ class Engine:
                 return False
             return True
 
-        wait_for(settled, "a lookup through the tiers to settle")
+        wait_for(settled, "a lookup through the tiers to settle", poll_s=poll_s)
         hits = keys[: found[-1]]
         if not hits:
             return []
