@@ -46,6 +46,7 @@ from prefixd.schema.keys import pack_keys
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 36  # vLLM's OffloadKey: block hash (32) + big-endian group index (4)
+MAX_REPORTED = 1 << 20  # stored keys remembered for removal events (about 100 MiB at most)
 _GROUP_BYTES = 4
 
 
@@ -149,6 +150,9 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self._events = []
         self._events_lock = threading.Lock()
+        # Keys reported stored, until a lookup or load finds them gone (evicted, purged, expired
+        # or quarantined in the daemon): then they are reported removed. Oldest forgotten first.
+        self._reported: dict[bytes, None] = {}
         self._jobs: queue.SimpleQueue[tuple[str, TransferJob, list[dict[int, list[bytes]]]] | None]
         self._jobs = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
@@ -192,6 +196,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         return self._pending > 0
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        """What the tier stored, and which of those blocks its lookups and loads found gone."""
         if self._events is None:
             return ()
         with self._events_lock:
@@ -236,6 +241,8 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         for key in keys:
             chain = chains.get(group_of(key), [])
             hits.append(key in chain and chain.index(key) < hit_blocks.get(group_of(key), 0))
+        if self._reported:
+            self._note([k for k, hit in zip(keys, hits) if not hit], removed=True)
         return hits
 
     # --- the job thread -------------------------------------------------------------------------
@@ -280,9 +287,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                 if put is None:
                     break  # refused (say, a parent not stored) or the daemon is away
                 stored.extend(run.keys[at : at + per_put])
-        if self._events is not None and stored:
-            with self._events_lock:
-                self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False))
+        self._note(stored, removed=False)
         success = not unplaced and len(stored) == len(job.keys)
         return JobResult(job.job_id, success=success, transfer_bytes=len(stored) * self._row_bytes)
 
@@ -298,6 +303,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             return JobResult(job.job_id, success=True, transfer_bytes=len(loaded) * self._row_bytes)
         failed = [k for k in job.keys if k not in set(loaded)]
         self._lookups.mark_miss(failed)
+        self._note(failed, removed=True)
         return JobResult(
             job.job_id,
             success=False,
@@ -364,6 +370,25 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                     )
                     start = i
         return runs, unplaced
+
+    def _note(self, keys: Sequence[bytes], *, removed: bool) -> None:
+        """Queue a KV event for `keys` (stored, or found gone after being reported stored)."""
+        if self._events is None or not keys:
+            return
+        with self._events_lock:
+            if removed:
+                keys = [k for k in keys if k in self._reported]
+                for key in keys:
+                    del self._reported[key]
+            else:
+                for key in keys:
+                    self._reported[key] = None
+                while len(self._reported) > MAX_REPORTED:
+                    del self._reported[next(iter(self._reported))]
+            if keys:
+                self._events.append(
+                    OffloadingEvent(keys=list(keys), medium=self.medium, removed=removed)
+                )
 
     def _row(self, chunk_id: int) -> memoryview:
         at = chunk_id * self._row_bytes

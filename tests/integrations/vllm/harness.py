@@ -49,12 +49,12 @@ def prefixd_tier(socket: str, **tier: Any) -> dict[str, Any]:
 
 
 def offloading_config(
-    tier: dict[str, Any], row_bytes: int = ROW_BYTES, rows: int = 64
+    tier: dict[str, Any], row_bytes: int = ROW_BYTES, rows: int = 64, events: bool = False
 ) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(TOKENS_PER_BLOCK, ("layer.0", "layer.1"), 0),),
         worker_kv_bytes_per_block=row_bytes,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": rows * row_bytes, "secondary_tiers": [tier]},
         engine_id=f"prefixd-test-{uuid.uuid4().hex[:8]}",  # a fresh primary region each time
         model=OffloadingModelConfig(name="tiny", dtype="float32"),
@@ -92,8 +92,11 @@ class Engine:
         return cls.with_tier(prefixd_tier(socket, **tier))
 
     @classmethod
-    def with_tier(cls, tier: dict[str, Any], row_bytes: int = ROW_BYTES, rows: int = 64) -> Engine:
-        spec = TieringOffloadingSpec(offloading_config(tier, row_bytes, rows))
+    def with_tier(
+        cls, tier: dict[str, Any], row_bytes: int = ROW_BYTES, rows: int = 64, events: bool = False
+    ) -> Engine:
+        """An engine with `tier` (a `secondary_tiers` entry); `events`: vLLM's KV events on."""
+        spec = TieringOffloadingSpec(offloading_config(tier, row_bytes, rows, events))
         return cls(spec, spec.get_manager())
 
     @property

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from vllm.v1.kv_offload.base import Medium
 
 from prefixd.client import Client
 from prefixd.schema.chain import chain_hashes
@@ -19,7 +20,7 @@ from prefixd.schema.keys import pack_keys
 from ...daemon.conftest import Daemon, DaemonFactory
 from ...store.test_faults import corrupt_stored_chunk
 from ...waiting import wait_for
-from .harness import FIELDS, ROW_BYTES, Engine, context, request_keys
+from .harness import FIELDS, ROW_BYTES, Engine, context, prefixd_tier, request_keys
 
 
 @pytest.fixture
@@ -109,3 +110,34 @@ def test_a_damaged_payload_is_a_miss_from_that_block_on(
     third = Engine.start(str(daemon.socket))  # quarantined: now a miss at lookup already
     engines.append(third)
     assert third.load(context("c", keys), keys) == payloads[:2]
+
+
+def test_take_events_reports_what_the_tier_stored(daemon: Daemon, engines: list[Engine]) -> None:
+    keys, payloads = request_keys(6, 3), rows_of(6, 3)
+    engine = Engine.with_tier(prefixd_tier(str(daemon.socket), enable_kv_events=True), events=True)
+    engines.append(engine)
+    engine.store(context("a", keys), keys, payloads)
+    events = list(engine.tier.take_events())
+    assert [sorted(e.keys) for e in events] == [sorted(keys)]
+    assert all(e.medium is Medium.STORAGE and not e.removed for e in events)
+    assert list(engine.tier.take_events()) == []  # taken once
+    quiet = Engine.start(str(daemon.socket))  # events off: none kept
+    engines.append(quiet)
+    quiet.store(context("b", request_keys(7, 2)), request_keys(7, 2), rows_of(7, 2))
+    assert list(quiet.tier.take_events()) == []
+
+
+def test_blocks_found_gone_are_reported_removed(daemon: Daemon, engines: list[Engine]) -> None:
+    keys, payloads = request_keys(8, 3), rows_of(8, 3)
+    engine = Engine.with_tier(prefixd_tier(str(daemon.socket), enable_kv_events=True), events=True)
+    engines.append(engine)
+    engine.store(context("a", keys), keys, payloads)
+    assert [e.removed for e in engine.tier.take_events()] == [False]
+    with Client(daemon.socket) as client:
+        assert client.purge(tenant="default")["blocks"] == 3
+    # the tier's own lookup (what vLLM's async lookup thread calls) finds them gone
+    assert engine.tier.present(keys, context("b", keys)) == [False] * 3
+    [removed] = engine.tier.take_events()
+    assert removed.removed and sorted(removed.keys) == sorted(keys)
+    assert engine.tier.present(keys, context("c", keys)) == [False] * 3
+    assert list(engine.tier.take_events()) == []  # reported once
