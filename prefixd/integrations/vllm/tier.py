@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -66,6 +66,24 @@ class Run:
     rows: list[int]
 
 
+class Chain(NamedTuple):
+    """One group's keys of a request in prefix order, and each key's place in it."""
+
+    keys: list[bytes]
+    places: dict[bytes, int]
+
+
+NO_CHAIN = Chain([], {})
+
+
+def positions_of(req_context: ReqContext) -> dict[bytes, int]:
+    """A snapshot of the end-token position vLLM's scheduler recorded for each of the request's
+    keys (ReqContext keeps them for managers that need prefix order); one C-level dict copy, so
+    the scheduler thread, which goes on adding keys, pays almost nothing for it."""
+    positions: dict[bytes, int] = getattr(req_context, "_offload_key_positions", {})
+    return positions.copy()
+
+
 class Chains:
     """A request's keys in prefix order, per KV group, from the end-token positions vLLM's
     scheduler records in the request's context (every key of the request, from its first
@@ -74,8 +92,7 @@ class Chains:
     def __init__(self, tokens_per_chunk: Mapping[int, int]) -> None:
         self._tokens_per_chunk = dict(tokens_per_chunk)
 
-    def of(self, req_context: ReqContext) -> dict[int, list[bytes]]:
-        positions: dict[bytes, int] = getattr(req_context, "_offload_key_positions", {}).copy()
+    def of(self, positions: Mapping[bytes, int]) -> dict[int, Chain]:
         by_group: dict[int, dict[int, bytes]] = {}
         for key, end_token in positions.items():
             group = group_of(key)
@@ -88,7 +105,7 @@ class Chains:
             chain: list[bytes] = []
             while len(chain) in keys:
                 chain.append(keys[len(chain)])
-            chains[group] = chain
+            chains[group] = Chain(chain, {key: i for i, key in enumerate(chain)})
         return chains
 
 
@@ -153,7 +170,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         # Keys reported stored, until a lookup or load finds them gone (evicted, purged, expired
         # or quarantined in the daemon): then they are reported removed. Oldest forgotten first.
         self._reported: dict[bytes, None] = {}
-        self._jobs: queue.SimpleQueue[tuple[str, TransferJob, list[dict[int, list[bytes]]]] | None]
+        self._jobs: queue.SimpleQueue[tuple[str, TransferJob, dict[bytes, int]] | None]
         self._jobs = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._pending = 0
@@ -227,20 +244,20 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
 
     def present(self, keys: Sequence[bytes], req_context: ReqContext) -> list[bool]:
         """Which of `keys` are stored after every key before them (one daemon call per group)."""
-        chains = self._chains.of(req_context)
+        chains = self._chains.of(positions_of(req_context))
         hit_blocks: dict[int, int] = {}
         for group in {group_of(k) for k in keys}:
-            identity, chain = self._identities.get(group), chains.get(group, [])
-            wanted = [chain.index(k) for k in keys if group_of(k) == group and k in chain]
+            identity, chain = self._identities.get(group), chains.get(group, NO_CHAIN)
+            wanted = [chain.places[k] for k in keys if group_of(k) == group and k in chain.places]
             if identity is None or not wanted:
                 continue
-            prefix = chain[: max(wanted) + 1]
+            prefix = chain.keys[: max(wanted) + 1]
             found = self._call(lambda c: c.lookup(identity, [pack_keys(identity, prefix)]))
             hit_blocks[group] = found[0].n_blocks if found else 0
         hits = []
         for key in keys:
-            chain = chains.get(group_of(key), [])
-            hits.append(key in chain and chain.index(key) < hit_blocks.get(group_of(key), 0))
+            place = chains.get(group_of(key), NO_CHAIN).places.get(key)
+            hits.append(place is not None and place < hit_blocks.get(group_of(key), 0))
         if self._reported:
             self._note([k for k, hit in zip(keys, hits) if not hit], removed=True)
         return hits
@@ -250,13 +267,13 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
     def _submit(self, kind: str, job: TransferJob) -> None:
         with self._idle:
             self._pending += 1
-        # the chains as they are now: the scheduler thread goes on adding to the request's keys
-        self._jobs.put((kind, job, [self._chains.of(job.req_context)]))
+        self._jobs.put((kind, job, positions_of(job.req_context)))
 
     def _work(self) -> None:
         self._connected()  # at once, off vLLM's thread: the region is touched before any load
         while (item := self._jobs.get()) is not None:
-            kind, job, (chains,) = item
+            kind, job, positions = item
+            chains = self._chains.of(positions)
             started = time.monotonic()
             try:
                 result = self._store(job, chains) if kind == "store" else self._load(job, chains)
@@ -269,12 +286,20 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                 self._pending -= 1
                 self._idle.notify_all()
 
-    def _store(self, job: TransferJob, chains: dict[int, list[bytes]]) -> JobResult:
+    def _store(self, job: TransferJob, chains: dict[int, Chain]) -> JobResult:
         runs, unplaced = self._runs(job, chains)
         stored: list[bytes] = []
         per_put = max(1, self._region_bytes // self._row_bytes)
         for run in runs:
-            for at in range(0, len(run.keys), per_put):
+            # blocks the daemon has already (a chunk stored again) are not copied again
+            found = self._call(
+                lambda c: c.lookup(run.identity, [pack_keys(run.identity, run.chain)])
+            )
+            if found is None:
+                break
+            have = min(len(run.keys), max(0, found[0].n_blocks - run.first))
+            stored.extend(run.keys[:have])
+            for at in range(have, len(run.keys), per_put):
                 rows = run.rows[at : at + per_put]
                 payloads = [self._row(r) for r in rows]
                 first = run.first + at
@@ -291,7 +316,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         success = not unplaced and len(stored) == len(job.keys)
         return JobResult(job.job_id, success=success, transfer_bytes=len(stored) * self._row_bytes)
 
-    def _load(self, job: TransferJob, chains: dict[int, list[bytes]]) -> JobResult:
+    def _load(self, job: TransferJob, chains: dict[int, Chain]) -> JobResult:
         runs, unplaced = self._runs(job, chains)
         loaded: list[bytes] = []
         for run in runs:
@@ -336,24 +361,22 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                 return done
         return done
 
-    def _runs(
-        self, job: TransferJob, chains: dict[int, list[bytes]]
-    ) -> tuple[list[Run], list[bytes]]:
+    def _runs(self, job: TransferJob, chains: dict[int, Chain]) -> tuple[list[Run], list[bytes]]:
         """The job's keys as runs of consecutive chain blocks per group; keys with no place in
         a chain (or of a group this tier does not know) are returned apart."""
         by_group: dict[int, list[tuple[int, bytes, int]]] = {}
         unplaced: list[bytes] = []
         for key, row in zip(job.keys, job.chunk_ids):
             group = group_of(key)
-            chain = chains.get(group, [])
-            if group not in self._identities or key not in chain:
+            place = chains.get(group, NO_CHAIN).places.get(key)
+            if group not in self._identities or place is None:
                 unplaced.append(key)
                 continue
-            by_group.setdefault(group, []).append((chain.index(key), key, int(row)))
+            by_group.setdefault(group, []).append((place, key, int(row)))
         runs = []
         for group, entries in by_group.items():
             entries.sort()
-            chain, identity = chains[group], self._identities[group]
+            chain, identity = chains[group].keys, self._identities[group]
             start = 0
             for i in range(1, len(entries) + 1):
                 if i == len(entries) or entries[i][0] != entries[i - 1][0] + 1:

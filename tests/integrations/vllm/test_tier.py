@@ -141,3 +141,24 @@ def test_blocks_found_gone_are_reported_removed(daemon: Daemon, engines: list[En
     assert removed.removed and sorted(removed.keys) == sorted(keys)
     assert engine.tier.present(keys, context("c", keys)) == [False] * 3
     assert list(engine.tier.take_events()) == []  # reported once
+
+
+def test_chunks_stored_again_are_not_copied_again(daemon: Daemon, engines: list[Engine]) -> None:
+    keys, payloads = request_keys(9, 4), rows_of(9, 4)
+
+    def puts() -> int:
+        with Client(daemon.socket) as client:
+            latency = client.stats()["metrics"]["latency_us"]
+        return int(latency.get("put", {}).get("count", 0))
+
+    first = Engine.start(str(daemon.socket))
+    engines.append(first)
+    first.store(context("a", keys), keys, payloads)
+    assert puts() == 1
+    again = Engine.start(str(daemon.socket))  # another engine computes and offloads them too
+    engines.append(again)
+    again.store(context("b", keys), keys, payloads)
+    assert puts() == 1  # found stored: no payload staged, no put
+    more = request_keys(9, 6)
+    again.store(context("c", more), more[4:], rows_of(10, 2))
+    assert puts() == 2
