@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from prefixd.client import Client
-from prefixd.errors import PrefixdError
+from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.schema.identity import Identity
 from prefixd.schema.keys import pack_keys
 
@@ -138,7 +138,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         identity: Mapping[str, str | None],
         tenant: str = "default",
         region_bytes: int = 64 << 20,
-        timeout_s: float = 10.0,
+        timeout_s: float = 2.0,
         reconnect_s: float = 1.0,
         enable_kv_events: bool = False,
         backpressure_detector: Any = None,
@@ -429,7 +429,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             return operation(client)
         except PrefixdError as exc:
             log.info("prefixd tier: %s (%s)", type(exc).__name__, getattr(exc, "code", ""))
-            if type(exc).__name__ in ("DaemonUnavailableError", "RequestTimeoutError"):
+            if isinstance(exc, DaemonUnavailableError | RequestTimeoutError):
                 self._disconnect(client)
             return None
 

@@ -6,6 +6,8 @@ in a fresh manager with an empty primary tier: the bytes that arrive are the byt
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 
@@ -162,3 +164,24 @@ def test_chunks_stored_again_are_not_copied_again(daemon: Daemon, engines: list[
     more = request_keys(9, 6)
     again.store(context("c", more), more[4:], rows_of(10, 2))
     assert puts() == 2
+
+
+def test_a_daemon_that_does_not_answer_is_a_miss(
+    daemon_factory: DaemonFactory, engines: list[Engine]
+) -> None:
+    daemon = daemon_factory()
+    keys, payloads = request_keys(11, 3), rows_of(11, 3)
+    engine = Engine.start(str(daemon.socket), timeout_s=0.5, reconnect_s=0.0)
+    engines.append(engine)
+    engine.store(context("a", keys), keys, payloads)
+    fresh = Engine.start(str(daemon.socket), timeout_s=0.5, reconnect_s=0.0)
+    engines.append(fresh)
+    wait_for(lambda: fresh.tier.connected, "the tier to connect")
+    os.kill(daemon.pid, signal.SIGSTOP)  # alive, holding its socket, answering nothing
+    try:
+        assert fresh.load(context("b", keys), keys) == []  # timed out: misses, nothing raised
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    later = Engine.start(str(daemon.socket), timeout_s=0.5, reconnect_s=0.0)
+    engines.append(later)
+    wait_for(lambda: later.load(context(uuid.uuid4().hex, keys), keys) == payloads, "answers")
