@@ -139,9 +139,9 @@ class Engine:
                 break
         return None if deferred else hits
 
-    def load(self, ctx: ReqContext, keys: list[bytes], poll_s: float = 0.02) -> list[bytes]:
-        """Step as the scheduler does (every `poll_s`) until the lookup settles, then read the
-        loaded rows."""
+    def settle(self, ctx: ReqContext, keys: list[bytes], poll_s: float = 0.02) -> int:
+        """Step as the scheduler does (every `poll_s`) until its lookup settles: how many
+        leading keys are then in the primary tier (loaded from the tiers where they were not)."""
         self.manager.on_new_request(ctx)
         found: list[int | None] = []
 
@@ -154,12 +154,21 @@ class Engine:
             return True
 
         wait_for(settled, "a lookup through the tiers to settle", poll_s=poll_s)
-        hits = keys[: found[-1]]
-        if not hits:
+        hits = found[-1]
+        assert hits is not None
+        return hits
+
+    def read(self, ctx: ReqContext, keys: list[bytes]) -> list[bytes]:
+        """The primary tier's rows of `keys` (which must be there), as vLLM's load reads them."""
+        if not keys:
             return []
-        spec = self.manager.prepare_load(hits, ctx)
+        spec = self.manager.prepare_load(keys, ctx)
         rows = self.rows()
         return [rows[int(chunk)].tobytes() for chunk in spec.block_ids]
+
+    def load(self, ctx: ReqContext, keys: list[bytes], poll_s: float = 0.02) -> list[bytes]:
+        """Settle the lookup, then read the rows of the keys found."""
+        return self.read(ctx, keys[: self.settle(ctx, keys, poll_s)])
 
     def close(self) -> None:
         self.manager.shutdown()
