@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from prefixd import Identity, Store
+from prefixd.clock import ManualClock
 from prefixd.errors import IdentityError, OrphanBlockError, TokenError
 from prefixd.schema.chain import chain_hashes
 from prefixd.schema.keys import pack_keys, unpack_keys
@@ -155,3 +156,23 @@ def test_purge_retire_and_check_cover_engine_keyed_blocks(store: Store) -> None:
     assert store.longest_prefix(ENGINE, pack_keys(ENGINE, vllm_keys(1, 3))).n_blocks == 0
     assert store.purge(PurgeSelector(tenant="a")).blocks == 3
     assert store.stats().blocks == 0
+
+
+def test_ttls_and_quotas_hold_engine_keyed_tenants(tmp_path: Path) -> None:
+    clock = ManualClock()
+    keys = pack_keys(ENGINE, vllm_keys(1, 4))
+    with Store.open(
+        tmp_path / "s",
+        map_size=64 << 20,
+        tenant_ttls=("a=1s",),
+        tenant_quotas=("b=8KiB",),
+        clock=clock,
+    ) as store:
+        store.put(ENGINE, keys, payloads(4, 1000))
+        clock.advance(1.5)
+        assert store.longest_prefix(ENGINE, keys).n_blocks == 0  # expired: unreachable at once
+        assert store.reclaim_expired() == 4
+        quota = replace(ENGINE, tenant="b")
+        store.put(quota, keys, payloads(4, 4000))  # 16 kB into a tenant of 8 KiB
+        assert 0 < store.tenant_bytes("b") <= 8 << 10
+        assert 0 < store.longest_prefix(quota, keys).n_blocks < 4  # the prefix shrank from its end

@@ -8,9 +8,12 @@ module implements is otherwise the same there.
     from vllm.engine.arg_utils import EngineArgs
     from prefixd.integrations.vllm import kv_transfer_config
 
-    args = EngineArgs(model=MODEL, block_size=32)
-    args.kv_transfer_config = kv_transfer_config(args, socket="/run/prefixd/prefixd.sock")
-    llm = LLM(**vars(args))  # or the same settings on `vllm serve --kv-transfer-config`
+    engine = {"model": MODEL, "block_size": 32}
+    transfer = kv_transfer_config(
+        EngineArgs(**engine), socket="/run/prefixd/prefixd.sock",
+        extra_config={"cpu_bytes_to_use": 8 << 30},
+    )
+    llm = LLM(**engine, kv_transfer_config=transfer)  # as tests/integrations/vllm/engine_run.py
 
 The tier itself (`PrefixdTier`, in prefixd.integrations.vllm.tier) imports vLLM; this module
 imports it only when the tier is loaded, so the identity helpers work without it.

@@ -4,6 +4,9 @@ prefix produces changes it, and nothing else does."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +87,17 @@ def test_kv_transfer_config_loads_the_tier_with_those_fields(model: Path) -> Non
     assert config.kv_connector_extra_config["spec_name"] == "TieringOffloadingSpec"
     assert (tier["type"], tier["module_path"]) == ("PrefixdTier", "prefixd.integrations.vllm")
     assert (tier["tenant"], tier["identity"]) == ("acme", fields(args))
+
+
+def test_the_command_line_prints_the_config_for_vllm_serve(model: Path) -> None:
+    engine = ["--model", str(model), "--block-size", "32", "--max-model-len", "512"]
+    engine += ["--enforce-eager", "--skip-tokenizer-init", "--dtype", "float32"]
+    command = [sys.executable, "-m", "prefixd.integrations.vllm", "--socket", "/run/p.sock"]
+    done = subprocess.run(
+        [*command, "--cpu-bytes", "1GiB", "--", *engine], capture_output=True, text=True, check=True
+    )
+    printed = json.loads(done.stdout)  # vLLM's own log lines go to stderr
+    assert set(printed) == {"kv_connector", "kv_role", "kv_connector_extra_config"}
+    extra = printed["kv_connector_extra_config"]
+    assert extra["cpu_bytes_to_use"] == 1 << 30
+    assert extra["secondary_tiers"][0]["identity"] == fields(base_args(model))
