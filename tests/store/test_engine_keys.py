@@ -19,19 +19,9 @@ from prefixd.schema.keys import pack_keys, unpack_keys
 from prefixd.schema.records import BlockRecord
 from prefixd.store.purge import PurgeSelector
 
-from .test_faults import corrupt_payload
+from .test_faults import IDENT, corrupt_payload
 
-ENGINE = Identity(
-    model="m",
-    weights="w",
-    tokenizer="t",
-    template="c",
-    rope="r",
-    kv_layout="bf16",
-    block_tokens=32,
-    tenant="a",
-    key_bytes=36,
-)
+ENGINE = replace(IDENT, block_tokens=32, key_bytes=36)
 
 
 def vllm_keys(seed: int, n: int, group: int = 0) -> list[bytes]:

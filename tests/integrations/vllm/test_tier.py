@@ -10,6 +10,7 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,11 +26,26 @@ from ...waiting import wait_for
 from .harness import FIELDS, ROW_BYTES, Engine, context, prefixd_tier, request_keys
 
 
+class Engines:
+    """The engines a test starts, closed after it."""
+
+    def __init__(self) -> None:
+        self.started: list[Engine] = []
+
+    def add(self, engine: Engine) -> Engine:
+        self.started.append(engine)
+        return engine
+
+    def start(self, socket: object, **tier: Any) -> Engine:
+        """An engine with a prefixd tier at `socket` (see harness.Engine.start)."""
+        return self.add(Engine.start(str(socket), **tier))
+
+
 @pytest.fixture
-def engines(daemon: Daemon) -> Iterator[list[Engine]]:
-    started: list[Engine] = []
+def engines() -> Iterator[Engines]:
+    started = Engines()
     yield started
-    for engine in started:
+    for engine in started.started:
         engine.close()
 
 
@@ -38,101 +54,86 @@ def rows_of(seed: int, n: int) -> list[bytes]:
     return [rng.integers(0, 256, ROW_BYTES, dtype=np.uint8).tobytes() for _ in range(n)]
 
 
-def test_a_fresh_engine_loads_what_another_stored(daemon: Daemon, engines: list[Engine]) -> None:
+def test_a_fresh_engine_loads_what_another_stored(daemon: Daemon, engines: Engines) -> None:
     keys, payloads = request_keys(1, 6), rows_of(1, 6)
-    first = Engine.start(str(daemon.socket))
-    engines.append(first)
+    first = engines.start(daemon.socket)
     first.store(context("a", keys), keys, payloads)
     with Client(daemon.socket) as client:
         assert client.stats()["store"]["blocks"] == 6
 
-    second = Engine.start(str(daemon.socket))  # an empty primary tier
-    engines.append(second)
+    second = engines.start(daemon.socket)  # an empty primary tier
     assert second.load(context("b", keys), keys) == payloads
 
 
-def test_a_hit_stops_at_the_first_block_the_tier_lacks(
-    daemon: Daemon, engines: list[Engine]
-) -> None:
+def test_a_hit_stops_at_the_first_block_the_tier_lacks(daemon: Daemon, engines: Engines) -> None:
     keys, payloads = request_keys(2, 6), rows_of(2, 6)
-    first = Engine.start(str(daemon.socket))
-    engines.append(first)
+    first = engines.start(daemon.socket)
     first.store(context("a", keys[:3]), keys[:3], payloads[:3])
-    second = Engine.start(str(daemon.socket))
-    engines.append(second)
+    second = engines.start(daemon.socket)
     assert second.load(context("b", keys), keys) == payloads[:3]
 
 
-def test_another_identity_is_a_miss(daemon: Daemon, engines: list[Engine]) -> None:
+def test_another_identity_is_a_miss(daemon: Daemon, engines: Engines) -> None:
     keys, payloads = request_keys(3, 2), rows_of(3, 2)
-    first = Engine.start(str(daemon.socket))
-    engines.append(first)
+    first = engines.start(daemon.socket)
     first.store(context("a", keys), keys, payloads)
     for tier in ({"tenant": "other"}, {"identity": {**FIELDS, "weights": "w2"}}):
-        other = Engine.start(str(daemon.socket), **tier)
-        engines.append(other)
+        other = engines.start(daemon.socket, **tier)
         assert other.load(context("b", keys), keys) == []
 
 
 def test_a_daemon_that_is_down_is_a_miss_and_comes_back(
-    daemon_factory: DaemonFactory, engines: list[Engine]
+    daemon_factory: DaemonFactory, engines: Engines
 ) -> None:
     daemon = daemon_factory()
     keys, payloads = request_keys(4, 3), rows_of(4, 3)
-    engine = Engine.start(str(daemon.socket), reconnect_s=0.0)
-    engines.append(engine)
+    engine = engines.start(daemon.socket, reconnect_s=0.0)
     engine.store(context("a", keys), keys, payloads)
     daemon.stop()
-    fresh = Engine.start(str(daemon.socket), reconnect_s=0.0)
-    engines.append(fresh)
+    fresh = engines.start(daemon.socket, reconnect_s=0.0)
     assert fresh.load(context("b", keys), keys) == []  # misses; nothing raised
     daemon.start()
-    back = Engine.start(str(daemon.socket), reconnect_s=0.0)
-    engines.append(back)
+    back = engines.start(daemon.socket, reconnect_s=0.0)
     wait_for(lambda: back.load(context(uuid.uuid4().hex, keys), keys) == payloads, "reconnect")
 
 
 @pytest.mark.damages_store
-def test_a_damaged_payload_is_a_miss_from_that_block_on(
-    daemon: Daemon, engines: list[Engine]
-) -> None:
+def test_a_damaged_payload_is_a_miss_from_that_block_on(daemon: Daemon, engines: Engines) -> None:
     keys, payloads = request_keys(5, 4), rows_of(5, 4)
-    first = Engine.start(str(daemon.socket))
-    engines.append(first)
+    first = engines.start(daemon.socket)
     first.store(context("a", keys), keys, payloads)
     identity = first.tier._identities[0]
     blocks = chain_hashes(identity, pack_keys(identity, keys))
     daemon.stop()
     corrupt_stored_chunk(daemon.data_dir, blocks[2])
     daemon.start()
-    second = Engine.start(str(daemon.socket))
-    engines.append(second)
+    second = engines.start(daemon.socket)
     # the tier's lookup finds all four; the load verifies and refuses the damaged one
     assert second.load(context("b", keys), keys) == payloads[:2]
-    third = Engine.start(str(daemon.socket))  # quarantined: now a miss at lookup already
-    engines.append(third)
+    third = engines.start(daemon.socket)  # quarantined: now a miss at lookup already
     assert third.load(context("c", keys), keys) == payloads[:2]
 
 
-def test_take_events_reports_what_the_tier_stored(daemon: Daemon, engines: list[Engine]) -> None:
+def test_take_events_reports_what_the_tier_stored(daemon: Daemon, engines: Engines) -> None:
     keys, payloads = request_keys(6, 3), rows_of(6, 3)
-    engine = Engine.with_tier(prefixd_tier(str(daemon.socket), enable_kv_events=True), events=True)
-    engines.append(engine)
+    engine = engines.add(
+        Engine.with_tier(prefixd_tier(str(daemon.socket), enable_kv_events=True), events=True)
+    )
     engine.store(context("a", keys), keys, payloads)
     events = list(engine.tier.take_events())
     assert [sorted(e.keys) for e in events] == [sorted(keys)]
     assert all(e.medium is Medium.STORAGE and not e.removed for e in events)
     assert list(engine.tier.take_events()) == []  # taken once
-    quiet = Engine.start(str(daemon.socket))  # events off: none kept
-    engines.append(quiet)
+    quiet = engines.start(daemon.socket)  # events off: none kept
     quiet.store(context("b", request_keys(7, 2)), request_keys(7, 2), rows_of(7, 2))
     assert list(quiet.tier.take_events()) == []
 
 
-def test_blocks_found_gone_are_reported_removed(daemon: Daemon, engines: list[Engine]) -> None:
+def test_blocks_found_gone_are_reported_removed(daemon: Daemon, engines: Engines) -> None:
     keys, payloads = request_keys(8, 3), rows_of(8, 3)
-    engine = Engine.with_tier(prefixd_tier(str(daemon.socket), enable_kv_events=True), events=True)
-    engines.append(engine)
+    engine = engines.add(
+        Engine.with_tier(prefixd_tier(str(daemon.socket), enable_kv_events=True), events=True)
+    )
     engine.store(context("a", keys), keys, payloads)
     assert [e.removed for e in engine.tier.take_events()] == [False]
     with Client(daemon.socket) as client:
@@ -145,7 +146,7 @@ def test_blocks_found_gone_are_reported_removed(daemon: Daemon, engines: list[En
     assert list(engine.tier.take_events()) == []  # reported once
 
 
-def test_chunks_stored_again_are_not_copied_again(daemon: Daemon, engines: list[Engine]) -> None:
+def test_chunks_stored_again_are_not_copied_again(daemon: Daemon, engines: Engines) -> None:
     keys, payloads = request_keys(9, 4), rows_of(9, 4)
 
     def puts() -> int:
@@ -153,12 +154,10 @@ def test_chunks_stored_again_are_not_copied_again(daemon: Daemon, engines: list[
             latency = client.stats()["metrics"]["latency_us"]
         return int(latency.get("put", {}).get("count", 0))
 
-    first = Engine.start(str(daemon.socket))
-    engines.append(first)
+    first = engines.start(daemon.socket)
     first.store(context("a", keys), keys, payloads)
     assert puts() == 1
-    again = Engine.start(str(daemon.socket))  # another engine computes and offloads them too
-    engines.append(again)
+    again = engines.start(daemon.socket)  # another engine computes and offloads them too
     again.store(context("b", keys), keys, payloads)
     assert puts() == 1  # found stored: no payload staged, no put
     more = request_keys(9, 6)
@@ -167,21 +166,18 @@ def test_chunks_stored_again_are_not_copied_again(daemon: Daemon, engines: list[
 
 
 def test_a_daemon_that_does_not_answer_is_a_miss(
-    daemon_factory: DaemonFactory, engines: list[Engine]
+    daemon_factory: DaemonFactory, engines: Engines
 ) -> None:
     daemon = daemon_factory()
     keys, payloads = request_keys(11, 3), rows_of(11, 3)
-    engine = Engine.start(str(daemon.socket), timeout_s=0.5, reconnect_s=0.0)
-    engines.append(engine)
+    engine = engines.start(daemon.socket, timeout_s=0.5, reconnect_s=0.0)
     engine.store(context("a", keys), keys, payloads)
-    fresh = Engine.start(str(daemon.socket), timeout_s=0.5, reconnect_s=0.0)
-    engines.append(fresh)
+    fresh = engines.start(daemon.socket, timeout_s=0.5, reconnect_s=0.0)
     wait_for(lambda: fresh.tier.connected, "the tier to connect")
     os.kill(daemon.pid, signal.SIGSTOP)  # alive, holding its socket, answering nothing
     try:
         assert fresh.load(context("b", keys), keys) == []  # timed out: misses, nothing raised
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
-    later = Engine.start(str(daemon.socket), timeout_s=0.5, reconnect_s=0.0)
-    engines.append(later)
+    later = engines.start(daemon.socket, timeout_s=0.5, reconnect_s=0.0)
     wait_for(lambda: later.load(context(uuid.uuid4().hex, keys), keys) == payloads, "answers")
