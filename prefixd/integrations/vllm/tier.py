@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -40,18 +40,20 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from prefixd.client import Client
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
+from prefixd.integrations.vllm.chains import (
+    KEY_BYTES,
+    NO_CHAIN,
+    Chain,
+    Chains,
+    group_of,
+    positions_of,
+)
 from prefixd.schema.identity import Identity
 from prefixd.schema.keys import pack_keys
 
 log = logging.getLogger(__name__)
 
-KEY_BYTES = 36  # vLLM's OffloadKey: block hash (32) + big-endian group index (4)
 MAX_REPORTED = 1 << 20  # stored keys remembered for removal events (about 100 MiB at most)
-_GROUP_BYTES = 4
-
-
-def group_of(key: bytes) -> int:
-    return int.from_bytes(key[-_GROUP_BYTES:], "big")
 
 
 @dataclass(frozen=True)
@@ -64,49 +66,6 @@ class Run:
     first: int
     keys: list[bytes]
     rows: list[int]
-
-
-class Chain(NamedTuple):
-    """One group's keys of a request in prefix order, and each key's place in it."""
-
-    keys: list[bytes]
-    places: dict[bytes, int]
-
-
-NO_CHAIN = Chain([], {})
-
-
-def positions_of(req_context: ReqContext) -> dict[bytes, int]:
-    """A snapshot of the end-token position vLLM's scheduler recorded for each of the request's
-    keys (ReqContext keeps them for managers that need prefix order); one C-level dict copy, so
-    the scheduler thread, which goes on adding keys, pays almost nothing for it."""
-    positions: dict[bytes, int] = getattr(req_context, "_offload_key_positions", {})
-    return positions.copy()
-
-
-class Chains:
-    """A request's keys in prefix order, per KV group, from the end-token positions vLLM's
-    scheduler records in the request's context (every key of the request, from its first
-    chunk). A key whose chain has a gap before it has no chain: never stored or reported."""
-
-    def __init__(self, tokens_per_chunk: Mapping[int, int]) -> None:
-        self._tokens_per_chunk = dict(tokens_per_chunk)
-
-    def of(self, positions: Mapping[bytes, int]) -> dict[int, Chain]:
-        by_group: dict[int, dict[int, bytes]] = {}
-        for key, end_token in positions.items():
-            group = group_of(key)
-            span = self._tokens_per_chunk.get(group)
-            if span is None or end_token % span:
-                continue  # a boundary key of another group's kind: not a chunk of the chain
-            by_group.setdefault(group, {})[end_token // span - 1] = key
-        chains = {}
-        for group, keys in by_group.items():
-            chain: list[bytes] = []
-            while len(chain) in keys:
-                chain.append(keys[len(chain)])
-            chains[group] = Chain(chain, {key: i for i, key in enumerate(chain)})
-        return chains
 
 
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]
@@ -499,4 +458,4 @@ def group_identities(
     }
 
 
-__all__ = ["KEY_BYTES", "Chains", "PrefixdTier", "group_identities", "group_of"]
+__all__ = ["PrefixdTier", "group_identities"]

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from vllm.v1.kv_offload.base import make_offload_key
 
-from prefixd.integrations.vllm.tier import Chains
+from prefixd.integrations.vllm.chains import Chains
 
 SPANS = {0: 32, 1: 64}
 

@@ -1,0 +1,64 @@
+"""A request's vLLM keys in prefix order, per KV group: the chains PrefixdTier stores and looks up.
+
+vLLM's scheduler records the end-token position of each of a request's keys in its ReqContext
+(for managers that need prefix order: store jobs come in any order). A group's chain is its keys
+sorted by position, from the first chunk to the first gap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+KEY_BYTES = 36  # vLLM's OffloadKey: block hash (32) + big-endian group index (4)
+_GROUP_BYTES = 4
+
+
+def group_of(key: bytes) -> int:
+    return int.from_bytes(key[-_GROUP_BYTES:], "big")
+
+
+class Chain(NamedTuple):
+    """One group's keys of a request in prefix order, and each key's place in it."""
+
+    keys: list[bytes]
+    places: dict[bytes, int]
+
+
+NO_CHAIN = Chain([], {})
+
+
+def positions_of(req_context: Any) -> dict[bytes, int]:
+    """A snapshot of the end-token position vLLM's scheduler recorded for each of the request's
+    keys (ReqContext keeps them for managers that need prefix order); one C-level dict copy, so
+    the scheduler thread, which goes on adding keys, pays almost nothing for it."""
+    positions: dict[bytes, int] = getattr(req_context, "_offload_key_positions", {})
+    return positions.copy()
+
+
+class Chains:
+    """A request's keys in prefix order, per KV group, from the end-token positions vLLM's
+    scheduler records in the request's context (every key of the request, from its first
+    chunk). A key whose chain has a gap before it has no chain: never stored or reported."""
+
+    def __init__(self, tokens_per_chunk: Mapping[int, int]) -> None:
+        self._tokens_per_chunk = dict(tokens_per_chunk)
+
+    def of(self, positions: Mapping[bytes, int]) -> dict[int, Chain]:
+        by_group: dict[int, dict[int, bytes]] = {}
+        for key, end_token in positions.items():
+            group = group_of(key)
+            span = self._tokens_per_chunk.get(group)
+            if span is None or end_token % span:
+                continue  # a boundary key of another group's kind: not a chunk of the chain
+            by_group.setdefault(group, {})[end_token // span - 1] = key
+        chains = {}
+        for group, keys in by_group.items():
+            chain: list[bytes] = []
+            while len(chain) in keys:
+                chain.append(keys[len(chain)])
+            chains[group] = Chain(chain, {key: i for i, key in enumerate(chain)})
+        return chains
+
+
+__all__ = ["KEY_BYTES", "NO_CHAIN", "Chain", "Chains", "group_of", "positions_of"]
