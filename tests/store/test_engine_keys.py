@@ -166,3 +166,15 @@ def test_ttls_and_quotas_hold_engine_keyed_tenants(tmp_path: Path) -> None:
         store.put(quota, keys, payloads(4, 4000))  # 16 kB into a tenant of 8 KiB
         assert 0 < store.tenant_bytes("b") <= 8 << 10
         assert 0 < store.longest_prefix(quota, keys).n_blocks < 4  # the prefix shrank from its end
+
+
+def test_warm_up_names_the_hottest_engine_keyed_prefixes(store: Store) -> None:
+    hot, cold = vllm_keys(1, 3), vllm_keys(2, 2)
+    store.put(ENGINE, pack_keys(ENGINE, hot), payloads(3))
+    store.put(ENGINE, pack_keys(ENGINE, cold), payloads(2))
+    for _ in range(5):
+        store.longest_prefix(ENGINE, pack_keys(ENGINE, hot))
+    first = store.hottest(1 << 20, tenant="a")[0]
+    assert first.identity == ENGINE
+    assert unpack_keys(ENGINE, first.tokens) == hot  # the keys, in prefix order, to load again
+    assert store.hottest(3 * 3000, tenant="a")[0].tokens == pack_keys(ENGINE, hot)
