@@ -14,6 +14,7 @@ past its tenant's time to live is a miss (prefixd.store.tenancy).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
     from prefixd.store.context import StoreContext
     from prefixd.store.tenancy import Tenancy
+
+log = logging.getLogger(__name__)
 
 
 class Reader:
@@ -135,7 +138,7 @@ class Reader:
                     break
                 items.append(item)
             n_ok = ctx.codec.decode_verified(items, ctx.pool)
-            if n_ok < len(items):
+            if n_ok < len(items) and self._stored_damage(items[n_ok]):
                 bad.append(Damaged(hashes[n_ok], parents[n_ok], digest, BAD_PAYLOAD))
             items.clear()  # the chunk views die with the transaction
         quarantine(ctx, bad)
@@ -192,9 +195,10 @@ class Reader:
                 offset = end
             n_ok = ctx.codec.decode_verified(items, ctx.pool)
             if n_ok < len(items):
-                next_size = 0  # stopped at a damaged payload, not for room
+                next_size = 0  # stopped at a failed payload, not for room
                 failed = start + n_ok
-                bad.append(Damaged(walk.hashes[failed], parents[failed], digest, BAD_PAYLOAD))
+                if self._stored_damage(items[n_ok]):
+                    bad.append(Damaged(walk.hashes[failed], parents[failed], digest, BAD_PAYLOAD))
             items.clear()
         self._after_walk(walk, chain)
         quarantine(ctx, bad)
@@ -317,10 +321,12 @@ class Reader:
             offsets.append(offset)
             offset = end
         n_ok = ctx.codec.decode_verified(items, ctx.pool)
-        items.clear()
         if n_ok < len(match.parts):
-            damaged.append(match.parts[n_ok].block)
+            if self._stored_damage(items[n_ok]):
+                damaged.append(match.parts[n_ok].block)
+            items.clear()
             return ()
+        items.clear()
         return tuple(offsets)
 
     # --- single blocks --------------------------------------------------------------------------
@@ -444,6 +450,15 @@ class Reader:
             bad.append(Damaged(h, parent, identity_digest, "payload size differs from its record"))
             return None
         return StoredPayload(record, chunks, dest)
+
+    def _stored_damage(self, failed: StoredPayload) -> bool:
+        """Whether a payload that failed verification is damaged where it is stored (then it is
+        quarantined), not only in its destination: a client that writes into its own region
+        during a load fails its own load and never makes the store delete a healthy block."""
+        if not self._ctx.codec.destination_changed(failed):
+            return True
+        log.info("a load's destination changed while it was written: that load stops there")
+        return False
 
     def _damaged_record(self, txn: lmdb.Transaction, h: bytes) -> bool:
         raw = txn.get(h, db=self._ctx.tables.blocks)

@@ -148,6 +148,9 @@ class StoreStats:
     compressed_payloads_stored_raw: int
     parts: int = 0  # state-group payloads of hybrid identities
     copy_verify_gbps: float = 0.0  # verified copies of payloads stored raw
+    # loads whose destination changed while it was written (a client writing into its own
+    # region): that load stopped there, nothing was quarantined
+    destinations_changed: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,4 +123,5 @@ def store_stats(ctx: StoreContext) -> StoreStats:
         compress_gbps=c.compress_in_bytes / c.compress_s / 1e9 if c.compress_s else 0.0,
         decompress_gbps=c.decompress_out_bytes / c.decompress_s / 1e9 if c.decompress_s else 0.0,
         compressed_payloads_stored_raw=c.stored_raw_after_trial,
+        destinations_changed=c.destinations_changed,
     )

@@ -248,3 +248,42 @@ def test_a_tenant_never_obtains_another_tenants_payloads(daemon: Daemon) -> None
             client.hot(1 << 30, tenant="share:anything")
         assert not leaked()
         print(f"\nisolation: {sum(attempts.values())} attempts, nothing of another tenant served")
+
+
+def test_a_client_writing_into_its_region_during_loads_never_deletes_healthy_blocks(
+    daemon: Daemon,
+) -> None:
+    """The attack: a second tenant's client loads its own blocks while a thread of it keeps
+    writing into its region. Its loads may fail; the store quarantines nothing, and another
+    tenant's blocks (and its own) stay stored and verified."""
+    victim, attacker = make_identity(tenant="victim"), make_identity(tenant="attacker")
+    prompt = np.arange(16 * IDENTITY.block_tokens, dtype=np.uint32) + 7
+    pays = [payload(3, i, 256 << 10) for i in range(16)]
+    with Client(daemon.socket, region_bytes=8 << 20) as honest:
+        honest.put(victim, prompt, pays)
+    with Client(daemon.socket, region_bytes=8 << 20) as client:
+        client.put(attacker, prompt, pays)
+        region = np.frombuffer(client.region.view, dtype=np.uint8)
+        stop = threading.Event()
+
+        def scribble() -> None:
+            rng = np.random.default_rng(0)
+            while not stop.is_set():
+                at = int(rng.integers(0, region.size - 4096))
+                region[at : at + 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
+
+        writer = threading.Thread(target=scribble)
+        writer.start()
+        try:
+            for _ in range(100):
+                client.load(attacker, prompt).release()
+        finally:
+            stop.set()
+            writer.join()
+        store = client.stats()["store"]
+    assert store["quarantined"] == 0
+    assert store["blocks"] == 32
+    with Client(daemon.socket, region_bytes=8 << 20) as honest:
+        for identity in (victim, attacker):
+            with honest.load(identity, prompt) as loaded:
+                assert [bytes(v) for v in loaded.views] == pays

@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import crc32c
 import lmdb
 import numpy as np
 import pytest
@@ -733,4 +734,37 @@ def test_store_is_refused_in_a_forked_child(tmp_path: Path) -> None:
         # the parent's store is untouched and still usable
         assert store.longest_prefix(IDENT, TOKENS[:8]).n_blocks == 2
         assert_loads(store, payloads, TOKENS[:8])
+        assert store.check() == []
+
+
+# --- a destination that changes under a load ---------------------------------------------------
+
+
+def test_a_destination_written_during_a_load_never_quarantines_a_healthy_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that writes into its own region while the daemon copies a payload there makes
+    that copy fail its checksum. The stored bytes are intact: that load stops, nothing goes."""
+    from prefixd.store import codec
+
+    payloads = [bytes([i]) * (16 << 10) for i in range(N_BLOCKS)]
+    original = codec._copy_and_checksum
+
+    def copy_then_scribbled(chunks: list[memoryview], dest: memoryview) -> int:
+        value = original(chunks, dest)
+        if chunks[0][0] == BAD:  # block BAD: the client writes into it mid-copy
+            dest[0] ^= 0xFF
+            return int(crc32c.crc32c(dest[: sum(c.nbytes for c in chunks)]))
+        return value
+
+    path = tmp_path / "s"
+    with open_store(path, compression="none") as store:
+        store.put(IDENT, TOKENS, payloads)
+        monkeypatch.setattr(codec, "_copy_and_checksum", copy_then_scribbled)
+        out = bytearray(sum(map(len, payloads)))
+        assert store.load(IDENT, TOKENS, out).n_blocks == BAD  # this load stops there
+        stats = store.stats()
+        assert (stats.quarantined, stats.blocks, stats.destinations_changed) == (0, N_BLOCKS, 1)
+        monkeypatch.setattr(codec, "_copy_and_checksum", original)
+        assert_loads(store, payloads)  # every block still there, verified
         assert store.check() == []
