@@ -7,7 +7,11 @@ Every put is one write transaction that keeps the store's invariants:
   * claims: a block is written once and never modified; a hash already stored for other tokens
     refuses the put (a collision), a damaged or expired one is removed with its subtree and
     written afresh (`_claim_block`);
-  * records, chunks, the children index and the counters change in that same transaction.
+  * records, chunks, the children index and the counters change in that same transaction;
+  * checksums hold at rest: each payload's checksum, taken when it was encoded, is compared with
+    the crc32c of the bytes LMDB holds once they are written (read back from its pages in the
+    same transaction), so a client that rewrites its payload in its region while the put runs
+    gets the put refused, never a block stored under a checksum its bytes do not match.
 
 A refused put aborts its transaction and raises the refusal's error; nothing was written. A full
 map makes room (a settling commit, then an eviction) and tries once more. After a put, the store
@@ -21,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+import crc32c
 import lmdb
 
 from prefixd.errors import (
@@ -156,7 +161,8 @@ class Writer:
                 existed += 1
                 continue
             payload = encoded.get(index) or self._ctx.codec.encode(views[index - first_block])
-            self._write_block(txn, chain, index, payload, now)
+            if not self._write_block(txn, chain, index, payload, now):
+                return _changed(f"block {index}")
             stored += 1
             payload_bytes += payload.payload_size
             stored_bytes += payload.stored_size
@@ -253,7 +259,8 @@ class Writer:
                 now,
             )
             txn.put(key, record.encode(), db=t.parts)
-            _put_chunks(txn, t, key, payload.chunks)
+            if _put_chunks(txn, t, key, payload.chunks) != payload.checksum:
+                return _changed(f"the part of block {part.block_index}")
             parts += 1
             payload_bytes += payload.payload_size
             stored_bytes += payload.stored_size
@@ -385,9 +392,10 @@ class Writer:
         index: int,
         payload: EncodedPayload | None,
         now: int,
-    ) -> None:
-        """Write block `index`'s record, chunks, index entry and access record (no counters).
-        A block of a hybrid identity has no payload of its own: its state is in parts."""
+    ) -> bool:
+        """Write block `index`'s record, chunks, index entry and access record (no counters);
+        False if the payload's stored bytes do not match its checksum (it changed while it was
+        written). A block of a hybrid identity has no payload of its own: its state is in parts."""
         t = self._ctx.tables
         h = chain.hash(index)
         payload = payload or _NO_PAYLOAD
@@ -404,15 +412,16 @@ class Writer:
             bytes(chain.block_bytes(index)),
         )
         txn.put(h, record.encode(), db=t.blocks)
-        _put_chunks(txn, t, h, payload.chunks)
+        intact = _put_chunks(txn, t, h, payload.chunks) == payload.checksum
         txn.put(children_key(record), h, db=t.children)
         txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
+        return intact
 
 
 def _transact(env: lmdb.Environment, body: Callable[[lmdb.Transaction], _T]) -> _T:
     """Run `body` in one write transaction: committed with its outcome, aborted on a Refusal
     (or an exception), so a refused put leaves nothing behind."""
-    txn = env.begin(write=True)
+    txn = env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
     try:
         outcome = body(txn)
     except BaseException:
@@ -449,7 +458,24 @@ def _count(
     counters.add(txn, t.counters, counters.identity_blocks(digest), blocks)
 
 
-def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> None:
-    """Write a payload's chunks under its owner's key (a block hash or a part key)."""
+def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> int:
+    """Write a payload's chunks under its owner's key (a block hash or a part key); return the
+    crc32c of the bytes LMDB holds now, each chunk read back right after it is written (while
+    it is in cache), which is what the payload's checksum must match."""
+    value = 0
     for n, chunk in enumerate(chunks):
-        txn.put(chunk_key(owner, n), chunk, db=t.chunks)
+        key = chunk_key(owner, n)
+        txn.put(key, chunk, db=t.chunks)
+        stored = txn.get(key, db=t.chunks)
+        assert stored is not None  # written just now, in this transaction
+        value = crc32c.crc32c(stored, value)
+    return value
+
+
+def _changed(what: str) -> Refusal:
+    return Refusal(
+        PayloadError(
+            f"{what}'s payload changed while it was being stored (a client wrote into it during "
+            "the put): nothing was stored"
+        )
+    )

@@ -49,13 +49,13 @@ def remove_subtree(
         raw = txn.get(h, db=t.blocks)
         if raw is None:
             continue
-        if children.set_key(h):
-            stack.extend(bytes(child) for child in children.iternext_dup())
-            txn.delete(h, db=t.children)
-        try:
+        try:  # before any write: `raw` may be a view of LMDB's page (a buffers transaction)
             record: BlockRecord | None = BlockRecord.decode(raw)
         except CorruptRecordError:
             record = None
+        if children.set_key(h):
+            stack.extend(bytes(child) for child in children.iternext_dup())
+            txn.delete(h, db=t.children)
         part_payload, n_parts = _delete_parts(txn, t, h)
         freed = _delete_chunks(txn, t, h)
         payload_bytes += part_payload

@@ -287,3 +287,44 @@ def test_a_client_writing_into_its_region_during_loads_never_deletes_healthy_blo
         for identity in (victim, attacker):
             with honest.load(identity, prompt) as loaded:
                 assert [bytes(v) for v in loaded.views] == pays
+
+
+def test_a_client_rewriting_payloads_during_puts_never_gets_a_corrupt_block_acknowledged(
+    daemon: Daemon,
+) -> None:
+    """The attack: puts from leased region space while a thread keeps rewriting that space.
+    Puts may be refused; every block the daemon acknowledged verifies at rest."""
+    identity = make_identity(tenant="rewriter")
+    size, n_blocks = 256 << 10, 8
+    acknowledged = refused = 0
+    with Client(daemon.socket, region_bytes=4 << 20) as client:
+        lease = client.reserve(size * n_blocks)
+        view = np.frombuffer(lease.view, dtype=np.uint8)
+        view[:] = 7
+        stop = threading.Event()
+
+        def rewrite() -> None:
+            rng = np.random.default_rng(1)
+            while not stop.is_set():
+                at = int(rng.integers(0, view.size - 4096))
+                view[at : at + 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
+
+        writer = threading.Thread(target=rewrite)
+        writer.start()
+        spans = [(lease.offset + i * size, size) for i in range(n_blocks)]
+        try:
+            for seed in range(60):
+                prompt = np.arange(n_blocks * IDENTITY.block_tokens, dtype=np.uint32) + seed * 997
+                try:
+                    acknowledged += client.put_spans(identity, prompt, spans).stored
+                except PrefixdError as exc:
+                    assert "changed while it was being stored" in str(exc)
+                    refused += 1
+        finally:
+            stop.set()
+            writer.join()
+            lease.release()
+        assert acknowledged > 0
+        report = client.verify()
+        assert report["problems"] == [], report["problems"][:3]
+        assert client.stats()["store"]["blocks"] == acknowledged

@@ -28,6 +28,7 @@ from prefixd.clock import ManualClock
 from prefixd.errors import (
     CorruptMetaError,
     NotAStoreError,
+    PayloadError,
     SchemaVersionError,
     StoreClosedError,
     StoreFullError,
@@ -767,4 +768,34 @@ def test_a_destination_written_during_a_load_never_quarantines_a_healthy_block(
         assert (stats.quarantined, stats.blocks, stats.destinations_changed) == (0, N_BLOCKS, 1)
         monkeypatch.setattr(codec, "_copy_and_checksum", original)
         assert_loads(store, payloads)  # every block still there, verified
+        assert store.check() == []
+
+
+# --- a payload that changes under a put ---------------------------------------------------------
+
+
+def test_a_payload_rewritten_during_a_put_is_refused_never_stored_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client rewriting its payload in its region after the daemon checksummed it and before
+    LMDB copied it: the put is refused whole, so no block is acknowledged whose stored bytes do
+    not match its checksum (an honest client's identical put later stores it afresh)."""
+    from prefixd.store import put as put_module
+
+    payloads = [bytearray(p) for p in random_payloads(N_BLOCKS)]
+    original = put_module._transact
+
+    def rewritten_first(env: lmdb.Environment, body: Callable[[lmdb.Transaction], object]) -> object:
+        payloads[BAD][100] ^= 0xFF  # checksummed already; LMDB copies it inside the transaction
+        return original(env, body)
+
+    with open_store(tmp_path / "s", compression="none") as store:
+        monkeypatch.setattr(put_module, "_transact", rewritten_first)
+        with pytest.raises(PayloadError, match="changed while it was being stored"):
+            store.put(IDENT, TOKENS, payloads)
+        assert store.stats().blocks == 0  # nothing of that put was stored
+        monkeypatch.setattr(put_module, "_transact", original)
+        honest = [bytes(p) for p in payloads]
+        assert store.put(IDENT, TOKENS, honest).stored == N_BLOCKS
+        assert_loads(store, honest)
         assert store.check() == []
