@@ -62,6 +62,13 @@ class DaemonUnavailableError(PrefixdError, ConnectionError):
     code = "unavailable"  # never sent: a client-side condition
 
 
+class UntrustedDaemonError(DaemonUnavailableError):
+    """The socket, its directory or the process serving it belongs to another user than the
+    daemon's: nothing was sent (prefixd.trust)."""
+
+    code = "unavailable"  # never sent: a client-side condition
+
+
 class ShuttingDownError(DaemonUnavailableError):
     """The daemon is shutting down and takes no new requests; a restarted one will."""
 
@@ -229,6 +236,10 @@ class CorruptMetaError(CorruptStoreError):
 
 class ServeError(PrefixdError):
     """The daemon cannot serve: its socket path is taken or unusable."""
+
+
+class UntrustedPathError(ServeError):
+    """The daemon's socket or data directory is not its own, or others may write it."""
 
 
 class StoreClosedError(PrefixdError):

@@ -29,6 +29,7 @@ from prefixd.client.results import (
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
+from prefixd.trust import check_peer, check_socket_path
 from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
 
@@ -60,6 +61,7 @@ class AsyncClient(Shell):
         name: str = "prefixd-async-client",
         serves: Sequence[tuple[str, str]] = (),
         reconnect_wait_s: float = 0.0,
+        daemon_uid: int | None = None,
     ) -> None:
         """The options are Client's. Use `await AsyncClient.connect(...)` or `async with`."""
         self._core = ClientCore(
@@ -70,6 +72,7 @@ class AsyncClient(Shell):
             name=name,
             serves=serves,
             reconnect_wait_s=reconnect_wait_s,
+            daemon_uid=daemon_uid,
         )
         self._sock: socket.socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -379,6 +382,7 @@ class AsyncClient(Shell):
     async def _connect_once(self) -> None:
         loop = asyncio.get_running_loop()
         path = os.fspath(self._core.socket_path)
+        check_socket_path(self._core.socket_path, self._core.daemon_uids)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
@@ -386,6 +390,11 @@ class AsyncClient(Shell):
         except (TimeoutError, OSError) as exc:
             sock.close()
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
+        try:
+            check_peer(sock, self._core.daemon_uids)
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
         self._reader = asyncio.create_task(self._read_replies(sock), name="prefixd-replies")
         try:

@@ -34,6 +34,7 @@ from prefixd.errors import (
 )
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
+from prefixd.trust import check_peer, check_socket_path
 from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import FrameReader, decode_body
 from prefixd.wire.region import send_with_fds
@@ -57,12 +58,16 @@ class Client(Shell):
         name: str = "prefixd-client",
         serves: Sequence[tuple[str, str]] = (),
         reconnect_wait_s: float = 0.0,
+        daemon_uid: int | None = None,
     ) -> None:
         """`region_bytes`: the shared region payloads are staged in and loaded into (0: none,
         for lookups only). `token_region_bytes`: where long prompts' token ids are staged.
         `serves`: (model, weights) pairs this engine serves; on connecting, the daemon retires
         the other stored versions of those models. `reconnect_wait_s`: how long a call waits
-        for a restarting daemon to come back (with backoff) before DaemonUnavailableError."""
+        for a restarting daemon to come back (with backoff) before DaemonUnavailableError.
+        `daemon_uid`: the user the daemon runs as (default: this process's own, or root); a
+        socket, socket directory or serving process of another user is refused before anything
+        is sent (UntrustedDaemonError, prefixd.trust)."""
         self._core = ClientCore(
             socket_path,
             region_bytes=region_bytes,
@@ -71,6 +76,7 @@ class Client(Shell):
             name=name,
             serves=serves,
             reconnect_wait_s=reconnect_wait_s,
+            daemon_uid=daemon_uid,
         )
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()  # one round trip at a time on the connection
@@ -414,6 +420,7 @@ class Client(Shell):
 
     def _connect_once(self) -> None:
         path = os.fspath(self._core.socket_path)
+        check_socket_path(self._core.socket_path, self._core.daemon_uids)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self._core.timeout)
         try:
@@ -421,6 +428,11 @@ class Client(Shell):
         except OSError as exc:
             sock.close()
             raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
+        try:
+            check_peer(sock, self._core.daemon_uids)
+        except BaseException:
+            sock.close()
+            raise
         self._sock = sock
         self._frames = FrameReader()  # nothing read on another connection carries over
         try:

@@ -39,6 +39,7 @@ from prefixd.client.results import (
 from prefixd.errors import PrefixdError, RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
+from prefixd.trust import daemon_uids
 from prefixd.wire import decoding
 from prefixd.wire import messages as wire
 from prefixd.wire.errors import error_for
@@ -106,8 +107,10 @@ class ClientCore:
         name: str,
         serves: Sequence[tuple[str, str]] = (),
         reconnect_wait_s: float = 0.0,
+        daemon_uid: int | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
+        self.daemon_uids = daemon_uids(daemon_uid)  # who may serve the socket (prefixd.trust)
         self.timeout = timeout
         self.name = name
         self.serves = [{"model": m, "weights": w} for m, w in serves]

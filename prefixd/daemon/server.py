@@ -39,6 +39,7 @@ from prefixd.daemon.watchers import ManifestWatcher, Retire
 from prefixd.daemon.work import WorkPool
 from prefixd.errors import ProtocolError, RequestError, ServeError
 from prefixd.store import PurgeSelector, Store
+from prefixd.trust import check_private_dir
 from prefixd.wire.decoding import decode_request
 from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.frames import HEADER, MAX_FDS_PER_FRAME, encode_frame
@@ -119,6 +120,9 @@ class Server:
         after a graceful stop, 1 after a forced one."""
         loop = asyncio.get_running_loop()
         config = self.config
+        # Only directories no other user may write: one who could would replace the store.
+        config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private_dir(config.data_dir, "data directory")
         self.store = Store(config.store_config(), exclusive=True, clock=self.clock)
         pool = WorkPool(config.workers, thread_name_prefix="prefixd-worker")
         # Everything else the loop hands to threads (health checks, manifest reads, joins), so
@@ -349,6 +353,9 @@ class Server:
     def _bind_path(self) -> socket.socket:
         path = self.config.socket
         path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        # Another user who owns or may write this directory could swap the socket for their own
+        # and receive every client's prompts and payloads (as a /tmp/prefixd-UID made beforehand).
+        check_private_dir(path.parent, "socket directory")
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise ServeError(f"{path} exists and is not a socket")

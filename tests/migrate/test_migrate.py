@@ -11,6 +11,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -189,9 +190,9 @@ def test_up_refuses_a_store_a_daemon_holds(tmp_path: Path) -> None:
 
 def test_a_running_daemon_holds_its_store(tmp_path: Path) -> None:
     Store.open(tmp_path / "s").close()
-    sock = Path(f"/tmp/pd-mig-{os.getpid()}.sock")
-    notify_path = f"/tmp/pd-mig-{os.getpid()}.notify"
-    Path(notify_path).unlink(missing_ok=True)
+    sock_dir = Path(tempfile.mkdtemp(prefix="pd-mig", dir="/tmp"))  # a socket path holds 107 bytes
+    sock = sock_dir / "prefixd.sock"
+    notify_path = str(sock_dir / "notify")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # the daemon says READY=1 here
     notify.bind(notify_path)
     notify.settimeout(20)
@@ -209,8 +210,8 @@ def test_a_running_daemon_holds_its_store(tmp_path: Path) -> None:
     finally:
         daemon.send_signal(signal.SIGTERM)
         notify.close()
-        Path(notify_path).unlink(missing_ok=True)
         assert daemon.wait(20) == 0
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 # --- crashes ---------------------------------------------------------------------------------------

@@ -99,6 +99,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         region_bytes: int = 64 << 20,
         timeout_s: float = 2.0,
         reconnect_s: float = 1.0,
+        daemon_uid: int | None = None,
         enable_kv_events: bool = False,
         backpressure_detector: Any = None,
         **unused: Any,
@@ -119,6 +120,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         self._region_bytes = max(region_bytes, self._row_bytes)
         self._timeout_s = timeout_s
         self._reconnect_s = reconnect_s
+        self._daemon_uid = daemon_uid  # the daemon's user, if not this process's own or root
         self._client: Client | None = None
         self._client_lock = threading.Lock()
         self._next_connect = 0.0
@@ -405,6 +407,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                     region_bytes=self._region_bytes,
                     timeout=self._timeout_s,
                     name="vllm-tier",
+                    daemon_uid=self._daemon_uid,
                 )
             except (PrefixdError, OSError) as exc:
                 self._next_connect = now + self._reconnect_s
