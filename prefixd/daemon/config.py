@@ -160,6 +160,21 @@ class Config:
     max_region_bytes: int = _setting(
         "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
     )
+    max_prompt_tokens: int = _setting(
+        "int",
+        "most token ids (or engine key words) one prompt may hold; more are refused before any "
+        "hashing",
+        4 << 20,
+        low=1024,
+        high=1 << 30,
+    )
+    max_request_tokens: int = _setting(
+        "int",
+        "most token ids all the prompts of one request may hold together",
+        16 << 20,
+        low=1024,
+        high=1 << 31,
+    )
     shutdown_grace_s: float = _setting(
         "seconds",
         "how long shutdown waits for requests and store work in flight",

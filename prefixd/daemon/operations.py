@@ -104,6 +104,8 @@ class Operations:
         *,
         max_frame_bytes: int,
         max_region_bytes: int,
+        max_prompt_tokens: int = 4 << 20,
+        max_request_tokens: int = 16 << 20,
         models: Mapping[str, str] | None = None,
         metrics: Metrics | None = None,
         min_reusable_tokens: int = 0,
@@ -119,6 +121,8 @@ class Operations:
         self.pool = pool
         self.max_frame_bytes = max_frame_bytes
         self.max_region_bytes = max_region_bytes
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_request_tokens = max_request_tokens
         self.started = self.clock.monotonic()
         # Names this run of the daemon: a client that finds another one after reconnecting knows
         # the old one can no longer touch the region spans its lost requests named.
@@ -197,7 +201,7 @@ class Operations:
     async def put(self, conn: Connection, request: Request[Put]) -> PutReply:
         rid, msg = request.id, request.message
         identity = self._identity(msg.identity)
-        tokens = _tokens(conn, msg)
+        tokens = self._prompt(conn, msg)
         first_block = msg.first_block or 0
         views = [conn.span(span) for span in msg.blocks]
         result = await self._run(
@@ -238,11 +242,38 @@ class Operations:
         self, conn: Connection, msg: Lookup | LookupState
     ) -> tuple[Identity, list[tuple[bytes | memoryview, bytes | None]]]:
         identity = self._identity(msg.identity)
+        total = sum(
+            self._token_count(prompt, f"prompts[{i}].") for i, prompt in enumerate(msg.prompts)
+        )
+        if total > self.max_request_tokens:
+            raise ProtocolError(
+                ErrorCode.BAD_TOKENS,
+                f"the prompts hold {total} token ids together, at most {self.max_request_tokens} "
+                "per request (max_request_tokens)",
+            )
         queries = [
             (_tokens(conn, prompt, f"prompts[{i}]."), prompt.hashes)
             for i, prompt in enumerate(msg.prompts)
         ]
         return identity, queries
+
+    def _token_count(self, fields: TokenFields, where: str = "") -> int:
+        """How many token ids a prompt names, refused past max_prompt_tokens before any of them
+        is read, mapped or hashed."""
+        span: Span | None = fields.tokens_span
+        count = span[2] if span is not None else len(fields.tokens or b"") // TOKEN_BYTES
+        if count > self.max_prompt_tokens:
+            raise ProtocolError(
+                ErrorCode.BAD_TOKENS,
+                f"{where}tokens: {count} token ids, at most {self.max_prompt_tokens} per prompt "
+                "(max_prompt_tokens)",
+            )
+        return count
+
+    def _prompt(self, conn: Connection, fields: TokenFields) -> bytes | memoryview:
+        """One prompt's packed token ids, within max_prompt_tokens."""
+        self._token_count(fields)
+        return _tokens(conn, fields)
 
     async def lookup(self, conn: Connection, request: Request[Lookup]) -> LookupReply:
         rid = request.id
@@ -334,7 +365,7 @@ class Operations:
     async def load(self, conn: Connection, request: Request[Load]) -> LoadReply:
         rid, msg = request.id, request.message
         identity = self._identity(msg.identity)
-        tokens = _tokens(conn, msg)
+        tokens = self._prompt(conn, msg)
         offset, out = _output(conn, msg)
         first_block = msg.first_block or 0
         started = time.perf_counter()
@@ -400,7 +431,7 @@ class Operations:
     async def put_state(self, conn: Connection, request: Request[PutState]) -> PutStateReply:
         rid, msg = request.id, request.message
         identity = self._identity(msg.identity)
-        tokens = _tokens(conn, msg)
+        tokens = self._prompt(conn, msg)
         paged_spans = msg.paged or {}
         checkpoint_spans = msg.checkpoints or {}
         count = sum(map(len, paged_spans.values())) + sum(map(len, checkpoint_spans.values()))
@@ -467,7 +498,7 @@ class Operations:
     async def load_state(self, conn: Connection, request: Request[LoadState]) -> LoadStateReply:
         rid, msg = request.id, request.message
         identity = self._identity(msg.identity)
-        tokens = _tokens(conn, msg)
+        tokens = self._prompt(conn, msg)
         offset, out = _output(conn, msg)
         started = time.perf_counter()
         result = await self._run(

@@ -142,6 +142,8 @@ class Server:
             pool,
             max_frame_bytes=config.max_frame_bytes,
             max_region_bytes=config.max_region_bytes,
+            max_prompt_tokens=config.max_prompt_tokens,
+            max_request_tokens=config.max_request_tokens,
             models=watcher.fingerprints,
             metrics=metrics,
             min_reusable_tokens=config.min_reusable_tokens,

@@ -648,3 +648,25 @@ def test_attaching_a_sparse_region_allocates_nothing(raw: Raw, good: Good) -> No
     assert reply["ok"] is True, reply
     assert grown < (size >> 10) // 4, f"attaching a sparse region allocated {grown} KiB"
     good.check()
+
+
+def test_prompts_past_the_token_limits_are_refused_before_any_work(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """A lookup naming more token ids than `--max-prompt-tokens` (one prompt) or
+    `--max-request-tokens` (all its prompts) is refused with a clear error before the ids are
+    read or hashed; an honest client beside it is answered."""
+    from prefixd.errors import TokenError
+
+    daemon = daemon_factory("--max-prompt-tokens", "65536", "--max-request-tokens", "131072")
+    bt = IDENTITY.block_tokens
+    ok = np.arange(1024 * bt, dtype=np.uint32)
+    with Client(daemon.socket, region_bytes=1 << 20, token_region_bytes=8 << 20) as client:
+        client.put(IDENTITY, ok[: 4 * bt], [b"x" * 64] * 4)
+        with pytest.raises(TokenError, match=r"at most 65536 per prompt \(max_prompt_tokens\)"):
+            client.lookup(IDENTITY, [np.zeros(65536 + bt, dtype=np.uint32)])
+        with pytest.raises(TokenError, match=r"at most 131072 per request"):
+            client.lookup(IDENTITY, [np.zeros(60000, dtype=np.uint32)] * 3)
+        with pytest.raises(TokenError, match="max_prompt_tokens"):
+            client.load(IDENTITY, np.zeros(70000, dtype=np.uint32))
+        assert client.lookup(IDENTITY, [ok])[0].n_blocks == 4  # within the limits: answered
