@@ -467,6 +467,8 @@ class Connection:
         self._next_region = 1
         self._fds: list[int] = []
         self._requests: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()  # set while fewer than max_inflight requests are under way
+        self._room.set()
         self._write_lock = asyncio.Lock()
         self._draining = False
         self._waiter: asyncio.Future[None] | None = None
@@ -540,6 +542,12 @@ class Connection:
             if time.monotonic() - stretch > READ_STRETCH_S:
                 await asyncio.sleep(0)  # frames keep coming without a wait: let others run
                 stretch = time.monotonic()
+            # Backpressure: with max_inflight requests under way, read nothing more until one is
+            # done. The client's further frames wait in the socket (then its send blocks), so a
+            # peer that pipelines without reading holds max_inflight tasks, never one per frame.
+            while len(self._requests) >= self.max_inflight:
+                self._room.clear()
+                await self._room.wait()
             if not await self._recv_exact(memoryview(header), at_boundary=True):
                 return
             (length,) = HEADER.unpack(header)
@@ -634,7 +642,12 @@ class Connection:
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.create_task(coroutine)
         self._requests.add(task)
-        task.add_done_callback(self._requests.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._requests.discard(task)
+        if len(self._requests) < self.max_inflight:
+            self._room.set()
 
     async def _handle(self, request: Request[Any]) -> None:
         rid, op = request.id, op_of(request.message)

@@ -361,10 +361,12 @@ def test_spans_outside_the_region_and_unknown_regions(raw: Raw, good: Good) -> N
         ("load", {**base, "region": 0}),
         ("lookup", {"identity": IDENTITY_DICT, "prompts": [{"tokens_span": [1, size - 4, 2]}]}),
         ("lookup", {"identity": IDENTITY_DICT, "prompts": [{"tokens_span": [3, 0, 2]}]}),
-        ("load", {"identity": IDENTITY_DICT, "tokens_span": [1, 0, 2**40], "region": 1}),
     ]
     for op, fields in cases:
         expect(raw.request(op, **fields), "bad_region")
+    # A span of more token ids than a prompt may hold is refused before the region is looked at.
+    huge = {"identity": IDENTITY_DICT, "tokens_span": [1, 0, 2**40], "region": 1}
+    expect(raw.request("load", **huge), "bad_tokens")
     # A region of another connection is not this one's.
     with Raw(good.daemon.socket) as other:
         other.hello()
@@ -670,3 +672,54 @@ def test_prompts_past_the_token_limits_are_refused_before_any_work(
         with pytest.raises(TokenError, match="max_prompt_tokens"):
             client.load(IDENTITY, np.zeros(70000, dtype=np.uint32))
         assert client.lookup(IDENTITY, [ok])[0].n_blocks == 4  # within the limits: answered
+
+
+def test_a_client_that_pipelines_without_reading_meets_backpressure(daemon: Daemon) -> None:
+    """The attack: thousands of pipelined lookups and never a read, then a disconnect. The
+    daemon stops reading that connection at --max-inflight requests (no `busy` reply and no task
+    per excess frame: the client's own sends block), an honest client beside it is answered
+    throughout, and the disconnect costs only what was in flight."""
+    import threading
+    import time
+
+    bt = IDENTITY.block_tokens
+    prompt = np.arange(64 * bt, dtype=np.uint32)
+    with Client(daemon.socket, region_bytes=1 << 20) as honest:
+        honest.put(IDENTITY, prompt, [b"p" * 256] * 64)
+        flood = Raw(daemon.socket)
+        flood.request("hello", protocol=1, client="flood")
+        frame = encode_frame(
+            {"op": "lookup", "id": 7, "identity": IDENTITY.to_dict(),
+             "prompts": [{"tokens": prompt.tobytes()}]}
+        )  # fmt: skip
+        sent = [0]
+
+        def pipeline() -> None:
+            try:
+                for _ in range(20_000):
+                    flood.sock.sendall(frame)
+                    sent[0] += 1
+            except OSError:
+                pass  # closed under it
+
+        flood.sock.settimeout(None)
+        sender = threading.Thread(target=pipeline)
+        sender.start()
+        latencies = []
+        for _ in range(200):
+            started = time.perf_counter()
+            assert honest.lookup(IDENTITY, [prompt])[0].n_blocks == 64
+            latencies.append(time.perf_counter() - started)
+        stalled = sent[0] < 20_000  # its sends block: the daemon reads no more than it serves
+        flood.sock.shutdown(socket.SHUT_RDWR)
+        flood.close()
+        sender.join(DEADLINE_S)
+        started = time.perf_counter()
+        assert honest.lookup(IDENTITY, [prompt])[0].n_blocks == 64  # the disconnect: no stall
+        after_close = time.perf_counter() - started
+        server = honest.stats()["server"]
+    assert stalled
+    assert server.get("errors.busy", 0) == 0
+    latencies.sort()
+    assert latencies[int(len(latencies) * 0.99)] < 2.0, latencies[-5:]
+    assert after_close < 2.0

@@ -308,12 +308,13 @@ def test_a_client_rewriting_payloads_during_puts_never_gets_a_corrupt_block_ackn
             while not stop.is_set():
                 at = int(rng.integers(0, view.size - 4096))
                 view[at : at + 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
+                stop.wait(0.0005)  # in bursts: some puts run between them and are stored
 
         writer = threading.Thread(target=rewrite)
         writer.start()
         spans = [(lease.offset + i * size, size) for i in range(n_blocks)]
         try:
-            for seed in range(60):
+            for seed in range(100):
                 prompt = np.arange(n_blocks * IDENTITY.block_tokens, dtype=np.uint32) + seed * 997
                 try:
                     acknowledged += client.put_spans(identity, prompt, spans).stored
