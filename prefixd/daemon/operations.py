@@ -111,6 +111,7 @@ class Operations:
         min_reusable_tokens: int = 0,
         bridge: SharedTierBridge | None = None,
         clock: Clock | None = None,
+        admin_pool: Executor | None = None,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or SystemClock()  # the store's: one time for the daemon
@@ -119,6 +120,9 @@ class Operations:
         self.min_reusable_tokens = min_reusable_tokens
         self.models = models if models is not None else {}  # served model -> weights fingerprint
         self.pool = pool
+        # verify runs here, one at a time, apart from the pool that serves lookups and loads
+        self.admin_pool = admin_pool if admin_pool is not None else pool
+        self._verifying = False
         self.max_frame_bytes = max_frame_bytes
         self.max_region_bytes = max_region_bytes
         self.max_prompt_tokens = max_prompt_tokens
@@ -567,7 +571,15 @@ class Operations:
                 return verify_report(stats.blocks, stats.parts, fixed=unfixed)
             return verify_report(stats.blocks, stats.parts, problems=problems)
 
-        return {"id": rid, "ok": True, **await self._run(run)}
+        if self._verifying:
+            raise ProtocolError(
+                ErrorCode.BUSY, "a verify is already running: ask again when it is done"
+            )
+        self._verifying = True
+        try:
+            return {"id": rid, "ok": True, **await self._run(run, self.admin_pool)}
+        finally:
+            self._verifying = False
 
     async def stats(self, conn: Connection, request: Request[Stats]) -> StatsReply:
         rid = request.id
@@ -590,11 +602,12 @@ class Operations:
 
     # --- helpers --------------------------------------------------------------------------------
 
-    async def _run(self, call: Callable[[], T]) -> T:
-        """Run blocking store work on the pool; store errors become protocol errors."""
+    async def _run(self, call: Callable[[], T], pool: Executor | None = None) -> T:
+        """Run blocking store work on the pool (or `pool`); store errors become protocol
+        errors."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self.pool, call)
+            return await loop.run_in_executor(pool or self.pool, call)
         except Exception as exc:
             raise _protocol_error(exc) from None
 

@@ -129,7 +129,10 @@ class Server:
         # that shutdown sees that work too; the closing steps get a thread of their own.
         aux = WorkPool(thread_name_prefix="prefixd-aux")
         closer = WorkPool(1, thread_name_prefix="prefixd-close")
-        self._pools = (pool, aux, closer)
+        # Administrative work (verify) on a thread of its own: it never takes a worker from the
+        # lookups and loads, and one runs at a time (Operations refuses a second).
+        admin = WorkPool(1, thread_name_prefix="prefixd-admin")
+        self._pools = (pool, aux, admin, closer)  # the closer last: shutdown closes with it
         loop.set_default_executor(aux)
         watcher = ManifestWatcher(parse_manifests(config.model_manifests), self._retirer(pool))
         self._watcher = watcher
@@ -149,6 +152,7 @@ class Server:
             min_reusable_tokens=config.min_reusable_tokens,
             bridge=bridge,
             clock=self.clock,
+            admin_pool=admin,
         )
         exporter = MetricsExporter(
             metrics.registry,

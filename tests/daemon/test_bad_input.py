@@ -723,3 +723,37 @@ def test_a_client_that_pipelines_without_reading_meets_backpressure(daemon: Daem
     latencies.sort()
     assert latencies[int(len(latencies) * 0.99)] < 2.0, latencies[-5:]
     assert after_close < 2.0
+
+
+def test_verifies_run_one_at_a_time_apart_from_lookups(daemon: Daemon) -> None:
+    """The attack: verify after verify, pipelined. One runs (on a thread of its own), the others
+    are refused as busy at once, and an honest client's lookups are answered meanwhile."""
+    import threading
+    import time
+
+    bt = IDENTITY.block_tokens
+    prompt = np.arange(128 * bt, dtype=np.uint32)
+    with Client(daemon.socket, region_bytes=16 << 20) as honest:
+        honest.put(IDENTITY, prompt, [payload(1, i, 64 << 10) for i in range(128)])
+        replies: list[dict[str, Any]] = []
+        with Raw(daemon.socket, timeout=DEADLINE_S) as admin:
+            admin.hello()
+
+            def verifies() -> None:
+                for rid in range(16):
+                    admin.send({"op": "verify", "id": 5000 + rid})
+                replies.extend(admin.recv() for _ in range(16))
+
+            flood = threading.Thread(target=verifies)
+            flood.start()
+            latencies = []
+            while flood.is_alive() and len(latencies) < 2000:
+                started = time.perf_counter()
+                assert honest.lookup(IDENTITY, [prompt])[0].n_blocks == 128
+                latencies.append(time.perf_counter() - started)
+            flood.join(DEADLINE_S)
+    codes = [r["error"]["code"] if not r["ok"] else "ok" for r in replies]
+    assert codes.count("ok") >= 1 and codes.count("busy") >= 1, codes
+    assert set(codes) <= {"ok", "busy"}
+    latencies.sort()
+    assert latencies and latencies[int(len(latencies) * 0.99)] < 2.0
