@@ -219,6 +219,13 @@ class Config:
     metrics_interval_s: float = _setting(
         "seconds", "how often the metrics textfile is rewritten", 15.0, low=1.0, high=86400.0
     )
+    metrics_textfile_mode: int = _setting(
+        "mode",
+        "file mode of the metrics textfile, octal (it names tenants: not for every user)",
+        0o640,
+        low=0,
+        high=0o777,
+    )
     cluster_master: str = _setting(
         "text",
         "the Mooncake master (HOST:PORT) of a shared tier behind the local store (empty: off); "

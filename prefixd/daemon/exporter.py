@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
 from prefixd.errors import ServeError
 
@@ -32,12 +33,14 @@ class MetricsExporter:
         address: str,
         textfile: Path | None,
         interval_s: float,
+        textfile_mode: int = 0o640,
     ) -> None:
         self.registry = registry
         self.port = port
         self.address = address
         self.textfile = textfile
         self.interval_s = interval_s
+        self.textfile_mode = textfile_mode
         self._http: Any = None
         self._task: asyncio.Task[None] | None = None
 
@@ -69,8 +72,20 @@ class MetricsExporter:
             await asyncio.sleep(self.interval_s)
 
     def write(self) -> None:
+        """Write the metrics to a temporary file made with `textfile_mode` from the start (they
+        name tenants: never readable by everyone, not even for a moment), then rename it."""
         assert self.textfile is not None
-        write_to_textfile(str(self.textfile), self.registry)
+        data = generate_latest(self.registry)
+        temporary = self.textfile.with_name(f".{self.textfile.name}.{os.getpid()}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.textfile_mode)
+        try:
+            os.fchmod(fd, self.textfile_mode)  # what the umask took away, or an older file's mode
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(temporary, self.textfile)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -160,6 +160,7 @@ class Server:
             address=config.metrics_address,
             textfile=config.metrics_textfile,
             interval_s=config.metrics_interval_s,
+            textfile_mode=config.metrics_textfile_mode,
         )
         tasks: list[asyncio.Task[None]] = []
         try:

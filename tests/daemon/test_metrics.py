@@ -10,8 +10,10 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from prefixd.client import Client
 
@@ -157,3 +159,27 @@ def test_stats_cli_prints_tables_json_and_watches(daemon: Daemon) -> None:
     reader.join(DEADLINE_S)
     assert code == 130, code  # interrupted, as a user's Ctrl-C
     assert len(lines) >= 2 and all('"hit_rate"' in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("flags", "mode"), [((), 0o640), (("--metrics-textfile-mode", "600"), 0o600)]
+)
+def test_the_textfile_is_never_readable_by_every_user(
+    daemon_factory: DaemonFactory, tmp_path: Path, flags: tuple[str, ...], mode: int
+) -> None:
+    """The textfile names tenants: it is written with its mode from the start (the umask of
+    the daemon would make it world-readable), never as a file another user could read."""
+    import stat
+
+    textfile = tmp_path / "metrics" / "prefixd.prom"
+    textfile.parent.mkdir()
+    textfile.write_text("old\n")
+    os.chmod(textfile, 0o644)  # an older file's mode does not carry over either
+    daemon = daemon_factory(
+        "--metrics-textfile", str(textfile), "--metrics-interval-s", "1", *flags
+    )
+    run_workload(daemon)
+    wait_for(lambda: "prefixd_lookup_prompts_total" in textfile.read_text(), "the textfile written")
+    assert stat.S_IMODE(textfile.stat().st_mode) == mode
+    assert daemon.stop() == 0
+    assert stat.S_IMODE(textfile.stat().st_mode) == mode
