@@ -157,6 +157,23 @@ class Config:
         "int", "connections served at once; more are refused", 1024, low=1, high=65536
     )
     max_inflight: int = _setting("int", "requests in flight per connection", 64, low=1, high=4096)
+    max_connections_per_uid: int = _setting(
+        "int", "connections one uid may hold at once; more are refused", 256, low=1, high=65536
+    )
+    handshake_timeout_s: float = _setting(
+        "seconds", "how long a new connection may take to say hello", 10.0, low=0.1, high=3600.0
+    )
+    frame_timeout_s: float = _setting(
+        "seconds", "how long a frame may take to arrive once begun", 30.0, low=0.1, high=3600.0
+    )
+    idle_timeout_s: float = _setting(
+        "seconds",
+        "how long a connection may go without a request before it is closed (0: never, as "
+        "engines hold theirs for the life of the process)",
+        0.0,
+        low=0.0,
+        high=7 * 86400.0,
+    )
     max_region_bytes: int = _setting(
         "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -396,27 +397,47 @@ class Server:
     async def _accept(self, operations: Operations) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(self._listener)
-            except OSError as exc:  # EMFILE and the like: back off, keep serving
-                log.warning("accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            sock.setblocking(False)
-            self.stats["connections"] += 1
-            pid, uid, gid = _PEERCRED.unpack(
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            )
-            refusal = self._refusal(uid, {gid, *_peer_groups(sock)})
-            if refusal is not None:
-                self.stats["refused"] += 1
-                log.warning("refused a connection from pid %d uid %d: %s", pid, uid, refusal[1])
-                await _reply_and_close(sock, refusal[0], refusal[1])
-                continue
-            conn = Connection(self, operations, sock, pid=pid, uid=uid)
-            self.connections.add(conn)
-            conn.task = asyncio.create_task(conn.run(), name=f"prefixd-conn-{pid}")
+        reserve: int | None = os.open(os.devnull, os.O_RDONLY)
+        try:
+            while True:
+                try:
+                    sock, _ = await loop.sock_accept(self._listener)
+                except OSError as exc:  # EMFILE and the like: answer with the reserve, back off
+                    log.warning("accept failed: %s", exc)
+                    if exc.errno in (errno.EMFILE, errno.ENFILE) and reserve is not None:
+                        os.close(reserve)  # one descriptor to take the waiting client and tell it
+                        reserve = None
+                        with contextlib.suppress(OSError):
+                            refused, _ = self._listener.accept()
+                            refused.setblocking(False)
+                            self.stats["refused"] += 1
+                            await _reply_and_close(
+                                refused, ErrorCode.BUSY, "the daemon is out of file descriptors"
+                            )
+                        with contextlib.suppress(OSError):
+                            reserve = os.open(os.devnull, os.O_RDONLY)
+                    await asyncio.sleep(0.1)
+                    continue
+                if reserve is None:
+                    with contextlib.suppress(OSError):
+                        reserve = os.open(os.devnull, os.O_RDONLY)
+                sock.setblocking(False)
+                self.stats["connections"] += 1
+                pid, uid, gid = _PEERCRED.unpack(
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+                )
+                refusal = self._refusal(uid, {gid, *_peer_groups(sock)})
+                if refusal is not None:
+                    self.stats["refused"] += 1
+                    log.warning("refused a connection from pid %d uid %d: %s", pid, uid, refusal[1])
+                    await _reply_and_close(sock, refusal[0], refusal[1])
+                    continue
+                conn = Connection(self, operations, sock, pid=pid, uid=uid)
+                self.connections.add(conn)
+                conn.task = asyncio.create_task(conn.run(), name=f"prefixd-conn-{pid}")
+        finally:
+            if reserve is not None:
+                os.close(reserve)
 
     def _refusal(self, uid: int, gids: set[int]) -> tuple[ErrorCode, str] | None:
         config = self.config
@@ -428,6 +449,10 @@ class Server:
             return ErrorCode.FORBIDDEN, f"uid {uid} (groups {sorted(gids)}) may not use this daemon"
         if len(self.connections) >= config.max_connections:
             return ErrorCode.BUSY, f"the daemon serves at most {config.max_connections} connections"
+        held = sum(1 for conn in self.connections if conn.uid == uid)
+        if held >= config.max_connections_per_uid:
+            limit = config.max_connections_per_uid
+            return ErrorCode.BUSY, f"uid {uid} holds {held} connections, at most {limit} allowed"
         return None
 
     async def _drain(self, grace_ends: float) -> None:
@@ -478,6 +503,10 @@ class Connection:
         self._draining = False
         self._waiter: asyncio.Future[None] | None = None
         self._watching = False
+        config = server.config
+        self._handshake_ends = time.monotonic() + config.handshake_timeout_s
+        self._frame_timeout_s = config.frame_timeout_s
+        self._idle_timeout_s = config.idle_timeout_s
 
     # --- state used by operations ---------------------------------------------------------------
 
@@ -691,10 +720,22 @@ class Connection:
                 await loop.sock_sendall(self.sock, frame)
 
     async def _recv_exact(self, view: memoryview, *, at_boundary: bool) -> bool:
-        """Fill `view`; False on a clean EOF at a frame boundary, or on EOF mid-frame."""
+        """Fill `view`; False on a clean EOF at a frame boundary, or on EOF mid-frame.
+
+        Raises TimeoutError (the connection is closed) when a new connection has not said hello
+        within handshake_timeout_s, a frame once begun has not arrived within frame_timeout_s,
+        or no request has come for idle_timeout_s: a peer cannot hold a connection with half a
+        frame (or nothing) for ever."""
         filled = 0
+        started = time.monotonic()
         while filled < len(view):
-            got = await self._recv_into(view[filled:])
+            if not self.greeted:
+                deadline: float | None = self._handshake_ends
+            elif at_boundary and filled == 0:
+                deadline = started + self._idle_timeout_s if self._idle_timeout_s else None
+            else:
+                deadline = started + self._frame_timeout_s
+            got = await self._recv_into(view[filled:], deadline)
             if got == 0:
                 if not (at_boundary and filled == 0):
                     log.debug("connection from pid %d closed mid-frame", self.pid)
@@ -702,12 +743,12 @@ class Connection:
             filled += got
         return True
 
-    async def _recv_into(self, view: memoryview) -> int:
+    async def _recv_into(self, view: memoryview, deadline: float | None = None) -> int:
         while True:
             try:
                 got, ancillary, flags, _ = self.sock.recvmsg_into([view], _ANCILLARY_BYTES)
             except (BlockingIOError, InterruptedError):
-                await self._readable()
+                await self._readable(deadline)
                 continue
             if ancillary:
                 fds = fds_from_ancillary(ancillary)
@@ -716,19 +757,31 @@ class Connection:
                     self.close_fds(self.take_fds())  # never hoard a flood of descriptors
             return got
 
-    async def _readable(self) -> None:
-        """Wait until the socket is readable. The reader stays registered while frames are read
-        (one epoll registration per connection, not two syscalls per frame)."""
+    async def _readable(self, deadline: float | None = None) -> None:
+        """Wait until the socket is readable (TimeoutError past `deadline`, monotonic). The
+        reader stays registered while frames are read (one epoll registration per connection,
+        not two syscalls per frame)."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiter = waiter
         if not self._watching:
             loop.add_reader(self.sock.fileno(), self._wake)
             self._watching = True
+        timer = None
+        if deadline is not None:
+            at = loop.time() + max(0.0, deadline - time.monotonic())
+            timer = loop.call_at(at, self._expire, waiter)
         try:
             await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _expire(self, waiter: asyncio.Future[None]) -> None:
+        if not waiter.done():
+            self.server.stats["timeouts"] += 1
+            waiter.set_exception(TimeoutError("the peer sent nothing in time"))
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -757,3 +758,85 @@ def test_verifies_run_one_at_a_time_apart_from_lookups(daemon: Daemon) -> None:
     assert set(codes) <= {"ok", "busy"}
     latencies.sort()
     assert latencies and latencies[int(len(latencies) * 0.99)] < 2.0
+
+
+# --- peers that hold connections --------------------------------------------------------------
+
+
+def test_silent_slow_and_idle_connections_are_closed(daemon_factory: DaemonFactory) -> None:
+    """The attacks: a connection that never says hello, one that sends half a frame (a
+    slowloris, or a header promising a body that never comes), and one that idles. Each is
+    closed within its timeout; an honest client is answered throughout."""
+    daemon = daemon_factory(
+        "--handshake-timeout-s", "1", "--frame-timeout-s", "1", "--idle-timeout-s", "2"
+    )  # fmt: skip
+    with Client(daemon.socket) as honest:
+        silent = Raw(daemon.socket)
+        half = Raw(daemon.socket)
+        half.hello()
+        half.sock.sendall(HEADER.pack(1000) + b"x" * 10)  # and never the rest
+        header_only = Raw(daemon.socket)
+        header_only.hello()
+        header_only.sock.sendall(HEADER.pack(MAX_FRAME))
+        idle = Raw(daemon.socket)
+        idle.hello()
+        for attacker in (silent, half, header_only):
+            assert attacker.closed_by_peer(timeout=DEADLINE_S)
+            attacker.close()
+        assert honest.health()["status"] == "ok"
+        assert idle.closed_by_peer(timeout=DEADLINE_S)  # after 2 s without a request
+        idle.close()
+        assert honest.stats()["server"]["timeouts"] >= 4
+
+
+def test_one_uid_cannot_hold_every_connection(daemon_factory: DaemonFactory) -> None:
+    """The attack: one peer opening connection after connection. Past
+    --max-connections-per-uid it is refused (busy, at once, never left hanging); a closed one
+    makes room again."""
+    daemon = daemon_factory("--max-connections-per-uid", "8")
+    held = [Raw(daemon.socket) for _ in range(8)]
+    for conn in held:
+        conn.hello()
+    with Raw(daemon.socket) as extra:
+        reply = extra.recv()
+        assert reply["error"]["code"] == "busy" and "at most 8" in reply["error"]["message"]
+    held.pop().close()
+    wait_for(lambda: _answers(daemon.socket), "room for another connection")
+    for conn in held:
+        conn.close()
+
+
+def _answers(path: Path) -> bool:
+    with Raw(path) as conn:
+        try:
+            return bool(conn.hello())
+        except (ConnectionError, AssertionError, KeyError):
+            return False
+
+
+def test_a_daemon_out_of_descriptors_answers_new_clients(daemon_factory: DaemonFactory) -> None:
+    """The attack: connections until the daemon has no file descriptor left. A new client is
+    told so at once (busy) instead of hanging unanswered, and the daemon recovers when they go."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(hard, 96)
+    launcher = ["prlimit", f"--nofile={low}:{hard}", sys.executable, "-m", "prefixd"]
+    daemon = daemon_factory("--max-connections-per-uid", "4096", launcher=launcher)
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(low + 16):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(str(daemon.socket))
+            flood.append(conn)
+        with Raw(daemon.socket, timeout=DEADLINE_S) as late:
+            late.sock.settimeout(DEADLINE_S)
+            try:
+                reply = late.recv()
+                assert reply["error"]["code"] == "busy"
+            except ConnectionError:
+                pass  # closed at once: also an answer, not a hang
+    finally:
+        for conn in flood:
+            conn.close()
+    wait_for(lambda: _answers(daemon.socket), "the daemon to serve again")
