@@ -28,6 +28,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from prefixd.daemon.policy import TenantPolicy
 from prefixd.errors import ConfigError
 from prefixd.store.config import (
     COMPRESSIONS,
@@ -149,6 +150,13 @@ class Config:
         "ids", "uids allowed to connect besides root and the daemon's own uid", ()
     )
     allowed_gids: tuple[int, ...] = _setting("ids", "gids whose members may connect", ())
+    tenant_policy: tuple[str, ...] = _setting(
+        "entries",
+        "which tenants and administrative operations each peer may use, uid:N=GRANT+... or "
+        "gid:N=...; a grant is a tenant, * (every tenant) or op:purge|retire|verify|hot|* "
+        "(none: every allowed peer may use every tenant)",
+        (),
+    )
     max_frame_bytes: int = _setting(
         "size", "largest protocol frame accepted", 16 * MiB, low=4 * KiB, high=1 * GiB
     )
@@ -694,10 +702,13 @@ def _validated(name: str, value: Any) -> Any:
                 f"at most {SOCKET_PATH_MAX}; choose a shorter one"
             )
         return path
-    if kind == "entries":  # model_manifests (store settings are checked by StoreConfig above)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name}: must be a list of MODEL=FILE[+FILE...]")
+    if kind == "entries":  # model_manifests, tenant_policy (store settings: StoreConfig above)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}: must be a list of NAME=VALUE entries")
         entries = tuple(value)
+        if name == "tenant_policy":
+            TenantPolicy(entries, os.geteuid())  # raises ConfigError naming what is wrong
+            return entries
         try:
             parse_manifests(entries)
         except ValueError as exc:

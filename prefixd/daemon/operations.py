@@ -160,6 +160,8 @@ class Operations:
                 f"client speaks protocol {msg.protocol}, this daemon speaks {PROTOCOL_VERSION}",
             )
         retired = 0
+        if msg.serves:
+            _may_run(conn, "retire", every_tenant=True)  # retiring touches every tenant
         for served in msg.serves or ():
             # the engine serves these weights now: other versions of the model are stale
             selector = PurgeSelector(model=served.model, keep={"weights": served.weights})
@@ -204,7 +206,7 @@ class Operations:
 
     async def put(self, conn: Connection, request: Request[Put]) -> PutReply:
         rid, msg = request.id, request.message
-        identity = self._identity(msg.identity)
+        identity = self._identity(conn, msg.identity)
         tokens = self._prompt(conn, msg)
         first_block = msg.first_block or 0
         views = [conn.span(span) for span in msg.blocks]
@@ -245,7 +247,7 @@ class Operations:
     def _lookup_queries(
         self, conn: Connection, msg: Lookup | LookupState
     ) -> tuple[Identity, list[tuple[bytes | memoryview, bytes | None]]]:
-        identity = self._identity(msg.identity)
+        identity = self._identity(conn, msg.identity)
         total = sum(
             self._token_count(prompt, f"prompts[{i}].") for i, prompt in enumerate(msg.prompts)
         )
@@ -368,7 +370,7 @@ class Operations:
 
     async def load(self, conn: Connection, request: Request[Load]) -> LoadReply:
         rid, msg = request.id, request.message
-        identity = self._identity(msg.identity)
+        identity = self._identity(conn, msg.identity)
         tokens = self._prompt(conn, msg)
         offset, out = _output(conn, msg)
         first_block = msg.first_block or 0
@@ -409,6 +411,8 @@ class Operations:
         """A tenant's most valuable prefixes to warm after a restart, whole, within a byte
         budget; the reply holds at most half a frame of token ids (the rest are left out)."""
         rid, msg = request.id, request.message
+        _may_run(conn, "hot")
+        _may_use(conn, msg.tenant)
         limit = DEFAULT_HOT_LIMIT if msg.limit is None else msg.limit  # at most MAX_HOT_PREFIXES
         found = await self._run(
             partial(self.store.hottest, msg.budget_bytes, tenant=msg.tenant, limit=limit)
@@ -434,7 +438,7 @@ class Operations:
 
     async def put_state(self, conn: Connection, request: Request[PutState]) -> PutStateReply:
         rid, msg = request.id, request.message
-        identity = self._identity(msg.identity)
+        identity = self._identity(conn, msg.identity)
         tokens = self._prompt(conn, msg)
         paged_spans = msg.paged or {}
         checkpoint_spans = msg.checkpoints or {}
@@ -501,7 +505,7 @@ class Operations:
 
     async def load_state(self, conn: Connection, request: Request[LoadState]) -> LoadStateReply:
         rid, msg = request.id, request.message
-        identity = self._identity(msg.identity)
+        identity = self._identity(conn, msg.identity)
         tokens = self._prompt(conn, msg)
         offset, out = _output(conn, msg)
         started = time.perf_counter()
@@ -536,6 +540,10 @@ class Operations:
             )
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        # a purge of one tenant needs that tenant; any other (a model, an age, all) every tenant
+        _may_run(conn, "purge", every_tenant=msg.tenant is None)
+        if msg.tenant is not None:
+            _may_use(conn, msg.tenant)
         if msg.dry_run:
             report = await self._run(partial(self.store.purge, selector, dry_run=True))
         else:
@@ -555,6 +563,7 @@ class Operations:
         write transaction: other writes wait for it, reads do not). The reply is the report
         `prefixd verify` prints, as a map (its two forms: prefixd.wire.messages.VerifyReply)."""
         rid, msg = request.id, request.message
+        _may_run(conn, "verify")
         fix = bool(msg.fix)
         payloads = msg.payloads is not False
 
@@ -611,9 +620,11 @@ class Operations:
         except Exception as exc:
             raise _protocol_error(exc) from None
 
-    def _identity(self, wire: WireIdentity) -> Identity:
-        """The identity a request names; parsed ones are cached by their (frozen, type-checked)
-        wire form, so 4.0 or True can never pass for block_tokens 4 or 1."""
+    def _identity(self, conn: Connection, wire: WireIdentity) -> Identity:
+        """The identity a request names, if the peer may use its tenant (the tenant policy);
+        parsed ones are cached by their (frozen, type-checked) wire form, so 4.0 or True can
+        never pass for block_tokens 4 or 1."""
+        _may_use(conn, wire.tenant)
         cached = self._identities.get(wire)
         if cached is not None:
             return cached
@@ -625,6 +636,21 @@ class Operations:
             self._identities.clear()
         self._identities[wire] = identity
         return identity
+
+
+def _may_use(conn: Connection, tenant: str) -> None:
+    """Refuse a tenant the peer's grant (prefixd.daemon.policy) does not name."""
+    if not conn.grant.may_use(tenant):
+        raise ProtocolError(ErrorCode.FORBIDDEN, f"uid {conn.uid} may not use tenant {tenant!r}")
+
+
+def _may_run(conn: Connection, op: str, *, every_tenant: bool = False) -> None:
+    """Refuse an administrative operation the peer's grant does not name (and, when it reaches
+    every tenant, a peer that may not use every tenant)."""
+    grant = conn.grant
+    if not grant.may_run(op) or (every_tenant and grant.tenants is not None):
+        scope = " for every tenant" if every_tenant else ""
+        raise ProtocolError(ErrorCode.FORBIDDEN, f"uid {conn.uid} may not run {op}{scope}")
 
 
 def _state_parts(match: JointMatch, offsets: Sequence[int] | None = None) -> list[StatePart]:

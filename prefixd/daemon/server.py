@@ -36,6 +36,7 @@ from prefixd.daemon.config import parse_manifests
 from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import AnyReply, Operations, Request
+from prefixd.daemon.policy import EVERYTHING, Grant, TenantPolicy
 from prefixd.daemon.watchers import ManifestWatcher, Retire
 from prefixd.daemon.work import WorkPool
 from prefixd.errors import ProtocolError, RequestError, ServeError
@@ -86,6 +87,7 @@ class Server:
         """`clock`: what the store and the operations read time from (entry ages, TTLs,
         uptime); the shutdown's waits run on the event loop's own clock."""
         self.config = config
+        self.policy = TenantPolicy(config.tenant_policy, os.geteuid())
         self.env = os.environ if env is None else env
         self.clock: Clock = clock or SystemClock()
         self.store: Store | None = None
@@ -180,6 +182,12 @@ class Server:
             if interval:
                 watchdog = systemd.Watchdog(interval, self._healthy, env=self.env)
                 tasks.append(asyncio.create_task(watchdog.run(), name="prefixd-watchdog"))
+            if (config.allowed_uids or config.allowed_gids) and not self.policy.configured:
+                log.warning(
+                    "peers other than uid %d are allowed on the socket without a tenant policy: "
+                    "any of them may use, read and purge every tenant (--tenant-policy)",
+                    os.geteuid(),
+                )
             log.info("serving %s on %s", config.data_dir, config.socket)
             systemd.notify(f"READY=1\nSTATUS=serving on {config.socket}", self.env)
             await self.stopping.wait()
@@ -426,13 +434,15 @@ class Server:
                 pid, uid, gid = _PEERCRED.unpack(
                     sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
                 )
-                refusal = self._refusal(uid, {gid, *_peer_groups(sock)})
+                groups = {gid, *_peer_groups(sock)}
+                refusal = self._refusal(uid, groups)
                 if refusal is not None:
                     self.stats["refused"] += 1
                     log.warning("refused a connection from pid %d uid %d: %s", pid, uid, refusal[1])
                     await _reply_and_close(sock, refusal[0], refusal[1])
                     continue
                 conn = Connection(self, operations, sock, pid=pid, uid=uid)
+                conn.grant = self.policy.grant_for(uid, groups)
                 self.connections.add(conn)
                 conn.task = asyncio.create_task(conn.run(), name=f"prefixd-conn-{pid}")
         finally:
@@ -490,6 +500,7 @@ class Connection:
         self.sock = sock
         self.pid = pid
         self.uid = uid
+        self.grant: Grant = EVERYTHING  # what the tenant policy lets this peer do
         self.greeted = False
         self.max_inflight = server.config.max_inflight
         self.regions: dict[int, MappedRegion] = {}
