@@ -231,6 +231,8 @@ class Operations:
         computed at once on the event loop, and the counting to do once it is sent; None sends
         the request the usual way."""
         identity, queries = self._lookup_queries(conn, request.message)
+        if sum(len(tokens) for tokens, _ in queries) > LOOP_TOKEN_BYTES:
+            return None  # comparing that many token ids is work for a worker, not for the loop
         try:
             matches = [
                 self.store.cached_prefix(identity, tokens, hashes=hashes)
@@ -636,6 +638,11 @@ class Operations:
             self._identities.clear()
         self._identities[wire] = identity
         return identity
+
+
+# The most token bytes a lookup may hold to be answered from memory on the event loop: comparing
+# them costs tens of microseconds; anything longer goes to a worker like every other request.
+LOOP_TOKEN_BYTES = 512 << 10
 
 
 def _may_use(conn: Connection, tenant: str) -> None:

@@ -1,0 +1,40 @@
+"""Work on the event loop is bounded: a lookup is answered from memory on the loop only when its
+prompts are short; a long one goes to a worker like every other request, so no client can hold
+the loop with a prompt of millions of token ids."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from prefixd import Store
+from prefixd.daemon.operations import LOOP_TOKEN_BYTES, Operations, Request
+from prefixd.daemon.policy import EVERYTHING
+from prefixd.wire.messages import Lookup, Prompt, WireIdentity
+
+from .conftest import IDENTITY
+
+
+def test_only_short_lookups_are_answered_on_the_loop(tmp_path: Path) -> None:
+    bt = IDENTITY.block_tokens
+    short = np.arange(64 * bt, dtype=np.uint32)
+    long = np.arange(LOOP_TOKEN_BYTES // 4 + bt, dtype=np.uint32) // bt * bt + 1
+    with Store.open(tmp_path / "s", map_size=256 << 20) as store, ThreadPoolExecutor(1) as pool:
+        for prompt in (short, long):
+            n = len(prompt) // bt
+            store.put(IDENTITY, prompt, [b"x"] * n)
+            store.longest_prefix(IDENTITY, prompt)  # now remembered: memory could answer it
+        ops = Operations(store, pool, max_frame_bytes=64 << 20, max_region_bytes=1 << 30)
+        conn = SimpleNamespace(uid=0, grant=EVERYTHING)
+
+        def from_memory(prompt: np.ndarray) -> object:
+            message = Lookup(
+                id=1, identity=WireIdentity.of(IDENTITY), prompts=[Prompt(tokens=prompt.tobytes())]
+            )
+            return ops.lookup_from_memory(conn, Request(1, message))  # type: ignore[arg-type]
+
+        assert from_memory(short) is not None
+        assert from_memory(long) is None  # a worker answers it
