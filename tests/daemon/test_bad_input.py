@@ -3,6 +3,7 @@ usable where the protocol says so, and a well-behaved client keeps working throu
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -673,6 +674,34 @@ def test_prompts_past_the_token_limits_are_refused_before_any_work(
         with pytest.raises(TokenError, match="max_prompt_tokens"):
             client.load(IDENTITY, np.zeros(70000, dtype=np.uint32))
         assert client.lookup(IDENTITY, [ok])[0].n_blocks == 4  # within the limits: answered
+
+        # and an honest client beside a flood of them is answered throughout
+        import threading
+        import time
+
+        stop = threading.Event()
+
+        def flood() -> None:
+            with Client(daemon.socket, token_region_bytes=8 << 20) as attacker:
+                while not stop.is_set():
+                    with contextlib.suppress(TokenError):
+                        attacker.lookup(IDENTITY, [np.zeros(65536 + bt, dtype=np.uint32)] * 2)
+
+        attackers = [threading.Thread(target=flood) for _ in range(2)]
+        for thread in attackers:
+            thread.start()
+        latencies = []
+        try:
+            for _ in range(200):
+                started = time.perf_counter()
+                assert client.lookup(IDENTITY, [ok])[0].n_blocks == 4
+                latencies.append(time.perf_counter() - started)
+        finally:
+            stop.set()
+            for thread in attackers:
+                thread.join()
+        latencies.sort()
+        assert latencies[int(len(latencies) * 0.99)] < 2.0
 
 
 def test_a_client_that_pipelines_without_reading_meets_backpressure(daemon: Daemon) -> None:
