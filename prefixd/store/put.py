@@ -87,6 +87,15 @@ class Written(NamedTuple):
 Outcome = Written | Refusal
 
 
+class Blocks(NamedTuple):
+    """What writing a put's blocks did: the payloads written afresh (in order), how many blocks
+    were stored already, and how many damaged records were replaced."""
+
+    written: list[EncodedPayload]
+    existed: int
+    replaced: int
+
+
 class Writer:
     """`put` and `put_state` of one store."""
 
@@ -141,34 +150,22 @@ class Writer:
         encoded: dict[int, EncodedPayload],
     ) -> Outcome:
         t = self._ctx.tables
-        identity = chain.identity
-        digest = identity.digest
-        now = self._ctx.clock.time_ns()
-        stored = existed = replaced = 0
-        payload_bytes = stored_bytes = 0
-        min_created = self._tenancy.min_created_ns(identity)
-        refused = self._check_ancestry(txn, chain, first_block, min_created)
-        if refused is not None:
-            return refused
-        txn.put(digest, identity.encode(), db=t.identities, overwrite=False)
-        for index in range(first_block, first_block + len(views)):
-            claim = self._claim_block(txn, chain, index, min_created)
-            if isinstance(claim, Refusal):
-                return claim
-            present, dropped = claim
-            replaced += dropped
-            if present:
-                existed += 1
-                continue
-            payload = encoded.get(index) or self._ctx.codec.encode(views[index - first_block])
-            if not self._write_block(txn, chain, index, payload, now):
-                return _changed(f"block {index}")
-            stored += 1
-            payload_bytes += payload.payload_size
-            stored_bytes += payload.stored_size
-        _count(txn, t, digest, stored, 0, payload_bytes, stored_bytes)
-        hashes = tuple(chain.hash(i) for i in range(first_block, first_block + len(views)))
-        return Written(PutResult(stored, existed, hashes), replaced)
+        digest = chain.identity.digest
+        end = first_block + len(views)
+
+        def payload_of(index: int) -> EncodedPayload:
+            return encoded.get(index) or self._ctx.codec.encode(views[index - first_block])
+
+        blocks = self._write_blocks(
+            txn, chain, first_block, end, payload_of, self._ctx.clock.time_ns()
+        )
+        if isinstance(blocks, Refusal):
+            return blocks
+        payload_bytes = sum(p.payload_size for p in blocks.written)
+        stored_bytes = sum(p.stored_size for p in blocks.written)
+        _count(txn, t, digest, len(blocks.written), 0, payload_bytes, stored_bytes)
+        hashes = tuple(chain.hash(i) for i in range(first_block, end))
+        return Written(PutResult(len(blocks.written), blocks.existed, hashes), blocks.replaced)
 
     # --- hybrid identities: state groups --------------------------------------------------------
 
@@ -225,24 +222,11 @@ class Writer:
         assert t.parts is not None
         digest = chain.identity.digest
         now = self._ctx.clock.time_ns()
-        stored = existed = replaced = parts = 0
-        payload_bytes = stored_bytes = 0
-        min_created = self._tenancy.min_created_ns(chain.identity)
-        refused = self._check_ancestry(txn, chain, first_block, min_created)
-        if refused is not None:
-            return refused
-        txn.put(digest, chain.identity.encode(), db=t.identities, overwrite=False)
-        for index in range(first_block, end):
-            claim = self._claim_block(txn, chain, index, min_created)
-            if isinstance(claim, Refusal):
-                return claim
-            present, dropped = claim
-            replaced += dropped
-            if present:
-                existed += 1
-            else:
-                self._write_block(txn, chain, index, None, now)
-                stored += 1
+        # a block of a hybrid identity has no payload of its own: its state is in parts
+        blocks = self._write_blocks(txn, chain, first_block, end, lambda index: None, now)
+        if isinstance(blocks, Refusal):
+            return blocks
+        parts = payload_bytes = stored_bytes = 0
         for part, payload in zip(planned, encoded):
             key = part_key(chain.hash(part.block_index), part.group)
             if txn.get(key, db=t.parts) is not None:
@@ -264,9 +248,10 @@ class Writer:
             parts += 1
             payload_bytes += payload.payload_size
             stored_bytes += payload.stored_size
+        stored = len(blocks.written)
         _count(txn, t, digest, stored, parts, payload_bytes, stored_bytes)
         hashes = tuple(chain.hash(i) for i in range(first_block, end))
-        return Written(PutResult(stored, existed, hashes, parts), replaced)
+        return Written(PutResult(stored, blocks.existed, hashes, parts), blocks.replaced)
 
     # --- one put's transaction ------------------------------------------------------------------
 
@@ -332,6 +317,41 @@ class Writer:
 
     # --- ancestry and claims --------------------------------------------------------------------
 
+    def _write_blocks(
+        self,
+        txn: lmdb.Transaction,
+        chain: BlockChain,
+        first_block: int,
+        end: int,
+        payload_of: Callable[[int], EncodedPayload | None],
+        now: int,
+    ) -> Blocks | Refusal:
+        """Blocks first_block..end-1 of `chain` in `txn`: the ancestry checked, the identity
+        recorded, each block claimed, and those not stored yet written with `payload_of(index)`
+        (refused if a payload's stored bytes do not match its checksum)."""
+        min_created = self._tenancy.min_created_ns(chain.identity)
+        refused = self._check_ancestry(txn, chain, first_block, min_created)
+        if refused is not None:
+            return refused
+        identity = chain.identity
+        txn.put(identity.digest, identity.encode(), db=self._ctx.tables.identities, overwrite=False)
+        written: list[EncodedPayload] = []
+        existed = replaced = 0
+        for index in range(first_block, end):
+            claim = self._claim_block(txn, chain, index, min_created)
+            if isinstance(claim, Refusal):
+                return claim
+            present, dropped = claim
+            replaced += dropped
+            if present:
+                existed += 1
+                continue
+            payload = payload_of(index) or _NO_PAYLOAD
+            if not self._write_block(txn, chain, index, payload, now):
+                return _changed(f"block {index}")
+            written.append(payload)
+        return Blocks(written, existed, replaced)
+
     def _check_ancestry(
         self, txn: lmdb.Transaction, chain: BlockChain, first_block: int, min_created: int
     ) -> Refusal | None:
@@ -390,7 +410,7 @@ class Writer:
         txn: lmdb.Transaction,
         chain: BlockChain,
         index: int,
-        payload: EncodedPayload | None,
+        payload: EncodedPayload,
         now: int,
     ) -> bool:
         """Write block `index`'s record, chunks, index entry and access record (no counters);
@@ -398,7 +418,6 @@ class Writer:
         written). A block of a hybrid identity has no payload of its own: its state is in parts."""
         t = self._ctx.tables
         h = chain.hash(index)
-        payload = payload or _NO_PAYLOAD
         record = BlockRecord(
             payload.compression,
             payload.chunk_bytes,
