@@ -3,6 +3,7 @@ tenants that never see each other's payloads."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -250,6 +252,29 @@ def test_a_tenant_never_obtains_another_tenants_payloads(daemon: Daemon) -> None
         print(f"\nisolation: {sum(attempts.values())} attempts, nothing of another tenant served")
 
 
+@contextlib.contextmanager
+def scribbling(view: np.ndarray, *, pause_s: float) -> Iterator[None]:
+    """A thread of the client writing random 4 KiB runs into `view` (its own region) until the
+    block ends, pausing `pause_s` after each."""
+    stop = threading.Event()
+
+    def scribble() -> None:
+        rng = np.random.default_rng(0)
+        while not stop.is_set():
+            at = int(rng.integers(0, view.size - 4096))
+            view[at : at + 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
+            if pause_s:
+                stop.wait(pause_s)
+
+    writer = threading.Thread(target=scribble)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
+
+
 def test_a_client_writing_into_its_region_during_loads_never_deletes_healthy_blocks(
     daemon: Daemon,
 ) -> None:
@@ -263,23 +288,9 @@ def test_a_client_writing_into_its_region_during_loads_never_deletes_healthy_blo
         honest.put(victim, prompt, pays)
     with Client(daemon.socket, region_bytes=8 << 20) as client:
         client.put(attacker, prompt, pays)
-        region = np.frombuffer(client.region.view, dtype=np.uint8)
-        stop = threading.Event()
-
-        def scribble() -> None:
-            rng = np.random.default_rng(0)
-            while not stop.is_set():
-                at = int(rng.integers(0, region.size - 4096))
-                region[at : at + 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
-
-        writer = threading.Thread(target=scribble)
-        writer.start()
-        try:
+        with scribbling(np.frombuffer(client.region.view, dtype=np.uint8), pause_s=0.0):
             for _ in range(100):
                 client.load(attacker, prompt).release()
-        finally:
-            stop.set()
-            writer.join()
         store = client.stats()["store"]
     assert store["quarantined"] == 0
     assert store["blocks"] == 32
@@ -301,19 +312,9 @@ def test_a_client_rewriting_payloads_during_puts_never_gets_a_corrupt_block_ackn
         lease = client.reserve(size * n_blocks)
         view = np.frombuffer(lease.view, dtype=np.uint8)
         view[:] = 7
-        stop = threading.Event()
-
-        def rewrite() -> None:
-            rng = np.random.default_rng(1)
-            while not stop.is_set():
-                at = int(rng.integers(0, view.size - 4096))
-                view[at : at + 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
-                stop.wait(0.0005)  # in bursts: some puts run between them and are stored
-
-        writer = threading.Thread(target=rewrite)
-        writer.start()
         spans = [(lease.offset + i * size, size) for i in range(n_blocks)]
-        try:
+        # in bursts: some puts run between them and are stored
+        with scribbling(view, pause_s=0.0005):
             for seed in range(100):
                 prompt = np.arange(n_blocks * IDENTITY.block_tokens, dtype=np.uint32) + seed * 997
                 try:
@@ -321,10 +322,7 @@ def test_a_client_rewriting_payloads_during_puts_never_gets_a_corrupt_block_ackn
                 except PrefixdError as exc:
                     assert "changed while it was being stored" in str(exc)
                     refused += 1
-        finally:
-            stop.set()
-            writer.join()
-            lease.release()
+        lease.release()
         assert acknowledged > 0
         report = client.verify()
         assert report["problems"] == [], report["problems"][:3]
