@@ -72,7 +72,7 @@ from prefixd.wire.region import MappedRegion
 
 if TYPE_CHECKING:
     from prefixd.cluster.bridge import SharedTierBridge
-    from prefixd.daemon.server import Connection
+    from prefixd.daemon.connection import Connection
 
 T = TypeVar("T")
 M_co = TypeVar("M_co", bound=RequestMessage, covariant=True)
