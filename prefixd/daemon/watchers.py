@@ -3,9 +3,9 @@
 Each served model is fingerprinted from its manifest files (say its config and weight index):
 `sha256:` over the files' names and bytes (prefixd.schema.fingerprint), read on a thread so the
 event loop never blocks on disk. An engine uses the fingerprint as the identity's `weights` (the
-daemon reports it in `hello` and `stats`). A watchdog observer notices when a manifest changes; after a short settling delay the
-fingerprint is recomputed and every entry of that model with other weights is purged, which makes
-it unreachable at once.
+daemon reports it in `hello` and `stats`). A watchdog observer notices when a manifest changes;
+after a short settling delay the fingerprint is recomputed and every entry of that model with
+other weights is purged, which makes it unreachable at once.
 """
 
 from __future__ import annotations
