@@ -33,7 +33,6 @@ from prefixd.store.results import LoadResult, RepairReport
 from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.frames import PROTOCOL_VERSION
 from prefixd.wire.messages import (
-    MAX_BLOCKS_PER_PUT,
     Attach,
     AttachReply,
     Health,
@@ -442,13 +441,8 @@ class Operations:
         rid, msg = request.id, request.message
         identity = self._identity(conn, msg.identity)
         tokens = self._prompt(conn, msg)
-        paged_spans = msg.paged or {}
+        paged_spans = msg.paged or {}  # at most MAX_BLOCKS_PER_PUT in all (decode_request)
         checkpoint_spans = msg.checkpoints or {}
-        count = sum(map(len, paged_spans.values())) + sum(map(len, checkpoint_spans.values()))
-        if count > MAX_BLOCKS_PER_PUT:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"put_state: at most {MAX_BLOCKS_PER_PUT} payloads per put"
-            )
         paged = {name: [conn.span(s) for s in spans] for name, spans in paged_spans.items()}
         checkpoints = {
             name: {boundary: conn.span(s) for boundary, s in pairs}
@@ -546,10 +540,13 @@ class Operations:
         _may_run(conn, "purge", every_tenant=msg.tenant is None)
         if msg.tenant is not None:
             _may_use(conn, msg.tenant)
+        # on the administrative thread, queued one at a time: never on the workers that serve
+        # lookups and loads, however many purges a peer pipelines
         if msg.dry_run:
-            report = await self._run(partial(self.store.purge, selector, dry_run=True))
+            call = partial(self.store.purge, selector, dry_run=True)
         else:
-            report = await self._run(partial(self.purge_everywhere, selector))
+            call = partial(self.purge_everywhere, selector)
+        report = await self._run(call, self.admin_pool)
         return PurgeReply(
             id=rid,
             identities=report.identities,

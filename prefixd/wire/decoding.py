@@ -13,6 +13,7 @@ from prefixd.errors import BadFrameError, RequestError
 from prefixd.wire.errors import ErrorCode, error_for
 from prefixd.wire.frames import encode_frame
 from prefixd.wire.messages import (
+    MAX_BLOCKS_PER_PUT,
     MAX_ID,
     MAX_QUOTED,
     REPLIES,
@@ -42,7 +43,19 @@ class _Envelope(Struct):
     op: msgspec.Raw = msgspec.Raw()
 
 
+class _Payloads(Struct):
+    """A put_state's groups with their arrays left unbuilt, so their lengths can be summed before
+    any entry exists: each group may hold MAX_BLOCKS_PER_PUT, all of them together no more. Every
+    field is looser than the request's own, so a body this refuses the typed decode refuses too."""
+
+    id: Id = 0
+    op: str = ""
+    paged: dict[str, msgspec.Raw] | None = None
+    checkpoints: dict[str, msgspec.Raw] | None = None
+
+
 _REQUEST_DECODER = msgspec.msgpack.Decoder(AnyRequest)
+_PAYLOADS_DECODER = msgspec.msgpack.Decoder(_Payloads)
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
 _ID_DECODER = msgspec.msgpack.Decoder(Id)
 _OP_DECODER = msgspec.msgpack.Decoder(str)
@@ -69,6 +82,7 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
 def decode_request(body: bytes | bytearray | memoryview) -> AnyRequest:
     """The request a frame body holds; raises RequestError (a ProtocolError) and nothing else."""
+    _refuse_too_many_payloads(body)
     try:
         return _REQUEST_DECODER.decode(body)
     except msgspec.ValidationError as exc:
@@ -78,6 +92,35 @@ def decode_request(body: bytes | bytearray | memoryview) -> AnyRequest:
         raise RequestError(ErrorCode.BAD_FRAME, reason) from None
     except RecursionError:
         raise RequestError(ErrorCode.BAD_FRAME, "body is nested too deeply") from None
+
+
+def _refuse_too_many_payloads(body: bytes | bytearray | memoryview) -> None:
+    """Refuse a put_state naming more than MAX_BLOCKS_PER_PUT payloads in all, reading only its
+    arrays' headers: 32 groups of 65,536 checkpoints are 12 MiB of msgpack that would be 270 MiB
+    of tuples, built on the event loop, before the total could be checked."""
+    try:
+        shape = _PAYLOADS_DECODER.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return  # the typed decode refuses it and says why
+    if shape.op != "put_state":
+        return
+    groups = [*(shape.paged or {}).values(), *(shape.checkpoints or {}).values()]
+    if sum(map(_array_length, groups)) > MAX_BLOCKS_PER_PUT:
+        reason = f"put_state: at most {MAX_BLOCKS_PER_PUT} payloads per put (all groups together)"
+        raise RequestError(ErrorCode.BAD_REQUEST, reason, rid=shape.id, op=shape.op)
+
+
+def _array_length(raw: msgspec.Raw) -> int:
+    """The element count in a msgpack array's header (fixarray, array 16, array 32); 0 for
+    anything else, which the typed decode refuses."""
+    head = memoryview(raw)
+    if not head:
+        return 0
+    if 0x90 <= head[0] <= 0x9F:
+        return head[0] & 0x0F
+    if head[0] in (0xDC, 0xDD):
+        return int.from_bytes(head[1 : 3 if head[0] == 0xDC else 5], "big")
+    return 0
 
 
 def _refusal(body: bytes | bytearray | memoryview, reason: str) -> RequestError:

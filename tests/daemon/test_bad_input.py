@@ -755,6 +755,69 @@ def test_a_client_that_pipelines_without_reading_meets_backpressure(daemon: Daem
     assert after_close < 2.0
 
 
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM line in the daemon's status")
+
+
+def test_frames_that_would_decode_to_millions_of_objects_are_refused_unbuilt(
+    daemon: Daemon,
+) -> None:
+    """The attacks: a put_state naming 32 groups of 65,536 checkpoints each (12 MiB of msgpack,
+    2 million entries, which built would hold about 270 MiB and the loop for a second), and a
+    request carrying 16 million empty arrays in a field no request has. The first is refused for
+    its total before one entry is built, the second is skipped unbuilt; the daemon's peak memory
+    grows by less than one such frame would take, and an honest client beside the flood is
+    answered throughout."""
+    import threading
+    import time
+
+    bt = IDENTITY.block_tokens
+    prompt = np.arange(64 * bt, dtype=np.uint32)
+    groups = 32
+    checkpoints = {f"g{i}": [[0, [0, 0, 0]]] * 65536 for i in range(groups)}
+    spans = encode_frame(
+        {"op": "put_state", "id": 9, "identity": IDENTITY_DICT, "tokens": b"",
+         "checkpoints": checkpoints}
+    )  # fmt: skip
+    junk = encode_frame({"op": "health", "id": 10, "junk": [[]] * 16_000_000})
+    assert len(spans) < 16 << 20 and len(junk) < 16 << 20  # within the default frame limit
+    replies: list[dict[str, Any]] = []
+    with Client(daemon.socket, region_bytes=1 << 20) as honest:
+        honest.put(IDENTITY, prompt, [b"p" * 256] * 64)
+        before = _peak_rss_kib(daemon.pid)
+
+        def flood() -> None:
+            with Raw(daemon.socket, timeout=DEADLINE_S) as attacker:
+                attacker.hello()
+                for _ in range(6):
+                    attacker.sock.sendall(spans)
+                    attacker.sock.sendall(junk)
+                replies.extend(attacker.recv() for _ in range(12))
+
+        attackers = [threading.Thread(target=flood) for _ in range(2)]
+        for thread in attackers:
+            thread.start()
+        latencies = []
+        while any(t.is_alive() for t in attackers) or len(latencies) < 20:
+            started = time.perf_counter()
+            assert honest.lookup(IDENTITY, [prompt])[0].n_blocks == 64
+            latencies.append(time.perf_counter() - started)
+        for thread in attackers:
+            thread.join(DEADLINE_S)
+        grown_mib = (_peak_rss_kib(daemon.pid) - before) >> 10
+    refused = [r for r in replies if r["id"] == 9]
+    assert len(refused) == 12 and len(replies) == 24
+    for reply in refused:
+        expect(reply, "bad_request", "at most 65536 payloads")
+    assert all(r["ok"] for r in replies if r["id"] == 10)
+    assert grown_mib < 128, f"the daemon's peak memory grew by {grown_mib} MiB"
+    latencies.sort()
+    assert latencies[int(len(latencies) * 0.99)] < 2.0, latencies[-5:]
+
+
 def test_verifies_run_one_at_a_time_apart_from_lookups(daemon: Daemon) -> None:
     """The attack: verify after verify, pipelined. One runs (on a thread of its own), the others
     are refused as busy at once, and an honest client's lookups are answered meanwhile."""
@@ -787,6 +850,34 @@ def test_verifies_run_one_at_a_time_apart_from_lookups(daemon: Daemon) -> None:
     assert set(codes) <= {"ok", "busy"}
     latencies.sort()
     assert latencies and latencies[int(len(latencies) * 0.99)] < 2.0
+
+
+def test_purges_queue_on_the_admin_thread_apart_from_lookups_and_loads(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """The attack: purge after purge, pipelined, on a daemon with one worker. They run one at a
+    time on the administrative thread, so an honest client's request that needs a worker is
+    answered while they are still queued, not after all of them."""
+    import select
+
+    daemon = daemon_factory("--workers", "1")
+    bt = IDENTITY.block_tokens
+    prompts = [np.arange(8192 * bt, dtype=np.uint32) + k * 10_000_000 for k in range(4)]
+    with Client(daemon.socket, region_bytes=1 << 20) as honest:
+        for prompt in prompts:
+            honest.put(IDENTITY, prompt, [b"p" * 16] * 8192)
+        with Raw(daemon.socket, timeout=DEADLINE_S) as admin:
+            admin.hello()
+            for rid in range(8):
+                admin.send({"op": "purge", "id": 7000 + rid, "everything": True, "dry_run": True})
+            first = admin.recv()  # one purge done: the other seven are under way
+            assert honest.health()["status"] == "ok"  # needs the worker
+            readable, _, _ = select.select([admin.sock], [], [], 0)
+            waiting = not readable
+            rest = [admin.recv() for _ in range(7)]
+    assert first["ok"] and first["blocks"] == 4 * 8192, first
+    assert all(r["ok"] for r in rest), rest
+    assert waiting, "the honest request was answered only after every purge"
 
 
 # --- peers that hold connections --------------------------------------------------------------

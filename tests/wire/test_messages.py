@@ -4,6 +4,7 @@ refused with the right code, and nothing but the protocol's errors ever comes ou
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 import msgpack
@@ -401,6 +402,48 @@ def test_oversized_arrays_maps_and_strings_are_refused() -> None:
         ErrorCode.BAD_REQUEST,
         "limit",
     )
+
+
+@pytest.mark.parametrize(
+    ("paged", "checkpoints", "fits"),
+    [
+        (MAX_BLOCKS_PER_PUT, 0, True),
+        (MAX_BLOCKS_PER_PUT - 1, 1, True),
+        (MAX_BLOCKS_PER_PUT, 1, False),
+        (7, MAX_BLOCKS_PER_PUT - 6, False),
+        (40_000, 30_000, False),
+    ],
+)
+def test_a_put_state_is_bounded_in_all_before_its_entries_are_built(
+    paged: int, checkpoints: int, fits: bool
+) -> None:
+    """Each group may hold MAX_BLOCKS_PER_PUT entries, all groups together no more: counted from
+    the arrays' headers (fixarray, array 16, array 32) before any entry is built."""
+    request = {
+        "id": 9,
+        "op": "put_state",
+        "identity": HYBRID_DICT,
+        "tokens": TOKENS,
+        "paged": {"a": [[1, 0, 1]] * paged, "z": []},
+        "checkpoints": {"b": [[16, [1, 0, 1]]] * checkpoints},
+    }
+    if fits:
+        assert decode_request(body(request))
+    else:
+        error = expect(request, ErrorCode.BAD_REQUEST, "at most 65536 payloads", "all groups")
+        assert (error.rid, error.op) == (9, "put_state")
+
+
+def test_a_put_state_with_a_million_entries_is_refused_without_building_them() -> None:
+    state = {"id": 9, "op": "put_state", "identity": HYBRID_DICT, "tokens": TOKENS}
+    huge = body({**state, "checkpoints": {f"g{i}": [[0, [0, 0, 0]]] * 65536 for i in range(16)}})
+    tracemalloc.start()
+    try:
+        expect(huge, ErrorCode.BAD_REQUEST, "all groups together")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"refusing it allocated {peak} bytes"
 
 
 def test_too_deep_nesting_is_refused() -> None:
