@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -255,6 +256,37 @@ class Daemon:
         return sorted(out)
 
 
+# --- a second user ----------------------------------------------------------------------------
+
+NOBODY = 65534  # the second user of the attack tests (they need root to become it)
+
+
+def as_nobody(action: Callable[[], Any], groups: Sequence[int] = ()) -> tuple[str, Any]:
+    """Run `action` in a forked child that is uid and gid 65534 (with `groups` as supplementary
+    groups; everything it needs is imported already): ("ok", its result) or
+    ("error", "ClassName: message")."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to nobody, act, report, exit without running any cleanup
+        try:
+            os.close(read)
+            os.setgroups(list(groups))
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            outcome: tuple[str, Any] = ("ok", action())
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
+            outcome = ("error", f"{type(exc).__name__}: {exc}")
+        with os.fdopen(write, "wb") as out:
+            pickle.dump(outcome, out)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as inp:
+        data = inp.read()
+    os.waitpid(pid, 0)
+    result: tuple[str, Any] = pickle.loads(data)
+    return result
+
+
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="pd", dir="/tmp"))
@@ -268,9 +300,7 @@ DaemonFactory = Callable[..., Daemon]
 
 
 @contextlib.contextmanager
-def _factory(
-    workdir: Path, sockdir: Path, check_stores: bool = True
-) -> Iterator[DaemonFactory]:
+def _factory(workdir: Path, sockdir: Path, check_stores: bool = True) -> Iterator[DaemonFactory]:
     daemons: list[Daemon] = []
 
     def start(

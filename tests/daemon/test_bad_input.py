@@ -25,9 +25,11 @@ from .conftest import (
     DEADLINE_S,
     IDENTITY,
     IDENTITY_DICT,
+    NOBODY,
     Daemon,
     DaemonFactory,
     Raw,
+    as_nobody,
     error_of,
     payload,
     wait_for,
@@ -890,6 +892,24 @@ def test_silent_slow_and_idle_connections_are_closed(daemon_factory: DaemonFacto
     daemon = daemon_factory(
         "--handshake-timeout-s", "1", "--frame-timeout-s", "1", "--idle-timeout-s", "2"
     )  # fmt: skip
+    import threading
+    import time
+
+    stop, latencies, errors = threading.Event(), [], []
+
+    def answered() -> None:  # an honest client of its own, beside the attack all along
+        with Client(daemon.socket, timeout=DEADLINE_S) as client:
+            while not stop.is_set():
+                started = time.perf_counter()
+                try:
+                    assert client.health()["status"] == "ok"
+                except Exception as exc:  # noqa: BLE001 - counted, then asserted on
+                    errors.append(repr(exc))
+                latencies.append(time.perf_counter() - started)
+                stop.wait(0.01)
+
+    beside = threading.Thread(target=answered)
+    beside.start()
     with Client(daemon.socket) as honest:
         silent = Raw(daemon.socket)
         half = Raw(daemon.socket)
@@ -907,6 +927,11 @@ def test_silent_slow_and_idle_connections_are_closed(daemon_factory: DaemonFacto
         assert idle.closed_by_peer(timeout=DEADLINE_S)  # after 2 s without a request
         idle.close()
         assert honest.stats()["server"]["timeouts"] >= 4
+    stop.set()
+    beside.join(DEADLINE_S)
+    assert not errors and len(latencies) > 10, errors[:3]
+    latencies.sort()
+    assert latencies[int(len(latencies) * 0.99)] < 2.0, latencies[-5:]
 
 
 def test_one_uid_cannot_hold_every_connection(daemon_factory: DaemonFactory) -> None:
@@ -924,6 +949,46 @@ def test_one_uid_cannot_hold_every_connection(daemon_factory: DaemonFactory) -> 
     wait_for(lambda: _answers(daemon.socket), "room for another connection")
     for conn in held:
         conn.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as a second user (uid 65534)")
+def test_a_peer_holding_every_connection_it_may_leaves_room_for_other_users(
+    daemon_factory: DaemonFactory, sock_dir: Path
+) -> None:
+    """The attack: one uid opens as many connections as the daemon serves. Past its share it is
+    refused, so another user's client still connects and is answered throughout."""
+    import time
+
+    os.chmod(sock_dir, 0o711)
+    daemon = daemon_factory(
+        "--max-connections", "16", "--max-connections-per-uid", "8",
+        "--allowed-uids", str(NOBODY), "--socket-mode", "0666",
+    )  # fmt: skip
+    held = [Raw(daemon.socket, timeout=DEADLINE_S) for _ in range(16)]
+    answers = []
+    for conn in held:
+        with contextlib.suppress(BrokenPipeError):  # a refused one may be closed already
+            conn.send({"id": 1, "op": "hello", "protocol": 1})
+        answers.append(conn.recv())  # the refused are told at once, never left hanging
+
+    def honest() -> list[float]:
+        latencies = []
+        for _ in range(50):
+            with Client(daemon.socket, timeout=DEADLINE_S, daemon_uid=0) as client:
+                started = time.perf_counter()
+                assert client.health()["status"] == "ok"
+                latencies.append(time.perf_counter() - started)
+        return sorted(latencies)
+
+    try:
+        kind, latencies = as_nobody(honest)
+    finally:
+        for conn in held:
+            conn.close()
+    assert kind == "ok", latencies  # another user was served while the first held its share
+    assert [a["ok"] for a in answers].count(True) == 8
+    assert all("at most 8" in a["error"]["message"] for a in answers if not a["ok"])
+    assert latencies[int(len(latencies) * 0.99)] < 2.0, latencies[-5:]
 
 
 def _answers(path: Path) -> bool:

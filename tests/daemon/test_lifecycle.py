@@ -3,7 +3,6 @@ activation, who may connect, and a second daemon on a socket that is taken."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -26,16 +25,17 @@ from .conftest import (
     DEADLINE_S,
     IDENTITY,
     IDENTITY_DICT,
+    NOBODY,
     Daemon,
     DaemonFactory,
     Raw,
+    as_nobody,
     error_of,
     payload,
     wait_for,
 )
 
 BT = IDENTITY.block_tokens
-NOBODY = 65534
 
 
 def _wait_exit(daemon: Daemon, timeout: float = DEADLINE_S) -> int | None:
@@ -94,8 +94,13 @@ def test_sigterm_lets_requests_in_flight_finish(daemon_factory: DaemonFactory) -
             conn.hello()
             assert conn.request("attach", fds=[region.fd], size=region.size)["region"] == 1
             ids = _stuck_replies(conn)
-            load = {"id": 999, "op": "load", "identity": IDENTITY_DICT,
-                    "tokens": big.astype("<u4").tobytes(), "region": 1}
+            load = {
+                "id": 999,
+                "op": "load",
+                "identity": IDENTITY_DICT,
+                "tokens": big.astype("<u4").tobytes(),
+                "region": 1,
+            }
             conn.sock.sendall(encode_frame(load))
             _wait_answered(daemon, loads=1)  # the replies wait for us to read
             daemon.proc.send_signal(signal.SIGTERM)
@@ -311,43 +316,28 @@ def test_socket_activation(daemon_factory: DaemonFactory, sock_dir: Path) -> Non
 
 
 def _as_nobody(path: Path, groups: list[int]) -> dict[str, Any]:
-    """Fork a child that drops to uid/gid 65534 (with `groups` as supplementary groups), connects
-    and says hello; what it saw comes back as a dict."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        result: dict[str, Any] = {}
+    """As uid/gid 65534 (with `groups` as supplementary groups), connect and say hello; what the
+    child saw comes back as a dict."""
+
+    def hello_twice() -> dict[str, Any]:
+        result: dict[str, Any] = {"uid": os.getuid()}
+        conn = Raw(path, timeout=5)
         try:
-            os.close(read_end)
-            os.setgroups(groups)
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            result["uid"] = os.getuid()
-            conn = Raw(path, timeout=5)
-            try:
-                conn.send({"id": 1, "op": "hello", "protocol": 1})
-            except OSError as exc:
-                result["send_error"] = str(exc)
-            try:
-                result["reply"] = conn.recv()
-                conn.send({"id": 2, "op": "health"})
-                result["second"] = conn.recv()
-            except (OSError, ConnectionError) as exc:
-                result["closed"] = type(exc).__name__
-            else:
-                result["closed_after"] = conn.closed_by_peer(0.5)
-        except BaseException as exc:  # noqa: BLE001
-            result["error"] = repr(exc)
-        finally:
-            os.write(write_end, json.dumps(result, default=repr).encode())
-            os._exit(0)
-    os.close(write_end)
-    chunks = []
-    while chunk := os.read(read_end, 65536):
-        chunks.append(chunk)
-    os.close(read_end)
-    os.waitpid(pid, 0)
-    return json.loads(b"".join(chunks))
+            conn.send({"id": 1, "op": "hello", "protocol": 1})
+        except OSError as exc:
+            result["send_error"] = str(exc)
+        try:
+            result["reply"] = conn.recv()
+            conn.send({"id": 2, "op": "health"})
+            result["second"] = conn.recv()
+        except (OSError, ConnectionError) as exc:
+            result["closed"] = type(exc).__name__
+        else:
+            result["closed_after"] = conn.closed_by_peer(0.5)
+        return result
+
+    kind, seen = as_nobody(hello_twice, groups)
+    return seen if kind == "ok" else {"error": seen}
 
 
 @pytest.fixture

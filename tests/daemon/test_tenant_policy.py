@@ -7,7 +7,6 @@ daemon says so when other uids are allowed."""
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,8 @@ import pytest
 
 from prefixd.client import Client
 
-from .conftest import IDENTITY, Daemon, DaemonFactory, make_identity
+from .conftest import IDENTITY, NOBODY, Daemon, DaemonFactory, as_nobody, make_identity
 
-NOBODY = 65534
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="needs root, to act as a second user (uid 65534)"
 )
@@ -27,31 +25,6 @@ pytestmark = pytest.mark.skipif(
 ALICE, BOB = make_identity(tenant="alice"), make_identity(tenant="bob")
 PROMPT = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32) + 11
 PAYLOADS = [b"alice's KV %d" % i for i in range(4)]
-
-
-def as_nobody(action: Callable[[], Any]) -> tuple[str, Any]:
-    """Run `action` in a child process that is uid 65534 (everything it needs is imported
-    already): ("ok", its result) or ("error", "ClassName: message")."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: drop to nobody, act, report, exit without running any cleanup
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setresgid(NOBODY, NOBODY, NOBODY)
-            os.setresuid(NOBODY, NOBODY, NOBODY)
-            outcome: tuple[str, Any] = ("ok", action())
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
-            outcome = ("error", f"{type(exc).__name__}: {exc}")
-        with os.fdopen(write, "wb") as out:
-            pickle.dump(outcome, out)
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as inp:
-        data = inp.read()
-    os.waitpid(pid, 0)
-    result: tuple[str, Any] = pickle.loads(data)
-    return result
 
 
 def start(daemon_factory: DaemonFactory, sock_dir: Path, *flags: str) -> Daemon:
