@@ -4,12 +4,13 @@ reason, never a value), and the client's `reply_id` and `decode_reply`, which ra
 reply as its code's class."""
 
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar, Union, get_args
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from prefixd.errors import BadFrameError, RequestError
+from prefixd.schema.state import MAX_GROUPS
 from prefixd.wire.errors import ErrorCode, error_for
 from prefixd.wire.frames import encode_frame
 from prefixd.wire.messages import (
@@ -19,9 +20,15 @@ from prefixd.wire.messages import (
     REPLIES,
     REQUESTS,
     AnyRequest,
+    CheckpointSpans,
+    Count,
     ErrorInfo,
     ErrorReply,
+    GroupName,
     Id,
+    PagedSpans,
+    Prompted,
+    PutState,
     Reply,
 )
 
@@ -43,19 +50,24 @@ class _Envelope(Struct):
     op: msgspec.Raw = msgspec.Raw()
 
 
-class _Payloads(Struct):
-    """A put_state's groups with their arrays left unbuilt, so their lengths can be summed before
-    any entry exists: each group may hold MAX_BLOCKS_PER_PUT, all of them together no more. Every
-    field is looser than the request's own, so a body this refuses the typed decode refuses too."""
+class _PutStateFrame(Prompted, tag="put_state", kw_only=True):
+    """put_state as a frame is read: its groups' arrays left unbuilt, so their lengths can be
+    summed from the arrays' headers before any entry exists (32 groups of 65,536 checkpoints
+    are 12 MiB of msgpack that built would be 270 MiB of tuples, on the event loop)."""
 
-    id: Id = 0
-    op: str = ""
-    paged: dict[str, msgspec.Raw] | None = None
-    checkpoints: dict[str, msgspec.Raw] | None = None
+    first_block: Count | None = None
+    upto_tokens: Count | None = None
+    paged: Annotated[dict[GroupName, msgspec.Raw], Meta(max_length=MAX_GROUPS)] | None = None
+    checkpoints: Annotated[dict[GroupName, msgspec.Raw], Meta(max_length=MAX_GROUPS)] | None = None
 
 
-_REQUEST_DECODER = msgspec.msgpack.Decoder(AnyRequest)
-_PAYLOADS_DECODER = msgspec.msgpack.Decoder(_Payloads)
+T = TypeVar("T")
+_READ_AS: Any = Union[  # noqa: UP007 - built from AnyRequest's members
+    tuple(_PutStateFrame if kind is PutState else kind for kind in get_args(AnyRequest))
+]
+_REQUEST_DECODER = msgspec.msgpack.Decoder(_READ_AS)
+_PAGED_DECODER = msgspec.msgpack.Decoder(PagedSpans)
+_CHECKPOINTS_DECODER = msgspec.msgpack.Decoder(CheckpointSpans)
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
 _ID_DECODER = msgspec.msgpack.Decoder(Id)
 _OP_DECODER = msgspec.msgpack.Decoder(str)
@@ -82,9 +94,12 @@ _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
 def decode_request(body: bytes | bytearray | memoryview) -> AnyRequest:
     """The request a frame body holds; raises RequestError (a ProtocolError) and nothing else."""
-    _refuse_too_many_payloads(body)
     try:
-        return _REQUEST_DECODER.decode(body)
+        message = _REQUEST_DECODER.decode(body)
+        if isinstance(message, _PutStateFrame):
+            return _put_state(message)
+        request: AnyRequest = message
+        return request
     except msgspec.ValidationError as exc:
         raise _refusal(body, str(exc)) from None
     except msgspec.DecodeError as exc:
@@ -94,20 +109,30 @@ def decode_request(body: bytes | bytearray | memoryview) -> AnyRequest:
         raise RequestError(ErrorCode.BAD_FRAME, "body is nested too deeply") from None
 
 
-def _refuse_too_many_payloads(body: bytes | bytearray | memoryview) -> None:
-    """Refuse a put_state naming more than MAX_BLOCKS_PER_PUT payloads in all, reading only its
-    arrays' headers: 32 groups of 65,536 checkpoints are 12 MiB of msgpack that would be 270 MiB
-    of tuples, built on the event loop, before the total could be checked."""
-    try:
-        shape = _PAYLOADS_DECODER.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return  # the typed decode refuses it and says why
-    if shape.op != "put_state":
-        return
-    groups = [*(shape.paged or {}).values(), *(shape.checkpoints or {}).values()]
-    if sum(map(_array_length, groups)) > MAX_BLOCKS_PER_PUT:
+def _put_state(frame: _PutStateFrame) -> PutState:
+    """The put_state a frame holds once its payloads in all are within MAX_BLOCKS_PER_PUT; a
+    group's entries are built only then (msgspec's errors name `paged[...]` as they would)."""
+    paged, checkpoints = frame.paged or {}, frame.checkpoints or {}
+    if sum(map(_array_length, [*paged.values(), *checkpoints.values()])) > MAX_BLOCKS_PER_PUT:
         reason = f"put_state: at most {MAX_BLOCKS_PER_PUT} payloads per put (all groups together)"
-        raise RequestError(ErrorCode.BAD_REQUEST, reason, rid=shape.id, op=shape.op)
+        raise RequestError(ErrorCode.BAD_REQUEST, reason, rid=frame.id, op="put_state")
+    fields = msgspec.structs.asdict(frame)
+    fields["paged"] = _groups(frame.paged, _PAGED_DECODER, "paged")
+    fields["checkpoints"] = _groups(frame.checkpoints, _CHECKPOINTS_DECODER, "checkpoints")
+    return PutState(**fields)
+
+
+def _groups(
+    groups: dict[str, msgspec.Raw] | None, decoder: msgspec.msgpack.Decoder[T], name: str
+) -> dict[str, T] | None:
+    if groups is None:
+        return None
+    try:
+        return {group: decoder.decode(raw) for group, raw in groups.items()}
+    except msgspec.ValidationError as exc:  # "... - at `$[0]`" is "... - at `$.paged[...][0]`"
+        what, at, where = str(exc).rpartition(_AT)
+        inner = where.strip("`").removeprefix("$") if at else ""
+        raise msgspec.ValidationError(f"{what or exc}{_AT}`$.{name}[...]{inner}`") from None
 
 
 def _array_length(raw: msgspec.Raw) -> int:

@@ -252,26 +252,19 @@ class Purge(RequestMessage, tag="purge", kw_only=True):
     dry_run: bool | None = None  # default false
 
 
+# A put_state's payloads of one group: spans of a paged group, (boundary, span) of a checkpoint
+# group. All groups together hold at most MAX_BLOCKS_PER_PUT (decode_request counts them first).
+PagedSpans = Annotated[list[Span], Meta(max_length=MAX_BLOCKS_PER_PUT)]
+CheckpointSpans = Annotated[list[tuple[Count, Span]], Meta(max_length=MAX_BLOCKS_PER_PUT)]
+
+
 class PutState(Prompted, tag="put_state", kw_only=True):
     first_block: Count | None = None  # default 0
     upto_tokens: Count | None = None  # default: every token given
-    paged: (
-        Annotated[
-            dict[GroupName, Annotated[list[Span], Meta(max_length=MAX_BLOCKS_PER_PUT)]],
-            Meta(max_length=MAX_GROUPS),
-        ]
-        | None
-    ) = None
-    checkpoints: (
-        Annotated[
-            dict[
-                GroupName,
-                Annotated[list[tuple[Count, Span]], Meta(max_length=MAX_BLOCKS_PER_PUT)],
-            ],
-            Meta(max_length=MAX_GROUPS),
-        ]
-        | None
-    ) = None
+    paged: Annotated[dict[GroupName, PagedSpans], Meta(max_length=MAX_GROUPS)] | None = None
+    checkpoints: Annotated[dict[GroupName, CheckpointSpans], Meta(max_length=MAX_GROUPS)] | None = (
+        None
+    )
 
 
 class LookupState(Prompts, tag="lookup_state", kw_only=True):
