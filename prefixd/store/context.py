@@ -8,7 +8,7 @@ repair; each file keeps its own state and reads the shared handles from here.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
@@ -18,6 +18,7 @@ from prefixd.schema.meta import StoreMeta
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables
+from prefixd.store.journal import BlockObserver, Journals
 from prefixd.store.tallies import Tallies
 from prefixd.store.tenancy import TenantIndex
 
@@ -35,6 +36,8 @@ class StoreContext:
     pool: ThreadPoolExecutor | None  # verify/encode threads (config.verify_threads)
     tenants: TenantIndex  # digest -> tenant, over the identities table
     tallies: Tallies  # this process's counts
+    observer: BlockObserver | None = None  # told what each write transaction changed
+    journals: Journals = field(default_factory=Journals)  # the write transaction's, per thread
 
     @property
     def path(self) -> Path:

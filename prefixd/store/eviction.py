@@ -38,6 +38,7 @@ from prefixd.store import counters
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables
 from prefixd.store.joint import part_bytes
+from prefixd.store.journal import writing
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
 
@@ -192,7 +193,7 @@ def evict(
     t = ctx.tables
     tenancy.reclaim_expired()  # what no lookup can reach goes first
     access.sync()  # the reads still counted in memory must be weighed too
-    with ctx.env.begin(write=True) as txn:
+    with writing(ctx) as txn:
         owned = None if tenant is None else ctx.tenants.digests_of(txn, tenant)
         if owned is None:
             stored = counters.read(txn, t.counters, counters.STORED_BYTES)

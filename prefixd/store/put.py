@@ -51,6 +51,7 @@ from prefixd.store.codec import EncodedPayload, payload_view
 from prefixd.store.environment import Tables, children_key, parent_key
 from prefixd.store.eviction import capacity_bytes, evict
 from prefixd.store.joint import PlannedPart, plan_put, require_hybrid, require_plain
+from prefixd.store.journal import Journaled, noting
 from prefixd.store.quarantine import Damaged
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport, PutResult
@@ -258,7 +259,7 @@ class Writer:
     def _publish(self, body: Callable[[lmdb.Transaction], Outcome], tenant: str) -> PutResult:
         """Run a put's write transaction (making room on a full map), then keep the store within
         its capacity and the tenant within its quota; raise a refusal's error."""
-        outcome = self._with_room(lambda: _transact(self._ctx.env, body))
+        outcome = self._with_room(lambda: _transact(self._ctx, body))
         if isinstance(outcome, Refusal):
             if outcome.collided:
                 self._ctx.tallies.collided()
@@ -431,25 +432,36 @@ class Writer:
             bytes(chain.block_bytes(index)),
         )
         txn.put(h, record.encode(), db=t.blocks)
+        journal = noting(self._ctx)
+        if journal is not None:
+            journal.stored(h, record, chain.identity)
         intact = _put_chunks(txn, t, h, payload.chunks) == payload.checksum
         txn.put(children_key(record), h, db=t.children)
         txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
         return intact
 
 
-def _transact(env: lmdb.Environment, body: Callable[[lmdb.Transaction], _T]) -> _T:
+def _transact(ctx: StoreContext, body: Callable[[lmdb.Transaction], _T]) -> _T:
     """Run `body` in one write transaction: committed with its outcome, aborted on a Refusal
-    (or an exception), so a refused put leaves nothing behind."""
-    txn = env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
+    (or an exception), so a refused put leaves nothing behind (and tells the observer nothing)."""
+    journaled = Journaled(ctx)
+    txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
     try:
         outcome = body(txn)
     except BaseException:
         txn.abort()
+        journaled.done(committed=False)
         raise
     if isinstance(outcome, Refusal):
         txn.abort()
+        journaled.done(committed=False)
     else:
-        txn.commit()
+        try:
+            txn.commit()
+        except BaseException:
+            journaled.done(committed=False)
+            raise
+        journaled.done(committed=True)
     return outcome
 
 

@@ -19,6 +19,7 @@ from prefixd.errors import CorruptRecordError
 from prefixd.schema.records import BlockRecord, PartRecord
 from prefixd.store import counters
 from prefixd.store.environment import Tables, children_key
+from prefixd.store.journal import noting, writing
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -43,6 +44,7 @@ def remove_subtree(
     by_identity: dict[bytes, int] = {}
     blocks_of: Counter[bytes] = Counter()
     stack = [root]
+    journal = noting(ctx)
     children = txn.cursor(db=t.children)
     while stack:
         h = stack.pop()
@@ -53,6 +55,8 @@ def remove_subtree(
             record: BlockRecord | None = BlockRecord.decode(raw)
         except CorruptRecordError:
             record = None
+        if journal is not None:
+            journal.removed(txn, h, record, reason)
         if children.set_key(h):
             stack.extend(bytes(child) for child in children.iternext_dup())
             txn.delete(h, db=t.children)
@@ -92,7 +96,7 @@ def remove_subtree(
 def delete(ctx: StoreContext, hashes: Iterable[bytes]) -> int:
     """Remove the given blocks and every block below them, in one transaction."""
     removed = 0
-    with ctx.env.begin(write=True) as txn:
+    with writing(ctx) as txn:
         for h in hashes:
             removed += remove_subtree(ctx, txn, bytes(h), reason="deleted")
     return removed

@@ -22,6 +22,7 @@ from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord
 from prefixd.store import counters, quarantine
 from prefixd.store.check import check
 from prefixd.store.environment import Tables
+from prefixd.store.journal import writing
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import Problem, RepairReport
 
@@ -48,7 +49,7 @@ def repair(
         p.block: p.kind for p in problems if p.kind in BLOCK_PROBLEMS and p.block is not None
     }
     quarantined = 0
-    with ctx.env.begin(write=True) as txn:
+    with writing(ctx) as txn:
         for block, kind in condemned.items():
             if txn.get(block, db=ctx.tables.blocks) is None:
                 continue  # e.g. a part hung on no block: the rebuild drops it

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -35,13 +35,14 @@ from prefixd.clock import Clock, SystemClock
 from prefixd.errors import StoreClosedError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
-from prefixd.store import check, eviction, purge, removal, repair, warmup
+from prefixd.store import check, eviction, journal, purge, removal, repair, warmup
 from prefixd.store.access import AccessTimes
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.context import StoreContext
 from prefixd.store.environment import OwnerLock, copy_compacted, open_environment
 from prefixd.store.joint import JointMatch
+from prefixd.store.journal import BlockChange, BlockObserver
 from prefixd.store.lmdb_errors import lmdb_errors
 from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.put import Writer, check_first_block
@@ -361,6 +362,20 @@ class Store:
         `progress` is told how many root blocks each step handled."""
         self._check_usable()
         return purge.purge(self._ctx, self._access, selector, dry_run=dry_run, progress=progress)
+
+    def observe(self, observer: BlockObserver | None) -> None:
+        """Tell `observer`, after each commit, which blocks that transaction stored and removed,
+        whatever removed them (prefixd.store.journal); None stops telling."""
+        self._ctx.observer = observer
+
+    def inventory(self, batch: int = 1024) -> Iterator[list[BlockChange]]:
+        """Every stored block, in batches of `batch` (each read in a transaction of its own), as
+        STORED changes: what a restarted daemon announces it holds."""
+        self._check_usable()
+        after = b""
+        while found := journal.inventory(self._ctx, after, batch):
+            yield found
+            after = found[-1].block
 
     def sync(self) -> None:
         """Write pending access times and counters, then fsync the environment."""

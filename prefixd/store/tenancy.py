@@ -36,6 +36,7 @@ from prefixd.store.config import (
     parse_tenant_durations,
     parse_tenant_quotas,
 )
+from prefixd.store.journal import writing
 from prefixd.store.removal import remove_subtree
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ class Tenancy:
         ctx = self._ctx
         now = ctx.clock.time_ns()
         removed = 0
-        with ctx.env.begin(write=True) as txn:
+        with writing(ctx) as txn:
             expired = []
             for key, raw in txn.cursor(db=ctx.tables.blocks):
                 try:

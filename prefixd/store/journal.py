@@ -1,0 +1,182 @@
+"""What each write transaction stored and removed, told to the store's observer once it commits.
+
+KV events for routers must name exactly the blocks the store holds, whatever removed them
+(eviction, quota, TTL expiry, quarantine, purge, retirement, repair, delete). So a block counts as
+stored or removed when its transaction commits, never before and never when it aborts: every
+write path opens its transaction through `writing` (or `Journaled` where it commits by hand), and
+the two places that change blocks, the put path and `removal.remove_subtree`, note each change in
+the journal of the transaction this thread has open. Without an observer nothing is noted: the
+store pays nothing for events nobody publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import lmdb
+
+from prefixd.errors import CorruptRecordError, IdentityError
+from prefixd.schema.identity import Identity
+from prefixd.schema.records import BlockRecord
+
+if TYPE_CHECKING:
+    from prefixd.store.context import StoreContext
+
+log = logging.getLogger(__name__)
+
+STORED = "stored"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockChange:
+    """One block stored or removed by a committed transaction."""
+
+    reason: str  # STORED, or why it went: evicted, quarantined, expired, purged, retired, deleted
+    block: bytes  # its chain hash
+    parent: bytes  # its parent's chain hash (the identity's digest for a prompt's first block)
+    tokens: bytes  # its packed '<u4' token ids (an engine-keyed block's key); b"" when unreadable
+    identity: Identity | None  # None when its record or identity row could not be read
+
+    @property
+    def stored(self) -> bool:
+        return self.reason == STORED
+
+
+class BlockObserver(Protocol):
+    """Told, after each commit, what that transaction stored and removed, in order."""
+
+    def committed(self, changes: Sequence[BlockChange]) -> None: ...
+
+
+class Journal:
+    """The changes of one open write transaction."""
+
+    def __init__(self, ctx: StoreContext) -> None:
+        self._ctx = ctx
+        self.changes: list[BlockChange] = []
+        self._identities: dict[bytes, Identity | None] = {}
+
+    def stored(self, h: bytes, record: BlockRecord, identity: Identity) -> None:
+        self.changes.append(BlockChange(STORED, h, record.parent, record.tokens, identity))
+
+    def removed(
+        self, txn: lmdb.Transaction, h: bytes, record: BlockRecord | None, reason: str
+    ) -> None:
+        if record is None:  # too damaged to say what it was: its hash alone
+            self.changes.append(BlockChange(reason, h, b"", b"", None))
+            return
+        identity = identity_of(self._ctx, txn, record.identity, self._identities)
+        self.changes.append(BlockChange(reason, h, record.parent, record.tokens, identity))
+
+
+def identity_of(
+    ctx: StoreContext, txn: lmdb.Transaction, digest: bytes, memo: dict[bytes, Identity | None]
+) -> Identity | None:
+    """The identity `digest` names as `txn` sees it (None: no readable row), remembered in
+    `memo` for the rest of the transaction."""
+    if digest not in memo:
+        encoded = txn.get(digest, db=ctx.tables.identities)
+        try:
+            memo[digest] = None if encoded is None else Identity.decode(bytes(encoded))
+        except IdentityError:
+            memo[digest] = None
+    return memo[digest]
+
+
+class Journals:
+    """The journal of the write transaction each thread has open (LMDB allows one per thread)."""
+
+    def __init__(self) -> None:
+        self._open = threading.local()
+
+    def current(self) -> Journal | None:
+        journal: Journal | None = getattr(self._open, "journal", None)
+        return journal
+
+    def open(self, ctx: StoreContext) -> Journal | None:
+        journal = Journal(ctx) if ctx.observer is not None else None
+        self._open.journal = journal
+        return journal
+
+    def close(self, ctx: StoreContext, journal: Journal | None, *, committed: bool) -> None:
+        """Forget the thread's journal; after a commit, tell the observer what it changed (an
+        observer's failure is logged: the transaction is committed either way)."""
+        self._open.journal = None
+        if not committed or journal is None or not journal.changes or ctx.observer is None:
+            return
+        try:
+            ctx.observer.committed(journal.changes)
+        except Exception:  # noqa: BLE001 - events are lost, never the write
+            log.exception("the block observer failed; %d change(s) not told", len(journal.changes))
+
+
+@contextmanager
+def writing(ctx: StoreContext) -> Iterator[lmdb.Transaction]:
+    """`env.begin(write=True)` whose changes reach the observer once, and only if, it commits."""
+    journal = ctx.journals.open(ctx)
+    try:
+        with ctx.env.begin(write=True) as txn:
+            yield txn
+    except BaseException:
+        ctx.journals.close(ctx, journal, committed=False)
+        raise
+    ctx.journals.close(ctx, journal, committed=True)
+
+
+class Journaled:
+    """For a write path that commits or aborts its transaction by hand (the put path)."""
+
+    def __init__(self, ctx: StoreContext) -> None:
+        self._ctx = ctx
+        self._journal = ctx.journals.open(ctx)
+
+    def done(self, *, committed: bool) -> None:
+        self._ctx.journals.close(self._ctx, self._journal, committed=committed)
+
+
+def inventory(ctx: StoreContext, after: bytes, limit: int) -> list[BlockChange]:
+    """Up to `limit` stored blocks whose hashes follow `after` (b"": from the first), as STORED
+    changes, in hash order; each call is a read transaction of its own, so walking a store of
+    millions of blocks never holds one snapshot open (a block removed meanwhile is told as
+    removed by its own commit)."""
+    found: list[BlockChange] = []
+    identities: dict[bytes, Identity | None] = {}
+    with ctx.env.begin() as txn:
+        cursor = txn.cursor(db=ctx.tables.blocks)
+        if not cursor.set_range(after):
+            return found
+        for key, raw in cursor:
+            h = bytes(key)
+            if h == after:
+                continue
+            try:
+                record = BlockRecord.decode(raw)
+            except CorruptRecordError:
+                continue  # a damaged record is no block a lookup can reach
+            identity = identity_of(ctx, txn, record.identity, identities)
+            found.append(BlockChange(STORED, h, record.parent, record.tokens, identity))
+            if len(found) >= limit:
+                break
+    return found
+
+
+def noting(ctx: StoreContext) -> Journal | None:
+    """The journal this thread's open write transaction notes its changes in (None: none)."""
+    return ctx.journals.current() if ctx.observer is not None else None
+
+
+__all__ = [
+    "STORED",
+    "BlockChange",
+    "BlockObserver",
+    "Journal",
+    "Journaled",
+    "Journals",
+    "inventory",
+    "writing",
+]
