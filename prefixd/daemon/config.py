@@ -28,6 +28,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from prefixd.daemon.events import EventSettings
 from prefixd.daemon.policy import TenantPolicy
 from prefixd.errors import ConfigError
 from prefixd.store.config import (
@@ -251,6 +252,42 @@ class Config:
         low=0,
         high=0o777,
     )
+    kv_events_endpoint: str = _setting(
+        "text",
+        "publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint, ipc://PATH or "
+        "tcp://127.0.0.1:PORT (empty: off)",
+        "",
+    )
+    kv_events_replay_endpoint: str = _setting(
+        "text",
+        "answer replay requests (the batches since a sequence number) on this ZeroMQ ROUTER "
+        "endpoint (empty: off)",
+        "",
+    )
+    kv_events_tenants: str = _setting(
+        "text",
+        "tenants whose blocks are published, comma-separated, or * for all (events carry "
+        "prompt token ids; none: nothing is published)",
+        "",
+    )
+    kv_events_hash_only: bool = _setting("bool", "publish block hashes and no token ids", False)
+    kv_events_queue: int = _setting(
+        "int",
+        "events waiting for the publisher; more are dropped and counted, never waited for",
+        100_000,
+        low=1,
+        high=1 << 24,
+    )
+    kv_events_replay_batches: int = _setting(
+        "int", "event batches kept for replay requests", 10_000, low=1, high=1 << 20
+    )
+    kv_events_inventory_rate: int = _setting(
+        "int",
+        "blocks a second a start announces as stored (the store's inventory)",
+        100_000,
+        low=1,
+        high=1 << 30,
+    )
     cluster_master: str = _setting(
         "text",
         "the Mooncake master (HOST:PORT) of a shared tier behind the local store (empty: off); "
@@ -344,6 +381,22 @@ class Config:
             raise ConfigError("cluster_metadata: required with cluster_master (the metadata URL)")
         if 0 < self.cluster_segment_bytes < 16 * MiB:
             raise ConfigError("cluster_segment_bytes: must be 0 or at least 16MiB")
+        if self.kv_events_endpoint or self.kv_events_replay_endpoint:
+            self.event_settings()  # the endpoints' checks
+
+    def event_settings(self) -> EventSettings:
+        """What the KV event publisher is told (prefixd.daemon.events)."""
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint: needs kv_events_endpoint")
+        return EventSettings.parse(
+            self.kv_events_endpoint,
+            self.kv_events_tenants,
+            replay_endpoint=self.kv_events_replay_endpoint,
+            hash_only=self.kv_events_hash_only,
+            queue_events=self.kv_events_queue,
+            replay_batches=self.kv_events_replay_batches,
+            inventory_rate=self.kv_events_inventory_rate,
+        )
 
     def store_config(self) -> StoreConfig:
         """The store's settings: data_dir as the path, created on first start."""
@@ -723,6 +776,10 @@ def _validated(name: str, value: Any) -> Any:
     if kind == "text":
         if not isinstance(value, str) or len(value) > 4096 or "\n" in value:
             raise ConfigError(f"{name}: must be one line of text, got {value!r}")
+        return value
+    if kind == "bool":  # only the daemon's own (the store's are StoreConfig's, above)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: must be true or false, got {type(value).__name__}")
         return value
     if kind == "choice":
         if value not in meta["choices"]:

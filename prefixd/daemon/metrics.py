@@ -180,6 +180,10 @@ class Metrics:
         """Expose the shared tier's counts (prefixd.cluster.bridge) as metrics too."""
         self.registry.register(_ClusterCollector(bridge))
 
+    def track_events(self, publisher: Any) -> None:
+        """Expose the KV event publisher's counts (prefixd.daemon.events) as metrics too."""
+        self.registry.register(_EventsCollector(publisher))
+
     # --- the benefit model --------------------------------------------------------------------
 
     def benefit(self, hit_tokens: int, hit_bytes: int) -> tuple[float, float]:
@@ -335,6 +339,25 @@ class _ClusterCollector:
                 yield CounterMetricFamily(
                     f"prefixd_cluster_{name}", f"Shared tier: {name.replace('_', ' ')}", value=value
                 )
+
+
+class _EventsCollector:
+    """The KV event publisher's counts: events and batches published, dropped, queued."""
+
+    def __init__(self, publisher: Any) -> None:
+        self.publisher = publisher
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in sorted(self.publisher.snapshot().items()):
+            metric = f"prefixd_kv_events_{name}"
+            text = f"KV events: {name.replace('_', ' ')}"
+            if name == "queued_events":
+                yield GaugeMetricFamily(metric, text, value=value)
+            else:
+                yield CounterMetricFamily(metric, text, value=value)
 
 
 def _ratio(part: float, whole: float) -> float:

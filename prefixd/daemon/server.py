@@ -33,6 +33,7 @@ from prefixd.clock import Clock, SystemClock
 from prefixd.daemon import systemd
 from prefixd.daemon.config import parse_manifests
 from prefixd.daemon.connection import Connection, reply_and_close
+from prefixd.daemon.events import EventPublisher
 from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import Operations
@@ -86,6 +87,7 @@ class Server:
         self._operations: Operations | None = None
         self._pools: tuple[WorkPool, ...] = ()
         self._watcher: ManifestWatcher | None = None
+        self._events: EventPublisher | None = None
         # Whether shutdown left work running on a thread (and so the store unclosed): the process
         # must then end without waiting for those threads (see run_server and the CLI).
         self.abandoned = False
@@ -100,6 +102,10 @@ class Server:
             "open_connections": len(self.connections),
             "work_running": sum(pool.running for pool in self._pools),
             "manifest_checks": self._watcher.checks if self._watcher is not None else 0,
+            **{
+                f"events.{name}": value
+                for name, value in (self._events.snapshot() if self._events else {}).items()
+            },
         }
 
     async def serve(self, *, install_signal_handlers: bool = True) -> int:
@@ -127,6 +133,9 @@ class Server:
         bridge = self._shared_tier()
         if bridge is not None:
             metrics.track_cluster(bridge)
+        events = self._events = self._event_publisher()
+        if events is not None:
+            metrics.track_events(events)
         operations = self._operations = Operations(
             self.store,
             pool,
@@ -155,6 +164,9 @@ class Server:
             await exporter.start(pool)
             if bridge is not None:
                 bridge.start()
+            if events is not None:
+                self.store.observe(events)
+                await loop.run_in_executor(aux, events.start)
             self._listener = self._bind()
             if install_signal_handlers:
                 for signum in (signal.SIGTERM, signal.SIGINT):
@@ -225,6 +237,9 @@ class Server:
             self.abandoned = True
             return
         closer = self._pools[-1]
+        if self._events is not None:  # what is queued goes out, within its own bound
+            self.store.observe(None)
+            await loop.run_in_executor(closer, self._events.stop)
         if bridge is not None:
             stopped = loop.run_in_executor(closer, bridge.stop)
             if not await self._within(time.monotonic() + BRIDGE_STOP_TIMEOUT_S, [stopped]):
@@ -299,6 +314,13 @@ class Server:
             return report.blocks
 
         return retire
+
+    def _event_publisher(self) -> EventPublisher | None:
+        """The KV event publisher when `kv_events_endpoint` names one (prefixd.daemon.events)."""
+        if not self.config.kv_events_endpoint:
+            return None
+        assert self.store is not None
+        return EventPublisher(self.config.event_settings(), self.store.inventory())
 
     def _shared_tier(self) -> SharedTierBridge | None:
         """The bridge to the shared tier when `cluster_master` names one (connected lazily: a

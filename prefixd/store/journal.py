@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import lmdb
 
 from prefixd.errors import CorruptRecordError, IdentityError
+from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import BlockRecord
 
@@ -38,9 +39,10 @@ class BlockChange:
 
     reason: str  # STORED, or why it went: evicted, quarantined, expired, purged, retired, deleted
     block: bytes  # its chain hash
-    parent: bytes  # its parent's chain hash (the identity's digest for a prompt's first block)
+    parent: bytes  # its parent's chain hash (ROOT_PARENT for a prompt's first block)
     tokens: bytes  # its packed '<u4' token ids (an engine-keyed block's key); b"" when unreadable
     identity: Identity | None  # None when its record or identity row could not be read
+    parent_tokens: bytes = b""  # an engine-keyed block's: its parent's key (b"" for the first)
 
     @property
     def stored(self) -> bool:
@@ -61,8 +63,12 @@ class Journal:
         self.changes: list[BlockChange] = []
         self._identities: dict[bytes, Identity | None] = {}
 
-    def stored(self, h: bytes, record: BlockRecord, identity: Identity) -> None:
-        self.changes.append(BlockChange(STORED, h, record.parent, record.tokens, identity))
+    def stored(
+        self, txn: lmdb.Transaction, h: bytes, record: BlockRecord, identity: Identity
+    ) -> None:
+        parent_tokens = keyed_parent(self._ctx, txn, record, identity)
+        change = BlockChange(STORED, h, record.parent, record.tokens, identity, parent_tokens)
+        self.changes.append(change)
 
     def removed(
         self, txn: lmdb.Transaction, h: bytes, record: BlockRecord | None, reason: str
@@ -72,6 +78,20 @@ class Journal:
             return
         identity = identity_of(self._ctx, txn, record.identity, self._identities)
         self.changes.append(BlockChange(reason, h, record.parent, record.tokens, identity))
+
+
+def keyed_parent(
+    ctx: StoreContext, txn: lmdb.Transaction, record: BlockRecord, identity: Identity | None
+) -> bytes:
+    """The key of an engine-keyed block's parent (what the engine names it by); b"" for a
+    prompt's first block and for blocks under token ids (their parent is its chain hash)."""
+    if identity is None or identity.key_bytes is None or record.parent == ROOT_PARENT:
+        return b""
+    raw = txn.get(record.parent, db=ctx.tables.blocks)
+    try:
+        return b"" if raw is None else BlockRecord.decode(raw).tokens
+    except CorruptRecordError:
+        return b""
 
 
 def identity_of(
@@ -159,7 +179,10 @@ def inventory(ctx: StoreContext, after: bytes, limit: int) -> list[BlockChange]:
             except CorruptRecordError:
                 continue  # a damaged record is no block a lookup can reach
             identity = identity_of(ctx, txn, record.identity, identities)
-            found.append(BlockChange(STORED, h, record.parent, record.tokens, identity))
+            parent_tokens = keyed_parent(ctx, txn, record, identity)
+            found.append(
+                BlockChange(STORED, h, record.parent, record.tokens, identity, parent_tokens)
+            )
             if len(found) >= limit:
                 break
     return found

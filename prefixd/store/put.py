@@ -434,7 +434,7 @@ class Writer:
         txn.put(h, record.encode(), db=t.blocks)
         journal = noting(self._ctx)
         if journal is not None:
-            journal.stored(h, record, chain.identity)
+            journal.stored(txn, h, record, chain.identity)
         intact = _put_chunks(txn, t, h, payload.chunks) == payload.checksum
         txn.put(children_key(record), h, db=t.children)
         txn.put(h, AccessRecord(now, 0).encode(), db=t.access)

@@ -1,0 +1,351 @@
+"""KV events: what this node's store holds, published for cache-aware routers in vLLM's format.
+
+The store tells its observer (prefixd.store.journal) every block each committed transaction
+stored or removed, whatever removed it; `EventPublisher` turns those changes into vLLM's
+`KVEventBatch` of `BlockStored` / `BlockRemoved` / `AllBlocksCleared` (vllm 0.32.0,
+`vllm/distributed/kv_events.py`; docs/events.md says what each field carries) and publishes them
+on a ZeroMQ PUB socket as frames `[topic, seq, payload]`, with the ROUTER replay endpoint of
+vLLM's own publisher. A restarted daemon first says `AllBlocksCleared`, then announces its
+inventory at a bounded rate; every batch carries this start's incarnation after vLLM's fields
+(vLLM's decoder ignores it), so a consumer can drop a previous run's view.
+
+Publishing never delays a write: changes go into a bounded queue that the publisher's thread
+drains; past its bound they are dropped and counted (a subscriber learns of the gap from the
+sequence numbers, and heals it through the replay endpoint). Only the tenants named in
+`kv_events_tenants` are published (token ids are prompt content), or none of their token ids in
+hash-only mode. Nothing here logs token ids or hashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from prefixd.errors import ConfigError
+from prefixd.schema.chain import ROOT_PARENT
+from prefixd.store.journal import BlockChange
+
+log = logging.getLogger(__name__)
+
+MEDIUM = "STORAGE"  # vLLM's MEDIUM_STORAGE: the block is on this node's disk
+LOCALITY = "LOCAL"
+OWNERSHIP = "prefixd"
+EVENTS_PER_BATCH = 1024
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay, as vLLM's publisher does
+POLL_S = 0.05
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+# --- vLLM's wire format (vllm/distributed/kv_events.py, 0.32.0), written from its source -------
+
+BlockHash = bytes | int
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    """vLLM's KVEventBatch, and after its fields the incarnation of this daemon's start."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+    incarnation: str = ""
+
+
+# --- what is published ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EventSettings:
+    endpoint: str
+    replay_endpoint: str = ""
+    tenants: frozenset[str] = frozenset()  # "*": every tenant
+    hash_only: bool = False
+    queue_events: int = 100_000  # changes waiting for the publisher; more are dropped
+    replay_batches: int = 10_000  # batches the replay endpoint can answer from
+    inventory_rate: int = 100_000  # blocks announced per second after a start
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, endpoint: str, tenants: str, **options: Any) -> EventSettings:
+        """Settings from the daemon's flags; ConfigError for an endpoint that is neither an
+        ipc:// path nor a loopback tcp:// address (events name prompts: never off the node)."""
+        check_endpoint("kv_events_endpoint", endpoint)
+        if options.get("replay_endpoint"):
+            check_endpoint("kv_events_replay_endpoint", options["replay_endpoint"])
+        named = frozenset(t.strip() for t in tenants.split(",") if t.strip())
+        return cls(endpoint=endpoint, tenants=named, **options)
+
+    def publishes(self, change: BlockChange) -> bool:
+        if "*" in self.tenants:
+            return True
+        return change.identity is not None and change.identity.tenant in self.tenants
+
+
+def check_endpoint(name: str, endpoint: str) -> None:
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if host in LOOPBACK_HOSTS and port.isdigit() and 0 < int(port) < 65536:
+            return
+    raise ConfigError(
+        f"{name}: must be ipc://PATH or tcp://127.0.0.1:PORT (a loopback address: events "
+        "carry prompt token ids)"
+    )
+
+
+def event_of(change: BlockChange, hash_only: bool) -> Event:
+    """The vLLM event of one change. A block's hash is prefixd's chain hash, or the engine's own
+    key for a block stored under one (so a router matches it against the engine's events)."""
+    identity = change.identity
+    keyed = identity is not None and identity.key_bytes is not None
+    block = change.tokens if keyed else change.block
+    if not change.stored:
+        return BlockRemoved([block], MEDIUM, locality=LOCALITY, ownership=OWNERSHIP)
+    assert identity is not None  # a stored block's identity is the put's
+    if keyed:
+        parent: bytes | None = change.parent_tokens or None
+        tokens: list[int] = []
+    else:
+        parent = None if change.parent == ROOT_PARENT else change.parent
+        tokens = [] if hash_only else np.frombuffer(change.tokens, dtype="<u4").tolist()
+    return BlockStored(
+        block_hashes=[block],
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=identity.block_tokens,
+        lora_id=None,
+        medium=MEDIUM,
+        lora_name=identity.adapter,
+        locality=LOCALITY,
+        ownership=OWNERSHIP,
+    )
+
+
+# --- the publisher ---------------------------------------------------------------------------------
+
+
+class EventPublisher:
+    """The store's observer when events are on: a bounded queue, one thread that owns the ZeroMQ
+    sockets (PUB, and ROUTER for replays), and one that announces the inventory after a start."""
+
+    def __init__(self, settings: EventSettings, inventory: Iterator[list[BlockChange]]) -> None:
+        try:
+            import zmq
+        except ImportError:
+            raise ConfigError(
+                "kv_events_endpoint: publishing KV events needs pyzmq (pip install 'prefixd[events]')"
+            ) from None
+
+        self.settings = settings
+        self.incarnation = uuid.uuid4().hex
+        self._zmq = zmq
+        self._context = zmq.Context()
+        self._inventory = inventory
+        self._order = threading.Lock()  # an inventory batch and a commit's changes never interleave
+        self._ready = threading.Condition()
+        self._pending: deque[list[Event]] = deque()
+        self._pending_events = 0
+        self._stop = threading.Event()
+        self._encoder = msgspec.msgpack.Encoder()
+        self.counts = {
+            "published_events": 0,
+            "published_batches": 0,
+            "dropped_events": 0,
+            "inventory_blocks": 0,
+            "replays": 0,
+        }
+        self._bound = threading.Event()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._publish, name="prefixd-events", daemon=True)
+        self._announcer = threading.Thread(
+            target=self._announce, name="prefixd-inventory", daemon=True
+        )
+
+    # --- the observer ------------------------------------------------------------------------
+
+    def committed(self, changes: Sequence[BlockChange]) -> None:
+        """Called by the store's writers after each commit: queue, never wait on a subscriber."""
+        settings = self.settings
+        events = [event_of(c, settings.hash_only) for c in changes if settings.publishes(c)]
+        if events:
+            with self._order:
+                self._enqueue(events)
+
+    def _enqueue(self, events: list[Event]) -> None:
+        with self._ready:
+            if self._pending_events + len(events) > self.settings.queue_events:
+                self.counts["dropped_events"] += len(events)
+                return
+            self._pending.append(events)
+            self._pending_events += len(events)
+            self._ready.notify()
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind (raising what binding raised), say AllBlocksCleared, then announce the store."""
+        self._thread.start()
+        self._bound.wait()
+        if self._failed is not None:
+            raise ConfigError(f"kv_events_endpoint: cannot publish there ({self._failed})")
+        self._enqueue([AllBlocksCleared()])
+        self._announcer.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop announcing, publish what is queued (for up to `timeout_s`), close the sockets."""
+        self._stop.set()
+        with self._ready:
+            self._ready.notify_all()
+        for thread in (self._announcer, self._thread):
+            if thread.is_alive():
+                thread.join(timeout_s)
+        self._context.destroy(linger=0)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._ready:
+            return {**self.counts, "queued_events": self._pending_events}
+
+    # --- the threads -------------------------------------------------------------------------
+
+    def _announce(self) -> None:
+        """The inventory, at most `inventory_rate` blocks a second: read and queued under the
+        order lock, so a block removed meanwhile is told removed after it was told stored."""
+        started, announced = time.monotonic(), 0
+        while not self._stop.is_set():
+            with self._order:
+                batch = next(self._inventory, None)
+                if batch is None:
+                    return
+                events = [
+                    event_of(c, self.settings.hash_only)
+                    for c in batch
+                    if self.settings.publishes(c)
+                ]
+                if events:
+                    self._enqueue(events)
+            announced += len(batch)
+            self.counts["inventory_blocks"] += len(events)
+            ahead = announced / self.settings.inventory_rate - (time.monotonic() - started)
+            if ahead > 0:
+                self._stop.wait(ahead)
+
+    def _publish(self) -> None:
+        zmq = self._zmq
+        try:
+            pub = self._context.socket(zmq.PUB)
+            pub.set_hwm(100_000)
+            pub.bind(self.settings.endpoint)
+            replay = None
+            if self.settings.replay_endpoint:
+                replay = self._context.socket(zmq.ROUTER)
+                replay.bind(self.settings.replay_endpoint)
+        except Exception as exc:  # noqa: BLE001 - start() raises it in the daemon's thread
+            self._failed = exc
+            self._bound.set()
+            return
+        self._bound.set()
+        buffer: deque[tuple[int, bytes]] = deque(maxlen=self.settings.replay_batches)
+        seq = 0
+        topic = self.settings.topic.encode()
+        while True:
+            if replay is not None and replay.poll(0):
+                self._replay(replay, buffer, topic)
+            with self._ready:
+                if not self._pending:
+                    if self._stop.is_set():
+                        break
+                    self._ready.wait(POLL_S)
+                taken = list(self._pending)
+                self._pending.clear()
+                self._pending_events = 0
+            for batch in _batches(taken):
+                payload = self._encoder.encode(
+                    EventBatch(time.time(), batch, None, self.incarnation)
+                )
+                seq_bytes = seq.to_bytes(8, "big")
+                try:
+                    pub.send_multipart((topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    self.counts["dropped_events"] += len(batch)
+                buffer.append((seq, payload))
+                seq += 1
+                self.counts["published_batches"] += 1
+                self.counts["published_events"] += len(batch)
+
+    def _replay(self, replay: Any, buffer: deque[tuple[int, bytes]], topic: bytes) -> None:
+        """Answer one replay request, `[identity, b"", start seq]`, as vLLM's publisher does."""
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        self.counts["replays"] += 1
+        for seq, payload in list(buffer):
+            if seq >= first:
+                replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+def _batches(queued: list[list[Event]]) -> Iterator[list[Event]]:
+    """The queued events in order, EVENTS_PER_BATCH at most per batch."""
+    batch: list[Event] = []
+    for events in queued:
+        for event in events:
+            batch.append(event)
+            if len(batch) == EVENTS_PER_BATCH:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "EventPublisher",
+    "EventSettings",
+    "check_endpoint",
+    "event_of",
+]

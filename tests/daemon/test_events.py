@@ -1,0 +1,133 @@
+"""KV events through a real daemon, read by a consumer written from vLLM's source
+(kv_events_consumer.py): the view it rebuilds from the events alone is the store's block set
+through puts, evictions, purges, retirements, a restart (AllBlocksCleared, then the inventory) and
+a subscriber gap healed by replay; tenants not named publish nothing, hash-only mode carries no
+token ids, and a subscriber that never reads costs dropped events, never a put."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from prefixd import Store
+from prefixd.client import Client
+from prefixd.schema.chain import chain_hashes
+
+from .conftest import IDENTITY, Daemon, DaemonFactory
+from .kv_events_consumer import Consumer
+
+BT = IDENTITY.block_tokens
+ALICE = dataclasses.replace(IDENTITY, tenant="alice")
+ALICE_V2 = dataclasses.replace(ALICE, weights=ALICE.weights + "-v2")
+BOB = dataclasses.replace(IDENTITY, tenant="bob")
+
+
+def tokens(seed: int, n_blocks: int) -> np.ndarray:
+    return (np.arange(n_blocks * BT, dtype=np.uint32) * 3 + seed * 100_000).astype(np.uint32)
+
+
+def start(daemon_factory: DaemonFactory, sock_dir: Path, *flags: str) -> tuple[Daemon, str, str]:
+    pub, replay = f"ipc://{sock_dir}/events", f"ipc://{sock_dir}/replay"
+    daemon = daemon_factory(
+        "--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay, *flags
+    )  # fmt: skip
+    return daemon, pub, replay
+
+
+def stored_hashes(daemon: Daemon) -> set[bytes]:
+    """The store's own block set (the daemon stopped), tenant alice's."""
+    with Store.open(daemon.data_dir, map_size=256 << 20) as store:
+        return {
+            c.block
+            for batch in store.inventory()
+            for c in batch
+            if c.identity is not None and c.identity.tenant == "alice"
+        }
+
+
+def test_the_events_rebuild_the_stores_blocks(
+    daemon_factory: DaemonFactory, sock_dir: Path
+) -> None:
+    daemon, pub, replay = start(daemon_factory, sock_dir, "--kv-events-tenants", "alice")
+    consumer = Consumer(pub, replay)
+    try:
+        with Client(daemon.socket, region_bytes=1 << 20) as client:
+            first, second = tokens(1, 6), tokens(2, 4)
+            client.put(ALICE, first, [b"a" * 256] * 6)
+            client.put(ALICE, second, [b"b" * 256] * 4)
+            client.put(BOB, tokens(3, 5), [b"c" * 256] * 5)  # not named: never published
+            client.put(ALICE_V2, tokens(4, 3), [b"d" * 256] * 3)
+            expected = {*chain_hashes(ALICE, first), *chain_hashes(ALICE, second)}
+            expected |= set(chain_hashes(ALICE_V2, tokens(4, 3)))
+            consumer.until(lambda view: set(view.blocks) == expected)
+            stored = consumer.view.blocks[chain_hashes(ALICE, first)[1]]
+            assert stored["parent_block_hash"] == chain_hashes(ALICE, first)[0]
+            assert stored["token_ids"] == tokens(1, 6)[BT : 2 * BT].tolist()
+            assert stored["block_size"] == BT
+            assert consumer.view.blocks[chain_hashes(ALICE, first)[0]]["parent_block_hash"] is None
+
+            client.purge(model=ALICE.model, keep={"weights": ALICE.weights})  # a retirement
+            expected -= set(chain_hashes(ALICE_V2, tokens(4, 3)))
+            consumer.until(lambda view: set(view.blocks) == expected)
+
+            # a subscriber gap: it stops reading, puts go on, it heals by replay
+            consumer.sub.close(linger=0)
+            client.put(ALICE, tokens(5, 3), [b"e" * 256] * 3)
+            expected |= set(chain_hashes(ALICE, tokens(5, 3)))
+            consumer.sub = consumer.context.socket(zmq.SUB)
+            consumer.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            consumer.sub.connect(pub)
+            consumer.until(lambda view: set(view.blocks) == expected)
+            client.purge(tenant="alice")
+            expected = set()
+            consumer.until(lambda view: set(view.blocks) == expected)
+            client.put(ALICE, first, [b"a" * 256] * 6)
+            expected = set(chain_hashes(ALICE, first))
+            consumer.until(lambda view: set(view.blocks) == expected)
+        before = consumer.view.incarnation
+        daemon.restart()  # a new start: AllBlocksCleared, then the inventory
+        consumer.view.last_seq = -1  # the new start's sequence begins again at 0
+        consumer.until(lambda view: view.incarnation != before and set(view.blocks) == expected)
+        daemon.stop()
+        assert set(consumer.view.blocks) == stored_hashes(daemon) == expected
+    finally:
+        consumer.close()
+
+
+def test_hash_only_events_carry_no_token_ids_and_a_full_queue_drops_never_waits(
+    daemon_factory: DaemonFactory, sock_dir: Path
+) -> None:
+    flags = ("--kv-events-tenants", "*", "--kv-events-hash-only", "--kv-events-queue", "16")
+    daemon, pub, replay = start(daemon_factory, sock_dir, *flags)
+    idle = zmq.Context()
+    never_reads = idle.socket(zmq.SUB)
+    never_reads.setsockopt(zmq.SUBSCRIBE, b"")
+    never_reads.connect(pub)
+    consumer = Consumer(pub, replay)
+    try:
+        with Client(daemon.socket, region_bytes=1 << 20) as client:
+            client.put(BOB, tokens(1, 4), [b"a" * 256] * 4)
+            consumer.until(lambda view: set(view.blocks) == set(chain_hashes(BOB, tokens(1, 4))))
+            assert not consumer.view.token_ids_seen
+            assert all(e["token_ids"] == [] for e in consumer.view.blocks.values())
+            result = client.put(BOB, tokens(2, 64), [b"b" * 256] * 64)  # 64 changes > 16
+            assert result.stored == 64
+            events = {k: v for k, v in client.stats()["server"].items() if k.startswith("events.")}
+        assert events["events.dropped_events"] >= 64, events
+    finally:
+        consumer.close()
+        idle.destroy(linger=0)
+
+
+def test_tenants_not_named_publish_nothing(daemon_factory: DaemonFactory, sock_dir: Path) -> None:
+    daemon, pub, replay = start(daemon_factory, sock_dir)  # no --kv-events-tenants
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        client.put(ALICE, tokens(1, 4), [b"a" * 256] * 4)
+        client.purge(tenant="alice")
+        server = client.stats()["server"]
+    told = server["events.published_events"] + server["events.queued_events"]
+    assert told == 1  # AllBlocksCleared at the start, nothing else
+    assert server["events.dropped_events"] == 0
