@@ -131,3 +131,48 @@ def test_tenants_not_named_publish_nothing(daemon_factory: DaemonFactory, sock_d
     told = server["events.published_events"] + server["events.queued_events"]
     assert told == 1  # AllBlocksCleared at the start, nothing else
     assert server["events.dropped_events"] == 0
+
+
+def flip_in_place(data_file: Path, needle: bytes) -> None:
+    """Flip one byte of the stored payload `needle` where it lies, without rewriting the file
+    (the running daemon maps it)."""
+    data = data_file.read_bytes()
+    at = data.find(needle)
+    assert at >= 0 and data.find(needle, at + 1) < 0, "the payload is not stored exactly once"
+    with open(data_file, "r+b") as f:
+        f.seek(at + len(needle) // 2)
+        byte = f.read(1)
+        f.seek(at + len(needle) // 2)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+def test_evictions_and_quarantines_reach_the_view(
+    daemon_factory: DaemonFactory, sock_dir: Path
+) -> None:
+    """Puts past the capacity evict, and a payload damaged on disk is quarantined (with the
+    blocks below it) by the load that meets it: the view rebuilt from the events is the store's."""
+    rng = np.random.default_rng(5)
+    daemon, pub, replay = start(
+        daemon_factory, sock_dir, "--kv-events-tenants", "alice", "--capacity-bytes", "96KiB"
+    )  # fmt: skip
+    consumer = Consumer(pub, replay)
+    try:
+        with Client(daemon.socket, region_bytes=1 << 20) as client:
+            for seed in range(12):  # 12 x 4 x 4 KiB: past the capacity, so some are evicted
+                client.put(ALICE, tokens(seed, 4), [rng.bytes(4096) for _ in range(4)])
+            victim = tokens(100, 4)
+            pays = [rng.bytes(4096) for _ in range(4)]
+            client.put(ALICE, victim, pays)
+            hashes = chain_hashes(ALICE, victim)
+            consumer.until(lambda view: set(hashes) <= set(view.blocks))
+            flip_in_place(daemon.data_dir / "data.mdb", pays[1])
+            with client.load(ALICE, victim) as loaded:
+                assert len(loaded.views) == 1  # block 1 failed its checksum: a miss from there
+            consumer.until(lambda view: not set(hashes[1:]) & set(view.blocks))
+            removals = client.stats()["store"]
+        daemon.stop()
+        assert set(consumer.view.blocks) == stored_hashes(daemon)
+        assert hashes[0] in consumer.view.blocks
+        assert removals["blocks"] < 30  # of 52 put: most were evicted (96 KiB hold 24 at most)
+    finally:
+        consumer.close()
