@@ -22,6 +22,7 @@ from prefixd.client.results import (
     HotPrefix,
     Loaded,
     Lookup,
+    Routed,
     StateLoaded,
     StateLookup,
     Stored,
@@ -125,6 +126,11 @@ class AsyncClient(Shell):
         hashes: Sequence[bytes | None] | None = None,
     ) -> list[Lookup]:
         return await self._run(self._core.lookup(identity, prompts, hashes))
+
+    async def route(
+        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+    ) -> Routed:
+        return await self._run(self._core.route(identity, token_ids, hashes))
 
     async def load(
         self,

@@ -21,6 +21,7 @@ from prefixd.client.results import (
     HotPrefix,
     Loaded,
     Lookup,
+    Routed,
     StateLoaded,
     StateLookup,
     Stored,
@@ -128,6 +129,12 @@ class Client(Shell):
     ) -> list[Lookup]:
         """The stored prefix of each prompt (one round trip for the whole batch)."""
         return self._run(self._core.lookup(identity, prompts, hashes))
+
+    def route(
+        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+    ) -> Routed:
+        """What this node would serve the prompt and its routing score (no payload is read)."""
+        return self._run(self._core.route(identity, token_ids, hashes))
 
     def load(
         self,

@@ -31,6 +31,7 @@ from prefixd.client.results import (
     HotPrefix,
     Loaded,
     Lookup,
+    Routed,
     StateLoaded,
     StateLookup,
     StatePart,
@@ -373,6 +374,21 @@ class ClientCore:
             Lookup(r.n_blocks, r.n_tokens, _unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
             for r in reply.results
         ]
+
+    def route(self, identity: Identity, token_ids: TokenIds, hashes: bytes | None) -> Steps[Routed]:
+        held: list[Lease | Span] = []
+        try:
+            message = wire.Route(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                **self._prompt(token_ids, held),
+                hashes=hashes,
+            )
+            reply: wire.RouteReply = yield Call(message, tuple(_spans(held)))
+        finally:
+            _release(held)
+        fields = msgspec.structs.asdict(reply)
+        return Routed(**{name: fields[name] for name in Routed.__slots__})
 
     def load_span(
         self,

@@ -26,6 +26,23 @@ class Lookup:
 
 
 @dataclass(frozen=True, slots=True)
+class Routed:
+    """What one node would serve a prompt and what it is worth there, in seconds:
+    `score_s` = `prefill_saved_s` - `queue_s` - `load_s` (prefixd.daemon.routing); a router
+    sends the request to the node with the best score."""
+
+    hit_blocks: int
+    hit_tokens: int
+    hit_bytes: int
+    load_s: float
+    prefill_saved_s: float
+    loads_in_flight: int
+    queue_bytes: int
+    queue_s: float
+    score_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Stored:
     stored: int
     existed: int

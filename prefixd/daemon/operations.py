@@ -20,7 +20,9 @@ from msgspec import Struct
 
 from prefixd import __version__
 from prefixd.clock import Clock, SystemClock
+from prefixd.daemon import routing
 from prefixd.daemon.metrics import Metrics
+from prefixd.daemon.routing import LoadQueue
 from prefixd.errors import ConfigError, IdentityError, ProtocolError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
@@ -59,6 +61,8 @@ from prefixd.wire.messages import (
     PutState,
     PutStateReply,
     RequestMessage,
+    Route,
+    RouteReply,
     Span,
     StatePart,
     Stats,
@@ -146,7 +150,9 @@ class Operations:
             "load_state": self.load_state,
             "hot": self.hot,
             "verify": self.verify,
+            "route": self.route,
         }
+        self.loads = LoadQueue()  # what `route` counts as this node's queue
         # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
         self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
         self.cluster_hits: Counter[str] = Counter(local_hit_blocks=0, remote_hit_blocks=0)
@@ -376,17 +382,22 @@ class Operations:
         offset, out = _output(conn, msg)
         first_block = msg.first_block or 0
         started = time.perf_counter()
-        result = await self._run(
-            partial(
-                self._load,
-                identity,
-                tokens,
-                out,
-                max_blocks=msg.max_blocks,
-                hashes=msg.hashes,
-                first_block=first_block,
+        self.loads.started()
+        result = LoadResult(0, 0, (), ())
+        try:
+            result = await self._run(
+                partial(
+                    self._load,
+                    identity,
+                    tokens,
+                    out,
+                    max_blocks=msg.max_blocks,
+                    hashes=msg.hashes,
+                    first_block=first_block,
+                )
             )
-        )
+        finally:
+            self.loads.finished(sum(result.sizes))
         if not first_block and result.n_tokens < self.min_reusable_tokens:
             result = LoadResult(0, 0, (), ())  # too short to be worth it: not offered
         if msg.warm:
@@ -407,6 +418,30 @@ class Operations:
             first_block=result.first_block,
             next_size=result.next_size,
         )
+
+    async def route(self, conn: Connection, request: Request[Route]) -> RouteReply:
+        """What this node would serve the prompt, and its score (prefixd.daemon.routing)."""
+        msg = request.message
+        identity = self._identity(conn, msg.identity)
+        tokens = self._prompt(conn, msg)
+        match = None
+        if len(tokens) <= LOOP_TOKEN_BYTES:  # as lookups: short prompts from memory, on the loop
+            try:
+                match = self.store.cached_prefix(identity, tokens, hashes=msg.hashes)
+            except Exception as exc:
+                raise _protocol_error(exc) from None
+        if match is None:
+            match = await self._run(partial(self._longest_prefix, identity, tokens, msg.hashes))
+        [result], _ = self._lookup_results(identity, [(tokens, msg.hashes)], [match])
+        routed = routing.answer(
+            result.n_blocks,
+            result.n_tokens,
+            match.payload_bytes if result.n_blocks else 0,
+            load_time=self.metrics.load_time,
+            prefill_tokens_per_s=self.metrics.prefill_tokens_per_s,
+            queue=self.loads,
+        )
+        return RouteReply(id=request.id, **dataclasses.asdict(routed))
 
     async def hot(self, conn: Connection, request: Request[Hot]) -> HotReply:
         """A tenant's most valuable prefixes to warm after a restart, whole, within a byte

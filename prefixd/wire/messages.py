@@ -278,6 +278,12 @@ class LoadState(Prompted, tag="load_state", kw_only=True):
     length: Count | None = None
 
 
+class Route(Prompted, tag="route", kw_only=True):
+    """What this node would serve the prompt and at what cost (no payload is read)."""
+
+    hashes: bytes | None = None
+
+
 class Hot(RequestMessage, tag="hot", kw_only=True):
     budget_bytes: Count
     tenant: Text
@@ -303,6 +309,7 @@ AnyRequest: TypeAlias = (
     | LoadState
     | Hot
     | Verify
+    | Route
 )
 REQUESTS: dict[str, type[RequestMessage]] = {}  # by op
 for _kind in (
@@ -319,6 +326,7 @@ for _kind in (
     LoadState,
     Hot,
     Verify,
+    Route,
 ):
     assert isinstance(_kind.__struct_config__.tag, str)
     REQUESTS[_kind.__struct_config__.tag] = _kind
@@ -456,6 +464,20 @@ class HotReply(Reply, kw_only=True):
     prefixes: list[HotEntry]
 
 
+class RouteReply(Reply, kw_only=True):
+    """Seconds: `score_s` = `prefill_saved_s` - `queue_s` - `load_s` (prefixd.daemon.routing)."""
+
+    hit_blocks: int
+    hit_tokens: int
+    hit_bytes: int
+    load_s: float
+    prefill_saved_s: float
+    loads_in_flight: int
+    queue_bytes: int
+    queue_s: float
+    score_s: float
+
+
 class PurgeReply(Reply, kw_only=True):
     identities: int
     blocks: int
@@ -508,6 +530,7 @@ REPLIES: tuple[type[Reply], ...] = (
     PutStateReply,
     HotReply,
     PurgeReply,
+    RouteReply,
     VerifyReply,
     StatsReply,
     HealthReply,
@@ -526,6 +549,7 @@ REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
     LoadState: LoadStateReply,
     Hot: HotReply,
     Verify: VerifyReply,
+    Route: RouteReply,
 }
 
 
@@ -546,6 +570,8 @@ __all__ = [
     "REPLY_OF",
     "REQUESTS",
     "AnyRequest",
+    "Route",
+    "RouteReply",
     "Attach",
     "AttachReply",
     "ErrorInfo",

@@ -70,6 +70,8 @@ from prefixd.wire.messages import (
     PutState,
     PutStateReply,
     RequestMessage,
+    Route,
+    RouteReply,
     Served,
     StatePart,
     Stats,
@@ -157,6 +159,8 @@ REQUEST_EXAMPLES: list[RequestMessage] = [
     Hot(id=19, budget_bytes=0, tenant="b", limit=MAX_HOT_PREFIXES),
     Verify(id=20),
     Verify(id=21, fix=True, payloads=False),
+    Route(id=22, identity=WIRE, tokens=TOKENS),
+    Route(id=23, identity=WIRE, tokens_span=(1, 0, 8), n_tokens=8, hashes=b"\x01" * 16),
     Lookup(id=(1 << 63) - 1, identity=WIRE, prompts=[]),
 ]
 
@@ -176,6 +180,7 @@ def test_every_operation_has_a_request_struct() -> None:
         "load_state",
         "hot",
         "verify",
+        "route",
     }
     assert {op_of(m) for m in REQUEST_EXAMPLES} == set(REQUESTS)
 
@@ -893,6 +898,18 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
         PutStateReply(id=8, stored=2, existed=0, parts=3),
         {"id": 8, "ok": True, "stored": 2, "existed": 0, "parts": 3},
     ),
+    (
+        RouteReply(
+            id=12, hit_blocks=2, hit_tokens=32, hit_bytes=4096, load_s=0.001,
+            prefill_saved_s=0.0032, loads_in_flight=1, queue_bytes=2048, queue_s=0.0005,
+            score_s=0.0017,
+        ),
+        {
+            "id": 12, "ok": True, "hit_blocks": 2, "hit_tokens": 32, "hit_bytes": 4096,
+            "load_s": 0.001, "prefill_saved_s": 0.0032, "loads_in_flight": 1,
+            "queue_bytes": 2048, "queue_s": 0.0005, "score_s": 0.0017,
+        },
+    ),  # fmt: skip
     (
         HotReply(
             id=9, prefixes=[HotEntry(identity=WIRE_HYBRID, tokens=TOKENS, sizes=SIZES, score=2.5)]

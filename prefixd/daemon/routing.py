@@ -1,0 +1,86 @@
+"""Routing answers: what this node would serve a prompt, and what that is worth in seconds.
+
+A cache-aware router weighs nodes by the design's score,
+`score = T_prefill_saved - T_queue - T_transfer - T_cold`: the prefill the hit saves (at the
+configured prefill throughput), less the loads already queued on this node and the load of the hit
+itself (both at the node's measured load bandwidth). T_cold is left to the router: it is about the
+engine, which prefixd does not see. `route` reads no payload: it walks the index as a lookup does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prefixd.loadtime import LoadTimeModel
+
+_MEAN_WEIGHT = 0.1  # of a finished load in the running mean of a load's bytes
+
+
+class LoadQueue:
+    """The loads under way on this node. Their bytes are known only once each is done, so the
+    queue's bytes are the loads in flight times the running mean of a load's bytes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.mean_bytes = 0.0
+
+    def started(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def finished(self, n_bytes: int) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            if self.mean_bytes == 0.0:
+                self.mean_bytes = float(n_bytes)
+            else:
+                self.mean_bytes += _MEAN_WEIGHT * (n_bytes - self.mean_bytes)
+
+    def queued(self) -> tuple[int, int]:
+        """(loads in flight, their estimated bytes)."""
+        with self._lock:
+            return self.in_flight, int(self.in_flight * self.mean_bytes)
+
+
+@dataclass(frozen=True)
+class RouteAnswer:
+    hit_blocks: int
+    hit_tokens: int
+    hit_bytes: int
+    load_s: float  # T_transfer: loading the hit at the measured bandwidth
+    prefill_saved_s: float  # T_prefill_saved: its tokens at the configured prefill throughput
+    loads_in_flight: int
+    queue_bytes: int
+    queue_s: float  # T_queue: the loads in flight at the measured bandwidth
+    score_s: float
+
+
+def answer(
+    hit_blocks: int,
+    hit_tokens: int,
+    hit_bytes: int,
+    *,
+    load_time: LoadTimeModel,
+    prefill_tokens_per_s: float,
+    queue: LoadQueue,
+) -> RouteAnswer:
+    in_flight, queue_bytes = queue.queued()
+    load_s = load_time.estimate(hit_bytes)
+    saved_s = hit_tokens / prefill_tokens_per_s
+    queue_s = queue_bytes / load_time.bandwidth
+    return RouteAnswer(
+        hit_blocks=hit_blocks,
+        hit_tokens=hit_tokens,
+        hit_bytes=hit_bytes,
+        load_s=load_s,
+        prefill_saved_s=saved_s,
+        loads_in_flight=in_flight,
+        queue_bytes=queue_bytes,
+        queue_s=queue_s,
+        score_s=saved_s - queue_s - load_s,
+    )
+
+
+__all__ = ["LoadQueue", "RouteAnswer", "answer"]
