@@ -41,7 +41,9 @@ LOCALITY = "LOCAL"
 OWNERSHIP = "prefixd"
 EVENTS_PER_BATCH = 1024
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay, as vLLM's publisher does
-POLL_S = 0.05
+# The publisher wakes this often to send what is queued, or at once when a whole batch waits: a
+# thread woken at every commit would take the interpreter from the writers each time.
+POLL_S = 0.02
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 # --- vLLM's wire format (vllm/distributed/kv_events.py, 0.32.0), written from its source -------
@@ -218,7 +220,8 @@ class EventPublisher:
                 return
             self._pending.append(events)
             self._pending_events += len(events)
-            self._ready.notify()
+            if self._pending_events >= EVENTS_PER_BATCH:
+                self._ready.notify()
 
     # --- lifetime ----------------------------------------------------------------------------
 
