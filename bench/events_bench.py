@@ -1,8 +1,10 @@
 """What KV events cost and what they buy, measured in one run.
 
 * put throughput with events on (every tenant published, token ids included, a subscriber
-  reading everything) against off: two daemons, the same puts, rounds interleaved, medians of
-  puts of 16 blocks of 64 KiB (many small commits: the events' per-commit cost shows);
+  reading everything) against off: daemons side by side, the same puts, rounds interleaved
+  (each daemon first in turn), medians of puts of 16 blocks of 64 KiB (many small commits: the
+  events' per-commit cost shows), and the daemons' own CPU time per block; a second daemon
+  without events measures the noise floor (two alike daemons differ by that much);
 * the cache-aware router of examples/router.py (events -> a prefix index per node -> the score
   prefill saved - queue - load) against pure affinity and round robin on 3 local daemons and a
   hot-spot workload: token hit rate, load skew (the busiest node's work over the mean), the
@@ -46,6 +48,12 @@ def put_round(client: Client, seed: int, puts: int, payloads: list[bytes]) -> No
             raise RuntimeError("a put stored fewer blocks than it was given")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def put_cost(root: Path, *, puts: int, rounds: int) -> dict[str, Any]:
     sock = Path(tempfile.mkdtemp(prefix="pxe-"))
     events = [
@@ -58,8 +66,10 @@ def put_cost(root: Path, *, puts: int, rounds: int) -> dict[str, Any]:
     with (
         SuiteDaemon(root, "off") as off,
         SuiteDaemon(root, "on", extra=events) as on,
+        SuiteDaemon(root, "off2") as off2,  # the noise floor: a second daemon without events
         Client(off.socket, region_bytes=64 << 20, timeout=300) as c_off,
         Client(on.socket, region_bytes=64 << 20, timeout=300) as c_on,
+        Client(off2.socket, region_bytes=64 << 20, timeout=300) as c_off2,
     ):
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         sub = context.socket(zmq.SUB)
@@ -75,22 +85,34 @@ def put_cost(root: Path, *, puts: int, rounds: int) -> dict[str, Any]:
         reader = threading.Thread(target=read)
         reader.start()
         try:
+            daemons = [("off", c_off, off.pid), ("on", c_on, on.pid), ("off2", c_off2, off2.pid)]
             for round_ in range(rounds + 1):
-                for name, client in (("off", c_off), ("on", c_on)):
+                order = daemons[round_ % 3 :] + daemons[: round_ % 3]  # each goes first in turn
+                for name, client, pid in order:
+                    cpu = cpu_seconds(pid)
                     seconds, _ = timed(lambda c=client: put_round(c, round_ * 7, puts, payloads))
                     if round_:
                         samples.add(name, seconds)
+                        samples.add(f"{name}_cpu", cpu_seconds(pid) - cpu)
             stats = c_on.stats()["server"]
         finally:
             stop.set()
             reader.join()
             context.destroy(linger=0)
     n_bytes = puts * BLOCKS_PER_PUT * BLOCK_BYTES
-    rate = {name: n_bytes / samples.median(name) / 1e9 for name in ("off", "on")}
+    names = ("off", "on", "off2")
+    rate = {name: n_bytes / samples.median(name) / 1e9 for name in names}
+    cpu = {name: samples.median(f"{name}_cpu") / (puts * BLOCKS_PER_PUT) for name in names}
     return {
         "put_gbps_events_off": round(rate["off"], 3),
         "put_gbps_events_on": round(rate["on"], 3),
         "on_vs_off": ratio(rate["on"], rate["off"]),
+        # the daemon's own CPU time per stored block: what the events cost, whatever else runs
+        "daemon_cpu_us_per_block_off": round(cpu["off"] * 1e6, 1),
+        "daemon_cpu_us_per_block_on": round(cpu["on"] * 1e6, 1),
+        "cpu_on_vs_off": ratio(cpu["on"], cpu["off"]),
+        "off2_vs_off": ratio(rate["off2"], rate["off"]),  # two daemons alike: the noise
+        "cpu_off2_vs_off": ratio(cpu["off2"], cpu["off"]),
         "puts_per_round": puts,
         "rounds": rounds,
         "published_events": stats.get("events.published_events", 0),
@@ -103,7 +125,7 @@ def put_cost(root: Path, *, puts: int, rounds: int) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--puts", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
