@@ -16,7 +16,7 @@ from prefixd import Store
 from prefixd.client import Client
 from prefixd.schema.chain import chain_hashes
 
-from .conftest import IDENTITY, Daemon, DaemonFactory
+from .conftest import IDENTITY, Daemon, DaemonFactory, wait_for
 from .kv_events_consumer import Consumer
 
 BT = IDENTITY.block_tokens
@@ -100,7 +100,9 @@ def test_the_events_rebuild_the_stores_blocks(
 def test_hash_only_events_carry_no_token_ids_and_a_full_queue_drops_never_waits(
     daemon_factory: DaemonFactory, sock_dir: Path
 ) -> None:
+    textfile = sock_dir / "metrics.prom"
     flags = ("--kv-events-tenants", "*", "--kv-events-hash-only", "--kv-events-queue", "16")
+    flags += ("--metrics-textfile", str(textfile), "--metrics-interval-s", "1")
     daemon, pub, replay = start(daemon_factory, sock_dir, *flags)
     idle = zmq.Context()
     never_reads = idle.socket(zmq.SUB)
@@ -117,6 +119,16 @@ def test_hash_only_events_carry_no_token_ids_and_a_full_queue_drops_never_waits(
             assert result.stored == 64
             events = {k: v for k, v in client.stats()["server"].items() if k.startswith("events.")}
         assert events["events.dropped_events"] >= 64, events
+
+        def exported() -> bool:  # and Prometheus counts them too
+            text = textfile.read_text() if textfile.exists() else ""
+            return any(
+                line.startswith("prefixd_kv_events_dropped_events_total ")
+                and float(line.split()[1]) >= 64
+                for line in text.splitlines()
+            )
+
+        wait_for(exported, "the dropped events in the metrics textfile")
     finally:
         consumer.close()
         idle.destroy(linger=0)
