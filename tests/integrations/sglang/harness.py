@@ -60,6 +60,7 @@ def storage_config(
     tp_size: int = 1,
     layout: str = "layer_first",
     model: str = "tiny-model",
+    mla: bool = False,
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
@@ -68,7 +69,7 @@ def storage_config(
         pp_size=1,
         attn_cp_rank=0,
         attn_cp_size=1,
-        is_mla_model=False,
+        is_mla_model=mla,
         enable_storage_metrics=False,
         is_page_first_layout=layout == "page_first",
         model_name=model,

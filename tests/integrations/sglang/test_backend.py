@@ -143,19 +143,27 @@ def test_a_corrupted_page_is_a_miss_from_there_on(daemon: Daemon) -> None:
 
 def test_the_identity_keys_on_more_than_sglang_does(daemon: Daemon) -> None:
     """SGLang's file backend keys on the model name and parallelism only; prefixd's identity
-    also carries the weights, tokenizer, template and KV layout: any of them changed is a miss."""
-    base = prefixd_extra(daemon.socket)
-    writer = Controller(host_pool("layer_first"), base)
+    also carries the weights, tokenizer, template, tenant, KV layout and tp rank: any of them
+    changed is a miss. MLA KV, whole on every rank, is shared by the ranks."""
+    base = prefixd_extra(daemon.socket, tokenizer="tok@1", template="tpl@1")
+    rank0 = {"tp_rank": 0, "tp_size": 2}
+    writer = Controller(host_pool("layer_first"), base, **rank0)
     tokens, _ = stored(writer, 2)
-    assert Controller(host_pool("layer_first"), base).hit(tokens) == 2 * PAGE
+    assert Controller(host_pool("layer_first"), base, **rank0).hit(tokens) == 2 * PAGE
     for changed in (
         {"weights": "rev=other"},
         {"tokenizer": "t2"},
         {"template": "chat-v2"},
         {"tenant": "other"},
     ):
-        assert Controller(host_pool("layer_first"), {**base, **changed}).hit(tokens) == 0
-    assert Controller(host_pool("page_first"), base).hit(tokens) == 0  # another KV layout
-    assert Controller(host_pool("layer_first", layers=2), base).hit(tokens) == 0
+        assert Controller(host_pool("layer_first"), {**base, **changed}, **rank0).hit(tokens) == 0
+    assert Controller(host_pool("page_first"), base, **rank0).hit(tokens) == 0  # KV layout
+    assert Controller(host_pool("layer_first", layers=2), base, **rank0).hit(tokens) == 0
     assert Controller(host_pool("layer_first"), base, tp_rank=1, tp_size=2).hit(tokens) == 0
+    mla = Controller(host_pool("layer_first"), base, mla=True, **rank0)
+    tokens, _ = stored(mla, 2, seed=4)
+    assert (
+        Controller(host_pool("layer_first"), base, mla=True, tp_rank=1, tp_size=2).hit(tokens)
+        == 2 * PAGE
+    )
     writer.close()
