@@ -167,3 +167,19 @@ def test_the_identity_keys_on_more_than_sglang_does(daemon: Daemon) -> None:
         == 2 * PAGE
     )
     writer.close()
+
+
+def test_a_daemon_that_is_away_is_a_miss_and_a_failed_store_never_an_error(
+    daemon: Daemon,
+) -> None:
+    controller = Controller(host_pool("page_first"), prefixd_extra(daemon.socket))
+    tokens = tokens_of(2)
+    assert controller.hit(tokens) == 0  # connected: the daemon goes away under a connection
+    daemon.stop()
+    slots = controller.pool.alloc(2 * PAGE)
+    assert controller.hit(tokens) == 0
+    assert controller.backup(tokens, slots) == 0
+    daemon.start()
+    assert controller.backup(tokens, slots) == 2 * PAGE  # connected again
+    assert controller.hit(tokens) == 2 * PAGE
+    controller.close()
