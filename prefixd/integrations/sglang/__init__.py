@@ -3,11 +3,13 @@
 Tested against sglang 0.5.23 (`pip install 'prefixd[sglang]'` pins it; .ci/sglang-venv builds the
 venv the tests run in). SGLang loads it as a dynamic backend:
 
-    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
-        --hicache-storage-backend dynamic \\
-        --hicache-storage-backend-extra-config "$(python -c 'import json; \\
-            from prefixd.integrations.sglang import extra_config; \\
-            print(json.dumps(extra_config(socket="/run/prefixd/prefixd.sock", weights="rev=abc")))')"
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \
+        --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
+          "backend_name": "prefixd", "module_path": "prefixd.integrations.sglang",
+          "class_name": "PrefixdHiCache", "socket": "/run/prefixd/prefixd.sock",
+          "weights": "rev=0123abc", "interface_v1": 1}'
+
+`extra_config(socket=..., weights=...)` builds that JSON's dict (README: "SGLang HiCache").
 
 The backend itself (`PrefixdHiCache`, in prefixd.integrations.sglang.backend) imports sglang;
 this module imports it only when the backend is loaded, so `extra_config` works without it.

@@ -16,8 +16,9 @@ last N pages is a checkpoint at the boundary they end; `batch_exists_v2` is pref
 (`lookup_state`) over the chain cut at the paged pools' common boundary, so the prefix it reports
 is one where every pool can be restored. `BLOCK_GROUPS` is refused (ConfigError).
 
-Every payload crosses between a host pool and the client's shared region with one copy
-(prefixd.integrations.sglang.pages); the socket carries only requests. A daemon that is down or
+A paged pool's page crosses between the host pool and the client's shared region with one copy
+each way (prefixd.integrations.sglang.pages); a trailing pool's checkpoint is staged through one
+more on its way in (the state groups' put). The socket carries only requests. A daemon that is down or
 slow makes lookups misses and stores and loads fail: SGLang recomputes, nothing raises into it.
 """
 
