@@ -251,13 +251,15 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             if name != KV and transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
                 hits[name] = self._found(name, keys[:boundary], paged)
                 boundary = min(boundary, hits[name])
+        # every prefix of a paged boundary is restorable; with trailing pools, the joint one
+        restorable = list(range(1, boundary + 1))
         if any(t.hit_policy == PoolHitPolicy.TRAILING_PAGES for t in transfers) and boundary:
             joint = self._joint(keys[:boundary], prefix)
             for transfer in transfers:
                 if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                     hits[str(transfer.name)] = joint
             boundary = joint
-        restorable = [boundary] if boundary else []
+            restorable = [joint] if joint else []
         return PoolTransferResult(boundary, {k: v for k, v in hits.items() if v}, restorable)
 
     def batch_get_v2(

@@ -158,6 +158,10 @@ def test_exists_v2_never_reports_more_than_every_pool_supports(daemon: Daemon) -
     other = page_hashes(list(range(1, N_PAGES * PAGE + 1)))
     write(backend, pools, other, windows=())
     assert query(backend, pools, other).kv_hit_pages == 0
+    # paged pools alone: every prefix of their common boundary is restorable
+    paged = [pools.transfer("kv", 0, N_PAGES, keys), pools.transfer("indexer", 0, N_PAGES, keys)]
+    alone = backend.batch_exists_v2(keys, paged, extra([]))
+    assert (alone.kv_hit_pages, alone.restorable_prefix_pages) == (4, [1, 2, 3, 4])
 
 
 @pytest.mark.damages_store
