@@ -123,8 +123,19 @@ class AsyncClient(Shell):
         prompts: Sequence[TokenIds],
         *,
         hashes: Sequence[bytes | None] | None = None,
+        pin: bool = False,
     ) -> list[Lookup]:
-        return await self._run(self._core.lookup(identity, prompts, hashes))
+        return await self._run(self._core.lookup(identity, prompts, hashes, pin))
+
+    async def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
+        """Release one of this connection's pins of each closed block of `prompts` (pinned by
+        `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
+        return await self._run(self._core.unpin(identity, prompts))
+
+    async def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
+        """Remove the last closed block of each prompt and every block below it; how many
+        blocks went."""
+        return await self._run(self._core.delete(identity, prompts))
 
     async def load(
         self,

@@ -125,9 +125,20 @@ class Client(Shell):
         prompts: Sequence[TokenIds],
         *,
         hashes: Sequence[bytes | None] | None = None,
+        pin: bool = False,
     ) -> list[Lookup]:
         """The stored prefix of each prompt (one round trip for the whole batch)."""
-        return self._run(self._core.lookup(identity, prompts, hashes))
+        return self._run(self._core.lookup(identity, prompts, hashes, pin))
+
+    def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
+        """Release one of this connection's pins of each closed block of `prompts` (pinned by
+        `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
+        return self._run(self._core.unpin(identity, prompts))
+
+    def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
+        """Remove the last closed block of each prompt and every block below it; how many
+        blocks went."""
+        return self._run(self._core.delete(identity, prompts))
 
     def load(
         self,

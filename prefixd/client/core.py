@@ -358,6 +358,7 @@ class ClientCore:
         identity: Identity,
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
+        pin: bool = False,
     ) -> Steps[list[Lookup]]:
         held: list[Span] = []  # the token spans (the engine's hot path: kept lean)
         try:
@@ -365,6 +366,7 @@ class ClientCore:
                 id=self.next_id(),
                 identity=self._identity(identity),
                 prompts=self._prompts(prompts, hashes, held),
+                pin=pin or None,
             )
             reply: wire.LookupReply = yield Call(message, tuple(held))
         finally:
@@ -373,6 +375,32 @@ class ClientCore:
             Lookup(r.n_blocks, r.n_tokens, _unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
             for r in reply.results
         ]
+
+    def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
+        held: list[Span] = []
+        try:
+            message = wire.Unpin(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                prompts=self._prompts(prompts, None, held),
+            )
+            reply: wire.UnpinReply = yield Call(message, tuple(held))
+        finally:
+            _release(held)
+        return reply.released
+
+    def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
+        held: list[Span] = []
+        try:
+            message = wire.Delete(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                prompts=self._prompts(prompts, None, held),
+            )
+            reply: wire.DeleteReply = yield Call(message, tuple(held))
+        finally:
+            _release(held)
+        return reply.blocks
 
     def load_span(
         self,

@@ -35,6 +35,8 @@ from prefixd.wire.frames import PROTOCOL_VERSION
 from prefixd.wire.messages import (
     Attach,
     AttachReply,
+    Delete,
+    DeleteReply,
     Health,
     HealthReply,
     Hello,
@@ -64,6 +66,8 @@ from prefixd.wire.messages import (
     Stats,
     StatsReply,
     TokenFields,
+    Unpin,
+    UnpinReply,
     Verify,
     WireIdentity,
 )
@@ -146,6 +150,8 @@ class Operations:
             "load_state": self.load_state,
             "hot": self.hot,
             "verify": self.verify,
+            "unpin": self.unpin,
+            "delete": self.delete,
         }
         # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
         self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
@@ -228,7 +234,9 @@ class Operations:
     ) -> tuple[LookupReply, Callable[[], None]] | None:
         """The lookup's reply if memory alone answers every prompt (see Store.cached_prefix),
         computed at once on the event loop, and the counting to do once it is sent; None sends
-        the request the usual way."""
+        the request the usual way (and a lookup that pins always goes that way)."""
+        if request.message.pin:
+            return None
         identity, queries = self._lookup_queries(conn, request.message)
         if sum(len(tokens) for tokens, _ in queries) > LOOP_TOKEN_BYTES:
             return None  # comparing that many token ids is work for a worker, not for the loop
@@ -246,7 +254,7 @@ class Operations:
         return reply, partial(self._count, identity, observed)
 
     def _lookup_queries(
-        self, conn: Connection, msg: Lookup | LookupState
+        self, conn: Connection, msg: Lookup | LookupState | Unpin | Delete
     ) -> tuple[Identity, list[tuple[bytes | memoryview, bytes | None]]]:
         identity = self._identity(conn, msg.identity)
         total = sum(
@@ -285,6 +293,8 @@ class Operations:
     async def lookup(self, conn: Connection, request: Request[Lookup]) -> LookupReply:
         rid = request.id
         identity, queries = self._lookup_queries(conn, request.message)
+        if request.message.pin:
+            return await self._pinned_lookup(conn, rid, identity, queries)
 
         # Prompts whose whole prefix was verified recently are answered here, without a thread
         # hop (the store reads no record for them); the rest go to the pool.
@@ -306,6 +316,78 @@ class Operations:
         results, observed = self._lookup_results(identity, queries, matches)
         self._count(identity, observed)
         return LookupReply(id=rid, results=results)
+
+    async def _pinned_lookup(
+        self,
+        conn: Connection,
+        rid: int,
+        identity: Identity,
+        queries: list[tuple[bytes | memoryview, bytes | None]],
+    ) -> LookupReply:
+        """A lookup whose hits stay pinned (kept from eviction) for this connection until it
+        unpins them or ends (prefixd.store.pins); hits too short to offer are not pinned."""
+
+        def run() -> list[PrefixMatch]:
+            matches = []
+            for tokens, hashes in queries:
+                match = self.store.pin(identity, tokens, hashes=hashes)
+                if match.n_tokens < self.min_reusable_tokens:
+                    self.store.unpin(match.hashes)
+                matches.append(match)
+            return matches
+
+        def offered(matches: list[PrefixMatch]) -> list[bytes]:
+            return [h for m in matches if m.n_tokens >= self.min_reusable_tokens for h in m.hashes]
+
+        def release_if_done(done: asyncio.Future[list[PrefixMatch]]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self.store.unpin(offered(done.result()))
+
+        pinning = asyncio.get_running_loop().run_in_executor(self.pool, run)
+        try:
+            matches = await asyncio.shield(pinning)
+        except asyncio.CancelledError:  # the connection ended: its pins must not outlive it
+            pinning.add_done_callback(release_if_done)
+            raise
+        except Exception as exc:
+            raise _protocol_error(exc) from None
+        conn.pins.update(offered(matches))
+        results, observed = self._lookup_results(identity, queries, matches)
+        self._count(identity, observed)
+        return LookupReply(id=rid, results=results)
+
+    async def unpin(self, conn: Connection, request: Request[Unpin]) -> UnpinReply:
+        """Release one of this connection's pins of each closed block of each prompt; blocks
+        it holds no pin of are left alone (another client's pins are never touched)."""
+        identity, queries = self._lookup_queries(conn, request.message)
+        chains = await self._run(
+            lambda: [self.store.chain_of(identity, tokens) for tokens, _ in queries]
+        )
+        released = []
+        for chain in chains:
+            for block in chain:
+                if conn.pins.get(block, 0) > 0:
+                    conn.pins[block] -= 1
+                    if not conn.pins[block]:
+                        del conn.pins[block]
+                    released.append(block)
+        self.store.unpin(released)
+        return UnpinReply(id=request.id, released=len(released))
+
+    async def delete(self, conn: Connection, request: Request[Delete]) -> DeleteReply:
+        """Remove the last closed block of each prompt and every block below it (an engine that
+        evicts by its own policy). Pinned or not: a pin only holds prefixd's eviction off."""
+        identity, queries = self._lookup_queries(conn, request.message)
+
+        def run() -> int:
+            lasts = []
+            for tokens, _ in queries:
+                chain = self.store.chain_of(identity, tokens)
+                if chain:
+                    lasts.append(chain[-1])
+            return self.store.delete(lasts) if lasts else 0
+
+        return DeleteReply(id=request.id, blocks=await self._run(run))
 
     def _longest_prefix(
         self, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None

@@ -8,7 +8,7 @@ repair; each file keeps its own state and reads the shared handles from here.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
@@ -18,6 +18,7 @@ from prefixd.schema.meta import StoreMeta
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables
+from prefixd.store.pins import Pins
 from prefixd.store.tallies import Tallies
 from prefixd.store.tenancy import TenantIndex
 
@@ -35,6 +36,7 @@ class StoreContext:
     pool: ThreadPoolExecutor | None  # verify/encode threads (config.verify_threads)
     tenants: TenantIndex  # digest -> tenant, over the identities table
     tallies: Tallies  # this process's counts
+    pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
 
     @property
     def path(self) -> Path:

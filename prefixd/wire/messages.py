@@ -222,7 +222,15 @@ class Put(Prompted, tag="put", kw_only=True):
 
 
 class Lookup(Prompts, tag="lookup", kw_only=True):
-    pass
+    pin: bool | None = None  # default false: pin each hit's blocks for this connection
+
+
+class Unpin(Prompts, tag="unpin", kw_only=True):
+    """Release one of this connection's pins of each closed block of each prompt."""
+
+
+class Delete(Prompts, tag="delete", kw_only=True):
+    """Remove the last closed block of each prompt, and every block below it."""
 
 
 class Load(Prompted, tag="load", kw_only=True):
@@ -303,6 +311,8 @@ AnyRequest: TypeAlias = (
     | LoadState
     | Hot
     | Verify
+    | Unpin
+    | Delete
 )
 REQUESTS: dict[str, type[RequestMessage]] = {}  # by op
 for _kind in (
@@ -319,6 +329,8 @@ for _kind in (
     LoadState,
     Hot,
     Verify,
+    Unpin,
+    Delete,
 ):
     assert isinstance(_kind.__struct_config__.tag, str)
     REQUESTS[_kind.__struct_config__.tag] = _kind
@@ -452,6 +464,14 @@ class HotEntry(Struct, kw_only=True):
     score: float
 
 
+class UnpinReply(Reply, kw_only=True):
+    released: int  # pins released (blocks this connection had pinned)
+
+
+class DeleteReply(Reply, kw_only=True):
+    blocks: int  # blocks removed
+
+
 class HotReply(Reply, kw_only=True):
     prefixes: list[HotEntry]
 
@@ -511,6 +531,8 @@ REPLIES: tuple[type[Reply], ...] = (
     VerifyReply,
     StatsReply,
     HealthReply,
+    UnpinReply,
+    DeleteReply,
 )
 REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
     Hello: HelloReply,
@@ -526,6 +548,8 @@ REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
     LoadState: LoadStateReply,
     Hot: HotReply,
     Verify: VerifyReply,
+    Unpin: UnpinReply,
+    Delete: DeleteReply,
 }
 
 
@@ -548,6 +572,8 @@ __all__ = [
     "AnyRequest",
     "Attach",
     "AttachReply",
+    "Delete",
+    "DeleteReply",
     "ErrorInfo",
     "ErrorReply",
     "Health",
@@ -582,6 +608,8 @@ __all__ = [
     "Stats",
     "StatsReply",
     "TokenFields",
+    "Unpin",
+    "UnpinReply",
     "Verify",
     "VerifyReply",
     "WireIdentity",

@@ -44,6 +44,8 @@ from prefixd.wire.messages import (
     REQUESTS,
     Attach,
     AttachReply,
+    Delete,
+    DeleteReply,
     ErrorReply,
     Health,
     HealthReply,
@@ -74,6 +76,8 @@ from prefixd.wire.messages import (
     StatePart,
     Stats,
     StatsReply,
+    Unpin,
+    UnpinReply,
     Verify,
     VerifyReply,
     WireIdentity,
@@ -158,6 +162,9 @@ REQUEST_EXAMPLES: list[RequestMessage] = [
     Verify(id=20),
     Verify(id=21, fix=True, payloads=False),
     Lookup(id=(1 << 63) - 1, identity=WIRE, prompts=[]),
+    Lookup(id=22, identity=WIRE, prompts=[Prompt(tokens=TOKENS)], pin=True),
+    Unpin(id=23, identity=WIRE, prompts=[Prompt(tokens=TOKENS)]),
+    Delete(id=24, identity=WIRE, prompts=[Prompt(tokens_span=(2, 0, 3), n_tokens=3)]),
 ]
 
 
@@ -176,6 +183,8 @@ def test_every_operation_has_a_request_struct() -> None:
         "load_state",
         "hot",
         "verify",
+        "unpin",
+        "delete",
     }
     assert {op_of(m) for m in REQUEST_EXAMPLES} == set(REQUESTS)
 
@@ -938,6 +947,8 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
         HealthReply(id=12, status="ok", uptime_s=1.5, connections=2),
         {"id": 12, "ok": True, "status": "ok", "uptime_s": 1.5, "connections": 2},
     ),
+    (UnpinReply(id=13, released=2), {"id": 13, "ok": True, "released": 2}),
+    (DeleteReply(id=14, blocks=3), {"id": 14, "ok": True, "blocks": 3}),
     (
         error_reply(None, ErrorCode.BAD_FRAME, "body is not a map"),
         {"id": None, "ok": False, "error": {"code": "bad_frame", "message": "body is not a map"}},
