@@ -19,6 +19,7 @@ from prefixd.client.core import Call, ClientCore, Reserve, Shell, Steps, Synchro
 from prefixd.client.leases import Lease
 from prefixd.client.results import (
     HotPrefix,
+    ListedBlock,
     Loaded,
     Lookup,
     StateLoaded,
@@ -139,6 +140,13 @@ class Client(Shell):
         """Remove the last closed block of each prompt and every block below it; how many
         blocks went."""
         return self._run(self._core.delete(identity, prompts))
+
+    def list_blocks(
+        self, *, tenant: str, after: bytes | None = None, limit: int = 1024
+    ) -> tuple[list[ListedBlock], bytes | None]:
+        """A page of the tenant's stored blocks after the cursor `after`, and the next page's
+        cursor (None: the listing is complete)."""
+        return self._run(self._core.list_blocks(tenant, after, limit))
 
     def load(
         self,

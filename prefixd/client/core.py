@@ -29,6 +29,7 @@ import numpy as np
 from prefixd.client.leases import Lease, RegionAllocator, RegionUsage, Span
 from prefixd.client.results import (
     HotPrefix,
+    ListedBlock,
     Loaded,
     Lookup,
     StateLoaded,
@@ -401,6 +402,15 @@ class ClientCore:
         finally:
             _release(held)
         return reply.blocks
+
+    def list_blocks(
+        self, tenant: str, after: bytes | None, limit: int
+    ) -> Steps[tuple[list[ListedBlock], bytes | None]]:
+        message = wire.ListBlocks(id=self.next_id(), tenant=tenant, after=after, limit=limit)
+        reply: wire.ListReply = yield Call(message)
+        identities = [w.to_identity() for w in reply.identities]
+        blocks = [ListedBlock(identities[b.identity], b.tokens, b.size) for b in reply.blocks]
+        return blocks, reply.next
 
     def load_span(
         self,

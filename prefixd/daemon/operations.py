@@ -45,6 +45,9 @@ from prefixd.wire.messages import (
     HotEntry,
     HotReply,
     JointResult,
+    ListBlocks,
+    ListedEntry,
+    ListReply,
     Load,
     LoadReply,
     LoadState,
@@ -86,6 +89,7 @@ Handler = Callable[["Connection", "Request[Any]"], Awaitable[AnyReply]]
 _IDENTITY_CACHE = 1024
 MAX_REGIONS_PER_CONNECTION = 16
 DEFAULT_HOT_LIMIT = 64
+DEFAULT_LIST_LIMIT = 1024
 
 
 class Request(NamedTuple, Generic[M_co]):
@@ -152,6 +156,7 @@ class Operations:
             "verify": self.verify,
             "unpin": self.unpin,
             "delete": self.delete,
+            "list": self.list_blocks,
         }
         # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
         self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
@@ -388,6 +393,27 @@ class Operations:
             return self.store.delete(lasts) if lasts else 0
 
         return DeleteReply(id=request.id, blocks=await self._run(run))
+
+    async def list_blocks(self, conn: Connection, request: Request[ListBlocks]) -> ListReply:
+        """A page of a tenant's stored blocks (prefixd.store.listing): keys the peer may see,
+        since it may use the tenant."""
+        msg = request.message
+        _may_use(conn, msg.tenant)
+        limit = DEFAULT_LIST_LIMIT if msg.limit is None else msg.limit
+        found, after = await self._run(
+            partial(self.store.list_blocks, tenant=msg.tenant, after=msg.after, limit=limit)
+        )
+        index: dict[Identity, int] = {}
+        blocks = [
+            ListedEntry(
+                identity=index.setdefault(b.identity, len(index)),
+                tokens=b.tokens,
+                size=b.payload_size,
+            )
+            for b in found
+        ]
+        identities = [WireIdentity.of(identity) for identity in index]
+        return ListReply(id=request.id, identities=identities, blocks=blocks, next=after)
 
     def _longest_prefix(
         self, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None

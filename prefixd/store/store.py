@@ -10,6 +10,7 @@ call to the part of the store that owns it:
   quarantine.py  dropping blocks that fail verification
   removal.py     removing a block with its subtree (every removal), and `delete`
   eviction.py    capacity and which leaves go first; an eviction round
+  listing.py     a tenant's stored blocks, page by page (`list_blocks`)
   pins.py        blocks held from eviction between a lookup and its load (`pin`, `unpin`)
   purge.py       what a purge selects, and the purge
   repair.py      `repair`: quarantine what a check condemns, rebuild indexes and counters
@@ -38,13 +39,14 @@ from prefixd.errors import StoreClosedError
 from prefixd.schema.chain import chain_hashes
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
-from prefixd.store import check, eviction, purge, removal, repair, warmup
+from prefixd.store import check, eviction, listing, purge, removal, repair, warmup
 from prefixd.store.access import AccessTimes
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.context import StoreContext
 from prefixd.store.environment import OwnerLock, copy_compacted, open_environment
 from prefixd.store.joint import JointMatch
+from prefixd.store.listing import ListedBlock
 from prefixd.store.lmdb_errors import lmdb_errors
 from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.put import Writer, check_first_block
@@ -306,6 +308,15 @@ class Store:
         tenant of a share group gets the group's prefixes, named with its own identity."""
         self._check_usable()
         return warmup.hottest(self._ctx, self._tenancy, self._access, budget_bytes, tenant, limit)
+
+    @_translated("the listing", writing=False)
+    def list_blocks(
+        self, *, tenant: str, after: bytes | None = None, limit: int = 1024
+    ) -> tuple[list[ListedBlock], bytes | None]:
+        """A page of the tenant's stored blocks after the cursor `after`, and the next page's
+        cursor (None when none follows); see prefixd.store.listing."""
+        self._check_usable()
+        return listing.list_blocks(self._ctx, self._tenancy, tenant, after, limit)
 
     @_translated("the lookup", writing=False)
     def lookup_state(

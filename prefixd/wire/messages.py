@@ -292,6 +292,15 @@ class Hot(RequestMessage, tag="hot", kw_only=True):
     limit: Annotated[int, Meta(ge=1, le=MAX_HOT_PREFIXES)] | None = None  # default 64
 
 
+class ListBlocks(RequestMessage, tag="list", kw_only=True):
+    """A page of a tenant's stored blocks after the block hash `after` (see prefixd.store
+    .listing)."""
+
+    tenant: Text
+    after: Annotated[bytes, Meta(min_length=16, max_length=16)] | None = None
+    limit: Annotated[int, Meta(ge=1, le=MAX_HOT_PREFIXES)] | None = None  # default 1024
+
+
 class Verify(RequestMessage, tag="verify", kw_only=True):
     fix: bool | None = None  # default false
     payloads: bool | None = None  # default true
@@ -313,6 +322,7 @@ AnyRequest: TypeAlias = (
     | Verify
     | Unpin
     | Delete
+    | ListBlocks
 )
 REQUESTS: dict[str, type[RequestMessage]] = {}  # by op
 for _kind in (
@@ -331,6 +341,7 @@ for _kind in (
     Verify,
     Unpin,
     Delete,
+    ListBlocks,
 ):
     assert isinstance(_kind.__struct_config__.tag, str)
     REQUESTS[_kind.__struct_config__.tag] = _kind
@@ -472,6 +483,21 @@ class DeleteReply(Reply, kw_only=True):
     blocks: int  # blocks removed
 
 
+class ListedEntry(Struct, kw_only=True, array_like=True):
+    """One listed block: its identity's index in the reply's `identities`, its token ids or
+    engine key (packed u32 LE), its payload size."""
+
+    identity: int
+    tokens: bytes
+    size: int
+
+
+class ListReply(Reply, kw_only=True):
+    identities: list[WireIdentity]
+    blocks: list[ListedEntry]
+    next: bytes | None = None  # the cursor of the next page; absent: the listing is complete
+
+
 class HotReply(Reply, kw_only=True):
     prefixes: list[HotEntry]
 
@@ -533,6 +559,7 @@ REPLIES: tuple[type[Reply], ...] = (
     HealthReply,
     UnpinReply,
     DeleteReply,
+    ListReply,
 )
 REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
     Hello: HelloReply,
@@ -550,6 +577,7 @@ REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
     Verify: VerifyReply,
     Unpin: UnpinReply,
     Delete: DeleteReply,
+    ListBlocks: ListReply,
 }
 
 
@@ -584,6 +612,9 @@ __all__ = [
     "HotEntry",
     "HotReply",
     "JointResult",
+    "ListBlocks",
+    "ListReply",
+    "ListedEntry",
     "Load",
     "LoadReply",
     "LoadState",
