@@ -45,7 +45,10 @@ def env() -> dict[str, str]:
 
 
 def plugin_json(socket_path: Path, **params: Any) -> str:
-    return json.dumps(l2_adapter_config(str(socket_path), weights="sha256:node-test", **params))
+    """The `--l2-adapter` JSON; a fixed weights identity unless `weights_from` is given."""
+    if "weights_from" not in params:
+        params.setdefault("weights", "sha256:node-test")
+    return json.dumps(l2_adapter_config(str(socket_path), **params))
 
 
 @dataclass
