@@ -93,6 +93,9 @@ class _Link:
                 self._drop(client)
             return None
 
+    def connect(self) -> None:
+        self._connected()
+
     def _connected(self) -> Client | None:
         with self._lock:
             if self._client is not None:
@@ -157,10 +160,16 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._fetch_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._workers = [
             threading.Thread(
-                target=self._work, args=(self._store_jobs,), name="prefixd-l2-store", daemon=True
+                target=self._work,
+                args=(self._store_jobs, self._storer),
+                name="prefixd-l2-store",
+                daemon=True,
             ),
             threading.Thread(
-                target=self._work, args=(self._fetch_jobs,), name="prefixd-l2-fetch", daemon=True
+                target=self._work,
+                args=(self._fetch_jobs, self._fetcher),
+                name="prefixd-l2-fetch",
+                daemon=True,
             ),
         ]
         for worker in self._workers:
@@ -289,7 +298,8 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         jobs.put(_Task(kind, task_id, list(keys), None if objects is None else list(objects)))
         return task_id
 
-    def _work(self, jobs: queue.SimpleQueue[_Task | None]) -> None:
+    def _work(self, jobs: queue.SimpleQueue[_Task | None], link: _Link) -> None:
+        link.connect()  # at once, off LMCache's threads: the region is touched before any task
         while (task := jobs.get()) is not None:
             try:
                 self._run(task)
