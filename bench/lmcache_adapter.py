@@ -189,6 +189,10 @@ def main() -> int:
     try:
         weights = "sha256:bench"
 
+        def start_again() -> None:
+            daemon.notify_path.unlink(missing_ok=True)  # bound by the previous start
+            daemon.start()
+
         def prefixd_damage(kept: list[Any]) -> None:
             daemon.stop()
             with Store.open(daemon.data_dir) as opened:
@@ -196,11 +200,11 @@ def main() -> int:
                 block = next(b for b in blocks if b.tokens[:32] == kept[0].chunk_hash)
                 [damaged] = chain_hashes(block.identity, block.tokens)
             corrupt_stored_chunk(daemon.data_dir, damaged)
-            daemon.start()
+            start_again()
 
         def prefixd_restart() -> None:
             daemon.stop()
-            daemon.start()
+            start_again()
 
         ours = measure(
             "prefixd",

@@ -108,7 +108,7 @@ def test_each_key_field_is_part_of_the_name(daemon: Daemon) -> None:
 
 
 def test_it_refuses_to_start_without_a_weights_identity(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="weights"):
+    with pytest.raises(ConfigError, match="needs `weights`"):
         PrefixdL2Adapter({"socket": str(tmp_path / "s")})
     with pytest.raises(ConfigError, match="unknown"):
         PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "weight": "w"})
