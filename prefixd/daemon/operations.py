@@ -20,6 +20,7 @@ from msgspec import Struct
 
 from prefixd import __version__
 from prefixd.clock import Clock, SystemClock
+from prefixd.daemon import engine_ops
 from prefixd.daemon.metrics import Metrics
 from prefixd.errors import ConfigError, IdentityError, ProtocolError
 from prefixd.schema.identity import Identity
@@ -36,7 +37,6 @@ from prefixd.wire.messages import (
     Attach,
     AttachReply,
     Delete,
-    DeleteReply,
     Health,
     HealthReply,
     Hello,
@@ -45,9 +45,6 @@ from prefixd.wire.messages import (
     HotEntry,
     HotReply,
     JointResult,
-    ListBlocks,
-    ListedEntry,
-    ListReply,
     Load,
     LoadReply,
     LoadState,
@@ -70,7 +67,6 @@ from prefixd.wire.messages import (
     StatsReply,
     TokenFields,
     Unpin,
-    UnpinReply,
     Verify,
     WireIdentity,
 )
@@ -89,7 +85,6 @@ Handler = Callable[["Connection", "Request[Any]"], Awaitable[AnyReply]]
 _IDENTITY_CACHE = 1024
 MAX_REGIONS_PER_CONNECTION = 16
 DEFAULT_HOT_LIMIT = 64
-DEFAULT_LIST_LIMIT = 1024
 
 
 class Request(NamedTuple, Generic[M_co]):
@@ -154,9 +149,9 @@ class Operations:
             "load_state": self.load_state,
             "hot": self.hot,
             "verify": self.verify,
-            "unpin": self.unpin,
-            "delete": self.delete,
-            "list": self.list_blocks,
+            "unpin": partial(engine_ops.unpin, self),
+            "delete": partial(engine_ops.delete, self),
+            "list": partial(engine_ops.list_blocks, self),
         }
         # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
         self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
@@ -299,7 +294,7 @@ class Operations:
         rid = request.id
         identity, queries = self._lookup_queries(conn, request.message)
         if request.message.pin:
-            return await self._pinned_lookup(conn, rid, identity, queries)
+            return await engine_ops.pinned_lookup(self, conn, rid, identity, queries)
 
         # Prompts whose whole prefix was verified recently are answered here, without a thread
         # hop (the store reads no record for them); the rest go to the pool.
@@ -321,99 +316,6 @@ class Operations:
         results, observed = self._lookup_results(identity, queries, matches)
         self._count(identity, observed)
         return LookupReply(id=rid, results=results)
-
-    async def _pinned_lookup(
-        self,
-        conn: Connection,
-        rid: int,
-        identity: Identity,
-        queries: list[tuple[bytes | memoryview, bytes | None]],
-    ) -> LookupReply:
-        """A lookup whose hits stay pinned (kept from eviction) for this connection until it
-        unpins them or ends (prefixd.store.pins); hits too short to offer are not pinned."""
-
-        def run() -> list[PrefixMatch]:
-            matches = []
-            for tokens, hashes in queries:
-                match = self.store.pin(identity, tokens, hashes=hashes)
-                if match.n_tokens < self.min_reusable_tokens:
-                    self.store.unpin(match.hashes)
-                matches.append(match)
-            return matches
-
-        def offered(matches: list[PrefixMatch]) -> list[bytes]:
-            return [h for m in matches if m.n_tokens >= self.min_reusable_tokens for h in m.hashes]
-
-        def release_if_done(done: asyncio.Future[list[PrefixMatch]]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                self.store.unpin(offered(done.result()))
-
-        pinning = asyncio.get_running_loop().run_in_executor(self.pool, run)
-        try:
-            matches = await asyncio.shield(pinning)
-        except asyncio.CancelledError:  # the connection ended: its pins must not outlive it
-            pinning.add_done_callback(release_if_done)
-            raise
-        except Exception as exc:
-            raise _protocol_error(exc) from None
-        conn.pins.update(offered(matches))
-        results, observed = self._lookup_results(identity, queries, matches)
-        self._count(identity, observed)
-        return LookupReply(id=rid, results=results)
-
-    async def unpin(self, conn: Connection, request: Request[Unpin]) -> UnpinReply:
-        """Release one of this connection's pins of each closed block of each prompt; blocks
-        it holds no pin of are left alone (another client's pins are never touched)."""
-        identity, queries = self._lookup_queries(conn, request.message)
-        chains = await self._run(
-            lambda: [self.store.chain_of(identity, tokens) for tokens, _ in queries]
-        )
-        released = []
-        for chain in chains:
-            for block in chain:
-                if conn.pins.get(block, 0) > 0:
-                    conn.pins[block] -= 1
-                    if not conn.pins[block]:
-                        del conn.pins[block]
-                    released.append(block)
-        self.store.unpin(released)
-        return UnpinReply(id=request.id, released=len(released))
-
-    async def delete(self, conn: Connection, request: Request[Delete]) -> DeleteReply:
-        """Remove the last closed block of each prompt and every block below it (an engine that
-        evicts by its own policy). Pinned or not: a pin only holds prefixd's eviction off."""
-        identity, queries = self._lookup_queries(conn, request.message)
-
-        def run() -> int:
-            lasts = []
-            for tokens, _ in queries:
-                chain = self.store.chain_of(identity, tokens)
-                if chain:
-                    lasts.append(chain[-1])
-            return self.store.delete(lasts) if lasts else 0
-
-        return DeleteReply(id=request.id, blocks=await self._run(run))
-
-    async def list_blocks(self, conn: Connection, request: Request[ListBlocks]) -> ListReply:
-        """A page of a tenant's stored blocks (prefixd.store.listing): keys the peer may see,
-        since it may use the tenant."""
-        msg = request.message
-        _may_use(conn, msg.tenant)
-        limit = DEFAULT_LIST_LIMIT if msg.limit is None else msg.limit
-        found, after = await self._run(
-            partial(self.store.list_blocks, tenant=msg.tenant, after=msg.after, limit=limit)
-        )
-        index: dict[Identity, int] = {}
-        blocks = [
-            ListedEntry(
-                identity=index.setdefault(b.identity, len(index)),
-                tokens=b.tokens,
-                size=b.payload_size,
-            )
-            for b in found
-        ]
-        identities = [WireIdentity.of(identity) for identity in index]
-        return ListReply(id=request.id, identities=identities, blocks=blocks, next=after)
 
     def _longest_prefix(
         self, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
