@@ -14,6 +14,7 @@ from prefixd.client.blocking import Client
 from prefixd.client.leases import Lease, RegionUsage
 from prefixd.client.results import (
     HotPrefix,
+    ListedBlock,
     Loaded,
     Lookup,
     Routed,
@@ -30,6 +31,7 @@ __all__ = [
     "DaemonUnavailableError",
     "HotPrefix",
     "Lease",
+    "ListedBlock",
     "Loaded",
     "Lookup",
     "RegionUsage",

@@ -19,6 +19,7 @@ from prefixd.client.core import Call, ClientCore, Reserve, Shell, Steps, Synchro
 from prefixd.client.leases import Lease
 from prefixd.client.results import (
     HotPrefix,
+    ListedBlock,
     Loaded,
     Lookup,
     Routed,
@@ -126,9 +127,27 @@ class Client(Shell):
         prompts: Sequence[TokenIds],
         *,
         hashes: Sequence[bytes | None] | None = None,
+        pin: bool = False,
     ) -> list[Lookup]:
         """The stored prefix of each prompt (one round trip for the whole batch)."""
-        return self._run(self._core.lookup(identity, prompts, hashes))
+        return self._run(self._core.lookup(identity, prompts, hashes, pin))
+
+    def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
+        """Release one of this connection's pins of each closed block of `prompts` (pinned by
+        `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
+        return self._run(self._core.unpin(identity, prompts))
+
+    def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
+        """Remove the last closed block of each prompt and every block below it; how many
+        blocks went."""
+        return self._run(self._core.delete(identity, prompts))
+
+    def list_blocks(
+        self, *, tenant: str, after: bytes | None = None, limit: int = 1024
+    ) -> tuple[list[ListedBlock], bytes | None]:
+        """A page of the tenant's stored blocks after the cursor `after`, and the next page's
+        cursor (None: the listing is complete)."""
+        return self._run(self._core.list_blocks(tenant, after, limit))
 
     def route(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None

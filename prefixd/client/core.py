@@ -29,6 +29,7 @@ import numpy as np
 from prefixd.client.leases import Lease, RegionAllocator, RegionUsage, Span
 from prefixd.client.results import (
     HotPrefix,
+    ListedBlock,
     Loaded,
     Lookup,
     Routed,
@@ -359,6 +360,7 @@ class ClientCore:
         identity: Identity,
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
+        pin: bool = False,
     ) -> Steps[list[Lookup]]:
         held: list[Span] = []  # the token spans (the engine's hot path: kept lean)
         try:
@@ -366,6 +368,7 @@ class ClientCore:
                 id=self.next_id(),
                 identity=self._identity(identity),
                 prompts=self._prompts(prompts, hashes, held),
+                pin=pin or None,
             )
             reply: wire.LookupReply = yield Call(message, tuple(held))
         finally:
@@ -389,6 +392,40 @@ class ClientCore:
             _release(held)
         fields = msgspec.structs.asdict(reply)
         return Routed(**{name: fields[name] for name in Routed.__slots__})
+    def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
+        held: list[Span] = []
+        try:
+            message = wire.Unpin(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                prompts=self._prompts(prompts, None, held),
+            )
+            reply: wire.UnpinReply = yield Call(message, tuple(held))
+        finally:
+            _release(held)
+        return reply.released
+
+    def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
+        held: list[Span] = []
+        try:
+            message = wire.Delete(
+                id=self.next_id(),
+                identity=self._identity(identity),
+                prompts=self._prompts(prompts, None, held),
+            )
+            reply: wire.DeleteReply = yield Call(message, tuple(held))
+        finally:
+            _release(held)
+        return reply.blocks
+
+    def list_blocks(
+        self, tenant: str, after: bytes | None, limit: int
+    ) -> Steps[tuple[list[ListedBlock], bytes | None]]:
+        message = wire.ListBlocks(id=self.next_id(), tenant=tenant, after=after, limit=limit)
+        reply: wire.ListReply = yield Call(message)
+        identities = [w.to_identity() for w in reply.identities]
+        blocks = [ListedBlock(identities[b.identity], b.tokens, b.size) for b in reply.blocks]
+        return blocks, reply.next
 
     def load_span(
         self,

@@ -154,6 +154,16 @@ class HotPrefix:
     score: float
 
 
+@dataclass(frozen=True, slots=True)
+class ListedBlock:
+    """A stored block of a listing (see Client.list_blocks): its identity, its packed token
+    ids or engine key, and its payload's size."""
+
+    identity: Identity
+    tokens: bytes
+    size: int
+
+
 def _by_group(parts: tuple[StatePart, ...]) -> dict[str, list[StatePart]]:
     groups: dict[str, list[StatePart]] = {}
     for part in parts:

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
@@ -55,6 +56,7 @@ class Connection:
         self.greeted = False
         self.max_inflight = server.config.max_inflight
         self.regions: dict[int, MappedRegion] = {}
+        self.pins: Counter[bytes] = Counter()  # blocks this client pinned (released at its end)
         self.task: asyncio.Task[None] | None = None
         self._next_region = 1
         self._fds: list[int] = []
@@ -373,6 +375,9 @@ class Connection:
         for region in self.regions.values():
             region.close()  # a copy still running on a pool thread keeps the mapping alive
         self.regions.clear()
+        if self.pins:
+            self.operations.store.unpin(self.pins.elements())
+            self.pins.clear()
         with contextlib.suppress(OSError):
             self.sock.close()
         self.server.connections.discard(self)

@@ -20,7 +20,7 @@ from msgspec import Struct
 
 from prefixd import __version__
 from prefixd.clock import Clock, SystemClock
-from prefixd.daemon import routing
+from prefixd.daemon import engine_ops, routing
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.routing import LoadQueue
 from prefixd.errors import ConfigError, IdentityError, ProtocolError
@@ -37,6 +37,7 @@ from prefixd.wire.frames import PROTOCOL_VERSION
 from prefixd.wire.messages import (
     Attach,
     AttachReply,
+    Delete,
     Health,
     HealthReply,
     Hello,
@@ -68,6 +69,7 @@ from prefixd.wire.messages import (
     Stats,
     StatsReply,
     TokenFields,
+    Unpin,
     Verify,
     WireIdentity,
 )
@@ -151,6 +153,9 @@ class Operations:
             "hot": self.hot,
             "verify": self.verify,
             "route": self.route,
+            "unpin": partial(engine_ops.unpin, self),
+            "delete": partial(engine_ops.delete, self),
+            "list": partial(engine_ops.list_blocks, self),
         }
         self.loads = LoadQueue()  # what `route` counts as this node's queue
         # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
@@ -234,7 +239,9 @@ class Operations:
     ) -> tuple[LookupReply, Callable[[], None]] | None:
         """The lookup's reply if memory alone answers every prompt (see Store.cached_prefix),
         computed at once on the event loop, and the counting to do once it is sent; None sends
-        the request the usual way."""
+        the request the usual way (and a lookup that pins always goes that way)."""
+        if request.message.pin:
+            return None
         identity, queries = self._lookup_queries(conn, request.message)
         if sum(len(tokens) for tokens, _ in queries) > LOOP_TOKEN_BYTES:
             return None  # comparing that many token ids is work for a worker, not for the loop
@@ -252,7 +259,7 @@ class Operations:
         return reply, partial(self._count, identity, observed)
 
     def _lookup_queries(
-        self, conn: Connection, msg: Lookup | LookupState
+        self, conn: Connection, msg: Lookup | LookupState | Unpin | Delete
     ) -> tuple[Identity, list[tuple[bytes | memoryview, bytes | None]]]:
         identity = self._identity(conn, msg.identity)
         total = sum(
@@ -291,6 +298,8 @@ class Operations:
     async def lookup(self, conn: Connection, request: Request[Lookup]) -> LookupReply:
         rid = request.id
         identity, queries = self._lookup_queries(conn, request.message)
+        if request.message.pin:
+            return await engine_ops.pinned_lookup(self, conn, rid, identity, queries)
 
         # Prompts whose whole prefix was verified recently are answered here, without a thread
         # hop (the store reads no record for them); the rest go to the pool.

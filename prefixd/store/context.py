@@ -19,6 +19,7 @@ from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables
 from prefixd.store.journal import BlockObserver, Journals
+from prefixd.store.pins import Pins
 from prefixd.store.tallies import Tallies
 from prefixd.store.tenancy import TenantIndex
 
@@ -36,6 +37,7 @@ class StoreContext:
     pool: ThreadPoolExecutor | None  # verify/encode threads (config.verify_threads)
     tenants: TenantIndex  # digest -> tenant, over the identities table
     tallies: Tallies  # this process's counts
+    pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
     observer: BlockObserver | None = None  # told what each write transaction changed
     journals: Journals = field(default_factory=Journals)  # the write transaction's, per thread
 

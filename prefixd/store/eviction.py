@@ -11,7 +11,9 @@ prefill it saves, over the bytes it holds and the time it has held them. prefixd
   M       =  the block's stored bytes (with its state-group parts, for a hybrid identity).
 
 Only leaves are candidates (a block is never evicted while a descendant is stored), so a prefix
-shrinks from its end and everything still stored stays reachable. `lru` orders leaves by last read
+shrinks from its end and everything still stored stays reachable. Pinned blocks
+(prefixd.store.pins) are never candidates; a round that removed a block pinned while it ran is
+rolled back and run again. `lru` orders leaves by last read
 alone; it exists to compare against (bench/eviction_bench.py).
 
 `evict` runs a round: to the low watermark of the capacity, or of a tenant's quota when a put
@@ -38,18 +40,20 @@ from prefixd.store import counters
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables
 from prefixd.store.joint import part_bytes
-from prefixd.store.journal import writing
+from prefixd.store.journal import Journaled
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
     from prefixd.store.context import StoreContext
+    from prefixd.store.pins import Pins
     from prefixd.store.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 
 TAU_S = 300.0
+PIN_RETRIES = 4  # rounds rolled back because a victim got pinned, before one gives up
 IDLE_TAU_S = 3600.0
 # Without a capacity setting, payloads may fill this share of the map: records, indexes and
 # LMDB's free pages need the rest.
@@ -116,9 +120,12 @@ class VictimQueue:
         policy: str,
         now_ns: int,
         identities: set[bytes] | None = None,
+        pins: Pins | None = None,
     ) -> None:
-        """`identities`, when given, limits the candidates to blocks of those identities."""
+        """`identities`, when given, limits the candidates to blocks of those identities;
+        blocks `pins` holds are never candidates."""
         self._identities = identities
+        self._pins = pins
         self._txn = txn
         self._t = tables
         self._policy = policy
@@ -138,6 +145,8 @@ class VictimQueue:
         heapq.heapify(self._heap)
 
     def _candidate(self, block: bytes, raw: bytes | memoryview) -> Candidate | None:
+        if self._pins is not None and self._pins.held(block):
+            return None  # between a lookup that pinned it and the load that reads it
         try:
             record = BlockRecord.decode(raw)
         except CorruptRecordError:
@@ -189,27 +198,64 @@ def evict(
     started = time.perf_counter()
     if target_bytes is None:
         target_bytes = int(capacity_bytes(config) * config.low_watermark)
-    evicted = freed = 0
-    t = ctx.tables
     tenancy.reclaim_expired()  # what no lookup can reach goes first
     access.sync()  # the reads still counted in memory must be weighed too
-    with writing(ctx) as txn:
+    evicted = freed = 0
+    for _ in range(PIN_RETRIES):
+        round_ = _round(ctx, tenancy, target_bytes, tenant)
+        if round_ is not None:
+            evicted, freed = round_
+            break
+    else:
+        log.info("eviction rolled back %d times: its victims kept being pinned", PIN_RETRIES)
+    if evicted:
+        log.info("evicted %d block(s), %d bytes", evicted, freed)
+    return EvictionReport(evicted, freed, round(time.perf_counter() - started, 6))
+
+
+def _round(
+    ctx: StoreContext, tenancy: Tenancy, target_bytes: int, tenant: str | None
+) -> tuple[int, int] | None:
+    """One eviction round in one write transaction: (blocks, bytes) evicted, or None when a
+    victim was pinned while the round ran (the round is rolled back). The check and the commit
+    hold the pins' lock, so a pin taken after them finds the block gone when it reads again.
+    (A rolled-back round's removals stay counted in this process's tallies: rare, and only a
+    count.)"""
+    t = ctx.tables
+    evicted = freed = 0
+    victims: list[bytes] = []
+    journaled = Journaled(ctx)  # what the round removed is told only if it commits
+    committed = False
+    txn = ctx.env.begin(write=True)
+    try:
         owned = None if tenant is None else ctx.tenants.digests_of(txn, tenant)
         if owned is None:
             stored = counters.read(txn, t.counters, counters.STORED_BYTES)
         else:
             stored = tenancy.stored_bytes(txn, owned)
         if stored > target_bytes:
-            queue = VictimQueue(txn, t, config.eviction, ctx.clock.time_ns(), owned)
+            queue = VictimQueue(
+                txn, t, ctx.config.eviction, ctx.clock.time_ns(), owned, pins=ctx.pins
+            )
             for victim in queue:
                 if stored <= target_bytes:
                     break
                 remove_subtree(ctx, txn, victim.block, reason="evicted")
+                victims.append(victim.block)
                 stored -= victim.stored_size
                 freed += victim.stored_size
                 evicted += 1
                 queue.parent_freed(victim.parent_key)
             counters.add(txn, t.counters, counters.EVICTED, evicted)
-    if evicted:
-        log.info("evicted %d block(s), %d bytes", evicted, freed)
-    return EvictionReport(evicted, freed, round(time.perf_counter() - started, 6))
+        with ctx.pins.lock:
+            if ctx.pins.any_held(victims):
+                txn.abort()
+                return None
+            txn.commit()
+            committed = True
+    except BaseException:
+        txn.abort()
+        raise
+    finally:
+        journaled.done(committed=committed)
+    return evicted, freed

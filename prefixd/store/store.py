@@ -10,6 +10,8 @@ call to the part of the store that owns it:
   quarantine.py  dropping blocks that fail verification
   removal.py     removing a block with its subtree (every removal), and `delete`
   eviction.py    capacity and which leaves go first; an eviction round
+  listing.py     a tenant's stored blocks, page by page (`list_blocks`)
+  pins.py        blocks held from eviction between a lookup and its load (`pin`, `unpin`)
   purge.py       what a purge selects, and the purge
   repair.py      `repair`: quarantine what a check condemns, rebuild indexes and counters
   check.py       the consistency check; tallies.py this process's counts and `stats`
@@ -24,6 +26,7 @@ Invariants every write transaction keeps:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -33,9 +36,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from prefixd.clock import Clock, SystemClock
 from prefixd.errors import StoreClosedError
+from prefixd.schema.chain import chain_hashes
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
-from prefixd.store import check, eviction, journal, purge, removal, repair, warmup
+from prefixd.store import check, eviction, journal, listing, purge, removal, repair, warmup
 from prefixd.store.access import AccessTimes
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
@@ -43,6 +47,7 @@ from prefixd.store.context import StoreContext
 from prefixd.store.environment import OwnerLock, copy_compacted, open_environment
 from prefixd.store.joint import JointMatch
 from prefixd.store.journal import BlockChange, BlockObserver
+from prefixd.store.listing import ListedBlock
 from prefixd.store.lmdb_errors import lmdb_errors
 from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.put import Writer, check_first_block
@@ -223,6 +228,38 @@ class Store:
         return self._reader.longest_prefix(identity, token_ids, hashes)
 
     @_translated("the lookup", writing=False)
+    def pin(
+        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+    ) -> PrefixMatch:
+        """`longest_prefix`, with the blocks of the answer pinned: eviction leaves them alone
+        until `unpin` (prefixd.store.pins). The prefix is read again after pinning, so a block
+        an eviction round took meanwhile is not in the answer (and not left pinned)."""
+        self._check_usable()
+        found = self._reader.longest_prefix(identity, token_ids, hashes)
+        pins = self._ctx.pins
+        pins.hold(found.hashes)
+        again = self._reader.longest_prefix(identity, token_ids, hashes)
+        kept = 0
+        for mine, now in zip(found.hashes, again.hashes):
+            if mine != now:
+                break
+            kept += 1
+        pins.release(found.hashes[kept:])
+        return dataclasses.replace(
+            found, hashes=found.hashes[:kept], payload_sizes=again.payload_sizes[:kept]
+        )
+
+    def unpin(self, hashes: Iterable[bytes]) -> None:
+        """Release one pin of each block (see `pin`)."""
+        self._ctx.pins.release(hashes)
+
+    def chain_of(self, identity: Identity, token_ids: TokenIds) -> list[bytes]:
+        """The hashes the closed blocks of `token_ids` are stored under (in a share group's
+        namespace when the tenant is in one): what `pin` pinned, what `delete` takes."""
+        stored_as, _ = self._tenancy.namespace(identity, None)
+        return chain_hashes(stored_as, token_ids)
+
+    @_translated("the lookup", writing=False)
     def cached_prefix(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch | None:
@@ -272,6 +309,15 @@ class Store:
         tenant of a share group gets the group's prefixes, named with its own identity."""
         self._check_usable()
         return warmup.hottest(self._ctx, self._tenancy, self._access, budget_bytes, tenant, limit)
+
+    @_translated("the listing", writing=False)
+    def list_blocks(
+        self, *, tenant: str, after: bytes | None = None, limit: int = 1024
+    ) -> tuple[list[ListedBlock], bytes | None]:
+        """A page of the tenant's stored blocks after the cursor `after`, and the next page's
+        cursor (None when none follows); see prefixd.store.listing."""
+        self._check_usable()
+        return listing.list_blocks(self._ctx, self._tenancy, tenant, after, limit)
 
     @_translated("the lookup", writing=False)
     def lookup_state(

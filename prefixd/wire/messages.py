@@ -222,7 +222,15 @@ class Put(Prompted, tag="put", kw_only=True):
 
 
 class Lookup(Prompts, tag="lookup", kw_only=True):
-    pass
+    pin: bool | None = None  # default false: pin each hit's blocks for this connection
+
+
+class Unpin(Prompts, tag="unpin", kw_only=True):
+    """Release one of this connection's pins of each closed block of each prompt."""
+
+
+class Delete(Prompts, tag="delete", kw_only=True):
+    """Remove the last closed block of each prompt, and every block below it."""
 
 
 class Load(Prompted, tag="load", kw_only=True):
@@ -290,6 +298,15 @@ class Hot(RequestMessage, tag="hot", kw_only=True):
     limit: Annotated[int, Meta(ge=1, le=MAX_HOT_PREFIXES)] | None = None  # default 64
 
 
+class ListBlocks(RequestMessage, tag="list", kw_only=True):
+    """A page of a tenant's stored blocks after the block hash `after` (see prefixd.store
+    .listing)."""
+
+    tenant: Text
+    after: Annotated[bytes, Meta(min_length=16, max_length=16)] | None = None
+    limit: Annotated[int, Meta(ge=1, le=MAX_HOT_PREFIXES)] | None = None  # default 1024
+
+
 class Verify(RequestMessage, tag="verify", kw_only=True):
     fix: bool | None = None  # default false
     payloads: bool | None = None  # default true
@@ -310,6 +327,9 @@ AnyRequest: TypeAlias = (
     | Hot
     | Verify
     | Route
+    | Unpin
+    | Delete
+    | ListBlocks
 )
 REQUESTS: dict[str, type[RequestMessage]] = {}  # by op
 for _kind in (
@@ -327,6 +347,9 @@ for _kind in (
     Hot,
     Verify,
     Route,
+    Unpin,
+    Delete,
+    ListBlocks,
 ):
     assert isinstance(_kind.__struct_config__.tag, str)
     REQUESTS[_kind.__struct_config__.tag] = _kind
@@ -460,6 +483,29 @@ class HotEntry(Struct, kw_only=True):
     score: float
 
 
+class UnpinReply(Reply, kw_only=True):
+    released: int  # pins released (blocks this connection had pinned)
+
+
+class DeleteReply(Reply, kw_only=True):
+    blocks: int  # blocks removed
+
+
+class ListedEntry(Struct, kw_only=True, array_like=True):
+    """One listed block: its identity's index in the reply's `identities`, its token ids or
+    engine key (packed u32 LE), its payload size."""
+
+    identity: int
+    tokens: bytes
+    size: int
+
+
+class ListReply(Reply, kw_only=True):
+    identities: list[WireIdentity]
+    blocks: list[ListedEntry]
+    next: bytes | None = None  # the cursor of the next page; absent: the listing is complete
+
+
 class HotReply(Reply, kw_only=True):
     prefixes: list[HotEntry]
 
@@ -534,6 +580,9 @@ REPLIES: tuple[type[Reply], ...] = (
     VerifyReply,
     StatsReply,
     HealthReply,
+    UnpinReply,
+    DeleteReply,
+    ListReply,
 )
 REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
     Hello: HelloReply,
@@ -550,6 +599,9 @@ REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
     Hot: HotReply,
     Verify: VerifyReply,
     Route: RouteReply,
+    Unpin: UnpinReply,
+    Delete: DeleteReply,
+    ListBlocks: ListReply,
 }
 
 
@@ -574,6 +626,8 @@ __all__ = [
     "RouteReply",
     "Attach",
     "AttachReply",
+    "Delete",
+    "DeleteReply",
     "ErrorInfo",
     "ErrorReply",
     "Health",
@@ -584,6 +638,9 @@ __all__ = [
     "HotEntry",
     "HotReply",
     "JointResult",
+    "ListBlocks",
+    "ListReply",
+    "ListedEntry",
     "Load",
     "LoadReply",
     "LoadState",
@@ -608,6 +665,8 @@ __all__ = [
     "Stats",
     "StatsReply",
     "TokenFields",
+    "Unpin",
+    "UnpinReply",
     "Verify",
     "VerifyReply",
     "WireIdentity",

@@ -202,3 +202,26 @@ def test_both_clients_agree_exactly(shared_daemon: Daemon) -> None:
             got.append(client.lookup_state(HYBRID, [prompt])[0].reusable_tokens)
             results[kind] = got
     assert results["blocking"] == results["async"]
+
+
+def test_pin_unpin_delete_and_list(
+    shared_daemon: Daemon, open_client: Callable[..., Any], seed: int
+) -> None:
+    tenant = f"listing-{seed}"
+    ident = make_identity(tenant=tenant)
+    prompt, pays = tokens(seed, 3 * BT), blocks(seed, 3)
+    with open_client(shared_daemon.socket, region_bytes=1 << 16) as client:
+        client.put(ident, prompt, pays)
+        [hit] = client.lookup(ident, [prompt], pin=True)
+        assert hit.n_blocks == 3
+        assert client.unpin(ident, [prompt]) == 3  # one pin of each of its blocks
+        assert client.unpin(ident, [prompt]) == 0
+        listed, after = client.list_blocks(tenant=tenant, limit=2)
+        rest, end = client.list_blocks(tenant=tenant, after=after)
+        assert end is None and len(listed) == 2 and len(rest) == 1
+        assert sorted(b.size for b in listed + rest) == sorted(len(p) for p in pays)
+        assert all(b.identity == ident for b in listed + rest)
+        assert client.delete(ident, [prompt[: 2 * BT]]) == 2  # block 1, and block 2 below it
+        assert client.lookup(ident, [prompt])[0].n_blocks == 1
+        [kept], _ = client.list_blocks(tenant=tenant)
+        assert kept.size == len(pays[0])

@@ -44,6 +44,8 @@ from prefixd.wire.messages import (
     REQUESTS,
     Attach,
     AttachReply,
+    Delete,
+    DeleteReply,
     ErrorReply,
     Health,
     HealthReply,
@@ -53,6 +55,9 @@ from prefixd.wire.messages import (
     HotEntry,
     HotReply,
     JointResult,
+    ListBlocks,
+    ListedEntry,
+    ListReply,
     Load,
     LoadReply,
     LoadState,
@@ -76,6 +81,8 @@ from prefixd.wire.messages import (
     StatePart,
     Stats,
     StatsReply,
+    Unpin,
+    UnpinReply,
     Verify,
     VerifyReply,
     WireIdentity,
@@ -162,6 +169,11 @@ REQUEST_EXAMPLES: list[RequestMessage] = [
     Route(id=22, identity=WIRE, tokens=TOKENS),
     Route(id=23, identity=WIRE, tokens_span=(1, 0, 8), n_tokens=8, hashes=b"\x01" * 16),
     Lookup(id=(1 << 63) - 1, identity=WIRE, prompts=[]),
+    Lookup(id=22, identity=WIRE, prompts=[Prompt(tokens=TOKENS)], pin=True),
+    Unpin(id=23, identity=WIRE, prompts=[Prompt(tokens=TOKENS)]),
+    Delete(id=24, identity=WIRE, prompts=[Prompt(tokens_span=(2, 0, 3), n_tokens=3)]),
+    ListBlocks(id=25, tenant="a"),
+    ListBlocks(id=26, tenant="a", after=b"\x03" * 16, limit=7),
 ]
 
 
@@ -181,6 +193,9 @@ def test_every_operation_has_a_request_struct() -> None:
         "hot",
         "verify",
         "route",
+        "unpin",
+        "delete",
+        "list",
     }
     assert {op_of(m) for m in REQUEST_EXAMPLES} == set(REQUESTS)
 
@@ -954,6 +969,23 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
     (
         HealthReply(id=12, status="ok", uptime_s=1.5, connections=2),
         {"id": 12, "ok": True, "status": "ok", "uptime_s": 1.5, "connections": 2},
+    ),
+    (UnpinReply(id=13, released=2), {"id": 13, "ok": True, "released": 2}),
+    (DeleteReply(id=14, blocks=3), {"id": 14, "ok": True, "blocks": 3}),
+    (
+        ListReply(
+            id=15,
+            identities=[WIRE],
+            blocks=[ListedEntry(identity=0, tokens=b"\x01\x00\x00\x00", size=9)],
+            next=b"\x04" * 16,
+        ),
+        {
+            "id": 15,
+            "ok": True,
+            "identities": [msgpack.unpackb(msgspec.msgpack.encode(WIRE), raw=False)],
+            "blocks": [[0, b"\x01\x00\x00\x00", 9]],
+            "next": b"\x04" * 16,
+        },
     ),
     (
         error_reply(None, ErrorCode.BAD_FRAME, "body is not a map"),

@@ -1,0 +1,429 @@
+"""`PrefixdL2Adapter`: the prefixd daemon as an L2 adapter of LMCache's node server (MP mode).
+
+LMCache's store and prefetch controllers call the adapter from two threads and expect every call
+to return at once. So each call only queues a task: stores run on one worker thread with a
+connection of their own, lookups, unlocks and loads on another (a pin belongs to the connection
+that took it, so a key is unpinned on the connection that locked it); completions are kept under
+a lock and signalled on the task kind's event fd.
+
+- Store: each key is a chain of one block (prefixd.integrations.lmcache.identity); the memory
+  object's bytes are staged into the client's shared region (one copy) and the daemon writes
+  them to LMDB with their checksum.
+- Lookup and lock: one lookup with `pin` per identity (up to 4096 keys a call); every hit is
+  pinned on the daemon, so prefixd's eviction cannot take it until `submit_unlock` (or the end of
+  the connection) releases it.
+- Load: the daemon verifies each payload into the region and the adapter copies it straight into
+  the memory object's bytes (one copy); a payload that fails its checksum is a miss (and is
+  quarantined by the daemon), never bytes LMCache would serve.
+- `delete`, `get_usage` and `list_l2_keys` ask the daemon: its own accounting per tenant (one
+  per cache salt), not a count kept in this process.
+
+When the daemon is away or slow (`timeout_s`), stores fail, lookups and loads are misses, and the
+adapter connects again after `reconnect_s`; nothing raises into LMCache's controllers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.platform import create_event_notifier
+
+from prefixd.client import Client
+from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
+from prefixd.integrations.lmcache.identity import (
+    Identities,
+    Settings,
+    key_of,
+    salt_of,
+)
+from prefixd.integrations.lmcache.listing import list_keys
+from prefixd.schema.identity import Identity
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_KEYS_PER_LOOKUP = 4096  # the daemon's limit of prompts per lookup
+
+
+@dataclass(frozen=True)
+class _Task:
+    kind: str  # "store", "lookup", "unlock", "load"
+    task_id: L2TaskId
+    keys: list[ObjectKey]
+    objects: list[MemoryObj] | None = None
+
+
+class _Link:
+    """One prefixd client, connected on first use and again `reconnect_s` after a loss."""
+
+    def __init__(self, settings: Settings, name: str) -> None:
+        self._settings = settings
+        self._name = name
+        self._client: Client | None = None
+        self._lock = threading.Lock()
+        self._next_connect = 0.0
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def call(self, operation: Callable[[Client], T]) -> T | None:
+        """`operation(client)`, or None when the daemon is away or refuses it (logged without
+        keys); a lost connection is dropped and tried again after `reconnect_s`."""
+        client = self._connected()
+        if client is None:
+            return None
+        try:
+            return operation(client)
+        except PrefixdError as exc:
+            log.info("prefixd L2 adapter: %s (%s)", type(exc).__name__, getattr(exc, "code", ""))
+            if isinstance(exc, DaemonUnavailableError | RequestTimeoutError):
+                self._drop(client)
+            return None
+
+    def connect(self) -> None:
+        self._connected()
+
+    def _connected(self) -> Client | None:
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            now = time.monotonic()
+            if now < self._next_connect:
+                return None
+            s = self._settings
+            try:
+                self._client = Client(
+                    s.socket,
+                    region_bytes=s.region_bytes,
+                    timeout=s.timeout_s,
+                    name=self._name,
+                    daemon_uid=s.daemon_uid,
+                )
+            except (PrefixdError, OSError) as exc:
+                self._next_connect = now + s.reconnect_s
+                log.warning("prefixd L2 adapter: daemon at %s not reachable (%s)", s.socket, exc)
+                return None
+            return self._client
+
+    def _drop(self, client: Client) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None
+                self._next_connect = time.monotonic() + self._settings.reconnect_s
+        client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
+    """An LMCache L2 adapter backed by the prefixd daemon at `adapter_params["socket"]`.
+
+    Loaded by LMCache's node server with `--l2-adapter '{"type": "plugin", "module_path":
+    "prefixd.integrations.lmcache", "class_name": "PrefixdL2Adapter", "adapter_params":
+    {"socket": PATH, "weights": VERSION, ...}}'` (prefixd.integrations.lmcache.identity lists
+    the params). LMCache's own L2 eviction stays off (no capacity is declared): prefixd keeps
+    its store within its capacity itself, never evicting a locked key."""
+
+    def __init__(self, adapter_params: dict[str, Any], **unused: Any) -> None:
+        super().__init__(max_capacity_bytes=0)
+        self._settings = Settings.from_params(adapter_params)
+        self._identities = Identities(self._settings)
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self._lock = threading.Lock()
+        self._next_id: L2TaskId = 0
+        self._stored: dict[L2TaskId, L2StoreResult] = {}
+        self._looked_up: dict[L2TaskId, Bitmap] = {}
+        self._loaded: dict[L2TaskId, Bitmap] = {}
+        self._usage: tuple[float, AdapterUsage] | None = None
+        self._storer = _Link(self._settings, "lmcache-l2-store")
+        self._fetcher = _Link(self._settings, "lmcache-l2-prefetch")
+        self._store_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._fetch_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._workers = [
+            threading.Thread(
+                target=self._work,
+                args=(self._store_jobs, self._storer),
+                name="prefixd-l2-store",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._work,
+                args=(self._fetch_jobs, self._fetcher),
+                name="prefixd-l2-fetch",
+                daemon=True,
+            ),
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    # --- event fds ------------------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return int(self._store_efd.fileno())
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return int(self._lookup_efd.fileno())
+
+    def get_load_event_fd(self) -> int:
+        return int(self._load_efd.fileno())
+
+    # --- LMCache's calls (its controller threads; none waits for the daemon) -------------------
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit(self._store_jobs, "store", keys, objects)
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._stored = self._stored, {}
+        return done
+
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
+    ) -> L2TaskId:
+        return self._submit(self._fetch_jobs, "lookup", keys)
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._looked_up.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        self._submit(self._fetch_jobs, "unlock", keys)
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit(self._fetch_jobs, "load", keys, objects)
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._loaded.pop(task_id, None)
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Remove `keys` from the daemon (LMCache's own eviction or an operator's delete)."""
+        deleted, sizes = [], []
+        for identity, batch in self._by_identity(keys).items():
+            for key, words in batch:
+                found = self._storer.call(lambda c: c.lookup(identity, [words]))
+                removed = self._storer.call(lambda c: c.delete(identity, [words]))
+                if removed and found and found[0].sizes:
+                    deleted.append(key)
+                    sizes.append(found[0].sizes[0])
+        if deleted:
+            self._notify_keys_deleted(deleted, sizes)
+
+    def get_usage(self) -> AdapterUsage:
+        """The daemon's own stored bytes of this adapter's tenants (one per cache salt), read
+        at most every `usage_refresh_s`; no capacity is declared (prefixd evicts by itself)."""
+        now = time.monotonic()
+        cached = self._usage
+        if cached is not None and now - cached[0] < self._settings.usage_refresh_s:
+            return cached[1]
+        stats = self._storer.call(lambda c: c.stats())
+        if stats is None:
+            return cached[1] if cached is not None else AdapterUsage(0, 0)
+        by_salt: dict[str, int] = {}
+        for tenant, totals in stats.get("metrics", {}).get("tenants", {}).items():
+            salt = salt_of(self._settings.tenant, tenant)
+            stored = int(totals.get("stored_bytes", 0))
+            if salt is not None and stored > 0:
+                by_salt[salt] = stored
+        usage = AdapterUsage(sum(by_salt.values()), 0, MappingProxyType(by_salt))
+        self._usage = (now, usage)
+        return usage
+
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> KeyListPage:
+        """A page of the keys the daemon holds for this adapter's tenants (see listing.py)."""
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive (got {page_size})")
+        entries, next_cursor = list_keys(
+            self._storer, self._settings.tenant, model_name, page_size, cursor
+        )
+        return KeyListPage(
+            entries=tuple(
+                KeyEntry(key=k.to_encoded_object_key(), size_bytes=n) for k, n in entries
+            ),
+            next_page_token=next_cursor,
+        )
+
+    def report_status(self) -> dict[str, Any]:
+        return {
+            "is_healthy": self._storer.connected or self._fetcher.connected,
+            "type": "PrefixdL2Adapter",
+            "socket": self._settings.socket,
+            "store_connected": self._storer.connected,
+            "prefetch_connected": self._fetcher.connected,
+        }
+
+    def close(self) -> None:
+        self._store_jobs.put(None)
+        self._fetch_jobs.put(None)
+        for worker in self._workers:
+            worker.join()
+        self._storer.close()
+        self._fetcher.close()  # the daemon releases this connection's pins
+        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+            efd.close()
+
+    # --- the workers ----------------------------------------------------------------------------
+
+    def _submit(
+        self,
+        jobs: queue.SimpleQueue[_Task | None],
+        kind: str,
+        keys: list[ObjectKey],
+        objects: list[MemoryObj] | None = None,
+    ) -> L2TaskId:
+        with self._lock:
+            task_id = self._next_id
+            self._next_id += 1
+        jobs.put(_Task(kind, task_id, list(keys), None if objects is None else list(objects)))
+        return task_id
+
+    def _work(self, jobs: queue.SimpleQueue[_Task | None], link: _Link) -> None:
+        link.connect()  # at once, off LMCache's threads: the region is touched before any task
+        while (task := jobs.get()) is not None:
+            try:
+                self._run(task)
+            except Exception:  # a bug must not stop the worker: the task fails, LMCache goes on
+                log.exception("prefixd L2 adapter: %s task failed", task.kind)
+                self._finish(task, None)
+
+    def _run(self, task: _Task) -> None:
+        if task.kind == "store":
+            assert task.objects is not None
+            self._finish(task, self._store(task.keys, task.objects))
+        elif task.kind == "lookup":
+            self._finish(task, self._lookup(task.keys))
+        elif task.kind == "load":
+            assert task.objects is not None
+            self._finish(task, self._load(task.keys, task.objects))
+        else:
+            self._unlock(task.keys)
+
+    def _finish(self, task: _Task, result: Any) -> None:
+        """Record a task's result (a failure when `result` is None: a successful store of
+        nothing new is a 0, and falsy) and signal its event fd."""
+        if task.kind == "store":
+            with self._lock:
+                self._stored[task.task_id] = L2StoreResult(False, 0) if result is None else result
+            self._store_efd.notify()
+        elif task.kind == "lookup":
+            with self._lock:
+                self._looked_up[task.task_id] = Bitmap(len(task.keys)) if result is None else result
+            self._lookup_efd.notify()
+        elif task.kind == "load":
+            with self._lock:
+                self._loaded[task.task_id] = Bitmap(len(task.keys)) if result is None else result
+            self._load_efd.notify()
+
+    def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
+        written = 0
+        ok = len(keys) == len(objects)
+        new_keys, new_sizes = [], []
+        for key, obj in zip(keys, objects):
+            identity, words = self._named(key)
+            if identity is None:
+                ok = False
+                continue
+            payload = obj.byte_array
+            put = self._storer.call(lambda c: c.put(identity, words, [payload]))
+            if put is None:
+                ok = False
+                continue
+            if put.stored:
+                written += len(payload)
+                new_keys.append(key)
+                new_sizes.append(len(payload))
+        if new_keys:
+            self._notify_keys_stored(new_keys, new_sizes)
+        return L2StoreResult(ok, written)
+
+    def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
+        """Which keys are stored, each hit pinned on the daemon until `submit_unlock`."""
+        found = Bitmap(len(keys))
+        for identity, batch in self._by_identity(keys, with_place=True).items():
+            for at in range(0, len(batch), MAX_KEYS_PER_LOOKUP):
+                part = batch[at : at + MAX_KEYS_PER_LOOKUP]
+                hits = self._fetcher.call(
+                    lambda c: c.lookup(identity, [words for _, words in part], pin=True)
+                )
+                for (place, _), hit in zip(part, hits or ()):
+                    if hit.n_blocks == 1:
+                        found.set(place)
+        return found
+
+    def _unlock(self, keys: list[ObjectKey]) -> None:
+        """Release one pin of each key. A connection lost since the lock took its pins with it,
+        so there is nothing to retry."""
+        for identity, batch in self._by_identity(keys).items():
+            for at in range(0, len(batch), MAX_KEYS_PER_LOOKUP):
+                part = [words for _, words in batch[at : at + MAX_KEYS_PER_LOOKUP]]
+                self._fetcher.call(lambda c: c.unpin(identity, part))
+
+    def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
+        """Each key's verified payload copied straight into its memory object."""
+        loaded = Bitmap(len(keys))
+        accessed = []
+        for place, (key, obj) in enumerate(zip(keys, objects)):
+            identity, words = self._named(key)
+            if identity is None:
+                continue
+            size = obj.get_size()
+            if self._fetcher.call(lambda c: _load_into(c, identity, words, obj, size)):
+                loaded.set(place)
+                accessed.append(key)
+        if accessed:
+            self._notify_keys_accessed(accessed)
+        return loaded
+
+    # --- keys -----------------------------------------------------------------------------------
+
+    def _named(self, key: ObjectKey) -> tuple[Identity | None, bytes]:
+        """A key's identity and engine key (None when LMCache's key cannot be one)."""
+        identity = self._identities.of(key.model_name, len(key.chunk_hash), key.cache_salt)
+        if identity is None or not (0 <= key.kv_rank < 1 << 32):
+            return None, b""
+        return identity, key_of(key.chunk_hash, key.kv_rank, key.object_group_id)
+
+    def _by_identity(
+        self, keys: Sequence[ObjectKey], *, with_place: bool = False
+    ) -> dict[Identity, list[tuple[Any, bytes]]]:
+        """Keys grouped by identity, each with its place in `keys` (or the key itself)."""
+        groups: dict[Identity, list[tuple[Any, bytes]]] = {}
+        for place, key in enumerate(keys):
+            identity, words = self._named(key)
+            if identity is not None:
+                groups.setdefault(identity, []).append((place if with_place else key, words))
+        return groups
+
+
+def _load_into(client: Client, identity: Identity, words: bytes, obj: MemoryObj, size: int) -> bool:
+    """Load one key's verified payload into `obj`; False on a miss or a payload of another size
+    (stored by an engine with another layout)."""
+    with client.load(identity, words, max_blocks=1) as loaded:
+        if loaded.n_blocks != 1 or len(loaded.views[0]) != size:
+            return False
+        obj.byte_array.cast("B")[:] = loaded.views[0]  # LMCache's view is ctypes' "<B"
+    return True
+
+
+__all__ = ["PrefixdL2Adapter"]

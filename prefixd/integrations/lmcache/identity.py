@@ -1,0 +1,186 @@
+"""The prefixd identity and key of an LMCache object, from what LMCache passes and what the
+operator configures.
+
+LMCache names an object with an `ObjectKey`: a chunk hash (which already commits to every token of
+the prefix up to the chunk's end), the model name, the KV rank, the object group and a cache salt.
+It does not know which weights, tokenizer, chat template or RoPE setting made the KV, so the
+operator says so in the adapter's params, and the adapter refuses to start without a weights
+identity (`weights`, or `weights_from`: a local model directory fingerprinted like the daemon's
+`--model-manifests`) rather than share entries across versions of a model. Each field's source:
+
+  model       ObjectKey.model_name
+  weights     adapter_params `weights` (a revision or digest), or the fingerprint of the files of
+              the model directory `weights_from` (config.json and the safetensors index, or the
+              weight files themselves); required
+  tokenizer   adapter_params `tokenizer` (default "lmcache-token-ids": the chunk hashes cover the
+              token ids, so only a tokenizer that maps the same ids to other text is invisible)
+  template    adapter_params `template` (default "none": the template shapes the token ids, which
+              the hash covers)
+  rope        adapter_params `rope` (default "model-config": set it when the engine overrides the
+              model's RoPE scaling; the model's own config is in the weights fingerprint)
+  kv_layout   "lmcache chunk_hash_bytes=N" plus adapter_params `kv_layout` (the KV dtype and
+              layout, say "bf16 tp2")
+  block_tokens adapter_params `chunk_tokens` (LMCache's chunk size, default 256: what a hit saves)
+  tenant      adapter_params `tenant` (default "lmcache"); a non-empty cache salt S makes it
+              "<tenant>/salt=S", so salts never share entries and each has its own stored bytes,
+              quota and purge (an LMCache salt never holds "/")
+  key         the chunk hash, then the KV rank and the object group id (u32 big-endian each): one
+              engine key (prefixd.schema.keys) of chunk-hash length + 8 bytes
+
+Each key is stored as a chain of one block: LMCache's chunk hashes carry no position but already
+commit to the whole prefix, and LMCache asks for keys one by one (its lookup returns a bitmap, not a
+prefix length), so a key depends on no other stored key and one lookup asks for up to 4096 keys at
+once as one-block prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from prefixd.errors import ConfigError
+from prefixd.schema.fingerprint import fingerprint_files
+from prefixd.schema.identity import Identity
+
+SALT_MARK = "/salt="
+_WORD = 4  # kv_rank and object_group_id, u32 big-endian each
+_TRAILER = 2 * _WORD
+MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 256  # prefixd's engine-key widths (whole 4-byte words)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The adapter's `adapter_params`, checked once at start (unknown names are refused: a
+    misspelt `weights` must not fall back to a default)."""
+
+    socket: str
+    weights: str
+    tenant: str = "lmcache"
+    tokenizer: str = "lmcache-token-ids"
+    template: str = "none"
+    rope: str = "model-config"
+    kv_layout: str = ""
+    chunk_tokens: int = 256
+    region_bytes: int = 256 << 20
+    timeout_s: float = 5.0
+    reconnect_s: float = 1.0
+    daemon_uid: int | None = None
+    usage_refresh_s: float = 1.0
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> Settings:
+        known = {f.name for f in dataclasses.fields(cls)} | {"weights_from"}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ConfigError(f"prefixd L2 adapter: unknown adapter_params {unknown}")
+        if not params.get("socket"):
+            raise ConfigError("prefixd L2 adapter: adapter_params needs `socket` (the daemon's)")
+        values = {k: v for k, v in params.items() if k != "weights_from"}
+        values["weights"] = weights_of(params)
+        settings = cls(**values)
+        if SALT_MARK in settings.tenant or not settings.tenant:
+            raise ConfigError(f"prefixd L2 adapter: tenant may not hold {SALT_MARK!r}")
+        if settings.chunk_tokens < 1:
+            raise ConfigError("prefixd L2 adapter: chunk_tokens must be at least 1")
+        return settings
+
+
+def weights_of(params: Mapping[str, Any]) -> str:
+    """The weights identity the operator gave: `weights` as is, or the fingerprint of the model
+    directory `weights_from`. Neither is a refusal, never a default."""
+    weights, local = params.get("weights"), params.get("weights_from")
+    if weights and local:
+        raise ConfigError("prefixd L2 adapter: give `weights` or `weights_from`, not both")
+    if weights:
+        return str(weights)
+    if not local:
+        raise ConfigError(
+            "prefixd L2 adapter: adapter_params needs `weights` (a revision or digest of the "
+            "model's weights) or `weights_from` (its local directory): without it, entries of "
+            "different versions of a model would be shared"
+        )
+    path = Path(str(local))
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"prefixd L2 adapter: weights_from {path} holds no config.json")
+    indexes = sorted(path.glob("*.safetensors.index.json")) + sorted(path.glob("*.bin.index.json"))
+    files = indexes or sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    return "local:" + fingerprint_files([path / "config.json", *files])
+
+
+class Identities:
+    """Identities by (model name, chunk hash length, cache salt), built once each."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._known: dict[tuple[str, int, str], Identity] = {}
+
+    def of(self, model_name: str, hash_bytes: int, cache_salt: str) -> Identity | None:
+        """The identity of an object; None when its chunk hash cannot be an engine key (its
+        length is not a whole number of 4-byte words, or the key would be outside 16..256)."""
+        known = self._known.get((model_name, hash_bytes, cache_salt))
+        if known is not None:
+            return known
+        width = hash_bytes + _TRAILER
+        if hash_bytes % _WORD or not MIN_KEY_BYTES <= width <= MAX_KEY_BYTES:
+            return None
+        s = self._settings
+        layout = f"lmcache chunk_hash_bytes={hash_bytes}" + (
+            f" {s.kv_layout}" if s.kv_layout else ""
+        )
+        identity = Identity(
+            model=model_name,
+            weights=s.weights,
+            tokenizer=s.tokenizer,
+            template=s.template,
+            rope=s.rope,
+            kv_layout=layout,
+            block_tokens=s.chunk_tokens,
+            tenant=tenant_of(s.tenant, cache_salt),
+            key_bytes=width,
+        )
+        if len(self._known) >= 4096:
+            self._known.clear()
+        self._known[(model_name, hash_bytes, cache_salt)] = identity
+        return identity
+
+
+def tenant_of(tenant: str, cache_salt: str) -> str:
+    return f"{tenant}{SALT_MARK}{cache_salt}" if cache_salt else tenant
+
+
+def salt_of(tenant: str, stored_tenant: str) -> str | None:
+    """The cache salt whose entries `stored_tenant` holds, None if it is not this adapter's."""
+    if stored_tenant == tenant:
+        return ""
+    prefix = tenant + SALT_MARK
+    return stored_tenant[len(prefix) :] if stored_tenant.startswith(prefix) else None
+
+
+def key_of(chunk_hash: bytes, kv_rank: int, object_group_id: int) -> bytes:
+    """The engine key: the chunk hash, then the rank and the object group, u32 big-endian."""
+    return (
+        bytes(chunk_hash) + kv_rank.to_bytes(_WORD, "big") + object_group_id.to_bytes(_WORD, "big")
+    )
+
+
+def split_key(key: bytes) -> tuple[bytes, int, int]:
+    """(chunk hash, kv rank, object group id) of an engine key made by `key_of`."""
+    end = len(key) - _TRAILER
+    return (
+        bytes(key[:end]),
+        int.from_bytes(key[end : end + _WORD], "big"),
+        int.from_bytes(key[end + _WORD :], "big"),
+    )
+
+
+__all__ = [
+    "Identities",
+    "Settings",
+    "key_of",
+    "salt_of",
+    "split_key",
+    "tenant_of",
+    "weights_of",
+]

@@ -1,0 +1,74 @@
+"""Pins through the daemon: a lookup with `pin` keeps its hits from eviction until the client
+unpins them or its connection ends; `delete` removes named blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prefixd.client import Client
+from prefixd.schema.keys import pack_keys
+
+from .conftest import IDENTITY, DaemonFactory
+
+ENGINE = dataclasses.replace(IDENTITY, key_bytes=32, block_tokens=16)
+BLOCK = 64 << 10
+# room for about 8 blocks, least recently read first: each fill below evicts all older blocks
+SMALL = ("--capacity-bytes", str(8 * BLOCK), "--low-watermark", "0.5", "--eviction", "lru")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def one(i: int) -> bytes:
+    return pack_keys(ENGINE, [key(i)])
+
+
+def fill(client: Client, start: int, count: int) -> None:
+    for i in range(start, start + count):
+        client.put(ENGINE, one(i), [bytes([i % 251]) * BLOCK])
+
+
+def stored(client: Client, i: int) -> bool:
+    return client.lookup(ENGINE, [one(i)])[0].n_blocks == 1
+
+
+def test_pinned_keys_survive_eviction_until_unpinned_or_disconnected(
+    daemon_factory: DaemonFactory,
+) -> None:
+    daemon = daemon_factory(*SMALL)
+    with Client(daemon.socket, region_bytes=4 << 20) as writer:
+        fill(writer, 0, 4)
+        holder = Client(daemon.socket, region_bytes=1 << 20)
+        [hit0, hit1] = holder.lookup(ENGINE, [one(0), one(1)], pin=True)
+        assert hit0.n_blocks == 1 and hit1.n_blocks == 1
+        fill(writer, 100, 40)
+        assert stored(writer, 0) and stored(writer, 1)  # pinned: never chosen
+        assert not stored(writer, 2) and not stored(writer, 3)  # as old, unpinned: evicted
+        assert holder.unpin(ENGINE, [one(1)]) == 1
+        assert holder.unpin(ENGINE, [one(1)]) == 0  # it held one pin of it, not two
+        fill(writer, 200, 40)
+        assert stored(writer, 0) and not stored(writer, 1)
+        holder.close()  # its connection's pins go with it
+        fill(writer, 300, 40)
+        assert not stored(writer, 0)
+
+
+def test_a_pin_of_another_client_is_not_released_by_unpin(daemon_factory: DaemonFactory) -> None:
+    daemon = daemon_factory(*SMALL)
+    with Client(daemon.socket, region_bytes=4 << 20) as writer, Client(
+        daemon.socket, region_bytes=1 << 20
+    ) as holder:
+        fill(writer, 0, 1)
+        holder.lookup(ENGINE, [one(0)], pin=True)
+        assert writer.unpin(ENGINE, [one(0)]) == 0
+        fill(writer, 100, 40)
+        assert stored(writer, 0)
+
+
+def test_delete_removes_the_named_keys(daemon_factory: DaemonFactory) -> None:
+    daemon = daemon_factory()
+    with Client(daemon.socket, region_bytes=4 << 20) as client:
+        fill(client, 0, 3)
+        assert client.delete(ENGINE, [one(0), one(2), one(9)]) == 2
+        assert [stored(client, i) for i in range(3)] == [False, True, False]

@@ -1,0 +1,106 @@
+"""Driving an L2 adapter the way LMCache's controllers do: submit a task, wait on its event fd,
+collect its result once. Test-only."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lmcache.cli.commands.bench.l2_adapter_bench.data import wait_eventfd
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+from prefixd.integrations.lmcache import l2_adapter_config
+
+DEADLINE_S = 60.0
+MODEL = "tiny/llama"
+
+
+def adapter_params(socket: object, **extra: Any) -> dict[str, Any]:
+    params: dict[str, Any] = l2_adapter_config(str(socket), weights="sha256:test", **extra)[
+        "adapter_params"
+    ]
+    return params
+
+
+def keys(count: int, *, start: int = 0, salt: str = "", rank: int = 0) -> list[ObjectKey]:
+    return [
+        ObjectKey(
+            chunk_hash=(start + i).to_bytes(4, "big") * 8,
+            model_name=MODEL,
+            kv_rank=rank,
+            object_group_id=0,
+            cache_salt=salt,
+        )
+        for i in range(count)
+    ]
+
+
+def memory_obj(size: int, fill: int | None = None) -> TensorMemoryObj:
+    data = torch.empty(size, dtype=torch.uint8)
+    if fill is not None:
+        data.fill_(fill)
+    meta = MemoryObjMetadata(
+        shape=torch.Size([size]),
+        dtype=torch.uint8,
+        address=0,
+        phy_size=size,
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+    )
+    return TensorMemoryObj(raw_data=data, metadata=meta, parent_allocator=None)
+
+
+def payload_objs(count: int, size: int, *, seed: int = 0) -> list[TensorMemoryObj]:
+    gen = torch.Generator().manual_seed(seed)
+    objs = []
+    for _ in range(count):
+        obj = memory_obj(size)
+        obj.raw_data.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+        objs.append(obj)
+    return objs
+
+
+def wait_fd(fd: int) -> None:
+    """LMCache's own wait (the bench's): poll the event fd, then consume it."""
+    assert wait_eventfd(fd, timeout=DEADLINE_S), "the adapter never signalled its event fd"
+
+
+def store(adapter: Any, ks: list[ObjectKey], objs: list[Any]) -> Any:
+    task = adapter.submit_store_task(ks, objs)
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        wait_fd(adapter.get_store_event_fd())
+        done = adapter.pop_completed_store_tasks()
+        if task in done:
+            return done[task]
+    raise AssertionError("store task never completed")
+
+
+def _bits(bitmap: Any, n: int) -> list[bool]:
+    return [bool(bitmap.test(i)) for i in range(n)]
+
+
+def lookup_and_lock(adapter: Any, ks: list[ObjectKey]) -> list[bool]:
+    task = adapter.submit_lookup_and_lock_task(ks, {})
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        wait_fd(adapter.get_lookup_and_lock_event_fd())
+        result = adapter.query_lookup_and_lock_result(task)
+        if result is not None:
+            assert adapter.query_lookup_and_lock_result(task) is None  # returned once
+            return _bits(result, len(ks))
+    raise AssertionError("lookup task never completed")
+
+
+def load(adapter: Any, ks: list[ObjectKey], objs: list[Any]) -> list[bool]:
+    task = adapter.submit_load_task(ks, objs)
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        wait_fd(adapter.get_load_event_fd())
+        result = adapter.query_load_result(task)
+        if result is not None:
+            assert adapter.query_load_result(task) is None
+            return _bits(result, len(ks))
+    raise AssertionError("load task never completed")

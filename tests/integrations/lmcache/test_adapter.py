@@ -1,0 +1,277 @@
+"""PrefixdL2Adapter through LMCache's own L2 adapter interface (lmcache 0.5.6), against a real
+daemon: round trips into memory objects, lock until unlock against prefixd's eviction, a damaged
+payload a miss, the daemon's accounting behind delete / list_l2_keys / get_usage, and the
+daemon going away and coming back."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+
+from prefixd import Store
+from prefixd.errors import ConfigError
+from prefixd.integrations.lmcache import PrefixdL2Adapter, key_of, l2_adapter_config
+from prefixd.integrations.lmcache.identity import Identities, Settings
+from prefixd.schema.chain import chain_hashes
+
+from ...daemon.conftest import Daemon, DaemonFactory
+from ...store.test_faults import corrupt_stored_chunk
+from .harness import (
+    MODEL,
+    adapter_params,
+    keys,
+    load,
+    lookup_and_lock,
+    memory_obj,
+    payload_objs,
+    store,
+)
+
+SIZE = 48 << 10
+# room for about 8 objects, least recently read first: each store below evicts older ones
+SMALL = ("--capacity-bytes", str(8 * SIZE), "--low-watermark", "0.5", "--eviction", "lru")
+
+
+def loaded_bytes(adapter: Any, ks: list[Any], size: int = SIZE) -> tuple[list[bool], list[bytes]]:
+    outs = [memory_obj(size, fill=0xEE) for _ in ks]
+    bits = load(adapter, ks, outs)
+    return bits, [bytes(o.byte_array) for o in outs]
+
+
+def test_the_plugin_loads_through_lmcaches_factory_and_round_trips(daemon: Daemon) -> None:
+    """LMCache's own config parser and plugin factory build the adapter from the JSON the
+    node server gets; stored objects come back byte for byte into fresh memory objects."""
+    import argparse
+    import json
+
+    from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args
+
+    parser = argparse.ArgumentParser()
+    add_l2_adapters_args(parser)
+    spec = json.dumps(l2_adapter_config(str(daemon.socket), weights="sha256:test"))
+    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", spec]))
+    adapter = create_l2_adapter_from_registry(config.adapters[0])
+    assert isinstance(adapter, PrefixdL2Adapter) and isinstance(adapter, L2AdapterInterface)
+    fds = {
+        adapter.get_store_event_fd(),
+        adapter.get_lookup_and_lock_event_fd(),
+        adapter.get_load_event_fd(),
+    }
+    assert len(fds) == 3
+    try:
+        ks, objs = keys(6), payload_objs(6, SIZE)
+        result = store(adapter, ks, objs)
+        assert result.is_successful() and result.bytes_transferred() == 6 * SIZE
+        again = store(adapter, ks, objs)  # already stored: nothing written again
+        assert again.is_successful() and again.bytes_transferred() == 0
+        probe = ks[:3] + keys(2, start=100) + ks[3:]
+        assert lookup_and_lock(adapter, probe) == [True] * 3 + [False] * 2 + [True] * 3
+        adapter.submit_unlock(ks)
+        bits, got = loaded_bytes(adapter, probe)
+        assert bits == [True] * 3 + [False] * 2 + [True] * 3
+        expected = [bytes(o.byte_array) for o in objs]
+        assert got[:3] + got[5:] == expected
+        assert got[3] == got[4] == b"\xee" * SIZE  # a miss leaves the memory object alone
+    finally:
+        adapter.close()
+
+
+def test_each_key_field_is_part_of_the_name(daemon: Daemon) -> None:
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
+    try:
+        [key] = keys(1)
+        assert store(adapter, [key], payload_objs(1, SIZE)).is_successful()
+        import dataclasses
+
+        others = [
+            dataclasses.replace(key, kv_rank=1),
+            dataclasses.replace(key, object_group_id=1),
+            dataclasses.replace(key, cache_salt="alice"),
+            dataclasses.replace(key, model_name="other/model"),
+            dataclasses.replace(key, chunk_hash=key.chunk_hash[:16]),
+        ]
+        assert lookup_and_lock(adapter, [key, *others]) == [True] + [False] * len(others)
+        adapter.submit_unlock([key])
+    finally:
+        adapter.close()
+    other_weights = PrefixdL2Adapter(adapter_params(daemon.socket) | {"weights": "sha256:v2"})
+    try:
+        assert lookup_and_lock(other_weights, [key]) == [False]  # another version of the model
+    finally:
+        other_weights.close()
+
+
+def test_it_refuses_to_start_without_a_weights_identity(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs `weights`"):
+        PrefixdL2Adapter({"socket": str(tmp_path / "s")})
+    with pytest.raises(ConfigError, match="unknown"):
+        PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "weight": "w"})
+    with pytest.raises(ConfigError, match="config.json"):
+        PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights_from": str(tmp_path)})
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"v1")
+    first = Settings.from_params({"socket": "s", "weights_from": str(tmp_path)}).weights
+    (tmp_path / "model.safetensors").write_bytes(b"v2")
+    second = Settings.from_params({"socket": "s", "weights_from": str(tmp_path)}).weights
+    assert first.startswith("local:sha256:") and first != second
+
+
+def test_a_locked_key_outlives_prefixds_eviction_until_it_is_unlocked(
+    daemon_factory: DaemonFactory,
+) -> None:
+    daemon = daemon_factory(*SMALL)
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
+    try:
+        locked, objs = keys(2), payload_objs(2, SIZE, seed=1)
+        assert store(adapter, locked, objs).is_successful()
+        assert lookup_and_lock(adapter, locked) == [True, True]
+        for round_ in range(5):  # 40 more objects through a store that holds 8
+            assert store(
+                adapter, keys(8, start=100 + 8 * round_), payload_objs(8, SIZE)
+            ).is_successful()
+        assert lookup_and_lock(adapter, keys(8, start=100)) == [False] * 8  # others went
+        bits, got = loaded_bytes(adapter, locked)
+        assert bits == [True, True] and got == [bytes(o.byte_array) for o in objs]
+        adapter.submit_unlock(locked)  # both unlocked
+        assert lookup_and_lock(adapter, locked[:1]) == [True]  # the first locked again
+        for round_ in range(5):
+            assert store(
+                adapter, keys(8, start=200 + 8 * round_), payload_objs(8, SIZE)
+            ).is_successful()
+        assert lookup_and_lock(adapter, locked) == [True, False]  # still locked / evicted
+        adapter.submit_unlock(locked[:1])
+        adapter.submit_unlock(locked[:1])
+    finally:
+        adapter.close()
+
+
+def test_a_damaged_payload_is_a_miss_never_wrong_bytes(daemon: Daemon) -> None:
+    params = adapter_params(daemon.socket)
+    adapter = PrefixdL2Adapter(params)
+    ks, objs = keys(3), payload_objs(3, SIZE, seed=2)
+    try:
+        assert store(adapter, ks, objs).is_successful()
+    finally:
+        adapter.close()
+    daemon.stop()
+    identity = Identities(Settings.from_params(params)).of(MODEL, 32, "")
+    assert identity is not None
+    [damaged] = chain_hashes(identity, key_of(ks[1].chunk_hash, 0, 0))
+    corrupt_stored_chunk(daemon.data_dir, damaged)
+    daemon.start()
+    adapter = PrefixdL2Adapter(params)
+    try:
+        bits, got = loaded_bytes(adapter, ks)
+        assert bits == [True, False, True]
+        assert got[0] == bytes(objs[0].byte_array) and got[2] == bytes(objs[2].byte_array)
+        assert got[1] == b"\xee" * SIZE
+        assert lookup_and_lock(adapter, ks) == [True, False, True]  # quarantined: gone
+        adapter.submit_unlock(ks)
+    finally:
+        adapter.close()
+    daemon.stop()
+    with Store.open(daemon.data_dir) as opened:
+        assert opened.stats().quarantined == 1
+
+
+def test_delete_list_and_usage_are_the_daemons_accounting(daemon: Daemon) -> None:
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket, usage_refresh_s=0.0))
+    try:
+        plain, salted = keys(5), keys(3, start=50, salt="alice", rank=3)
+        assert store(adapter, plain, payload_objs(5, SIZE)).is_successful()
+        assert store(adapter, salted, payload_objs(3, 2 * SIZE)).is_successful()
+        usage = adapter.get_usage()
+        assert dict(usage.bytes_by_cache_salt) == {"": 5 * SIZE, "alice": 6 * SIZE}
+        assert usage.total_bytes_used == 11 * SIZE and usage.usage_fraction == -1.0
+
+        def listed(model: str | None = None) -> dict[Any, int]:
+            found: dict[Any, int] = {}
+            cursor = None
+            while True:
+                page = adapter.list_l2_keys(model_name=model, page_size=3, cursor=cursor)
+                assert len(page.entries) <= 3
+                for entry in page.entries:
+                    assert entry.key.to_object_key() not in found  # never listed twice
+                    found[entry.key.to_object_key()] = entry.size_bytes
+                if page.next_page_token is None:
+                    return found
+                cursor = page.next_page_token
+
+        assert listed() == {**dict.fromkeys(plain, SIZE), **dict.fromkeys(salted, 2 * SIZE)}
+        assert listed("other/model") == {}
+        adapter.delete(plain[:2] + salted[2:] + keys(1, start=99))
+        assert listed() == {**dict.fromkeys(plain[2:], SIZE), **dict.fromkeys(salted[:2], 2 * SIZE)}
+        assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": 3 * SIZE, "alice": 4 * SIZE}
+        assert lookup_and_lock(adapter, plain + salted) == [False] * 2 + [True] * 5 + [False]
+        adapter.submit_unlock(plain + salted)
+    finally:
+        adapter.close()
+
+
+def test_the_daemon_away_is_misses_and_failed_stores_until_it_returns(
+    daemon: Daemon,
+) -> None:
+    daemon.stop()
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket, reconnect_s=0.05, timeout_s=2.0))
+    try:
+        ks, objs = keys(2), payload_objs(2, SIZE, seed=4)
+        assert not store(adapter, ks, objs).is_successful()
+        assert lookup_and_lock(adapter, ks) == [False, False]
+        assert loaded_bytes(adapter, ks)[0] == [False, False]
+        daemon.start()
+        deadline = 200
+        while not store(adapter, ks, objs).is_successful() and deadline:
+            deadline -= 1  # the adapter connects again after reconnect_s
+        assert deadline
+        assert loaded_bytes(adapter, ks) == ([True, True], [bytes(o.byte_array) for o in objs])
+        daemon.restart()  # a lost connection: the next calls reconnect
+        deadline = 200
+        while lookup_and_lock(adapter, ks) != [True, True] and deadline:
+            deadline -= 1
+        assert deadline
+        adapter.submit_unlock(ks)
+    finally:
+        adapter.close()
+
+
+def test_two_controller_threads_at_once(daemon: Daemon) -> None:
+    """LMCache's store and prefetch controllers call from two threads: every byte checked."""
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
+    errors: list[BaseException] = []
+    ready = keys(8, start=1000)
+    ready_objs = payload_objs(8, SIZE, seed=5)
+    assert store(adapter, ready, ready_objs).is_successful()
+
+    def storing() -> None:
+        try:
+            for round_ in range(10):
+                ks = keys(4, start=2000 + 4 * round_)
+                assert store(adapter, ks, payload_objs(4, SIZE, seed=round_)).is_successful()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def fetching() -> None:
+        try:
+            for _ in range(10):
+                assert lookup_and_lock(adapter, ready) == [True] * 8
+                bits, got = loaded_bytes(adapter, ready)
+                adapter.submit_unlock(ready)
+                assert bits == [True] * 8 and got == [bytes(o.byte_array) for o in ready_objs]
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=storing), threading.Thread(target=fetching)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+    finally:
+        adapter.close()
