@@ -24,6 +24,7 @@ from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import BlockRecord
+from prefixd.store.listing import records_after
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -167,16 +168,8 @@ def inventory(ctx: StoreContext, after: bytes, limit: int) -> list[BlockChange]:
     found: list[BlockChange] = []
     identities: dict[bytes, Identity | None] = {}
     with ctx.env.begin() as txn:
-        cursor = txn.cursor(db=ctx.tables.blocks)
-        if not cursor.set_range(after):
-            return found
-        for key, raw in cursor:
-            h = bytes(key)
-            if h == after:
-                continue
-            try:
-                record = BlockRecord.decode(raw)
-            except CorruptRecordError:
+        for h, record in records_after(txn, ctx, after or None):
+            if record is None:
                 continue  # a damaged record is no block a lookup can reach
             identity = identity_of(ctx, txn, record.identity, identities)
             parent_tokens = keyed_parent(ctx, txn, record, identity)

@@ -10,8 +10,11 @@ blocks gets short (even empty) pages with a cursor, never one page that reads th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import lmdb
 
 from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.identity import Identity
@@ -34,6 +37,25 @@ class ListedBlock:
     payload_size: int
 
 
+def records_after(
+    txn: lmdb.Transaction, ctx: StoreContext, after: bytes | None
+) -> Iterator[tuple[bytes, BlockRecord | None]]:
+    """The blocks table in hash order from the first hash past `after` (from the start for
+    None), each with its record (None when it is too damaged to decode: verification
+    quarantines it, listings leave it out)."""
+    cursor = txn.cursor(db=ctx.tables.blocks)
+    more = cursor.set_range(after) if after else cursor.first()
+    if more and after is not None and bytes(cursor.key()) == after:
+        more = cursor.next()
+    while more:
+        try:
+            record: BlockRecord | None = BlockRecord.decode(cursor.value())
+        except CorruptRecordError:
+            record = None
+        yield bytes(cursor.key()), record
+        more = cursor.next()
+
+
 def list_blocks(
     ctx: StoreContext, tenancy: Tenancy, tenant: str, after: bytes | None, limit: int
 ) -> tuple[list[ListedBlock], bytes | None]:
@@ -54,20 +76,11 @@ def list_blocks(
                 identity = None  # check reports it
             if identity is not None:
                 identities[digest] = dataclasses.replace(identity, tenant=tenant)
-        cursor = txn.cursor(db=ctx.tables.blocks)
-        more = cursor.set_range(after) if after else cursor.first()
-        if more and after is not None and bytes(cursor.key()) == after:
-            more = cursor.next()
         last, scanned = after, 0
-        while more:
+        for key, record in records_after(txn, ctx, after):
             if len(found) >= limit or scanned >= SCAN_LIMIT:
                 return found, last
-            key = bytes(cursor.key())
             scanned += 1
-            try:
-                record = BlockRecord.decode(cursor.value())
-            except CorruptRecordError:
-                record = None  # verification quarantines it; a listing leaves it out
             if record is not None and record.identity in identities:
                 found.append(
                     ListedBlock(
@@ -75,7 +88,6 @@ def list_blocks(
                     )
                 )
             last = key
-            more = cursor.next()
     return found, None
 
 
