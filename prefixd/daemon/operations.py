@@ -442,7 +442,8 @@ class Operations:
         if match is None:
             match = await self._run(partial(self._longest_prefix, identity, tokens, msg.hashes))
         [result], _ = self._lookup_results(identity, [(tokens, msg.hashes)], [match])
-        routed = routing.answer(
+        return routing.answer(
+            request.id,
             result.n_blocks,
             result.n_tokens,
             match.payload_bytes if result.n_blocks else 0,
@@ -450,7 +451,6 @@ class Operations:
             prefill_tokens_per_s=self.metrics.prefill_tokens_per_s,
             queue=self.loads,
         )
-        return RouteReply(id=request.id, **dataclasses.asdict(routed))
 
     async def hot(self, conn: Connection, request: Request[Hot]) -> HotReply:
         """A tenant's most valuable prefixes to warm after a restart, whole, within a byte

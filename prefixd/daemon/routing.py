@@ -10,9 +10,9 @@ engine, which prefixd does not see. `route` reads no payload: it walks the index
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 from prefixd.loadtime import LoadTimeModel
+from prefixd.wire.messages import RouteReply
 
 _MEAN_WEIGHT = 0.1  # of a finished load in the running mean of a load's bytes
 
@@ -44,20 +44,8 @@ class LoadQueue:
             return self.in_flight, int(self.in_flight * self.mean_bytes)
 
 
-@dataclass(frozen=True)
-class RouteAnswer:
-    hit_blocks: int
-    hit_tokens: int
-    hit_bytes: int
-    load_s: float  # T_transfer: loading the hit at the measured bandwidth
-    prefill_saved_s: float  # T_prefill_saved: its tokens at the configured prefill throughput
-    loads_in_flight: int
-    queue_bytes: int
-    queue_s: float  # T_queue: the loads in flight at the measured bandwidth
-    score_s: float
-
-
 def answer(
+    rid: int,
     hit_blocks: int,
     hit_tokens: int,
     hit_bytes: int,
@@ -65,12 +53,15 @@ def answer(
     load_time: LoadTimeModel,
     prefill_tokens_per_s: float,
     queue: LoadQueue,
-) -> RouteAnswer:
+) -> RouteReply:
+    """The reply to request `rid` for a hit of `hit_blocks` blocks (`hit_tokens`, `hit_bytes`),
+    given this node's load model and queue."""
     in_flight, queue_bytes = queue.queued()
     load_s = load_time.estimate(hit_bytes)
     saved_s = hit_tokens / prefill_tokens_per_s
     queue_s = queue_bytes / load_time.bandwidth
-    return RouteAnswer(
+    return RouteReply(
+        id=rid,
         hit_blocks=hit_blocks,
         hit_tokens=hit_tokens,
         hit_bytes=hit_bytes,
@@ -83,4 +74,4 @@ def answer(
     )
 
 
-__all__ = ["LoadQueue", "RouteAnswer", "answer"]
+__all__ = ["LoadQueue", "answer"]

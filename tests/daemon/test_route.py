@@ -68,7 +68,7 @@ def test_the_queue_weighs_loads_in_flight_by_the_mean_load() -> None:
     for _ in range(2):
         queue.started()
     queue.finished(1_000_000)  # one done: the mean load is 1 MB, one still under way
-    routed = answer(4, 64, 2_000_000, load_time=model, prefill_tokens_per_s=1000, queue=queue)
+    routed = answer(1, 4, 64, 2_000_000, load_time=model, prefill_tokens_per_s=1000, queue=queue)
     assert (routed.loads_in_flight, routed.queue_bytes) == (1, 1_000_000)
     assert routed.queue_s == pytest.approx(1e-3) and routed.load_s == pytest.approx(2e-3)
     assert routed.score_s == pytest.approx(64 / 1000 - 1e-3 - 2e-3)

@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -41,7 +41,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from prefixd.client import Client
-from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
+from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.lmcache.identity import (
     Identities,
     Settings,
@@ -65,71 +65,18 @@ class _Task:
     objects: list[MemoryObj] | None = None
 
 
-class _Link:
-    """One prefixd client, connected on first use and again `reconnect_s` after a loss."""
-
-    def __init__(self, settings: Settings, name: str) -> None:
-        self._settings = settings
-        self._name = name
-        self._client: Client | None = None
-        self._lock = threading.Lock()
-        self._next_connect = 0.0
-
-    @property
-    def connected(self) -> bool:
-        return self._client is not None
-
-    def call(self, operation: Callable[[Client], T]) -> T | None:
-        """`operation(client)`, or None when the daemon is away or refuses it (logged without
-        keys); a lost connection is dropped and tried again after `reconnect_s`."""
-        client = self._connected()
-        if client is None:
-            return None
-        try:
-            return operation(client)
-        except PrefixdError as exc:
-            log.info("prefixd L2 adapter: %s (%s)", type(exc).__name__, getattr(exc, "code", ""))
-            if isinstance(exc, DaemonUnavailableError | RequestTimeoutError):
-                self._drop(client)
-            return None
-
-    def connect(self) -> None:
-        self._connected()
-
-    def _connected(self) -> Client | None:
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            now = time.monotonic()
-            if now < self._next_connect:
-                return None
-            s = self._settings
-            try:
-                self._client = Client(
-                    s.socket,
-                    region_bytes=s.region_bytes,
-                    timeout=s.timeout_s,
-                    name=self._name,
-                    daemon_uid=s.daemon_uid,
-                )
-            except (PrefixdError, OSError) as exc:
-                self._next_connect = now + s.reconnect_s
-                log.warning("prefixd L2 adapter: daemon at %s not reachable (%s)", s.socket, exc)
-                return None
-            return self._client
-
-    def _drop(self, client: Client) -> None:
-        with self._lock:
-            if self._client is client:
-                self._client = None
-                self._next_connect = time.monotonic() + self._settings.reconnect_s
-        client.close()
-
-    def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
+def _link(settings: Settings, name: str) -> DaemonLink:
+    """One of the adapter's two connections (stores, prefetches), made again `reconnect_s` after
+    a loss."""
+    return DaemonLink(
+        settings.socket,
+        region_bytes=settings.region_bytes,
+        timeout_s=settings.timeout_s,
+        name=name,
+        label="prefixd L2 adapter",
+        reconnect_s=settings.reconnect_s,
+        daemon_uid=settings.daemon_uid,
+    )
 
 
 class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
@@ -154,8 +101,8 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._looked_up: dict[L2TaskId, Bitmap] = {}
         self._loaded: dict[L2TaskId, Bitmap] = {}
         self._usage: tuple[float, AdapterUsage] | None = None
-        self._storer = _Link(self._settings, "lmcache-l2-store")
-        self._fetcher = _Link(self._settings, "lmcache-l2-prefetch")
+        self._storer = _link(self._settings, "lmcache-l2-store")
+        self._fetcher = _link(self._settings, "lmcache-l2-prefetch")
         self._store_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._fetch_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._workers = [
@@ -298,8 +245,8 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         jobs.put(_Task(kind, task_id, list(keys), None if objects is None else list(objects)))
         return task_id
 
-    def _work(self, jobs: queue.SimpleQueue[_Task | None], link: _Link) -> None:
-        link.connect()  # at once, off LMCache's threads: the region is touched before any task
+    def _work(self, jobs: queue.SimpleQueue[_Task | None], link: DaemonLink) -> None:
+        link.client()  # at once, off LMCache's threads: the region is touched before any task
         while (task := jobs.get()) is not None:
             try:
                 self._run(task)

@@ -25,7 +25,6 @@ slow makes lookups misses and stores and loads fail: SGLang recomputes, nothing 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,7 +39,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from prefixd.client import Client
-from prefixd.errors import ConfigError, DaemonUnavailableError, PrefixdError, RequestTimeoutError
+from prefixd.errors import ConfigError, PrefixdError
+from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.sglang.identity import (
     KEY_BYTES,
     KV,
@@ -88,13 +88,10 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         self._fields = operator_fields(storage_config)  # refuses to start without weights
         if not extra.get("socket"):
             raise ConfigError("prefixd sglang backend: set extra config 'socket' (the daemon's)")
-        self._socket = str(extra["socket"])
         self._region_bytes = int(extra.get("region_bytes", 256 << 20))
-        self._timeout_s = float(extra.get("timeout_s", 5.0))
         # v0's batch_get / batch_set carry no prefix keys: then every paged call stores and finds
         # each page as a chain of its own, so that its hit query and its gets agree
         self._chained = bool(int(extra.get("interface_v1", 0)))
-        self._daemon_uid = extra.get("daemon_uid")
         self._declared = {str(k): str(v) for k, v in (extra.get("pools") or {}).items()}
         for name, policy in self._declared.items():
             if policy not in POLICIES:
@@ -102,8 +99,15 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         self._pools: dict[str, Pool] = {}
         self._paged: dict[str, Identity] = {}
         self._trailing: Identity | None = None
-        self._client: Client | None = None
-        self._client_lock = threading.Lock()
+        # made again on the next call after a loss
+        self._link = DaemonLink(
+            str(extra["socket"]),
+            region_bytes=self._region_bytes,
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            name="sglang-hicache",
+            label="prefixd sglang backend",
+            daemon_uid=extra.get("daemon_uid"),
+        )
 
     # --- registration -------------------------------------------------------------------------
 
@@ -267,27 +271,26 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
-        self._check(transfers)
-        prefix, paged = _prefix(extra_info), self._paged_prefix(extra_info)
-        results = {}
-        for transfer in transfers:
-            name, keys = str(transfer.name), list(transfer.keys or [])
-            indices = transfer.host_indices
-            if not self._indices_fit(name, keys, indices):
-                results[name] = [False] * len(keys)
-            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                results[name] = self._get_trailing(name, keys, indices, prefix)
-            else:
-                results[name] = self._get_pages(name, keys, indices, paged)
-        return results
+        return self._per_pool(transfers, extra_info, self._get_trailing, self._get_pages)
 
     def batch_set_v2(
         self,
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
+        return self._per_pool(transfers, extra_info, self._set_trailing, self._set_pages)
+
+    def _per_pool(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None,
+        trailing: _PoolCall,
+        paged: _PoolCall,
+    ) -> dict[str, list[bool]]:
+        """A v2 get or set, pool by pool: trailing pools as checkpoints after the call's prefix,
+        paged pools as their chains (each page its own without v1's prefix keys)."""
         self._check(transfers)
-        prefix, paged = _prefix(extra_info), self._paged_prefix(extra_info)
+        prefix, paged_prefix = _prefix(extra_info), self._paged_prefix(extra_info)
         results = {}
         for transfer in transfers:
             name, keys = str(transfer.name), list(transfer.keys or [])
@@ -295,9 +298,9 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             if not self._indices_fit(name, keys, indices):
                 results[name] = [False] * len(keys)
             elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                results[name] = self._set_trailing(name, keys, indices, prefix)
+                results[name] = trailing(name, keys, indices, prefix)
             else:
-                results[name] = self._set_pages(name, keys, indices, paged)
+                results[name] = paged(name, keys, indices, paged_prefix)
         return results
 
     def _paged_prefix(self, extra_info: HiCacheStorageExtraInfo | None) -> list[str] | None:
@@ -404,7 +407,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         per_call = self._per_call(name)
         for start, chain, first, count in self._runs(identity, keys, prefix, per_call, have):
             total = sum(sizes[start : start + count])
-            client = self._connected()
+            client = self._link.client()
             if client is None:
                 return start
             try:
@@ -419,7 +422,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
                 finally:
                     lease.release()
             except PrefixdError as exc:
-                self._failed(client, exc)
+                self._link.failed(client, exc)
                 return start
         return len(keys)
 
@@ -515,48 +518,18 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
     def _call(self, operation: Callable[[Client], Any]) -> Any:
         """`operation(client)`, or None when the daemon is away or refuses it (logged without
         keys); a lost connection is dropped and made again on the next call."""
-        client = self._connected()
-        if client is None:
-            return None
-        try:
-            return operation(client)
-        except PrefixdError as exc:
-            self._failed(client, exc)
-            return None
-
-    def _failed(self, client: Client, exc: PrefixdError) -> None:
-        log.info("prefixd sglang backend: %s (%s)", type(exc).__name__, getattr(exc, "code", ""))
-        if isinstance(exc, DaemonUnavailableError | RequestTimeoutError):
-            with self._client_lock:
-                if self._client is client:
-                    self._client = None
-            client.close()
-
-    def _connected(self) -> Client | None:
-        with self._client_lock:
-            if self._client is None:
-                try:
-                    self._client = Client(
-                        self._socket,
-                        region_bytes=self._region_bytes,
-                        timeout=self._timeout_s,
-                        name="sglang-hicache",
-                        daemon_uid=self._daemon_uid,
-                    )
-                except (PrefixdError, OSError) as exc:
-                    log.warning("prefixd sglang backend: daemon not reachable (%s)", exc)
-                    return None
-            return self._client
+        return self._link.call(operation)
 
     def clear(self) -> None:
         """SGLang's `clear` drops what the backend holds; prefixd's entries are the daemon's
         (shared, persistent, evicted and purged there), so nothing is removed."""
 
     def close(self) -> None:
-        with self._client_lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self._link.close()
+
+
+# A v2 transfer of one pool: (pool name, page keys, host indices, the pages before) -> per key
+_PoolCall = Callable[[str, Sequence[str], "torch.Tensor", list[str] | None], list[bool]]
 
 
 def _prefix(extra_info: HiCacheStorageExtraInfo | None) -> list[str] | None:

@@ -38,8 +38,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from prefixd.client import Client
-from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
+from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.vllm.chains import (
     KEY_BYTES,
     NO_CHAIN,
@@ -116,14 +115,16 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         self._chains = Chains(
             {g.group_id: g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups}
         )
-        self._socket = socket
         self._region_bytes = max(region_bytes, self._row_bytes)
-        self._timeout_s = timeout_s
-        self._reconnect_s = reconnect_s
-        self._daemon_uid = daemon_uid  # the daemon's user, if not this process's own or root
-        self._client: Client | None = None
-        self._client_lock = threading.Lock()
-        self._next_connect = 0.0
+        self._link = DaemonLink(
+            socket,
+            region_bytes=self._region_bytes,
+            timeout_s=timeout_s,
+            name="vllm-tier",
+            label="prefixd tier",
+            reconnect_s=reconnect_s,
+            daemon_uid=daemon_uid,  # the daemon's user, if not this process's own or root
+        )
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self._events = []
@@ -168,7 +169,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
     @property
     def connected(self) -> bool:
         """Whether the tier holds a connection to the daemon now."""
-        return self._client is not None
+        return self._link.connected
 
     def has_pending_work(self) -> bool:
         return self._pending > 0
@@ -195,10 +196,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         self._jobs.put(None)
         self._worker.join()
         self._lookups.shutdown()
-        with self._client_lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self._link.close()
         self._rows.release()  # vLLM unmaps the primary tier after its tiers shut down
 
     # --- the lookup thread ----------------------------------------------------------------------
@@ -231,7 +229,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         self._jobs.put((kind, job, positions_of(job.req_context)))
 
     def _work(self) -> None:
-        self._connected()  # at once, off vLLM's thread: the region is touched before any load
+        self._link.client()  # at once, off vLLM's thread: the region is touched before any load
         while (item := self._jobs.get()) is not None:
             kind, job, positions = item
             chains = self._chains.of(positions)
@@ -383,44 +381,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
     def _call(self, operation: Any) -> Any:
         """`operation(client)`, or None when the daemon is away or refuses it (logged without
         keys); a lost connection is dropped and tried again after `reconnect_s`."""
-        client = self._connected()
-        if client is None:
-            return None
-        try:
-            return operation(client)
-        except PrefixdError as exc:
-            log.info("prefixd tier: %s (%s)", type(exc).__name__, getattr(exc, "code", ""))
-            if isinstance(exc, DaemonUnavailableError | RequestTimeoutError):
-                self._disconnect(client)
-            return None
-
-    def _connected(self) -> Client | None:
-        with self._client_lock:
-            if self._client is not None:
-                return self._client
-            now = time.monotonic()
-            if now < self._next_connect:
-                return None
-            try:
-                self._client = Client(
-                    self._socket,
-                    region_bytes=self._region_bytes,
-                    timeout=self._timeout_s,
-                    name="vllm-tier",
-                    daemon_uid=self._daemon_uid,
-                )
-            except (PrefixdError, OSError) as exc:
-                self._next_connect = now + self._reconnect_s
-                log.warning("prefixd tier: daemon at %s not reachable (%s)", self._socket, exc)
-                return None
-            return self._client
-
-    def _disconnect(self, client: Client) -> None:
-        with self._client_lock:
-            if self._client is client:
-                self._client = None
-                self._next_connect = time.monotonic() + self._reconnect_s
-        client.close()
+        return self._link.call(operation)
 
 
 def group_identities(

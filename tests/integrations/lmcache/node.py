@@ -11,12 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefixd.integrations.lmcache import l2_adapter_config
+
+from ...waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 LMCACHE = str(Path(sys.executable).with_name("lmcache"))
@@ -105,11 +106,14 @@ class NodeServer:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env())
         log.close()
-        deadline = time.monotonic() + START_S
-        while b"Uvicorn running" not in self.log_path.read_bytes():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"lmcache server did not start:\n{self.log()[-4000:]}")
-            time.sleep(0.2)
+        proc = self.proc
+
+        def serving() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"lmcache server exited:\n{self.log()[-4000:]}")
+            return b"Uvicorn running" in self.log_path.read_bytes()
+
+        wait_for(serving, "lmcache server serving", timeout=START_S)
         return self
 
     def stop(self) -> None:
