@@ -246,14 +246,12 @@ class Operations:
         if sum(len(tokens) for tokens, _ in queries) > LOOP_TOKEN_BYTES:
             return None  # comparing that many token ids is work for a worker, not for the loop
         try:
-            matches = [
-                self.store.cached_prefix(identity, tokens, hashes=hashes)
-                for tokens, hashes in queries
-            ]
+            cached = self.store.cached_prefixes(identity, queries)
         except Exception as exc:
             raise _protocol_error(exc) from None
-        if any(m is None for m in matches):
+        if cached is None:
             return None
+        matches: list[PrefixMatch | None] = list(cached)
         results, observed = self._lookup_results(identity, queries, matches)
         reply = LookupReply(id=request.id, results=results)
         return reply, partial(self._count, identity, observed)

@@ -79,6 +79,16 @@ class BlockChain:
         """All token ids, packed '<u4' (a private snapshot)."""
         return self._bytes
 
+    def adopt(self, hashes: tuple[bytes, ...] | list[bytes]) -> None:
+        """Take blocks 0..len(hashes)-1's hashes from a prefix verified earlier for these very
+        tokens (the lookup memo compares them byte for byte), so a put that extends a long chain
+        hashes only its own blocks. Only extends what is known; supplied hashes are kept."""
+        if self._supplied or len(hashes) <= len(self._hashes):
+            return
+        if len(hashes) > self.n_blocks:
+            raise IndexError(f"{len(hashes)} hashes for {self.n_blocks} closed blocks")
+        self._hashes = list(hashes)
+
     @property
     def known_hashes(self) -> int:
         """How many leading block hashes are already computed (or were supplied)."""

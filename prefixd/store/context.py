@@ -19,6 +19,7 @@ from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.environment import Tables
 from prefixd.store.journal import BlockObserver, Journals
+from prefixd.store.lookup_memo import VerifiedPrefixes
 from prefixd.store.pins import Pins
 from prefixd.store.tallies import Tallies
 from prefixd.store.tenancy import TenantIndex
@@ -40,6 +41,11 @@ class StoreContext:
     pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
     observer: BlockObserver | None = None  # told what each write transaction changed
     journals: Journals = field(default_factory=Journals)  # the write transaction's, per thread
+    # prefixes verified by a walk or written by a put: lookups and puts both start after them
+    memo: VerifiedPrefixes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.memo = VerifiedPrefixes(self.config.verified_cache_bytes)
 
     @property
     def path(self) -> Path:

@@ -119,10 +119,18 @@ class VerifiedPrefixes:
         hashes: list[bytes],
         payload_sizes: list[int],
         oldest_created_ns: int,
+        replacing: bytes | None = None,
     ) -> None:
-        """Keep a prefix a walk verified (blocks 0..len(hashes)-1 of `chain`)."""
+        """Keep a prefix a walk verified (blocks 0..len(hashes)-1 of `chain`). `replacing`: the
+        last hash of the shorter prefix it grew from (a put that extended it), dropped so that a
+        prompt growing block by block holds one entry, not one per length."""
         if not self.max_bytes or not hashes:
             return
+        if replacing is not None and replacing != hashes[-1]:
+            with self._lock:
+                grown = self._entries.pop(replacing, None)
+                if grown is not None:
+                    self._forget(grown)
         tokens = chain.token_bytes[: len(hashes) * chain.block_tokens * 4]
         if _cost(tokens, hashes) > self.max_bytes:
             return

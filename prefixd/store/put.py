@@ -3,7 +3,11 @@
 Every put is one write transaction that keeps the store's invariants:
   * ancestry: a put from block k > 0 is refused unless blocks 0..k-1 are stored, match the
     writer's tokens and are within their tenant's time to live (`_check_ancestry`), so a stored
-    block is reachable exactly when its prefix is (there are no orphans);
+    block is reachable exactly when its prefix is (there are no orphans). A prefix verified
+    earlier (by a lookup's walk or an earlier put: the lookup memo, prefixd.store.lookup_memo)
+    and not invalidated since (the removal epoch, read in the put's own transaction) is not read
+    again, and its hashes are not recomputed, so a put that extends a long chain costs what its
+    own blocks cost, not what the chain does;
   * claims: a block is written once and never modified; a hash already stored for other tokens
     refuses the put (a collision), a damaged or expired one is removed with its subtree and
     written afresh (`_claim_block`);
@@ -52,10 +56,11 @@ from prefixd.store.environment import Tables, children_key, parent_key
 from prefixd.store.eviction import capacity_bytes, evict
 from prefixd.store.joint import PlannedPart, plan_put, require_hybrid, require_plain
 from prefixd.store.journal import Journaled, noting
+from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import Damaged
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport, PutResult
-from prefixd.store.walk import walk_chain
+from prefixd.store.walk import Walk, walk_chain
 
 if TYPE_CHECKING:
     from prefixd.errors import PutRefusedError
@@ -78,11 +83,22 @@ class Refusal:
     damaged: Damaged | None = None
 
 
+class Verified(NamedTuple):
+    """Blocks 0..end-1 of a put's chain as its transaction left them (its ancestry and its own
+    blocks), at the removal epoch the transaction read: what the lookup memo keeps after the
+    commit, so the next put or lookup of this prompt starts after them."""
+
+    epoch: int
+    walk: Walk
+    grew_from: bytes | None  # the last hash of the memo's entry the put extended
+
+
 class Written(NamedTuple):
     """What a committed put did, and how many damaged records it replaced."""
 
     result: PutResult
     replaced: int
+    verified: Verified | None = None
 
 
 Outcome = Written | Refusal
@@ -90,11 +106,12 @@ Outcome = Written | Refusal
 
 class Blocks(NamedTuple):
     """What writing a put's blocks did: the payloads written afresh (in order), how many blocks
-    were stored already, and how many damaged records were replaced."""
+    were stored already, how many damaged records were replaced, and blocks 0..end-1 verified."""
 
     written: list[EncodedPayload]
     existed: int
     replaced: int
+    verified: Walk
 
 
 class Writer:
@@ -128,9 +145,12 @@ class Writer:
                 f"{chain.block_tokens} tokens: only closed blocks are stored"
             )
         ctx = self._ctx
-        hashes = [chain.hash(i) for i in range(first_block, end)]
         with ctx.env.begin(buffers=True) as txn:  # encode only what is not stored yet
-            absent = [txn.get(h, db=ctx.tables.blocks) is None for h in hashes]
+            known = self._remembered(txn, chain, first_block)
+            absent = [
+                txn.get(chain.hash(i), db=ctx.tables.blocks) is None
+                for i in range(first_block, end)
+            ]
         todo = [i for i, missing in enumerate(absent) if missing]
         encoded: dict[int, EncodedPayload] = dict(
             zip(
@@ -139,7 +159,9 @@ class Writer:
             )
         )
         return self._publish(
-            lambda txn: self._put_txn(txn, chain, first_block, views, encoded), identity.tenant
+            lambda txn: self._put_txn(txn, chain, first_block, views, encoded, known),
+            identity.tenant,
+            chain,
         )
 
     def _put_txn(
@@ -149,6 +171,7 @@ class Writer:
         first_block: int,
         views: list[memoryview],
         encoded: dict[int, EncodedPayload],
+        known: VerifiedPrefix | None,
     ) -> Outcome:
         t = self._ctx.tables
         digest = chain.identity.digest
@@ -158,7 +181,7 @@ class Writer:
             return encoded.get(index) or self._ctx.codec.encode(views[index - first_block])
 
         blocks = self._write_blocks(
-            txn, chain, first_block, end, payload_of, self._ctx.clock.time_ns()
+            txn, chain, first_block, end, payload_of, self._ctx.clock.time_ns(), known
         )
         if isinstance(blocks, Refusal):
             return blocks
@@ -166,7 +189,8 @@ class Writer:
         stored_bytes = sum(p.stored_size for p in blocks.written)
         _count(txn, t, digest, len(blocks.written), 0, payload_bytes, stored_bytes)
         hashes = tuple(chain.hash(i) for i in range(first_block, end))
-        return Written(PutResult(len(blocks.written), blocks.existed, hashes), blocks.replaced)
+        result = PutResult(len(blocks.written), blocks.existed, hashes)
+        return Written(result, blocks.replaced, self._verified(txn, blocks, known))
 
     # --- hybrid identities: state groups --------------------------------------------------------
 
@@ -205,9 +229,12 @@ class Writer:
         planned = plan_put(spec, bt, first_block, end, paged, checkpoints)
         ctx = self._ctx
         encoded = ctx.codec.encode_many([part.view for part in planned], ctx.pool)
+        with ctx.env.begin(buffers=True) as txn:
+            known = self._remembered(txn, chain, first_block)
         return self._publish(
-            lambda txn: self._put_state_txn(txn, chain, first_block, end, planned, encoded),
+            lambda txn: self._put_state_txn(txn, chain, first_block, end, planned, encoded, known),
             identity.tenant,
+            chain,
         )
 
     def _put_state_txn(
@@ -218,13 +245,14 @@ class Writer:
         end: int,
         planned: list[PlannedPart],
         encoded: list[EncodedPayload],
+        known: VerifiedPrefix | None,
     ) -> Outcome:
         t = self._ctx.tables
         assert t.parts is not None
         digest = chain.identity.digest
         now = self._ctx.clock.time_ns()
         # a block of a hybrid identity has no payload of its own: its state is in parts
-        blocks = self._write_blocks(txn, chain, first_block, end, lambda index: None, now)
+        blocks = self._write_blocks(txn, chain, first_block, end, lambda index: None, now, known)
         if isinstance(blocks, Refusal):
             return blocks
         parts = payload_bytes = stored_bytes = 0
@@ -252,13 +280,17 @@ class Writer:
         stored = len(blocks.written)
         _count(txn, t, digest, stored, parts, payload_bytes, stored_bytes)
         hashes = tuple(chain.hash(i) for i in range(first_block, end))
-        return Written(PutResult(stored, blocks.existed, hashes, parts), blocks.replaced)
+        result = PutResult(stored, blocks.existed, hashes, parts)
+        return Written(result, blocks.replaced, self._verified(txn, blocks, known))
 
     # --- one put's transaction ------------------------------------------------------------------
 
-    def _publish(self, body: Callable[[lmdb.Transaction], Outcome], tenant: str) -> PutResult:
-        """Run a put's write transaction (making room on a full map), then keep the store within
-        its capacity and the tenant within its quota; raise a refusal's error."""
+    def _publish(
+        self, body: Callable[[lmdb.Transaction], Outcome], tenant: str, chain: BlockChain
+    ) -> PutResult:
+        """Run a put's write transaction (making room on a full map), remember the chain it
+        verified, then keep the store within its capacity and the tenant within its quota;
+        raise a refusal's error."""
         outcome = self._with_room(lambda: _transact(self._ctx, body))
         if isinstance(outcome, Refusal):
             if outcome.collided:
@@ -266,6 +298,16 @@ class Writer:
             if outcome.damaged is not None:
                 quarantine.quarantine(self._ctx, [outcome.damaged])
             raise outcome.error
+        if outcome.verified is not None:
+            epoch, walk, grew_from = outcome.verified
+            self._ctx.memo.remember(
+                chain,
+                epoch,
+                walk.hashes,
+                walk.payload_sizes,
+                walk.oldest_created_ns,
+                replacing=grew_from,
+            )
         if outcome.replaced:
             log.warning(
                 "replaced %d stored block(s) whose records failed verification", outcome.replaced
@@ -326,40 +368,90 @@ class Writer:
         end: int,
         payload_of: Callable[[int], EncodedPayload | None],
         now: int,
+        known: VerifiedPrefix | None,
     ) -> Blocks | Refusal:
         """Blocks first_block..end-1 of `chain` in `txn`: the ancestry checked, the identity
         recorded, each block claimed, and those not stored yet written with `payload_of(index)`
         (refused if a payload's stored bytes do not match its checksum)."""
         min_created = self._tenancy.min_created_ns(chain.identity)
-        refused = self._check_ancestry(txn, chain, first_block, min_created)
-        if refused is not None:
-            return refused
+        ancestry = self._check_ancestry(txn, chain, first_block, min_created, known)
+        if isinstance(ancestry, Refusal):
+            return ancestry
         identity = chain.identity
         txn.put(identity.digest, identity.encode(), db=self._ctx.tables.identities, overwrite=False)
         written: list[EncodedPayload] = []
         existed = replaced = 0
+        hashes, sizes = list(ancestry.hashes[:first_block]), ancestry.payload_sizes[:first_block]
+        oldest = ancestry.oldest_created_ns
         for index in range(first_block, end):
             claim = self._claim_block(txn, chain, index, min_created)
             if isinstance(claim, Refusal):
                 return claim
-            present, dropped = claim
+            record, dropped = claim
             replaced += dropped
-            if present:
+            hashes.append(chain.hash(index))
+            if record is not None:
                 existed += 1
+                sizes.append(record.payload_size)
+                oldest = min(oldest, record.created_ns)
                 continue
             payload = payload_of(index) or _NO_PAYLOAD
             if not self._write_block(txn, chain, index, payload, now):
                 return _changed(f"block {index}")
             written.append(payload)
-        return Blocks(written, existed, replaced)
+            sizes.append(payload.payload_size)
+            oldest = min(oldest, now)
+        return Blocks(written, existed, replaced, Walk(hashes, sizes, oldest_created_ns=oldest))
+
+    def _remembered(
+        self, txn: lmdb.Transaction, chain: BlockChain, first_block: int
+    ) -> VerifiedPrefix | None:
+        """The lookup memo's longest verified prefix of blocks 0..first_block-1, if any; the
+        chain takes its hashes, so only the put's own blocks are hashed."""
+        if not first_block:
+            return None
+        ctx = self._ctx
+        epoch = counters.read(txn, ctx.tables.counters, counters.REMOVALS)
+        min_created = self._tenancy.min_created_ns(chain.identity)
+        known = ctx.memo.find(chain, epoch, first_block, min_created)
+        if known is not None:
+            chain.adopt(known.hashes)
+        return known
+
+    def _verified(
+        self, txn: lmdb.Transaction, blocks: Blocks, known: VerifiedPrefix | None
+    ) -> Verified:
+        epoch = counters.read(txn, self._ctx.tables.counters, counters.REMOVALS)
+        return Verified(epoch, blocks.verified, known.hashes[-1] if known is not None else None)
 
     def _check_ancestry(
-        self, txn: lmdb.Transaction, chain: BlockChain, first_block: int, min_created: int
-    ) -> Refusal | None:
-        """Refuse the put unless blocks 0..first_block-1 of `chain` are stored (and fresh)."""
-        walk = walk_chain(txn, self._ctx.tables.blocks, chain, first_block, None, min_created)
+        self,
+        txn: lmdb.Transaction,
+        chain: BlockChain,
+        first_block: int,
+        min_created: int,
+        known: VerifiedPrefix | None,
+    ) -> Walk | Refusal:
+        """Blocks 0..first_block-1 of `chain`, stored and fresh, or the put's refusal. A prefix
+        the memo verified is trusted only if no block was removed since (the removal epoch is
+        read in this transaction) and it is still within its tenant's time to live; the walk
+        reads the rest, record by record."""
+        start = None
+        if (
+            known is not None
+            and counters.read(txn, self._ctx.tables.counters, counters.REMOVALS) == known.epoch
+            and known.oldest_created_ns >= min_created
+        ):
+            start = Walk(
+                list(known.hashes),
+                list(known.payload_sizes),
+                oldest_created_ns=known.oldest_created_ns,
+            )
+            if len(start.hashes) >= first_block:
+                return start
+        walk = walk_chain(txn, self._ctx.tables.blocks, chain, first_block, start, min_created)
         if len(walk.hashes) >= first_block:
-            return None
+            return walk
         missing = len(walk.hashes)
         if walk.collided:
             return Refusal(
@@ -375,8 +467,8 @@ class Writer:
 
     def _claim_block(
         self, txn: lmdb.Transaction, chain: BlockChain, index: int, min_created: int
-    ) -> tuple[bool, int] | Refusal:
-        """(whether block `index` is stored already and matches, damaged records dropped).
+    ) -> tuple[BlockRecord | None, int] | Refusal:
+        """(block `index`'s record if it is stored already and matches, damaged records dropped).
 
         A damaged record, or one past its tenant's time to live, is removed with everything
         below it so the block is written afresh; a hash owned by other tokens refuses the put."""
@@ -386,13 +478,13 @@ class Writer:
         parent = chain.parent_of(index)
         raw = txn.get(h, db=ctx.tables.blocks)
         if raw is None:
-            return False, 0
+            return None, 0
         try:
             record = BlockRecord.decode(raw)
         except CorruptRecordError:
             remove_subtree(ctx, txn, h, parent_key(digest, parent), digest, reason="quarantined")
             quarantine.note(ctx, txn, h, quarantine.BAD_RECORD)
-            return False, 1
+            return None, 1
         if (
             record.identity != digest
             or record.parent != parent
@@ -401,10 +493,10 @@ class Writer:
             error = BlockCollisionError(f"block {index}'s hash is owned by other tokens")
             return Refusal(error, collided=True)
         if record.created_ns >= min_created:
-            return True, 0
+            return record, 0
         # past its tenant's time to live: stored afresh (with nothing below it)
         remove_subtree(ctx, txn, h, parent_key(digest, parent), digest, reason="expired")
-        return False, 0
+        return None, 0
 
     def _write_block(
         self,

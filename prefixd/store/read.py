@@ -35,8 +35,8 @@ from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.codec import StoredPayload, chunks_present
 from prefixd.store.environment import parent_key
+from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.joint import JointMatch, joint_match, require_hybrid, require_plain
-from prefixd.store.lookup_memo import VerifiedPrefixes
 from prefixd.store.quarantine import (
     BAD_PAYLOAD,
     BAD_RECORD,
@@ -70,7 +70,7 @@ class Reader:
         self._ctx = ctx
         self._tenancy = tenancy
         self._access = access
-        self.memo = VerifiedPrefixes(ctx.config.verified_cache_bytes)
+        self.memo = ctx.memo
 
     # --- plain identities -----------------------------------------------------------------------
 
@@ -89,10 +89,29 @@ class Reader:
             identity.digest, identity.block_tokens, tuple(walk.hashes), tuple(walk.payload_sizes)
         )
 
-    def cached_prefix(
+    def cached_prefixes(
+        self, identity: Identity, queries: Sequence[tuple[TokenIds, bytes | None]]
+    ) -> list[PrefixMatch] | None:
+        """See `Store.cached_prefixes`: the memo's answers, reading only the removal epoch; a
+        query memory cannot answer makes it None and counts nothing (the caller asks again)."""
+        found = [self._remembered(identity, tokens, hashes) for tokens, hashes in queries]
+        if any(known is None for known in found):
+            return None
+        matches = []
+        for known in found:
+            assert known is not None
+            self._access.touch(known.hashes)
+            self._ctx.tallies.count(lookups=1, hit_blocks=len(known.hashes))
+            matches.append(
+                PrefixMatch(
+                    known.identity, identity.block_tokens, known.hashes, known.payload_sizes
+                )
+            )
+        return matches
+
+    def _remembered(
         self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
-    ) -> PrefixMatch | None:
-        """See `Store.cached_prefix`: the memo's answer, reading only the removal epoch."""
+    ) -> VerifiedPrefix | None:
         identity, hashes = self._tenancy.namespace(identity, hashes)
         require_plain(identity, "lookup_state")
         tokens = as_token_array(token_ids)  # a view: this answer is never remembered
@@ -108,15 +127,8 @@ class Reader:
                 epoch = counters.read(txn, ctx.tables.counters, counters.REMOVALS)
         except lmdb.Error:
             return None  # a damaged page: `longest_prefix` reports it
-        known = self.memo.find_whole(
+        return self.memo.find_whole(
             identity.digest, closed, epoch, self._tenancy.min_created_ns(identity)
-        )
-        if known is None:
-            return None
-        self._access.touch(known.hashes)
-        ctx.tallies.count(lookups=1, hit_blocks=len(known.hashes))
-        return PrefixMatch(
-            identity.digest, identity.block_tokens, known.hashes, known.payload_sizes
         )
 
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:

@@ -264,11 +264,20 @@ class Store:
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch | None:
         """`longest_prefix`'s answer when memory alone gives it: every closed block of the query
-        lies in a prefix verified earlier that no removal has touched since. Reads no record (only
-        the removal epoch, on a page every write touches), so an event loop may call it; None
-        means: ask `longest_prefix`."""
+        lies in a prefix verified earlier (by a lookup's walk or a put) that no removal has
+        touched since. Reads no record (only the removal epoch, on a page every write touches),
+        so an event loop may call it; None means: ask `longest_prefix`."""
+        matches = self.cached_prefixes(identity, [(token_ids, hashes)])
+        return None if matches is None else matches[0]
+
+    @_translated("the lookup", writing=False)
+    def cached_prefixes(
+        self, identity: Identity, queries: Sequence[tuple[TokenIds, bytes | None]]
+    ) -> list[PrefixMatch] | None:
+        """`cached_prefix` of each (token ids, hashes) query, all or none: None (and nothing
+        counted as a lookup) unless memory answers every one of them."""
         self._check_usable()
-        return self._reader.cached_prefix(identity, token_ids, hashes)
+        return self._reader.cached_prefixes(identity, queries)
 
     @_translated("the read", writing=False)
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:

@@ -38,3 +38,23 @@ def test_only_short_lookups_are_answered_on_the_loop(tmp_path: Path) -> None:
 
         assert from_memory(short) is not None
         assert from_memory(long) is None  # a worker answers it
+
+
+def test_a_lookup_memory_answers_in_part_is_counted_once(tmp_path: Path) -> None:
+    """Memory answers a request whole or not at all: a prompt it knew, asked beside one it did
+    not, is counted as one lookup (by the worker that answers the request), not two."""
+    bt = IDENTITY.block_tokens
+    known, unknown = np.arange(4 * bt, dtype=np.uint32), np.arange(4 * bt, dtype=np.uint32) + 7
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
+        store.put(IDENTITY, known, [b"x"] * 4)
+        store.longest_prefix(IDENTITY, known)  # remembered
+        ops = Operations(store, pool, max_frame_bytes=64 << 20, max_region_bytes=1 << 30)
+        conn = SimpleNamespace(uid=0, grant=EVERYTHING)
+        message = Lookup(
+            id=1,
+            identity=WireIdentity.of(IDENTITY),
+            prompts=[Prompt(tokens=known.tobytes()), Prompt(tokens=unknown.tobytes())],
+        )
+        before = store.stats().lookups
+        assert ops.lookup_from_memory(conn, Request(1, message)) is None  # type: ignore[arg-type]
+        assert store.stats().lookups == before  # nothing answered, nothing counted

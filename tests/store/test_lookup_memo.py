@@ -91,9 +91,12 @@ def test_cache_is_bounded(tmp_path: Path, identity: Identity) -> None:
 
 
 def test_cached_prefix_answers_only_whole_unchanged_prompts(store: Store, identity: Identity) -> None:
-    store.put(identity, TOKENS, payloads(10))
-    assert store.cached_prefix(identity, TOKENS) is None  # nothing verified yet
+    store.put(identity, TOKENS[:20], payloads(5))
+    assert store.cached_prefix(identity, TOKENS) is None  # nothing verified of these 10 blocks
+    store.put(identity, TOKENS, payloads(5), first_block=5)
+    put = store.cached_prefix(identity, TOKENS)  # a put remembers the chain it wrote
     walked = store.longest_prefix(identity, TOKENS)
+    assert put == walked
     assert store.cached_prefix(identity, TOKENS) == walked
     assert store.cached_prefix(identity, TOKENS + [1, 2]) == walked  # an open tail is fine
     assert store.cached_prefix(identity, TOKENS[:-4]) is None  # not the whole remembered prefix
