@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import crc32c
 import lmdb
@@ -52,10 +52,11 @@ from prefixd.schema.records import (
 from prefixd.schema.tokens import TokenIds
 from prefixd.store import counters, quarantine
 from prefixd.store.codec import EncodedPayload, payload_view
+from prefixd.store.commits import CommitQueue
 from prefixd.store.environment import Tables, children_key, parent_key
 from prefixd.store.eviction import capacity_bytes, evict
 from prefixd.store.joint import PlannedPart, plan_put, require_hybrid, require_plain
-from prefixd.store.journal import Journaled, noting
+from prefixd.store.journal import noting
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import Damaged
 from prefixd.store.removal import remove_subtree
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
     from prefixd.store.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 _NO_PAYLOAD = EncodedPayload(Compression.NONE, [], 0, 0, 0, 0)
 
 
@@ -121,6 +121,7 @@ class Writer:
         self._ctx = ctx
         self._tenancy = tenancy
         self._access = access  # for the evictions a put sets off
+        self._commits: CommitQueue[Outcome] = CommitQueue(ctx, _refused)
 
     # --- plain identities -----------------------------------------------------------------------
 
@@ -291,7 +292,7 @@ class Writer:
         """Run a put's write transaction (making room on a full map), remember the chain it
         verified, then keep the store within its capacity and the tenant within its quota;
         raise a refusal's error."""
-        outcome = self._with_room(lambda: _transact(self._ctx, body))
+        outcome = self._with_room(lambda: self._commits.run(body))
         if isinstance(outcome, Refusal):
             if outcome.collided:
                 self._ctx.tallies.collided()
@@ -533,30 +534,6 @@ class Writer:
         return intact
 
 
-def _transact(ctx: StoreContext, body: Callable[[lmdb.Transaction], _T]) -> _T:
-    """Run `body` in one write transaction: committed with its outcome, aborted on a Refusal
-    (or an exception), so a refused put leaves nothing behind (and tells the observer nothing)."""
-    journaled = Journaled(ctx)
-    txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
-    try:
-        outcome = body(txn)
-    except BaseException:
-        txn.abort()
-        journaled.done(committed=False)
-        raise
-    if isinstance(outcome, Refusal):
-        txn.abort()
-        journaled.done(committed=False)
-    else:
-        try:
-            txn.commit()
-        except BaseException:
-            journaled.done(committed=False)
-            raise
-        journaled.done(committed=True)
-    return outcome
-
-
 def check_first_block(first_block: object) -> None:
     """Refuse a `first_block` that is not a non-negative int (a bool is not one)."""
     if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
@@ -593,6 +570,10 @@ def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence
         assert stored is not None  # written just now, in this transaction
         value = crc32c.crc32c(stored, value)
     return value
+
+
+def _refused(outcome: Outcome) -> bool:
+    return isinstance(outcome, Refusal)
 
 
 def _changed(what: str) -> Refusal:

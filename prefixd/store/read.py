@@ -35,8 +35,8 @@ from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.codec import StoredPayload, chunks_present
 from prefixd.store.environment import parent_key
-from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.joint import JointMatch, joint_match, require_hybrid, require_plain
+from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import (
     BAD_PAYLOAD,
     BAD_RECORD,

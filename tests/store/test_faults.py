@@ -780,21 +780,21 @@ def test_a_payload_rewritten_during_a_put_is_refused_never_stored_corrupt(
     """A client rewriting its payload in its region after the daemon checksummed it and before
     LMDB copied it: the put is refused whole, so no block is acknowledged whose stored bytes do
     not match its checksum (an honest client's identical put later stores it afresh)."""
-    from prefixd.store import put as put_module
+    from prefixd.store import commits
 
     payloads = [bytearray(p) for p in random_payloads(N_BLOCKS)]
-    original = put_module._transact
+    original = commits.transact
 
-    def rewritten_first(env: lmdb.Environment, body: Callable[[lmdb.Transaction], object]) -> object:
+    def rewritten_first(ctx: object, body: Callable[[lmdb.Transaction], object], aborts: object) -> object:
         payloads[BAD][100] ^= 0xFF  # checksummed already; LMDB copies it inside the transaction
-        return original(env, body)
+        return original(ctx, body, aborts)  # type: ignore[arg-type]
 
     with open_store(tmp_path / "s", compression="none") as store:
-        monkeypatch.setattr(put_module, "_transact", rewritten_first)
+        monkeypatch.setattr(commits, "transact", rewritten_first)
         with pytest.raises(PayloadError, match="changed while it was being stored"):
             store.put(IDENT, TOKENS, payloads)
         assert store.stats().blocks == 0  # nothing of that put was stored
-        monkeypatch.setattr(put_module, "_transact", original)
+        monkeypatch.setattr(commits, "transact", original)
         honest = [bytes(p) for p in payloads]
         assert store.put(IDENT, TOKENS, honest).stored == N_BLOCKS
         assert_loads(store, honest)

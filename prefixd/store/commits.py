@@ -1,0 +1,136 @@
+"""Group commit: puts that arrive together share one write transaction and one commit.
+
+LMDB has one writer at a time, and a commit (two fsyncs under durability=full, a page flush
+otherwise) costs more than a small put's own writes. So a put does not open a transaction of its
+own: it queues its body, and whichever put holds the commit lock runs every body queued by then in
+one write transaction and commits them once. A body that refuses, anything a body raises, and a
+commit that fails abort the whole group, which then runs one put at a time, in order, each in a
+transaction of its own (its error raised in its own thread), so refusals and errors (a full map
+above all, which the put path meets by making room and trying again) behave exactly as they
+always did. Refusals are rare, and LMDB's nested transactions, which could isolate them, cost
+more than a small put (each allocates a dirty-page list of 2 MiB). A put that meets no other
+commits alone, holding the commit lock through its transaction so that the puts arriving
+meanwhile queue up for the next group.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+import lmdb
+
+from prefixd.store.journal import Journaled
+
+if TYPE_CHECKING:
+    from prefixd.store.context import StoreContext
+
+T = TypeVar("T")
+MAX_GROUP = 64  # bodies per shared transaction: bounds what one commit holds dirty
+
+
+class _Queued(Generic[T]):
+    __slots__ = ("body", "done", "error", "outcome")
+
+    def __init__(self, body: Callable[[lmdb.Transaction], T]) -> None:
+        self.body = body
+        self.done = False
+        self.outcome: T | None = None
+        self.error: BaseException | None = None  # what the body raised, run alone
+
+
+class CommitQueue(Generic[T]):
+    """The puts of one store waiting to commit; thread-safe."""
+
+    def __init__(self, ctx: StoreContext, aborts: Callable[[T], bool]) -> None:
+        """`aborts(outcome)`: whether a body's outcome is a refusal (its changes are dropped)."""
+        self._ctx = ctx
+        self._aborts = aborts
+        self._queue: list[_Queued[T]] = []
+        self._queue_lock = threading.Lock()
+        self._commit_lock = threading.Lock()
+        self.groups = 0  # shared transactions committed (more than one body each)
+
+    def run(self, body: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `body` in a write transaction, committed unless its outcome aborts; together with
+        whatever other puts are waiting."""
+        item = _Queued(body)
+        with self._queue_lock:
+            self._queue.append(item)
+        with self._commit_lock:
+            while not item.done:
+                with self._queue_lock:
+                    group, self._queue = self._queue[:MAX_GROUP], self._queue[MAX_GROUP:]
+                if len(group) == 1 and group[0] is item:  # no one to share with
+                    return transact(self._ctx, body, self._aborts)
+                if len(group) == 1 or not self._commit(group):
+                    self._one_by_one(group)
+        if item.error is not None:
+            raise item.error
+        assert item.outcome is not None
+        return item.outcome
+
+    def _commit(self, group: list[_Queued[T]]) -> bool:
+        """Run the group's bodies in one transaction and commit it; False (nothing written) if
+        a body refused or anything failed."""
+        ctx = self._ctx
+        journaled = Journaled(ctx)
+        txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's pages
+        try:
+            for item in group:
+                item.outcome = item.body(txn)
+                if self._aborts(item.outcome):
+                    raise _Refused
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            journaled.done(committed=False)
+            return False
+        journaled.done(committed=True)
+        self.groups += 1
+        for item in group:
+            item.done = True
+        return True
+
+    def _one_by_one(self, group: list[_Queued[T]]) -> None:
+        """Each body in a transaction of its own, in the order they came: what the puts would
+        have done had they not met."""
+        for item in group:
+            item.outcome = None
+            try:
+                item.outcome = transact(self._ctx, item.body, self._aborts)
+            except BaseException as exc:  # raised in the put's own thread, as if alone
+                item.error = exc
+            item.done = True
+
+
+class _Refused(Exception):
+    """A body of the group refused its put: the group's transaction is aborted."""
+
+
+def transact(
+    ctx: StoreContext, body: Callable[[lmdb.Transaction], T], aborts: Callable[[T], bool]
+) -> T:
+    """Run `body` in one write transaction: committed with its outcome, aborted if the outcome
+    `aborts` (or on an exception), so a refused put leaves nothing behind (and tells the
+    observer nothing)."""
+    journaled = Journaled(ctx)
+    txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
+    try:
+        outcome = body(txn)
+    except BaseException:
+        txn.abort()
+        journaled.done(committed=False)
+        raise
+    if aborts(outcome):
+        txn.abort()
+        journaled.done(committed=False)
+    else:
+        try:
+            txn.commit()
+        except BaseException:
+            journaled.done(committed=False)
+            raise
+        journaled.done(committed=True)
+    return outcome
