@@ -212,6 +212,11 @@ class Operations:
         finally:
             conn.close_fds(fds)
         region = await self._run(partial(MappedRegion, fd, size, self.max_region_bytes))
+        try:  # mapped in now, not page by page in the first load; off the workers and the loop
+            await asyncio.get_running_loop().run_in_executor(None, region.populate)
+        except BaseException:
+            region.close()
+            raise
         return AttachReply(id=rid, region=conn.add_region(region), size=size)
 
     async def put(self, conn: Connection, request: Request[Put]) -> PutReply:
