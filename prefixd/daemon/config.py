@@ -33,6 +33,7 @@ from prefixd.daemon.policy import TenantPolicy
 from prefixd.errors import ConfigError
 from prefixd.store.config import (
     COMPRESSIONS,
+    READ_PATHS,
     Durability,
     StoreConfig,
     parse_seconds,
@@ -339,6 +340,13 @@ class Config:
     chunk_bytes: int = _store("chunk_bytes", "size", "payload chunk size (even)")
     verify_threads: int = _store("verify_threads", "int", "threads verifying checksums on reads")
     readahead: bool = _store("readahead", "bool", "let the OS read ahead in the data file")
+    read_path: str = _store(
+        "read_path",
+        "choice",
+        "how loads read payloads stored raw: auto (large ones with preadv from the data file, "
+        "small ones from LMDB's map), mmap or pread",
+        READ_PATHS,
+    )
     max_readers: int = _store("max_readers", "int", "LMDB reader slots")
     verified_cache_bytes: int = _store(
         "verified_cache_bytes", "size", "memory for recently verified prefixes (0: off)"
