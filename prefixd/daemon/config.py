@@ -184,6 +184,14 @@ class Config:
         low=0.0,
         high=7 * 86400.0,
     )
+    load_deadline_s: float = _setting(
+        "seconds",
+        "how long a load may read before the daemon answers the verified prefix it has (slow "
+        "storage; 0: no limit; a client's deadline_s overrides it)",
+        0.0,
+        low=0.0,
+        high=86400.0,
+    )
     max_region_bytes: int = _setting(
         "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
     )
