@@ -161,6 +161,7 @@ class AsyncClient(Shell):
         hashes: bytes | None = None,
         first_block: int = 0,
         warm: bool = False,
+        deadline_s: float | None = None,
     ) -> Loaded:
         return await self._run(
             self._core.load(
@@ -171,6 +172,7 @@ class AsyncClient(Shell):
                 hashes=hashes,
                 first_block=first_block,
                 warm=warm,
+                deadline_s=deadline_s,
             )
         )
 

@@ -165,11 +165,13 @@ class Client(Shell):
         hashes: bytes | None = None,
         first_block: int = 0,
         warm: bool = False,
+        deadline_s: float | None = None,
     ) -> Loaded:
         """Load the longest stored prefix of `token_ids` (from `first_block` on, at most
         `length` bytes) into leased region space. The result's views stay valid until it is
         released (`release()`, `with`, or when it and its views are gone). `warm` counts the load
-        as restart warm-up in the daemon's stats."""
+        as restart warm-up in the daemon's stats. Past `deadline_s` seconds (default: the daemon's
+        load_deadline_s) the daemon stops reading and answers the verified prefix it has."""
         return self._run(
             self._core.load(
                 identity,
@@ -179,6 +181,7 @@ class Client(Shell):
                 hashes=hashes,
                 first_block=first_block,
                 warm=warm,
+                deadline_s=deadline_s,
             )
         )
 

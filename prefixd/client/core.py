@@ -392,6 +392,7 @@ class ClientCore:
             _release(held)
         fields = msgspec.structs.asdict(reply)
         return Routed(**{name: fields[name] for name in Routed.__slots__})
+
     def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
         held: list[Span] = []
         try:
@@ -439,6 +440,7 @@ class ClientCore:
         hashes: bytes | None = None,
         first_block: int = 0,
         warm: bool = False,
+        deadline_s: float | None = None,
     ) -> Steps[LoadReply]:
         """Load into bytes [start, start + length) of a lease the caller holds."""
         if not 0 <= start <= start + length <= lease.size or lease.released:
@@ -457,6 +459,7 @@ class ClientCore:
                 max_blocks=max_blocks,
                 first_block=first_block or None,
                 warm=warm or None,
+                deadline_s=deadline_s,
             )
             reply: wire.LoadReply = yield Call(message, (lease.span, *_spans(held)))
         finally:
@@ -480,6 +483,7 @@ class ClientCore:
         hashes: bytes | None = None,
         first_block: int = 0,
         warm: bool = False,
+        deadline_s: float | None = None,
     ) -> Steps[Loaded]:
         """The longest stored prefix (from `first_block` on) into leased region space: at most
         `length` bytes, or as much of the hit as the region holds."""
@@ -489,6 +493,7 @@ class ClientCore:
             "hashes": hashes,
             "first_block": first_block,
             "warm": warm,
+            "deadline_s": deadline_s,
         }
         # Into as much of the region as is free (all of it when nothing else is leased). When
         # others held space and the hit did not fit, ask again once with a lease of the hit's

@@ -33,6 +33,7 @@ from prefixd.daemon.policy import TenantPolicy
 from prefixd.errors import ConfigError
 from prefixd.store.config import (
     COMPRESSIONS,
+    READ_PATHS,
     Durability,
     StoreConfig,
     parse_seconds,
@@ -182,6 +183,14 @@ class Config:
         0.0,
         low=0.0,
         high=7 * 86400.0,
+    )
+    load_deadline_s: float = _setting(
+        "seconds",
+        "how long a load may read before the daemon answers the verified prefix it has (slow "
+        "storage; 0: no limit; a client's deadline_s overrides it)",
+        0.0,
+        low=0.0,
+        high=86400.0,
     )
     max_region_bytes: int = _setting(
         "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
@@ -339,6 +348,13 @@ class Config:
     chunk_bytes: int = _store("chunk_bytes", "size", "payload chunk size (even)")
     verify_threads: int = _store("verify_threads", "int", "threads verifying checksums on reads")
     readahead: bool = _store("readahead", "bool", "let the OS read ahead in the data file")
+    read_path: str = _store(
+        "read_path",
+        "choice",
+        "how loads read payloads stored raw: auto (large ones with preadv from the data file, "
+        "small ones from LMDB's map), mmap or pread",
+        READ_PATHS,
+    )
     max_readers: int = _store("max_readers", "int", "LMDB reader slots")
     verified_cache_bytes: int = _store(
         "verified_cache_bytes", "size", "memory for recently verified prefixes (0: off)"

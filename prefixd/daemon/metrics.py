@@ -289,6 +289,11 @@ class _StoreCollector:
             ("prefixd_quarantined_blocks", stats.quarantined, "Blocks that failed verification"),
             ("prefixd_hash_collisions", stats.collisions, "Hash collisions seen (counted misses)"),
             ("prefixd_verify_failures", stats.verify_failures, "Payloads that failed checksums"),
+            (
+                "prefixd_load_deadline_cutoffs",
+                stats.deadline_cutoffs,
+                "Loads that stopped reading at their deadline (a shorter hit)",
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -117,12 +117,14 @@ class Operations:
         bridge: SharedTierBridge | None = None,
         clock: Clock | None = None,
         admin_pool: Executor | None = None,
+        load_deadline_s: float = 0.0,
     ) -> None:
         self.store = store
         self.clock: Clock = clock or SystemClock()  # the store's: one time for the daemon
         self.bridge = bridge  # the shared tier, when one is configured
         self.metrics = metrics if metrics is not None else Metrics(store, prefill_tokens_per_s=1e4)
         self.min_reusable_tokens = min_reusable_tokens
+        self.load_deadline_s = load_deadline_s  # 0: loads read until they are done
         self.models = models if models is not None else {}  # served model -> weights fingerprint
         self.pool = pool
         # verify runs here, one at a time, apart from the pool that serves lookups and loads
@@ -212,6 +214,11 @@ class Operations:
         finally:
             conn.close_fds(fds)
         region = await self._run(partial(MappedRegion, fd, size, self.max_region_bytes))
+        try:  # mapped in now, not page by page in the first load; off the workers and the loop
+            await asyncio.get_running_loop().run_in_executor(None, region.populate)
+        except BaseException:
+            region.close()
+            raise
         return AttachReply(id=rid, region=conn.add_region(region), size=size)
 
     async def put(self, conn: Connection, request: Request[Put]) -> PutReply:
@@ -389,6 +396,8 @@ class Operations:
         offset, out = _output(conn, msg)
         first_block = msg.first_block or 0
         started = time.perf_counter()
+        limit_s = msg.deadline_s or self.load_deadline_s
+        deadline = self.clock.monotonic() + limit_s if limit_s else None
         self.loads.started()
         result = LoadResult(0, 0, (), ())
         try:
@@ -401,6 +410,7 @@ class Operations:
                     max_blocks=msg.max_blocks,
                     hashes=msg.hashes,
                     first_block=first_block,
+                    deadline=deadline,
                 )
             )
         finally:

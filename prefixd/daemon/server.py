@@ -146,6 +146,7 @@ class Server:
             models=watcher.fingerprints,
             metrics=metrics,
             min_reusable_tokens=config.min_reusable_tokens,
+            load_deadline_s=config.load_deadline_s,
             bridge=bridge,
             clock=self.clock,
             admin_pool=admin,

@@ -9,13 +9,14 @@ before they are decoded.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, TypeGuard, TypeVar
+from typing import Any, Literal, NamedTuple, TypeGuard, TypeVar
 
 import crc32c
 import numpy as np
@@ -34,6 +35,11 @@ COMPRESSION_BY_NAME = {
 
 Buffer = bytes | bytearray | memoryview
 PayloadRecord = BlockRecord | PartRecord  # both name a payload's compression, sizes and checksum
+# Where a payload that failed verification failed: in its stored bytes (damage: quarantined), only
+# in its destination (a client writing into its own region), or the data file could not be read
+# where it lies (cut short, or an I/O error: a miss, never quarantined, since removing the block
+# would make LMDB read those very pages through its map)
+Failure = Literal["stored", "destination", "unreadable"]
 _C = TypeVar("_C")
 
 
@@ -49,14 +55,23 @@ class EncodedPayload:
     checksum: int
 
 
+class FileSpans(NamedTuple):
+    """Where a payload's chunks lie in a file (prefixd.store.direct): read them from `fd` at
+    `offsets`, straight into the destination, instead of copying them from their views."""
+
+    fd: int
+    offsets: tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class StoredPayload:
     """One block to decode: its record, its chunk views (valid only inside the read transaction)
-    and where its payload goes."""
+    and where its payload goes; with `source`, a raw payload is read from the file there."""
 
     record: PayloadRecord
     chunks: list[memoryview]
     dest: memoryview
+    source: FileSpans | None = None
 
 
 @dataclass
@@ -70,8 +85,39 @@ class CodecCounters:
     decompress_s: float = 0.0
     copied_bytes: int = 0
     copy_s: float = 0.0  # verified copies of payloads stored raw (copy and crc32c in one pass)
+    file_read_bytes: int = 0  # of copied_bytes, those read from the data file (preadv)
+    deadline_cutoffs: int = 0  # loads that stopped reading at their deadline (a shorter hit)
     verify_failures: int = 0
     destinations_changed: int = 0
+
+
+class Deadline:
+    """When a load stops reading, on a clock's monotonic seconds (prefixd.clock): past it,
+    decoding stops before the next block or piece it would read, and notes the item where it
+    stopped, so that the caller tells a cut-off (the verified prefix is still a correct, shorter
+    hit) from a failure. Thread-safe."""
+
+    def __init__(self, monotonic: Callable[[], float], at: float) -> None:
+        self._monotonic = monotonic
+        self.at = at
+        self._lock = threading.Lock()
+        self._stopped: list[StoredPayload] = []
+
+    def passed(self) -> bool:
+        return self._monotonic() >= self.at
+
+    def stop(self, item: StoredPayload) -> None:
+        with self._lock:
+            self._stopped.append(item)
+
+    def stopped_at(self, item: StoredPayload) -> bool:
+        """Whether decoding stopped at `item` for the deadline (not for a failed check)."""
+        with self._lock:
+            return any(stopped is item for stopped in self._stopped)
+
+
+class _DeadlinePassed(Exception):
+    """Raised between the pieces of a read once its deadline has passed."""
 
 
 def checksum(chunks: Sequence[Buffer]) -> int:
@@ -156,10 +202,16 @@ class PayloadCodec:
 
     # --- decoding ------------------------------------------------------------------------------
 
-    def decode_verified(self, items: Sequence[StoredPayload], pool: Executor | None) -> int:
+    def decode_verified(
+        self,
+        items: Sequence[StoredPayload],
+        pool: Executor | None,
+        deadline: Deadline | None = None,
+    ) -> int:
         """Write each item's payload into its dest, in order; return how many leading items
         verified. The first item that fails ends the run; its dest and those of every item after it
-        are zeroed, so no unreported bytes are left behind.
+        are zeroed, so no unreported bytes are left behind. Past `deadline`, decoding stops
+        there too (`Deadline.stopped_at` tells that item from one that failed).
 
         With a pool, the items are split in two runs of about equal bytes, decoded at once on the
         calling thread and on a pool thread (copies, crc32c, zstd and numpy release the GIL).
@@ -169,40 +221,68 @@ class PayloadCodec:
         split = _halfway([i.record.payload_size for i in items]) if pool else len(items)
         tail = None
         if pool is not None and split < len(items):
-            tail = pool.submit(self._decode_run, items[split:])
-        verified = self._decode_run(items[:split])
+            tail = pool.submit(self._decode_run, items[split:], deadline)
+        verified = self._decode_run(items[:split], deadline)
         if tail is not None:
             tail_verified = tail.result()
             if verified == split:
                 verified += tail_verified
         if verified < len(items):
+            cut = deadline is not None and deadline.stopped_at(items[verified])
             with self._lock:
-                self.counters.verify_failures += 1
+                if cut:
+                    self.counters.deadline_cutoffs += 1
+                else:
+                    self.counters.verify_failures += 1
             for unreported in items[verified:]:
                 _as_array(unreported.dest[: unreported.record.payload_size]).fill(0)
         return verified
 
-    def destination_changed(self, item: StoredPayload) -> bool:
-        """Whether an item that failed `decode_verified` failed only in its destination: a raw
-        payload is checksummed as it is copied, so bytes a client wrote into its own region
-        during the copy fail the check although the stored bytes are intact. Those are checked
-        again here, and a failure they pass is no damage (nothing is quarantined for it)."""
+    def failure(self, item: StoredPayload) -> Failure:
+        """Where an item that failed `decode_verified` failed. A raw payload is checksummed in its
+        destination as it is copied there, so bytes a client wrote into its own region during the
+        copy fail the check although the stored bytes are intact: those are checked again here
+        (a payload read from the file is read again into this thread's scratch memory, never
+        through the map, where a file cut short would fault), and a failure they pass is the
+        destination's (nothing is quarantined for it)."""
         record = item.record
-        if record.compression is not Compression.NONE or checksum(item.chunks) != record.checksum:
-            return False
+        if record.compression is not Compression.NONE:
+            return "stored"
+        if item.source is not None:
+            stored = self._file_checksum(item.source, [c.nbytes for c in item.chunks])
+            if stored is None:
+                return "unreadable"
+        else:
+            stored = checksum(item.chunks)
+        if stored != record.checksum:
+            return "stored"
         with self._lock:
             self.counters.destinations_changed += 1
-        return True
+        return "destination"
 
-    def _decode_run(self, items: Sequence[StoredPayload]) -> int:
-        """Decode items in order; return the index of the first that fails (len(items) if none)."""
-        copied = decompressed = 0
+    def _decode_run(self, items: Sequence[StoredPayload], deadline: Deadline | None) -> int:
+        """Decode items in order; return the index of the first that fails or that the deadline
+        stopped (len(items) if none)."""
+        copied = decompressed = from_file = 0
         started = time.perf_counter()
         done = 0
         for item in items:
             record = item.record
+            if deadline is not None and deadline.passed():
+                deadline.stop(item)
+                break
             if record.compression is Compression.NONE:
-                if _copy_and_checksum(item.chunks, item.dest) != record.checksum:
+                if item.source is not None:
+                    try:
+                        value = _read_and_checksum(item.source, item.chunks, item.dest, deadline)
+                    except _DeadlinePassed:
+                        assert deadline is not None
+                        deadline.stop(item)
+                        break
+                    from_file += record.payload_size
+                else:
+                    value = _copy_and_checksum(item.chunks, item.dest)
+                if value != record.checksum:
                     break
                 copied += record.payload_size
             else:
@@ -218,6 +298,7 @@ class PayloadCodec:
         with self._lock:
             c = self.counters
             c.copied_bytes += copied
+            c.file_read_bytes += from_file
             c.decompress_out_bytes += decompressed
             if decompressed:
                 c.decompress_s += elapsed * decompressed / (decompressed + copied)
@@ -246,6 +327,18 @@ class PayloadCodec:
             values = np.frombuffer(target, dtype="<u2")
             np.left_shift(_as_array(high), 8, out=values, dtype=np.uint16)
             np.bitwise_or(values, low, out=values, dtype=np.uint16)
+
+    def _file_checksum(self, source: FileSpans, sizes: Sequence[int]) -> int | None:
+        """crc32c of the chunks as they are in the file, read piece by piece into scratch."""
+        scratch = self._scratch(_PIECE)
+        value = 0
+        for at, size in zip(source.offsets, sizes):
+            for start in range(0, size, _PIECE):
+                piece = scratch[: min(_PIECE, size - start)]
+                if not _pread_exactly(source.fd, piece, at + start):
+                    return None
+                value = crc32c.crc32c(piece, value)
+        return value
 
     def _decompressor(self) -> zstandard.ZstdDecompressor:
         decompressor = getattr(self._local, "decompressor", None)
@@ -288,6 +381,43 @@ def _copy_and_checksum(chunks: Sequence[memoryview], dest: memoryview) -> int:
             value = crc32c.crc32c(target, value)
             offset += piece.nbytes
     return value
+
+
+def _read_and_checksum(
+    source: FileSpans,
+    chunks: Sequence[memoryview],
+    dest: memoryview,
+    deadline: Deadline | None = None,
+) -> int | None:
+    """`_copy_and_checksum`, reading each chunk from `source` with preadv instead of copying its
+    view (the views give only the sizes). None if the file cannot be read or ends early;
+    _DeadlinePassed if `deadline` passes between two pieces (slow storage: a stalled read)."""
+    value = 0
+    offset = 0
+    for at, chunk in zip(source.offsets, chunks):
+        for start in range(0, chunk.nbytes, _PIECE):
+            if offset and deadline is not None and deadline.passed():
+                raise _DeadlinePassed
+            target = dest[offset : offset + min(_PIECE, chunk.nbytes - start)]
+            if not _pread_exactly(source.fd, target, at + start):
+                return None
+            value = crc32c.crc32c(target, value)
+            offset += target.nbytes
+    return value
+
+
+def _pread_exactly(fd: int, target: memoryview, at: int) -> bool:
+    """Fill `target` from `fd` at offset `at`; False on an error or the end of the file."""
+    filled = 0
+    while filled < target.nbytes:
+        try:
+            got = os.preadv(fd, [target[filled:]], at + filled)
+        except OSError:
+            return False
+        if got <= 0:
+            return False
+        filled += got
+    return True
 
 
 def _zstd_into(

@@ -33,6 +33,7 @@ class Durability(str, Enum):
 
 
 COMPRESSIONS = ("none", "zstd", "zstd-planes")
+READ_PATHS = ("auto", "mmap", "pread")  # how loads read raw payloads: prefixd.store.direct
 _SECONDS_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SECONDS_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
 
@@ -130,6 +131,7 @@ class StoreConfig:
     chunk_bytes: int = 1 * MiB
     verify_threads: int = 2
     readahead: bool = True
+    read_path: str = "auto"
     max_readers: int = 256
     verified_cache_bytes: int = 32 * MiB
     capacity_bytes: int = 0
@@ -155,6 +157,10 @@ class StoreConfig:
         if self.compression not in COMPRESSIONS:
             raise ConfigError(
                 f"compression: must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}"
+            )
+        if self.read_path not in READ_PATHS:
+            raise ConfigError(
+                f"read_path: must be one of {', '.join(READ_PATHS)}, got {self.read_path!r}"
             )
         _int_in("map_size", self.map_size, 1 * MiB, 1 << 50)
         _int_in("zstd_level", self.zstd_level, -7, 22)

@@ -17,6 +17,7 @@ from prefixd.clock import Clock
 from prefixd.schema.meta import StoreMeta
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
+from prefixd.store.direct import DataFile
 from prefixd.store.environment import Tables
 from prefixd.store.journal import BlockObserver, Journals
 from prefixd.store.lookup_memo import VerifiedPrefixes
@@ -40,6 +41,7 @@ class StoreContext:
     tallies: Tallies  # this process's counts
     pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
     observer: BlockObserver | None = None  # told what each write transaction changed
+    data_file: DataFile | None = None  # data.mdb for loads that read it directly (direct.py)
     journals: Journals = field(default_factory=Journals)  # the write transaction's, per thread
     # prefixes verified by a walk or written by a put: lookups and puts both start after them
     memo: VerifiedPrefixes = field(init=False)

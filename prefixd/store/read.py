@@ -33,7 +33,7 @@ from prefixd.schema.records import (
 from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
-from prefixd.store.codec import StoredPayload, chunks_present
+from prefixd.store.codec import Deadline, StoredPayload, chunks_present
 from prefixd.store.environment import parent_key
 from prefixd.store.joint import JointMatch, joint_match, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
@@ -167,6 +167,7 @@ class Reader:
         max_blocks: int | None,
         hashes: bytes | None,
         first_block: int,
+        deadline: float | None = None,
     ) -> LoadResult:
         """See `Store.load`."""
         identity, hashes = self._tenancy.namespace(identity, hashes)
@@ -181,6 +182,7 @@ class Reader:
         offsets: list[int] = []
         digest = identity.digest
         min_created = self._tenancy.min_created_ns(identity)
+        cut = None if deadline is None else Deadline(ctx.clock.monotonic, deadline)
         with ctx.env.begin(buffers=True) as txn:
             walk = self._walk(txn, chain, limit)
             items: list[StoredPayload] = []
@@ -205,11 +207,13 @@ class Reader:
                 items.append(item)
                 offsets.append(offset)
                 offset = end
-            n_ok = ctx.codec.decode_verified(items, ctx.pool)
+            n_ok = ctx.codec.decode_verified(items, ctx.pool, cut)
             if n_ok < len(items):
-                next_size = 0  # stopped at a failed payload, not for room
+                next_size = 0  # stopped at a failed payload or the deadline, not for room
                 failed = start + n_ok
-                if self._stored_damage(items[n_ok]):
+                if cut is not None and cut.stopped_at(items[n_ok]):
+                    pass  # slow storage: the verified prefix is the answer
+                elif self._stored_damage(items[n_ok]):
                     bad.append(Damaged(walk.hashes[failed], parents[failed], digest, BAD_PAYLOAD))
             items.clear()
         self._after_walk(walk, chain)
@@ -329,7 +333,7 @@ class Reader:
                 damaged.append(part.block)
                 return ()
             end = offset + part.payload_size
-            items.append(StoredPayload(record, chunks, buffer[offset:end]))
+            items.append(self._payload(record, chunks, buffer[offset:end]))
             offsets.append(offset)
             offset = end
         n_ok = ctx.codec.decode_verified(items, ctx.pool)
@@ -461,16 +465,31 @@ class Reader:
         if sum(c.nbytes for c in chunks) != record.stored_size:
             bad.append(Damaged(h, parent, identity_digest, "payload size differs from its record"))
             return None
-        return StoredPayload(record, chunks, dest)
+        return self._payload(record, chunks, dest)
+
+    def _payload(
+        self, record: BlockRecord | PartRecord, chunks: list[memoryview], dest: memoryview
+    ) -> StoredPayload:
+        """What the codec decodes: with the chunks' place in data.mdb when they are to be read
+        from the file (prefixd.store.direct), not copied from the map."""
+        data_file = self._ctx.data_file
+        source = data_file.spans(record, chunks) if data_file is not None else None
+        return StoredPayload(record, chunks, dest, source)
 
     def _stored_damage(self, failed: StoredPayload) -> bool:
         """Whether a payload that failed verification is damaged where it is stored (then it is
         quarantined), not only in its destination: a client that writes into its own region
-        during a load fails its own load and never makes the store delete a healthy block."""
-        if not self._ctx.codec.destination_changed(failed):
-            return True
-        log.info("a load's destination changed while it was written: that load stops there")
-        return False
+        during a load fails its own load and never makes the store delete a healthy block; a
+        data file that cannot be read there is a miss, not quarantined either."""
+        failure = self._ctx.codec.failure(failed)
+        if failure == "destination":
+            log.info("a load's destination changed while it was written: that load stops there")
+        elif failure == "unreadable":
+            log.warning(
+                "data.mdb cannot be read where a payload lies (cut short, or an I/O error): "
+                "that load stops there; `prefixd verify` checks the store"
+            )
+        return failure == "stored"
 
     def _damaged_record(self, txn: lmdb.Transaction, h: bytes) -> bool:
         raw = txn.get(h, db=self._ctx.tables.blocks)

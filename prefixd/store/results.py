@@ -151,6 +151,8 @@ class StoreStats:
     # loads whose destination changed while it was written (a client writing into its own
     # region): that load stopped there, nothing was quarantined
     destinations_changed: int = 0
+    file_read_bytes: int = 0  # payload bytes loads read from data.mdb with preadv (read_path)
+    deadline_cutoffs: int = 0  # loads that stopped at their deadline, answering a shorter hit
 
 
 @dataclass(frozen=True, slots=True)

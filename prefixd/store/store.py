@@ -44,7 +44,8 @@ from prefixd.store.access import AccessTimes
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.context import StoreContext
-from prefixd.store.environment import OwnerLock, copy_compacted, open_environment
+from prefixd.store.direct import DataFile
+from prefixd.store.environment import DATA_FILE, OwnerLock, copy_compacted, open_environment
 from prefixd.store.joint import JointMatch
 from prefixd.store.journal import BlockChange, BlockObserver
 from prefixd.store.listing import ListedBlock
@@ -110,6 +111,7 @@ class Store:
         """The meta record read (or written) when the store was opened."""
         try:
             self._owner = OwnerLock(config.path) if exclusive else None
+            data_file = DataFile(config.path / DATA_FILE, config.read_path)
         except BaseException:
             env.close()
             raise
@@ -133,6 +135,7 @@ class Store:
             ),
             tenants=TenantIndex(tables.identities),
             tallies=Tallies(),
+            data_file=data_file,
         )
         self._tenancy = Tenancy(self._ctx)
         self._access = AccessTimes(self._ctx)
@@ -300,16 +303,21 @@ class Store:
         max_blocks: int | None = None,
         hashes: bytes | None = None,
         first_block: int = 0,
+        deadline: float | None = None,
     ) -> LoadResult:
         """Find the longest prefix and write its verified payloads back to back into `out`.
 
         Loads as many blocks from `first_block` on as fit in `out` (and at most `max_blocks`), in
         one read transaction; the result says how many tokens the caller may skip. A caller that
         streams a long prefix through a small buffer asks for it piece by piece with `first_block`.
+        Past `deadline` (the store clock's monotonic seconds) it stops reading and answers the
+        verified blocks it has: a shorter hit, counted in `deadline_cutoffs`.
         """
         check_first_block(first_block)
         self._check_usable()
-        return self._reader.load(identity, token_ids, out, max_blocks, hashes, first_block)
+        return self._reader.load(
+            identity, token_ids, out, max_blocks, hashes, first_block, deadline
+        )
 
     @_translated("the warm-up ranking", writing=False)
     def hottest(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix]:
@@ -492,6 +500,8 @@ class Store:
             if self._ctx.pool is not None:
                 self._ctx.pool.shutdown(wait=True)
             self._ctx.env.close()
+            if self._ctx.data_file is not None:
+                self._ctx.data_file.close()
             if self._owner is not None:
                 self._owner.release()
 

@@ -124,4 +124,6 @@ def store_stats(ctx: StoreContext) -> StoreStats:
         decompress_gbps=c.decompress_out_bytes / c.decompress_s / 1e9 if c.decompress_s else 0.0,
         compressed_payloads_stored_raw=c.stored_raw_after_trial,
         destinations_changed=c.destinations_changed,
+        file_read_bytes=c.file_read_bytes,
+        deadline_cutoffs=c.deadline_cutoffs,
     )

@@ -241,6 +241,9 @@ class Load(Prompted, tag="load", kw_only=True):
     max_blocks: Count | None = None
     first_block: Count | None = None  # default 0
     warm: bool | None = None  # default false
+    # seconds from arrival after which the daemon stops reading and answers the verified prefix
+    # (default: its load_deadline_s; 0 there: none)
+    deadline_s: Annotated[float, Meta(gt=0.0, le=86400.0)] | None = None
 
 
 class Stats(RequestMessage, tag="stats", kw_only=True):

@@ -70,3 +70,37 @@ def test_a_tenants_time_to_live_and_the_uptime_follow_the_daemons_clock(
         clock.advance(2)
         assert client.lookup(IDENTITY, [prompt])[0].n_blocks == 0  # past its time to live
         assert client.health()["uptime_s"] == pytest.approx(up + TTL_S + 1)
+
+
+def test_a_load_stalled_past_its_deadline_answers_the_verified_blocks_before_it(
+    served: tuple[Path, ManualClock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow storage: the daemon's read of block 1 stalls past the load's deadline (the clock
+    moves ten seconds while it reads its first piece). The client gets block 0, verified; the
+    cut-off is counted in the stats, nothing is quarantined, and a later load is whole. (Block
+    1 is in the first of the two runs the daemon verifies at once: whatever the second run did
+    meanwhile, the answer ends where the first one stopped.)"""
+    from prefixd.store import codec
+
+    socket_path, clock = served
+    prompt = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32) + 11
+    pays = [bytes([i]) * (512 << 10) for i in range(4)]
+    original = codec._pread_exactly
+
+    def stalled_at_block_1(fd: int, target: memoryview, at: int) -> bool:
+        done = original(fd, target, at)
+        if target[0] == 1:
+            clock.advance(10.0)
+        return done
+
+    with Client(socket_path, region_bytes=8 << 20) as client:
+        client.put(IDENTITY, prompt, pays)
+        monkeypatch.setattr(codec, "_pread_exactly", stalled_at_block_1)
+        with client.load(IDENTITY, prompt, deadline_s=5.0) as loaded:
+            assert [bytes(v) for v in loaded.views] == pays[:1]
+        stats = client.stats()
+        assert stats["store"]["deadline_cutoffs"] == 1
+        assert stats["store"]["quarantined"] == 0
+        monkeypatch.setattr(codec, "_pread_exactly", original)
+        with client.load(IDENTITY, prompt, deadline_s=5.0) as loaded:
+            assert [bytes(v) for v in loaded.views] == pays
