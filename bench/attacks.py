@@ -303,7 +303,10 @@ def run_attack(root: Path, name: str, timeout: float) -> dict[str, Any]:
             outcome["attack_s"] = round(time.perf_counter() - started, 3)
             time.sleep(0.2)
         outcome["honest"] = honest.report()
-        outcome["peak_rss_growth_mib"] = round((_peak_rss(daemon.pid) - before) / (1 << 20), 1)
+        # VmHWM counts the current RSS beside a high-water mark the kernel updates lazily, so a
+        # reading can fall back a little once a peak at `before` is gone: growth is never below 0
+        grown = max(0, _peak_rss(daemon.pid) - before)
+        outcome["peak_rss_growth_mib"] = round(grown / (1 << 20), 1)
         return outcome
 
 
