@@ -44,13 +44,16 @@ REGION_SLACK_BYTES = 16 << 20
 PUT_REGION_BYTES = RUN_BLOCKS * BLOCK_BYTES + REGION_SLACK_BYTES
 WORKER = Path(__file__).with_name("limits_worker.py")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+FILES_ONLY = "--quick evicts the two files only: drop_caches empties the whole machine's page cache"
 
 
 def _daemon(root: Path, name: str, size: int) -> SuiteDaemon:
     return SuiteDaemon(root, name, map_size=max(MAP_SIZE, 4 * size))
 
 
-def _publish(daemon: SuiteDaemon, ident: Identity, chains: list[np.ndarray], payloads: list[Any]):
+def _publish(
+    daemon: SuiteDaemon, ident: Identity, chains: list[np.ndarray], payloads: list[Any]
+) -> None:
     with Client(daemon.socket, region_bytes=PUT_REGION_BYTES, timeout=600) as client:
         for tokens in chains:
             stored = put_all(client, ident, tokens, payloads, RUN_BLOCKS)
@@ -136,8 +139,12 @@ class _Workers:
             )
             for _ in range(count)
         ]
-        for proc in self.procs:
-            self._line(proc, "ready")
+        try:
+            for proc in self.procs:
+                self._line(proc, "ready")
+        except BaseException:
+            self.close()
+            raise
 
     def _line(self, proc: subprocess.Popen[str], expect: str | None = None) -> str:
         assert proc.stdout is not None
@@ -235,14 +242,20 @@ def _evict(paths: list[Path], use_drop_caches: bool) -> tuple[str, str | None]:
     """Take `paths` out of the page cache: the whole cache (drop_caches) when asked and permitted,
     else each file's own clean pages (fsync, then POSIX_FADV_DONTNEED). Returns the method and
     why drop_caches was not used."""
-    why = "--quick evicts the two files only: drop_caches empties the whole machine's cache"
-    if use_drop_caches:
+    method: str = "fadvise_dontneed"
+    why: str | None = FILES_ONLY
+    if use_drop_caches:  # and then each file too: drop_caches may leave some of their pages
         os.sync()
         try:
             DROP_CACHES.write_text("3\n")
-            return "drop_caches", None
         except OSError as exc:
             why = f"drop_caches not permitted ({exc.strerror}); the two files were evicted"
+        else:
+            method, why = "drop_caches", None
+    return _fadvise_out(paths, method, why)
+
+
+def _fadvise_out(paths: list[Path], method: str, why: str | None) -> tuple[str, str | None]:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -250,7 +263,7 @@ def _evict(paths: list[Path], use_drop_caches: bool) -> tuple[str, str | None]:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    return "fadvise_dontneed", why
+    return method, why
 
 
 def _restart(daemon: SuiteDaemon) -> None:
@@ -321,9 +334,9 @@ def cold_load(root: Path, preset: Preset, rng: np.random.Generator) -> dict[str,
                     if not _region_holds(client, source):
                         raise RuntimeError("the cold load did not reproduce the payloads")
     rate = {name: round(gbps(size, median(s)), 3) for name, s in seconds.items()}
-    # The largest fraction of each file in the page cache as a cold round began (mincore): the
-    # plain file's should be 0, data.mdb's about half (the chain loaded first, still mapped).
-    resident_max = {name: round(max(values), 4) for name, values in resident.items()}
+    # The fraction of each file in the page cache as each cold round began (mincore): the plain
+    # file's should be 0, data.mdb's about half (the chain loaded first, still mapped).
+    resident_rounds = {name: [round(v, 4) for v in values] for name, values in resident.items()}
     return row(
         "GB/s",
         {"page_cache_gbps": rate["warm_load"], "cold_gbps": rate["cold_load"]},
@@ -335,6 +348,6 @@ def cold_load(root: Path, preset: Preset, rng: np.random.Generator) -> dict[str,
         [Target("ratio.page_cache", ">=", 0.8), Target("ratio.cold", ">=", 0.9)],
         cold_method=method,
         drop_caches_skipped=why,
-        resident_before_cold=resident_max,
+        resident_before_cold=resident_rounds,
         settings={"bytes": size, "block_bytes": BLOCK_BYTES},
     )

@@ -247,13 +247,15 @@ def _durable_round(
     ident = bench_identity(BLOCK_TOKENS, DURABLE_BLOCK_BYTES)
     path = root / f"durable-{durability}"
     opened: list[Store] = []
+    chains: list[np.ndarray] = []
 
     def open_store() -> None:
         opened.append(_store(path, durability))
+        chains[:] = list(_tokens(rng, count).reshape(count, -1))
 
     def library() -> None:
         store = opened[-1]
-        for i, chain in enumerate(_tokens(rng, count).reshape(count, -1)):
+        for i, chain in enumerate(chains):
             _expect(store.put(ident, chain, [payloads[i % len(payloads)]]).stored, 1, "a put")
         store.sync()
 

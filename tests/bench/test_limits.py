@@ -44,7 +44,8 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def report() -> dict[str, Any]:
     done = _run("--json")
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    parsed: dict[str, Any] = json.loads(done.stdout)
+    return parsed
 
 
 def _positive(value: Any) -> bool:
@@ -107,7 +108,7 @@ def test_the_rows_details(report: dict[str, Any]) -> None:
     assert set(rows["load_clients"]["ratio"]) == {f"{c}_clients" for c in clients}
     cold = rows["cold_load"]
     assert cold["cold_method"] == "fadvise_dontneed" and cold["drop_caches_skipped"]
-    assert cold["resident_before_cold"]["plain_file"] < 0.5
+    assert all(f < 0.5 for f in cold["resident_before_cold"]["plain_file"])
     assert rows["lookup_scale"]["entries"]["small"] == 1000
 
 
