@@ -282,7 +282,10 @@ def cold_load(root: Path, preset: Preset, rng: np.random.Generator) -> dict[str,
     loads another chain of the same size, untimed, so the client's region is already faulted in
     on the daemon's side (first_load measures that); a cold round empties the cache after that
     load (pages the daemon has mapped stay: that chain's, and the records it read), since the
-    kernel's read-around on the daemon's start and that load can read megabytes beyond them."""
+    kernel's read-around on the daemon's start and that load can read megabytes beyond them.
+    `resident_before_cold` says how much of each file was still cached: on a kernel that maps a
+    file's large folios whole (FilePmdMapped in smaps), 2 MiB around every page the fresh daemon
+    touched stays, so part of the timed chain may not come from the disk."""
     size = preset.cold_bytes
     n = size // BLOCK_BYTES
     source = make_payload_bytes(size, rng)
