@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections import Counter
@@ -18,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 
+from prefixd.daemon.inbox import Frame, Inbox, close_fds
 from prefixd.daemon.operations import AnyReply, Operations, Request
 from prefixd.daemon.policy import EVERYTHING, Grant
 from prefixd.errors import ProtocolError, RequestError
 from prefixd.wire.decoding import decode_request
 from prefixd.wire.errors import ErrorCode, code_of
-from prefixd.wire.frames import HEADER, MAX_FDS_PER_FRAME, encode_frame
-from prefixd.wire.messages import Lookup, LookupReply, error_reply, op_of
+from prefixd.wire.frames import MAX_FDS_PER_FRAME, encode_frame
+from prefixd.wire.messages import Hello, Lookup, error_reply, op_of
 from prefixd.wire.region import MappedRegion, fds_from_ancillary
 
 if TYPE_CHECKING:
@@ -58,14 +58,17 @@ class Connection:
         self.regions: dict[int, MappedRegion] = {}
         self.pins: Counter[bytes] = Counter()  # blocks this client pinned (released at its end)
         self.task: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
         self._next_region = 1
-        self._fds: list[int] = []
+        self._inbox = Inbox()
         self._requests: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()  # set while fewer than max_inflight requests are under way
         self._room.set()
         self._write_lock = asyncio.Lock()
         self._draining = False
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._frame_began: float | None = None  # when the partial frame's first bytes came
         self._watching = False
         config = server.config
         self._handshake_ends = time.monotonic() + config.handshake_timeout_s
@@ -74,15 +77,9 @@ class Connection:
 
     # --- state used by operations ---------------------------------------------------------------
 
-    def take_fds(self) -> list[int]:
-        fds, self._fds = self._fds, []
-        return fds
-
     @staticmethod
     def close_fds(fds: list[int]) -> None:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_fds(fds)
 
     def add_region(self, region: MappedRegion) -> int:
         region_id = self._next_region
@@ -134,7 +131,7 @@ class Connection:
 
     async def _read_frames(self) -> None:
         config = self.server.config
-        header = bytearray(HEADER.size)
+        inbox = self._inbox
         stretch = time.monotonic()
         while True:
             if time.monotonic() - stretch > READ_STRETCH_S:
@@ -144,28 +141,80 @@ class Connection:
             # done. The client's further frames wait in the socket (then its send blocks), so a
             # peer that pipelines without reading holds max_inflight tasks, never one per frame.
             while len(self._requests) >= self.max_inflight:
+                self._unwatch()  # level-triggered: unread frames would wake the loop for nothing
                 self._room.clear()
                 await self._room.wait()
-            if not await self._recv_exact(memoryview(header), at_boundary=True):
-                return
-            (length,) = HEADER.unpack(header)
-            if length > config.max_frame_bytes:
-                self.server.stats["errors.frame_too_large"] += 1
-                message = f"frame of {length} bytes exceeds the limit of {config.max_frame_bytes}"
-                await self._send(error_reply(None, ErrorCode.FRAME_TOO_LARGE, message))
-                if length > config.max_frame_bytes * _DISCARD_FACTOR:
-                    return  # cannot resynchronise cheaply: close
-                await self._discard(length)
-                self.close_fds(self.take_fds())
+            frame = inbox.next_frame(config.max_frame_bytes)
+            if frame is None:
+                if not await self._fill():
+                    return
                 continue
-            body = bytearray(length)
-            if not await self._recv_exact(memoryview(body), at_boundary=False):
-                return  # truncated frame: the stream cannot be resynchronised
-            self._start(body, self.take_fds())
+            self._frame_began = None
+            if isinstance(frame, Frame):
+                self._start(frame.body, frame.fds)
+                continue
+            self.server.stats["errors.frame_too_large"] += 1
+            limit = config.max_frame_bytes
+            message = f"frame of {frame.length} bytes exceeds the limit of {limit}"
+            await self._send(error_reply(None, ErrorCode.FRAME_TOO_LARGE, message))
+            if frame.length > limit * _DISCARD_FACTOR:
+                return  # cannot resynchronise cheaply: close
+            inbox.skip(frame.length)
 
-    def _start(self, body: bytearray, fds: list[int]) -> None:
+    async def _fill(self) -> bool:
+        """Read more of the stream into the inbox; False on EOF (clean at a frame boundary).
+
+        Raises TimeoutError (the connection is closed) when a new connection has not said hello
+        within handshake_timeout_s, a frame once begun has not arrived within frame_timeout_s,
+        or no request has come for idle_timeout_s: a peer cannot hold a connection with half a
+        frame (or nothing) for ever."""
+        inbox = self._inbox
+        at_boundary = inbox.empty
+        started = time.monotonic()
+        if not self.greeted:
+            deadline: float | None = self._handshake_ends
+        elif at_boundary:
+            deadline = started + self._idle_timeout_s if self._idle_timeout_s else None
+        else:  # a frame once begun arrives within frame_timeout_s, however slowly it trickles
+            if self._frame_began is None or inbox.skipping:
+                self._frame_began = started
+            deadline = self._frame_began + self._frame_timeout_s
+        if at_boundary and self._inline_ready():
+            # The usual wait for the next request: the reader callback answers what it can
+            # itself (see _wake); a recv now would only say EAGAIN.
+            await self._readable(deadline)
+            if not inbox.empty:
+                return True
+        while True:
+            try:
+                got, ancillary, flags, _ = self.sock.recvmsg_into([inbox.space()], _ANCILLARY_BYTES)
+            except (BlockingIOError, InterruptedError):
+                await self._readable(deadline)
+                if not inbox.empty and at_boundary:
+                    return True  # the reader callback read (and left) a frame
+                continue
+            if got == 0:
+                if not inbox.empty:
+                    log.debug("connection from pid %d closed mid-frame", self.pid)
+                return False
+            self._filled(got, ancillary, flags)
+            return True
+
+    def _filled(self, got: int, ancillary: list[tuple[int, int, bytes]], flags: int) -> None:
+        fds = fds_from_ancillary(ancillary) if ancillary else []
+        self._inbox.filled(got, fds, bool(flags & socket.MSG_CTRUNC))
+
+    def _inline_ready(self) -> bool:
+        """Whether the reader callback may read and answer requests itself."""
+        return (
+            self.greeted
+            and not self._draining
+            and not self.server.stopping.is_set()
+            and len(self._requests) < self.max_inflight
+        )
+
+    def _start(self, body: memoryview, fds: list[int]) -> None:
         """Decode one frame and start its request; `fds` arrived with this frame."""
-        stats = self.server.stats
         try:
             message = decode_request(body)
         except RequestError as exc:
@@ -183,21 +232,39 @@ class Connection:
         if fds and op_of(message) not in self.operations.takes_fds:
             self.close_fds(fds)  # a descriptor belongs to the frame it came with
             fds = []
-        if type(message) is Lookup and self.greeted and not self.server.stopping.is_set():
-            received = time.perf_counter()
-            try:
-                answered = self.operations.lookup_from_memory(self, Request(rid, message))
-            except ProtocolError:
-                answered = None  # the usual path reports it
-            if answered is not None:
-                reply, count = answered
-                stats["requests.lookup"] += 1
-                self._reply_now(reply)
-                sent = time.perf_counter()
-                count()  # after the reply left: the counting is off the client's wait
-                self.operations.metrics.observe_op("lookup", sent - received)
+        if isinstance(message, Lookup | Hello) and not self.server.stopping.is_set():
+            if self._answer_now(message):
                 return
         self._spawn(self._handle(Request(rid, message, tuple(fds))))
+
+    def _answer_now(self, message: Lookup | Hello) -> bool:
+        """Answer on the loop, without a task, what needs no worker: a lookup memory answers
+        (bounded: see Operations.lookup_from_memory) and a hello that retires nothing."""
+        received = time.perf_counter()
+        reply: Struct
+        count = None
+        try:
+            if isinstance(message, Lookup):
+                if not self.greeted:
+                    return False
+                answered = self.operations.lookup_from_memory(self, Request(message.id, message))
+                if answered is None:
+                    return False
+                reply, count = answered
+            else:
+                if message.serves:
+                    return False
+                reply = self.operations.hello_now(self, Request(message.id, message))
+        except ProtocolError:
+            return False  # the usual path reports it
+        op = op_of(message)
+        self.server.stats[f"requests.{op}"] += 1
+        self._reply_now(reply)
+        sent = time.perf_counter()
+        if count is not None:
+            count()  # after the reply left: the counting is off the client's wait
+        self.operations.metrics.observe_op(op, sent - received)
+        return True
 
     def _busy(self, rid: int) -> None:
         self.server.stats["errors.busy"] += 1
@@ -223,7 +290,7 @@ class Connection:
         self.server.stats[f"errors.{code.value}"] += 1
         await self._send(error_reply(exc.rid, code, refused.message))
 
-    def _reply_now(self, reply: LookupReply) -> None:
+    def _reply_now(self, reply: Struct) -> None:
         """Send a reply computed on the loop without a task, when no other send is under way."""
         frame = encode_frame(reply)
         sent = 0
@@ -238,7 +305,7 @@ class Connection:
             self._spawn(self._send_frame(frame[sent:]))
 
     def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.create_task(coroutine)
+        task = self._loop.create_task(coroutine)
         self._requests.add(task)
         task.add_done_callback(self._done)
 
@@ -278,69 +345,40 @@ class Connection:
         await self._send_frame(encode_frame(message))
 
     async def _send_frame(self, frame: bytes) -> None:
-        loop = asyncio.get_running_loop()
+        if not self._write_lock.locked():  # the usual case: the whole reply fits the socket now
+            try:
+                sent = self.sock.send(frame)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                return
+            if sent == len(frame):
+                return
+            frame = frame[sent:]  # no await since: the lock is still free, and taken at once
         async with self._write_lock:
             with contextlib.suppress(ConnectionError, OSError):
-                await loop.sock_sendall(self.sock, frame)
-
-    async def _recv_exact(self, view: memoryview, *, at_boundary: bool) -> bool:
-        """Fill `view`; False on a clean EOF at a frame boundary, or on EOF mid-frame.
-
-        Raises TimeoutError (the connection is closed) when a new connection has not said hello
-        within handshake_timeout_s, a frame once begun has not arrived within frame_timeout_s,
-        or no request has come for idle_timeout_s: a peer cannot hold a connection with half a
-        frame (or nothing) for ever."""
-        filled = 0
-        started = time.monotonic()
-        while filled < len(view):
-            if not self.greeted:
-                deadline: float | None = self._handshake_ends
-            elif at_boundary and filled == 0:
-                deadline = started + self._idle_timeout_s if self._idle_timeout_s else None
-            else:
-                deadline = started + self._frame_timeout_s
-            got = await self._recv_into(view[filled:], deadline)
-            if got == 0:
-                if not (at_boundary and filled == 0):
-                    log.debug("connection from pid %d closed mid-frame", self.pid)
-                return False
-            filled += got
-        return True
-
-    async def _recv_into(self, view: memoryview, deadline: float | None = None) -> int:
-        while True:
-            try:
-                got, ancillary, flags, _ = self.sock.recvmsg_into([view], _ANCILLARY_BYTES)
-            except (BlockingIOError, InterruptedError):
-                await self._readable(deadline)
-                continue
-            if ancillary:
-                fds = fds_from_ancillary(ancillary)
-                self._fds.extend(fds)
-                if len(self._fds) > MAX_FDS_PER_FRAME or flags & socket.MSG_CTRUNC:
-                    self.close_fds(self.take_fds())  # never hoard a flood of descriptors
-            return got
+                await self._loop.sock_sendall(self.sock, frame)
 
     async def _readable(self, deadline: float | None = None) -> None:
         """Wait until the socket is readable (TimeoutError past `deadline`, monotonic). The
         reader stays registered while frames are read (one epoll registration per connection,
         not two syscalls per frame)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         waiter = loop.create_future()
         self._waiter = waiter
         if not self._watching:
             loop.add_reader(self.sock.fileno(), self._wake)
             self._watching = True
-        timer = None
         if deadline is not None:
             at = loop.time() + max(0.0, deadline - time.monotonic())
-            timer = loop.call_at(at, self._expire, waiter)
+            self._timer = loop.call_at(at, self._expire, waiter)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
     def _expire(self, waiter: asyncio.Future[None]) -> None:
         if not waiter.done():
@@ -348,30 +386,59 @@ class Connection:
             waiter.set_exception(TimeoutError("the peer sent nothing in time"))
 
     def _wake(self) -> None:
+        """The socket is readable: answer what can be answered here (the reader task waits at a
+        frame boundary), else wake the reader task."""
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        if waiter is None or waiter.done():
+            return
+        if not (self._inbox.empty and self._inline_ready() and self._read_inline()):
             waiter.set_result(None)
+
+    def _read_inline(self) -> bool:
+        """One read, and the whole frames it brought started (those memory answers, answered);
+        False leaves the rest to the reader task: descriptors, a partial or oversized frame,
+        backpressure, EOF or an error, or more frames than READ_STRETCH_S allows."""
+        inbox = self._inbox
+        try:
+            got, ancillary, flags, _ = self.sock.recvmsg_into([inbox.space()], _ANCILLARY_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False  # the reader task meets it too
+        if got == 0:
+            return False
+        self._filled(got, ancillary, flags)
+        if inbox.fds_pending:
+            return False
+        limit = self.server.config.max_frame_bytes
+        began = time.monotonic()
+        while self._inline_ready() and time.monotonic() - began <= READ_STRETCH_S:
+            frame = inbox.next_frame(limit)
+            if not isinstance(frame, Frame):
+                break
+            self._start(frame.body, frame.fds)
+        if not inbox.empty:
+            return False
+        if self._timer is not None and self._idle_timeout_s:  # a request came: idle anew
+            self._timer.cancel()
+            waiter = self._waiter
+            assert waiter is not None
+            at = self._loop.time() + self._idle_timeout_s
+            self._timer = self._loop.call_at(at, self._expire, waiter)
+        return True
 
     def _unwatch(self) -> None:
         """Stop watching the socket (level-triggered: an unread socket would wake us again)."""
         if self._watching:
             self._watching = False
-            asyncio.get_running_loop().remove_reader(self.sock.fileno())
-
-    async def _discard(self, length: int) -> None:
-        scratch = memoryview(bytearray(min(length, 1 << 20)))
-        left = length
-        while left:
-            if not await self._recv_exact(scratch[: min(left, len(scratch))], at_boundary=False):
-                raise ConnectionError("closed while an oversized frame was being skipped")
-            left -= min(left, len(scratch))
+            self._loop.remove_reader(self.sock.fileno())
 
     async def _close(self) -> None:
         self._unwatch()
         for request in list(self._requests):
             request.cancel()
         await asyncio.gather(*self._requests, return_exceptions=True)
-        self.close_fds(self.take_fds())
+        self._inbox.close_pending()
         for region in self.regions.values():
             region.close()  # a copy still running on a pool thread keeps the mapping alive
         self.regions.clear()
