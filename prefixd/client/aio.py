@@ -204,9 +204,14 @@ class AsyncClient(Shell):
         return await self._run(self._core.lookup_state(identity, prompts, hashes))
 
     async def load_state(
-        self, identity: Identity, token_ids: TokenIds, *, length: int | None = None
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        length: int | None = None,
+        deadline_s: float | None = None,
     ) -> StateLoaded:
-        return await self._run(self._core.load_state(identity, token_ids, length))
+        return await self._run(self._core.load_state(identity, token_ids, length, deadline_s))
 
     async def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
         return await self._run(self._core.simple({"op": "purge", "dry_run": dry_run, **criteria}))

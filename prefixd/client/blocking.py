@@ -218,11 +218,17 @@ class Client(Shell):
         return self._run(self._core.lookup_state(identity, prompts, hashes))
 
     def load_state(
-        self, identity: Identity, token_ids: TokenIds, *, length: int | None = None
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        *,
+        length: int | None = None,
+        deadline_s: float | None = None,
     ) -> StateLoaded:
         """Load every verified payload of the joint hit into leased region space; each part's
-        `view` holds its bytes until the result is released."""
-        return self._run(self._core.load_state(identity, token_ids, length))
+        `view` holds its bytes until the result is released. Past `deadline_s` seconds (default:
+        the daemon's load_deadline_s) the daemon stops reading and answers a miss."""
+        return self._run(self._core.load_state(identity, token_ids, length, deadline_s))
 
     def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
         """Remove entries by tenant, model version or age (see PurgeSelector); the counts."""

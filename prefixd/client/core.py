@@ -620,7 +620,11 @@ class ClientCore:
         ]
 
     def load_state(
-        self, identity: Identity, token_ids: TokenIds, length: int | None
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        length: int | None,
+        deadline_s: float | None = None,
     ) -> Steps[StateLoaded]:
         """Every verified payload of the joint hit, back to back in leased region space."""
         allocator = self._require_payloads()
@@ -629,7 +633,7 @@ class ClientCore:
         else:
             lease = yield Reserve(allocator, 1, largest=True)
         try:
-            result = yield from self._load_state_span(identity, token_ids, lease)
+            result = yield from self._load_state_span(identity, token_ids, lease, deadline_s)
         except RegionError:
             lease.release()
             if length is not None or lease.size >= allocator.size:
@@ -638,7 +642,7 @@ class ClientCore:
             [hit] = yield from self.lookup_state(identity, [token_ids], None)
             lease = yield Reserve(allocator, min(max(hit.payload_bytes, 1), allocator.size))
             try:
-                result = yield from self._load_state_span(identity, token_ids, lease)
+                result = yield from self._load_state_span(identity, token_ids, lease, deadline_s)
             except BaseException:
                 lease.release()
                 raise
@@ -663,7 +667,7 @@ class ClientCore:
         )
 
     def _load_state_span(
-        self, identity: Identity, token_ids: TokenIds, lease: Lease
+        self, identity: Identity, token_ids: TokenIds, lease: Lease, deadline_s: float | None
     ) -> Steps[wire.LoadStateReply]:
         allocator = self._require_payloads()
         held: list[Lease | Span] = []
@@ -675,6 +679,7 @@ class ClientCore:
                 region=self._region_id(allocator),
                 offset=lease.offset,
                 length=lease.size,
+                deadline_s=deadline_s,
             )
             reply: wire.LoadStateReply = yield Call(message, (lease.span, *_spans(held)))
         finally:

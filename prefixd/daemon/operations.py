@@ -402,8 +402,7 @@ class Operations:
         offset, out = _output(conn, msg)
         first_block = msg.first_block or 0
         started = time.perf_counter()
-        limit_s = msg.deadline_s or self.load_deadline_s
-        deadline = self.clock.monotonic() + limit_s if limit_s else None
+        deadline = self._deadline(msg.deadline_s)
         self.loads.started()
         result = LoadResult(0, 0, (), ())
         try:
@@ -564,7 +563,14 @@ class Operations:
         offset, out = _output(conn, msg)
         started = time.perf_counter()
         result = await self._run(
-            partial(self.store.load_state, identity, tokens, out, hashes=msg.hashes)
+            partial(
+                self.store.load_state,
+                identity,
+                tokens,
+                out,
+                hashes=msg.hashes,
+                deadline=self._deadline(msg.deadline_s),
+            )
         )
         match = self._offered(result.match)
         self.metrics.observe_load(
@@ -667,6 +673,12 @@ class Operations:
         )
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _deadline(self, asked_s: float | None) -> float | None:
+        """When a load that arrives now stops reading (the client's limit, else the daemon's
+        load_deadline_s), on the store's clock; None: never."""
+        limit_s = asked_s or self.load_deadline_s
+        return self.clock.monotonic() + limit_s if limit_s else None
 
     async def _run(self, call: Callable[[], T], pool: Executor | None = None) -> T:
         """Run blocking store work on the pool (or `pool`); store errors become protocol

@@ -14,11 +14,13 @@ past its tenant's time to live is a miss (prefixd.store.tenancy).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import lmdb
+import numpy as np
 
 from prefixd.errors import CorruptRecordError, DestinationError, TokenError
 from prefixd.schema.chain import HASH_BYTES, BlockChain
@@ -250,7 +252,12 @@ class Reader:
         return match
 
     def load_state(
-        self, identity: Identity, token_ids: TokenIds, out: Any, hashes: bytes | None
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        out: Any,
+        hashes: bytes | None,
+        deadline: float | None = None,
     ) -> StateLoad:
         """See `Store.load_state`: a part that fails is quarantined and the answer worked out
         again, so what comes back is always a consistent boundary."""
@@ -258,17 +265,20 @@ class Reader:
         spec = require_hybrid(identity, "load")
         chain = BlockChain(identity, token_ids, hashes)
         buffer = dest_view(out, 0, None)
+        cut = None if deadline is None else Deadline(self._ctx.clock.monotonic, deadline)
         while True:
             damaged: list[bytes] = []
             with self._ctx.env.begin(buffers=True) as txn:
                 walk = self._walk(txn, chain, chain.n_blocks)
                 match = self._joint(txn, spec, chain, walk.hashes, damaged)
                 if not damaged:
-                    offsets = self._read_parts(txn, spec, match, buffer, damaged)
+                    offsets = self._read_parts(txn, spec, match, buffer, damaged, cut)
             self._after_walk(walk, chain)
             if not damaged:
                 break
             quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes))
+        if offsets is None:  # the deadline passed: a state read in part is no state at all
+            match, offsets = _nothing(match), ()
         n = len(match.hashes)
         self._ctx.tallies.count(
             lookups=1, hit_blocks=n, loaded_blocks=n, loaded_bytes=match.payload_bytes
@@ -295,9 +305,11 @@ class Reader:
         match: JointMatch,
         buffer: memoryview,
         damaged: list[bytes],
-    ) -> tuple[int, ...]:
+        cut: Deadline | None = None,
+    ) -> tuple[int, ...] | None:
         """Verify and copy every part of `match` into `buffer`; blocks whose part fails go to
-        `damaged` (and the destination bytes from the failure on are zeroed)."""
+        `damaged` (and the destination bytes from the failure on are zeroed). None if `cut`
+        stopped the reading first (slow storage)."""
         ctx = self._ctx
         t = ctx.tables
         assert t.parts is not None
@@ -336,8 +348,12 @@ class Reader:
             items.append(self._payload(record, chunks, buffer[offset:end]))
             offsets.append(offset)
             offset = end
-        n_ok = ctx.codec.decode_verified(items, ctx.pool)
+        n_ok = ctx.codec.decode_verified(items, ctx.pool, cut)
         if n_ok < len(match.parts):
+            if cut is not None and cut.stopped_at(items[n_ok]):
+                items.clear()  # a miss: the parts verified before the cut-off are unreported
+                np.frombuffer(buffer, dtype=np.uint8)[: offsets[n_ok]].fill(0)
+                return None
             if self._stored_damage(items[n_ok]):
                 damaged.append(match.parts[n_ok].block)
             items.clear()
@@ -500,6 +516,14 @@ class Reader:
         except CorruptRecordError:
             return True
         return False
+
+
+def _nothing(match: JointMatch) -> JointMatch:
+    """A joint miss in place of `match`: every group is needed at one boundary, so a state whose
+    reading was cut off serves no prefix (the engine prefills; nothing was reported)."""
+    return dataclasses.replace(
+        match, reusable_tokens=0, replay_from=0, paged_tokens=0, hashes=(), parts=()
+    )
 
 
 def dest_view(buffer: Any, size: int, index: int | None) -> memoryview:

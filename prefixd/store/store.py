@@ -354,14 +354,17 @@ class Store:
         out: Any,
         *,
         hashes: bytes | None = None,
+        deadline: float | None = None,
     ) -> StateLoad:
         """Find the joint prefix and write every payload it needs, verified, back to back into
         `out` (in `match.parts` order), in one read transaction. A payload that fails
         verification is quarantined with its block and everything below it, and the answer is
         worked out again: what comes back is always a consistent boundary, possibly an earlier
-        one. DestinationError if `out` cannot hold the payloads."""
+        one. Past `deadline` (the store clock's monotonic seconds) reading stops and the answer
+        is a miss: a state needs every group, so there is no shorter prefix to give.
+        DestinationError if `out` cannot hold the payloads."""
         self._check_usable()
-        return self._reader.load_state(identity, token_ids, out, hashes)
+        return self._reader.load_state(identity, token_ids, out, hashes, deadline)
 
     @_translated("the export", writing=False)
     def export_block(self, block: bytes) -> ExportedBlock | None:

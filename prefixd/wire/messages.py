@@ -287,6 +287,8 @@ class LoadState(Prompted, tag="load_state", kw_only=True):
     region: Annotated[int, Meta(ge=0, le=MAX_REGION_ID)]
     offset: Count | None = None
     length: Count | None = None
+    # as Load's; a state cut off at its deadline is a miss (it needs every group)
+    deadline_s: Annotated[float, Meta(gt=0.0, le=86400.0)] | None = None
 
 
 class Route(Prompted, tag="route", kw_only=True):

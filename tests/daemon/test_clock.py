@@ -7,7 +7,9 @@ import asyncio
 import tempfile
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +26,13 @@ TTL_S = 60.0
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[Path, ManualClock]]:
+    with serving(tmp_path) as daemon:
+        yield daemon
+
+
+@contextmanager
+def serving(tmp_path: Path, **settings: Any) -> Iterator[tuple[Path, ManualClock]]:
+    """A daemon in this process on a ManualClock, with `settings` on top of the defaults."""
     clock = ManualClock()
     sock_dir = Path(tempfile.mkdtemp(prefix="pxclk", dir="/tmp"))
     socket_path = sock_dir / "d.sock"
@@ -32,6 +41,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, ManualClock]]:
         socket=socket_path,
         map_size=64 << 20,
         tenant_ttls=(f"{IDENTITY.tenant}={TTL_S:g}s",),
+        **settings,
     )
     server = Server(config, env={}, clock=clock)
     loop = asyncio.new_event_loop()
@@ -104,3 +114,28 @@ def test_a_load_stalled_past_its_deadline_answers_the_verified_blocks_before_it(
         monkeypatch.setattr(codec, "_pread_exactly", original)
         with client.load(IDENTITY, prompt, deadline_s=5.0) as loaded:
             assert [bytes(v) for v in loaded.views] == pays
+
+
+def test_the_daemons_load_deadline_holds_loads_that_name_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_deadline_s bounds every load whose client names no deadline of its own."""
+    from prefixd.store import codec
+
+    prompt = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32) + 11
+    pays = [bytes([i]) * (512 << 10) for i in range(4)]
+    original = codec._pread_exactly
+    with serving(tmp_path, load_deadline_s=5.0) as (socket_path, clock):
+
+        def stalled_at_block_1(fd: int, target: memoryview, at: int) -> bool:
+            done = original(fd, target, at)
+            if target[0] == 1:
+                clock.advance(10.0)
+            return done
+
+        with Client(socket_path, region_bytes=8 << 20) as client:
+            client.put(IDENTITY, prompt, pays)
+            monkeypatch.setattr(codec, "_pread_exactly", stalled_at_block_1)
+            with client.load(IDENTITY, prompt) as loaded:
+                assert [bytes(v) for v in loaded.views] == pays[:1]
+            assert client.stats()["store"]["deadline_cutoffs"] == 1

@@ -353,3 +353,42 @@ def test_identity_state_spec_round_trips_and_validates() -> None:
         Identity.from_dict(
             {**ident.to_dict(), "state": [{"name": "x", "kind": "paged", "colour": 1}]}
         )
+
+
+def test_a_state_read_cut_off_at_its_deadline_is_a_miss(tmp_path: Path, monkeypatch) -> None:
+    """Slow storage: the read of the first page stalls past the load's deadline. A state needs
+    every group at one boundary, so the answer is a miss (nothing reported, the destination
+    zeroed), counted as a cut-off, never a failure or a quarantine; without the stall the same
+    load answers the whole state."""
+    from prefixd.clock import ManualClock
+    from prefixd.store import codec
+
+    clock = ManualClock()
+    ident = hybrid(4, StateGroup.paged("kv", page_blocks=1), StateGroup.checkpoint("rec"))
+    tokens = np.arange(16, dtype=np.uint32)
+    original = codec._copy_and_checksum
+
+    def stalled_at_the_first_page(chunks: list[memoryview], dest: memoryview) -> int:
+        value = original(chunks, dest)
+        if bytes(chunks[0][: len(page("kv", 0))]) == page("kv", 0):
+            clock.advance(10.0)  # this read took ten seconds
+        return value
+
+    with Store.open(tmp_path / "s", map_size=64 << 20, clock=clock, verify_threads=0) as store:
+        store.put_state(
+            ident,
+            tokens,
+            paged={"kv": pages_for("kv", range(0, 16, 4))},
+            checkpoints={"rec": {16: snap("rec", 16)}},
+        )
+        monkeypatch.setattr(codec, "_copy_and_checksum", stalled_at_the_first_page)
+        out = bytearray(b"\xaa") * 4096
+        cut = store.load_state(ident, tokens, out, deadline=clock.monotonic() + 5.0)
+        assert (cut.match.reusable_tokens, cut.match.parts, cut.offsets) == (0, (), ())
+        stats = store.stats()
+        assert (stats.deadline_cutoffs, stats.verify_failures, stats.quarantined) == (1, 0, 0)
+        assert not any(out[: store.lookup_state(ident, tokens).payload_bytes])
+        monkeypatch.setattr(codec, "_copy_and_checksum", original)
+        whole = store.load_state(ident, tokens, out, deadline=clock.monotonic() + 5.0)
+        assert whole.match.reusable_tokens == 16 and len(whole.match.parts) == 5
+        assert store.check() == []
