@@ -16,7 +16,8 @@ meanwhile queue up for the next group.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import lmdb
@@ -48,28 +49,62 @@ class CommitQueue(Generic[T]):
         self._ctx = ctx
         self._aborts = aborts
         self._queue: list[_Queued[T]] = []
-        self._queue_lock = threading.Lock()
-        self._commit_lock = threading.Lock()
+        self._turn = threading.Condition()  # guards the queue and `_leading`
+        self._leading = False  # a put is running a group (or its own transaction) now
         self.groups = 0  # shared transactions committed (more than one body each)
+
+    @property
+    def waiting(self) -> int:
+        """Puts queued behind the one committing."""
+        with self._turn:
+            return len(self._queue)
 
     def run(self, body: Callable[[lmdb.Transaction], T]) -> T:
         """Run `body` in a write transaction, committed unless its outcome aborts; together with
-        whatever other puts are waiting."""
+        whatever other puts are waiting. The puts of a group wait on one condition and all wake
+        when it commits (not one by one through a lock)."""
         item = _Queued(body)
-        with self._queue_lock:
+        with self._turn:
             self._queue.append(item)
-        with self._commit_lock:
-            while not item.done:
-                with self._queue_lock:
+            while self._leading and not item.done:
+                self._turn.wait()
+            if not item.done:
+                self._leading = True
+            else:
+                return self._outcome(item)
+        try:
+            while not item.done:  # this put leads until its own body has run
+                with self._turn:
                     group, self._queue = self._queue[:MAX_GROUP], self._queue[MAX_GROUP:]
-                if len(group) == 1 and group[0] is item:  # no one to share with
-                    return transact(self._ctx, body, self._aborts)
-                if len(group) == 1 or not self._commit(group):
+                if len(group) == 1 or not self._commit(group):  # one put: its own transaction
                     self._one_by_one(group)
+        finally:
+            with self._turn:
+                self._leading = False
+                self._turn.notify_all()
+        return self._outcome(item)
+
+    @staticmethod
+    def _outcome(item: _Queued[T]) -> T:
         if item.error is not None:
             raise item.error
         assert item.outcome is not None
         return item.outcome
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the turn to commit, as a put that is committing does (a failpoint: puts started
+        meanwhile queue up, and commit as one group once it is let go)."""
+        with self._turn:
+            while self._leading:
+                self._turn.wait()
+            self._leading = True
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._leading = False
+                self._turn.notify_all()
 
     def _commit(self, group: list[_Queued[T]]) -> bool:
         """Run the group's bodies in one transaction and commit it; False (nothing written) if

@@ -20,23 +20,24 @@ from tests.waiting import wait_for
 
 @contextmanager
 def queued_behind_a_commit(store: Store, n_puts: int) -> Iterator[Callable[[], None]]:
-    """Hold the commit lock, as a put that is committing does, so that the puts started inside
-    the block queue up; `release()` once `n_puts` are queued lets them all commit."""
+    """Hold the turn to commit, as a put that is committing does, so that the puts started
+    inside the block queue up; `release()` once `n_puts` are queued lets them all commit."""
     commits = store._writer._commits
-    commits._commit_lock.acquire()
+    held = commits.held()
+    held.__enter__()
     released = False
 
     def release() -> None:
         nonlocal released
-        wait_for(lambda: len(commits._queue) >= n_puts, f"{n_puts} queued puts")
-        commits._commit_lock.release()
+        wait_for(lambda: commits.waiting >= n_puts, f"{n_puts} queued puts")
+        held.__exit__(None, None, None)
         released = True
 
     try:
         yield release
     finally:
         if not released:
-            commits._commit_lock.release()
+            held.__exit__(None, None, None)
 
 
 def put_in_threads(store: Store, puts: list[Callable[[], object]]) -> list[object]:
@@ -55,7 +56,7 @@ def put_in_threads(store: Store, puts: list[Callable[[], object]]) -> list[objec
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(puts))]
         for i, thread in enumerate(threads):  # one by one, so they queue in this order
             thread.start()
-            wait_for(lambda i=i: len(commits._queue) > i, f"put {i} queued")
+            wait_for(lambda i=i: commits.waiting > i, f"put {i} queued")
         release()
         for thread in threads:
             thread.join()
