@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, NamedTuple, TypeGuard, TypeVar
 
 import crc32c
@@ -24,9 +25,17 @@ import zstandard
 
 from prefixd.errors import PayloadError
 from prefixd.schema.records import BlockRecord, Compression, PartRecord
+from prefixd.store.fair import FairPool
 
 _PLANE_HEADER = struct.Struct("<I")
 _PIECE = 256 << 10  # copy-then-checksum granularity: the piece is still in L2 when it is hashed
+# preadv-then-checksum granularity: one system call (two GIL round trips) per MiB costs a quarter
+# of what 256 KiB pieces cost, with every load's threads contending for the GIL between them, and
+# the piece is still in L2 or L3 when it is hashed
+_READ_PIECE = 1 << 20
+# the least bytes of a load one thread of the FairPool decodes at a time: whole blocks, enough of
+# them that handing the piece over costs little beside decoding it
+PIECE_BYTES = 1 << 20
 COMPRESSION_BY_NAME = {
     "none": Compression.NONE,
     "zstd": Compression.ZSTD,
@@ -205,7 +214,7 @@ class PayloadCodec:
     def decode_verified(
         self,
         items: Sequence[StoredPayload],
-        pool: Executor | None,
+        pool: FairPool | None,
         deadline: Deadline | None = None,
     ) -> int:
         """Write each item's payload into its dest, in order; return how many leading items
@@ -213,21 +222,30 @@ class PayloadCodec:
         are zeroed, so no unreported bytes are left behind. Past `deadline`, decoding stops
         there too (`Deadline.stopped_at` tells that item from one that failed).
 
-        With a pool, the items are split in two runs of about equal bytes, decoded at once on the
-        calling thread and on a pool thread (copies, crc32c, zstd and numpy release the GIL).
+        With a pool, the items are cut into pieces of whole blocks (at least PIECE_BYTES each)
+        that the pool's threads decode beside the pieces of every other load in flight, a piece
+        of each in turn (prefixd.store.fair); a load smaller than one piece runs here.
         """
         if not items:
             return 0
         _read_ahead(items)
-        split = _halfway([i.record.payload_size for i in items]) if pool else len(items)
-        tail = None
-        if pool is not None and split < len(items):
-            tail = pool.submit(self._decode_run, items[split:], deadline)
-        verified = self._decode_run(items[:split], deadline)
-        if tail is not None:
-            tail_verified = tail.result()
-            if verified == split:
-                verified += tail_verified
+        runs = _pieces(items) if pool is not None else [(0, len(items))]
+        if pool is None or len(runs) == 1:
+            verified = self._decode_run(items, deadline)
+        else:
+            done = [0] * len(runs)
+
+            def piece(index: int) -> bool:
+                start, end = runs[index]
+                done[index] = self._decode_run(items[start:end], deadline)
+                return done[index] == end - start
+
+            pool.run([partial(piece, index) for index in range(len(runs))])
+            verified = 0
+            for (start, end), count in zip(runs, done):
+                verified += count
+                if count < end - start:
+                    break
         if verified < len(items):
             cut = deadline is not None and deadline.stopped_at(items[verified])
             with self._lock:
@@ -331,11 +349,11 @@ class PayloadCodec:
 
     def _file_checksum(self, source: FileSpans, sizes: Sequence[int]) -> int | None:
         """crc32c of the chunks as they are in the file, read piece by piece into scratch."""
-        scratch = self._scratch(_PIECE)
+        scratch = self._scratch(_READ_PIECE)
         value = 0
         for at, size in zip(source.offsets, sizes):
-            for start in range(0, size, _PIECE):
-                piece = scratch[: min(_PIECE, size - start)]
+            for start in range(0, size, _READ_PIECE):
+                piece = scratch[: min(_READ_PIECE, size - start)]
                 if not _pread_exactly(source.fd, piece, at + start):
                     return None
                 value = crc32c.crc32c(piece, value)
@@ -355,6 +373,24 @@ class PayloadCodec:
             buffer = bytearray(max(size, self.chunk_bytes // 2))
             self._local.scratch = buffer
         return memoryview(buffer)[:size]
+
+
+def _pieces(items: Sequence[StoredPayload]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive items of at least PIECE_BYTES each (the last one may be
+    smaller, and is merged into the one before it when it is)."""
+    runs: list[tuple[int, int]] = []
+    start = size = 0
+    for index, item in enumerate(items):
+        size += item.record.payload_size
+        if size >= PIECE_BYTES:
+            runs.append((start, index + 1))
+            start, size = index + 1, 0
+    if start < len(items):
+        if runs and size < PIECE_BYTES // 2:
+            runs[-1] = (runs[-1][0], len(items))
+        else:
+            runs.append((start, len(items)))
+    return runs
 
 
 def _halfway(sizes: Sequence[int]) -> int:
@@ -396,10 +432,10 @@ def _read_and_checksum(
     value = 0
     offset = 0
     for at, chunk in zip(source.offsets, chunks):
-        for start in range(0, chunk.nbytes, _PIECE):
+        for start in range(0, chunk.nbytes, _READ_PIECE):
             if offset and deadline is not None and deadline.passed():
                 raise _DeadlinePassed
-            target = dest[offset : offset + min(_PIECE, chunk.nbytes - start)]
+            target = dest[offset : offset + min(_READ_PIECE, chunk.nbytes - start)]
             if not _pread_exactly(source.fd, target, at + start):
                 return None
             value = crc32c.crc32c(target, value)

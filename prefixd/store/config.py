@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from prefixd.errors import ConfigError
+from prefixd.store.fair import default_threads
 
 T = TypeVar("T", int, float)
 
@@ -129,7 +130,9 @@ class StoreConfig:
     zstd_level: int = 1
     min_compression_gain: float = 0.05
     chunk_bytes: int = 1 * MiB
-    verify_threads: int = 2
+    # threads copying and verifying the payloads of every load (prefixd.store.fair), and
+    # encoding puts': about one per usable core, at least 2; 0: each caller's own thread alone
+    verify_threads: int = default_threads()
     readahead: bool = True
     read_path: str = "auto"
     max_readers: int = 256

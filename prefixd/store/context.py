@@ -19,6 +19,7 @@ from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.direct import DataFile
 from prefixd.store.environment import Tables
+from prefixd.store.fair import FairPool
 from prefixd.store.journal import BlockObserver, Journals
 from prefixd.store.lookup_memo import VerifiedPrefixes
 from prefixd.store.pins import Pins
@@ -36,12 +37,14 @@ class StoreContext:
     meta: StoreMeta  # as read (or written) when the store was opened
     clock: Clock  # every entry age and time to live is read from it
     codec: PayloadCodec
-    pool: ThreadPoolExecutor | None  # verify/encode threads (config.verify_threads)
+    pool: ThreadPoolExecutor | None  # encode threads (config.verify_threads)
     tenants: TenantIndex  # digest -> tenant, over the identities table
     tallies: Tallies  # this process's counts
     pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
     observer: BlockObserver | None = None  # told what each write transaction changed
     data_file: DataFile | None = None  # data.mdb for loads that read it directly (direct.py)
+    # copy and verify threads shared by every load, a piece of each in turn (prefixd.store.fair)
+    copier: FairPool | None = None
     journals: Journals = field(default_factory=Journals)  # the write transaction's, per thread
     # prefixes verified by a walk or written by a put: lookups and puts both start after them
     memo: VerifiedPrefixes = field(init=False)

@@ -151,7 +151,7 @@ class Reader:
                 if item is None:
                     break
                 items.append(item)
-            n_ok = ctx.codec.decode_verified(items, ctx.pool)
+            n_ok = ctx.codec.decode_verified(items, ctx.copier)
             if n_ok < len(items) and self._stored_damage(items[n_ok]):
                 bad.append(Damaged(hashes[n_ok], parents[n_ok], digest, BAD_PAYLOAD))
             items.clear()  # the chunk views die with the transaction
@@ -209,7 +209,7 @@ class Reader:
                 items.append(item)
                 offsets.append(offset)
                 offset = end
-            n_ok = ctx.codec.decode_verified(items, ctx.pool, cut)
+            n_ok = ctx.codec.decode_verified(items, ctx.copier, cut)
             if n_ok < len(items):
                 next_size = 0  # stopped at a failed payload or the deadline, not for room
                 failed = start + n_ok
@@ -348,7 +348,7 @@ class Reader:
             items.append(self._payload(record, chunks, buffer[offset:end]))
             offsets.append(offset)
             offset = end
-        n_ok = ctx.codec.decode_verified(items, ctx.pool, cut)
+        n_ok = ctx.codec.decode_verified(items, ctx.copier, cut)
         if n_ok < len(match.parts):
             if cut is not None and cut.stopped_at(items[n_ok]):
                 items.clear()  # a miss: the parts verified before the cut-off are unreported
@@ -380,7 +380,7 @@ class Reader:
             item = self._gather(
                 txn, block, parent, record.identity, record.payload_size, memoryview(out), bad
             )
-            verified = item is not None and ctx.codec.decode_verified([item], ctx.pool) == 1
+            verified = item is not None and ctx.codec.decode_verified([item], ctx.copier) == 1
             if item is not None and not verified:
                 bad.append(Damaged(block, parent, record.identity, BAD_PAYLOAD))
             record_bytes = bytes(raw)

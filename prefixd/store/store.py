@@ -46,6 +46,7 @@ from prefixd.store.config import StoreConfig
 from prefixd.store.context import StoreContext
 from prefixd.store.direct import DataFile
 from prefixd.store.environment import DATA_FILE, OwnerLock, copy_compacted, open_environment
+from prefixd.store.fair import FairPool
 from prefixd.store.joint import JointMatch
 from prefixd.store.journal import BlockChange, BlockObserver
 from prefixd.store.listing import ListedBlock
@@ -136,6 +137,11 @@ class Store:
             tenants=TenantIndex(tables.identities),
             tallies=Tallies(),
             data_file=data_file,
+            copier=(
+                FairPool(config.verify_threads, name="prefixd-verify")
+                if config.verify_threads
+                else None
+            ),
         )
         self._tenancy = Tenancy(self._ctx)
         self._access = AccessTimes(self._ctx)
@@ -502,6 +508,8 @@ class Store:
             self._closed = True
             if self._ctx.pool is not None:
                 self._ctx.pool.shutdown(wait=True)
+            if self._ctx.copier is not None:
+                self._ctx.copier.close()
             self._ctx.env.close()
             if self._ctx.data_file is not None:
                 self._ctx.data_file.close()

@@ -87,14 +87,16 @@ def test_a_load_stalled_past_its_deadline_answers_the_verified_blocks_before_it(
 ) -> None:
     """Slow storage: the daemon's read of block 1 stalls past the load's deadline (the clock
     moves ten seconds while it reads its first piece). The client gets block 0, verified; the
-    cut-off is counted in the stats, nothing is quarantined, and a later load is whole. (Block
-    1 is in the first of the two runs the daemon verifies at once: whatever the second run did
-    meanwhile, the answer ends where the first one stopped.)"""
+    cut-off is counted in the stats, nothing is quarantined, and a later load is whole. (Blocks
+    0 and 1 are one piece of the load, read in order by one thread, and block 1 is two reads
+    long: whatever the threads did with the next piece meanwhile, the answer ends where the
+    first one stopped.)"""
     from prefixd.store import codec
 
     socket_path, clock = served
     prompt = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32) + 11
-    pays = [bytes([i]) * (512 << 10) for i in range(4)]
+    sizes = [512 << 10, 2 * codec._READ_PIECE, 512 << 10, 512 << 10]
+    pays = [bytes([i]) * size for i, size in enumerate(sizes)]
     original = codec._pread_exactly
 
     def stalled_at_block_1(fd: int, target: memoryview, at: int) -> bool:
@@ -123,7 +125,8 @@ def test_the_daemons_load_deadline_holds_loads_that_name_none(
     from prefixd.store import codec
 
     prompt = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32) + 11
-    pays = [bytes([i]) * (512 << 10) for i in range(4)]
+    sizes = [512 << 10, 2 * codec._READ_PIECE, 512 << 10, 512 << 10]  # as the test above
+    pays = [bytes([i]) * size for i, size in enumerate(sizes)]
     original = codec._pread_exactly
     with serving(tmp_path, load_deadline_s=5.0) as (socket_path, clock):
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,9 +9,10 @@ from hypothesis import strategies as st
 
 from prefixd.schema.records import BlockRecord, Compression
 from prefixd.store.codec import PayloadCodec, StoredPayload, checksum
+from prefixd.store.fair import FairPool
 
 CHUNK = 64 << 10
-POOL = ThreadPoolExecutor(1)
+POOL = FairPool(2)
 
 
 def codec(kind: str, min_gain: float = 0.05) -> PayloadCodec:
@@ -22,8 +21,16 @@ def codec(kind: str, min_gain: float = 0.05) -> PayloadCodec:
 
 def stored(encoded, dest: memoryview) -> StoredPayload:  # type: ignore[no-untyped-def]
     record = BlockRecord(
-        encoded.compression, encoded.chunk_bytes, len(encoded.chunks), encoded.checksum,
-        encoded.payload_size, encoded.stored_size, 0, bytes(16), bytes(16), bytes(16),
+        encoded.compression,
+        encoded.chunk_bytes,
+        len(encoded.chunks),
+        encoded.checksum,
+        encoded.payload_size,
+        encoded.stored_size,
+        0,
+        bytes(16),
+        bytes(16),
+        bytes(16),
     )
     return StoredPayload(record, [memoryview(bytes(c)) for c in encoded.chunks], dest)
 
