@@ -20,9 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from prefixd.wire.frames import HEADER, MAX_FDS_PER_FRAME
-
-READ_AHEAD_BYTES = 64 << 10
+from prefixd.wire.frames import MAX_FDS_PER_FRAME, READ_AHEAD_BYTES, FrameReader
 
 
 class Frame(NamedTuple):
@@ -45,29 +43,23 @@ def close_fds(fds: list[int]) -> None:
 
 
 class Inbox:
-    """The bytes read from one connection and not yet handed out as frames."""
+    """The bytes read from one connection and not yet handed out as frames: the framing is
+    FrameReader's, the descriptors are kept here by the stream offset they came at."""
 
     def __init__(self, size: int = READ_AHEAD_BYTES) -> None:
-        self._buffer = bytearray(size)
-        self._view = memoryview(self._buffer)
-        self._start = 0  # the first byte not yet handed out
-        self._end = 0  # the end of the bytes read
-        self._offset = 0  # the stream offset of _start (of the large body's frame, when one)
-        self._large: memoryview | None = None  # a body too long for the buffer, being read
-        self._large_have = 0
-        self._skip = 0  # bytes of a refused frame still to drop
+        self._frames = FrameReader(max_body=1 << 62, size=size)  # next_frame applies the limit
         self._received = 0  # stream bytes received in all
         self._fds: list[tuple[int, list[int]]] = []  # (offset of the read's last byte, fds)
 
     @property
     def empty(self) -> bool:
         """Nothing buffered: the stream stands at a frame boundary."""
-        return self._start == self._end and self._large is None and not self._skip
+        return self._frames.empty
 
     @property
     def skipping(self) -> bool:
         """Dropping a refused frame's bytes as they come."""
-        return bool(self._skip)
+        return self._frames.skipping
 
     @property
     def fds_pending(self) -> bool:
@@ -75,82 +67,48 @@ class Inbox:
 
     def space(self) -> memoryview:
         """Where the next read goes (never empty)."""
-        if self._large is not None:
-            return self._large[self._large_have :]
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif self._start and self._end == len(self._buffer):  # move the partial frame up front
-            pending = self._end - self._start
-            self._buffer[:pending] = self._view[self._start : self._end]
-            self._start, self._end = 0, pending
-        return self._view[self._end :]
+        return self._frames.space()
 
     def filled(self, n: int, fds: Sequence[int] = (), truncated: bool = False) -> None:
         """`n` bytes (n > 0) were read into the last `space()`, with these descriptors."""
         self._received += n
-        if self._large is not None:
-            self._large_have += n
-        else:
-            self._end += n
-            if self._skip:
-                self._drop()
+        skipping = self._frames.skipping
+        self._frames.filled(n)
         if fds:
             self._fds.append((self._received - 1, list(fds)))
+        if skipping:
+            self._skipped()
         if truncated or sum(len(batch) for _, batch in self._fds) > MAX_FDS_PER_FRAME:
             self.close_pending()  # never hoard a flood of descriptors
 
     def next_frame(self, max_body: int) -> Frame | Oversized | None:
         """The next whole frame, an oversized one's length, or None until more bytes come."""
-        large = self._large
-        if large is not None:
-            if self._large_have < len(large):
-                return None
-            self._large = None
-            begin = self._offset
-            self._offset += HEADER.size + len(large)
-            return Frame(large, self._take_fds(begin, self._offset))
-        if self._skip:
-            return None
-        have = self._end - self._start
-        if have < HEADER.size:
-            return None
-        (length,) = HEADER.unpack_from(self._buffer, self._start)
-        if length > max_body:
+        frames = self._frames
+        length = frames.claimed()
+        if length is not None and length > max_body:
             return Oversized(length)
-        begin = self._start + HEADER.size
-        if begin + length <= self._end:
-            self._start = begin + length
-            first = self._offset
-            self._offset += HEADER.size + length
-            return Frame(self._view[begin : begin + length], self._take_fds(first, self._offset))
-        if HEADER.size + length <= len(self._buffer):
-            return None  # it fits the buffer: wait for the rest
-        body = memoryview(bytearray(length))
-        got = self._end - begin
-        body[:got] = self._view[begin : self._end]
-        self._start = self._end = 0
-        self._large, self._large_have = body, got
-        return None
+        begin = frames.offset
+        body = frames.next_body()
+        if body is None:
+            return None
+        return Frame(body, self._take_fds(begin, frames.offset))
 
     def skip(self, length: int) -> None:
         """Drop the oversized frame `next_frame` reported (its header and `length` bytes)."""
-        self._start += HEADER.size
-        self._offset += HEADER.size
-        self._skip = length
-        self._drop()
+        assert self._frames.claimed() == length
+        self._frames.skip()
+        self._skipped()
 
     def close_pending(self) -> None:
         for _, batch in self._fds:
             close_fds(batch)
         self._fds.clear()
 
-    def _drop(self) -> None:
-        dropped = min(self._skip, self._end - self._start)
-        self._start += dropped
-        self._offset += dropped
-        self._skip -= dropped
-        if not self._skip:
-            self._take_fds(self._offset, self._offset)  # what came with the dropped frame
+    def _skipped(self) -> None:
+        """Once a refused frame is dropped whole, close what came with it."""
+        if not self._frames.skipping:
+            offset = self._frames.offset
+            self._take_fds(offset, offset)
 
     def _take_fds(self, begin: int, end: int) -> list[int]:
         """The descriptors of the frame at stream offsets [begin, end); earlier ones (of a frame

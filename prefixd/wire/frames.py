@@ -67,7 +67,10 @@ class FrameReader:
     header and then the body takes two.
 
     A body is a view into the buffer, valid until the next `space()`; a body too long for the
-    buffer gets one of its own. A length over `max_body` raises FrameTooLargeError."""
+    buffer gets one of its own. A length over `max_body` raises FrameTooLargeError, unless the
+    shell looks at `claimed()` first and `skip()`s the frame (the daemon's prefixd.daemon.inbox).
+    `offset` is the stream offset of the next frame, so a shell can tell which bytes a body
+    came in (and with them, which descriptors)."""
 
     def __init__(self, *, max_body: int = MAX_REPLY_BYTES, size: int = READ_AHEAD_BYTES) -> None:
         self.max_body = max_body
@@ -76,6 +79,18 @@ class FrameReader:
         self._end = 0  # the end of the bytes read
         self._large: memoryview | None = None  # the body being read into a buffer of its own
         self._large_have = 0
+        self._skip = 0  # bytes of a skipped frame still to drop
+        self.offset = 0  # the stream offset of the next frame (of the large body's, when one)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing buffered: the stream stands at a frame boundary."""
+        return self._start == self._end and self._large is None and not self._skip
+
+    @property
+    def skipping(self) -> bool:
+        """Dropping a skipped frame's bytes as they come."""
+        return bool(self._skip)
 
     def space(self) -> memoryview:
         """Where the next read goes (never empty)."""
@@ -95,6 +110,25 @@ class FrameReader:
             self._large_have += n
         else:
             self._end += n
+            if self._skip:
+                self._drop()
+
+    def claimed(self) -> int | None:
+        """The body length the next frame's header claims, once the header is in (None while
+        a body of its own or a skipped frame is still being read)."""
+        if self._large is not None or self._skip or self._end - self._start < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(self._buffer, self._start)
+        return int(length)
+
+    def skip(self) -> None:
+        """Drop the next frame, whose header `claimed()` read: its header and body, as they come."""
+        length = self.claimed()
+        assert length is not None
+        self._start += HEADER.size
+        self.offset += HEADER.size
+        self._skip = length
+        self._drop()
 
     def next_body(self) -> memoryview | None:
         """The next whole frame body read, or None until more bytes come."""
@@ -103,11 +137,11 @@ class FrameReader:
             if self._large_have < len(large):
                 return None
             self._large = None
+            self.offset += HEADER.size + len(large)
             return large
-        have = self._end - self._start
-        if have < HEADER.size:
+        length = self.claimed()
+        if length is None:
             return None
-        (length,) = HEADER.unpack_from(self._buffer, self._start)
         if length > self.max_body:
             raise FrameTooLargeError(
                 ErrorCode.FRAME_TOO_LARGE, f"a {length}-byte frame (the limit is {self.max_body})"
@@ -115,6 +149,7 @@ class FrameReader:
         begin = self._start + HEADER.size
         if begin + length <= self._end:
             self._start = begin + length
+            self.offset += HEADER.size + length
             return self._buffer[begin : begin + length]
         if HEADER.size + length <= len(self._buffer):
             return None  # it fits the buffer: wait for the rest
@@ -124,3 +159,9 @@ class FrameReader:
         self._start = self._end = 0
         self._large, self._large_have = body, got
         return None
+
+    def _drop(self) -> None:
+        dropped = min(self._skip, self._end - self._start)
+        self._start += dropped
+        self.offset += dropped
+        self._skip -= dropped
