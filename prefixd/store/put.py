@@ -382,7 +382,7 @@ class Writer:
         txn.put(identity.digest, identity.encode(), db=self._ctx.tables.identities, overwrite=False)
         written: list[EncodedPayload] = []
         existed = replaced = 0
-        hashes, sizes = list(ancestry.hashes[:first_block]), ancestry.payload_sizes[:first_block]
+        hashes, sizes = ancestry.hashes, ancestry.payload_sizes  # this put's own lists
         oldest = ancestry.oldest_created_ns
         for index in range(first_block, end):
             claim = self._claim_block(txn, chain, index, min_created)

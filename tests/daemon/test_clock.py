@@ -82,6 +82,32 @@ def test_a_tenants_time_to_live_and_the_uptime_follow_the_daemons_clock(
         assert client.health()["uptime_s"] == pytest.approx(up + TTL_S + 1)
 
 
+PROMPT = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32) + 11
+
+
+def stalling_pays() -> list[bytes]:
+    """Four payloads; block 1 is two reads long, inside the load's first piece."""
+    from prefixd.store import codec
+
+    sizes = [512 << 10, 2 * codec._READ_PIECE, 512 << 10, 512 << 10]
+    return [bytes([i]) * size for i, size in enumerate(sizes)]
+
+
+def stall_block_1(monkeypatch: pytest.MonkeyPatch, clock: ManualClock) -> None:
+    """Slow storage: the clock moves ten seconds while the daemon reads block 1."""
+    from prefixd.store import codec
+
+    original = codec._pread_exactly
+
+    def stalled(fd: int, target: memoryview, at: int) -> bool:
+        done = original(fd, target, at)
+        if target[0] == 1:
+            clock.advance(10.0)
+        return done
+
+    monkeypatch.setattr(codec, "_pread_exactly", stalled)
+
+
 def test_a_load_stalled_past_its_deadline_answers_the_verified_blocks_before_it(
     served: tuple[Path, ManualClock], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -91,29 +117,17 @@ def test_a_load_stalled_past_its_deadline_answers_the_verified_blocks_before_it(
     0 and 1 are one piece of the load, read in order by one thread, and block 1 is two reads
     long: whatever the threads did with the next piece meanwhile, the answer ends where the
     first one stopped.)"""
-    from prefixd.store import codec
-
     socket_path, clock = served
-    prompt = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32) + 11
-    sizes = [512 << 10, 2 * codec._READ_PIECE, 512 << 10, 512 << 10]
-    pays = [bytes([i]) * size for i, size in enumerate(sizes)]
-    original = codec._pread_exactly
-
-    def stalled_at_block_1(fd: int, target: memoryview, at: int) -> bool:
-        done = original(fd, target, at)
-        if target[0] == 1:
-            clock.advance(10.0)
-        return done
-
+    prompt, pays = PROMPT, stalling_pays()
     with Client(socket_path, region_bytes=8 << 20) as client:
         client.put(IDENTITY, prompt, pays)
-        monkeypatch.setattr(codec, "_pread_exactly", stalled_at_block_1)
-        with client.load(IDENTITY, prompt, deadline_s=5.0) as loaded:
-            assert [bytes(v) for v in loaded.views] == pays[:1]
+        with monkeypatch.context() as stalling:
+            stall_block_1(stalling, clock)
+            with client.load(IDENTITY, prompt, deadline_s=5.0) as loaded:
+                assert [bytes(v) for v in loaded.views] == pays[:1]
         stats = client.stats()
         assert stats["store"]["deadline_cutoffs"] == 1
         assert stats["store"]["quarantined"] == 0
-        monkeypatch.setattr(codec, "_pread_exactly", original)
         with client.load(IDENTITY, prompt, deadline_s=5.0) as loaded:
             assert [bytes(v) for v in loaded.views] == pays
 
@@ -122,23 +136,11 @@ def test_the_daemons_load_deadline_holds_loads_that_name_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """load_deadline_s bounds every load whose client names no deadline of its own."""
-    from prefixd.store import codec
-
-    prompt = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32) + 11
-    sizes = [512 << 10, 2 * codec._READ_PIECE, 512 << 10, 512 << 10]  # as the test above
-    pays = [bytes([i]) * size for i, size in enumerate(sizes)]
-    original = codec._pread_exactly
+    prompt, pays = PROMPT, stalling_pays()
     with serving(tmp_path, load_deadline_s=5.0) as (socket_path, clock):
-
-        def stalled_at_block_1(fd: int, target: memoryview, at: int) -> bool:
-            done = original(fd, target, at)
-            if target[0] == 1:
-                clock.advance(10.0)
-            return done
-
         with Client(socket_path, region_bytes=8 << 20) as client:
             client.put(IDENTITY, prompt, pays)
-            monkeypatch.setattr(codec, "_pread_exactly", stalled_at_block_1)
+            stall_block_1(monkeypatch, clock)
             with client.load(IDENTITY, prompt) as loaded:
                 assert [bytes(v) for v in loaded.views] == pays[:1]
             assert client.stats()["store"]["deadline_cutoffs"] == 1

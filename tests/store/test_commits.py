@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from prefixd import Identity, Store
 from prefixd.errors import OrphanBlockError, PutRefusedError
+from tests.daemon.conftest import make_identity
 from tests.store.test_journal import View, inventory
 from tests.waiting import wait_for
 
@@ -118,16 +119,7 @@ def test_a_put_in_a_group_sees_the_blocks_an_earlier_one_wrote(
 Put = tuple[int, int, int]  # (prompt, first block, blocks): of a few prompts sharing blocks
 
 
-IDENTITY = Identity(
-    model="m",
-    weights="w",
-    tokenizer="t",
-    template="c",
-    rope="r",
-    kv_layout="bf16",
-    block_tokens=4,
-    tenant="a",
-)
+IDENTITY = make_identity()  # the conftest's identity, for hypothesis (no fixtures there)
 
 
 @settings(max_examples=25, deadline=None)

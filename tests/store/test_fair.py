@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from prefixd import Identity, Store
-from prefixd.schema.records import BlockRecord
 from prefixd.store.codec import PIECE_BYTES, Deadline, PayloadCodec, StoredPayload
 from prefixd.store.fair import FairPool, default_threads
+
+from .test_codec import stored
 
 BLOCK_TOKENS = 16
 BLOCK = 256 << 10  # four blocks to a piece
@@ -85,24 +86,7 @@ def test_default_threads_suit_a_small_node() -> None:
 
 
 def _items(codec: PayloadCodec, datas: list[bytes], dests: list[bytearray]) -> list[StoredPayload]:
-    items = []
-    for data, dest in zip(datas, dests):
-        encoded = codec.encode(memoryview(data))
-        record = BlockRecord(
-            encoded.compression,
-            encoded.chunk_bytes,
-            len(encoded.chunks),
-            encoded.checksum,
-            encoded.payload_size,
-            encoded.stored_size,
-            0,
-            bytes(16),
-            bytes(16),
-            bytes(16),
-        )
-        chunks = [memoryview(bytes(c)) for c in encoded.chunks]
-        items.append(StoredPayload(record, chunks, memoryview(dest)))
-    return items
+    return [stored(codec.encode(memoryview(d)), memoryview(dest)) for d, dest in zip(datas, dests)]
 
 
 def test_a_split_load_reports_only_the_verified_prefix() -> None:
