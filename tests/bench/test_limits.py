@@ -103,7 +103,11 @@ def test_the_rows_details(report: dict[str, Any]) -> None:
     rows = report["rows"]
     slope = rows["put_chain"]["slope_us_per_block"]
     assert set(slope) == {"library", "raw_lmdb"} and all(math.isfinite(v) for v in slope.values())
-    assert rows["first_load"]["daemon_minor_faults"]["first"] > 0  # the daemon maps the region
+    faults = rows["first_load"]["daemon_minor_faults"]
+    # counted for both loads; since the daemon maps a region in at attach, the first takes about
+    # none, and never one per page of the region
+    assert all(isinstance(faults[k], int) and faults[k] >= 0 for k in ("first", "second"))
+    assert faults["first"] < rows["first_load"]["region_pages"]
     clients = rows["load_clients"]["settings"]["clients"]
     assert set(rows["load_clients"]["ratio"]) == {f"{c}_clients" for c in clients}
     cold = rows["cold_load"]
