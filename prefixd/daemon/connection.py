@@ -19,6 +19,7 @@ from msgspec import Struct
 
 from prefixd.daemon.inbox import Frame, Inbox, close_fds
 from prefixd.daemon.operations import AnyReply, Operations, Request
+from prefixd.daemon.outbox import Outbox
 from prefixd.daemon.policy import EVERYTHING, Grant
 from prefixd.errors import ProtocolError, RequestError
 from prefixd.wire.decoding import decode_request
@@ -64,7 +65,7 @@ class Connection:
         self._requests: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()  # set while fewer than max_inflight requests are under way
         self._room.set()
-        self._write_lock = asyncio.Lock()
+        self._outbox = Outbox(sock, self._loop)  # replies, in order, never interleaved
         self._draining = False
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -291,18 +292,11 @@ class Connection:
         await self._send(error_reply(exc.rid, code, refused.message))
 
     def _reply_now(self, reply: Struct) -> None:
-        """Send a reply computed on the loop without a task, when no other send is under way."""
-        frame = encode_frame(reply)
-        sent = 0
-        if not self._write_lock.locked():
-            try:
-                sent = self.sock.send(frame)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                return  # the connection is gone; the read loop will notice
-        if sent < len(frame):
-            self._spawn(self._send_frame(frame[sent:]))
+        """Send a reply computed on the loop without a task; one the socket does not take at
+        once is waited for by a task, which counts as a request in flight (backpressure)."""
+        sending = self._outbox.send(encode_frame(reply))
+        if sending is not None:
+            self._spawn(_sent(sending))
 
     def _spawn(self, coroutine: Any) -> None:
         task = self._loop.create_task(coroutine)
@@ -345,19 +339,12 @@ class Connection:
         await self._send_frame(encode_frame(message))
 
     async def _send_frame(self, frame: bytes) -> None:
-        if not self._write_lock.locked():  # the usual case: the whole reply fits the socket now
-            try:
-                sent = self.sock.send(frame)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                return
-            if sent == len(frame):
-                return
-            frame = frame[sent:]  # no await since: the lock is still free, and taken at once
-        async with self._write_lock:
-            with contextlib.suppress(ConnectionError, OSError):
-                await self._loop.sock_sendall(self.sock, frame)
+        """Send a reply after those before it; return once it is out (the usual case: at once,
+        the whole reply fitting the socket), so a client that does not read holds its requests
+        in flight and the reader stops taking more."""
+        sending = self._outbox.send(frame)
+        if sending is not None:
+            await _sent(sending)
 
     async def _readable(self, deadline: float | None = None) -> None:
         """Wait until the socket is readable (TimeoutError past `deadline`, monotonic). The
@@ -445,9 +432,16 @@ class Connection:
         if self.pins:
             self.operations.store.unpin(self.pins.elements())
             self.pins.clear()
+        self._outbox.close()
         with contextlib.suppress(OSError):
             self.sock.close()
         self.server.connections.discard(self)
+
+
+async def _sent(sending: asyncio.Future[None]) -> None:
+    """Wait until the outbox has sent a frame; a cancelled wait leaves the frame to it (the
+    stream stays whole)."""
+    await asyncio.shield(sending)
 
 
 async def reply_and_close(sock: socket.socket, code: ErrorCode, message: str) -> None:
