@@ -94,11 +94,13 @@ class Verified(NamedTuple):
 
 
 class Written(NamedTuple):
-    """What a committed put did, and how many damaged records it replaced."""
+    """What a committed put did, how many damaged records it replaced, and the store's stored
+    bytes as its transaction left them (what its eviction check compares with the capacity)."""
 
     result: PutResult
     replaced: int
     verified: Verified | None = None
+    stored_bytes: int = 0
 
 
 Outcome = Written | Refusal
@@ -146,24 +148,31 @@ class Writer:
                 f"{chain.block_tokens} tokens: only closed blocks are stored"
             )
         ctx = self._ctx
-        with ctx.env.begin(buffers=True) as txn:  # encode only what is not stored yet
-            known = self._remembered(txn, chain, first_block)
-            absent = [
-                txn.get(chain.hash(i), db=ctx.tables.blocks) is None
-                for i in range(first_block, end)
-            ]
-        todo = [i for i, missing in enumerate(absent) if missing]
+        known: VerifiedPrefix | None = None
+        todo: Sequence[int] = range(len(views))
+        compressed = ctx.codec.compression is not Compression.NONE
+        if compressed:
+            with ctx.env.begin(buffers=True) as txn:  # compress only what is not stored yet
+                known = self._remembered(txn, chain, first_block)
+                todo = [
+                    i
+                    for i in range(len(views))
+                    if txn.get(chain.hash(first_block + i), db=ctx.tables.blocks) is None
+                ]
+        # Raw payloads are encoded whatever is stored (a checksum costs less than a transaction
+        # to find out), and the memo is asked inside the put's own transaction.
         encoded: dict[int, EncodedPayload] = dict(
             zip(
                 (first_block + i for i in todo),
                 ctx.codec.encode_many([views[i] for i in todo], ctx.pool),
             )
         )
-        return self._publish(
-            lambda txn: self._put_txn(txn, chain, first_block, views, encoded, known),
-            identity.tenant,
-            chain,
-        )
+
+        def body(txn: lmdb.Transaction) -> Outcome:
+            remembered = known if compressed else self._remembered(txn, chain, first_block)
+            return self._put_txn(txn, chain, first_block, views, encoded, remembered)
+
+        return self._publish(body, identity.tenant, chain)
 
     def _put_txn(
         self,
@@ -188,10 +197,10 @@ class Writer:
             return blocks
         payload_bytes = sum(p.payload_size for p in blocks.written)
         stored_bytes = sum(p.stored_size for p in blocks.written)
-        _count(txn, t, digest, len(blocks.written), 0, payload_bytes, stored_bytes)
+        total = _count(txn, t, digest, len(blocks.written), 0, payload_bytes, stored_bytes)
         hashes = tuple(chain.hash(i) for i in range(first_block, end))
         result = PutResult(len(blocks.written), blocks.existed, hashes)
-        return Written(result, blocks.replaced, self._verified(txn, blocks, known))
+        return Written(result, blocks.replaced, self._verified(txn, blocks, known), total)
 
     # --- hybrid identities: state groups --------------------------------------------------------
 
@@ -279,10 +288,10 @@ class Writer:
             payload_bytes += payload.payload_size
             stored_bytes += payload.stored_size
         stored = len(blocks.written)
-        _count(txn, t, digest, stored, parts, payload_bytes, stored_bytes)
+        total = _count(txn, t, digest, stored, parts, payload_bytes, stored_bytes)
         hashes = tuple(chain.hash(i) for i in range(first_block, end))
         result = PutResult(stored, blocks.existed, hashes, parts)
-        return Written(result, blocks.replaced, self._verified(txn, blocks, known))
+        return Written(result, blocks.replaced, self._verified(txn, blocks, known), total)
 
     # --- one put's transaction ------------------------------------------------------------------
 
@@ -315,7 +324,7 @@ class Writer:
             )
         if outcome.result.stored or outcome.result.parts:
             try:
-                self._keep_within_limits(tenant)
+                self._keep_within_limits(tenant, outcome.stored_bytes)
             except lmdb.MapFullError:
                 # The put is committed and acknowledged; only the eviction after it failed. The
                 # next put (or the daemon's own eviction) tries again: never report it as lost.
@@ -340,12 +349,11 @@ class Writer:
         self._settle()
         return write()
 
-    def _keep_within_limits(self, tenant: str) -> None:
-        """Evict past the high watermark of the capacity, or of the tenant's quota."""
+    def _keep_within_limits(self, tenant: str, stored: int) -> None:
+        """Evict past the high watermark of the capacity (`stored` bytes, as the put left them),
+        or of the tenant's quota."""
         config = self._ctx.config
         high = config.high_watermark
-        with self._ctx.env.begin() as txn:
-            stored = counters.read(txn, self._ctx.tables.counters, counters.STORED_BYTES)
         if stored > capacity_bytes(config) * high:
             self._evict()
         quota = self._tenancy.quota_of(tenant)
@@ -548,14 +556,16 @@ def _count(
     parts: int,
     payload_bytes: int,
     stored_bytes: int,
-) -> None:
-    """Add a put's blocks and bytes to the counters, in its own transaction."""
+) -> int:
+    """Add a put's blocks and bytes to the counters, in its own transaction; the store's stored
+    bytes now."""
     counters.add(txn, t.counters, counters.BLOCKS, blocks)
     counters.add(txn, t.counters, counters.PARTS, parts)
     counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
     counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
     counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
     counters.add(txn, t.counters, counters.identity_blocks(digest), blocks)
+    return counters.read(txn, t.counters, counters.STORED_BYTES)
 
 
 def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> int:
