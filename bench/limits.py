@@ -8,7 +8,10 @@
 |              | chain (first_block = k, k up to 2,000):       | settings), one write transaction    |
 |              | blocks/s, and the slope of put time against k | per 16 KiB put: puts/s              |
 | put_roots    | one 16 KiB block, a new root each put:        | raw LMDB, a transaction per put     |
-|              | library, and through the daemon (Client.put)  |                                     |
+|              | library, and through the daemon (Client.put); |                                     |
+|              | library_put_us: a library put back to back    |                                     |
+|              | and right after a 0.4 ms wait, as a daemon's  |                                     |
+|              | loop waits between a client's puts            |                                     |
 | put_64       | 64 blocks per put through the daemon          | raw LMDB, 64 puts in one txn        |
 | first_load   | first load into a fresh client's region       | the second load into that region    |
 |              | (512 MiB of 1 MiB blocks); the daemon's minor |                                     |

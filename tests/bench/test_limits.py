@@ -101,6 +101,9 @@ def test_each_row_carries_the_issues_targets(report: dict[str, Any]) -> None:
 
 def test_the_rows_details(report: dict[str, Any]) -> None:
     rows = report["rows"]
+    waits = rows["put_roots"]["library_put_us"]  # a put back to back, and after a wait
+    assert set(waits) == {"back_to_back", "after_a_wait"}
+    assert all(_positive(v) for v in waits.values())
     slope = rows["put_chain"]["slope_us_per_block"]
     assert set(slope) == {"library", "raw_lmdb"} and all(math.isfinite(v) for v in slope.values())
     faults = rows["first_load"]["daemon_minor_faults"]
