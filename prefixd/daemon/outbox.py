@@ -27,10 +27,6 @@ class Outbox:
         self._watching = False
         self._closed = False
 
-    @property
-    def empty(self) -> bool:
-        return not self._waiting
-
     def send(self, frame: bytes) -> asyncio.Future[None] | None:
         """Send `frame` after everything given before it: None if it went out whole now, else
         a future done once it has (or once the connection is gone and it is dropped)."""
