@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache
 
 from prefixd.client import Client
-from prefixd.integrations.transformers import capture_checkpoint, export_state
+from prefixd.integrations.transformers import capture_checkpoint, export_state, state_spec
 
 from ..integrations.models import (
     BLOCK,
@@ -80,5 +80,45 @@ def test_every_family_continues_exactly_after_a_daemon_restart(daemon: Daemon) -
         # the second prompt leaves the stored one inside block 4: the hit falls back to the
         # checkpoint at EARLY, or to block 4's start when there is no checkpoint group
         expected = DIVERGE // BLOCK * BLOCK if family in PAGED_ONLY else EARLY
+        assert replay["reusable_tokens"] == expected, family
+        assert replay["diff"] <= TOL, family
+
+
+def test_families_by_layer_kind_after_a_daemon_restart(daemon: Daemon, long_run: bool) -> None:
+    """One family of each cache layer kind (every family that restores exactly, under --long)
+    through the daemon: store, restart it, restore in a fresh process, continue."""
+    from ..integrations import zoo, zoo_daemon
+
+    if long_run:
+        families = [f for f in zoo.families() if zoo.check(f).result == "exact"]
+    else:
+        families = list(zoo.REPRESENTATIVES)
+    with Client(daemon.socket, region_bytes=32 << 20) as client:
+        for family in families:
+            assert zoo_daemon.store(client, family) == zoo_daemon.PREFIX // zoo_daemon.BLOCK
+    daemon.restart()
+    worker = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.zoo_daemon", str(daemon.socket), *families],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    assert worker.returncode == 0, worker.stderr[-4000:]
+    results = {r["family"]: r for r in map(json.loads, worker.stdout.splitlines())}
+    assert list(results) == families
+    for family, result in results.items():
+        direct, replay = result["direct"], result["replay"]
+        print(f"{family}: direct {direct['diff']:.2e}, replay from {replay['reusable_tokens']}"
+              f" {replay['diff']:.2e}")
+        assert direct["reusable_tokens"] == zoo_daemon.PREFIX, family
+        assert direct["diff"] <= TOL, family
+        # the hit falls back to the checkpoint at EARLY, or to block 4's start for a model
+        # whose state is all paged
+        config, _ = zoo.build(family)
+        spec = state_spec(config, block_tokens=zoo_daemon.BLOCK)
+        paged_only = all(group.kind == "paged" for group in spec)
+        expected = zoo_daemon.DIVERGE // BLOCK * BLOCK if paged_only else zoo_daemon.EARLY
         assert replay["reusable_tokens"] == expected, family
         assert replay["diff"] <= TOL, family

@@ -26,6 +26,7 @@ from prefixd.integrations.transformers import (
     state_layout,
     state_spec,
 )
+from prefixd.integrations.transformers.fields import pack_described, unpack_described
 
 from .models import (
     BLOCK,
@@ -172,7 +173,8 @@ def test_restore_continues_exactly(family: str, record_property) -> None:
         assert [len(p) for p in pages] == [PAGE * layout.block_nbytes(group)] * (n_blocks // PAGE)
     for group, by_boundary in payloads.checkpoints.items():
         assert list(by_boundary) == [PREFIX]
-        assert len(by_boundary[PREFIX]) == layout.checkpoint_nbytes(group, PREFIX)
+        described = unpack_described(by_boundary[PREFIX], group)  # names its own tensors
+        assert described and all(t.numel() for t in described.values())
 
     cache = restore(family, PREFIX, payloads.paged, checkpoints_at(payloads, PREFIX))
     logits = continue_from(family, cache, PREFIX)
@@ -202,6 +204,12 @@ def test_replay_from_an_earlier_checkpoint(family: str, boundary: int, record_pr
     assert diff <= TOL
 
 
+def zeroed_payload(group: str, payload: bytes) -> bytes:
+    """The checkpoint payload with every tensor zeroed (its header kept)."""
+    tensors = unpack_described(payload, group)
+    return pack_described({key: torch.zeros_like(t) for key, t in tensors.items()})
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_group_matters(family: str) -> None:
     """Zeroing any one group's payloads moves the logits far past the tolerance."""
@@ -213,7 +221,7 @@ def test_every_group_matters(family: str) -> None:
         paged = {
             g: [bytes(len(p)) if g == group else p for p in ps] for g, ps in payloads.paged.items()
         }
-        zeroed = {g: bytes(len(p)) if g == group else p for g, p in checkpoints.items()}
+        zeroed = {g: zeroed_payload(g, p) if g == group else p for g, p in checkpoints.items()}
         cache = restore(family, PREFIX, paged, zeroed)
         diff = max_diff(family, continue_from(family, cache, PREFIX), PREFIX)
         assert diff > 100 * TOL, f"{family}: zeroing {group!r} changed the logits by {diff:.2e}"
@@ -253,7 +261,8 @@ def raw(tensor: torch.Tensor) -> bytes:
 
 def test_bytes_follow_the_documented_layout() -> None:
     """A page is its blocks' records; a record is each layer's keys then values for the block's
-    tokens ([tokens, heads, dim]); a checkpoint is each layer's tensors without the batch."""
+    tokens ([tokens, heads, dim]); a checkpoint is a header describing each layer's tensors, then
+    those tensors without the batch."""
     cache = prefill("llama", PREFIX)
     page = exported("llama").paged["kv"][1]  # blocks 2 and 3
     record = b"".join(
@@ -265,9 +274,13 @@ def test_bytes_follow_the_documented_layout() -> None:
     assert page == record
     cache = prefill("mistral", PREFIX)
     window = checkpoints_at(exported("mistral"), PREFIX)["window"]
-    assert window == b"".join(
-        raw(t[0]) for layer in cache.layers for t in (layer.keys, layer.values)
-    )
+    expected = {
+        (index, name): getattr(layer, name)[0]
+        for index, layer in enumerate(cache.layers)
+        for name in ("keys", "values")
+    }
+    assert window == pack_described(expected)
+    assert window.endswith(b"".join(raw(t) for t in expected.values()))
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "deepseek_v4", "mistral"])
@@ -277,11 +290,14 @@ def test_dtype_is_per_tensor(family: str) -> None:
     cache = DynamicCache(config=config)
     forward(model, tokens()[:, :32], 0, cache)
     payloads = export_state(config, cache, n_tokens=32, block_tokens=BLOCK)
-    layout = state_layout(config, block_tokens=BLOCK, dtype=torch.bfloat16)
-    dtypes = {(f.group, f.name): f.dtype for g in layout.groups for f in layout.fields(g, 32)}
+    dtypes = {
+        (group, name): tensor.dtype
+        for group, by_boundary in payloads.checkpoints.items()
+        for (_, name), tensor in unpack_described(by_boundary[32], group).items()
+    }
     if family in ("qwen3_next", "kimi_linear"):
-        assert dtypes[("recurrent", "recurrent")] == torch.float32
-        assert dtypes[("recurrent", "conv")] == torch.bfloat16
+        assert dtypes[("recurrent", "recurrent.0")] == torch.float32
+        assert dtypes[("recurrent", "conv.0")] == torch.bfloat16
     if family == "deepseek_v4":
         assert dtypes[("compressor", "compressor.overlap_gate")] == torch.float32
         assert dtypes[("compressor", "compressor.overlap_kv")] == torch.bfloat16
@@ -413,8 +429,11 @@ def test_refuses_payloads_of_the_wrong_size() -> None:
         attempt(paged={**short, "compressed": [first + first]}, n_tokens=BLOCK)
     with pytest.raises(LayoutError, match="4 pages given, 5 cover"):
         attempt(paged={**paged, "indexer": paged["indexer"][:-1]})
-    with pytest.raises(LayoutError, match="'window' checkpoint at 80 tokens: .* expected"):
+    with pytest.raises(LayoutError, match="'window' checkpoint at 80 tokens: 1 bytes past"):
         attempt(checkpoints={**checkpoints, "window": checkpoints["window"] + b"\0"})
+    # the window of 80 tokens keeps 11 of them, one at 8 tokens only 8
+    with pytest.raises(LayoutError, match="'window' checkpoint at 8 tokens: layer 0: group"):
+        attempt(paged=pages_for(payloads, 8), n_tokens=8)
     with pytest.raises(LayoutError, match="missing \\['compressor'\\]"):
         attempt(checkpoints={"window": checkpoints["window"]})
     with pytest.raises(LayoutError, match="unknown \\['kv'\\]"):
