@@ -46,7 +46,7 @@ def test_every_family(long_run: bool) -> None:
     """The whole table: each family is exact, refused for a documented reason, or cannot be built
     small on CPU (with the reason)."""
     if not long_run:
-        pytest.skip("the whole table runs under --long (PREFIXD_LONG=1): about 15 minutes here")
+        pytest.skip("the whole table runs under --long (PREFIXD_LONG=1): about 6 minutes here")
     results = [zoo.check(family) for family in zoo.families()]
     print("\n" + zoo.TABLE_HEAD + "\n" + "\n".join(r.row() for r in results))
     allowed = ("exact", "refused", "skipped", "as own cache")
@@ -127,14 +127,28 @@ def test_one_row_of_a_batch(family: str) -> None:
         export_state(config, cache, n_tokens=32, block_tokens=8, row=2)
 
 
-def test_transformers_errors_are_layout_errors() -> None:
+def test_transformers_errors_are_layout_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     """An error transformers raises while the layout is found reaches the caller as a
     LayoutError, with the original as its cause."""
+    from transformers.integrations.heterogeneity.configuration_utils import (
+        AmbiguousGlobalPerLayerAttributeError,
+    )
+
+    from prefixd.integrations.transformers import layout
+
     config = zoo.tiny_config("llama")
     config.layer_types = ["no_such_attention"] * config.num_hidden_layers
     with pytest.raises(LayoutError, match="transformers cannot") as caught:
         state_spec(config, block_tokens=8)
-    assert caught.value.__cause__ is not None
+    assert isinstance(caught.value.__cause__, KeyError)
+
+    def ambiguous(*args: object) -> None:
+        raise AmbiguousGlobalPerLayerAttributeError("'head_dim' is a per-layer attribute")
+
+    monkeypatch.setattr(layout, "_kv_rows", ambiguous)
+    with pytest.raises(LayoutError, match="layer 0: transformers: 'head_dim'") as caught:
+        state_spec(zoo.tiny_config("llama"), block_tokens=8)
+    assert isinstance(caught.value.__cause__, AmbiguousGlobalPerLayerAttributeError)
 
 
 def test_a_recurrent_payload_that_does_not_fit_is_refused() -> None:

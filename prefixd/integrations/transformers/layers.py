@@ -24,9 +24,6 @@ class LayerState:
     payload describes their shapes; `check` decides whether described tensors fit the layer.
     """
 
-    # Whether the layer's state exists only at the cache's end (a window, a recurrent state).
-    at_end_only = False
-
     def __init__(self, layer: int) -> None:
         self.layer = layer
 
@@ -166,8 +163,6 @@ class SlidingAttention(LayerState):
     `shared_kv` is DeepSeek-V4's shared-KV MQA, where values are the keys: they are stored once.
     """
 
-    at_end_only = True
-
     def __init__(self, layer: int, window: int, dtype: torch.dtype, *, shared_kv: bool) -> None:
         super().__init__(layer)
         self.window, self.dtype, self.shared_kv = window, dtype, shared_kv
@@ -222,8 +217,6 @@ class LinearStates(LayerState):
     state or both. Their shapes are the mixer's own, so the `recurrent` payload describes them:
     fields are named `conv.<i>` and `recurrent.<i>` and carry their shape and dtype.
     """
-
-    at_end_only = True
 
     def __init__(self, layer: int, states: int, dtype: torch.dtype) -> None:
         super().__init__(layer)
@@ -297,7 +290,6 @@ class Joined(LayerState):
     def __init__(self, layer: int, parts: list[LayerState]) -> None:
         super().__init__(layer)
         self.parts = parts
-        self.at_end_only = any(part.at_end_only for part in parts)
 
     def groups(self) -> set[str]:
         return set().union(*(part.groups() for part in self.parts))
@@ -344,8 +336,6 @@ class CompressedAttention(LayerState):
     the next window's entry overlaps (the `compressor` checkpoint). The slice's gate is float32
     because the position bias added to it is.
     """
-
-    at_end_only = True
 
     def __init__(
         self,

@@ -235,12 +235,18 @@ def state_layout(
         )
     # DeepSeek-V4 (the model with compressed layers) has shared-KV MQA: values are the keys.
     shared_kv = any(hasattr(layer, "compressed_kv") for layer in cache.layers)
-    layers = [
-        _layer_state(text, layer_config, index, kind, cache_layer, dtype, shared_kv)
-        for index, (kind, layer_config, cache_layer) in enumerate(
-            zip(layer_types, layer_configs, cache.layers)
-        )
-    ]
+    layers = []
+    for index, (kind, layer_config, cache_layer) in enumerate(
+        zip(layer_types, layer_configs, cache.layers)
+    ):
+        try:
+            layers.append(
+                _layer_state(text, layer_config, index, kind, cache_layer, dtype, shared_kv)
+            )
+        except LayoutError:
+            raise
+        except Exception as error:  # a config attribute transformers refuses to give, say
+            raise LayoutError(f"layer {index}: transformers: {error}") from error
     for state in layers:
         rate = state.rate if isinstance(state, CompressedAttention) else 1
         if block_tokens % rate:
@@ -269,13 +275,13 @@ def _layer_state(
             f"layer {index}: a cross-attention layer, whose keys and values come from the image"
             " encoder, not from the prompt's tokens: it is not prefix state, so it is not stored"
         )
-    if hasattr(cache_layer, "compressed_kv") and kind in (_CSA, _HCA):
-        head_dim = text.head_dim
-        window = SlidingAttention(index, text.sliding_window, dtype, shared_kv=True)
-        dims = {"compressor": head_dim}
+    if isinstance(cache_layer, DynamicSlidingWindowLayer) and kind in (_CSA, _HCA):
+        # DeepSeek-V4's compressed layers: a window, plus compressed entries
+        window = SlidingAttention(index, cache_layer.sliding_window, dtype, shared_kv=True)
+        dims = {"compressor": _attribute(layer, index, "head_dim")}
         if kind == _CSA:
-            dims["indexer"] = text.index_head_dim
-        return CompressedAttention(index, window, text.compress_rates[kind], dims, dtype)
+            dims["indexer"] = _attribute(layer, index, "index_head_dim")
+        return CompressedAttention(index, window, layer.compress_rates[kind], dims, dtype)
     parts: list[LayerState] = []
     if isinstance(cache_layer, DynamicSlidingWindowLayer):
         if type(cache_layer).update is not DynamicSlidingWindowLayer.update:
