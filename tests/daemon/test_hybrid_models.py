@@ -53,21 +53,27 @@ def store_prefix(client: Client, family: str) -> None:
     assert stored.stored == PREFIX // BLOCK
 
 
+def restored_in_a_fresh_process(module: str, daemon: Daemon, *args: str) -> dict[str, dict]:
+    """Run `python -m module SOCKET ARGS...` (nothing of this process survives in it): its
+    results by family, one JSON line each."""
+    worker = subprocess.run(
+        [sys.executable, "-m", module, str(daemon.socket), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    assert worker.returncode == 0, worker.stderr[-4000:]
+    return {r["family"]: r for r in map(json.loads, worker.stdout.splitlines())}
+
+
 def test_every_family_continues_exactly_after_a_daemon_restart(daemon: Daemon) -> None:
     with Client(daemon.socket, region_bytes=16 << 20) as client:
         for family in FAMILIES:
             store_prefix(client, family)
     daemon.restart()
-    worker = subprocess.run(
-        [sys.executable, "-m", "tests.integrations.restore_from_daemon", str(daemon.socket)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert worker.returncode == 0, worker.stderr[-4000:]
-    results = {r["family"]: r for r in map(json.loads, worker.stdout.splitlines())}
+    results = restored_in_a_fresh_process("tests.integrations.restore_from_daemon", daemon)
     assert list(results) == FAMILIES
     for family, result in results.items():
         direct, replay = result["direct"], result["replay"]
@@ -97,16 +103,7 @@ def test_families_by_layer_kind_after_a_daemon_restart(daemon: Daemon, long_run:
         for family in families:
             assert zoo_daemon.store(client, family) == zoo_daemon.PREFIX // zoo_daemon.BLOCK
     daemon.restart()
-    worker = subprocess.run(
-        [sys.executable, "-m", "tests.integrations.zoo_daemon", str(daemon.socket), *families],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    assert worker.returncode == 0, worker.stderr[-4000:]
-    results = {r["family"]: r for r in map(json.loads, worker.stdout.splitlines())}
+    results = restored_in_a_fresh_process("tests.integrations.zoo_daemon", daemon, *families)
     assert list(results) == families
     for family, result in results.items():
         direct, replay = result["direct"], result["replay"]

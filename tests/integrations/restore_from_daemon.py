@@ -24,11 +24,11 @@ from .models import BLOCK, FAMILIES, PAGE, build, continue_logits, forward, toke
 DIVERGE = 36  # the second prompt's first token that differs from the stored prompt
 
 
-def identity_for(family: str, config) -> Identity:
+def identity_for(family: str, config, tokenizer: str = "test-vocab-128") -> Identity:
     return Identity(
         model=family,
         weights="seed-0",
-        tokenizer="test-vocab-128",
+        tokenizer=tokenizer,
         template="none",
         rope="default",
         kv_layout="float32",

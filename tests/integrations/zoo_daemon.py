@@ -18,33 +18,18 @@ from transformers import DynamicCache
 
 from prefixd import Identity
 from prefixd.client import Client
-from prefixd.integrations.transformers import (
-    capture_checkpoint,
-    export_state,
-    restore_state,
-    state_spec,
-)
+from prefixd.integrations.transformers import capture_checkpoint, export_state, restore_state
 
-from . import zoo
+from . import restore_from_daemon, zoo
 
-BLOCK, PAGE = 8, 2
+BLOCK, PAGE = restore_from_daemon.BLOCK, restore_from_daemon.PAGE
 EARLY, PREFIX, TOTAL = 24, 64, 72
 DIVERGE = 36  # the second prompt's first token that differs from the stored one
 STEPWISE = zoo.STEPWISE
 
 
 def identity_for(family: str, config: Any) -> Identity:
-    return Identity(
-        model=family,
-        weights="seed-0",
-        tokenizer="test-vocab-1000",
-        template="none",
-        rope="default",
-        kv_layout="float32",
-        block_tokens=BLOCK,
-        tenant="tests",
-        state=state_spec(config, block_tokens=BLOCK, page_blocks=PAGE),
-    )
+    return restore_from_daemon.identity_for(family, config, tokenizer="test-vocab-1000")
 
 
 def prompts() -> dict[str, torch.Tensor]:
