@@ -140,6 +140,17 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "zamba2": {"layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"]},
     "zaya": {"num_experts_per_tok": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 2]], "window_size": WINDOW},
+    "dots1": {"n_shared_experts": 1, "first_k_dense_replace": 1},
+    "dbrx": {
+        "d_model": 64,
+        "n_heads": 4,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    "musicgen": {"num_codebooks": 1},
+    "musicgen_melody": {"num_codebooks": 1},
+    "xmod": {"default_language": "en_XX"},
     "bailing_hybrid": {"layer_group_size": 2, "num_key_value_heads": 4},
     # KV sharing: the last two layers read the first two's keys and values (DummyLayer)
     "gemma3n_text": {
