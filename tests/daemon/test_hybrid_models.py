@@ -107,10 +107,12 @@ def test_families_by_layer_kind_after_a_daemon_restart(daemon: Daemon, long_run:
     assert list(results) == families
     for family, result in results.items():
         direct, replay = result["direct"], result["replay"]
-        print(f"{family}: direct {direct['diff']:.2e}, replay from {replay['reusable_tokens']}"
-              f" {replay['diff']:.2e}")
+        print(
+            f"{family}: direct {direct['diff']:.2e}, replay from {replay['reusable_tokens']}"
+            f" {replay['diff']:.2e} (the model's own cache: {direct['model_diff']:.2e},"
+            f" {replay['model_diff']:.2e})"
+        )
         assert direct["reusable_tokens"] == zoo_daemon.PREFIX, family
-        assert direct["diff"] <= TOL, family
         # the hit falls back to the checkpoint at EARLY, or to block 4's start for a model
         # whose state is all paged
         config, _ = zoo.build(family)
@@ -118,4 +120,8 @@ def test_families_by_layer_kind_after_a_daemon_restart(daemon: Daemon, long_run:
         paged_only = all(group.kind == "paged" for group in spec)
         expected = zoo_daemon.DIVERGE // BLOCK * BLOCK if paged_only else zoo_daemon.EARLY
         assert replay["reusable_tokens"] == expected, family
-        assert replay["diff"] <= TOL, family
+        for run in (direct, replay):
+            # exactly what the model's own cache continues to; within TOL of a full prefill
+            # wherever the model's own cache is (gemma4's own cache drifts past 1e-5 here)
+            assert run["own_diff"] <= TOL, family
+            assert run["diff"] <= TOL or run["model_diff"] > TOL, family

@@ -82,9 +82,20 @@ def restore_and_continue(client: Client, family: str, ids: torch.Tensor) -> dict
     reusable = loaded.reusable_tokens
     stepwise = family in STEPWISE
     logits = zoo.continue_logits(model, cache, ids, reusable, stepwise=stepwise)
-    reference = zoo.forward(model, ids, 0, DynamicCache(config=config))
-    diff = (logits - reference[:, reusable:]).abs().max().item()
-    return {"reusable_tokens": reusable, "diff": diff}
+    reference = zoo.forward(model, ids, 0, DynamicCache(config=config))[:, reusable:]
+    # The model's own cache with the history the stored state had, continued the same way.
+    own = DynamicCache(config=config)
+    first = min(EARLY, reusable)
+    zoo.forward(model, ids[:, :first], 0, own)
+    if reusable > first:
+        zoo.continue_logits(model, own, ids[:, :reusable], first, stepwise=stepwise)
+    own_logits = zoo.continue_logits(model, own, ids, reusable, stepwise=stepwise)
+    return {
+        "reusable_tokens": reusable,
+        "diff": (logits - reference).abs().max().item(),
+        "own_diff": (logits - own_logits).abs().max().item(),
+        "model_diff": (own_logits - reference).abs().max().item(),
+    }
 
 
 def main(socket_path: str, families: list[str]) -> None:
