@@ -151,6 +151,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "musicgen": {"num_codebooks": 1},
     "musicgen_melody": {"num_codebooks": 1},
     "xmod": {"default_language": "en_XX"},
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    },
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 64,
+        "indexer_compress_ratio": 4,
+    },
     "bailing_hybrid": {"layer_group_size": 2, "num_key_value_heads": 4},
     # KV sharing: the last two layers read the first two's keys and values (DummyLayer)
     "gemma3n_text": {
@@ -183,6 +193,10 @@ NOT_PERSISTABLE = (
     (
         r"keeps its recurrent state in its modules",
         "recurrent state kept in the model's modules, not in its cache (RecurrentGemma)",
+    ),
+    (
+        r"keeps the indexer's position history",
+        "an indexer's position history kept on the cache layer (Qwen4-Exp): not stored yet",
     ),
     (
         r"keeps its state outside its transformers cache, or none",

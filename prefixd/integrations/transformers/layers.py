@@ -141,6 +141,11 @@ class FullAttention(LayerState):
             "keys": keys[:, :n_tokens].transpose(0, 1),
             "values": values[:, :n_tokens].transpose(0, 1),
         }
+        if getattr(cache_layer, "indexer_position_ids", None) is not None:
+            raise self.fail(
+                "keeps the indexer's position history (Qwen4-Exp), which is not stored: a"
+                " cache restored without it would continue wrong"
+            )
         if self.indexer:
             out["indexer_keys"] = batch_row(self, cache_layer.indexer_keys, row)[:n_tokens]
         return out

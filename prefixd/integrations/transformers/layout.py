@@ -297,7 +297,9 @@ def _layer_state(
         shared = index < len(indexer_types) and indexer_types[index] == "shared"
         if isinstance(cache_layer, DynamicIndexedLayer) and not shared:
             # a layer of a "shared" indexer reuses an earlier layer's selection: no keys
-            indexer = _attribute(layer, index, "index_head_dim")
+            indexer = _first(layer, ["index_head_dim", "indexer_head_dim"])
+            if not isinstance(indexer, int) or indexer <= 0:
+                raise LayoutError(f"layer {index}: its config does not size its indexer keys")
         key_row, value_row = _kv_rows(layer, index)
         parts.append(FullAttention(index, group, key_row, value_row, dtype, indexer))
     if isinstance(cache_layer, LinearAttentionCacheLayerMixin):
