@@ -23,11 +23,11 @@ sequence) in row-major order, each in its own dtype.
   holds, layer by layer and tensor by tensor (keys before values), that block's rows, so the first
   blocks of a page are a byte prefix of it. Row shapes follow from the config and `block_tokens`.
   Like the store, export refuses a page still open.
-* A `window` or `compressor` checkpoint holds, layer by layer and tensor by tensor, the whole
-  tensor at the boundary; its shapes follow from the config too.
-* A `recurrent` checkpoint starts with a header naming each tensor's layer, name (`conv.<i>`,
-  `recurrent.<i>`), dtype and shape (`fields.pack_described`), because each mixer sizes its states
-  from attributes of its own; restore checks the header against the layers the config has.
+* A checkpoint payload starts with a header naming each tensor's layer, name (`keys`, `values`,
+  `conv.<i>`, `recurrent.<i>`, ...), dtype and shape (`fields.pack_described`), then holds the
+  whole tensors at the boundary, layer by layer: each mixer sizes its states from attributes of
+  its own, and some families size a window's heads in their code. Restore checks the header
+  against the layers the config has.
 
 Restoring builds the cache layers directly instead of replaying them through `update()`: a sliding
 layer rebuilt through `update()` keeps the wrong keys and DeepSeek-V4 then gives wrong logits with
@@ -50,7 +50,7 @@ from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
 from prefixd.errors import LayoutError
-from prefixd.schema.state import StateGroup, StateSpec, check_spec
+from prefixd.schema.state import PAGED, StateGroup, StateSpec, check_spec
 
 from .fields import GROUP_ORDER, KINDS, RECURRENT, Buffer, Field
 from .layout import StateLayout, check_positive, fresh_cache, state_layout
@@ -100,7 +100,7 @@ def state_spec(
     recurrent_policy = window_policy if recurrent_policy is None else recurrent_policy
     groups = []
     for name in layout.groups:
-        if KINDS[name] == "paged":
+        if KINDS[name] == PAGED:
             groups.append(StateGroup.paged(name, page_blocks=page_blocks))
             continue
         policy = recurrent_policy if name == RECURRENT else window_policy

@@ -1,10 +1,11 @@
 """The groups, the tensors inside a group's payload, and the bytes they become.
 
-A paged group's rows and a window's tensors have shapes that follow from the config, so their
-payloads are bare bytes. A linear-attention layer's conv and recurrent states have shapes that each
-mixer computes from its own attributes (Mamba, Mamba-2, Gated DeltaNet, KDA, short convolutions all
-name them differently), so the `recurrent` checkpoint describes its tensors in a small header
-(`pack_described` / `unpack_described`) instead of a table of families.
+Paged rows have shapes that follow from the config, so a page is bare bytes. Checkpoint tensors do
+not always: a linear-attention layer's conv and recurrent states are sized by each mixer from
+attributes of its own (Mamba, Mamba-2, Gated DeltaNet, KDA, short convolutions all name them
+differently), and some families size a window's heads in their code. So a checkpoint payload
+describes its tensors in a small header (`pack_described` / `unpack_described`) instead of a table
+of families.
 """
 
 from __future__ import annotations
