@@ -45,11 +45,10 @@ Buffer = bytes | bytearray | memoryview | np.ndarray
 
 @dataclass(frozen=True)
 class Field:
-    """One tensor of one layer inside a group's payload.
+    """One tensor of one layer inside a paged group's records.
 
-    For a paged group `shape` is the shape of one row, and a row covers `tokens_per_row` tokens (the
-    compression rate of a compressed entry, 1 otherwise). For a checkpoint group `shape` is the
-    whole tensor at the boundary the layout was asked for.
+    `shape` is the shape of one row, and a row covers `tokens_per_row` tokens (the compression
+    rate of a compressed entry, 1 otherwise).
     """
 
     group: str
