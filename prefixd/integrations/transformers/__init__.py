@@ -52,8 +52,8 @@ from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 from prefixd.errors import LayoutError
 from prefixd.schema.state import PAGED, StateGroup, StateSpec, check_spec
 
-from .fields import GROUP_ORDER, KINDS, RECURRENT, Buffer, Field
-from .layout import StateLayout, check_positive, fresh_cache, state_layout
+from .fields import GROUP_ORDER, KINDS, RECURRENT, Buffer, Field, pack_described
+from .layout import StateLayout, check_positive, fresh_cache, layout_of, state_layout
 
 __all__ = [
     "GROUP_ORDER",
@@ -155,14 +155,12 @@ def export_state(
         )
     _check_cache(cache)
     layout = state_layout(config, block_tokens=block_tokens, dtype=dtype or _cache_dtype(cache))
-    tensors = layout.read(cache, n_tokens, row=row, checkpoints=checkpoints)
+    paged, by_group = layout.read(cache, n_tokens, row=row, checkpoints=checkpoints)
     payloads = StatePayloads()
     for group in layout.paged_groups:
-        payloads.paged[group] = _pages(layout, group, tensors, first_block, n_blocks, page_blocks)
+        payloads.paged[group] = _pages(layout, group, paged, first_block, n_blocks, page_blocks)
     for group in layout.checkpoint_groups if checkpoints else ():
-        payloads.checkpoints[group] = {
-            n_tokens: layout.checkpoint_payload(group, tensors)
-        }
+        payloads.checkpoints[group] = {n_tokens: pack_described(by_group[group])}
     return payloads
 
 
@@ -189,8 +187,8 @@ def capture_checkpoint(
     _check_row(row)
     _check_cache(cache)
     layout = state_layout(config, block_tokens=block_tokens, dtype=dtype or _cache_dtype(cache))
-    tensors = layout.read(cache, n_tokens, row=row)
-    return {g: layout.checkpoint_payload(g, tensors) for g in layout.checkpoint_groups}
+    _, by_group = layout.read(cache, n_tokens, row=row)
+    return {group: pack_described(tensors) for group, tensors in by_group.items()}
 
 
 def restore_state(
@@ -214,8 +212,8 @@ def restore_state(
     check_positive("page_blocks", page_blocks)
     if reusable_tokens != 0:
         _check_boundary("reusable_tokens", reusable_tokens, block_tokens)
-    layout = state_layout(config, block_tokens=block_tokens, dtype=dtype)
     cache = fresh_cache(config)
+    layout = layout_of(config, cache, block_tokens=block_tokens, dtype=dtype)
     if reusable_tokens == 0:
         return cache
     _check_groups("paged", paged, layout.paged_groups)

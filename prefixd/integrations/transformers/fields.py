@@ -86,7 +86,7 @@ _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 def pack_described(tensors: Mapping[tuple[int, str], torch.Tensor]) -> bytes:
     """A header naming each tensor's layer, name, dtype and shape; then their bytes, in order."""
     head = [_HEAD.pack(_MAGIC, _VERSION, len(tensors))]
-    body = []
+    body: list[memoryview] = []
     for (layer, name), tensor in tensors.items():
         code = _CODES.get(tensor.dtype)
         if code is None:
@@ -100,8 +100,8 @@ def pack_described(tensors: Mapping[tuple[int, str], torch.Tensor]) -> bytes:
             raise LayoutError(f"layer {layer}: the name {name[:32]!r}... is too long to store")
         head.append(_ENTRY.pack(layer, code, tensor.dim(), len(encoded)) + encoded)
         head.extend(_DIM.pack(size) for size in tensor.shape)
-        body.append(raw_bytes(tensor).numpy().tobytes())
-    return b"".join(head + body)
+        body.append(raw_bytes(tensor).numpy().data)  # joined below: one copy of the bytes
+    return b"".join([*head, *body])
 
 
 def unpack_described(payload: Buffer, what: str) -> dict[tuple[int, str], torch.Tensor]:

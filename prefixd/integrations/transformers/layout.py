@@ -41,7 +41,6 @@ from .fields import (
     Field,
     byte_view,
     from_raw,
-    pack_described,
     raw_bytes,
     unpack_described,
 )
@@ -55,6 +54,7 @@ from .layers import (
     SlidingAttention,
 )
 
+Tensors = dict[tuple[int, str], torch.Tensor]  # by (layer, name)
 _CSA = "compressed_sparse_attention"
 _HCA = "heavily_compressed_attention"
 
@@ -93,20 +93,22 @@ class StateLayout:
 
     def read(
         self, cache: Cache, n_tokens: int, *, row: int = 0, checkpoints: bool = True
-    ) -> dict[tuple[int, str], torch.Tensor]:
-        """Every tensor in `cache` for batch row `row`; paged rows checked against the layout."""
+    ) -> tuple[Tensors, dict[str, Tensors]]:
+        """The tensors of batch row `row` in `cache`: the paged ones (checked against the
+        layout), and the checkpoint ones by group."""
         if len(cache.layers) != len(self.layers):
             raise LayoutError(
                 f"the cache has {len(cache.layers)} layers, the config {len(self.layers)}"
             )
-        out: dict[tuple[int, str], torch.Tensor] = {}
+        paged: Tensors = {}
+        by_group: dict[str, Tensors] = {group: {} for group in self.checkpoint_groups}
         for state, cache_layer in zip(self.layers, cache.layers):
             tensors = state.read(cache_layer, n_tokens, row, checkpoints)
             for f in state.fields():
-                out[f.key] = _checked(f, tensors.pop(f.name), n_tokens)
-            for name, tensor in tensors.items():  # checkpoint tensors
-                out[(state.layer, name)] = tensor
-        return out
+                paged[f.key] = _checked(f, tensors.pop(f.name), n_tokens)
+            for name, tensor in tensors.items():
+                by_group[state.group_of(name)][(state.layer, name)] = tensor
+        return paged, by_group
 
     def block_records(
         self, group: str, tensors: Mapping[tuple[int, str], torch.Tensor], first: int, end: int
@@ -118,20 +120,6 @@ class StateLayout:
             rows = tensors[f.key][first * per : end * per]
             parts.append(raw_bytes(rows).reshape(end - first, -1))
         return torch.cat(parts, dim=1)
-
-    def checkpoint_payload(
-        self, group: str, tensors: Mapping[tuple[int, str], torch.Tensor]
-    ) -> bytes:
-        """The group's tensors, layer by layer, described (see `fields.pack_described`)."""
-        paged = {f.key for state in self.layers for f in state.fields()}
-        by_layer = {state.layer: state for state in self.layers}
-        return pack_described(
-            {
-                key: tensor
-                for key, tensor in tensors.items()
-                if key not in paged and by_layer[key[0]].group_of(key[1]) == group
-            }
-        )
 
     # rebuilding a cache
 
@@ -215,13 +203,19 @@ def state_layout(
     Refuses a block size that would cut a DeepSeek-V4 compressed block: a boundary inside one
     leaves tokens in the compressor's open buffer, which no group stores.
     """
+    return layout_of(config, fresh_cache(config), block_tokens=block_tokens, dtype=dtype)
+
+
+def layout_of(
+    config: PreTrainedConfig, cache: Cache, *, block_tokens: int, dtype: torch.dtype
+) -> StateLayout:
+    """`state_layout`, found from `cache`, an empty cache built for `config` (`fresh_cache`)."""
     check_positive("block_tokens", block_tokens)
     text = config.get_text_config(decoder=True)
     if type(text) is type(config):
         # A decoder view of the same config (an encoder-decoder family's) may carry defaults
         # where the config has values: the model reads the config itself.
         text = config
-    cache = fresh_cache(config)
     try:
         layer_types, _ = get_layer_types_and_kwargs(text)
         layer_configs = list(text.per_layer_config)
