@@ -23,6 +23,7 @@ from prefixd.integrations.transformers import (
     capture_checkpoint,
     export_state,
     restore_state,
+    state_layout,
     state_spec,
 )
 
@@ -193,7 +194,7 @@ def test_a_recurrent_payload_that_does_not_fit_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "family, kind",
-    [("mllama", 0), ("minimax", 1), ("recurrent_gemma", 2), ("qwen4_exp_text", 3), ("rwkv", 4)],
+    [("mllama", 0), ("minimax", 1), ("recurrent_gemma", 2), ("rwkv", 3)],
 )
 def test_each_documented_refusal_is_what_its_family_gets(family: str, kind: int) -> None:
     """Each layer kind on the documented list is refused with its own message, and only those
@@ -202,3 +203,72 @@ def test_each_documented_refusal_is_what_its_family_gets(family: str, kind: int)
     pattern, _ = zoo.NOT_PERSISTABLE[kind]
     assert result.result == "refused" and re.search(pattern, result.reason), result
     assert not zoo.documented("layer 0 keys: the cache holds torch.float32 (16, 4, 128)")
+
+
+def test_an_indexers_position_history_is_stored() -> None:
+    """Qwen4-Exp keeps its indexers' 3D positions on its first indexed layer and ropes the raw
+    indexer keys with them at every step: they are stored as they are (here shifted, as an
+    image's positions would be), and a DSA model that keeps none gets none back."""
+    config, model = zoo.build("qwen4_exp_text")
+    ids = zoo.tokens(56)
+    shift = torch.tensor([[0], [7], [3]])  # the three rope axes apart, as an image makes them
+    positions = (torch.arange(56) + 100).expand(3, -1) + shift
+
+    def run(cache: DynamicCache, start: int, end: int) -> torch.Tensor:
+        text = (torch.arange(start, end) + 100).unsqueeze(0)
+        full = torch.cat([text, positions[:, start:end]]).unsqueeze(1)  # [4, 1, tokens]
+        with torch.no_grad():
+            return model(input_ids=ids[:, start:end], position_ids=full, cache=cache).logits
+
+    reference = run(DynamicCache(config=config), 0, 56)[:, 48:]
+    cache = DynamicCache(config=config)
+    run(cache, 0, 48)
+    state = export_state(config, cache, n_tokens=48, block_tokens=8)
+    layout = state_layout(config, block_tokens=8)
+    fields = {f.name: f for f in layout.fields("indexer")}
+    assert fields["positions"].shape == (3,) and fields["positions"].dtype == torch.int64
+
+    def restored(pages: list[bytes]) -> DynamicCache:
+        return restore_state(
+            config,
+            reusable_tokens=48,
+            block_tokens=8,
+            paged={**state.paged, "indexer": pages},
+            checkpoints={g: c[48] for g, c in state.checkpoints.items()},
+        )
+
+    again = restored(state.paged["indexer"])
+    first = next(
+        i for i, layer in enumerate(again.layers) if getattr(layer, "indexer_position_ids", None)
+        is not None
+    )
+    assert torch.equal(again.layers[first].indexer_position_ids, positions[:, None, :48])
+    logits = torch.cat([run(again, 48, 55), run(again, 55, 56)], dim=1)
+    assert (logits - reference).abs().max().item() <= zoo.TOL
+
+    def with_positions(value: torch.Tensor) -> list[bytes]:
+        tensors = layout.unpack_pages("indexer", state.paged["indexer"], 48, 1)
+        tensors[(first, "positions")] = value
+        records = layout.block_records("indexer", tensors, 0, 6)
+        return [records[i : i + 1].numpy().tobytes() for i in range(6)]
+
+    mixed = positions[:, :48].T.clone()
+    mixed[5] = -1
+    with pytest.raises(LayoutError, match="mixes kept and missing positions"):
+        restored(with_positions(mixed))
+    # stored as missing, the history is gone and the continuation is wrong (or fails)
+    blank = restored(with_positions(torch.full((48, 3), -1)))
+    assert blank.layers[first].indexer_position_ids is None
+    with pytest.raises(IndexError):  # the model needs the history to rope its indexer keys
+        run(blank, 48, 55)
+
+    config, model = zoo.build("deepseek_v32")  # keeps no position history
+    cache, state = zoo.prefill_and_export("deepseek_v32", 48, 8, 1)
+    layout = state_layout(config, block_tokens=8)
+    tensors = layout.unpack_pages("indexer", state.paged["indexer"], 48, 1)
+    kept = [key for key in tensors if key[1] == "positions"]
+    assert len(kept) == 1 and bool((tensors[kept[0]] == -1).all())
+    again = restore_state(
+        config, reusable_tokens=48, block_tokens=8, paged=state.paged, checkpoints={}
+    )
+    assert all(getattr(layer, "indexer_position_ids", None) is None for layer in again.layers)

@@ -158,7 +158,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "indexer_n_heads": 2,
         "indexer_kv_heads": 1,
         "indexer_head_dim": 16,
-        "indexer_budget": 64,
+        "indexer_budget": 16,  # below the prompt: the indexer selects, so its keys matter
         "indexer_compress_ratio": 4,
     },
     "bailing_hybrid": {"layer_group_size": 2, "num_key_value_heads": 4},
@@ -178,6 +178,7 @@ REPRESENTATIVES = {
     "falcon_h1": "Mamba-2 and attention in one layer",
     "nemotron_h": "Mamba-2 + full + MLP-only layers",
     "deepseek_v32": "MLA latents + DSA indexer keys",
+    "qwen4_exp_text": "DSA indexer keys with a position history + Gated DeltaNet",
     "deepseek_v4": "compressed + indexer + window + compressor",
 }
 # The layer kinds prefixd cannot persist exactly, and the refusal that names each (README).
@@ -193,10 +194,6 @@ NOT_PERSISTABLE = (
     (
         r"keeps its recurrent state in its modules",
         "recurrent state kept in the model's modules, not in its cache (RecurrentGemma)",
-    ),
-    (
-        r"keeps the indexer's position history",
-        "an indexer's position history kept on the cache layer (Qwen4-Exp): not stored yet",
     ),
     (
         r"keeps its state outside its transformers cache, or none",

@@ -9,8 +9,10 @@ package maps each layer by what it is (see `layout`), not by the model's name, o
                           has `kv_lora_rank`
   compressed  paged       DeepSeek-V4 CSA/HCA compressed entries, one row per closed compressed
                           block
-  indexer     paged       DSA indexer keys (one row per token) and DeepSeek-V4 lightning-indexer
-                          keys (one row per closed CSA block)
+  indexer     paged       DSA indexer keys (one row per token), the position history a model
+                          keeps on its first indexed layer (3 int64 a token, -1 where none is
+                          kept), and DeepSeek-V4 lightning-indexer keys (one row per closed CSA
+                          block)
   window      checkpoint  sliding-window keys/values: exactly the last `sliding_window - 1` tokens
   compressor  checkpoint  DeepSeek-V4 CSA overlap state (the last closed window's Ca slice)
   recurrent   checkpoint  linear-attention conv and recurrent states (Mamba, Mamba-2, Gated

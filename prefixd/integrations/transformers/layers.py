@@ -16,6 +16,8 @@ from prefixd.errors import LayoutError
 
 from .fields import COMPRESSED, COMPRESSOR, F32, INDEXER, RECURRENT, WINDOW, Field
 
+POSITION_DIMS = 3  # an indexed layer's position history: [3, batch, tokens] (transformers 5.24)
+
 
 class LayerState:
     """The state of one cache layer: its groups, its fields, and how to read and rebuild them.
@@ -100,7 +102,10 @@ class FullAttention(LayerState):
     """Keys and values of every token (`DynamicLayer`): paged, one row per token.
 
     `indexer` is the row width of a DSA layer's indexer keys (`DynamicIndexedLayer`), kept in
-    the `indexer` group, one row per token too.
+    the `indexer` group, one row per token too. With `positions`, the layer also stores the
+    position history a model may keep on it ([3, batch, tokens], Qwen4-Exp's indexer ropes its
+    raw keys at every step), a row of 3 positions per token; a cache that keeps none stores rows
+    of -1, so one layout serves models that keep it and models that do not.
     """
 
     def __init__(
@@ -111,10 +116,11 @@ class FullAttention(LayerState):
         value_row: tuple[int, ...],
         dtype: torch.dtype,
         indexer: int = 0,
+        positions: bool = False,
     ) -> None:
         super().__init__(layer)
         self.group, self.key_row, self.value_row, self.dtype = group, key_row, value_row, dtype
-        self.indexer = indexer
+        self.indexer, self.positions = indexer, positions
 
     def groups(self) -> set[str]:
         return {self.group, INDEXER} if self.indexer else {self.group}
@@ -126,6 +132,8 @@ class FullAttention(LayerState):
         ]
         if self.indexer:
             out.append(Field(INDEXER, self.layer, "indexer_keys", (self.indexer,), self.dtype))
+        if self.positions:
+            out.append(Field(INDEXER, self.layer, "positions", (POSITION_DIMS,), torch.int64))
         return out
 
     def read(
@@ -141,14 +149,31 @@ class FullAttention(LayerState):
             "keys": keys[:, :n_tokens].transpose(0, 1),
             "values": values[:, :n_tokens].transpose(0, 1),
         }
-        if getattr(cache_layer, "indexer_position_ids", None) is not None:
+        history = getattr(cache_layer, "indexer_position_ids", None)
+        if self.positions:
+            out["positions"] = self.read_positions(history, n_tokens, row)
+        elif history is not None:
             raise self.fail(
-                "keeps the indexer's position history (Qwen4-Exp), which is not stored: a"
-                " cache restored without it would continue wrong"
+                "keeps a position history, which only the first indexed layer of a model is"
+                " expected to keep: a cache restored without it would continue wrong"
             )
         if self.indexer:
             out["indexer_keys"] = batch_row(self, cache_layer.indexer_keys, row)[:n_tokens]
         return out
+
+    def read_positions(self, history: Any, n_tokens: int, row: int) -> torch.Tensor:
+        """[tokens, 3] positions of batch row `row`, or rows of -1 where none are kept."""
+        if history is None:
+            return torch.full((n_tokens, POSITION_DIMS), -1, dtype=torch.int64)
+        if history.dim() != 3 or history.shape[0] != POSITION_DIMS:
+            raise self.fail(
+                f"keeps a position history of shape {tuple(history.shape)}, not"
+                f" [{POSITION_DIMS}, batch, tokens]"
+            )
+        if history.shape[-1] < n_tokens:
+            raise self.fail(f"its position history holds {history.shape[-1]} tokens, fewer"
+                            f" than {n_tokens}")
+        return batch_row(self, history.transpose(0, 1), row)[:, :n_tokens].transpose(0, 1)
 
     def write(self, cache_layer: Any, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:
         keys = tensors["keys"].transpose(0, 1).unsqueeze(0).contiguous()
@@ -159,6 +184,17 @@ class FullAttention(LayerState):
             indexer = tensors["indexer_keys"].unsqueeze(0).contiguous()
             cache_layer.lazy_initialization_indexer(indexer)
             cache_layer.indexer_keys = indexer
+        if self.positions:
+            cache_layer.indexer_position_ids = self.write_positions(tensors["positions"])
+
+    def write_positions(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """The [3, 1, tokens] history from stored rows; None where the cache kept none."""
+        none = rows == -1
+        if bool(none.all()):
+            return None
+        if bool(none.any()) or bool((rows < 0).any()):
+            raise self.fail("its stored position history mixes kept and missing positions")
+        return rows.transpose(0, 1).unsqueeze(1).contiguous()
 
 
 class SlidingAttention(LayerState):

@@ -229,13 +229,18 @@ def layout_of(
         )
     # DeepSeek-V4 (the model with compressed layers) has shared-KV MQA: values are the keys.
     shared_kv = any(hasattr(layer, "compressed_kv") for layer in cache.layers)
+    # A model keeps its indexers' position history, if any, on its first indexed layer.
+    indexed = [i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicIndexedLayer)]
     layers = []
     for index, (kind, layer_config, cache_layer) in enumerate(
         zip(layer_types, layer_configs, cache.layers)
     ):
         try:
             layers.append(
-                _layer_state(text, layer_config, index, kind, cache_layer, dtype, shared_kv)
+                _layer_state(
+                    text, layer_config, index, kind, cache_layer, dtype, shared_kv,
+                    positions=index == indexed[0] if indexed else False,
+                )
             )
         except LayoutError:
             raise
@@ -260,8 +265,11 @@ def _layer_state(
     cache_layer: object,
     dtype: torch.dtype,
     shared_kv: bool,
+    *,
+    positions: bool,
 ) -> LayerState:
-    """The state of one cache layer, by what the layer is."""
+    """The state of one cache layer, by what the layer is; `positions` on the first indexed
+    layer, where a model keeps its indexers' position history if it keeps one."""
     if isinstance(cache_layer, DummyLayer):
         return NoState(index)
     if index in (getattr(text, "cross_attention_layers", None) or ()):
@@ -295,7 +303,9 @@ def _layer_state(
             if not isinstance(indexer, int) or indexer <= 0:
                 raise LayoutError(f"layer {index}: its config does not size its indexer keys")
         key_row, value_row = _kv_rows(layer, index)
-        parts.append(FullAttention(index, group, key_row, value_row, dtype, indexer))
+        parts.append(
+            FullAttention(index, group, key_row, value_row, dtype, indexer, positions=positions)
+        )
     if isinstance(cache_layer, LinearAttentionCacheLayerMixin):
         parts.append(LinearStates(index, cache_layer.number_of_states, dtype))
     if not parts:
