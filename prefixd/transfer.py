@@ -31,7 +31,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as missing:  # serving does not need torch: it is an extra
+    if missing.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "prefixd.transfer needs torch, which the base install leaves out: "
+        "pip install 'prefixd[gpu]' (or any torch >= 2.4)",
+        name="torch",
+    ) from missing
 
 from prefixd.errors import DestinationError, PrefixdError, TransferError
 from prefixd.schema.chain import packed_hashes
