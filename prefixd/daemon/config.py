@@ -770,6 +770,11 @@ def _validated(name: str, value: Any) -> Any:
                 f"{name}: {path} is {len(os.fsencode(path))} bytes long, a Unix socket path can be "
                 f"at most {SOCKET_PATH_MAX}; choose a shorter one"
             )
+        if name == "metrics_textfile" and path.suffix != ".prom":
+            raise ConfigError(
+                f"{name}: {path} does not end in .prom, and node_exporter's textfile collector "
+                "reads only *.prom files"
+            )
         return path
     if kind == "entries":  # model_manifests, tenant_policy (store settings: StoreConfig above)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):

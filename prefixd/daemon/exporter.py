@@ -3,7 +3,8 @@
 Two ways, either or both: an HTTP endpoint on a loopback port (`metrics_port`, scraped by
 Prometheus) and a file rewritten every `metrics_interval_s` for node_exporter's textfile collector
 (`metrics_textfile`; written to a temporary name and renamed, so a scrape never reads half a
-file).
+file). The textfile leaves out the process collector's `process_*`: node_exporter serves its own
+process's under the same names and labels, and refuses the duplicates.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterator
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import Metric
 
 from prefixd.errors import ServeError
 
@@ -75,7 +78,7 @@ class MetricsExporter:
         """Write the metrics to a temporary file made with `textfile_mode` from the start (they
         name tenants: never readable by everyone, not even for a moment), then rename it."""
         assert self.textfile is not None
-        data = generate_latest(self.registry)
+        data = generate_latest(_WithoutProcess(self.registry))
         temporary = self.textfile.with_name(f".{self.textfile.name}.{os.getpid()}.tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.textfile_mode)
         try:
@@ -94,3 +97,15 @@ class MetricsExporter:
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
+
+
+class _WithoutProcess:
+    """`registry` less the process collector's families, for the textfile (see the module)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if not family.name.startswith("process_"):
+                yield family

@@ -6,18 +6,21 @@ lengths, the time of every operation, what was loaded and what that saved in pre
 and reads the store's own totals (per tenant) when asked. Everything lives in one
 prometheus_client registry owned by the daemon (no globals), exposed over a loopback HTTP port or
 a textfile for node_exporter when configured, and as a JSON snapshot in the `stats` operation.
-Labels carry tenants and operation names only: never prompts, token ids or keys.
+Labels carry tenants and operation names only: never prompts, token ids or keys. Names follow
+Prometheus' conventions (base units, `_total` counters, `prefixd_build_info`, the process
+collector's `process_*`), and every per-tenant series is capped at MAX_TENANT_LABELS tenants.
 """
 
 from __future__ import annotations
 
+import platform
 import threading
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -25,12 +28,14 @@ from prometheus_client.core import (
     Metric,
 )
 
+from prefixd import __version__
 from prefixd.loadtime import LoadTimeModel
+from prefixd.schema.meta import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from prefixd.store import Store
 
-HIT_TOKEN_BUCKETS = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+HIT_TOKENS_TOP = 1 << 20  # hit-length buckets double from the block size up to this many tokens
 LATENCY_BUCKETS = (
     50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0,
@@ -94,13 +99,17 @@ class Metrics:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.load_time = LoadTimeModel()
         self._bytes_per_token: OrderedDict[bytes, float] = OrderedDict()
-        self._tenants: dict[str, list[float]] = {}
-        self.hit_length = _Histogram(HIT_TOKEN_BUCKETS)
+        self._labeled: set[str] = set()  # tenants with series of their own (MAX_TENANT_LABELS)
+        self._tenants: dict[str, list[float]] = {}  # by label: a tenant or OTHER_TENANTS
+        # Its buckets start at the block size of the first lookup's identity (see observe_lookup)
+        self.hit_length: _Histogram | None = None
         self._ops: dict[str, _Histogram] = {}
         self._lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_BuildInfo())
         self.registry.register(_TallyCollector(self))
-        self.registry.register(_StoreCollector(store))
+        self.registry.register(_StoreCollector(store, self.tenant_labels))
+        ProcessCollector(registry=self.registry)  # registers itself: on this registry only
 
     # --- recording -------------------------------------------------------------------------------
 
@@ -112,15 +121,26 @@ class Metrics:
             histogram.observe(seconds)
 
     def observe_lookup(
-        self, tenant: str, digest: bytes, prompt_tokens: int, hit_tokens: int, hit_bytes: int
+        self,
+        tenant: str,
+        digest: bytes,
+        prompt_tokens: int,
+        hit_tokens: int,
+        hit_bytes: int,
+        *,
+        block_tokens: int,
     ) -> None:
-        """One prompt looked up; `hit_tokens` is what was offered (0 for a miss)."""
+        """One prompt looked up; `hit_tokens` is what was offered (0 for a miss). The first
+        lookup's `block_tokens` fixes the hit-length buckets for the daemon's life (a histogram's
+        buckets never change): one block, two, four, ..., so a one-block hit shows as one."""
         with self._lock:
             rate = self._rate(digest, hit_bytes, hit_tokens)
             t = self._of(tenant)
             t[PROMPTS] += 1
             t[PROMPT_TOKENS] += prompt_tokens
             t[PROMPT_BYTES] += hit_bytes + (prompt_tokens - hit_tokens) * rate
+            if self.hit_length is None:
+                self.hit_length = _Histogram(hit_token_bounds(block_tokens))
             self.hit_length.observe(hit_tokens)
             if hit_tokens:
                 t[HITS] += 1
@@ -144,14 +164,29 @@ class Metrics:
             self._rate(digest, n_bytes, tokens)
 
     def _of(self, tenant: str) -> list[float]:
-        """The tenant's tallies (call under the lock); tenants past MAX_TENANT_LABELS share one
-        set, so label cardinality stays bounded."""
-        found = self._tenants.get(tenant)
+        """The tallies of the tenant's label (call under the lock)."""
+        label = self._label(tenant)
+        found = self._tenants.get(label)
         if found is None:
-            if len(self._tenants) >= MAX_TENANT_LABELS:
-                tenant = OTHER_TENANTS
-            found = self._tenants.setdefault(tenant, [0.0] * len(_TALLIES))
+            found = self._tenants[label] = [0.0] * len(_TALLIES)
         return found
+
+    def _label(self, tenant: str) -> str:
+        """The tenant's label in every per-tenant series (call under the lock): its own name for
+        the first MAX_TENANT_LABELS tenants seen, in traffic or in the store, OTHER_TENANTS for
+        the rest. A label never changes while the daemon runs, so a counter summed under
+        OTHER_TENANTS only grows."""
+        if tenant in self._labeled:
+            return tenant
+        if len(self._labeled) >= MAX_TENANT_LABELS:
+            return OTHER_TENANTS
+        self._labeled.add(tenant)
+        return tenant
+
+    def tenant_labels(self, tenants: Iterable[str]) -> dict[str, str]:
+        """Each tenant's label (see _label); the store's tenants are labeled in name order."""
+        with self._lock:
+            return {tenant: self._label(tenant) for tenant in sorted(tenants)}
 
     def _rate(self, digest: bytes, n_bytes: int, tokens: int) -> float:
         """The identity's payload bytes per token, updated with this observation if it has any
@@ -167,14 +202,14 @@ class Metrics:
 
     def tallies(
         self,
-    ) -> tuple[dict[str, list[float]], list[tuple[str, float]], float, dict[str, _Histogram]]:
-        """A consistent copy: per-tenant tallies, the hit-length buckets and sum, the op
-        histograms."""
+    ) -> tuple[dict[str, list[float]], _Histogram | None, dict[str, _Histogram]]:
+        """A consistent copy: per-tenant tallies, the hit lengths (None before the first lookup),
+        the op histograms."""
         with self._lock:
             tenants = {t: list(v) for t, v in self._tenants.items()}
-            lengths, length_sum = self.hit_length.buckets(), self.hit_length.sum
+            lengths = _copy_histogram(self.hit_length) if self.hit_length is not None else None
             ops = {op: _copy_histogram(h) for op, h in self._ops.items()}
-        return tenants, lengths, length_sum, ops
+        return tenants, lengths, ops
 
     def track_cluster(self, bridge: Any) -> None:
         """Expose the shared tier's counts (prefixd.cluster.bridge) as metrics too."""
@@ -194,17 +229,21 @@ class Metrics:
     # --- reading -----------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The readable summary `prefixd stats` prints (rates, histograms, per tenant)."""
-        tenants: dict[str, dict[str, float]] = {}
-        for metric in self.registry.collect():
-            for sample in metric.samples:
-                who = sample.labels.get("tenant")
-                if who is None or sample.name.endswith("_created"):
-                    continue
-                name = sample.name.removeprefix("prefixd_").removesuffix("_total")
-                if "reason" in sample.labels:
-                    name = f"{sample.labels['reason']}_blocks"
-                tenants.setdefault(who, {})[name] = sample.value
+        """The readable summary `prefixd stats` prints (rates, histograms, per tenant). The
+        store's per-tenant totals are every tenant's, uncapped (this is no time series, and the
+        lmcache adapter lists tenants from it); the counters are per label, as exported."""
+        tallies, lengths, ops = self.tallies()
+        tenants: dict[str, dict[str, float]] = {
+            label: {name: values[i] for i, (name, _) in enumerate(_TALLIES)}
+            for label, values in tallies.items()
+        }
+        for tenant, stored in self.store.tenant_totals().items():
+            entry = tenants.setdefault(tenant, {})
+            entry["stored_bytes"] = float(stored["stored_bytes"])
+            entry["stored_blocks"] = float(stored["blocks"])
+        for tenant, reasons in self.store.removals().items():
+            for reason, count in reasons.items():
+                tenants.setdefault(tenant, {})[f"{reason}_blocks"] = float(count)
         totals: dict[str, float] = dict.fromkeys(_SUMMED, 0.0)
         for values in tenants.values():
             for name, value in values.items():
@@ -216,8 +255,8 @@ class Metrics:
                 "bytes": _ratio(totals["hit_bytes"], totals["prompt_bytes"]),
             },
             "totals": totals,
-            "hit_length_tokens": _per_bucket(self.hit_length),
-            "latency_us": _latencies(self.tallies()[3]),
+            "hit_length_tokens": _per_bucket(lengths) if lengths is not None else {},
+            "latency_us": _latencies(ops),
             "load_model": {
                 "overhead_us": round(self.load_time.overhead_s * 1e6, 1),
                 "bandwidth_gbps": round(self.load_time.bandwidth / 1e9, 3),
@@ -243,11 +282,37 @@ _SUMMED = (
 )
 
 
-class _StoreCollector:
-    """The store's totals, read when metrics are collected (they live in the store, persisted)."""
+class _BuildInfo:
+    """`prefixd_build_info` 1, labeled with what a dashboard shows beside a node's numbers."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self) -> None:
+        self.labels = {
+            "version": __version__,
+            "python_version": platform.python_version(),
+            "python_implementation": platform.python_implementation(),
+            "schema_version": str(SCHEMA_VERSION),
+        }
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "prefixd_build_info",
+            "Always 1: the daemon's version, its Python's, the store format it writes",
+            labels=list(self.labels),
+        )
+        info.add_metric(list(self.labels.values()), 1)
+        yield info
+
+
+class _StoreCollector:
+    """The store's totals, read when metrics are collected (they live in the store, persisted);
+    per-tenant series under the labels `label` gives (capped like the daemon's counters)."""
+
+    def __init__(self, store: Store, label: Callable[[Iterable[str]], dict[str, str]]) -> None:
         self.store = store
+        self.label = label
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily: the store may be busy when the registry is built
@@ -255,21 +320,30 @@ class _StoreCollector:
     def collect(self) -> Iterator[Metric]:
         store = self.store
         stats = store.stats()
-        stored = GaugeMetricFamily("prefixd_stored_bytes", "Stored bytes", labels=["tenant"])
-        blocks = GaugeMetricFamily("prefixd_stored_blocks", "Stored blocks", labels=["tenant"])
-        for tenant, totals in sorted(store.tenant_totals().items()):
-            stored.add_metric([tenant], totals["stored_bytes"])
-            blocks.add_metric([tenant], totals["blocks"])
-        removed = CounterMetricFamily(
+        tenant_totals, removals = store.tenant_totals(), store.removals()
+        labels = self.label(tenant_totals.keys() | removals.keys())
+        stored: dict[str, int] = {}
+        blocks: dict[str, int] = {}
+        for tenant, totals in tenant_totals.items():
+            label = labels[tenant]
+            stored[label] = stored.get(label, 0) + totals["stored_bytes"]
+            blocks[label] = blocks.get(label, 0) + totals["blocks"]
+        removed: dict[tuple[str, str], int] = {}
+        for tenant, reasons in removals.items():
+            for reason, count in reasons.items():
+                key = (labels[tenant], reason)
+                removed[key] = removed.get(key, 0) + count
+        yield _per_tenant("prefixd_stored_bytes", "Stored bytes", stored)
+        yield _per_tenant("prefixd_stored_blocks", "Stored blocks", blocks)
+        removed_family = CounterMetricFamily(
             "prefixd_removed_blocks",
             "Blocks removed since the daemon started, by reason (evicted, quarantined, retired, "
             "purged, expired, deleted, replaced)",
             labels=["tenant", "reason"],
         )
-        for tenant, reasons in sorted(store.removals().items()):
-            for reason, count in sorted(reasons.items()):
-                removed.add_metric([tenant, reason], count)
-        yield from (stored, blocks, removed)
+        for (label, reason), count in sorted(removed.items()):
+            removed_family.add_metric([label, reason], count)
+        yield removed_family
         for name, value, doc in (
             (
                 "prefixd_store_payload_bytes",
@@ -280,9 +354,21 @@ class _StoreCollector:
             ("prefixd_store_map_size_bytes", stats.map_size, "LMDB map size"),
             ("prefixd_store_parts", stats.parts, "State-group payloads of hybrid identities"),
             ("prefixd_compression_ratio", stats.compression_ratio, "Payload over stored bytes"),
-            ("prefixd_compress_gbps", stats.compress_gbps, "Compression speed, GB/s"),
-            ("prefixd_decompress_gbps", stats.decompress_gbps, "Decompression speed, GB/s"),
-            ("prefixd_verify_copy_gbps", stats.copy_verify_gbps, "Verified copy speed, GB/s"),
+            (
+                "prefixd_compress_bytes_per_second",
+                stats.compress_gbps * 1e9,
+                "Compression speed (payload bytes in)",
+            ),
+            (
+                "prefixd_decompress_bytes_per_second",
+                stats.decompress_gbps * 1e9,
+                "Decompression speed (payload bytes out)",
+            ),
+            (
+                "prefixd_verify_copy_bytes_per_second",
+                stats.copy_verify_gbps * 1e9,
+                "Speed of verified copies (payloads stored raw)",
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, value, doc in (
@@ -308,14 +394,18 @@ class _TallyCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        tenants, lengths, length_sum, ops = self.metrics.tallies()
+        tenants, lengths, ops = self.metrics.tallies()
         for i, (name, doc) in enumerate(_TALLIES):
             family = CounterMetricFamily(f"prefixd_{name}", doc, labels=["tenant"])
             for tenant, values in sorted(tenants.items()):
                 family.add_metric([tenant], values[i])
             yield family
-        hits = HistogramMetricFamily("prefixd_hit_length_tokens", "Tokens per hit offered")
-        hits.add_metric([], lengths, length_sum)
+        hits = HistogramMetricFamily(
+            "prefixd_hit_length_tokens",
+            "Tokens per hit offered (0: a miss); buckets double from the block size",
+        )
+        if lengths is not None:
+            hits.add_metric([], lengths.buckets(), lengths.sum)
         yield hits
         times = HistogramMetricFamily(
             "prefixd_operation_seconds", "Time to answer a request, by operation", labels=["op"]
@@ -363,6 +453,25 @@ class _EventsCollector:
                 yield GaugeMetricFamily(metric, text, value=value)
             else:
                 yield CounterMetricFamily(metric, text, value=value)
+
+
+def hit_token_bounds(block_tokens: int) -> tuple[int, ...]:
+    """The hit-length bucket bounds: 0 (the misses), then one block, two, four, ... up to
+    HIT_TOKENS_TOP tokens, so that hits of a few blocks are told apart at any block size."""
+    bounds = [0]
+    bound = max(1, block_tokens)
+    while True:
+        bounds.append(bound)
+        if bound >= HIT_TOKENS_TOP:
+            return tuple(bounds)
+        bound *= 2
+
+
+def _per_tenant(name: str, doc: str, by_tenant: dict[str, int]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["tenant"])
+    for tenant, value in sorted(by_tenant.items()):
+        family.add_metric([tenant], value)
+    return family
 
 
 def _ratio(part: float, whole: float) -> float:

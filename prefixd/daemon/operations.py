@@ -392,7 +392,12 @@ class Operations:
     def _count(self, identity: Identity, observed: list[tuple[int, int, int]]) -> None:
         for prompt_tokens, hit_tokens, hit_bytes in observed:
             self.metrics.observe_lookup(
-                identity.tenant, identity.digest, prompt_tokens, hit_tokens, hit_bytes
+                identity.tenant,
+                identity.digest,
+                prompt_tokens,
+                hit_tokens,
+                hit_bytes,
+                block_tokens=identity.block_tokens,
             )
 
     async def load(self, conn: Connection, request: Request[Load]) -> LoadReply:

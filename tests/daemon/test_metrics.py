@@ -1,9 +1,11 @@
 """What the daemon measures: hit rates at three levels, hit lengths, stage times, per-tenant
-totals, the benefit model, and the Prometheus exposition; never a prompt, token id or key."""
+totals, the benefit model, and the Prometheus exposition (its names, its bounded tenant labels,
+the textfile node_exporter reads); never a prompt, token id or key."""
 
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -14,8 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+import prefixd
 from prefixd.client import Client
+from prefixd.daemon.metrics import MAX_TENANT_LABELS, OTHER_TENANTS
+from prefixd.schema import SCHEMA_VERSION
 
 from .conftest import (
     DEADLINE_S,
@@ -30,6 +36,8 @@ from .conftest import (
 
 BT = IDENTITY.block_tokens
 SIZE = 1000
+# The console script pip installed: what an operator runs (tests elsewhere use python -m prefixd)
+INSTALLED = [str(Path(sys.executable).with_name("prefixd"))]
 
 
 def tokens(n: int, seed: int = 1) -> np.ndarray:
@@ -40,6 +48,23 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def scrape(port: int) -> str:
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=DEADLINE_S) as response:
+        text: str = response.read().decode()
+    return text
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples named `name` in an exposition, by their sorted labels."""
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
 
 
 def run_workload(daemon: Daemon) -> tuple[np.ndarray, np.ndarray]:
@@ -183,3 +208,101 @@ def test_the_textfile_is_never_readable_by_every_user(
     assert stat.S_IMODE(textfile.stat().st_mode) == mode
     assert daemon.stop() == 0
     assert stat.S_IMODE(textfile.stat().st_mode) == mode
+
+
+def test_names_follow_prometheus_conventions(daemon_factory: DaemonFactory, tmp_path: Path) -> None:
+    """Speeds in bytes per second (the base unit), not GB/s; prefixd_build_info; the process
+    collector's process_* over HTTP, and not in the textfile (node_exporter serves its own
+    process's under the same names and would refuse ours)."""
+    assert Path(INSTALLED[0]).exists(), INSTALLED
+    port = free_port()
+    textfile = tmp_path / "prefixd.prom"
+    daemon = daemon_factory(
+        "--metrics-port", str(port), "--metrics-textfile", str(textfile),
+        "--metrics-interval-s", "1", launcher=INSTALLED,
+    )  # fmt: skip
+    run_workload(daemon)
+    text = scrape(port)
+    assert "gbps" not in text.lower()
+    for name in (
+        "prefixd_compress_bytes_per_second",
+        "prefixd_decompress_bytes_per_second",
+        "prefixd_verify_copy_bytes_per_second",
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+    ):
+        assert samples(text, name), name
+    # the load copied and verified 8 KB of payloads stored raw: a speed in bytes, not in GB
+    assert samples(text, "prefixd_verify_copy_bytes_per_second")[()] > 1e5
+    [(labels, value)] = samples(text, "prefixd_build_info").items()
+    assert value == 1.0
+    info = dict(labels)
+    assert info["version"] == prefixd.__version__
+    assert info["python_version"] == platform.python_version()
+    assert info["schema_version"] == str(SCHEMA_VERSION)
+    served = 'prefixd_lookup_prompts_total{tenant="a"} 3.0'
+    wait_for(lambda: textfile.exists() and served in textfile.read_text(), "the textfile written")
+    written = textfile.read_text()
+    assert samples(written, "prefixd_build_info") and samples(written, "prefixd_stored_bytes")
+    assert "process_" not in written
+
+
+def test_hit_length_buckets_start_at_the_block_size(daemon_factory: DaemonFactory) -> None:
+    """One block, two, four, ...: the workload's hits (4 and 8 blocks of 4 tokens) each land in
+    a bucket of their own instead of all under the first bound (256 tokens, it was)."""
+    port = free_port()
+    daemon = daemon_factory("--metrics-port", str(port), launcher=INSTALLED)
+    run_workload(daemon)
+    buckets = {
+        dict(labels)["le"]: value
+        for labels, value in samples(scrape(port), "prefixd_hit_length_tokens_bucket").items()
+    }
+    bounds = [float(b) for b in buckets if b != "+Inf"]
+    assert sorted(bounds)[:5] == [0.0, BT, 2 * BT, 4 * BT, 8 * BT]
+    assert all(b == 2 * a for a, b in zip(sorted(bounds)[1:], sorted(bounds)[2:], strict=False))
+    # cumulative: the miss, then the 4-block hit, then the 8-block one
+    assert [buckets[repr(float(b))] for b in (0, BT, 2 * BT, 4 * BT, 8 * BT)] == [1, 1, 1, 2, 3]
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        lengths = client.stats()["metrics"]["hit_length_tokens"]
+    assert lengths[repr(float(4 * BT))] == 1 and lengths[repr(float(8 * BT))] == 1
+
+
+def test_stored_series_are_capped_like_the_counters(daemon_factory: DaemonFactory) -> None:
+    """1,102 tenants gave 1,102 prefixd_stored_bytes and _blocks series each: now tenants past
+    MAX_TENANT_LABELS share one label there too, the same tenants as in the counters."""
+    port = free_port()
+    daemon = daemon_factory("--metrics-port", str(port), launcher=INSTALLED)
+    n_tenants = 1102
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        for i in range(n_tenants):
+            client.put(make_identity(tenant=f"t{i:04d}"), tokens(BT, seed=i), [b"z" * 10])
+        listed = client.stats()["metrics"]["tenants"]
+    # `prefixd stats` is no time series: it still names every tenant's store (lmcache lists them)
+    assert all(listed[f"t{i:04d}"]["stored_blocks"] == 1 for i in range(n_tenants))
+    text = scrape(port)
+    stored = {dict(k)["tenant"]: v for k, v in samples(text, "prefixd_stored_bytes").items()}
+    blocks = {dict(k)["tenant"]: v for k, v in samples(text, "prefixd_stored_blocks").items()}
+    puts = {dict(k)["tenant"]: v for k, v in samples(text, "prefixd_put_blocks_total").items()}
+    assert len(stored) == MAX_TENANT_LABELS + 1
+    assert set(stored) == set(blocks) == set(puts)
+    assert sum(blocks.values()) == n_tenants and sum(stored.values()) == 10 * n_tenants
+    assert blocks[OTHER_TENANTS] == puts[OTHER_TENANTS] == n_tenants - MAX_TENANT_LABELS
+
+
+def test_a_textfile_node_exporter_would_ignore_is_refused(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """node_exporter's textfile collector reads *.prom only: another name would never be
+    scraped, so the daemon refuses it at start rather than write it every interval."""
+    textfile = tmp_path / "prefixd.metrics"
+    daemon = daemon_factory("--metrics-textfile", str(textfile), launcher=INSTALLED, wait=False)
+    assert daemon.proc is not None
+    proc = daemon.proc
+    wait_for(
+        lambda: proc.poll() is not None or any(b"READY=1" in m for m in daemon.since_start()),
+        "the daemon refusing the textfile or serving",
+    )
+    assert proc.poll() not in (None, 0), daemon.log()
+    assert "metrics_textfile" in daemon.log() and ".prom" in daemon.log(), daemon.log()
+    assert not textfile.exists()
