@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -423,6 +424,14 @@ class Config:
         """The effective settings as JSON-able values; written as TOML, they load back unchanged."""
         return {name: _plain(name, getattr(self, name)) for name in SETTINGS}
 
+    def toml(self) -> str:
+        """The effective settings as a TOML file `--config` accepts, each with its help."""
+        lines = []
+        for name, value in self.describe().items():
+            lines.append(f"# {_META[name]['help']}")
+            lines.append(f"{name} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
 
 SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(Config))
 STORE_SETTINGS: tuple[str, ...] = tuple(
@@ -494,6 +503,14 @@ def config_from_sources(
     settings, STATE_DIRECTORY, RUNTIME_DIRECTORY, XDG_* and HOME only feed defaults. config_file:
     the --config value, or None to use PREFIXD_CONFIG if set. Raises ConfigError.
     """
+    return config_and_given(cli, env, config_file)[0]
+
+
+def config_and_given(
+    cli: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None
+) -> tuple[Config, frozenset[str]]:
+    """`config_from_sources`, and the names of the settings some source gave (the others hold
+    their defaults): a command told only a data directory looks for the socket that serves it."""
     cwd = Path.cwd()
     given: dict[str, list[_Given]] = {}
     unknown_cli = sorted(set(cli) - set(SETTINGS))
@@ -517,7 +534,7 @@ def config_from_sources(
     for name, default in (("data_dir", default_data_dir), ("socket", default_socket)):
         if name not in values:
             values[name] = _attributed(name, default(env), "the default")
-    return Config(**values)
+    return Config(**values), frozenset(given)
 
 
 def config_from_args(namespace: argparse.Namespace, env: Mapping[str, str]) -> Config:
@@ -743,6 +760,17 @@ def _toml_text(value: Any) -> str:
     if isinstance(value, str):
         return repr(value)
     return str(value)
+
+
+def _toml_value(value: Any) -> str:
+    """A TOML value: JSON's string escapes are TOML's too, and arrays read the same."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    return json.dumps(str(value), ensure_ascii=False)
 
 
 def _text(value: Any) -> str:

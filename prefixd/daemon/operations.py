@@ -644,7 +644,7 @@ class Operations:
                 stats = self.store.stats()
                 return verify_report(stats.blocks, stats.parts, fixed=repaired)
             if fix:  # damage a repair cannot mend: nothing is changed
-                unfixed = RepairReport(len(problems), 0, 0, tuple(problems))
+                unfixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
                 return verify_report(stats.blocks, stats.parts, fixed=unfixed)
             return verify_report(stats.blocks, stats.parts, problems=problems)
 
@@ -675,6 +675,7 @@ class Operations:
             status="ok",
             uptime_s=round(self.clock.monotonic() - self.started, 3),
             connections=conn.server.open_connections,
+            data_dir=str(self.store.path),
         )
 
     # --- helpers --------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefixd.clock import Clock, SystemClock
@@ -113,6 +114,8 @@ class Server:
         after a graceful stop, 1 after a forced one."""
         loop = asyncio.get_running_loop()
         config = self.config
+        if not systemd.activated(self.env):
+            _refuse_taken(config.socket)  # before the store: a refused start leaves no files
         # Only directories no other user may write: one who could would replace the store.
         config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_private_dir(config.data_dir, "data directory")
@@ -169,6 +172,7 @@ class Server:
                 self.store.observe(events)
                 await loop.run_in_executor(aux, events.start)
             self._listener = self._bind()
+            self.store.record_socket(self._served_path(self._listener))
             if install_signal_handlers:
                 for signum in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(signum, self.stop)
@@ -373,18 +377,21 @@ class Server:
         listener.setblocking(False)
         return listener
 
+    def _served_path(self, listener: socket.socket) -> Path:
+        """The path clients connect to: the bound one (systemd's, when it passed the socket)."""
+        name = listener.getsockname()
+        if isinstance(name, (str, bytes)) and name:
+            return Path(os.fsdecode(name))
+        return self.config.socket
+
     def _bind_path(self) -> socket.socket:
         path = self.config.socket
         path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         # Another user who owns or may write this directory could swap the socket for their own
         # and receive every client's prompts and payloads (as a /tmp/prefixd-UID made beforehand).
         check_private_dir(path.parent, "socket directory")
-        if path.exists() or path.is_symlink():
-            if not stat.S_ISSOCK(path.lstat().st_mode):
-                raise ServeError(f"{path} exists and is not a socket")
-            if _socket_answers(path):
-                raise ServeError(f"another daemon is serving on {path}")
-            path.unlink()
+        if _refuse_taken(path):
+            path.unlink()  # a socket nobody answers on: a killed daemon's
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             old_umask = os.umask(0o177)
@@ -514,6 +521,18 @@ def _socket_answers(path: os.PathLike[str]) -> bool:
         return False
     finally:
         probe.close()
+    return True
+
+
+def _refuse_taken(path: Path) -> bool:
+    """Refuse a socket path that is not a socket, or one another daemon answers on; whether a
+    stale socket lies there."""
+    if not (path.exists() or path.is_symlink()):
+        return False
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise ServeError(f"{path} exists and is not a socket")
+    if _socket_answers(path):
+        raise ServeError(f"another daemon is serving on {path}")
     return True
 
 

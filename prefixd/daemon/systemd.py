@@ -87,6 +87,13 @@ def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
     return usec / 2 / 1_000_000
 
 
+def activated(env: Mapping[str, str] | None = None) -> bool:
+    """Whether systemd passed this process its sockets (LISTEN_PID is ours), without taking
+    them."""
+    values = os.environ if env is None else env
+    return _unsigned(values.get("LISTEN_PID")) == os.getpid()
+
+
 def listen_sockets(
     env: MutableMapping[str, str] | None = None, *, unset: bool = True
 ) -> list[socket.socket]:

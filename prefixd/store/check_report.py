@@ -19,20 +19,18 @@ def verify_report(
     problems: Sequence[Problem] = (),
     fixed: RepairReport | None = None,
 ) -> dict[str, Any]:
-    """`problems` found by a check, or what a repair (`fixed`) found, did and left."""
-    if fixed is not None:
-        return {
-            "blocks": blocks,
-            "parts": parts,
-            "problems": fixed.problems,
-            "quarantined": fixed.quarantined,
-            "fixed": fixed.fixed,
-            "remaining": [str(p) for p in fixed.remaining[:MAX_LISTED]],
-        }
-    return {
+    """`problems` found by a check, or what a repair (`fixed`) found, did and left: the
+    problems are listed the same way in both (a script reads one shape)."""
+    found = fixed.problems if fixed is not None else problems
+    report: dict[str, Any] = {
         "blocks": blocks,
         "parts": parts,
-        "problems": [str(p) for p in problems[:MAX_LISTED]],
-        "by_kind": dict(Counter(p.kind for p in problems)),
-        "count": len(problems),
+        "problems": [str(p) for p in found[:MAX_LISTED]],
+        "by_kind": dict(Counter(p.kind for p in found)),
+        "count": len(found),
     }
+    if fixed is not None:
+        report["quarantined"] = fixed.quarantined
+        report["fixed"] = fixed.fixed
+        report["remaining"] = [str(p) for p in fixed.remaining[:MAX_LISTED]]
+    return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -40,15 +41,18 @@ _SECONDS_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*")
 
 
 def parse_seconds(text: str) -> float:
-    """A duration: a number of seconds, or one ending in ms, s, m, h or d ("90m", "30d")."""
+    """A duration: a number of seconds, or one ending in ms, s, m, h or d ("90m", "30d"); a
+    finite one (nan, inf and 1e400 are no durations)."""
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
-        pass
-    match = _SECONDS_RE.fullmatch(text)
-    if match is None:
+        match = _SECONDS_RE.fullmatch(text)
+        if match is None:
+            raise ValueError(text) from None
+        seconds = float(match[1]) * _SECONDS_UNITS[match[2] or ""]
+    if not math.isfinite(seconds):
         raise ValueError(text)
-    return float(match[1]) * _SECONDS_UNITS[match[2] or ""]
+    return seconds
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}

@@ -17,6 +17,7 @@ Tables (LMDB named databases):
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import time
 from collections.abc import Callable
@@ -290,6 +291,8 @@ def copy_compacted(
 ) -> dict[str, Any]:
     """Write a compacted copy of `env` (free pages dropped: a consistent snapshot) into the
     empty directory `target`; report both files' sizes."""
+    if target.exists() and not target.is_dir():
+        raise StoreOpenError(f"{target} is not a directory")
     if target.exists() and any(target.iterdir()):
         raise StoreOpenError(f"{target} is not empty")
     target.mkdir(mode=0o750, parents=True, exist_ok=True)
@@ -319,10 +322,31 @@ class OwnerLock:
             ) from None
         self._fd = fd
 
+    def record(self, socket: Path) -> None:
+        """Note the socket the holder serves on, so that a command told only the store's
+        directory finds its daemon (`held_socket`)."""
+        data = json.dumps({"pid": os.getpid(), "socket": str(socket)}).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
     def release(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)  # closing drops the flock
             self._fd = -1
+
+
+def held_socket(path: Path) -> Path | None:
+    """The socket of the daemon that holds the store at `path`, as it recorded it; None when no
+    process holds the store, or its holder serves none (a migration)."""
+    try:
+        if not is_held(path):
+            return None
+        with open(path / OWNER_FILE, "rb") as file:
+            text = file.read(4096)
+        socket = json.loads(text).get("socket") if text else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(socket) if isinstance(socket, str) and socket else None
 
 
 def is_held(path: Path) -> bool:

@@ -62,7 +62,7 @@ def repair(
             quarantined,
             rebuilt.total,
         )
-    return RepairReport(len(problems), quarantined, rebuilt.total, tuple(check(ctx)))
+    return RepairReport(tuple(problems), quarantined, rebuilt.total, tuple(check(ctx)))
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ class RepairReport:
     """What `Store.repair` found and did: `problems` found, `quarantined` blocks removed (with
     their subtrees), `fixed` index and counter entries rebuilt, and what `remaining` still fails."""
 
-    problems: int
+    problems: tuple[Problem, ...]
     quarantined: int
     fixed: int
     remaining: tuple[Problem, ...]

@@ -494,6 +494,12 @@ class Store:
         self._check_usable()
         return repair.repair(self._ctx, problems, progress=progress)
 
+    def record_socket(self, socket: Path) -> None:
+        """Note, in the owner lock of an exclusive store, the socket its daemon serves on (a
+        store opened shared has no owner lock, and no daemon)."""
+        if self._owner is not None:
+            self._owner.record(socket)
+
     def close(self) -> None:
         """Flush, fsync and close; idempotent. Only the opening process may close the environment."""
         if self._closed:

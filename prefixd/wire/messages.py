@@ -539,15 +539,14 @@ class PurgeReply(Reply, kw_only=True):
 
 
 class VerifyReply(Reply, kw_only=True):
-    """A check's report (`problems` listed as text, `count`, `by_kind`) or, with `fix`, a
-    repair's (`problems` a count, `quarantined`, `fixed`, `remaining`): see
-    prefixd.store.check_report. The daemon sends the report's map as it is; the fields of the
-    other form are absent."""
+    """A check's report (`problems` listed as text, `count`, `by_kind`) and, with `fix`, what
+    the repair did (`quarantined`, `fixed`, `remaining`): see prefixd.store.check_report. The
+    daemon sends the report's map as it is; without `fix` those three are absent."""
 
     blocks: int
     parts: int
-    problems: list[str] | int
-    count: int | None = None
+    problems: list[str]
+    count: int = 0
     by_kind: dict[str, int] | None = None
     quarantined: int | None = None
     fixed: int | None = None
@@ -564,9 +563,13 @@ class StatsReply(Reply, kw_only=True):
 
 
 class HealthReply(Reply, kw_only=True):
+    """The daemon answers; `data_dir` is the store it serves (so a command told only the socket
+    works on the same store)."""
+
     status: str
     uptime_s: float
     connections: int
+    data_dir: str | None = None
 
 
 REPLIES: tuple[type[Reply], ...] = (

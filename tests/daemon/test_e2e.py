@@ -409,7 +409,7 @@ def test_stats_health_and_cli(daemon: Daemon) -> None:
         assert printed["store"]["blocks"] == 5
         assert printed["server"]["requests.put"] == 1
         assert printed["server"]["open_connections"] == 2  # the CLI's own connection
-        cli_health = _cli("health", "--socket", str(daemon.socket))
+        cli_health = _cli("health", "--json", "--socket", str(daemon.socket))
         assert cli_health.returncode == 0, cli_health.stderr
         printed = json.loads(cli_health.stdout)
         assert printed["status"] == "ok" and printed["connections"] == 2
@@ -418,7 +418,7 @@ def test_stats_health_and_cli(daemon: Daemon) -> None:
     assert missing.returncode != 0 and "cannot connect" in missing.stderr
 
     assert daemon.stop() == 0
-    verify = _cli("verify", "--data-dir", str(daemon.data_dir))
+    verify = _cli("verify", "--json", "--data-dir", str(daemon.data_dir))
     assert verify.returncode == 0, verify.stderr
     report = json.loads(verify.stdout)
     assert report["blocks"] == 5 and report["problems"] == []

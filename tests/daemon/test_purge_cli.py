@@ -26,7 +26,7 @@ def ident(**changes: object) -> Identity:
 
 def purge(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "prefixd", "purge", "--data-dir", str(daemon.data_dir),
+        [sys.executable, "-m", "prefixd", "purge", "--json", "--data-dir", str(daemon.data_dir),
          "--socket", str(daemon.socket), *args],
         capture_output=True, text=True, timeout=60,
     )

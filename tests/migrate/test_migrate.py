@@ -80,7 +80,10 @@ def digest(path: Path) -> str:
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "prefixd", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "prefixd", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -46,7 +46,7 @@ def test_repair_fixes_every_kind_of_damage(tmp_path: Path, identity: Identity) -
         assert kinds >= {"payload", "children", "access", "chunk", "part", "counters"}
 
         report = store.repair()
-        assert report.problems == len(problems)
+        assert report.problems == tuple(problems)
         assert report.quarantined == 2  # the damaged block and the one below it
         assert report.fixed > 0 and report.remaining == ()
         assert store.check() == []
@@ -60,4 +60,4 @@ def test_repair_fixes_every_kind_of_damage(tmp_path: Path, identity: Identity) -
             assert AccessRecord.decode(txn.get(hashes[1], db=t.access)).hits == 0
         # a second repair has nothing to do
         again = store.repair()
-        assert (again.problems, again.quarantined, again.fixed) == (0, 0, 0)
+        assert (again.problems, again.quarantined, again.fixed) == ((), 0, 0)

@@ -967,8 +967,15 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
         },
     ),
     (
-        HealthReply(id=12, status="ok", uptime_s=1.5, connections=2),
-        {"id": 12, "ok": True, "status": "ok", "uptime_s": 1.5, "connections": 2},
+        HealthReply(id=12, status="ok", uptime_s=1.5, connections=2, data_dir="/srv/prefixd"),
+        {
+            "id": 12,
+            "ok": True,
+            "status": "ok",
+            "uptime_s": 1.5,
+            "connections": 2,
+            "data_dir": "/srv/prefixd",
+        },
     ),
     (UnpinReply(id=13, released=2), {"id": 13, "ok": True, "released": 2}),
     (DeleteReply(id=14, blocks=3), {"id": 14, "ok": True, "blocks": 3}),
@@ -1019,13 +1026,15 @@ def test_verify_reports_decode_in_both_forms() -> None:
         "ok": True,
         "blocks": 3,
         "parts": 0,
-        "problems": 1,
+        "problems": ["block 1: bad"],
+        "by_kind": {"payload": 1},
+        "count": 1,
         "quarantined": 1,
         "fixed": 1,
         "remaining": [],
     }
     report = decode_reply(body(fixed), VerifyReply)
-    assert report.problems == 1 and report.fixed == 1 and report.remaining == []
+    assert report.problems == ["block 1: bad"] and report.fixed == 1 and report.remaining == []
 
 
 def test_replies_of_old_or_newer_daemons() -> None:

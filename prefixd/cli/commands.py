@@ -1,0 +1,263 @@
+"""What each `prefixd` command does, given its parsed flags and where its output goes.
+
+Every command reads one Config (flags, PREFIXD_*, `--config`) the way `serve` does
+(`endpoints.target`); online work goes through the daemon that holds the store, offline work opens
+the store itself. Commands return an exit code and raise PrefixdError; only `main` exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prefixd.cli.endpoints import Target, target
+from prefixd.cli.output import Advance, Output
+from prefixd.errors import ConfigError
+from prefixd.store.purge import VERSIONED_FIELDS
+
+POLL_S = 0.2  # how often a bar polls work that reports no progress of its own
+
+
+def serve(args: argparse.Namespace, out: Output) -> int:
+    from prefixd.daemon.config import config_from_args
+    from prefixd.daemon.server import Server, run_server
+
+    config = config_from_args(args, os.environ)
+    if args.print_config:
+        if out.as_json:
+            out.json(config.describe())
+        else:
+            out.stdout.write(config.toml())
+        return 0
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from prefixd.store.allocator import keep_write_buffers
+
+    keep_write_buffers()  # the daemon owns its process: let LMDB reuse its write buffers
+    server = Server(config)
+    code = run_server(server)
+    if server.abandoned:
+        # Shutdown left store work running on threads past the grace period: end now, as a kill
+        # would (LMDB keeps every committed transaction; the running ones never commit).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def stats(args: argparse.Namespace, out: Output) -> int:
+    from prefixd.client import Client
+
+    where = _target(args)
+    with Client(where.socket, timeout=args.timeout) as client:
+        if args.watch is None:
+            reply = _stats_of(client)
+            if out.as_json:
+                out.json(reply)
+            else:
+                from prefixd.cli.statsview import render
+
+                out.show(render(reply))
+            return 0
+        return _watch_stats(client, args.watch, out)
+
+
+def _stats_of(client: Any) -> dict[str, Any]:
+    reply = client.stats()
+    return {k: reply[k] for k in ("store", "server", "metrics") if k in reply}
+
+
+def _watch_stats(client: Any, every: float, out: Output) -> int:
+    """JSON lines, or tables redrawn in place, every `every` seconds until interrupted."""
+    from rich.live import Live
+
+    from prefixd.cli.statsview import render
+
+    if out.as_json:
+        while True:
+            out.stdout.write(_one_line(_stats_of(client)))
+            out.stdout.flush()
+            time.sleep(every)
+    with Live(render(_stats_of(client)), console=out.console, refresh_per_second=4) as live:
+        while True:
+            time.sleep(every)
+            live.update(render(_stats_of(client)))
+
+
+def _one_line(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True) + "\n"
+
+
+def health(args: argparse.Namespace, out: Output) -> int:
+    from prefixd.client import Client
+
+    where = _target(args)
+    with Client(where.socket, timeout=args.timeout) as client:
+        reply = client.health()
+    report = {k: v for k, v in reply.items() if k not in ("id", "ok")}
+    report["socket"] = str(where.socket)
+    out.result(report, "prefixd health")
+    return 0
+
+
+def verify(args: argparse.Namespace, out: Output) -> int:
+    from prefixd.store import Store
+    from prefixd.store.check_process import run_check
+    from prefixd.store.check_report import verify_report
+    from prefixd.store.results import RepairReport
+
+    if args.fix and args.no_payloads:
+        raise ConfigError("--fix checks payloads too; drop --no-payloads")
+    where = _target(args)
+    if where.served:  # a daemon serves this store: it checks (and repairs) while serving
+        from prefixd.client import Client
+
+        with (
+            Client(where.socket, timeout=args.timeout) as client,
+            out.progress("verifying through the daemon"),
+        ):
+            reply = client.verify(fix=args.fix, payloads=not args.no_payloads)
+        report = {"mode": "online", "path": str(where.data_dir), **reply}
+        report.pop("id", None)
+        report.pop("ok", None)
+    else:
+        with Store.open(where.data_dir, create=False, exclusive=True) as store:
+            blocks, parts = store.stats().blocks, store.stats().parts
+            with out.progress("verifying", total=blocks) as advance:
+                # in a child: LMDB may abort the process that meets a damaged page
+                payloads = not args.no_payloads
+                problems = run_check(where.data_dir, verify_payloads=payloads, progress=advance)
+            mendable = not any(p.kind == "pages" for p in problems)
+            if args.fix and mendable:
+                report = verify_report(blocks, parts, fixed=store.repair(problems))
+            elif args.fix:
+                unfixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
+                report = verify_report(blocks, parts, fixed=unfixed)
+            else:
+                report = verify_report(blocks, parts, problems=problems)
+        report = {"mode": "offline", "path": str(where.data_dir), **report}
+    out.result(report, "prefixd verify")
+    return 1 if (report["remaining"] if args.fix else report["problems"]) else 0
+
+
+def migrate_status(args: argparse.Namespace, out: Output) -> int:
+    from prefixd.migrate import Migrator
+
+    out.result(Migrator(_target(args).data_dir).status().describe(), "prefixd migrate status")
+    return 0
+
+
+def migrate_up(args: argparse.Namespace, out: Output) -> int:
+    from prefixd.migrate import Migrator
+
+    migrator = Migrator(_target(args).data_dir, batch=args.batch)
+    with out.progress("migrating") as advance:
+
+        def progress(step: Any, examined: int) -> None:
+            advance(examined)
+
+        report = migrator.upgrade(
+            to=args.to, dry_run=args.dry_run, backup=args.backup, progress=progress
+        )
+    out.result(report.describe(), "prefixd migrate up")
+    return 0
+
+
+def purge(args: argparse.Namespace, out: Output) -> int:
+    from prefixd.store import PurgeSelector, Store
+    from prefixd.store.config import parse_seconds
+
+    try:
+        older_than = parse_seconds(args.older_than) if args.older_than is not None else None
+    except ValueError:
+        raise ConfigError(
+            f"--older-than {args.older_than!r} is not a duration (a finite number of seconds, or"
+            " one ending in ms, s, m, h or d, like 30d)"
+        ) from None
+    keep = {n: getattr(args, f"keep_{n}") for n in VERSIONED_FIELDS}
+    criteria = {
+        "tenant": args.tenant,
+        "model": args.model,
+        "keep": {n: v for n, v in keep.items() if v is not None},
+        "older_than_s": older_than,
+        "everything": args.all,
+    }
+    selector = PurgeSelector.from_dict(criteria)  # ConfigError names a bad criterion
+    where = _target(args)
+    if where.served:  # a daemon serves this store: ask it
+        from prefixd.client import Client
+
+        with (
+            Client(where.socket, timeout=args.timeout) as client,
+            out.progress("purging through the daemon"),
+        ):
+            reply = client.purge(dry_run=args.dry_run, **selector.describe())
+        summary = {k: v for k, v in reply.items() if k not in ("id", "ok")}
+        mode = "online"
+    else:
+        with (
+            Store.open(where.data_dir, create=False, exclusive=True) as store,
+            out.progress("purging", total=None) as advance,
+        ):
+            summary = store.purge(selector, dry_run=args.dry_run, progress=advance).describe()
+        mode = "offline"
+    out.result({"mode": mode, "path": str(where.data_dir), **summary}, "prefixd purge")
+    return 0
+
+
+def compact(args: argparse.Namespace, out: Output) -> int:
+    from prefixd.store import Store
+
+    source = _target(args).data_dir
+    with Store.open(source, create=False, exclusive=True) as store:
+        used = store.stats().map_used_bytes
+        with out.progress("compacting (bytes written)", total=used) as advance:
+            report = _polled(lambda: store.compact_to(args.to), args.to / "data.mdb", advance)
+    out.result(report, "prefixd compact")
+    return 0
+
+
+def _polled(work: Callable[[], dict[str, Any]], grows: Path, advance: Advance) -> dict[str, Any]:
+    """Run `work`, advancing a bar by how much the file `grows` grows meanwhile."""
+    done = threading.Event()
+
+    def poll() -> None:
+        seen = 0
+        while not done.wait(POLL_S):
+            size = grows.stat().st_size if grows.exists() else 0
+            advance(size - seen)
+            seen = size
+
+    poller = threading.Thread(target=poll, name="prefixd-progress", daemon=True)
+    poller.start()
+    try:
+        return work()
+    finally:
+        done.set()
+        poller.join()
+
+
+def completion(args: argparse.Namespace, out: Output) -> int:
+    import shtab
+
+    from prefixd.cli import parser
+
+    out.stdout.write(shtab.complete(parser(), shell=args.shell))
+    return 0
+
+
+def _target(args: argparse.Namespace) -> Target:
+    return target(args, os.environ, timeout=min(args.timeout, 10.0))
