@@ -198,10 +198,14 @@ def test_base_install_serves_puts_and_loads_without_torch(
     assert daemon.stop() == 0, daemon.log()
 
 
-def test_transfer_without_torch_names_the_gpu_extra(installed: Installed, tmp_path: Path) -> None:
+def test_without_torch_the_extras_are_named(installed: Installed, tmp_path: Path) -> None:
     failed = _run([installed.python, "-c", "import prefixd.transfer"], tmp_path)
     assert failed.returncode != 0
     assert "prefixd[gpu]" in failed.stderr, failed.stderr
+    integration = [installed.python, "-c", "import prefixd.integrations.transformers"]
+    failed = _run(integration, tmp_path)
+    assert failed.returncode != 0
+    assert "prefixd[transformers]" in failed.stderr, failed.stderr
     # Everything that serves imports without it.
     imports = "import prefixd.cli, prefixd.client, prefixd.client.aio, prefixd.daemon.server"
     _check([installed.python, "-c", imports], tmp_path)

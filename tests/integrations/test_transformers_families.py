@@ -194,7 +194,7 @@ def test_a_recurrent_payload_that_does_not_fit_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "family, kind",
-    [("mllama", 0), ("minimax", 1), ("recurrent_gemma", 2), ("rwkv", 3)],
+    [("mllama", 0), ("minimax", 1), ("recurrent_gemma", 2), ("dory", 3), ("rwkv", 4)],
 )
 def test_each_documented_refusal_is_what_its_family_gets(family: str, kind: int) -> None:
     """Each layer kind on the documented list is refused with its own message, and only those

@@ -161,11 +161,98 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "indexer_budget": 16,  # below the prompt: the indexer selects, so its keys matter
         "indexer_compress_ratio": 4,
     },
+    "dots3_note_text": {
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "shared_experts_intermediate_size": 32,
+        # its sliding layers are MLA layers sized by swa_* attributes
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 4,
+        "swa_q_lora_rank": 16,
+        "swa_kv_lora_rank": 16,
+        "swa_head_dim": 16,
+        "swa_qk_nope_head_dim": 8,
+        "swa_v_head_dim": 8,
+    },
+    "phi4_multimodal": {
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "crop_size": 28,
+        },
+        "audio_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_blocks": 1,
+            "num_attention_heads": 2,
+            "ext_pw_out_channel": 32,
+            "depthwise_separable_out_channel": 32,
+            "nemo_conv_channels": 32,
+        },
+    },
+    "blt": {
+        name: {
+            "hidden_size": 64,
+            "hidden_size_global": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "head_dim": 16,
+        }
+        for name in ("patcher_config", "encoder_config", "decoder_config", "global_config")
+    }
+    | {"encoder_hash_byte_group_vocab": VOCAB},
+    "prophetnet": {
+        "num_hidden_layers": DROP,
+        "num_encoder_layers": 2,
+        "num_decoder_layers": 2,
+        "num_encoder_attention_heads": 4,
+        "num_decoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+    },
+    "reformer": {
+        "num_hidden_layers": 2,
+        "attn_layers": ["local", "local"],
+        "attention_head_size": 16,
+        "axial_pos_embds_dim": [32, 32],
+        "axial_pos_shape": [16, 32],
+        "local_attn_chunk_length": 16,
+        "feed_forward_size": 128,
+    },
+    "xlnet": {
+        "max_position_embeddings": DROP,  # a property that refuses: no sequence length limit
+        "d_model": 64,
+        "n_head": 4,
+        "d_head": 16,
+        "d_inner": 128,
+        "n_layer": 2,
+    },
+    # two loops over two recurrent layers, each loop with a cache of its own ("per_loop")
+    "dory": {"n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
+    # a draft model: every layer reads the target model's keys and values
+    "gemma4_assistant": {
+        "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": 0,
+        "num_kv_shared_layers": 4,
+    },
     "bailing_hybrid": {"layer_group_size": 2, "num_key_value_heads": 4},
     # KV sharing: the last two layers read the first two's keys and values (DummyLayer)
     "gemma3n_text": {
         "num_kv_shared_layers": 2,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
+}
+# Composite families whose own defaults do not validate: what their text config needs to.
+COMPOSITE: dict[str, dict[str, Any]] = {
+    "gemma4_assistant": {
+        "text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
     },
 }
 # One family per kind of cache layer and per hybrid of them: what the core run checks.
@@ -194,6 +281,10 @@ NOT_PERSISTABLE = (
     (
         r"keeps its recurrent state in its modules",
         "recurrent state kept in the model's modules, not in its cache (RecurrentGemma)",
+    ),
+    (
+        r"layers a model adds to its cache as it runs",
+        "cache layers a model adds as it runs, beyond its config's (Dory's per-loop copies)",
     ),
     (
         r"keeps its state outside its transformers cache, or none",
@@ -230,7 +321,7 @@ def families() -> list[str]:
 
 def tiny_config(family: str) -> Any:
     """The family's config made tiny; for a composite model, its text decoder's config."""
-    config = AutoConfig.for_model(family)
+    config = AutoConfig.for_model(family, **COMPOSITE.get(family, {}))
     text = config.get_text_config(decoder=True)
     if text is not config and text.model_type != family:
         overrides = {**OVERRIDES.get(text.model_type, {}), **OVERRIDES.get(family, {})}
@@ -395,7 +486,7 @@ def _own_cache(
         with torch.no_grad():
             out = model(input_ids=ids[:, :16], use_cache=True)
         own = next(
-            (found for name in ("cache", "past_key_values", "cache_params")
+            (found for name in ("cache", "past_key_values", "cache_params", "past_buckets_states")
              if (found := getattr(out, name, None)) is not None),
             None,
         )

@@ -47,8 +47,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-from transformers import DynamicCache, PreTrainedConfig
+
+try:
+    import torch
+    from transformers import DynamicCache, PreTrainedConfig
+except ModuleNotFoundError as missing:  # the base install serves without either: an extra
+    if missing.name not in ("torch", "transformers"):
+        raise
+    raise ModuleNotFoundError(
+        f"prefixd.integrations.transformers needs {missing.name}, which the base install leaves"
+        " out: pip install 'prefixd[transformers]'",
+        name=missing.name,
+    ) from missing
 from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 
 from prefixd.errors import LayoutError

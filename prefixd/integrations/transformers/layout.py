@@ -96,6 +96,12 @@ class StateLayout:
     ) -> tuple[Tensors, dict[str, Tensors]]:
         """The tensors of batch row `row` in `cache`: the paged ones (checked against the
         layout), and the checkpoint ones by group."""
+        if len(cache.layers) > len(self.layers):
+            raise LayoutError(
+                f"the cache has {len(cache.layers)} layers, the config {len(self.layers)}: layers"
+                " a model adds to its cache as it runs (per-loop copies of a looped model's"
+                " layers, say) follow no config, so they are not stored"
+            )
         if len(cache.layers) != len(self.layers):
             raise LayoutError(
                 f"the cache has {len(cache.layers)} layers, the config {len(self.layers)}"
