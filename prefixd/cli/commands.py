@@ -44,7 +44,7 @@ def serve(args: argparse.Namespace, out: Output) -> int:
     from prefixd.store.allocator import keep_write_buffers
 
     keep_write_buffers()  # the daemon owns its process: let LMDB reuse its write buffers
-    server = Server(config)
+    server = Server(config, reread=lambda: config_from_args(args, os.environ))
     code = run_server(server)
     if server.abandoned:
         # Shutdown left store work running on threads past the grace period: end now, as a kill

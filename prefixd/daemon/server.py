@@ -25,7 +25,7 @@ import stat
 import struct
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +39,7 @@ from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import Operations
 from prefixd.daemon.policy import TenantPolicy
+from prefixd.daemon.reload import Reloader
 from prefixd.daemon.watchers import ManifestWatcher, Retire
 from prefixd.daemon.work import WorkPool
 from prefixd.errors import ServeError
@@ -68,10 +69,16 @@ class Server:
     """Serves one store on one Unix socket until stopped."""
 
     def __init__(
-        self, config: Config, *, env: Mapping[str, str] | None = None, clock: Clock | None = None
+        self,
+        config: Config,
+        *,
+        env: Mapping[str, str] | None = None,
+        clock: Clock | None = None,
+        reread: Callable[[], Config] | None = None,
     ) -> None:
         """`clock`: what the store and the operations read time from (entry ages, TTLs,
-        uptime); the shutdown's waits run on the event loop's own clock."""
+        uptime); the shutdown's waits run on the event loop's own clock. `reread`: the settings
+        read again from the sources `config` came from, for a reload (SIGHUP); None: no reload."""
         self.config = config
         self.policy = TenantPolicy(config.tenant_policy, os.geteuid())
         self.env = os.environ if env is None else env
@@ -89,9 +96,14 @@ class Server:
         self._pools: tuple[WorkPool, ...] = ()
         self._watcher: ManifestWatcher | None = None
         self._events: EventPublisher | None = None
+        self.reloader = Reloader(self, reread) if reread is not None else None
         # Whether shutdown left work running on a thread (and so the store unclosed): the process
         # must then end without waiting for those threads (see run_server and the CLI).
         self.abandoned = False
+
+    @property
+    def watcher(self) -> ManifestWatcher | None:
+        return self._watcher
 
     @property
     def open_connections(self) -> int:
@@ -103,6 +115,8 @@ class Server:
             "open_connections": len(self.connections),
             "work_running": sum(pool.running for pool in self._pools),
             "manifest_checks": self._watcher.checks if self._watcher is not None else 0,
+            "reloads": self.reloader.reloads if self.reloader else 0,
+            "reloads_refused": self.reloader.refused if self.reloader else 0,
             **{
                 f"events.{name}": value
                 for name, value in (self._events.snapshot() if self._events else {}).items()
@@ -176,9 +190,11 @@ class Server:
             if install_signal_handlers:
                 for signum in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(signum, self.stop)
+                if self.reloader is not None:
+                    loop.add_signal_handler(signal.SIGHUP, self.reloader.request)
             tasks.append(asyncio.create_task(self._accept(operations), name="prefixd-accept"))
-            if config.tenant_ttls:
-                tasks.append(asyncio.create_task(self._reclaim(pool), name="prefixd-reclaim"))
+            # always: a reload may give tenants times to live
+            tasks.append(asyncio.create_task(self._reclaim(pool), name="prefixd-reclaim"))
             interval = systemd.watchdog_interval(self.env)
             if interval:
                 watchdog = systemd.Watchdog(interval, self._healthy, env=self.env)
@@ -207,7 +223,7 @@ class Server:
                     # that has none (the abandoned work ends with the process).
                     loop.set_default_executor(ThreadPoolExecutor(1))
                 if install_signal_handlers:
-                    for signum in (signal.SIGTERM, signal.SIGINT):
+                    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                         loop.remove_signal_handler(signum)
         log.info("stopped%s", " (forced)" if self._forced else "")
         return 1 if self._forced else 0

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import socket
+import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 
 from prefixd.errors import ConfigError
@@ -40,6 +41,11 @@ def _unsigned(text: str | None) -> int | None:
     if text is None or not _UNSIGNED.fullmatch(text):
         return None
     return int(text)
+
+
+def monotonic_usec() -> int:
+    """CLOCK_MONOTONIC in microseconds, as RELOADING=1 carries it (sd_notify(3))."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
 
 
 def notify(state: str, env: Mapping[str, str] | None = None) -> bool:

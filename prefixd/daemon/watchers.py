@@ -59,6 +59,17 @@ class ManifestWatcher:
             self._observer.schedule(_Handler(names, self._changed), str(directory))
         self._observer.start()
 
+    async def watch(self, models: Mapping[str, tuple[Path, ...]]) -> None:
+        """Watch `models` instead (a reload): stop, forget the models no longer listed, start
+        again, which fingerprints every model and retires other versions as a start does."""
+        await self.stop()
+        self._observer = Observer()
+        self._pending.clear()
+        self.models = dict(models)
+        for model in set(self.fingerprints) - set(self.models):
+            del self.fingerprints[model]  # in place: the operations read this very dict
+        await self.start()
+
     async def stop(self) -> None:
         for handle in self._pending.values():
             handle.cancel()

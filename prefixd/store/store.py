@@ -494,6 +494,12 @@ class Store:
         self._check_usable()
         return repair.repair(self._ctx, problems, progress=progress)
 
+    def apply_tenancy(self, config: StoreConfig) -> None:
+        """Take the share groups, quotas and times to live of `config` while open (a daemon's
+        reload); its other settings are the open store's own and stay as they are."""
+        self._check_usable()
+        self._tenancy.apply(config)
+
     def record_socket(self, socket: Path) -> None:
         """Note, in the owner lock of an exclusive store, the socket its daemon serves on (a
         store opened shared has no owner lock, and no daemon)."""

@@ -92,8 +92,12 @@ class Tenancy:
     """One store's tenancy settings, applied: share groups, quotas and times to live."""
 
     def __init__(self, ctx: StoreContext) -> None:
-        config: StoreConfig = ctx.config
         self._ctx = ctx
+        self.apply(ctx.config)
+
+    def apply(self, config: StoreConfig) -> None:
+        """Take `config`'s share groups, quotas and times to live (at open, and when a daemon
+        reloads its settings). Each is replaced whole, so a reader sees the old or the new."""
         self._ttl_s = parse_tenant_durations(config.tenant_ttls)
         self._quotas = parse_tenant_quotas(config.tenant_quotas)
         self._default_quota = config.tenant_quota_bytes

@@ -176,6 +176,17 @@ class Daemon:
         self.exit_codes.append(code)
         return code
 
+    def reload(self) -> bytes:
+        """SIGHUP, then the READY=1 that ends the reload (after its RELOADING=1)."""
+        self.receive(0.0)
+        self._mark = len(self.messages)
+        os.kill(self.pid, signal.SIGHUP)
+        self.wait_notify(b"RELOADING=1")
+        self._mark = next(
+            i for i in range(self._mark, len(self.messages)) if b"RELOADING=1" in self.messages[i]
+        )
+        return self.wait_notify(b"READY=1")
+
     def restart(self) -> Daemon:
         code = self.stop()
         assert code == 0, self.log()

@@ -550,8 +550,8 @@ def test_unit_runs_the_install_the_readme_gives() -> None:
     for name in (*UNITS, *DROP_INS.values(), "prefixd.conf.example"):
         text = (REPO / "systemd" / name).read_text()
         assert "/usr/local" not in text and "/usr/bin/prefixd" not in text, name
-    assert "ExecReload" not in service  # nothing reloads: the README and the unit say so
-    assert "SIGHUP" in readme and "systemctl restart prefixd" in readme
+    assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]  # the daemon reloads on SIGHUP
+    assert "SIGHUP" in readme and "systemctl reload prefixd" in readme
 
 
 def test_unit_files_name_only_real_settings() -> None:

@@ -1,0 +1,113 @@
+"""Reloading settings without a restart: SIGHUP, which `systemctl reload` sends.
+
+The daemon reads its settings again from the sources it started from (the `--config` file, the
+environment, its flags) and takes what can change while it serves: who may connect and as which
+tenants, the tenants' quotas, times to live and share groups, the watched model manifests and the
+log level. Connections made before the reload keep the grant they were given; everything else
+applies at once. Every other changed setting is logged as waiting for the next restart. Settings
+that do not parse are refused whole: the ones in force stay, and the refusal is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prefixd.daemon import systemd
+from prefixd.daemon.config import SETTINGS, Config, parse_manifests
+from prefixd.daemon.policy import TenantPolicy
+from prefixd.errors import PrefixdError
+
+if TYPE_CHECKING:
+    from prefixd.daemon.server import Server
+
+log = logging.getLogger(__name__)
+
+TENANCY = ("tenant_ttls", "tenant_quotas", "tenant_quota_bytes", "share_groups")
+PEERS = ("allowed_uids", "allowed_gids", "tenant_policy")
+RELOADABLE = frozenset((*TENANCY, *PEERS, "model_manifests", "log_level"))
+
+
+@dataclass(frozen=True)
+class Changes:
+    """The settings a reload found changed: those it applied, and those that need a restart."""
+
+    applied: tuple[str, ...]
+    at_restart: tuple[str, ...]
+
+
+def changes(old: Config, new: Config) -> Changes:
+    changed = [name for name in SETTINGS if getattr(old, name) != getattr(new, name)]
+    return Changes(
+        tuple(n for n in changed if n in RELOADABLE),
+        tuple(n for n in changed if n not in RELOADABLE),
+    )
+
+
+class Reloader:
+    """Runs one reload at a time; a SIGHUP during a reload runs another after it."""
+
+    def __init__(self, server: Server, reread: Callable[[], Config]) -> None:
+        self._server = server
+        self._reread = reread
+        self._task: asyncio.Task[None] | None = None
+        self._again = False
+        self.reloads = 0  # reloads done (applied, or nothing changed)
+        self.refused = 0  # reloads whose settings did not parse
+
+    def request(self) -> None:
+        """The signal handler (on the event loop)."""
+        if self._task is not None and not self._task.done():
+            self._again = True
+            return
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self._again = False
+            await self.reload()
+            if not self._again:
+                return
+
+    async def reload(self) -> Changes | None:
+        """Read the settings again and apply what may change; None when they were refused."""
+        server = self._server
+        systemd.notify(f"RELOADING=1\nMONOTONIC_USEC={systemd.monotonic_usec()}", server.env)
+        try:
+            try:
+                new = await asyncio.to_thread(self._reread)
+            except PrefixdError as exc:
+                self.refused += 1
+                log.error("reload refused, the settings in force stay: %s", exc)
+                return None
+            found = changes(server.config, new)
+            await self._apply(new, found)
+            self.reloads += 1
+            log.info("reloaded: %s", ", ".join(found.applied) or "no setting that reloads changed")
+            if found.at_restart:
+                log.warning(
+                    "changed settings that take effect at the next restart: %s",
+                    ", ".join(found.at_restart),
+                )
+            return found
+        finally:
+            systemd.notify("READY=1", server.env)
+
+    async def _apply(self, new: Config, found: Changes) -> None:
+        server = self._server
+        applied = {name: getattr(new, name) for name in found.applied}
+        config = dataclasses.replace(server.config, **applied)
+        if set(found.applied) & set(TENANCY) and server.store is not None:
+            server.store.apply_tenancy(config.store_config())
+        if "tenant_policy" in applied:
+            server.policy = TenantPolicy(config.tenant_policy, os.geteuid())
+        if "log_level" in applied:
+            logging.getLogger().setLevel(config.log_level.upper())
+        if "model_manifests" in applied and server.watcher is not None:
+            await server.watcher.watch(parse_manifests(config.model_manifests))
+        server.config = config  # who may connect: read at every accept
