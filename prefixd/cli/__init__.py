@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The whole command line (also what shell completion is generated from)."""
-    from prefixd.daemon.config import add_arguments
+    from prefixd.daemon.config_sources import add_arguments
 
     top = argparse.ArgumentParser(
         prog="prefixd",

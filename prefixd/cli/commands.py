@@ -26,7 +26,7 @@ POLL_S = 0.2  # how often a bar polls work that reports no progress of its own
 
 
 def serve(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.daemon.config import config_from_args
+    from prefixd.daemon.config_sources import config_from_args
     from prefixd.daemon.server import Server, run_server
 
     config = config_from_args(args, os.environ)

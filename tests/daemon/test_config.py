@@ -11,14 +11,8 @@ from typing import Any, get_type_hints
 import pytest
 
 from prefixd.daemon import config as cfg
-from prefixd.daemon.config import (
-    Config,
-    add_arguments,
-    cli_flag,
-    config_from_args,
-    config_from_sources,
-    env_var,
-)
+from prefixd.daemon.config import Config, cli_flag, env_var
+from prefixd.daemon.config_sources import add_arguments, config_from_args, config_from_sources
 from prefixd.errors import ConfigError
 from prefixd.store.config import Durability, StoreConfig
 
