@@ -6,8 +6,10 @@ In the same run, on the same bytes:
 
   remote_hit      B's lookup (fetch + prove + install) and load, GB/s of payload;
   local_hit       the same load again on B, now local;
-  mooncake_get    Mooncake's own `get` of the same objects (prefixd's adapter, no proof, no
-                  install): what the tier alone delivers.
+  mooncake_get    Mooncake's own `get` of the same objects, one at a time into one buffer
+                  (prefixd's adapter, no proof, no install): what the tier alone delivers;
+  mooncake_batch_get  the same through Mooncake's batch get (32 objects a round trip), the
+                  fastest way the tier has to deliver them.
 
 Run: `python bench/cluster_bench.py [--json] [--size-mib 256] [--block-kib 1024]`. Needs the
 package `mooncake-transfer-engine-non-cuda` and Debian's libibverbs1 (see README).
@@ -80,12 +82,17 @@ def main(argv: list[str] | None = None) -> int:
             "remote_hit_vs_mooncake_get": ratio(
                 results["remote_hit_gbps"], results["mooncake_get_gbps"]
             ),
+            "remote_hit_vs_mooncake_batch_get": ratio(
+                results["remote_hit_gbps"], results["mooncake_batch_get_gbps"]
+            ),
         },
     }
     if args.json:
         print(json.dumps(report))
     else:
-        for key in ("remote_hit_gbps", "local_hit_gbps", "mooncake_get_gbps"):
+        for key in (
+            "remote_hit_gbps", "local_hit_gbps", "mooncake_get_gbps", "mooncake_batch_get_gbps"
+        ):
             print(f"{key:24} {report[key]:8.3f}")
         for key, value in report["ratios"].items():
             print(f"{key:24} {value:8.3f}")
@@ -96,7 +103,7 @@ def run(
     a: SuiteDaemon, b: SuiteDaemon, master: LocalMaster, n_blocks: int, block: int, repeat: int
 ) -> dict[str, float]:
     total = n_blocks * block
-    remote, local, tier_get = [], [], []
+    remote, local, tier_get, tier_batch = [], [], [], []
     rng = np.random.default_rng(7)
     for round_ in range(repeat):
         identity = Identity(
@@ -128,12 +135,25 @@ def run(
             for key in keys:
                 assert tier.get_into(key, out) is not None
             tier_get.append(time.perf_counter() - started)
+            capacity = block + (64 << 10)
+            batch = bytearray(32 * capacity)
+            started = time.perf_counter()
+            for first in range(0, len(keys), 32):
+                got = tier.get_many_into(keys[first : first + 32], batch, capacity)
+                assert None not in got and min(n for n in got if n is not None) > 0
+            tier_batch.append(time.perf_counter() - started)
     return {
         "remote_hit_gbps": total / statistics.median(remote) / 1e9,
         "local_hit_gbps": total / statistics.median(local) / 1e9,
         "mooncake_get_gbps": total / statistics.median(tier_get) / 1e9,
+        "mooncake_batch_get_gbps": total / statistics.median(tier_batch) / 1e9,
         "bytes": total,
-        "seconds": {"remote_hit": remote, "local_hit": local, "mooncake_get": tier_get},
+        "seconds": {
+            "remote_hit": remote,
+            "local_hit": local,
+            "mooncake_get": tier_get,
+            "mooncake_batch_get": tier_batch,
+        },
     }
 
 

@@ -2,12 +2,14 @@
 
 * Write-behind: a published block is queued and offered to the shared tier by a thread of its own;
   the engine never waits for the network. A full queue drops (and counts) the oldest work first.
-* Read-through: a local miss asks the shared tier for the blocks after the local prefix, one by
-  one along the chain; each fetched value is proven (prefixd.cluster.blocks: the right identity,
-  parent and token ids, the payload's origin checksum), installed in the local store, and only
-  then served (the local store verifies it again on every read). A value that fails is never
-  installed, and is counted. The benefit model decides first: blocks are fetched only when the
-  estimated fetch time beats the prefill they save.
+* Read-through: a local miss asks the shared tier for the blocks after the local prefix, along
+  the chain, a batch of them per round trip straight into one buffer (Mooncake's batch get);
+  each fetched value is proven (prefixd.cluster.blocks: the right identity, parent and token ids,
+  the payload's origin checksum), installed in the local store, and only then served (the local
+  store verifies it again on every read). Three stages overlap: batch k+1 is fetched while
+  batch k is proven, and batch k-1 installed. A value that fails is never installed, nor is
+  anything after it, and it is counted. The benefit model decides first: blocks are fetched only
+  when the estimated fetch time beats the prefill they save.
 * Purges: removing a tenant or retiring a model version removes its objects from the tier too.
 * The tier being down or slow never reaches the engine: every failure is counted and the local
   store answers alone.
@@ -44,7 +46,8 @@ class _Stop(Enum):
 
 _STOP: Final = _Stop.STOP
 _BACKOFF_S = 1.0  # after a failure, publishing pauses this long before the next try
-_INSTALL_BATCH = 16  # fetched blocks installed per local transaction
+_BATCH_BYTES = 32 << 20  # fetched per round trip (and installed per local transaction), about
+_MAX_BATCH = 64  # blocks per batch at most
 
 
 class TierClient(Protocol):
@@ -57,6 +60,10 @@ class TierClient(Protocol):
     def size(self, key: str) -> int | None: ...
 
     def get_into(self, key: str, buffer: bytearray) -> int | None: ...
+
+    def get_many_into(
+        self, keys: Sequence[str], buffer: bytearray, capacity: int
+    ) -> list[int | None]: ...
 
     @property
     def in_flight(self) -> int: ...
@@ -90,6 +97,7 @@ class SharedTierBridge:
         self._held: list[bytearray] = []  # buffers a timed-out fetch may still write into
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
         self._installer = ThreadPoolExecutor(1, thread_name_prefix="prefixd-install")
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixd-fetch")
 
     def start(self) -> None:
         self._thread.start()
@@ -105,6 +113,7 @@ class SharedTierBridge:
         except queue.Full:
             self._count("publish_dropped", self._queue.qsize())
         self._thread.join(timeout_s)
+        self._fetcher.shutdown(wait=True)
         self._installer.shutdown(wait=True)
         self.tier.close()
 
@@ -149,67 +158,133 @@ class SharedTierBridge:
         if identity.state is not None:
             return 0
         chain = BlockChain(identity, token_ids)
-        wanted = min(chain.n_blocks, local_blocks + self.max_fetch_blocks) - local_blocks
-        if wanted <= 0:
+        end = min(chain.n_blocks, local_blocks + self.max_fetch_blocks)
+        if end <= local_blocks:
             return 0
-        if not self._worth_it(identity, wanted):
+        if not self._worth_it(identity, end - local_blocks):
             self._count("remote_skipped_by_benefit")
             return 0
-        # Batch k is installed (one local transaction) on a thread of its own while batch k+1
-        # is fetched and proven here; installs stay in chain order, each after the one before.
-        installed = 0
-        pending: Future[int] | None = None
-        expected = 0
-        for start in range(local_blocks, local_blocks + wanted, _INSTALL_BATCH):
-            stop = min(start + _INSTALL_BATCH, local_blocks + wanted)
-            batch: list[memoryview] = []
-            for index in range(start, stop):
-                payload = self._fetch(identity, chain, index)
-                if payload is None:
-                    break
-                batch.append(payload)
+        capacity = self._capacity(block_key(identity.digest, chain.hash(local_blocks)))
+        if capacity is None:
+            return 0
+        per_batch = max(1, min(_MAX_BATCH, _BATCH_BYTES // capacity))
+        batches = [(s, min(s + per_batch, end)) for s in range(local_blocks, end, per_batch)]
+        # Three buffers at most, reused: one being fetched into, one proven, one installed.
+        spare: list[bytearray] = []
+
+        def fetch(start: int, stop: int) -> Future[tuple[list[memoryview | None], bytearray]]:
+            room = spare.pop() if spare else bytearray(per_batch * capacity)
+            return self._fetcher.submit(self._fetch, identity, chain, start, stop, capacity, room)
+
+        installed = expected = 0
+        pending: Future[int] | None = None  # the install of the batch before
+        installing = bytearray()  # its buffer
+        fetching = fetch(*batches[0])
+        for index, (start, stop) in enumerate(batches):
+            values, room = fetching.result()
+            whole = len(values) == stop - start and None not in values
+            if whole and index + 1 < len(batches):  # the next round trip, while this is proven
+                fetching = fetch(*batches[index + 1])
+            batch = self._proven(identity, chain, start, values)
             if pending is not None:
                 done = pending.result()
                 installed += done
                 pending = None
+                spare.append(installing)
                 if done < expected:
                     batch = []  # the install before failed: nothing after it can go in
             if batch:
                 expected = len(batch)
                 pending = self._installer.submit(self._install, identity, chain, start, batch)
+                installing = room
+            elif values:  # not a failed fetch, whose buffer the tier may still write into
+                spare.append(room)
             if len(batch) < stop - start:
                 break
+        if not fetching.cancel():
+            fetching.result()  # a batch fetched ahead and not needed: no call outlives this one
         if pending is not None:
             installed += pending.result()
         self._count("remote_hit_blocks", installed)
         return installed
 
-    def _fetch(self, identity: Identity, chain: BlockChain, index: int) -> memoryview | None:
-        """Block `index`'s payload from the tier, proven; None if absent, damaged or failing."""
-        key = block_key(identity.digest, chain.hash(index))
-        started = time.perf_counter()
+    def _capacity(self, key: str) -> int | None:
+        """Room for one value of a batch: the first one's size, with some slack (the values of
+        one identity are about the same size; a longer one is fetched alone)."""
         try:
-            value = self._get(key)
+            size = self.tier.size(key)
         except PrefixdError as exc:
             self._count("fetch_errors")
             log.warning("fetching from the shared tier failed: %s", exc)
             return None
-        if value is None:
+        if size is None:
             self._count("remote_misses")
             return None
+        return size + size // 16 + 64
+
+    def _fetch(
+        self,
+        identity: Identity,
+        chain: BlockChain,
+        start: int,
+        stop: int,
+        capacity: int,
+        buffer: bytearray,
+    ) -> tuple[list[memoryview | None], bytearray]:
+        """The values of blocks [start, stop) in one round trip into `buffer`, up to the first
+        one missing (then None); [] when the tier fails. Runs on the fetcher thread."""
+        keys = [block_key(identity.digest, chain.hash(i)) for i in range(start, stop)]
+        started = time.perf_counter()
         try:
-            payload = decode_block(
-                value,
-                identity_digest=identity.digest,
-                parent=chain.parent_of(index),
-                tokens=bytes(chain.block_bytes(index)),
-            )
-        except RemoteBlockError as exc:
-            self._count("remote_verify_failures")
-            log.warning("a block from the shared tier failed verification: %s", exc)
-            return None
-        self.fetch_time.observe(len(value), time.perf_counter() - started)
-        return payload
+            lengths = self.tier.get_many_into(keys, buffer, capacity)
+            view = memoryview(buffer)
+            values: list[memoryview | None] = []
+            for i, n in enumerate(lengths):
+                if n is None:
+                    value = None
+                elif n < 0:  # longer than the room for it: alone
+                    value = self._get(keys[i])
+                else:
+                    value = view[i * capacity : i * capacity + n]
+                values.append(value)
+                if value is None:
+                    self._count("remote_misses")
+                    break
+        except PrefixdError as exc:
+            with self._lock:
+                self._held.append(buffer)  # a call that timed out may still write into it
+            self._count("fetch_errors")
+            log.warning("fetching from the shared tier failed: %s", exc)
+            return [], buffer
+        finally:
+            self._release_held()
+        got = sum(v.nbytes for v in values if v is not None)
+        self.fetch_time.observe(got, time.perf_counter() - started)
+        return values, buffer
+
+    def _proven(
+        self, identity: Identity, chain: BlockChain, start: int, values: list[memoryview | None]
+    ) -> list[memoryview]:
+        """The payloads of `values` (blocks from `start`) proven to be these blocks, up to the
+        first that is absent or fails."""
+        payloads: list[memoryview] = []
+        for index, value in enumerate(values, start):
+            if value is None:
+                break
+            try:
+                payloads.append(
+                    decode_block(
+                        value,
+                        identity_digest=identity.digest,
+                        parent=chain.parent_of(index),
+                        tokens=bytes(chain.block_bytes(index)),
+                    )
+                )
+            except RemoteBlockError as exc:
+                self._count("remote_verify_failures")
+                log.warning("a block from the shared tier failed verification: %s", exc)
+                break
+        return payloads
 
     def _get(self, key: str) -> memoryview | None:
         """The value under `key`, sized first, then fetched straight into a buffer of its own

@@ -595,6 +595,44 @@ class SharedTier:
 
         return self._call(f"get_into {_tag(key)}", call)
 
+    def get_many_into(
+        self, keys: Sequence[str], buffer: bytearray | memoryview | Any, capacity: int
+    ) -> list[int | None]:
+        """`get_into` for many keys in one round trip (Mooncake's batch_get_into): key i's
+        value goes to `buffer[i * capacity:]`. Per key: its length; None when it has no value;
+        -1 when it is longer than `capacity` (fetch that one alone). Direct (TCP, or a
+        registered buffer) only; after a TierUnavailableError the buffer may still be written."""
+        names = [_check_key(k) for k in keys]
+        array, address, n = _bytes_view(buffer, writable=True)
+        if capacity <= 0 or len(names) * capacity > n:
+            raise ValueError(f"{len(names)} values of {capacity} bytes do not fit {n} bytes")
+        if not self._direct(address, n):
+            raise TierError("get_many_into needs TCP or a registered buffer")
+        if not names:
+            return []
+        addresses = [address + i * capacity for i in range(len(names))]
+
+        sizes = [capacity] * len(names)
+
+        def call(client: Any, _pin: np.ndarray = array) -> list[int]:  # _pin: memory stays alive
+            return [int(c) for c in client.batch_get_into(names, addresses, sizes)]
+
+        what = f"get_many_into ({len(names)} keys)"
+        codes = self._call(what, call)
+        if len(codes) != len(names):
+            raise TierError(f"{what}: {len(codes)} answers for {len(names)} keys")
+        out: list[int | None] = []
+        for code in codes:
+            if code >= 0:
+                out.append(code)
+            elif code == _NOT_FOUND:
+                out.append(None)
+            elif code == _INVALID_PARAMS:
+                out.append(-1)  # longer than `capacity`
+            else:
+                raise _failure(what, code)
+        return out
+
     def size(self, key: str) -> int | None:
         """The value's length in bytes, or None when `key` has no value."""
         _check_key(key)

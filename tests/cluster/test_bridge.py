@@ -3,6 +3,7 @@ publishing, one reading through; damage, outages and purges."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +39,14 @@ class MemoryTier:
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.down = False
+        self.calls: Counter[str] = Counter()  # round trips by kind
+        self.fail_after = -1  # calls that succeed before every call fails (-1: no such limit)
 
-    def _check(self) -> None:
+    def _check(self, call: str = "") -> None:
+        self.calls[call] += 1
+        if self.fail_after == 0:
+            self.down = True
+        self.fail_after -= 1
         if self.down:
             raise PrefixdError("shared tier unavailable")
 
@@ -52,17 +59,29 @@ class MemoryTier:
         return self.objects.get(key)
 
     def size(self, key: str) -> int | None:
-        self._check()
+        self._check("size")
         value = self.objects.get(key)
         return None if value is None else len(value)
 
     def get_into(self, key: str, buffer: bytearray) -> int | None:
-        self._check()
+        self._check("get_into")
         value = self.objects.get(key)
         if value is None:
             return None
         buffer[: len(value)] = value
         return len(value)
+
+    def get_many_into(self, keys: list[str], buffer: bytearray, capacity: int) -> list[int | None]:
+        self._check("get_many_into")
+        out: list[int | None] = []
+        for i, key in enumerate(keys):
+            value = self.objects.get(key)
+            if value is None or len(value) > capacity:
+                out.append(None if value is None else -1)
+                continue
+            buffer[i * capacity : i * capacity + len(value)] = value
+            out.append(len(value))
+        return out
 
     in_flight = 0
 
@@ -165,6 +184,47 @@ def test_the_benefit_model_skips_fetches_slower_than_prefill(nodes) -> None:  # 
     bridge_b.prefill_tokens_per_s = 1e12  # prefill is (absurdly) faster than any fetch
     assert bridge_b.read_through(IDENT, TOKENS, 1) == 0
     assert bridge_b.snapshot()["remote_skipped_by_benefit"] == 1
+
+
+def test_a_read_through_fetches_a_batch_a_round_trip(nodes) -> None:  # noqa: ANN001
+    """Six blocks: one size, one batch get; a value longer than the room the first one's size
+    gives is fetched alone; every block is installed."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    longer = [*PAYLOADS[:2], PAYLOADS[2] * 3, *PAYLOADS[3:]]
+    result = a.put(IDENT, TOKENS, longer)
+    bridge_a.published(IDENT, result.hashes)
+    wait_for(lambda: len(tier.objects) >= 6, "every block published", poll_s=0.01)
+    tier.calls.clear()
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
+    assert tier.calls == Counter(size=2, get_many_into=1, get_into=1)  # block 2 alone
+    assert loaded(b) == longer
+
+
+def test_batches_overlap_and_stop_at_the_first_failure(
+    nodes, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    """Batches of two blocks: a damaged value in the second batch stops the installs right
+    before it, and a tier that fails mid-way leaves what came before it installed."""
+    from prefixd.cluster import bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "_BATCH_BYTES", 2 * 60_000)
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    chain = BlockChain(IDENT, TOKENS)
+    key = block_key(IDENT.digest, chain.hash(3))
+    good = tier.objects[key]
+    tier.objects[key] = good[:-1] + bytes([good[-1] ^ 1])
+    tier.calls.clear()
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 3
+    assert tier.calls["get_many_into"] == 3  # the third, fetched while the second was proven
+    assert bridge_b.snapshot()["remote_verify_failures"] == 1
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 3
+    tier.objects[key] = good
+    tier.fail_after = 2  # the size and the first batch; the second batch fails
+    assert bridge_b.read_through(IDENT, TOKENS, 3) == 2
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 5
+    assert bridge_b.snapshot()["fetch_errors"] == 1
+    assert loaded(b)[:5] == PAYLOADS[:5]
 
 
 def test_remote_values_are_proven_before_use() -> None:

@@ -259,3 +259,22 @@ def test_close_with_the_master_down_does_not_block(master_control: MooncakeMaste
     started = time.monotonic()
     tier.close()  # Mooncake's own close would hold the GIL ~17 s here; the client is abandoned
     assert time.monotonic() - started < settings.timeout_s + SLACK_S
+
+
+def test_many_values_in_one_round_trip(tier: SharedTier, prefix: str) -> None:
+    """batch_get_into: each value at its own slot of one buffer; a missing key is None, and a
+    value longer than its slot is -1 (the caller fetches that one alone)."""
+    values = [bytes([i]) * (1000 + i) for i in range(3)]
+    keys = [f"{prefix}many-{i}" for i in range(3)]
+    for key, value in zip(keys, values, strict=True):
+        tier.put(key, value)
+    long_key = f"{prefix}many-long"
+    tier.put(long_key, b"L" * 5000)
+    room = bytearray(5 * 2048)
+    got = tier.get_many_into([*keys, f"{prefix}many-missing", long_key], room, 2048)
+    assert got == [1000, 1001, 1002, None, -1]
+    for i, value in enumerate(values):
+        assert bytes(room[i * 2048 : i * 2048 + len(value)]) == value
+    assert tier.get_many_into([], room, 2048) == []
+    with pytest.raises(ValueError, match="do not fit"):
+        tier.get_many_into(keys, bytearray(100), 2048)
