@@ -227,6 +227,28 @@ def test_batches_overlap_and_stop_at_the_first_failure(
     assert loaded(b)[:5] == PAYLOADS[:5]
 
 
+def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:  # noqa: ANN001
+    """Blocks named by an engine's keys (vLLM's 36-byte ones) travel, are proven and installed
+    like token-keyed ones: the key takes the tokens' place in the chain and in the proof."""
+    from prefixd.schema.keys import pack_keys
+
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    keyed = Identity(**{**IDENT.to_dict(), "key_bytes": 36})
+    keys = pack_keys(keyed, [bytes([i]) * 36 for i in range(4)])
+    result = a.put(keyed, keys, PAYLOADS[:4])
+    bridge_a.published(keyed, result.hashes)
+    wait_for(lambda: len(tier.objects) >= 4, "every block published", poll_s=0.01)
+    assert bridge_b.read_through(keyed, keys, 0) == 4
+    out = bytearray(1 << 20)
+    got = b.load(keyed, keys, out)
+    assert [bytes(out[o : o + n]) for o, n in zip(got.offsets, got.sizes, strict=True)] == (
+        PAYLOADS[:4]
+    )
+    # another key at block 2 names another chain: there is nothing to fetch
+    other = pack_keys(keyed, [bytes([i if i != 2 else 99]) * 36 for i in range(4)])
+    assert bridge_b.read_through(keyed, other, 2) == 0
+
+
 def test_remote_values_are_proven_before_use() -> None:
     chain = BlockChain(IDENT, TOKENS)
     from prefixd.schema.records import BlockRecord, Compression
