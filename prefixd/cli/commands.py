@@ -8,6 +8,7 @@ the store itself. Commands return an exit code and raise PrefixdError; only `mai
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -96,8 +97,6 @@ def _watch_stats(client: Any, every: float, out: Output) -> int:
 
 
 def _one_line(value: Any) -> str:
-    import json
-
     return json.dumps(value, sort_keys=True) + "\n"
 
 
