@@ -11,7 +11,9 @@ In the same run, on the same bytes:
   mooncake_batch_get  the same through Mooncake's batch get (32 objects a round trip), the
                   fastest way the tier has to deliver them.
 
-Run: `python bench/cluster_bench.py [--json] [--size-mib 256] [--block-kib 1024]`. Needs the
+Run: `python bench/cluster_bench.py [--json] [--size-mib 256] [--block-kib 1024] [--data-root DIR]`
+(`--data-root /dev/shm` puts both stores in memory, to tell the disk's write path from the rest's
+cost). Needs the
 package `mooncake-transfer-engine-non-cuda` and Debian's libibverbs1 (see README).
 """
 
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--block-kib", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--data-root", type=Path, default=None, help="where the stores live")
     args = parser.parse_args(argv)
     binary = master_binary()
     if binary is None:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     block = args.block_kib << 10
     n_blocks = (args.size_mib << 20) // block
     segment = max(64 << 20, 2 * n_blocks * block)
-    with tempfile.TemporaryDirectory(prefix="pxd-cluster-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pxd-cluster-", dir=args.data_root) as tmp:
         root = Path(tmp)
         master = LocalMaster(binary, root)
         master.start()
@@ -75,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
             master.stop()
     report = {
         "machine": machine_info(loadavg),
-        "settings": {"size_mib": args.size_mib, "block_kib": args.block_kib, "repeat": args.repeat},
+        "settings": {
+            "size_mib": args.size_mib,
+            "block_kib": args.block_kib,
+            "repeat": args.repeat,
+            "data_root": str(args.data_root or tempfile.gettempdir()),
+        },
         **results,
         "ratios": {
             "remote_hit_vs_local_hit": ratio(results["remote_hit_gbps"], results["local_hit_gbps"]),
