@@ -113,10 +113,7 @@ def health(args: argparse.Namespace, out: Output) -> int:
 
 
 def verify(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.store import Store
-    from prefixd.store.check_process import run_check
-    from prefixd.store.check_report import verify_report
-    from prefixd.store.results import RepairReport
+    from prefixd.store import Store, check_report
 
     if args.fix and args.no_payloads:
         raise ConfigError("--fix checks payloads too; drop --no-payloads")
@@ -133,21 +130,14 @@ def verify(args: argparse.Namespace, out: Output) -> int:
         report.pop("id", None)
         report.pop("ok", None)
     else:
-        with Store.open(where.data_dir, create=False, exclusive=True) as store:
-            blocks, parts = store.stats().blocks, store.stats().parts
-            with out.progress("verifying", total=blocks) as advance:
-                # in a child: LMDB may abort the process that meets a damaged page
-                payloads = not args.no_payloads
-                problems = run_check(where.data_dir, verify_payloads=payloads, progress=advance)
-            mendable = not any(p.kind == "pages" for p in problems)
-            if args.fix and mendable:
-                report = verify_report(blocks, parts, fixed=store.repair(problems))
-            elif args.fix:
-                unfixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
-                report = verify_report(blocks, parts, fixed=unfixed)
-            else:
-                report = verify_report(blocks, parts, problems=problems)
-        report = {"mode": "offline", "path": str(where.data_dir), **report}
+        with (
+            Store.open(where.data_dir, create=False, exclusive=True) as store,
+            out.progress("verifying", total=store.stats().blocks) as advance,
+        ):
+            found = check_report.verify(
+                store, fix=args.fix, payloads=not args.no_payloads, progress=advance
+            )
+        report = {"mode": "offline", "path": str(where.data_dir), **found}
     out.result(report, "prefixd verify")
     return 1 if (report["remaining"] if args.fix else report["problems"]) else 0
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import platform
 import threading
 from bisect import bisect_left
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -322,17 +322,15 @@ class _StoreCollector:
         stats = store.stats()
         tenant_totals, removals = store.tenant_totals(), store.removals()
         labels = self.label(tenant_totals.keys() | removals.keys())
-        stored: dict[str, int] = {}
-        blocks: dict[str, int] = {}
+        stored: Counter[str] = Counter()
+        blocks: Counter[str] = Counter()
         for tenant, totals in tenant_totals.items():
-            label = labels[tenant]
-            stored[label] = stored.get(label, 0) + totals["stored_bytes"]
-            blocks[label] = blocks.get(label, 0) + totals["blocks"]
-        removed: dict[tuple[str, str], int] = {}
+            stored[labels[tenant]] += totals["stored_bytes"]
+            blocks[labels[tenant]] += totals["blocks"]
+        removed: Counter[tuple[str, str]] = Counter()
         for tenant, reasons in removals.items():
             for reason, count in reasons.items():
-                key = (labels[tenant], reason)
-                removed[key] = removed.get(key, 0) + count
+                removed[labels[tenant], reason] += count
         yield _per_tenant("prefixd_stored_bytes", "Stored bytes", stored)
         yield _per_tenant("prefixd_stored_blocks", "Stored blocks", blocks)
         removed_family = CounterMetricFamily(
@@ -467,7 +465,7 @@ def hit_token_bounds(block_tokens: int) -> tuple[int, ...]:
         bound *= 2
 
 
-def _per_tenant(name: str, doc: str, by_tenant: dict[str, int]) -> GaugeMetricFamily:
+def _per_tenant(name: str, doc: str, by_tenant: Counter[str]) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, doc, labels=["tenant"])
     for tenant, value in sorted(by_tenant.items()):
         family.add_metric([tenant], value)

@@ -28,11 +28,10 @@ from prefixd.errors import ConfigError, IdentityError, ProtocolError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
-from prefixd.store.check_process import run_check
-from prefixd.store.check_report import verify_report
+from prefixd.store import check_report
 from prefixd.store.joint import JointMatch
 from prefixd.store.purge import PurgeReport
-from prefixd.store.results import LoadResult, RepairReport
+from prefixd.store.results import LoadResult
 from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.frames import PROTOCOL_VERSION
 from prefixd.wire.messages import (
@@ -636,17 +635,7 @@ class Operations:
         payloads = msg.payloads is not False
 
         def run() -> dict[str, Any]:
-            # the check runs in a child: LMDB may abort the process that meets a damaged page
-            problems = run_check(self.store.path, verify_payloads=payloads or fix)
-            stats = self.store.stats()
-            if fix and not any(p.kind == "pages" for p in problems):
-                repaired = self.store.repair(problems)
-                stats = self.store.stats()
-                return verify_report(stats.blocks, stats.parts, fixed=repaired)
-            if fix:  # damage a repair cannot mend: nothing is changed
-                unfixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
-                return verify_report(stats.blocks, stats.parts, fixed=unfixed)
-            return verify_report(stats.blocks, stats.parts, problems=problems)
+            return check_report.verify(self.store, fix=fix, payloads=payloads)
 
         if self._verifying:
             raise ProtocolError(

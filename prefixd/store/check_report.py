@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+from prefixd.store.check_process import run_check
 from prefixd.store.results import Problem, RepairReport
+
+if TYPE_CHECKING:
+    from prefixd.store.store import Store
 
 MAX_LISTED = 1000  # problems listed one by one; the counts by kind cover all of them
 
@@ -34,3 +38,25 @@ def verify_report(
         report["fixed"] = fixed.fixed
         report["remaining"] = [str(p) for p in fixed.remaining[:MAX_LISTED]]
     return report
+
+
+def verify(
+    store: Store,
+    *,
+    fix: bool,
+    payloads: bool,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Check `store` (in a child process: LMDB may abort the process that meets a damaged page)
+    and, with `fix`, repair what a repair can mend; the report of what it holds afterwards. A
+    repair checks payloads whatever `payloads` says. Damaged pages are left as they are."""
+    problems = run_check(store.path, verify_payloads=payloads or fix, progress=progress)
+    if fix and not any(p.kind == "pages" for p in problems):
+        repaired = store.repair(problems)
+        stats = store.stats()
+        return verify_report(stats.blocks, stats.parts, fixed=repaired)
+    stats = store.stats()
+    if fix:  # damage a repair cannot mend: nothing is changed
+        unfixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
+        return verify_report(stats.blocks, stats.parts, fixed=unfixed)
+    return verify_report(stats.blocks, stats.parts, problems=problems)
