@@ -171,8 +171,9 @@ class FullAttention(LayerState):
                 f" [{POSITION_DIMS}, batch, tokens]"
             )
         if history.shape[-1] < n_tokens:
-            raise self.fail(f"its position history holds {history.shape[-1]} tokens, fewer"
-                            f" than {n_tokens}")
+            raise self.fail(
+                f"its position history holds {history.shape[-1]} tokens, fewer than {n_tokens}"
+            )
         return batch_row(self, history.transpose(0, 1), row)[:, :n_tokens].transpose(0, 1)
 
     def write(self, cache_layer: Any, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:
@@ -189,10 +190,9 @@ class FullAttention(LayerState):
 
     def write_positions(self, rows: torch.Tensor) -> torch.Tensor | None:
         """The [3, 1, tokens] history from stored rows; None where the cache kept none."""
-        none = rows == -1
-        if bool(none.all()):
+        if bool((rows == -1).all()):
             return None
-        if bool(none.any()) or bool((rows < 0).any()):
+        if bool((rows < 0).any()):
             raise self.fail("its stored position history mixes kept and missing positions")
         return rows.transpose(0, 1).unsqueeze(1).contiguous()
 

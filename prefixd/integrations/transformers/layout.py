@@ -236,7 +236,9 @@ def layout_of(
     # DeepSeek-V4 (the model with compressed layers) has shared-KV MQA: values are the keys.
     shared_kv = any(hasattr(layer, "compressed_kv") for layer in cache.layers)
     # A model keeps its indexers' position history, if any, on its first indexed layer.
-    indexed = [i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicIndexedLayer)]
+    first_indexed = next(
+        (i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicIndexedLayer)), None
+    )
     layers = []
     for index, (kind, layer_config, cache_layer) in enumerate(
         zip(layer_types, layer_configs, cache.layers)
@@ -245,7 +247,7 @@ def layout_of(
             layers.append(
                 _layer_state(
                     text, layer_config, index, kind, cache_layer, dtype, shared_kv,
-                    positions=index == indexed[0] if indexed else False,
+                    positions=index == first_indexed,
                 )
             )
         except LayoutError:
