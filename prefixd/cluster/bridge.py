@@ -1,7 +1,8 @@
 """Between the local store and a shared tier: write-behind, read-through, purges, and counts.
 
 * Write-behind: a published block is queued and offered to the shared tier by a thread of its own;
-  the engine never waits for the network. A full queue drops (and counts) the oldest work first.
+  the engine never waits for the network. A full queue drops (and counts) what does not fit; a
+  block the tier could not be reached for goes back in the queue (three tries in all).
 * Read-through: a local miss asks the shared tier for the blocks after the local prefix, along
   the chain, a batch of them per round trip straight into one buffer (Mooncake's batch get);
   each fetched value is proven (prefixd.cluster.blocks: the right identity, parent and token ids,
@@ -10,6 +11,13 @@
   batch k is proven, and batch k-1 installed. A value that fails is never installed, nor is
   anything after it, and it is counted. The benefit model decides first: blocks are fetched only
   when the estimated fetch time beats the prefill they save.
+* Hybrid identities: a block's value carries the state-group parts hung on it (pages, checkpoints;
+  prefixd.cluster.blocks), proven with it. A block is published again, replacing its value, when
+  a later put hangs a checkpoint on it. A read-through starts at the local joint boundary and
+  installs a batch up to the last boundary where every page is closed and every checkpoint its
+  group's policy promises is there, all groups in one transaction (`Store.put_state`): the local
+  joint rules then decide what is reusable, as for a local put. A part that fails its proof takes
+  its block and everything after it away.
 * Purges: removing a tenant or retiring a model version removes its objects from the tier too.
 * The tier being down or slow never reaches the engine: every failure is counted and the local
   store answers alone.
@@ -18,6 +26,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -27,11 +36,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from typing import Final, Protocol
 
-from prefixd.cluster.blocks import block_key, decode_block, encode_block, identity_prefix
-from prefixd.errors import PrefixdError, RemoteBlockError
+from prefixd.cluster.blocks import (
+    RemoteBlock,
+    block_key,
+    decode_block,
+    encode_block,
+    identity_prefix,
+)
+from prefixd.errors import PrefixdError, RemoteBlockError, TierUnavailableError
 from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
+from prefixd.schema.state import PAGED, StateSpec
 from prefixd.schema.tokens import TokenIds
 from prefixd.store import Store
 
@@ -46,6 +62,7 @@ class _Stop(Enum):
 
 _STOP: Final = _Stop.STOP
 _BACKOFF_S = 1.0  # after a failure, publishing pauses this long before the next try
+_PUBLISH_TRIES = 3  # a block the tier could not be reached for goes back in the queue, so often
 _BATCH_BYTES = 32 << 20  # fetched per round trip (and installed per local transaction), about
 _MAX_BATCH = 64  # blocks per batch at most
 
@@ -53,7 +70,7 @@ _MAX_BATCH = 64  # blocks per batch at most
 class TierClient(Protocol):
     """What the bridge needs of a shared tier (prefixd.cluster.mooncake.SharedTier has it)."""
 
-    def put(self, key: str, value: bytes) -> None: ...
+    def put(self, key: str, value: bytes, *, overwrite: bool = False) -> None: ...
 
     def get(self, key: str) -> bytes | None: ...
 
@@ -61,8 +78,12 @@ class TierClient(Protocol):
 
     def get_into(self, key: str, buffer: bytearray) -> int | None: ...
 
+    def buffer(self, size: int) -> memoryview: ...
+
+    def release(self, view: memoryview) -> None: ...
+
     def get_many_into(
-        self, keys: Sequence[str], buffer: bytearray, capacity: int
+        self, keys: Sequence[str], buffer: memoryview, capacity: int
     ) -> list[int | None]: ...
 
     @property
@@ -92,9 +113,12 @@ class SharedTierBridge:
         self.fetch_time = LoadTimeModel(overhead_s=2e-3, bandwidth=1e9)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[bytes, bytes] | _Stop] = queue.Queue(maxsize=pending)
+        # (identity digest, block, replace the tier's value, tries so far)
+        self._queue: queue.Queue[tuple[bytes, bytes, bool, int] | _Stop]
+        self._queue = queue.Queue(maxsize=pending)
         self._stopping = threading.Event()
-        self._held: list[bytearray] = []  # buffers a timed-out fetch may still write into
+        # buffers a call that timed out may still write into
+        self._held: list[bytearray | memoryview] = []
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
         self._installer = ThreadPoolExecutor(1, thread_name_prefix="prefixd-install")
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixd-fetch")
@@ -120,12 +144,13 @@ class SharedTierBridge:
     # --- write-behind -----------------------------------------------------------------------------
 
     def published(self, identity: Identity, hashes: Sequence[bytes]) -> None:
-        """Queue blocks a put stored (never blocks: a full queue drops and counts)."""
-        if identity.state is not None:
-            return  # state groups stay local
+        """Queue blocks a put stored, or hung new parts on (never blocks: a full queue drops and
+        counts). A hybrid block's value replaces the one published before: it may carry a
+        checkpoint the earlier one did not."""
+        hybrid = identity.state is not None
         for block in hashes:
             try:
-                self._queue.put_nowait((identity.digest, block))
+                self._queue.put_nowait((identity.digest, block, hybrid, 0))
             except queue.Full:
                 self._count("publish_dropped")
 
@@ -136,16 +161,21 @@ class SharedTierBridge:
                 if item is not _STOP:
                     self._count("publish_dropped", 1 + self._queue.qsize())
                 return
-            digest, block = item
+            digest, block, replace, tries = item
             try:
                 exported = self.store.export_block(block)
                 if exported is None:
                     continue  # evicted or removed since
-                value = encode_block(exported.record, exported.payload)
-                self.tier.put(block_key(digest, block), value)
+                value = encode_block(exported.record, exported.payload, exported.parts)
+                self.tier.put(block_key(digest, block), value, overwrite=replace)
             except PrefixdError as exc:
                 self._count("publish_errors")
                 log.warning("publishing to the shared tier failed: %s", exc)
+                if isinstance(exc, TierUnavailableError) and tries + 1 < _PUBLISH_TRIES:
+                    try:  # the tier may be back for its next turn (a master restarting)
+                        self._queue.put_nowait((digest, block, replace, tries + 1))
+                    except queue.Full:
+                        self._count("publish_dropped")
                 self._stopping.wait(_BACKOFF_S)
             else:
                 self._count("published_blocks")
@@ -154,9 +184,9 @@ class SharedTierBridge:
 
     def read_through(self, identity: Identity, token_ids: TokenIds, local_blocks: int) -> int:
         """Fetch, prove and install the blocks after the first `local_blocks` from the shared
-        tier, while they are there and worth it; return how many were installed."""
-        if identity.state is not None:
-            return 0
+        tier, while they are there and worth it; return how many were installed (blocks the
+        local store did not hold, or held without parts that came with them). For a hybrid
+        identity `local_blocks` is the local joint boundary (in blocks)."""
         chain = BlockChain(identity, token_ids)
         end = min(chain.n_blocks, local_blocks + self.max_fetch_blocks)
         if end <= local_blocks:
@@ -164,21 +194,30 @@ class SharedTierBridge:
         if not self._worth_it(identity, end - local_blocks):
             self._count("remote_skipped_by_benefit")
             return 0
-        capacity = self._capacity(block_key(identity.digest, chain.hash(local_blocks)))
+        align = _page_span(identity)
+        sized = -(-local_blocks // align) * align  # a block with every group's page: the largest
+        capacity = self._capacity(
+            block_key(identity.digest, chain.hash(sized if sized < end else local_blocks))
+        )
         if capacity is None:
             return 0
         per_batch = max(1, min(_MAX_BATCH, _BATCH_BYTES // capacity))
-        batches = [(s, min(s + per_batch, end)) for s in range(local_blocks, end, per_batch)]
-        # Three buffers at most, reused: one being fetched into, one proven, one installed.
-        spare: list[bytearray] = []
+        batches = _batches(local_blocks, end, per_batch, align)
+        room_bytes = max(stop - start for start, stop in batches) * capacity
+        # Three buffers at most, reused: one being fetched into, one proven, one installed;
+        # from the tier, which may write into them without a copy (prefixd.cluster.child).
+        spare: list[memoryview] = []
+        allocated: list[memoryview] = []
 
-        def fetch(start: int, stop: int) -> Future[tuple[list[memoryview | None], bytearray]]:
-            room = spare.pop() if spare else bytearray(per_batch * capacity)
+        def fetch(start: int, stop: int) -> Future[tuple[list[memoryview | None], memoryview]]:
+            if not spare:
+                allocated.append(self.tier.buffer(room_bytes))
+            room = spare.pop() if spare else allocated[-1]
             return self._fetcher.submit(self._fetch, identity, chain, start, stop, capacity, room)
 
         installed = expected = 0
-        pending: Future[int] | None = None  # the install of the batch before
-        installing = bytearray()  # its buffer
+        pending: Future[tuple[int, int]] | None = None  # the install of the batch before
+        installing = memoryview(b"")  # its buffer
         fetching = fetch(*batches[0])
         for index, (start, stop) in enumerate(batches):
             values, room = fetching.result()
@@ -187,8 +226,8 @@ class SharedTierBridge:
                 fetching = fetch(*batches[index + 1])
             batch = self._proven(identity, chain, start, values)
             if pending is not None:
-                done = pending.result()
-                installed += done
+                done, new = pending.result()
+                installed += new
                 pending = None
                 spare.append(installing)
                 if done < expected:
@@ -204,7 +243,11 @@ class SharedTierBridge:
         if not fetching.cancel():
             fetching.result()  # a batch fetched ahead and not needed: no call outlives this one
         if pending is not None:
-            installed += pending.result()
+            installed += pending.result()[1]
+        with self._lock:
+            for room in allocated:
+                if not any(room is held for held in self._held):
+                    self.tier.release(room)
         self._count("remote_hit_blocks", installed)
         return installed
 
@@ -229,8 +272,8 @@ class SharedTierBridge:
         start: int,
         stop: int,
         capacity: int,
-        buffer: bytearray,
-    ) -> tuple[list[memoryview | None], bytearray]:
+        buffer: memoryview,
+    ) -> tuple[list[memoryview | None], memoryview]:
         """The values of blocks [start, stop) in one round trip into `buffer`, up to the first
         one missing (then None); [] when the tier fails. Runs on the fetcher thread."""
         keys = [block_key(identity.digest, chain.hash(i)) for i in range(start, stop)]
@@ -264,27 +307,30 @@ class SharedTierBridge:
 
     def _proven(
         self, identity: Identity, chain: BlockChain, start: int, values: list[memoryview | None]
-    ) -> list[memoryview]:
-        """The payloads of `values` (blocks from `start`) proven to be these blocks, up to the
-        first that is absent or fails."""
-        payloads: list[memoryview] = []
+    ) -> list[RemoteBlock]:
+        """`values` (blocks from `start`) proven to be these blocks, up to the first that is
+        absent or fails."""
+        proven: list[RemoteBlock] = []
         for index, value in enumerate(values, start):
             if value is None:
                 break
             try:
-                payloads.append(
+                proven.append(
                     decode_block(
                         value,
                         identity_digest=identity.digest,
                         parent=chain.parent_of(index),
                         tokens=bytes(chain.block_bytes(index)),
+                        spec=identity.state,
+                        block_index=index,
+                        block_tokens=identity.block_tokens,
                     )
                 )
             except RemoteBlockError as exc:
                 self._count("remote_verify_failures")
                 log.warning("a block from the shared tier failed verification: %s", exc)
                 break
-        return payloads
+        return proven
 
     def _get(self, key: str) -> memoryview | None:
         """The value under `key`, sized first, then fetched straight into a buffer of its own
@@ -307,23 +353,48 @@ class SharedTierBridge:
     def _release_held(self) -> None:
         with self._lock:
             if self._held and not self.tier.in_flight:
+                for held in self._held:
+                    if isinstance(held, memoryview):
+                        self.tier.release(held)
                 self._held.clear()
 
     def _install(
-        self, identity: Identity, chain: BlockChain, first: int, batch: list[memoryview]
-    ) -> int:
-        """Put a run of proven payloads in the local store in one transaction; empties `batch`
-        on success and returns how many were installed."""
+        self, identity: Identity, chain: BlockChain, first: int, batch: list[RemoteBlock]
+    ) -> tuple[int, int]:
+        """Put a run of proven blocks in the local store in one transaction; empties `batch`
+        on success. Returns how many were put (for a hybrid identity, up to the last boundary
+        the run closes: see `_closed_run`), and how many of those the store did not have: a
+        hybrid read-through starts at the joint boundary, and the blocks after it may be there
+        already (waiting for a checkpoint the tier may not have either)."""
+        spec = identity.state
         try:
-            self.store.put(identity, chain.tokens, batch, first_block=first)
+            if spec is None:
+                n = len(batch)
+                payloads = [block.payload for block in batch]
+                result = self.store.put(identity, chain.tokens, payloads, first_block=first)
+                size = sum(p.nbytes for p in payloads)
+            else:
+                n = _closed_run(spec, identity.block_tokens, first, batch)
+                if not n:
+                    return 0, 0
+                paged, checkpoints = _state_of(spec, identity.block_tokens, first, batch[:n])
+                result = self.store.put_state(
+                    identity,
+                    chain.tokens,
+                    paged=paged,
+                    checkpoints=checkpoints,
+                    upto_tokens=(first + n) * identity.block_tokens,
+                    first_block=first,
+                )
+                size = sum(p.nbytes for block in batch[:n] for p in block.parts.values())
         except PrefixdError as exc:
             self._count("install_errors")
             log.warning("installing blocks from the shared tier failed: %s", exc)
-            return 0
-        n = len(batch)
-        self._count("remote_bytes", sum(p.nbytes for p in batch))
+            return 0, 0
+        new = n if result.stored or result.parts else 0
+        self._count("remote_bytes", size if new else 0)
         batch.clear()
-        return n
+        return n, new
 
     def _worth_it(self, identity: Identity, blocks: int) -> bool:
         """Whether fetching `blocks` blocks beats prefilling their tokens, by the fetch model
@@ -359,3 +430,60 @@ class SharedTierBridge:
             counts = dict(self.counts)
         counts["publish_queued"] = self._queue.qsize()
         return counts
+
+
+def _page_span(identity: Identity) -> int:
+    """Blocks after which every paged group of a hybrid identity closes a page at once (1 for
+    a plain identity): batches end on multiples of it, so each can be installed alone."""
+    return math.lcm(1, *(g.page_blocks for g in identity.state or () if g.kind == PAGED))
+
+
+def _batches(start: int, end: int, per_batch: int, align: int) -> list[tuple[int, int]]:
+    """Blocks [start, end) in runs of about `per_batch`, each ending on a multiple of `align`
+    (but the last)."""
+    runs = []
+    while start < end:
+        stop = (start + per_batch) // align * align
+        if stop <= start:
+            stop = (start // align + 1) * align
+        runs.append((start, min(stop, end)))
+        start = runs[-1][1]
+    return runs
+
+
+def _closed_run(spec: StateSpec, block_tokens: int, first: int, blocks: list[RemoteBlock]) -> int:
+    """How many of `blocks` (from block `first`) can be installed: the longest run that ends
+    where every paged group closes a page and, up to it, carries every page and every
+    checkpoint its group's policy promises (what `Store.put_state` asks of a put)."""
+    closed = 0
+    for index, block in enumerate(blocks, first):
+        boundary = (index + 1) * block_tokens
+        for gi, group in enumerate(spec):
+            if group.kind == PAGED:
+                needed = index % group.page_blocks == 0
+            elif group.policy == "full":
+                needed = True
+            else:
+                needed = group.policy == "periodic" and boundary % group.period_tokens == 0
+            if needed and gi not in block.parts:
+                return closed
+        if all((index + 1) % g.page_blocks == 0 for g in spec if g.kind == PAGED):
+            closed = index + 1 - first
+    return closed
+
+
+def _state_of(
+    spec: StateSpec, block_tokens: int, first: int, blocks: list[RemoteBlock]
+) -> tuple[dict[str, list[memoryview]], dict[str, dict[int, memoryview]]]:
+    """The pages and checkpoints of `blocks` (from block `first`), as `Store.put_state` takes
+    them."""
+    paged: dict[str, list[memoryview]] = {g.name: [] for g in spec if g.kind == PAGED}
+    checkpoints: dict[str, dict[int, memoryview]] = {}
+    for index, block in enumerate(blocks, first):
+        for gi, part in sorted(block.parts.items()):
+            group = spec[gi]
+            if group.kind == PAGED:
+                paged[group.name].append(part)
+            else:
+                checkpoints.setdefault(group.name, {})[(index + 1) * block_tokens] = part
+    return paged, checkpoints

@@ -58,6 +58,8 @@ its blocking behaviour. Facts this module relies on, measured with the PyPI pack
   when that probe fails: it abandons the client object (kept alive; its heartbeat thread keeps
   logging to stderr; `close_abandoned` closes it once the master is back). Mooncake also closes
   every client still open when the process exits, seconds each if the master is gone then.
+  The daemon therefore runs this client in a child process (prefixd.cluster.child), where a
+  call that holds the GIL stalls nothing of the daemon's, and a stuck one ends with the child.
 * Throughput on loopback (a noisy 2-core box, one object after another, 1 MiB and 64 MiB
   objects held in another process's segment): `SharedTier.put` (put_from) 0.6-1.9 GB/s,
   `get_into` 1.1-1.9 GB/s, `get` 0.6-0.8 GB/s (it returns a new `bytes`: prefer `get_into`);
@@ -215,6 +217,12 @@ class MooncakeSettings:
             raise ConfigError(f"mooncake cooldown_s={self.cooldown_s} must be >= 0")
         if self.workers < 1:
             raise ConfigError(f"mooncake workers={self.workers} must be at least 1")
+
+    @property
+    def longest_call_s(self) -> float:
+        """The longest one SharedTier call takes: a connect (two probes of at most 1 s, then
+        `setup`, bounded by `timeout_s`) and the call itself (`timeout_s`)."""
+        return 2 * min(1.0, self.timeout_s) + 2 * self.timeout_s
 
     @property
     def master_host_port(self) -> tuple[str, int]:
@@ -697,6 +705,14 @@ class SharedTier:
             raise _failure(f"remove_prefix {_tag(prefix)}", rc)
         return rc
 
+    def buffer(self, size: int) -> memoryview:
+        """A buffer for `get_into` and `get_many_into`: plain memory, which this client writes
+        into directly on TCP (prefixd.cluster.child.ChildTier gives shared memory instead)."""
+        return memoryview(bytearray(size))
+
+    def release(self, view: memoryview) -> None:
+        """Nothing to give back: see `buffer`."""
+
     def register(self, buffer: bytearray | memoryview | Any) -> None:
         """Register `buffer` with the transfer engine for zero-copy `put`/`get_into` (needed for
         RDMA; TCP reads and writes any memory). It stays registered, and alive, until the tier
@@ -798,6 +814,11 @@ class SharedTier:
         self._down_until = time.monotonic() + self.settings.cooldown_s
 
 
+def open_tier(**settings: Any) -> SharedTier:
+    """The tier prefixd.cluster.tier_child runs: a SharedTier with these MooncakeSettings."""
+    return SharedTier(MooncakeSettings(**settings))
+
+
 __all__ = [
     "MAX_KEY_BYTES",
     "MooncakeSettings",
@@ -807,4 +828,5 @@ __all__ = [
     "TierUnavailableError",
     "TierValueError",
     "close_abandoned",
+    "open_tier",
 ]

@@ -275,6 +275,13 @@ class Config:
         low=0.01,
         high=600.0,
     )
+    cluster_client: str = _setting(
+        "choice",
+        "where the shared tier's client runs: a child process ('process': nothing Mooncake "
+        "does can stall the daemon) or the daemon itself ('inline')",
+        "process",
+        choices=("process", "inline"),
+    )
     cluster_segment_bytes: int = _setting(
         "size",
         "memory this node lends to the shared tier (0: none, else at least 16MiB)",

@@ -21,7 +21,8 @@ from msgspec import Struct
 
 from prefixd import __version__
 from prefixd.clock import Clock, SystemClock
-from prefixd.daemon import engine_ops, routing
+from prefixd.daemon import engine_ops, routing, state_ops
+from prefixd.daemon.fields import closed_tokens, region_output, request_tokens
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.routing import LoadQueue
 from prefixd.errors import ConfigError, IdentityError, ProtocolError
@@ -29,7 +30,6 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.store import PrefixMatch, PurgeSelector, Store
 from prefixd.store import check_report
-from prefixd.store.joint import JointMatch
 from prefixd.store.purge import PurgeReport
 from prefixd.store.results import LoadResult
 from prefixd.wire.errors import ErrorCode, code_of
@@ -45,27 +45,20 @@ from prefixd.wire.messages import (
     Hot,
     HotEntry,
     HotReply,
-    JointResult,
     Load,
     LoadReply,
-    LoadState,
-    LoadStateReply,
     Lookup,
     LookupReply,
     LookupResult,
     LookupState,
-    LookupStateReply,
     Purge,
     PurgeReply,
     Put,
     PutReply,
-    PutState,
-    PutStateReply,
     RequestMessage,
     Route,
     RouteReply,
     Span,
-    StatePart,
     Stats,
     StatsReply,
     TokenFields,
@@ -149,9 +142,9 @@ class Operations:
             "stats": self.stats,
             "health": self.health,
             "purge": self.purge,
-            "put_state": self.put_state,
-            "lookup_state": self.lookup_state,
-            "load_state": self.load_state,
+            "put_state": partial(state_ops.put_state, self),
+            "lookup_state": partial(state_ops.lookup_state, self),
+            "load_state": partial(state_ops.load_state, self),
             "hot": self.hot,
             "verify": self.verify,
             "route": self.route,
@@ -282,7 +275,7 @@ class Operations:
                 "per request (max_request_tokens)",
             )
         queries = [
-            (_tokens(conn, prompt, f"prompts[{i}]."), prompt.hashes)
+            (request_tokens(conn, prompt, f"prompts[{i}]."), prompt.hashes)
             for i, prompt in enumerate(msg.prompts)
         ]
         return identity, queries
@@ -303,7 +296,7 @@ class Operations:
     def _prompt(self, conn: Connection, fields: TokenFields) -> bytes | memoryview:
         """One prompt's packed token ids, within max_prompt_tokens."""
         self._token_count(fields)
-        return _tokens(conn, fields)
+        return request_tokens(conn, fields)
 
     async def lookup(self, conn: Connection, request: Request[Lookup]) -> LookupReply:
         rid = request.id
@@ -385,7 +378,7 @@ class Operations:
                     est_prefill_s=est_prefill_s,
                 )
             )
-            observed.append((_closed_tokens(tokens, identity), n_tokens, n_bytes))
+            observed.append((closed_tokens(tokens, identity), n_tokens, n_bytes))
         return results, observed
 
     def _count(self, identity: Identity, observed: list[tuple[int, int, int]]) -> None:
@@ -403,7 +396,7 @@ class Operations:
         rid, msg = request.id, request.message
         identity = self._identity(conn, msg.identity)
         tokens = self._prompt(conn, msg)
-        offset, out = _output(conn, msg)
+        offset, out = region_output(conn, msg)
         first_block = msg.first_block or 0
         started = time.perf_counter()
         deadline = self._deadline(msg.deadline_s)
@@ -495,102 +488,6 @@ class Operations:
             )
         self.warmed["warm_listings"] += 1
         return HotReply(id=rid, prefixes=prefixes)
-
-    # --- hybrid identities: state groups (prefixd.schema.state) ---------------------------------
-
-    async def put_state(self, conn: Connection, request: Request[PutState]) -> PutStateReply:
-        rid, msg = request.id, request.message
-        identity = self._identity(conn, msg.identity)
-        tokens = self._prompt(conn, msg)
-        paged_spans = msg.paged or {}  # at most MAX_BLOCKS_PER_PUT in all (decode_request)
-        checkpoint_spans = msg.checkpoints or {}
-        paged = {name: [conn.span(s) for s in spans] for name, spans in paged_spans.items()}
-        checkpoints = {
-            name: {boundary: conn.span(s) for boundary, s in pairs}
-            for name, pairs in checkpoint_spans.items()
-        }
-        first_block, upto_tokens = msg.first_block or 0, msg.upto_tokens
-        result = await self._run(
-            partial(
-                self.store.put_state,
-                identity,
-                tokens,
-                paged=paged,
-                checkpoints=checkpoints,
-                upto_tokens=upto_tokens,
-                first_block=first_block,
-            )
-        )
-        return PutStateReply(
-            id=rid, stored=result.stored, existed=result.existed, parts=result.parts
-        )
-
-    async def lookup_state(
-        self, conn: Connection, request: Request[LookupState]
-    ) -> LookupStateReply:
-        identity, queries = self._lookup_queries(conn, request.message)
-
-        def run() -> list[JointMatch]:
-            return [self.store.lookup_state(identity, t, hashes=h) for t, h in queries]
-
-        matches = await self._run(run)
-        results, observed = [], []
-        for (tokens, _), match in zip(queries, matches, strict=True):
-            match = self._offered(match)
-            hit_tokens, hit_bytes = match.reusable_tokens, match.payload_bytes
-            est_load_s, est_prefill_s = self.metrics.benefit(hit_tokens, hit_bytes)
-            results.append(
-                JointResult(
-                    reusable_tokens=match.reusable_tokens,
-                    replay_from=match.replay_from,
-                    paged_tokens=match.paged_tokens,
-                    matched_tokens=match.matched_tokens,
-                    parts=_state_parts(match),
-                    est_load_s=est_load_s,
-                    est_prefill_s=est_prefill_s,
-                )
-            )
-            observed.append((_closed_tokens(tokens, identity), hit_tokens, hit_bytes))
-        self._count(identity, observed)
-        return LookupStateReply(id=request.id, results=results)
-
-    def _offered(self, match: JointMatch) -> JointMatch:
-        """`match`, or no hit when it is shorter than `min_reusable_tokens`."""
-        if match.reusable_tokens >= self.min_reusable_tokens:
-            return match
-        return dataclasses.replace(match, reusable_tokens=0, replay_from=0, hashes=(), parts=())
-
-    async def load_state(self, conn: Connection, request: Request[LoadState]) -> LoadStateReply:
-        rid, msg = request.id, request.message
-        identity = self._identity(conn, msg.identity)
-        tokens = self._prompt(conn, msg)
-        offset, out = _output(conn, msg)
-        started = time.perf_counter()
-        result = await self._run(
-            partial(
-                self.store.load_state,
-                identity,
-                tokens,
-                out,
-                hashes=msg.hashes,
-                deadline=self._deadline(msg.deadline_s),
-            )
-        )
-        match = self._offered(result.match)
-        self.metrics.observe_load(
-            identity.tenant,
-            match.reusable_tokens,
-            match.payload_bytes,
-            time.perf_counter() - started,
-        )
-        return LoadStateReply(
-            id=rid,
-            reusable_tokens=match.reusable_tokens,
-            replay_from=match.replay_from,
-            paged_tokens=match.paged_tokens,
-            matched_tokens=match.matched_tokens,
-            parts=_state_parts(match, [offset + o for o in result.offsets]),
-        )
 
     async def purge(self, conn: Connection, request: Request[Purge]) -> PurgeReply:
         rid, msg = request.id, request.message
@@ -730,26 +627,6 @@ def _may_run(conn: Connection, op: str, *, every_tenant: bool = False) -> None:
         raise ProtocolError(ErrorCode.FORBIDDEN, f"uid {conn.uid} may not run {op}{scope}")
 
 
-def _state_parts(match: JointMatch, offsets: Sequence[int] | None = None) -> list[StatePart]:
-    """A joint match's parts on the wire; with `offsets`, where each was loaded in the region."""
-    return [
-        StatePart(
-            group=part.group,
-            first_token=part.first_token,
-            tokens=part.tokens,
-            size=part.payload_size,
-            offset=None if offsets is None else offsets[i],
-        )
-        for i, part in enumerate(match.parts)
-    ]
-
-
-def _closed_tokens(tokens: bytes | memoryview, identity: Identity) -> int:
-    """How many of a prompt's tokens lie in closed blocks (the part a lookup can hit); for an
-    engine-keyed identity, the tokens its closed keys stand for."""
-    return len(tokens) // TOKEN_BYTES // identity.block_words * identity.block_tokens
-
-
 def _protocol_error(exc: Exception) -> Exception:
     """A store error as the protocol error a client gets (prefixd.wire.errors.code_of); anything
     else, or an error of prefixd's that says `internal`, unchanged (the server logs it)."""
@@ -759,41 +636,6 @@ def _protocol_error(exc: Exception) -> Exception:
     if code is None or code is ErrorCode.INTERNAL:
         return exc
     return ProtocolError(code, str(exc))
-
-
-def _tokens(conn: Connection, fields: TokenFields, where: str = "") -> bytes | memoryview:
-    """Packed token ids: inline (`tokens`, a bin) or in a shared region (`tokens_span`,
-    [region, offset, n_tokens]), which keeps a long prompt's ids off the socket; exactly one of
-    them, agreeing with `n_tokens` when that is given."""
-    span: Span | None = fields.tokens_span
-    tokens: bytes | memoryview | None = fields.tokens
-    if span is not None:
-        if tokens is not None:
-            raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens and tokens_span both given")
-        region, offset, count = span
-        tokens = conn.span((region, offset, count * TOKEN_BYTES))
-    elif tokens is None:
-        raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens (or tokens_span) is required")
-    if len(tokens) % TOKEN_BYTES:
-        raise ProtocolError(
-            ErrorCode.BAD_TOKENS, f"{where}tokens is {len(tokens)} bytes, not a multiple of 4"
-        )
-    count = len(tokens) // TOKEN_BYTES
-    declared = fields.n_tokens
-    if declared is not None and declared != count:
-        raise ProtocolError(
-            ErrorCode.BAD_TOKENS, f"{where}tokens holds {count} token ids, n_tokens says {declared}"
-        )
-    return tokens
-
-
-def _output(conn: Connection, msg: Load | LoadState) -> tuple[int, memoryview]:
-    """Where a load writes: `region` from `offset` (default 0) for `length` bytes (default: to
-    the region's end)."""
-    region = conn.region(msg.region)
-    offset = msg.offset or 0
-    length = max(0, region.size - offset) if msg.length is None else msg.length
-    return offset, region.span(offset, length)
 
 
 def _packed(values: Sequence[int]) -> bytes:

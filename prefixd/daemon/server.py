@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -349,19 +350,31 @@ class Server:
         config = self.config
         if not config.cluster_master:
             return None
-        from prefixd.cluster.bridge import SharedTierBridge
+        from prefixd.cluster.bridge import SharedTierBridge, TierClient
+        from prefixd.cluster.child import ChildTier
         from prefixd.cluster.mooncake import MooncakeSettings, SharedTier
 
         assert self.store is not None
-        tier = SharedTier(
-            MooncakeSettings(
-                master=config.cluster_master,
-                metadata=config.cluster_metadata,
-                local_hostname=config.cluster_local_hostname,
-                segment_bytes=config.cluster_segment_bytes,
-                timeout_s=config.cluster_timeout_s,
-            )
+        settings = MooncakeSettings(
+            master=config.cluster_master,
+            metadata=config.cluster_metadata,
+            local_hostname=config.cluster_local_hostname,
+            segment_bytes=config.cluster_segment_bytes,
+            timeout_s=config.cluster_timeout_s,
         )
+        tier: TierClient
+        if config.cluster_client == "inline":
+            tier = SharedTier(settings)
+        else:
+            child = ChildTier(
+                dataclasses.asdict(settings),
+                call_timeout_s=settings.longest_call_s + 1.0,  # late beyond it: stuck
+                cooldown_s=settings.cooldown_s,
+                workers=settings.workers,
+                fresh_after_s=max(5.0, 5 * settings.timeout_s),
+            )
+            child.start()
+            tier = child
         return SharedTierBridge(
             self.store,
             tier,

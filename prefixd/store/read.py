@@ -40,6 +40,7 @@ from prefixd.store.environment import parent_key
 from prefixd.store.joint import JointMatch, joint_match, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import (
+    BAD_PART,
     BAD_PAYLOAD,
     BAD_RECORD,
     Damaged,
@@ -383,9 +384,47 @@ class Reader:
             verified = item is not None and ctx.codec.decode_verified([item], ctx.copier) == 1
             if item is not None and not verified:
                 bad.append(Damaged(block, parent, record.identity, BAD_PAYLOAD))
+            parts, damaged = self._export_parts(txn, block) if verified else (None, False)
+            if damaged:
+                bad.append(Damaged(block, parent, record.identity, BAD_PART))
             record_bytes = bytes(raw)
         quarantine(ctx, bad)
-        return ExportedBlock(record_bytes, bytes(out)) if verified else None
+        return ExportedBlock(record_bytes, bytes(out), parts) if parts is not None else None
+
+    def _export_parts(
+        self, txn: lmdb.Transaction[memoryview], block: bytes
+    ) -> tuple[tuple[tuple[int, bytes], ...] | None, bool]:
+        """The verified state-group payloads hung on `block` (none for a plain identity's
+        block), or None if one fails; and whether that one is damaged where it is stored."""
+        ctx = self._ctx
+        t = ctx.tables
+        if t.parts is None:
+            return (), False
+        found: list[tuple[int, bytearray, StoredPayload]] = []
+        cursor = txn.cursor(db=t.parts)
+        if cursor.set_range(block):
+            for stored_key, raw in cursor:
+                key = bytes(stored_key)
+                if key[: len(block)] != block:
+                    break
+                try:
+                    record = PartRecord.decode(raw)
+                except CorruptRecordError:
+                    return None, True
+                if len(key) != len(block) + 1 or record.group != key[-1]:
+                    return None, True
+                chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)]
+                if not chunks_present(chunks) or (
+                    sum(c.nbytes for c in chunks) != record.stored_size
+                ):
+                    return None, True
+                out = bytearray(record.payload_size)
+                found.append((record.group, out, self._payload(record, chunks, memoryview(out))))
+        items = [item for _, _, item in found]
+        n_ok = ctx.codec.decode_verified(items, ctx.copier)
+        if n_ok < len(items):
+            return None, self._stored_damage(items[n_ok])
+        return tuple((group, bytes(out)) for group, out, _ in found), False
 
     def block_info(self, block: bytes) -> BlockInfo | None:
         """See `Store.block_info`: the access fields include reads not yet synced."""

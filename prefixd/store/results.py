@@ -177,8 +177,10 @@ class RepairReport:
 
 @dataclass(frozen=True, slots=True)
 class ExportedBlock:
-    """A block as another tier receives it: its record (with token ids, parent and identity) and
-    its verified payload."""
+    """A block as another tier receives it: its record (with token ids, parent and identity),
+    its verified payload and, for a hybrid identity's block, the verified state-group payloads
+    hung on it as (group index, payload), by group index."""
 
     record: bytes
     payload: bytes
+    parts: tuple[tuple[int, bytes], ...] = ()

@@ -3,8 +3,8 @@ publishing, one reading through; damage, outages and purges."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,12 +12,12 @@ import pytest
 from prefixd import Identity, Store
 from prefixd.cluster.blocks import block_key, decode_block, encode_block
 from prefixd.cluster.bridge import SharedTierBridge
-from prefixd.errors import PrefixdError, RemoteBlockError
+from prefixd.errors import RemoteBlockError
 from prefixd.schema.chain import BlockChain
 from prefixd.store.purge import PurgeSelector
 from tests.waiting import wait_for
 
-from ..must_check import assert_store_checks, checks_on_teardown
+from .memory_tier import MemoryTier, nodes  # noqa: F401 (a fixture)
 
 IDENT = Identity(
     model="m",
@@ -31,87 +31,6 @@ IDENT = Identity(
 )
 TOKENS = np.arange(16 * 6, dtype=np.uint32) + 900_000
 PAYLOADS = [bytes([i]) * 50_000 for i in range(6)]
-
-
-class MemoryTier:
-    """A shared tier in a dict; `down` makes every call fail as an unreachable tier would."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.down = False
-        self.calls: Counter[str] = Counter()  # round trips by kind
-        self.fail_after = -1  # calls that succeed before every call fails (-1: no such limit)
-
-    def _check(self, call: str = "") -> None:
-        self.calls[call] += 1
-        if self.fail_after == 0:
-            self.down = True
-        self.fail_after -= 1
-        if self.down:
-            raise PrefixdError("shared tier unavailable")
-
-    def put(self, key: str, value: bytes) -> None:
-        self._check()
-        self.objects[key] = bytes(value)
-
-    def get(self, key: str) -> bytes | None:
-        self._check()
-        return self.objects.get(key)
-
-    def size(self, key: str) -> int | None:
-        self._check("size")
-        value = self.objects.get(key)
-        return None if value is None else len(value)
-
-    def get_into(self, key: str, buffer: bytearray) -> int | None:
-        self._check("get_into")
-        value = self.objects.get(key)
-        if value is None:
-            return None
-        buffer[: len(value)] = value
-        return len(value)
-
-    def get_many_into(self, keys: list[str], buffer: bytearray, capacity: int) -> list[int | None]:
-        self._check("get_many_into")
-        out: list[int | None] = []
-        for i, key in enumerate(keys):
-            value = self.objects.get(key)
-            if value is None or len(value) > capacity:
-                out.append(None if value is None else -1)
-                continue
-            buffer[i * capacity : i * capacity + len(value)] = value
-            out.append(len(value))
-        return out
-
-    in_flight = 0
-
-    def remove_prefix(self, prefix: str) -> int:
-        self._check()
-        gone = [k for k in self.objects if k.startswith(prefix)]
-        for key in gone:
-            del self.objects[key]
-        return len(gone)
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.fixture
-def nodes(tmp_path: Path, request: pytest.FixtureRequest):
-    tier = MemoryTier()
-    stores = [Store.open(tmp_path / name, map_size=64 << 20) for name in ("a", "b")]
-    bridges = [SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in stores]
-    for bridge in bridges:
-        bridge.start()
-    yield tier, stores, bridges
-    for bridge in bridges:
-        bridge.stop(timeout_s=0.5)
-    try:
-        for store in stores if checks_on_teardown(request) else ():
-            assert_store_checks(store)
-    finally:
-        for store in stores:
-            store.close()
 
 
 def publish(store: Store, bridge: SharedTierBridge, tier: MemoryTier) -> None:
@@ -215,6 +134,22 @@ def test_batches_overlap_and_stop_at_the_first_failure(
     good = tier.objects[key]
     tier.objects[key] = good[:-1] + bytes([good[-1] ^ 1])
     tier.calls.clear()
+    third_fetched = threading.Event()
+    fetch, prove = tier.get_many_into, bridge_b._proven
+
+    def fetch_and_tell(*args):  # noqa: ANN002, ANN202
+        got = fetch(*args)
+        if tier.calls["get_many_into"] == 3:
+            third_fetched.set()
+        return got
+
+    def prove_once_the_third_is_fetched(identity, chain, start, values):  # noqa: ANN001, ANN202
+        if start == 2:  # the second batch: the third is on its way meanwhile
+            assert third_fetched.wait(10), "the third batch was not fetched during the proof"
+        return prove(identity, chain, start, values)
+
+    monkeypatch.setattr(tier, "get_many_into", fetch_and_tell)
+    monkeypatch.setattr(bridge_b, "_proven", prove_once_the_third_is_fetched)
     assert bridge_b.read_through(IDENT, TOKENS, 0) == 3
     assert tier.calls["get_many_into"] == 3  # the third, fetched while the second was proven
     assert bridge_b.snapshot()["remote_verify_failures"] == 1
@@ -225,6 +160,31 @@ def test_batches_overlap_and_stop_at_the_first_failure(
     assert b.longest_prefix(IDENT, TOKENS).n_blocks == 5
     assert bridge_b.snapshot()["fetch_errors"] == 1
     assert loaded(b)[:5] == PAYLOADS[:5]
+
+
+def test_a_block_the_tier_missed_is_offered_again(
+    nodes, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    """A tier that cannot be reached for a while (a master restarting): the blocks published
+    meanwhile go back in the queue and reach the tier once it answers (three tries in all)."""
+    from prefixd.cluster import bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "_BACKOFF_S", 0.2)  # a try every 0.2 s
+    tier, (a, _), (bridge_a, _) = nodes
+    tier.down = True
+    result = a.put(IDENT, TOKENS, PAYLOADS[:2])
+    bridge_a.published(IDENT, result.hashes)
+    errors = bridge_a.snapshot
+    wait_for(lambda: errors().get("publish_errors", 0) >= 2, "two failed tries", poll_s=0.01)
+    tier.down = False
+    wait_for(lambda: len(tier.objects) == 2, "both blocks published once the tier is back")
+    assert bridge_a.snapshot()["published_blocks"] == 2
+    tier.down = True  # down for good: each block is tried three times, then given up
+    more = a.put(IDENT, TOKENS, PAYLOADS[:3])
+    bridge_a.published(IDENT, more.hashes[2:])
+    wait_for(lambda: bridge_a.snapshot()["publish_errors"] >= 2 + 3, "three more tries")
+    wait_for(lambda: bridge_a.snapshot()["publish_queued"] == 0, "the block given up")
+    assert bridge_a.snapshot()["publish_errors"] <= 4 + 3
 
 
 def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:  # noqa: ANN001
@@ -269,7 +229,7 @@ def test_remote_values_are_proven_before_use() -> None:
     proven = dict(
         identity_digest=IDENT.digest, parent=chain.parent_of(0), tokens=bytes(chain.block_bytes(0))
     )
-    assert bytes(decode_block(value, **proven)) == b"abc"
+    assert bytes(decode_block(value, **proven).payload) == b"abc"
     for bad in (value[:10], b"XXXX" + value[4:], value[:-1] + b"d", value + b"!"):
         with pytest.raises(RemoteBlockError):
             decode_block(bad, **proven)

@@ -263,6 +263,22 @@ def test_a_damaged_page_makes_the_entry_unreachable_from_its_start(store: Store)
     assert store.check() == []
 
 
+def test_an_exported_block_carries_its_verified_parts(store: Store) -> None:
+    """What the shared tier publishes of a hybrid block: its record with every part hung on it,
+    verified; a damaged part makes it unexportable, and quarantines it."""
+    ident, tokens, hashes = _two_checkpoints(store)
+    exported = store.export_block(hashes[4])
+    assert exported is not None and exported.payload == b""
+    assert exported.parts == ((0, page("kv", 4)), (1, snap("ssm", 20)))
+    middle = store.export_block(hashes[3])
+    assert middle is not None and middle.parts == ((0, page("kv", 3)),)
+    _flip_part_payload(store, hashes[4], 1)
+    assert store.export_block(hashes[4]) is None
+    assert store.stats().quarantined == 1
+    assert store.lookup_state(ident, tokens).reusable_tokens == 8
+    assert store.check() == []
+
+
 def test_a_damaged_part_record_is_found_by_the_lookup(store: Store) -> None:
     ident, tokens, hashes = _two_checkpoints(store)
     _flip_part_record(store, hashes[4], 1)

@@ -1,0 +1,130 @@
+"""The shared tier's client in a process of its own: `python -m prefixd.cluster.tier_child FD`.
+
+Run by prefixd.cluster.child.ChildTier, never by hand. FD is its end of a SOCK_SEQPACKET socket
+pair. The first message names the function that opens the tier (`module:function`, called with
+the settings as keywords: prefixd.cluster.mooncake.open_tier); every other one is
+a call (`id`, `op`, arguments), answered by a reply with the same id, from a thread of its own so
+that calls overlap. Bulk bytes never cross the socket: the parent sends memfds (`map`) that both
+map, and calls name a buffer, an offset and a length in them.
+
+Mooncake's client holds the GIL while it connects to a master that dies during the connection,
+and while it closes: here that stalls only this process, which the parent kills when a call is
+late. The process ends when the parent does (PR_SET_PDEATHSIG, and the socket's end of file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import mmap
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from prefixd.cluster.wire_tier import MAX_MESSAGE, TierCall, TierReply, TierStart, error_reply
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _Child:
+    """Serves one parent: the tier, the mapped buffers, the reply lock."""
+
+    def __init__(self, sock: socket.socket, tier: Any) -> None:
+        self.sock = sock
+        self.tier = tier
+        self.buffers: dict[int, np.ndarray] = {}  # buffer id -> its mapping, as bytes
+        self.send_lock = threading.Lock()
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def serve(self, workers: int) -> None:
+        decoder = msgspec.msgpack.Decoder(TierCall)
+        with ThreadPoolExecutor(workers, thread_name_prefix="tier") as pool:
+            while True:
+                message, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
+                if not message:
+                    break  # the parent is gone, or closed its end
+                call = decoder.decode(message)
+                if call.op == "map":  # in order, before any call that names the buffer
+                    self._map(call, fds)
+                    continue
+                pool.submit(self._answer, call)
+        self._close()
+
+    def _map(self, call: TierCall, fds: list[int]) -> None:
+        [fd] = fds
+        mapped = mmap.mmap(fd, call.length)
+        os.close(fd)
+        self.buffers[call.buffer] = np.frombuffer(mapped, dtype=np.uint8)
+
+    def _answer(self, call: TierCall) -> None:
+        try:
+            result = self._run(call)
+        except Exception as exc:  # noqa: BLE001 - every failure goes back as a reply
+            reply = error_reply(call.id, exc, self.tier.in_flight)
+        else:
+            reply = TierReply(id=call.id, result=result, in_flight=self.tier.in_flight)
+        data = self.encoder.encode(reply)
+        with self.send_lock:
+            self.sock.sendall(data)
+
+    def _view(self, call: TierCall) -> np.ndarray:
+        array = self.buffers[call.buffer]
+        return array[call.offset : call.offset + call.length]
+
+    def _run(self, call: TierCall) -> Any:
+        tier, op = self.tier, call.op
+        if op == "put":
+            tier.put(call.keys[0], self._view(call), overwrite=call.flag)
+            return None
+        if op == "get_into":
+            return tier.get_into(call.keys[0], self._view(call))
+        if op == "get_many_into":
+            return tier.get_many_into(call.keys, self._view(call), call.capacity)
+        if op == "size":
+            return tier.size(call.keys[0])
+        if op == "exists_many":
+            return tier.exists_many(call.keys)
+        if op == "remove":
+            return tier.remove(call.keys[0], force=call.flag)
+        if op == "remove_prefix":
+            return tier.remove_prefix(call.keys[0], force=call.flag)
+        if op == "connect":
+            tier.connect()
+            return None
+        if op == "close":
+            self._close()
+            return None
+        raise ValueError(f"unknown tier call {op!r}")
+
+    def _close(self) -> None:
+        self.tier.close()
+
+
+def main(fd: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    if os.getppid() == 1:
+        return  # the parent died before the death signal was armed
+    start = msgspec.msgpack.decode(sock.recv(MAX_MESSAGE), type=TierStart)
+    module, _, name = start.factory.partition(":")
+    tier = getattr(importlib.import_module(module), name)(**start.settings)
+    child = _Child(sock, tier)
+    sock.sendall(child.encoder.encode(TierReply(id=0, result=os.getpid())))
+    child.serve(start.workers)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the tier is closed; Mooncake's exit handlers and threads have nothing to add
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

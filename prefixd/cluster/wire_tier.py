@@ -1,0 +1,79 @@
+"""The messages between the daemon and its tier process (prefixd.cluster.child, .tier_child).
+
+msgpack over a SOCK_SEQPACKET socket pair, one message per call or reply, typed here and decoded
+in one place on each side. A reply that failed carries the error's class name (one of the tier
+errors of prefixd.errors), its message and Mooncake's code, and is raised again as that class on
+the parent's side.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import Struct
+
+from prefixd.errors import (
+    TierBusyError,
+    TierError,
+    TierUnavailableError,
+    TierValueError,
+)
+
+MAX_MESSAGE = 1 << 20
+"""Largest message either side sends: calls carry keys, never values."""
+
+_ERRORS: dict[str, type[TierError]] = {
+    cls.__name__: cls for cls in (TierError, TierUnavailableError, TierValueError, TierBusyError)
+}
+
+
+class TierStart(Struct, frozen=True):
+    """The first message: how the child opens its tier, and how many calls it runs at once."""
+
+    factory: str
+    settings: dict[str, Any]
+    workers: int
+
+
+class TierCall(Struct, frozen=True):
+    """One call. `map` sends a buffer (a memfd, with the message) before any call names it;
+    `put`, `get_into` and `get_many_into` name `buffer`, `offset` and `length` in it."""
+
+    id: int
+    op: str
+    keys: list[str] = []
+    buffer: int = 0
+    offset: int = 0
+    length: int = 0
+    capacity: int = 0
+    flag: bool = False
+
+
+class TierReply(Struct, frozen=True):
+    """A call's result, or the error it raised (`error`: the class name); `in_flight`: the
+    tier's calls still running in the child after this one (a call that timed out there may
+    still write into its buffer)."""
+
+    id: int
+    result: Any = None
+    error: str = ""
+    message: str = ""
+    code: int | None = None
+    in_flight: int = 0
+
+
+def error_reply(call_id: int, exc: Exception, in_flight: int) -> TierReply:
+    """The reply that raises `exc` again on the other side (a TierError for anything else)."""
+    name = type(exc).__name__ if type(exc).__name__ in _ERRORS else "TierError"
+    message = str(exc) if isinstance(exc, TierError) else f"{type(exc).__name__}: {exc}"
+    code = getattr(exc, "code", None) if isinstance(exc, TierError) else None
+    code = code if isinstance(code, int) else None  # Mooncake's code, not the wire's
+    return TierReply(
+        id=call_id, error=name, message=message, code=code, in_flight=in_flight
+    )
+
+
+def raise_error(reply: TierReply) -> None:
+    """Raise the error a failed reply carries."""
+    if reply.error:
+        raise _ERRORS.get(reply.error, TierError)(reply.message, reply.code)

@@ -1,0 +1,56 @@
+"""What handlers read from a request's fields beside the store: a prompt's token ids (inline or
+in a shared region), how many of them lie in closed blocks, and where a load writes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prefixd.errors import ProtocolError
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TOKEN_BYTES
+from prefixd.wire.errors import ErrorCode
+from prefixd.wire.messages import Load, LoadState, Span, TokenFields
+
+if TYPE_CHECKING:
+    from prefixd.daemon.connection import Connection
+
+
+def request_tokens(conn: Connection, fields: TokenFields, where: str = "") -> bytes | memoryview:
+    """Packed token ids: inline (`tokens`, a bin) or in a shared region (`tokens_span`,
+    [region, offset, n_tokens]), which keeps a long prompt's ids off the socket; exactly one of
+    them, agreeing with `n_tokens` when that is given."""
+    span: Span | None = fields.tokens_span
+    tokens: bytes | memoryview | None = fields.tokens
+    if span is not None:
+        if tokens is not None:
+            raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens and tokens_span both given")
+        region, offset, count = span
+        tokens = conn.span((region, offset, count * TOKEN_BYTES))
+    elif tokens is None:
+        raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens (or tokens_span) is required")
+    if len(tokens) % TOKEN_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_TOKENS, f"{where}tokens is {len(tokens)} bytes, not a multiple of 4"
+        )
+    count = len(tokens) // TOKEN_BYTES
+    declared = fields.n_tokens
+    if declared is not None and declared != count:
+        raise ProtocolError(
+            ErrorCode.BAD_TOKENS, f"{where}tokens holds {count} token ids, n_tokens says {declared}"
+        )
+    return tokens
+
+
+def closed_tokens(tokens: bytes | memoryview, identity: Identity) -> int:
+    """How many of a prompt's tokens lie in closed blocks (the part a lookup can hit); for an
+    engine-keyed identity, the tokens its closed keys stand for."""
+    return len(tokens) // TOKEN_BYTES // identity.block_words * identity.block_tokens
+
+
+def region_output(conn: Connection, msg: Load | LoadState) -> tuple[int, memoryview]:
+    """Where a load writes: `region` from `offset` (default 0) for `length` bytes (default: to
+    the region's end)."""
+    region = conn.region(msg.region)
+    offset = msg.offset or 0
+    length = max(0, region.size - offset) if msg.length is None else msg.length
+    return offset, region.span(offset, length)
