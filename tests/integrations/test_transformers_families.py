@@ -275,9 +275,15 @@ def test_an_indexers_position_history_is_stored() -> None:
 
 
 def test_a_float32_gap_of_the_models_own_cache_is_checked_in_float64() -> None:
-    """Gemma 4's own cache continues 1.8e-5 from a prefill in float32 and exactly in float64: the
-    restored cache is exact there. Moshi's own cache stays 0.3 away even in float64."""
+    """Gemma 4's own cache continues about 1e-5 from a prefill in float32 (6e-6 to 1.8e-5 from
+    run to run, so either side of TOL) and exactly in float64, where the restored cache is exact
+    too. Moshi's own cache stays 0.3 away even in float64."""
     gemma = zoo.check("gemma4_text")
     assert gemma.result == "exact" and gemma.diff <= zoo.TOL, gemma
-    assert gemma.reason.startswith("in float64"), gemma
+    assert not gemma.reason or gemma.reason.startswith("in float64"), gemma
+    block, prefix, early = 8, 6 * 8, 2 * 8
+    wide = zoo._in_float64("gemma4_text", zoo.tokens(prefix + 5 + 3), block, 2, prefix, early)
+    assert wide is not None
+    restored, own_from_prefill, restored_from_own = wide
+    assert max(restored, own_from_prefill, restored_from_own) <= 1e-12, wide
     assert zoo.check("moshi").result == "as own cache"
