@@ -9,7 +9,11 @@ In the same run, on the same bytes:
   mooncake_get    Mooncake's own `get` of the same objects, one at a time into one buffer
                   (prefixd's adapter, no proof, no install): what the tier alone delivers;
   mooncake_batch_get  the same through Mooncake's batch get (32 objects a round trip), the
-                  fastest way the tier has to deliver them.
+                  fastest way the tier has to deliver them;
+  mooncake_put    Mooncake's own put of the same values under other keys, one at a time;
+  remote_hit_inline   the remote hit with the tier's client in the daemon's own process
+                  (`--cluster-client inline`) instead of a child process (the default): what
+                  the child process costs. Rounds of the two alternate.
 
 Run: `python bench/cluster_bench.py [--json] [--size-mib 256] [--block-kib 1024] [--data-root DIR]`
 (`--data-root /dev/shm` puts both stores in memory, to tell the disk's write path from the rest's
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     loadavg = tuple(float(x) for x in Path("/proc/loadavg").read_text().split()[:3])
     block = args.block_kib << 10
     n_blocks = (args.size_mib << 20) // block
-    segment = max(64 << 20, 2 * n_blocks * block)
+    segment = max(64 << 20, 4 * n_blocks * block)
     with tempfile.TemporaryDirectory(prefix="pxd-cluster-", dir=args.data_root) as tmp:
         root = Path(tmp)
         master = LocalMaster(binary, root)
@@ -68,12 +73,22 @@ def main(argv: list[str] | None = None) -> int:
             "--cluster-segment-bytes", str(segment), "--cluster-timeout-s", "30",
             "--prefill-tokens-per-s", "100",  # slow prefill: every fetch is worth it
         ]  # fmt: skip
+        map_size = 4 * segment + (1 << 30)
+        inline = [*flags, "--cluster-client", "inline"]
         try:
             with (
-                SuiteDaemon(root, "a", map_size=4 * segment + (1 << 30), extra=flags) as a,
-                SuiteDaemon(root, "b", map_size=4 * segment + (1 << 30), extra=flags) as b,
+                SuiteDaemon(root, "a", map_size=map_size, extra=flags) as a,
+                SuiteDaemon(root, "b", map_size=map_size, extra=flags) as b,
+                SuiteDaemon(root, "a-inline", map_size=map_size, extra=inline) as a_inline,
+                SuiteDaemon(root, "b-inline", map_size=map_size, extra=inline) as b_inline,
             ):
-                results = run(a, b, master, n_blocks, block, args.repeat)
+                results = run(
+                    {"": (a, b), "_inline": (a_inline, b_inline)},
+                    master,
+                    n_blocks,
+                    block,
+                    args.repeat,
+                )
         finally:
             master.stop()
     report = {
@@ -93,13 +108,21 @@ def main(argv: list[str] | None = None) -> int:
             "remote_hit_vs_mooncake_batch_get": ratio(
                 results["remote_hit_gbps"], results["mooncake_batch_get_gbps"]
             ),
+            "remote_hit_child_vs_inline": ratio(
+                results["remote_hit_gbps"], results["remote_hit_inline_gbps"]
+            ),
         },
     }
     if args.json:
         print(json.dumps(report))
     else:
         for key in (
-            "remote_hit_gbps", "local_hit_gbps", "mooncake_get_gbps", "mooncake_batch_get_gbps"
+            "remote_hit_gbps",
+            "remote_hit_inline_gbps",
+            "local_hit_gbps",
+            "mooncake_get_gbps",
+            "mooncake_batch_get_gbps",
+            "mooncake_put_gbps",
         ):
             print(f"{key:24} {report[key]:8.3f}")
         for key, value in report["ratios"].items():
@@ -108,68 +131,129 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(
-    a: SuiteDaemon, b: SuiteDaemon, master: LocalMaster, n_blocks: int, block: int, repeat: int
-) -> dict[str, float]:
+    pairs: dict[str, tuple[SuiteDaemon, SuiteDaemon]],
+    master: LocalMaster,
+    n_blocks: int,
+    block: int,
+    repeat: int,
+) -> dict[str, Any]:
+    """`repeat` rounds on each pair of daemons (A publishes, B hits), the pairs in turn."""
     total = n_blocks * block
-    remote, local, tier_get, tier_batch = [], [], [], []
+    remote: dict[str, list[float]] = {name: [] for name in pairs}
+    local: list[float] = []
+    tier_get: list[float] = []
+    tier_batch: list[float] = []
+    tier_put: list[float] = []
     rng = np.random.default_rng(7)
     for round_ in range(repeat):
-        identity = Identity(
-            model="bench", weights=f"w{round_}", tokenizer="t", template="c", rope="r",
-            kv_layout="bf16", block_tokens=BLOCK_TOKENS, tenant="bench",
-        )  # fmt: skip
-        tokens = rng.integers(0, 1 << 31, n_blocks * BLOCK_TOKENS, dtype=np.uint32)
-        payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(n_blocks)]
-        with Client(a.socket, region_bytes=total + (1 << 20)) as client:
-            for start in range(0, n_blocks, 64):
-                client.put(identity, tokens, payloads[start : start + 64], first_block=start)
-            wait_published(client, n_blocks * (round_ + 1))
-        with Client(b.socket, region_bytes=total + (1 << 20), timeout=600) as client:
-            started = time.perf_counter()
-            [hit] = client.lookup(identity, [tokens])
-            loaded = client.load(identity, tokens)
-            remote.append(time.perf_counter() - started)
-            assert hit.n_blocks == loaded.n_blocks == n_blocks, (hit, loaded.n_blocks)
-            assert all(bytes(v) == p.tobytes() for v, p in zip(loaded.views, payloads, strict=True))
-            loaded.release()  # its region space is what the second load needs
-            started = time.perf_counter()
-            with client.load(identity, tokens) as again:
-                local.append(time.perf_counter() - started)
-                assert again.n_blocks == n_blocks
-        keys = [block_key(identity.digest, h) for h in BlockChain(identity, tokens).hashes()]
-        with SharedTier(master.settings(segment_bytes=0, timeout_s=60)) as tier:
-            out = bytearray(block + (64 << 10))  # the value: header, record, payload
-            started = time.perf_counter()
-            for key in keys:
-                assert tier.get_into(key, out) is not None
-            tier_get.append(time.perf_counter() - started)
-            capacity = block + (64 << 10)
-            batch = bytearray(32 * capacity)
-            started = time.perf_counter()
-            for first in range(0, len(keys), 32):
-                got = tier.get_many_into(keys[first : first + 32], batch, capacity)
-                assert None not in got and min(n for n in got if n is not None) > 0
-            tier_batch.append(time.perf_counter() - started)
+        for name, (a, b) in pairs.items():
+            identity = Identity(
+                model="bench", weights=f"w{round_}{name}", tokenizer="t", template="c",
+                rope="r", kv_layout="bf16", block_tokens=BLOCK_TOKENS, tenant="bench",
+            )  # fmt: skip
+            got = _round(a, b, identity, n_blocks, block, round_, rng)
+            remote[name].append(got[0])
+            if not name:
+                local.append(got[1])
+                keys = got[2]
+        tier_get.append(_tier_get(master, keys, block))
+        tier_batch.append(_tier_batch_get(master, keys, block))
+        tier_put.append(_tier_put(master, keys, block, round_))
     return {
-        "remote_hit_gbps": total / statistics.median(remote) / 1e9,
+        **{f"remote_hit{n}_gbps": total / statistics.median(s) / 1e9 for n, s in remote.items()},
         "local_hit_gbps": total / statistics.median(local) / 1e9,
         "mooncake_get_gbps": total / statistics.median(tier_get) / 1e9,
         "mooncake_batch_get_gbps": total / statistics.median(tier_batch) / 1e9,
+        "mooncake_put_gbps": total / statistics.median(tier_put) / 1e9,
         "bytes": total,
         "seconds": {
-            "remote_hit": remote,
+            **{f"remote_hit{n}": s for n, s in remote.items()},
             "local_hit": local,
             "mooncake_get": tier_get,
             "mooncake_batch_get": tier_batch,
+            "mooncake_put": tier_put,
         },
     }
 
 
+def _round(
+    a: SuiteDaemon,
+    b: SuiteDaemon,
+    identity: Identity,
+    n_blocks: int,
+    block: int,
+    round_: int,
+    rng: np.random.Generator,
+) -> tuple[float, float, list[str]]:
+    """A stores and publishes a prompt; B's remote hit, then its local hit; the tier's keys."""
+    total = n_blocks * block
+    tokens = rng.integers(0, 1 << 31, n_blocks * BLOCK_TOKENS, dtype=np.uint32)
+    payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(n_blocks)]
+    with Client(a.socket, region_bytes=total + (1 << 20)) as client:
+        for start in range(0, n_blocks, 64):
+            client.put(identity, tokens, payloads[start : start + 64], first_block=start)
+        wait_published(client, n_blocks * (round_ + 1))
+    with Client(b.socket, region_bytes=total + (1 << 20), timeout=600) as client:
+        started = time.perf_counter()
+        [hit] = client.lookup(identity, [tokens])
+        loaded = client.load(identity, tokens)
+        remote = time.perf_counter() - started
+        assert hit.n_blocks == loaded.n_blocks == n_blocks, (hit, loaded.n_blocks)
+        assert all(bytes(v) == p.tobytes() for v, p in zip(loaded.views, payloads, strict=True))
+        loaded.release()  # its region space is what the second load needs
+        started = time.perf_counter()
+        with client.load(identity, tokens) as again:
+            local = time.perf_counter() - started
+            assert again.n_blocks == n_blocks
+    keys = [block_key(identity.digest, h) for h in BlockChain(identity, tokens).hashes()]
+    return remote, local, keys
+
+
+def _tier_get(master: LocalMaster, keys: list[str], block: int) -> float:
+    """Mooncake's own get of the objects, one after another into one buffer."""
+    with SharedTier(master.settings(segment_bytes=0, timeout_s=60)) as tier:
+        out = bytearray(block + (64 << 10))  # the value: header, record, payload
+        started = time.perf_counter()
+        for key in keys:
+            assert tier.get_into(key, out) is not None
+        return time.perf_counter() - started
+
+
+def _tier_put(master: LocalMaster, keys: list[str], block: int, round_: int) -> float:
+    """Mooncake's own put of the same values under other keys, one after another (the copies
+    live in the putting client's segment, which lends room for them)."""
+    size = len(keys) * (block + (64 << 10))
+    with SharedTier(master.settings(segment_bytes=max(16 << 20, 2 * size), timeout_s=60)) as tier:
+        values = []
+        for key in keys:
+            out = bytearray(block + (64 << 10))
+            n = tier.get_into(key, out)
+            assert n is not None
+            values.append(memoryview(out)[:n])
+        started = time.perf_counter()
+        for i, value in enumerate(values):
+            tier.put(f"bench-put-{round_}-{i}", value)
+        return time.perf_counter() - started
+
+
+def _tier_batch_get(master: LocalMaster, keys: list[str], block: int) -> float:
+    """Mooncake's batch get of the objects, 32 a round trip."""
+    with SharedTier(master.settings(segment_bytes=0, timeout_s=60)) as tier:
+        capacity = block + (64 << 10)
+        batch = bytearray(32 * capacity)
+        started = time.perf_counter()
+        for first in range(0, len(keys), 32):
+            got = tier.get_many_into(keys[first : first + 32], batch, capacity)
+            assert None not in got and min(n for n in got if n is not None) > 0
+        return time.perf_counter() - started
+
+
 def wait_published(client: Client, n: int) -> None:
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 120
     while client.stats()["metrics"]["cluster"].get("published_blocks", 0) < n:
         if time.monotonic() > deadline:
-            raise TimeoutError("node A did not publish its blocks in time")
+            counts = client.stats()["metrics"]["cluster"]
+            raise TimeoutError(f"node A did not publish its blocks in time: {counts}")
         time.sleep(0.05)
 
 

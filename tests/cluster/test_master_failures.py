@@ -142,11 +142,11 @@ def test_the_master_killed_at_random_moments(
         worker.start()
     try:
         for _ in range(3):
-            time.sleep(rng.uniform(0.5, 2.0))
+            stop.wait(rng.uniform(0.3, 1.2))  # mid-puts, mid-fetches: wherever it falls
             master_control.stop()  # SIGTERM, then SIGKILL: its metadata is gone
-            time.sleep(rng.uniform(0.2, 2.5))
+            stop.wait(rng.uniform(0.2, 1.5))
             master_control.start()
-        time.sleep(rng.uniform(0.5, 1.5))
+        stop.wait(rng.uniform(0.5, 1.0))
     finally:
         stop.set()
         for worker in workers:
