@@ -17,7 +17,9 @@
   installs a batch up to the last boundary where every page is closed and every checkpoint its
   group's policy promises is there, all groups in one transaction (`Store.put_state`): the local
   joint rules then decide what is reusable, as for a local put. A part that fails its proof takes
-  its block and everything after it away.
+  its block and everything after it away. A hybrid prompt whose blocks the tier had without
+  extending it is not asked again for `_RECHECK_S` (its blocks past the boundary may be stored
+  already, waiting for a checkpoint; every lookup would fetch them again).
 * Purges: removing a tenant or retiring a model version removes its objects from the tier too.
 * The tier being down or slow never reaches the engine: every failure is counted and the local
   store answers alone.
@@ -31,7 +33,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from typing import Final, Protocol
@@ -65,6 +67,8 @@ _BACKOFF_S = 1.0  # after a failure, publishing pauses this long before the next
 _PUBLISH_TRIES = 3  # a block the tier could not be reached for goes back in the queue, so often
 _BATCH_BYTES = 32 << 20  # fetched per round trip (and installed per local transaction), about
 _MAX_BATCH = 64  # blocks per batch at most
+_RECHECK_S = 30.0  # a hybrid prompt the tier did not extend is asked again after this long
+_FRUITLESS_KEPT = 4096  # such prompts remembered at most
 
 
 class TierClient(Protocol):
@@ -105,8 +109,12 @@ class SharedTierBridge:
         pending: int,
         prefill_tokens_per_s: float,
         max_fetch_blocks: int = 4096,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
+        self._now = now
+        # hybrid read-throughs that brought nothing: (first block, end) -> when to ask again
+        self._fruitless: dict[tuple[bytes, int], float] = {}
         self.tier = tier
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.max_fetch_blocks = max_fetch_blocks
@@ -194,13 +202,43 @@ class SharedTierBridge:
         if not self._worth_it(identity, end - local_blocks):
             self._count("remote_skipped_by_benefit")
             return 0
+        asked = (chain.hash(local_blocks), end)
+        with self._lock:
+            recent = self._fruitless.get(asked, 0.0) > self._now()
+        if identity.state is not None and recent:
+            self._count("remote_skipped_recently")
+            return 0
+        installed = self._read_through(identity, chain, local_blocks, end)
+        if identity.state is not None and installed is not None and not installed:
+            self._remember_fruitless(asked)  # the tier had the blocks, and nothing new
+        return installed or 0
+
+    def _remember_fruitless(self, asked: tuple[bytes, int]) -> None:
+        """A hybrid prompt whose blocks the tier had without moving its joint boundary is not
+        asked again for `_RECHECK_S`: its blocks after the boundary may all be stored, waiting
+        for a checkpoint the tier does not have either, and every lookup would fetch them
+        again. (A miss costs one size call, and is asked again at once, as for a plain one.)"""
+        now = self._now()
+        with self._lock:
+            if len(self._fruitless) >= _FRUITLESS_KEPT:
+                for key in [k for k, until in self._fruitless.items() if until <= now]:
+                    del self._fruitless[key]
+                while len(self._fruitless) >= _FRUITLESS_KEPT:
+                    del self._fruitless[next(iter(self._fruitless))]  # the oldest
+            self._fruitless[asked] = now + _RECHECK_S
+
+    def _read_through(
+        self, identity: Identity, chain: BlockChain, local_blocks: int, end: int
+    ) -> int | None:
+        """`read_through` once it is worth asking; None when the tier does not have the first
+        block asked for (or cannot be reached)."""
         align = _page_span(identity)
         sized = -(-local_blocks // align) * align  # a block with every group's page: the largest
         capacity = self._capacity(
             block_key(identity.digest, chain.hash(sized if sized < end else local_blocks))
         )
         if capacity is None:
-            return 0
+            return None
         per_batch = max(1, min(_MAX_BATCH, _BATCH_BYTES // capacity))
         batches = _batches(local_blocks, end, per_batch, align)
         room_bytes = max(stop - start for start, stop in batches) * capacity

@@ -221,3 +221,35 @@ def test_parts_are_proven_where_they_hang() -> None:
     ]:
         with pytest.raises(RemoteBlockError):
             decode(index, parts, spec)
+
+
+def test_a_prompt_the_tier_did_not_extend_is_not_asked_again_at_once(nodes: Nodes) -> None:
+    """Sparse checkpoints (policy 'chosen'): B's joint boundary stays at block 2 while blocks
+    2 and 3 are stored. A read-through from there that brings nothing is not repeated by every
+    lookup, only after `_RECHECK_S` (on the bridge's clock)."""
+    from prefixd.cluster.bridge import _RECHECK_S
+
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    clock = [1000.0]
+    bridge_b._now = lambda: clock[0]
+    state = (StateGroup.paged("mla", page_blocks=2), StateGroup.checkpoint("kda"))
+    chosen = Identity(**{**HYBRID.to_dict(), "state": state})
+    result = a.put_state(
+        chosen,
+        TOKENS,
+        upto_tokens=4 * BT,
+        paged={"mla": [page(0), page(2)]},
+        checkpoints={"kda": {2 * BT: snap(2 * BT)}},
+    )
+    bridge_a.published(chosen, result.hashes)
+    wait_for(lambda: len(tier.objects) >= 4, "every block published", poll_s=0.01)
+    prompt = TOKENS[: 4 * BT]
+    assert bridge_b.read_through(chosen, prompt, 0) == 4
+    assert bridge_b.read_through(chosen, prompt, 2) == 0  # blocks 2, 3 again: nothing new
+    tier.calls.clear()
+    assert bridge_b.read_through(chosen, prompt, 2) == 0
+    assert sum(tier.calls.values()) == 0
+    assert bridge_b.snapshot()["remote_skipped_recently"] == 1
+    clock[0] += _RECHECK_S + 1
+    assert bridge_b.read_through(chosen, prompt, 2) == 0
+    assert tier.calls["get_many_into"] == 1  # asked again, once the time is up
