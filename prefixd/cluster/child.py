@@ -91,11 +91,14 @@ class ChildTier:
         cooldown_s: float = 1.0,
         workers: int = 4,
         fresh_after_s: float = 10.0,
+        pool_bytes: int = 96 << 20,
     ) -> None:
         self._start = TierStart(factory=factory, settings=settings, workers=workers)
         self.call_timeout_s = call_timeout_s
         self.cooldown_s = cooldown_s
         self.fresh_after_s = fresh_after_s
+        self.pool_bytes = pool_bytes
+        self._buffer_ids = 0
         self._last_answer = 0.0  # when a call last succeeded (or the child started)
         self._lock = threading.Lock()
         self._process: _Process | None = None
@@ -179,18 +182,34 @@ class ChildTier:
         return memoryview(chosen.mapping)[:size]
 
     def release(self, view: memoryview) -> None:
-        """Give back a buffer from `buffer` (anything else is ignored)."""
+        """Give back a buffer from `buffer` (anything else is ignored). Past `pool_bytes` of
+        idle buffers, it is unmapped instead of kept: a burst of large fetches does not leave
+        its memory behind."""
         found = self._buffers.get(id(view.obj))
-        if found is not None:
-            with self._lock:
-                found.busy = False
+        if found is None:
+            return
+        with self._lock:
+            found.busy = False
+            idle = sum(b.size for b in self._buffers.values() if not b.busy)
+            if idle <= self.pool_bytes or found.tainted:
+                return
+            del self._buffers[id(found.mapping)]
+            process = self._process
+        if process is not None and found.mapped_by == process.generation and not process.dead:
+            with contextlib.suppress(OSError), process.send_lock:
+                forget = TierCall(id=0, op="unmap", buffer=found.id)
+                process.sock.sendall(self._encoder.encode(forget))
+        os.close(found.fd)
+        with contextlib.suppress(BufferError):  # a view still held: unmapped with it
+            found.mapping.close()
 
     def _new_buffer(self, size: int) -> _Buffer:
         fd = os.memfd_create("prefixd-tier", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
         mapping = mmap.mmap(fd, size)
         address = int(np.frombuffer(mapping, dtype=np.uint8).ctypes.data)
-        buffer = _Buffer(len(self._buffers) + 1, fd, size, mapping, address)
+        self._buffer_ids += 1
+        buffer = _Buffer(self._buffer_ids, fd, size, mapping, address)
         self._buffers[id(mapping)] = buffer
         return buffer
 

@@ -54,6 +54,9 @@ class _Child:
                 if call.op == "map":  # in order, before any call that names the buffer
                     self._map(call, fds)
                     continue
+                if call.op == "unmap":  # after the last call that named it
+                    self.buffers.pop(call.buffer, None)
+                    continue
                 pool.submit(self._answer, call)
         self._close()
 

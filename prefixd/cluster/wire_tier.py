@@ -36,8 +36,9 @@ class TierStart(Struct, frozen=True):
 
 
 class TierCall(Struct, frozen=True):
-    """One call. `map` sends a buffer (a memfd, with the message) before any call names it;
-    `put`, `get_into` and `get_many_into` name `buffer`, `offset` and `length` in it."""
+    """One call. `map` sends a buffer (a memfd, with the message) before any call names it, and
+    `unmap` retires it after the last; `put`, `get_into` and `get_many_into` name `buffer`,
+    `offset` and `length` in it. Neither `map` nor `unmap` is answered."""
 
     id: int
     op: str

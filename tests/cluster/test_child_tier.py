@@ -168,3 +168,27 @@ def test_a_child_that_dies_is_replaced(tier: ChildTier) -> None:
     wait_for(lambda: tier.pid != pid, "the dead child replaced")
     wait_for(lambda: _answers(tier), "the next child serving")
     assert tier.restarts == 1
+
+
+def test_idle_buffers_past_the_pool_are_unmapped_on_both_sides() -> None:
+    """A burst of fetches into four buffers, then back to one at a time: what the pool does
+    not keep is unmapped in the daemon's process and in the child's."""
+    with ChildTier({}, factory=FAKE, call_timeout_s=CALL_S, pool_bytes=2 << 20) as tier:
+        tier.put("k", b"v" * 100)
+        rooms = [tier.buffer(1 << 20) for _ in range(4)]
+        for room in rooms:
+            assert tier.get_many_into(["k"], room, 1 << 20) == [100]
+        pid = tier.pid
+        assert pid is not None and _mapped_buffers(pid) == 4  # the first was the put's staging
+        for room in rooms:
+            tier.release(room)
+        assert len(tier._buffers) == 2  # 2 MiB kept
+        tier.put("again", b"x")  # after the unmaps, in order on the socket
+        assert _mapped_buffers(pid) == 2
+        room = tier.buffer(1 << 20)
+        assert tier.get_many_into(["k"], room, 1 << 20) == [100]
+
+
+def _mapped_buffers(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return len({line.split()[4] for line in f if "memfd:prefixd-tier" in line})
