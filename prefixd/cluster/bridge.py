@@ -233,11 +233,16 @@ class SharedTierBridge:
         """`read_through` once it is worth asking; None when the tier does not have the first
         block asked for (or cannot be reached)."""
         align = _page_span(identity)
-        sized = -(-local_blocks // align) * align  # a block with every group's page: the largest
-        capacity = self._capacity(
-            block_key(identity.digest, chain.hash(sized if sized < end else local_blocks))
-        )
-        if capacity is None:
+        # sized by a block that starts every group's page (the largest), else by the first
+        sized = -(-local_blocks // align) * align
+        capacity = None
+        for index in dict.fromkeys((sized if sized < end else local_blocks, local_blocks)):
+            capacity = self._capacity(block_key(identity.digest, chain.hash(index)))
+            if capacity != 0:
+                break
+        if not capacity:
+            if capacity == 0:
+                self._count("remote_misses")
             return None
         per_batch = max(1, min(_MAX_BATCH, _BATCH_BYTES // capacity))
         batches = _batches(local_blocks, end, per_batch, align)
@@ -290,18 +295,16 @@ class SharedTierBridge:
         return installed
 
     def _capacity(self, key: str) -> int | None:
-        """Room for one value of a batch: the first one's size, with some slack (the values of
-        one identity are about the same size; a longer one is fetched alone)."""
+        """Room for one value of a batch: this one's size, with some slack (the values of one
+        identity are about the same size; a longer one is fetched alone); 0 when the tier does
+        not have it, None when the tier fails."""
         try:
             size = self.tier.size(key)
         except PrefixdError as exc:
             self._count("fetch_errors")
             log.warning("fetching from the shared tier failed: %s", exc)
             return None
-        if size is None:
-            self._count("remote_misses")
-            return None
-        return size + size // 16 + 64
+        return 0 if size is None else size + size // 16 + 64
 
     def _fetch(
         self,

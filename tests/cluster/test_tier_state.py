@@ -253,3 +253,25 @@ def test_a_prompt_the_tier_did_not_extend_is_not_asked_again_at_once(nodes: Node
     clock[0] += _RECHECK_S + 1
     assert bridge_b.read_through(chosen, prompt, 2) == 0
     assert tier.calls["get_many_into"] == 1  # asked again, once the time is up
+
+
+def test_a_boundary_inside_a_page_reads_through_when_the_next_page_is_not_shared(
+    nodes: Nodes,
+) -> None:
+    """B's joint boundary is at block 3, inside the page of blocks 2-3; the tier has blocks 0-3
+    with a checkpoint at every boundary, and no block 4. Sized by block 3 when block 4 is not
+    there, the fetch brings block 3's checkpoint: B's boundary moves to block 4."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    state = (StateGroup.paged("mla", page_blocks=2), StateGroup.checkpoint("kda"))
+    chosen = Identity(**{**HYBRID.to_dict(), "state": state})
+    pages = {"mla": [page(0), page(2)]}
+    every = {"kda": {b: snap(b) for b in range(BT, 4 * BT + 1, BT)}}
+    result = a.put_state(chosen, TOKENS, upto_tokens=4 * BT, paged=pages, checkpoints=every)
+    bridge_a.published(chosen, result.hashes)
+    wait_for(lambda: len(tier.objects) >= 4, "every block published", poll_s=0.01)
+    b.put_state(
+        chosen, TOKENS, upto_tokens=4 * BT, paged=pages, checkpoints={"kda": {48: snap(48)}}
+    )
+    assert b.lookup_state(chosen, TOKENS).reusable_tokens == 3 * BT
+    assert bridge_b.read_through(chosen, TOKENS, 3) == 1
+    assert b.lookup_state(chosen, TOKENS).reusable_tokens == 4 * BT
