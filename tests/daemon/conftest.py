@@ -115,6 +115,7 @@ class Daemon:
         self.notify.bind(str(self.notify_path))
         self.messages: list[bytes] = []  # every datagram received, in order
         self.proc: subprocess.Popen[bytes] | None = None
+        self._terminated: subprocess.Popen[bytes] | None = None  # the process sent SIGTERM
         self.logs: list[Path] = []
         self.exit_codes: list[int] = []
 
@@ -199,9 +200,15 @@ class Daemon:
         if served and (self.data_dir / "data.mdb").exists():
             assert_data_dir_checks(self.data_dir)
 
+    def terminate(self) -> None:
+        """SIGTERM, once: the graceful stop `close` waits for (a second one would force it)."""
+        if self.proc is not None and self.proc.poll() is None and self._terminated is not self.proc:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = self.proc
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -337,6 +344,8 @@ def _factory(workdir: Path, sockdir: Path, check_stores: bool = True) -> Iterato
     try:
         yield start
     finally:
+        for daemon in daemons:  # side by side: each may take seconds to close its shared tier
+            daemon.terminate()
         for daemon in daemons:
             daemon.close()
     for daemon in daemons if check_stores else ():

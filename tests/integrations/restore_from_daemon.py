@@ -69,9 +69,10 @@ def restore_and_continue(family: str, client: Client, ids: torch.Tensor) -> dict
     return {"reusable_tokens": reusable, "paged_tokens": loaded.paged_tokens, "diff": diff}
 
 
-def main(socket_path: str) -> None:
+def main(socket_path: str, *families: str) -> None:
+    """Every family of tests.integrations.models, or the ones named."""
     with Client(socket_path, region_bytes=16 << 20) as client:
-        for family in FAMILIES:
+        for family in families or FAMILIES:
             result = {
                 "family": family,
                 "direct": restore_and_continue(family, client, tokens()),
@@ -81,4 +82,4 @@ def main(socket_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
