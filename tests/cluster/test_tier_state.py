@@ -118,37 +118,48 @@ def _part_spans(value: bytearray) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def test_a_checkpoint_hung_later_replaces_the_published_value(nodes: Nodes) -> None:
-    """Published without a checkpoint at block 3 (policy 'chosen'), the chain is reusable
-    only to block 2 elsewhere; once one is hung on it and published again, to block 4."""
-    tier, (a, b), (bridge_a, bridge_b) = nodes
-    state = (StateGroup.paged("mla", page_blocks=2), StateGroup.checkpoint("kda"))
-    chosen = Identity(**{**HYBRID.to_dict(), "state": state})
-    result = a.put_state(
-        chosen,
+CHOSEN = Identity(
+    **{
+        **HYBRID.to_dict(),
+        "state": (StateGroup.paged("mla", page_blocks=2), StateGroup.checkpoint("kda")),
+    }
+)  # checkpoints where the engine chooses
+
+
+def put_sparse(store: Store, bridge: SharedTierBridge, tier: MemoryTier) -> None:
+    """Four blocks of CHOSEN, one checkpoint at block 2, published."""
+    result = store.put_state(
+        CHOSEN,
         TOKENS,
         upto_tokens=4 * BT,
         paged={"mla": [page(0), page(2)]},
         checkpoints={"kda": {2 * BT: snap(2 * BT)}},
     )
-    bridge_a.published(chosen, result.hashes)
+    bridge.published(CHOSEN, result.hashes)
     wait_for(lambda: len(tier.objects) >= 4, "every block published", poll_s=0.01)
-    assert bridge_b.read_through(chosen, TOKENS[: 4 * BT], 0) == 4
-    assert b.lookup_state(chosen, TOKENS).reusable_tokens == 2 * BT
-    hashes = BlockChain(chosen, TOKENS).hashes_until(4)
+
+
+def test_a_checkpoint_hung_later_replaces_the_published_value(nodes: Nodes) -> None:
+    """Published without a checkpoint at block 3 (policy 'chosen'), the chain is reusable
+    only to block 2 elsewhere; once one is hung on it and published again, to block 4."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    put_sparse(a, bridge_a, tier)
+    assert bridge_b.read_through(CHOSEN, TOKENS[: 4 * BT], 0) == 4
+    assert b.lookup_state(CHOSEN, TOKENS).reusable_tokens == 2 * BT
+    hashes = BlockChain(CHOSEN, TOKENS).hashes_until(4)
     a.put_state(
-        chosen, TOKENS, upto_tokens=4 * BT, first_block=4, checkpoints={"kda": {64: snap(64)}}
+        CHOSEN, TOKENS, upto_tokens=4 * BT, first_block=4, checkpoints={"kda": {64: snap(64)}}
     )
-    before = tier.objects[block_key(chosen.digest, hashes[3])]
-    bridge_a.published(chosen, [hashes[3]])
+    before = tier.objects[block_key(CHOSEN.digest, hashes[3])]
+    bridge_a.published(CHOSEN, [hashes[3]])
     wait_for(
-        lambda: tier.objects[block_key(chosen.digest, hashes[3])] != before,
+        lambda: tier.objects[block_key(CHOSEN.digest, hashes[3])] != before,
         "the block published again",
         poll_s=0.01,
     )
     b.delete([hashes[0]])
-    assert bridge_b.read_through(chosen, TOKENS[: 4 * BT], 0) == 4
-    assert b.lookup_state(chosen, TOKENS).reusable_tokens == 4 * BT
+    assert bridge_b.read_through(CHOSEN, TOKENS[: 4 * BT], 0) == 4
+    assert b.lookup_state(CHOSEN, TOKENS).reusable_tokens == 4 * BT
 
 
 def test_a_query_ending_inside_a_page_installs_up_to_the_last_closed_one(nodes: Nodes) -> None:
@@ -232,26 +243,16 @@ def test_a_prompt_the_tier_did_not_extend_is_not_asked_again_at_once(nodes: Node
     tier, (a, b), (bridge_a, bridge_b) = nodes
     clock = [1000.0]
     bridge_b._now = lambda: clock[0]
-    state = (StateGroup.paged("mla", page_blocks=2), StateGroup.checkpoint("kda"))
-    chosen = Identity(**{**HYBRID.to_dict(), "state": state})
-    result = a.put_state(
-        chosen,
-        TOKENS,
-        upto_tokens=4 * BT,
-        paged={"mla": [page(0), page(2)]},
-        checkpoints={"kda": {2 * BT: snap(2 * BT)}},
-    )
-    bridge_a.published(chosen, result.hashes)
-    wait_for(lambda: len(tier.objects) >= 4, "every block published", poll_s=0.01)
+    put_sparse(a, bridge_a, tier)
     prompt = TOKENS[: 4 * BT]
-    assert bridge_b.read_through(chosen, prompt, 0) == 4
-    assert bridge_b.read_through(chosen, prompt, 2) == 0  # blocks 2, 3 again: nothing new
+    assert bridge_b.read_through(CHOSEN, prompt, 0) == 4
+    assert bridge_b.read_through(CHOSEN, prompt, 2) == 0  # blocks 2, 3 again: nothing new
     tier.calls.clear()
-    assert bridge_b.read_through(chosen, prompt, 2) == 0
+    assert bridge_b.read_through(CHOSEN, prompt, 2) == 0
     assert sum(tier.calls.values()) == 0
     assert bridge_b.snapshot()["remote_skipped_recently"] == 1
     clock[0] += _RECHECK_S + 1
-    assert bridge_b.read_through(chosen, prompt, 2) == 0
+    assert bridge_b.read_through(CHOSEN, prompt, 2) == 0
     assert tier.calls["get_many_into"] == 1  # asked again, once the time is up
 
 
@@ -262,8 +263,7 @@ def test_a_boundary_inside_a_page_reads_through_when_the_next_page_is_not_shared
     with a checkpoint at every boundary, and no block 4. Sized by block 3 when block 4 is not
     there, the fetch brings block 3's checkpoint: B's boundary moves to block 4."""
     tier, (a, b), (bridge_a, bridge_b) = nodes
-    state = (StateGroup.paged("mla", page_blocks=2), StateGroup.checkpoint("kda"))
-    chosen = Identity(**{**HYBRID.to_dict(), "state": state})
+    chosen = CHOSEN
     pages = {"mla": [page(0), page(2)]}
     every = {"kda": {b: snap(b) for b in range(BT, 4 * BT + 1, BT)}}
     result = a.put_state(chosen, TOKENS, upto_tokens=4 * BT, paged=pages, checkpoints=every)

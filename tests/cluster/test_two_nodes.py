@@ -31,16 +31,21 @@ def tokens(seed: int, n_blocks: int = 6) -> np.ndarray:
     )
 
 
-@pytest.fixture
-def nodes(tmp_path: Path, mooncake_master: MooncakeMaster) -> Iterator[tuple[Daemon, Daemon]]:
-    """Two daemons on one master (each lends a 32 MiB segment), slow prefill so fetches pay."""
-    flags = (
-        "--cluster-master", mooncake_master.master,
-        "--cluster-metadata", mooncake_master.metadata,
+def node_flags(master: MooncakeMaster) -> tuple[str, ...]:
+    """A node on `master`: it lends a 32 MiB segment, and prefills slowly so fetches pay."""
+    return (
+        "--cluster-master", master.master,
+        "--cluster-metadata", master.metadata,
         "--cluster-segment-bytes", "32MiB",
         "--cluster-timeout-s", "2",
         "--prefill-tokens-per-s", "100",
     )  # fmt: skip
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, mooncake_master: MooncakeMaster) -> Iterator[tuple[Daemon, Daemon]]:
+    """Two daemons on one master."""
+    flags = node_flags(mooncake_master)
     with tempfile.TemporaryDirectory(prefix="pdc") as sockdir:
         with _factory(tmp_path, Path(sockdir)) as start:
             yield start(*flags, name="a"), start(*flags, name="b")

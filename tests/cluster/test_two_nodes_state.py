@@ -26,7 +26,7 @@ from ..daemon.test_hybrid_models import restored_in_a_fresh_process, store_prefi
 from ..integrations.models import BLOCK, PREFIX, TOL
 from ..integrations.restore_from_daemon import DIVERGE
 from .conftest import MooncakeMaster
-from .test_two_nodes import cluster_counts
+from .test_two_nodes import cluster_counts, node_flags
 
 HYBRIDS = ["qwen3_next", "kimi_linear", "deepseek_v4"]  # the models the issue names
 EARLY = 24  # tests/daemon/test_hybrid_models.py's early checkpoint
@@ -37,13 +37,7 @@ def nodes(
     tmp_path_factory: pytest.TempPathFactory, mooncake_master: MooncakeMaster
 ) -> Iterator[tuple[Daemon, Daemon]]:
     """Two daemons on one master for the whole module (as tests/cluster/test_two_nodes.py's)."""
-    flags = (
-        "--cluster-master", mooncake_master.master,
-        "--cluster-metadata", mooncake_master.metadata,
-        "--cluster-segment-bytes", "32MiB",
-        "--cluster-timeout-s", "2",
-        "--prefill-tokens-per-s", "100",
-    )  # fmt: skip
+    flags = node_flags(mooncake_master)
     with tempfile.TemporaryDirectory(prefix="pds") as sockdir:
         with _factory(tmp_path_factory.mktemp("nodes"), Path(sockdir)) as start:
             yield start(*flags, name="a"), start(*flags, name="b")
