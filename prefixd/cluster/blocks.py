@@ -33,6 +33,7 @@ import crc32c
 from prefixd.errors import CorruptRecordError, RemoteBlockError
 from prefixd.schema.records import BlockRecord
 from prefixd.schema.state import PAGED, StateSpec
+from prefixd.store.codec import Buffer
 
 MAGIC = b"PXSB"
 VERSION = 1  # without parts
@@ -67,15 +68,40 @@ def _name(data: bytes, size: int) -> str:
     return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
-def encode_block(
-    record: bytes, payload: bytes, parts: Sequence[tuple[int, bytes]] = ()
-) -> bytes:
+def encoded_size(
+    record: Buffer, payload: Buffer, parts: Sequence[tuple[int, Buffer]] = ()
+) -> int:
+    """The length of the value `encode_block_into` writes."""
+    pieces = (record, payload, *(p for _, p in parts))
+    return _HEAD.size + len(parts) * _PART.size + sum(memoryview(p).nbytes for p in pieces)
+
+
+def encode_block_into(
+    out: memoryview, record: Buffer, payload: Buffer, parts: Sequence[tuple[int, Buffer]] = ()
+) -> None:
+    """Write the value of a block into `out` (exactly `encoded_size` bytes): where the tier
+    reads it from, with no copy of the payload in between."""
     version = PARTS_VERSION if parts else VERSION
-    head = _HEAD.pack(
-        MAGIC, version, len(parts), len(record), len(payload), crc32c.crc32c(payload)
+    record_len, payload_len = memoryview(record).nbytes, memoryview(payload).nbytes
+    _HEAD.pack_into(
+        out, 0, MAGIC, version, len(parts), record_len, payload_len, crc32c.crc32c(payload)
     )
-    table = b"".join(_PART.pack(g, len(p), crc32c.crc32c(p)) for g, p in parts)
-    return b"".join([head, table, record, payload, *(p for _, p in parts)])
+    offset = _HEAD.size
+    for group, part in parts:
+        _PART.pack_into(out, offset, group, memoryview(part).nbytes, crc32c.crc32c(part))
+        offset += _PART.size
+    for piece in (record, payload, *(p for _, p in parts)):
+        n = memoryview(piece).nbytes
+        out[offset : offset + n] = memoryview(piece).cast("B")
+        offset += n
+
+
+def encode_block(
+    record: Buffer, payload: Buffer, parts: Sequence[tuple[int, Buffer]] = ()
+) -> bytes:
+    out = bytearray(encoded_size(record, payload, parts))
+    encode_block_into(memoryview(out), record, payload, parts)
+    return bytes(out)
 
 
 def decode_block(

@@ -42,7 +42,8 @@ from prefixd.cluster.blocks import (
     RemoteBlock,
     block_key,
     decode_block,
-    encode_block,
+    encode_block_into,
+    encoded_size,
     identity_prefix,
 )
 from prefixd.errors import PrefixdError, RemoteBlockError, TierUnavailableError
@@ -52,6 +53,7 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.state import PAGED, StateSpec
 from prefixd.schema.tokens import TokenIds
 from prefixd.store import Store
+from prefixd.store.results import ExportedBlock
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ _FRUITLESS_KEPT = 4096  # such prompts remembered at most
 class TierClient(Protocol):
     """What the bridge needs of a shared tier (prefixd.cluster.mooncake.SharedTier has it)."""
 
-    def put(self, key: str, value: bytes, *, overwrite: bool = False) -> None: ...
+    def put(self, key: str, value: bytes | memoryview, *, overwrite: bool = False) -> None: ...
 
     def get(self, key: str) -> bytes | None: ...
 
@@ -174,8 +176,7 @@ class SharedTierBridge:
                 exported = self.store.export_block(block)
                 if exported is None:
                     continue  # evicted or removed since
-                value = encode_block(exported.record, exported.payload, exported.parts)
-                self.tier.put(block_key(digest, block), value, overwrite=replace)
+                self._offer(block_key(digest, block), exported, replace)
             except PrefixdError as exc:
                 self._count("publish_errors")
                 log.warning("publishing to the shared tier failed: %s", exc)
@@ -187,6 +188,17 @@ class SharedTierBridge:
                 self._stopping.wait(_BACKOFF_S)
             else:
                 self._count("published_blocks")
+
+    def _offer(self, key: str, exported: ExportedBlock, replace: bool) -> None:
+        """Put a block's value, encoded straight into a buffer of the tier's (which the tier
+        reads from where it lies: no copy of the payload between the store and the tier)."""
+        parts = exported.parts
+        room = self.tier.buffer(encoded_size(exported.record, exported.payload, parts))
+        try:
+            encode_block_into(room, exported.record, exported.payload, parts)
+            self.tier.put(key, room, overwrite=replace)
+        finally:
+            self.tier.release(room)
 
     # --- read-through ----------------------------------------------------------------------------
 
@@ -253,9 +265,11 @@ class SharedTierBridge:
         allocated: list[memoryview] = []
 
         def fetch(start: int, stop: int) -> Future[tuple[list[memoryview | None], memoryview]]:
-            if not spare:
-                allocated.append(self.tier.buffer(room_bytes))
-            room = spare.pop() if spare else allocated[-1]
+            if spare:
+                room = spare.pop()
+            else:
+                room = self.tier.buffer(room_bytes)
+                allocated.append(room)
             return self._fetcher.submit(self._fetch, identity, chain, start, stop, capacity, room)
 
         installed = expected = 0

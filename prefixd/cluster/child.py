@@ -24,6 +24,7 @@ running in the child (its replies say how many run) or the child is gone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import mmap
 import os
@@ -40,6 +41,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from prefixd.cluster.mooncake import MooncakeSettings
 from prefixd.cluster.wire_tier import MAX_MESSAGE, TierCall, TierReply, TierStart, raise_error
 from prefixd.errors import TierError, TierUnavailableError, TierValueError
 
@@ -111,6 +113,19 @@ class ChildTier:
         self._child_in_flight = 0
         self._encoder = msgspec.msgpack.Encoder()
         self.restarts = 0
+
+    @classmethod
+    def for_mooncake(cls, settings: MooncakeSettings) -> ChildTier:
+        """Mooncake's client (prefixd.cluster.mooncake.SharedTier) in a child: a call later than
+        the longest one SharedTier makes is stuck, and a child none of whose calls succeeded
+        for five of its timeouts (at least 5 s) is replaced."""
+        return cls(
+            dataclasses.asdict(settings),
+            call_timeout_s=settings.longest_call_s + 1.0,
+            cooldown_s=settings.cooldown_s,
+            workers=settings.workers,
+            fresh_after_s=max(5.0, 5 * settings.timeout_s),
+        )
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -228,9 +243,14 @@ class ChildTier:
     # --- operations -------------------------------------------------------------------------
 
     def put(self, key: str, value: Any, *, overwrite: bool = False) -> None:
+        """Put `value`: read by the child where it lies when it is in one of this tier's
+        buffers (see `buffer`), else copied into one first."""
         size = memoryview(value).nbytes
         if size == 0:
             raise TierValueError("the value is empty (Mooncake refuses empty objects)")
+        if self._locate(value) is not None:
+            self._call("put", keys=[key], data=value, flag=overwrite)
+            return
         staging = self.buffer(size)
         try:
             staging[:] = memoryview(value).cast("B")

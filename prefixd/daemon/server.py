@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -366,13 +365,7 @@ class Server:
         if config.cluster_client == "inline":
             tier = SharedTier(settings)
         else:
-            child = ChildTier(
-                dataclasses.asdict(settings),
-                call_timeout_s=settings.longest_call_s + 1.0,  # late beyond it: stuck
-                cooldown_s=settings.cooldown_s,
-                workers=settings.workers,
-                fresh_after_s=max(5.0, 5 * settings.timeout_s),
-            )
+            child = ChildTier.for_mooncake(settings)
             child.start()
             tier = child
         return SharedTierBridge(

@@ -389,11 +389,11 @@ class Reader:
                 bad.append(Damaged(block, parent, record.identity, BAD_PART))
             record_bytes = bytes(raw)
         quarantine(ctx, bad)
-        return ExportedBlock(record_bytes, bytes(out), parts) if parts is not None else None
+        return ExportedBlock(record_bytes, out, parts) if parts is not None else None
 
     def _export_parts(
         self, txn: lmdb.Transaction[memoryview], block: bytes
-    ) -> tuple[tuple[tuple[int, bytes], ...] | None, bool]:
+    ) -> tuple[tuple[tuple[int, bytes | bytearray], ...] | None, bool]:
         """The verified state-group payloads hung on `block` (none for a plain identity's
         block), or None if one fails; and whether that one is damaged where it is stored."""
         ctx = self._ctx
@@ -424,7 +424,7 @@ class Reader:
         n_ok = ctx.codec.decode_verified(items, ctx.copier)
         if n_ok < len(items):
             return None, self._stored_damage(items[n_ok])
-        return tuple((group, bytes(out)) for group, out, _ in found), False
+        return tuple((group, out) for group, out, _ in found), False
 
     def block_info(self, block: bytes) -> BlockInfo | None:
         """See `Store.block_info`: the access fields include reads not yet synced."""

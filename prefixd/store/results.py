@@ -179,8 +179,9 @@ class RepairReport:
 class ExportedBlock:
     """A block as another tier receives it: its record (with token ids, parent and identity),
     its verified payload and, for a hybrid identity's block, the verified state-group payloads
-    hung on it as (group index, payload), by group index."""
+    hung on it as (group index, payload), by group index. The payloads are the buffers they
+    were verified into, not copies."""
 
     record: bytes
-    payload: bytes
-    parts: tuple[tuple[int, bytes], ...] = ()
+    payload: bytes | bytearray
+    parts: tuple[tuple[int, bytes | bytearray], ...] = ()

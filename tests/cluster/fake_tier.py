@@ -1,12 +1,12 @@
 """A tier in a dict for prefixd.cluster.tier_child, opened in the child by `open_fake_tier`:
 fast, and able to misbehave on demand the way Mooncake's client does (a call that holds the GIL,
-a call that sleeps, a close that holds the GIL)."""
+a call that waits until it is released, a close that holds the GIL)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-import time
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +14,8 @@ from prefixd.errors import TierUnavailableError, TierValueError
 from tests.cluster.memory_tier import MemoryTier
 
 HOLD_GIL = "hold-the-gil"  # a put of this key holds the child's GIL for good
-SLEEP = "sleep-"  # a put of `sleep-<seconds>` sleeps that long, the GIL released
+HOLD = "hold"  # a put of this key waits, the GIL released, until a put of RELEASE
+RELEASE = "release"
 
 
 def _hold_gil(seconds: int) -> None:
@@ -27,6 +28,7 @@ class FakeTier(MemoryTier):
     def __init__(self, close_holds_gil: bool = False) -> None:
         super().__init__()
         self.close_holds_gil = close_holds_gil
+        self.released = threading.Event()
 
     def connect(self) -> None:
         pass
@@ -34,8 +36,10 @@ class FakeTier(MemoryTier):
     def put(self, key: str, value: Any, *, overwrite: bool = False) -> None:
         if key == HOLD_GIL:
             _hold_gil(3600)
-        if key.startswith(SLEEP):
-            time.sleep(float(key[len(SLEEP) :]))
+        if key == HOLD:
+            self.released.wait()
+        if key == RELEASE:
+            self.released.set()
         if key == "bad":
             raise TierValueError("the key is bad", -600)
         if key == "unavail":
