@@ -4,13 +4,24 @@ Node A stores a prefix and publishes it to the tier; node B, cold, looks the pro
 is fetched from the tier, proven against its origin checksum, installed in B's store) and loads it.
 In the same run, on the same bytes:
 
-  remote_hit      B's lookup (fetch + prove + install) and load, GB/s of payload;
+  remote_hit      B's lookup (fetch + prove + install) and load, GB/s of payload, the median of
+                  the rounds after the first: B deletes each round's prompt after it, so the
+                  next round installs into pages its store freed, as a full store that evicts
+                  does (a node's usual state);
+  remote_hit_first  the first round's remote hit, B's store growing into pages it never had
+                  (on a VM whose host takes back freed memory, each new page costs a fault on
+                  the host: see fresh_write);
   local_hit       the same load again on B, now local;
   mooncake_get    Mooncake's own `get` of the same objects, one at a time into one buffer
                   (prefixd's adapter, no proof, no install): what the tier alone delivers;
   mooncake_batch_get  the same through Mooncake's batch get (32 objects a round trip), the
                   fastest way the tier has to deliver them;
   mooncake_put    Mooncake's own put of the same values under other keys, one at a time;
+  fresh_write     the same number of bytes written into a new file beside the stores (page
+                  cache only, no fsync): what installing them costs at the least, since a remote
+                  hit puts bytes in the store that were in none of its pages before;
+  remote_hit_stages_s  node B's own seconds fetching, proving and installing (the three
+                  overlap), and in the read-through in all (its counters `remote_*_us`);
   remote_hit_inline   the remote hit with the tier's client in the daemon's own process
                   (`--cluster-client inline`) instead of a child process (the default): what
                   the child process costs. Rounds of the two alternate.
@@ -46,6 +57,9 @@ from prefixd.cluster.mooncake import SharedTier  # noqa: E402
 from prefixd.schema.chain import BlockChain  # noqa: E402
 
 BLOCK_TOKENS = 256
+# node B's own seconds per stage of a remote hit (its bridge's counters): fetching from the tier,
+# proving the values, installing them (the three overlap), and the read-through in all
+STAGES = ("fetch", "prove", "install", "read")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--block-kib", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=4, help="rounds (the first apart)")
     parser.add_argument("--data-root", type=Path, default=None, help="where the stores live")
     args = parser.parse_args(argv)
     binary = master_binary()
@@ -84,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 results = run(
                     {"": (a, b), "_inline": (a_inline, b_inline)},
+                    root,
                     master,
                     n_blocks,
                     block,
@@ -108,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             "remote_hit_vs_mooncake_batch_get": ratio(
                 results["remote_hit_gbps"], results["mooncake_batch_get_gbps"]
             ),
+            "remote_hit_vs_fresh_write": ratio(
+                results["remote_hit_gbps"], results["fresh_write_gbps"]
+            ),
             "remote_hit_child_vs_inline": ratio(
                 results["remote_hit_gbps"], results["remote_hit_inline_gbps"]
             ),
@@ -118,13 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for key in (
             "remote_hit_gbps",
+            "remote_hit_first_gbps",
             "remote_hit_inline_gbps",
             "local_hit_gbps",
             "mooncake_get_gbps",
             "mooncake_batch_get_gbps",
             "mooncake_put_gbps",
+            "fresh_write_gbps",
         ):
             print(f"{key:24} {report[key]:8.3f}")
+        for key in ("remote_hit_stages_s", "remote_hit_inline_stages_s"):
+            print(key, {stage: round(s, 3) for stage, s in report[key].items()})
         for key, value in report["ratios"].items():
             print(f"{key:24} {value:8.3f}")
     return 0
@@ -132,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(
     pairs: dict[str, tuple[SuiteDaemon, SuiteDaemon]],
+    root: Path,
     master: LocalMaster,
     n_blocks: int,
     block: int,
@@ -140,10 +163,12 @@ def run(
     """`repeat` rounds on each pair of daemons (A publishes, B hits), the pairs in turn."""
     total = n_blocks * block
     remote: dict[str, list[float]] = {name: [] for name in pairs}
+    stages: dict[str, list[dict[str, float]]] = {name: [] for name in pairs}
     local: list[float] = []
     tier_get: list[float] = []
     tier_batch: list[float] = []
     tier_put: list[float] = []
+    fresh: list[float] = []
     rng = np.random.default_rng(7)
     for round_ in range(repeat):
         for name, (a, b) in pairs.items():
@@ -151,7 +176,7 @@ def run(
                 model="bench", weights=f"w{round_}{name}", tokenizer="t", template="c",
                 rope="r", kv_layout="bf16", block_tokens=BLOCK_TOKENS, tenant="bench",
             )  # fmt: skip
-            got = _round(a, b, identity, n_blocks, block, round_, rng)
+            got = _round(a, b, identity, n_blocks, block, round_, rng, stages[name])
             remote[name].append(got[0])
             if not name:
                 local.append(got[1])
@@ -159,12 +184,25 @@ def run(
         tier_get.append(_tier_get(master, keys, block))
         tier_batch.append(_tier_batch_get(master, keys, block))
         tier_put.append(_tier_put(master, keys, block, round_))
+        fresh.append(_fresh_write(root, n_blocks, block, rng))
     return {
-        **{f"remote_hit{n}_gbps": total / statistics.median(s) / 1e9 for n, s in remote.items()},
+        **{
+            f"remote_hit{n}_gbps": total / statistics.median(s[1:] or s) / 1e9
+            for n, s in remote.items()
+        },
+        "remote_hit_first_gbps": total / remote[""][0] / 1e9,
         "local_hit_gbps": total / statistics.median(local) / 1e9,
         "mooncake_get_gbps": total / statistics.median(tier_get) / 1e9,
         "mooncake_batch_get_gbps": total / statistics.median(tier_batch) / 1e9,
         "mooncake_put_gbps": total / statistics.median(tier_put) / 1e9,
+        "fresh_write_gbps": total / statistics.median(fresh) / 1e9,
+        **{
+            f"remote_hit{n}_stages_s": {
+                stage: statistics.median(r[stage] for r in rounds[1:] or rounds)
+                for stage in STAGES
+            }
+            for n, rounds in stages.items()
+        },
         "bytes": total,
         "seconds": {
             **{f"remote_hit{n}": s for n, s in remote.items()},
@@ -172,6 +210,7 @@ def run(
             "mooncake_get": tier_get,
             "mooncake_batch_get": tier_batch,
             "mooncake_put": tier_put,
+            "fresh_write": fresh,
         },
     }
 
@@ -184,8 +223,10 @@ def _round(
     block: int,
     round_: int,
     rng: np.random.Generator,
+    stages: list[dict[str, float]],
 ) -> tuple[float, float, list[str]]:
-    """A stores and publishes a prompt; B's remote hit, then its local hit; the tier's keys."""
+    """A stores and publishes a prompt; B's remote hit, then its local hit; the tier's keys.
+    B's seconds in each stage of the remote hit go to `stages`."""
     total = n_blocks * block
     tokens = rng.integers(0, 1 << 31, n_blocks * BLOCK_TOKENS, dtype=np.uint32)
     payloads = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(n_blocks)]
@@ -194,10 +235,19 @@ def _round(
             client.put(identity, tokens, payloads[start : start + 64], first_block=start)
         wait_published(client, n_blocks * (round_ + 1))
     with Client(b.socket, region_bytes=total + (1 << 20), timeout=600) as client:
+        before = client.stats()["metrics"]["cluster"]
         started = time.perf_counter()
         [hit] = client.lookup(identity, [tokens])
         loaded = client.load(identity, tokens)
         remote = time.perf_counter() - started
+        after = client.stats()["metrics"]["cluster"]
+        stages.append(
+            {
+                stage: (after.get(f"remote_{stage}_us", 0) - before.get(f"remote_{stage}_us", 0))
+                / 1e6
+                for stage in STAGES
+            }
+        )
         assert hit.n_blocks == loaded.n_blocks == n_blocks, (hit, loaded.n_blocks)
         assert all(bytes(v) == p.tobytes() for v, p in zip(loaded.views, payloads, strict=True))
         loaded.release()  # its region space is what the second load needs
@@ -205,6 +255,8 @@ def _round(
         with client.load(identity, tokens) as again:
             local = time.perf_counter() - started
             assert again.n_blocks == n_blocks
+        client.delete(identity, [tokens[:BLOCK_TOKENS]])  # the first block and all below it:
+        # the next round installs into the pages this frees
     keys = [block_key(identity.digest, h) for h in BlockChain(identity, tokens).hashes()]
     return remote, local, keys
 
@@ -246,6 +298,20 @@ def _tier_batch_get(master: LocalMaster, keys: list[str], block: int) -> float:
             got = tier.get_many_into(keys[first : first + 32], batch, capacity)
             assert None not in got and min(n for n in got if n is not None) > 0
         return time.perf_counter() - started
+
+
+def _fresh_write(root: Path, n_blocks: int, block: int, rng: np.random.Generator) -> float:
+    """`n_blocks` blocks of bytes written into a new file in `root` (then removed), one write a
+    block, no fsync: new page-cache pages, as a remote hit's install needs."""
+    data = rng.integers(0, 256, block, dtype=np.uint8).tobytes()
+    path = root / "fresh-write"
+    with path.open("wb", buffering=0) as file:
+        started = time.perf_counter()
+        for _ in range(n_blocks):
+            file.write(data)
+        took = time.perf_counter() - started
+    path.unlink()
+    return took
 
 
 def wait_published(client: Client, n: int) -> None:

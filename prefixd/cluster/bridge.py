@@ -220,7 +220,9 @@ class SharedTierBridge:
         if identity.state is not None and recent:
             self._count("remote_skipped_recently")
             return 0
+        started = time.perf_counter()
         installed = self._read_through(identity, chain, local_blocks, end)
+        self._count("remote_read_us", _us(time.perf_counter() - started))
         if identity.state is not None and installed is not None and not installed:
             self._remember_fruitless(asked)  # the tier had the blocks, and nothing new
         return installed or 0
@@ -357,7 +359,9 @@ class SharedTierBridge:
         finally:
             self._release_held()
         got = sum(v.nbytes for v in values if v is not None)
-        self.fetch_time.observe(got, time.perf_counter() - started)
+        took = time.perf_counter() - started
+        self.fetch_time.observe(got, took)
+        self._count("remote_fetch_us", _us(took))
         return values, buffer
 
     def _proven(
@@ -365,6 +369,7 @@ class SharedTierBridge:
     ) -> list[RemoteBlock]:
         """`values` (blocks from `start`) proven to be these blocks, up to the first that is
         absent or fails."""
+        started = time.perf_counter()
         proven: list[RemoteBlock] = []
         for index, value in enumerate(values, start):
             if value is None:
@@ -385,6 +390,7 @@ class SharedTierBridge:
                 self._count("remote_verify_failures")
                 log.warning("a block from the shared tier failed verification: %s", exc)
                 break
+        self._count("remote_prove_us", _us(time.perf_counter() - started))
         return proven
 
     def _get(self, key: str) -> memoryview | None:
@@ -422,6 +428,7 @@ class SharedTierBridge:
         hybrid read-through starts at the joint boundary, and the blocks after it may be there
         already (waiting for a checkpoint the tier may not have either)."""
         spec = identity.state
+        started = time.perf_counter()
         try:
             if spec is None:
                 n = len(batch)
@@ -446,6 +453,8 @@ class SharedTierBridge:
             self._count("install_errors")
             log.warning("installing blocks from the shared tier failed: %s", exc)
             return 0, 0
+        finally:
+            self._count("remote_install_us", _us(time.perf_counter() - started))
         new = n if result.stored or result.parts else 0
         self._count("remote_bytes", size if new else 0)
         batch.clear()
@@ -485,6 +494,10 @@ class SharedTierBridge:
             counts = dict(self.counts)
         counts["publish_queued"] = self._queue.qsize()
         return counts
+
+
+def _us(seconds: float) -> int:
+    return round(seconds * 1e6)
 
 
 def _page_span(identity: Identity) -> int:

@@ -4,13 +4,16 @@ publishing, one reading through; damage, outages and purges."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from prefixd import Identity, Store
 from prefixd.cluster.blocks import block_key, decode_block, encode_block
+from prefixd.cluster import bridge as bridge_module
 from prefixd.cluster.bridge import SharedTierBridge
 from prefixd.errors import RemoteBlockError
 from prefixd.schema.chain import BlockChain
@@ -117,6 +120,23 @@ def test_a_read_through_fetches_a_batch_a_round_trip(nodes) -> None:  # noqa: AN
     assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
     assert tier.calls == Counter(size=2, get_many_into=1, get_into=1)  # block 2 alone
     assert loaded(b) == longer
+
+
+def test_a_read_through_counts_the_time_of_each_stage(
+    nodes, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    """Microseconds fetching, proving, installing and in the read-through in all, on a clock
+    that ticks a millisecond a reading: what tells an operator where a remote hit's time goes."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    ticks = iter(range(1_000_000))
+    clock = SimpleNamespace(perf_counter=lambda: next(ticks) / 1000, monotonic=time.monotonic)
+    monkeypatch.setattr(bridge_module, "time", clock)
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
+    counts = bridge_b.snapshot()
+    stages = {s: counts[f"remote_{s}_us"] for s in ("fetch", "prove", "install", "read")}
+    assert all(us >= 1000 and us % 1000 == 0 for us in stages.values()), stages
+    assert stages["read"] > max(stages["fetch"], stages["prove"], stages["install"])
 
 
 def test_batches_overlap_and_stop_at_the_first_failure(
