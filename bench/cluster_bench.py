@@ -14,6 +14,9 @@ In the same run, on the same bytes:
   local_hit       the same load again on B, now local;
   mooncake_get    Mooncake's own `get` of the same objects, one at a time into one buffer
                   (prefixd's adapter, no proof, no install): what the tier alone delivers;
+  mooncake_get_fresh  Mooncake's get of each object into memory of its own that nothing touched
+                  before (all kept to the end), as a first round's install writes into pages the
+                  store never had: what the tier delivers in the conditions of remote_hit_first;
   mooncake_batch_get  the same through Mooncake's batch get (32 objects a round trip), the
                   fastest way the tier has to deliver them;
   mooncake_put    Mooncake's own put of the same values under other keys, one at a time;
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             "remote_hit_vs_mooncake_get": ratio(
                 results["remote_hit_gbps"], results["mooncake_get_gbps"]
             ),
+            "remote_hit_first_vs_mooncake_get_fresh": ratio(
+                results["remote_hit_first_gbps"], results["mooncake_get_fresh_gbps"]
+            ),
             "remote_hit_vs_mooncake_batch_get": ratio(
                 results["remote_hit_gbps"], results["mooncake_batch_get_gbps"]
             ),
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             "remote_hit_inline_gbps",
             "local_hit_gbps",
             "mooncake_get_gbps",
+            "mooncake_get_fresh_gbps",
             "mooncake_batch_get_gbps",
             "mooncake_put_gbps",
             "fresh_write_gbps",
@@ -166,6 +173,7 @@ def run(
     stages: dict[str, list[dict[str, float]]] = {name: [] for name in pairs}
     local: list[float] = []
     tier_get: list[float] = []
+    tier_get_fresh: list[float] = []
     tier_batch: list[float] = []
     tier_put: list[float] = []
     fresh: list[float] = []
@@ -182,6 +190,8 @@ def run(
                 local.append(got[1])
                 keys = got[2]
         tier_get.append(_tier_get(master, keys, block))
+        if not round_:
+            tier_get_fresh.append(_tier_get_fresh(master, keys, block))
         tier_batch.append(_tier_batch_get(master, keys, block))
         tier_put.append(_tier_put(master, keys, block, round_))
         fresh.append(_fresh_write(root, n_blocks, block, rng))
@@ -193,6 +203,7 @@ def run(
         "remote_hit_first_gbps": total / remote[""][0] / 1e9,
         "local_hit_gbps": total / statistics.median(local) / 1e9,
         "mooncake_get_gbps": total / statistics.median(tier_get) / 1e9,
+        "mooncake_get_fresh_gbps": total / tier_get_fresh[0] / 1e9,
         "mooncake_batch_get_gbps": total / statistics.median(tier_batch) / 1e9,
         "mooncake_put_gbps": total / statistics.median(tier_put) / 1e9,
         "fresh_write_gbps": total / statistics.median(fresh) / 1e9,
@@ -208,6 +219,7 @@ def run(
             **{f"remote_hit{n}": s for n, s in remote.items()},
             "local_hit": local,
             "mooncake_get": tier_get,
+            "mooncake_get_fresh": tier_get_fresh,
             "mooncake_batch_get": tier_batch,
             "mooncake_put": tier_put,
             "fresh_write": fresh,
@@ -267,6 +279,18 @@ def _tier_get(master: LocalMaster, keys: list[str], block: int) -> float:
         out = bytearray(block + (64 << 10))  # the value: header, record, payload
         started = time.perf_counter()
         for key in keys:
+            assert tier.get_into(key, out) is not None
+        return time.perf_counter() - started
+
+
+def _tier_get_fresh(master: LocalMaster, keys: list[str], block: int) -> float:
+    """Mooncake's own get of the objects, each into a buffer of its own, kept to the end: no
+    page written is one an earlier get wrote (a fresh mapping's pages, first touched by the
+    get itself)."""
+    with SharedTier(master.settings(segment_bytes=0, timeout_s=60)) as tier:
+        outs = [np.empty(block + (64 << 10), dtype=np.uint8) for _ in keys]
+        started = time.perf_counter()
+        for key, out in zip(keys, outs, strict=True):
             assert tier.get_into(key, out) is not None
         return time.perf_counter() - started
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from prefixd.cluster import close_abandoned
+from prefixd.cluster.mooncake import MooncakeSettings
 
 _BENCH = str(Path(__file__).resolve().parents[2] / "bench")
 sys.path.insert(0, _BENCH)  # the master is bench/localmaster.py, shared with bench/cluster_bench.py
@@ -29,6 +30,13 @@ try:
     from localmaster import LocalMaster as MooncakeMaster
 finally:
     sys.path.remove(_BENCH)
+
+
+def request_bound_s(timeout_s: float) -> float:
+    """The longest a daemon's request may take while the tier fails under `--cluster-timeout-s
+    timeout_s`: it may meet one tier call that runs to the child process's bound
+    (prefixd.cluster.child), plus slack for a busy machine."""
+    return MooncakeSettings(timeout_s=timeout_s).longest_call_s + 1.0 + 3.0
 
 
 def _master_binary() -> Path:

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 
 from prefixd.client import Client
-from prefixd.cluster.mooncake import MooncakeSettings
 from prefixd.schema.state import StateGroup
 from tests.waiting import wait_for
 
 from ..daemon.conftest import Daemon, _factory, make_identity, payload
-from .conftest import MooncakeMaster
+from .conftest import MooncakeMaster, request_bound_s
 
 IDENTITY = make_identity(tenant="acme", block_tokens=16)
 HYBRID = make_identity(
@@ -33,8 +32,7 @@ HYBRID = make_identity(
 SIZE = 32 << 10
 BLOCKS = 4
 TIMEOUT_S = 1.0
-# a request may meet one tier call that runs to the child process's bound (prefixd.cluster.child)
-BOUND_S = MooncakeSettings(timeout_s=TIMEOUT_S).longest_call_s + 1.0 + 3.0  # + a busy machine
+BOUND_S = request_bound_s(TIMEOUT_S)
 
 
 def tokens(seed: int) -> np.ndarray:
