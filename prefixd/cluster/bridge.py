@@ -23,6 +23,8 @@
 * Purges: removing a tenant or retiring a model version removes its objects from the tier too.
 * The tier being down or slow never reaches the engine: every failure is counted and the local
   store answers alone.
+* Where a read-through's time goes is counted too, in microseconds: fetching, proving and
+  installing (the three overlap), and the read-through in all (`remote_*_us`).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from prefixd import Identity, Store
-from prefixd.cluster.blocks import block_key, decode_block, encode_block
 from prefixd.cluster import bridge as bridge_module
+from prefixd.cluster.blocks import block_key, decode_block, encode_block
 from prefixd.cluster.bridge import SharedTierBridge
 from prefixd.errors import RemoteBlockError
 from prefixd.schema.chain import BlockChain
