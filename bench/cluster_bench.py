@@ -191,7 +191,7 @@ def run(
                 keys = got[2]
         tier_get.append(_tier_get(master, keys, block))
         if not round_:
-            tier_get_fresh.append(_tier_get_fresh(master, keys, block))
+            tier_get_fresh.append(_tier_get(master, keys, block, fresh=True))
         tier_batch.append(_tier_batch_get(master, keys, block))
         tier_put.append(_tier_put(master, keys, block, round_))
         fresh.append(_fresh_write(root, n_blocks, block, rng))
@@ -273,22 +273,16 @@ def _round(
     return remote, local, keys
 
 
-def _tier_get(master: LocalMaster, keys: list[str], block: int) -> float:
-    """Mooncake's own get of the objects, one after another into one buffer."""
+def _tier_get(master: LocalMaster, keys: list[str], block: int, *, fresh: bool = False) -> float:
+    """Mooncake's own get of the objects, one after another into one buffer; with `fresh`, each
+    into a buffer of its own, kept to the end: no page written is one an earlier get wrote (a
+    fresh mapping's pages, first touched by the get itself)."""
+    room = block + (64 << 10)  # the value: header, record, payload
     with SharedTier(master.settings(segment_bytes=0, timeout_s=60)) as tier:
-        out = bytearray(block + (64 << 10))  # the value: header, record, payload
-        started = time.perf_counter()
-        for key in keys:
-            assert tier.get_into(key, out) is not None
-        return time.perf_counter() - started
-
-
-def _tier_get_fresh(master: LocalMaster, keys: list[str], block: int) -> float:
-    """Mooncake's own get of the objects, each into a buffer of its own, kept to the end: no
-    page written is one an earlier get wrote (a fresh mapping's pages, first touched by the
-    get itself)."""
-    with SharedTier(master.settings(segment_bytes=0, timeout_s=60)) as tier:
-        outs = [np.empty(block + (64 << 10), dtype=np.uint8) for _ in keys]
+        one = bytearray(room)  # written once before the timing, like a reused buffer
+        outs: list[Any] = (
+            [np.empty(room, dtype=np.uint8) for _ in keys] if fresh else [one] * len(keys)
+        )
         started = time.perf_counter()
         for key, out in zip(keys, outs, strict=True):
             assert tier.get_into(key, out) is not None

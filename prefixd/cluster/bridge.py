@@ -216,18 +216,21 @@ class SharedTierBridge:
         if not self._worth_it(identity, end - local_blocks):
             self._count("remote_skipped_by_benefit")
             return 0
+        hybrid = identity.state is not None
         asked = (chain.hash(local_blocks), end)
-        with self._lock:
-            recent = self._fruitless.get(asked, 0.0) > self._now()
-        if identity.state is not None and recent:
+        if hybrid and self._asked_recently(asked):
             self._count("remote_skipped_recently")
             return 0
         started = time.perf_counter()
         installed = self._read_through(identity, chain, local_blocks, end)
         self._count("remote_read_us", _us(time.perf_counter() - started))
-        if identity.state is not None and installed is not None and not installed:
+        if hybrid and installed is not None and not installed:
             self._remember_fruitless(asked)  # the tier had the blocks, and nothing new
         return installed or 0
+
+    def _asked_recently(self, asked: tuple[bytes, int]) -> bool:
+        with self._lock:
+            return self._fruitless.get(asked, 0.0) > self._now()
 
     def _remember_fruitless(self, asked: tuple[bytes, int]) -> None:
         """A hybrid prompt whose blocks the tier had without moving its joint boundary is not
