@@ -6,11 +6,13 @@
 * Read-through: a local miss asks the shared tier for the blocks after the local prefix, along
   the chain, a batch of them per round trip straight into one buffer (Mooncake's batch get);
   each fetched value is proven (prefixd.cluster.blocks: the right identity, parent and token ids,
-  the payload's origin checksum), installed in the local store, and only then served (the local
-  store verifies it again on every read). Three stages overlap: batch k+1 is fetched while
-  batch k is proven, and batch k-1 installed. A value that fails is never installed, nor is
-  anything after it, and it is counted. The benefit model decides first: blocks are fetched only
-  when the estimated fetch time beats the prefill they save.
+  the payload's origin checksum) and installed in the local store (which verifies it again on
+  every read). The stages overlap: batch k+1 is fetched while batch k is proven, and batch k-1
+  installed. For a plain identity the daemon's lookups and loads do not wait for the install:
+  proven blocks are served from their fetch buffers until it ends (prefixd.cluster.staging).
+  A value that fails is never installed nor served, nor is anything after it, and it is
+  counted. The benefit model decides first: blocks are fetched only when the estimated fetch
+  time beats the prefill they save.
 * Hybrid identities: a block's value carries the state-group parts hung on it (pages, checkpoints;
   prefixd.cluster.blocks), proven with it. A block is published again, replacing its value, when
   a later put hangs a checkpoint on it. A read-through starts at the local joint boundary and
@@ -30,16 +32,18 @@
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from enum import Enum
-from typing import Final, Protocol
+from functools import partial
+from typing import Any, Final, Protocol, TypeAlias
 
+from prefixd.cluster import runs
 from prefixd.cluster.blocks import (
     RemoteBlock,
     block_key,
@@ -48,14 +52,14 @@ from prefixd.cluster.blocks import (
     encoded_size,
     identity_prefix,
 )
+from prefixd.cluster.staging import FetchRooms, Staging, staged_load
 from prefixd.errors import PrefixdError, RemoteBlockError, TierUnavailableError
 from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
-from prefixd.schema.state import PAGED, StateSpec
 from prefixd.schema.tokens import TokenIds
 from prefixd.store import Store
-from prefixd.store.results import ExportedBlock
+from prefixd.store.results import ExportedBlock, LoadResult, PrefixMatch
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,11 @@ _BATCH_BYTES = 32 << 20  # fetched per round trip (and installed per local trans
 _MAX_BATCH = 64  # blocks per batch at most
 _RECHECK_S = 30.0  # a hybrid prompt the tier did not extend is asked again after this long
 _FRUITLESS_KEPT = 4096  # such prompts remembered at most
+_STAGING_BYTES = 96 << 20  # a staged read-through's buffers past its three, at most
+_SETTLE_S = 60.0  # a delete or purge waits this long at most for the installs queued before it
+
+# a batch's values (None for the first one missing) in the buffer they were fetched into
+Fetched: TypeAlias = tuple[list[memoryview | None], memoryview]
 
 
 class TierClient(Protocol):
@@ -113,9 +122,13 @@ class SharedTierBridge:
         pending: int,
         prefill_tokens_per_s: float,
         max_fetch_blocks: int = 4096,
+        staging_bytes: int = _STAGING_BYTES,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
+        # proven blocks of plain identities served from their fetch buffers until installed
+        self.staging = Staging()
+        self.staging_bytes = staging_bytes
         self._now = now
         # hybrid read-throughs that brought nothing: (first block, end) -> when to ask again
         self._fruitless: dict[tuple[bytes, int], float] = {}
@@ -204,29 +217,71 @@ class SharedTierBridge:
 
     # --- read-through ----------------------------------------------------------------------------
 
-    def read_through(self, identity: Identity, token_ids: TokenIds, local_blocks: int) -> int:
+    def read_through(
+        self, identity: Identity, token_ids: TokenIds, local_blocks: int, *, staged: bool = False
+    ) -> int:
         """Fetch, prove and install the blocks after the first `local_blocks` from the shared
         tier, while they are there and worth it; return how many were installed (blocks the
         local store did not hold, or held without parts that came with them). For a hybrid
-        identity `local_blocks` is the local joint boundary (in blocks)."""
+        identity `local_blocks` is the local joint boundary (in blocks).
+
+        `staged` (plain identities): return once the blocks are proven, with their installs
+        queued, and how many were staged (`prefixd.cluster.staging`; blocks another
+        read-through staged count as local): `with_staged` and `load` serve them meanwhile."""
         chain = BlockChain(identity, token_ids)
+        hybrid = identity.state is not None
+        staged = staged and not hybrid
+        if staged:
+            local_blocks += len(self.staging.sizes_from(chain, local_blocks, chain.n_blocks))
         end = min(chain.n_blocks, local_blocks + self.max_fetch_blocks)
         if end <= local_blocks:
             return 0
         if not self._worth_it(identity, end - local_blocks):
             self._count("remote_skipped_by_benefit")
             return 0
-        hybrid = identity.state is not None
         asked = (chain.hash(local_blocks), end)
         if hybrid and self._asked_recently(asked):
             self._count("remote_skipped_recently")
             return 0
         started = time.perf_counter()
-        installed = self._read_through(identity, chain, local_blocks, end)
+        installed = self._read_through(identity, chain, local_blocks, end, staged)
         self._count("remote_read_us", _us(time.perf_counter() - started))
+        self._count("remote_hit_blocks", installed or 0)
         if hybrid and installed is not None and not installed:
             self._remember_fruitless(asked)  # the tier had the blocks, and nothing new
         return installed or 0
+
+    def with_staged(
+        self, identity: Identity, token_ids: TokenIds, match: PrefixMatch
+    ) -> PrefixMatch:
+        """A plain identity's local `match` extended by the blocks staged after it (named by
+        this chain's hashes: a share group's stored ones are the group's)."""
+        if identity.state is not None or not len(self.staging):
+            return match
+        chain = BlockChain(identity, token_ids)
+        sizes = self.staging.sizes_from(chain, match.n_blocks, chain.n_blocks)
+        if not sizes:
+            return match
+        hashes = chain.hashes_until(match.n_blocks + len(sizes))
+        return replace(
+            match,
+            hashes=match.hashes + tuple(hashes[match.n_blocks : match.n_blocks + len(sizes)]),
+            payload_sizes=match.payload_sizes + tuple(sizes),
+        )
+
+    def load(self, identity: Identity, token_ids: TokenIds, out: Any, **options: Any) -> LoadResult:
+        """`Store.load` (same options), continued from the blocks staged after what the store
+        has: see `staging.staged_load`."""
+        return staged_load(self.store, self.staging, identity, token_ids, out, **options)
+
+    def settle(self, timeout_s: float = _SETTLE_S) -> None:
+        """Wait for the installs queued so far: a delete or purge after this removes what they
+        install (one that ran before them would see it come back)."""
+        try:
+            self._installer.submit(lambda: None).result(timeout_s)
+        except TimeoutError:
+            self._count("settle_timeouts")
+            log.warning("installs from the shared tier still running after %.0f s", timeout_s)
 
     def _asked_recently(self, asked: tuple[bytes, int]) -> bool:
         with self._lock:
@@ -247,11 +302,11 @@ class SharedTierBridge:
             self._fruitless[asked] = now + _RECHECK_S
 
     def _read_through(
-        self, identity: Identity, chain: BlockChain, local_blocks: int, end: int
+        self, identity: Identity, chain: BlockChain, local_blocks: int, end: int, staged: bool
     ) -> int | None:
         """`read_through` once it is worth asking; None when the tier does not have the first
         block asked for (or cannot be reached)."""
-        align = _page_span(identity)
+        align = runs.page_span(identity)
         # sized by a block that starts every group's page (the largest), else by the first
         sized = -(-local_blocks // align) * align
         capacity = None
@@ -264,56 +319,87 @@ class SharedTierBridge:
                 self._count("remote_misses")
             return None
         per_batch = max(1, min(_MAX_BATCH, _BATCH_BYTES // capacity))
-        batches = _batches(local_blocks, end, per_batch, align)
+        batches = runs.batches(local_blocks, end, per_batch, align)
         room_bytes = max(stop - start for start, stop in batches) * capacity
-        # Three buffers at most, reused: one being fetched into, one proven, one installed;
-        # from the tier, which may write into them without a copy (prefixd.cluster.child).
-        spare: list[memoryview] = []
-        allocated: list[memoryview] = []
+        # One buffer being fetched into, one proven, one installed; and when staged, those whose
+        # blocks wait for their install, up to `staging_bytes` of them.
+        extra = self.staging_bytes // room_bytes if staged else 0
+        rooms = FetchRooms(self.tier, room_bytes, 3 + extra)
+        broken = threading.Event()  # an install fell short: those after it are skipped
+        installs: list[Future[tuple[int, int]]] = []
+        brought = 0
 
-        def fetch(start: int, stop: int) -> Future[tuple[list[memoryview | None], memoryview]]:
-            if spare:
-                room = spare.pop()
-            else:
-                room = self.tier.buffer(room_bytes)
-                allocated.append(room)
-            return self._fetcher.submit(self._fetch, identity, chain, start, stop, capacity, room)
+        def fetch(start: int, stop: int) -> tuple[Future[Fetched], memoryview]:
+            room = rooms.take()
+            args = (identity, chain, start, stop, capacity, room)
+            return self._fetcher.submit(self._fetch, *args), room
 
-        installed = expected = 0
-        pending: Future[tuple[int, int]] | None = None  # the install of the batch before
-        installing = memoryview(b"")  # its buffer
-        fetching = fetch(*batches[0])
-        for index, (start, stop) in enumerate(batches):
-            values, room = fetching.result()
-            whole = len(values) == stop - start and None not in values
-            if whole and index + 1 < len(batches):  # the next round trip, while this is proven
-                fetching = fetch(*batches[index + 1])
-            batch = self._proven(identity, chain, start, values)
-            if pending is not None:
-                done, new = pending.result()
-                installed += new
-                pending = None
-                spare.append(installing)
-                if done < expected:
-                    batch = []  # the install before failed: nothing after it can go in
-            if batch:
-                expected = len(batch)
-                pending = self._installer.submit(self._install, identity, chain, start, batch)
-                installing = room
-            elif values:  # not a failed fetch, whose buffer the tier may still write into
-                spare.append(room)
-            if len(batch) < stop - start:
-                break
-        if not fetching.cancel():
-            fetching.result()  # a batch fetched ahead and not needed: no call outlives this one
-        if pending is not None:
-            installed += pending.result()[1]
-        with self._lock:
-            for room in allocated:
-                if not any(room is held for held in self._held):
-                    self.tier.release(room)
-        self._count("remote_hit_blocks", installed)
-        return installed
+        ahead: tuple[Future[Fetched], memoryview] | None = fetch(*batches[0])
+        try:
+            for index, (start, stop) in enumerate(batches):
+                assert ahead is not None
+                values, room = ahead[0].result()
+                ahead = None
+                if not values:  # the tier failed: it may still write into the room
+                    rooms.forget()
+                    break
+                whole = len(values) == stop - start and None not in values
+                if whole and index + 1 < len(batches) and not broken.is_set():
+                    ahead = fetch(*batches[index + 1])  # the next round trip, while this is proven
+                batch = self._proven(identity, chain, start, values)
+                if not batch or broken.is_set():
+                    rooms.back(room)
+                    break
+                n = len(batch)
+                on_end: Callable[[], None] = partial(rooms.back, room)
+                if staged:
+                    hashes = [chain.hash(i) for i in range(start, start + n)]
+                    run = self.staging.stage(hashes, [b.payload for b in batch], on_end)
+                    on_end = partial(self.staging.end, run)
+                    brought += n
+                    self._count("remote_staged_blocks", n)
+                installs.append(
+                    self._installer.submit(
+                        self._install_in_turn, identity, chain, start, batch, broken, on_end
+                    )
+                )
+                if n < stop - start:
+                    break
+        finally:
+            if ahead is not None:  # a batch fetched ahead and not needed: no call outlives this
+                if ahead[0].cancel():
+                    rooms.back(ahead[1])
+                elif ahead[0].result()[0]:
+                    rooms.back(ahead[1])
+                else:
+                    rooms.forget()
+            if not staged:
+                brought = sum(done.result()[1] for done in installs)
+            rooms.close()
+        return brought
+
+    def _install_in_turn(
+        self,
+        identity: Identity,
+        chain: BlockChain,
+        first: int,
+        batch: list[RemoteBlock],
+        broken: threading.Event,
+        on_end: Callable[[], None],
+    ) -> tuple[int, int]:
+        """`_install` on the installer thread, in the order the batches were proven, unless
+        one before fell short (nothing after it can go in); `on_end` runs either way."""
+        try:
+            if broken.is_set():
+                return 0, 0
+            expected = len(batch)
+            done, new = self._install(identity, chain, first, batch)
+            if done < expected:
+                broken.set()
+            self._count("remote_installed_blocks", new)
+            return done, new
+        finally:
+            on_end()
 
     def _capacity(self, key: str) -> int | None:
         """Room for one value of a batch: this one's size, with some slack (the values of one
@@ -335,7 +421,7 @@ class SharedTierBridge:
         stop: int,
         capacity: int,
         buffer: memoryview,
-    ) -> tuple[list[memoryview | None], memoryview]:
+    ) -> Fetched:
         """The values of blocks [start, stop) in one round trip into `buffer`, up to the first
         one missing (then None); [] when the tier fails. Runs on the fetcher thread."""
         keys = [block_key(identity.digest, chain.hash(i)) for i in range(start, stop)]
@@ -429,7 +515,7 @@ class SharedTierBridge:
     ) -> tuple[int, int]:
         """Put a run of proven blocks in the local store in one transaction; empties `batch`
         on success. Returns how many were put (for a hybrid identity, up to the last boundary
-        the run closes: see `_closed_run`), and how many of those the store did not have: a
+        the run closes: see `runs.closed_run`), and how many of those the store did not have: a
         hybrid read-through starts at the joint boundary, and the blocks after it may be there
         already (waiting for a checkpoint the tier may not have either)."""
         spec = identity.state
@@ -441,10 +527,10 @@ class SharedTierBridge:
                 result = self.store.put(identity, chain.tokens, payloads, first_block=first)
                 size = sum(p.nbytes for p in payloads)
             else:
-                n = _closed_run(spec, identity.block_tokens, first, batch)
+                n = runs.closed_run(spec, identity.block_tokens, first, batch)
                 if not n:
                     return 0, 0
-                paged, checkpoints = _state_of(spec, identity.block_tokens, first, batch[:n])
+                paged, checkpoints = runs.state_of(spec, identity.block_tokens, first, batch[:n])
                 result = self.store.put_state(
                     identity,
                     chain.tokens,
@@ -498,65 +584,9 @@ class SharedTierBridge:
         with self._lock:
             counts = dict(self.counts)
         counts["publish_queued"] = self._queue.qsize()
+        counts["remote_staged_served_blocks"] = self.staging.served_blocks
         return counts
 
 
 def _us(seconds: float) -> int:
     return round(seconds * 1e6)
-
-
-def _page_span(identity: Identity) -> int:
-    """Blocks after which every paged group of a hybrid identity closes a page at once (1 for
-    a plain identity): batches end on multiples of it, so each can be installed alone."""
-    return math.lcm(1, *(g.page_blocks for g in identity.state or () if g.kind == PAGED))
-
-
-def _batches(start: int, end: int, per_batch: int, align: int) -> list[tuple[int, int]]:
-    """Blocks [start, end) in runs of about `per_batch`, each ending on a multiple of `align`
-    (but the last)."""
-    runs = []
-    while start < end:
-        stop = (start + per_batch) // align * align
-        if stop <= start:
-            stop = (start // align + 1) * align
-        runs.append((start, min(stop, end)))
-        start = runs[-1][1]
-    return runs
-
-
-def _closed_run(spec: StateSpec, block_tokens: int, first: int, blocks: list[RemoteBlock]) -> int:
-    """How many of `blocks` (from block `first`) can be installed: the longest run that ends
-    where every paged group closes a page and, up to it, carries every page and every
-    checkpoint its group's policy promises (what `Store.put_state` asks of a put)."""
-    closed = 0
-    for index, block in enumerate(blocks, first):
-        boundary = (index + 1) * block_tokens
-        for gi, group in enumerate(spec):
-            if group.kind == PAGED:
-                needed = index % group.page_blocks == 0
-            elif group.policy == "full":
-                needed = True
-            else:
-                needed = group.policy == "periodic" and boundary % group.period_tokens == 0
-            if needed and gi not in block.parts:
-                return closed
-        if all((index + 1) % g.page_blocks == 0 for g in spec if g.kind == PAGED):
-            closed = index + 1 - first
-    return closed
-
-
-def _state_of(
-    spec: StateSpec, block_tokens: int, first: int, blocks: list[RemoteBlock]
-) -> tuple[dict[str, list[memoryview]], dict[str, dict[int, memoryview]]]:
-    """The pages and checkpoints of `blocks` (from block `first`), as `Store.put_state` takes
-    them."""
-    paged: dict[str, list[memoryview]] = {g.name: [] for g in spec if g.kind == PAGED}
-    checkpoints: dict[str, dict[int, memoryview]] = {}
-    for index, block in enumerate(blocks, first):
-        for gi, part in sorted(block.parts.items()):
-            group = spec[gi]
-            if group.kind == PAGED:
-                paged[group.name].append(part)
-            else:
-                checkpoints.setdefault(group.name, {})[(index + 1) * block_tokens] = part
-    return paged, checkpoints

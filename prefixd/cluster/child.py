@@ -93,7 +93,7 @@ class ChildTier:
         cooldown_s: float = 1.0,
         workers: int = 4,
         fresh_after_s: float = 10.0,
-        pool_bytes: int = 96 << 20,
+        pool_bytes: int = 192 << 20,  # a read-through's three buffers and its staging (bridge)
     ) -> None:
         self._start = TierStart(factory=factory, settings=settings, workers=workers)
         self.call_timeout_s = call_timeout_s

@@ -93,6 +93,8 @@ async def delete(ops: Operations, conn: Connection, request: Request[Delete]) ->
     identity, queries = ops._lookup_queries(conn, request.message)
 
     def run() -> int:
+        if ops.bridge is not None:
+            ops.bridge.settle()  # blocks read-throughs are installing go too
         lasts = []
         for tokens, _ in queries:
             chain = ops.store.chain_of(identity, tokens)

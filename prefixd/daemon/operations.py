@@ -332,21 +332,28 @@ class Operations:
         match = self.store.longest_prefix(identity, tokens, hashes=hashes)
         if self.bridge is None:
             return match
-        remote = self.bridge.read_through(identity, tokens, match.n_blocks)
+        remote = self.bridge.read_through(identity, tokens, match.n_blocks, staged=True)
         self.cluster_hits["local_hit_blocks"] += match.n_blocks
         self.cluster_hits["remote_hit_blocks"] += remote
-        return self.store.longest_prefix(identity, tokens, hashes=hashes) if remote else match
+        if remote:  # some may be installed already, the others are staged
+            match = self.store.longest_prefix(identity, tokens, hashes=hashes)
+        return self.bridge.with_staged(identity, tokens, match)
 
     def _load(
         self, identity: Identity, tokens: bytes | memoryview, out: memoryview, **options: Any
     ) -> LoadResult:
-        """`Store.load`, after the prefix is extended from the shared tier when one is set."""
-        if self.bridge is not None and not options.get("first_block"):
+        """`Store.load`, after the prefix is extended from the shared tier when one is set, and
+        continued from the blocks it staged (served while their install runs)."""
+        if self.bridge is None:
+            return self.store.load(identity, tokens, out, **options)
+        if not options.get("first_block"):
             self._longest_prefix(identity, tokens, options.get("hashes"))
-        return self.store.load(identity, tokens, out, **options)
+        return self.bridge.load(identity, tokens, out, **options)
 
     def purge_everywhere(self, selector: PurgeSelector) -> PurgeReport:
         """Purge the store, then the shared tier's copies of the identities removed whole."""
+        if self.bridge is not None:
+            self.bridge.settle()  # what read-throughs are installing goes too
         report = self.store.purge(selector)
         if self.bridge is not None and report.digests:
             self.bridge.purged(report.digests)

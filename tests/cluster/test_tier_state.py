@@ -8,7 +8,8 @@ import pytest
 
 from prefixd import Identity, Store
 from prefixd.cluster.blocks import block_key, decode_block, encode_block
-from prefixd.cluster.bridge import SharedTierBridge, _batches
+from prefixd.cluster.bridge import SharedTierBridge
+from prefixd.cluster.runs import batches
 from prefixd.errors import RemoteBlockError
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.state import StateGroup
@@ -174,9 +175,9 @@ def test_batches_end_where_pages_close(nodes: Nodes, monkeypatch: pytest.MonkeyP
     is installed alone, and a read-through from inside a page goes on from there."""
     from prefixd.cluster import bridge as bridge_module
 
-    assert _batches(0, 8, 3, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert _batches(3, 8, 3, 2) == [(3, 6), (6, 8)]
-    assert _batches(1, 9, 1, 4) == [(1, 4), (4, 8), (8, 9)]
+    assert batches(0, 8, 3, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert batches(3, 8, 3, 2) == [(3, 6), (6, 8)]
+    assert batches(1, 9, 1, 4) == [(1, 4), (4, 8), (8, 9)]
     monkeypatch.setattr(bridge_module, "_BATCH_BYTES", 3 * 16_000)
     tier, (a, b), (bridge_a, bridge_b) = nodes
     put_all(a, bridge_a, tier)
