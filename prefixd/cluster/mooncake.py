@@ -9,7 +9,8 @@ cluster, which is why prefixd can put a shared tier behind its local, on-disk st
 may still be a cluster hit, much cheaper than a prefill.
 
 `SharedTier` is what the daemon uses; it never exposes Mooncake's API, its integer return codes or
-its blocking behaviour. Facts this module relies on, measured with the PyPI package
+its blocking behaviour (`prefixd.cluster.mooncake_calls` names the codes and runs the calls;
+`prefixd.cluster.mooncake_settings` holds `MooncakeSettings`). Facts this module relies on, measured with the PyPI package
 `mooncake-transfer-engine-non-cuda==0.3.13.post1`:
 
 * Packaging: the wheel ships `mooncake_master` and the Python client `mooncake.store`. Both link
@@ -71,11 +72,8 @@ its blocking behaviour. Facts this module relies on, measured with the PyPI pack
 
 from __future__ import annotations
 
-import ctypes
-import ipaddress
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -84,14 +82,28 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
 import numpy as np
-import xxhash
 
+from prefixd.cluster.mooncake_calls import (
+    INVALID_PARAMS,
+    MAX_KEY_BYTES,
+    NOT_FOUND,
+    Workers,
+    abandon,
+    bytes_view,
+    check_key,
+    close_abandoned,
+    code_name,
+    escape_regex,
+    failure,
+    import_store_class,
+    is_loopback,
+    tag,
+)
+from prefixd.cluster.mooncake_settings import MooncakeSettings
 from prefixd.errors import (
-    ConfigError,
     TierBusyError,
     TierError,
     TierUnavailableError,
@@ -101,267 +113,6 @@ from prefixd.errors import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-MAX_KEY_BYTES = 4096
-"""Longest key this adapter accepts, in UTF-8 bytes (Mooncake itself accepted 1 MiB keys)."""
-
-MIN_SEGMENT_BYTES = 16 << 20
-"""Smallest non-zero segment Mooncake's `setup` accepted (8 MiB is refused with -600)."""
-
-# Mooncake's ErrorCode values (mooncake-store/include/types.h) that this module names.
-_CODE_NAMES: dict[int, str] = {
-    -1: "INTERNAL_ERROR",
-    -10: "BUFFER_OVERFLOW",
-    -100: "SHARD_INDEX_OUT_OF_RANGE",
-    -101: "SEGMENT_NOT_FOUND",
-    -102: "SEGMENT_ALREADY_EXISTS",
-    -103: "CLIENT_NOT_FOUND",
-    -200: "NO_AVAILABLE_HANDLE",
-    -300: "INVALID_VERSION",
-    -400: "INVALID_KEY",
-    -500: "WRITE_FAIL",
-    -600: "INVALID_PARAMS",
-    -601: "ILLEGAL_CLIENT",
-    -700: "INVALID_WRITE",
-    -701: "INVALID_READ",
-    -702: "INVALID_REPLICA",
-    -703: "REPLICA_IS_NOT_READY",
-    -704: "OBJECT_NOT_FOUND",
-    -705: "OBJECT_ALREADY_EXISTS",
-    -706: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED",
-    -708: "OBJECT_HAS_REPLICATION_TASK",
-    -800: "TRANSFER_FAIL",
-    -900: "RPC_FAIL",
-    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
-    -1011: "UNAVAILABLE_IN_CURRENT_MODE",
-}
-_NOT_FOUND = -704
-_HAS_LEASE = -706
-_INVALID_PARAMS = -600
-# Codes that mean "the cluster cannot be reached right now", not "this request is wrong".
-_UNAVAILABLE_CODES = frozenset({-103, -900, -1010, -1011})
-
-# Clients whose `close` could not be called safely (see the module docstring), kept alive on
-# purpose: destroying one runs Mooncake's close, which would hold the GIL for seconds. Each with
-# a function telling how many calls of its tier still run (it may be closed once that is 0).
-_ABANDONED: list[tuple[Any, Callable[[], int]]] = []
-_ABANDONED_LOCK = threading.Lock()
-
-
-# --- errors ------------------------------------------------------------------------------------
-
-
-def _code_name(code: int) -> str:
-    return f"{_CODE_NAMES.get(code, 'UNKNOWN')} ({code})"
-
-
-def _failure(what: str, code: int) -> TierError:
-    """The exception for Mooncake's negative return `code` of operation `what`."""
-    message = f"{what} failed: {_code_name(code)}"
-    if code in _UNAVAILABLE_CODES:
-        return TierUnavailableError(message, code)
-    if code == _HAS_LEASE:
-        return TierBusyError(message, code)
-    if code == -200:
-        message += " (pool full, or no segment mounted yet after a master restart)"
-    return TierError(message, code)
-
-
-# --- settings ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MooncakeSettings:
-    """Where the Mooncake cluster is and what this process lends to it.
-
-    `master` is the master's RPC address (host:port); `metadata` the transfer engine's metadata
-    server, here the master's built-in HTTP one (`http://host:port/metadata`). `segment_bytes` is
-    the memory this process adds to the shared pool (0: use the pool, lend nothing; else at least
-    16 MiB); `buffer_bytes` the client's staging buffer (bounds values on non-TCP protocols).
-    Every call gives up after `timeout_s`; after the tier was found unavailable, calls fail at once
-    for `cooldown_s`. `workers` threads run Mooncake calls (bounding how many can hang at once).
-    """
-
-    master: str = "127.0.0.1:50051"
-    metadata: str = "http://127.0.0.1:8080/metadata"
-    local_hostname: str = "127.0.0.1"
-    segment_bytes: int = 1 << 30
-    buffer_bytes: int = 64 << 20
-    protocol: str = "tcp"
-    device: str = ""
-    timeout_s: float = 5.0
-    cooldown_s: float = 1.0
-    workers: int = 4
-
-    def __post_init__(self) -> None:
-        host, _, port = self.master.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"mooncake master {self.master!r} is not host:port")
-        if not self.metadata:
-            raise ConfigError("mooncake metadata server URL is empty")
-        if not self.local_hostname:
-            raise ConfigError("mooncake local_hostname is empty")
-        if self.segment_bytes != 0 and self.segment_bytes < MIN_SEGMENT_BYTES:
-            raise ConfigError(
-                f"mooncake segment_bytes={self.segment_bytes}: use 0 or at least "
-                f"{MIN_SEGMENT_BYTES} (16 MiB)"
-            )
-        if self.buffer_bytes < 0:
-            raise ConfigError(f"mooncake buffer_bytes={self.buffer_bytes} is negative")
-        if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"mooncake protocol {self.protocol!r}: use 'tcp' or 'rdma'")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"mooncake timeout_s={self.timeout_s} must be positive")
-        if not self.cooldown_s >= 0:
-            raise ConfigError(f"mooncake cooldown_s={self.cooldown_s} must be >= 0")
-        if self.workers < 1:
-            raise ConfigError(f"mooncake workers={self.workers} must be at least 1")
-
-    @property
-    def longest_call_s(self) -> float:
-        """The longest one SharedTier call takes: a connect (two probes of at most 1 s, then
-        `setup`, bounded by `timeout_s`) and the call itself (`timeout_s`)."""
-        return 2 * min(1.0, self.timeout_s) + 2 * self.timeout_s
-
-    @property
-    def master_host_port(self) -> tuple[str, int]:
-        host, _, port = self.master.rpartition(":")
-        return host.strip("[]"), int(port)
-
-
-# --- helpers -----------------------------------------------------------------------------------
-
-
-def _check_key(key: str) -> str:
-    if not isinstance(key, str):
-        raise TierValueError(f"key must be a str, not {type(key).__name__}")
-    if not key:
-        raise TierValueError("key is empty")
-    if "\x00" in key:
-        raise TierValueError("key contains NUL")
-    try:
-        n = len(key.encode("utf-8"))
-    except UnicodeEncodeError as e:
-        raise TierValueError(f"key is not valid Unicode text: {e}") from None
-    if n > MAX_KEY_BYTES:
-        raise TierValueError(f"key is {n} UTF-8 bytes, more than {MAX_KEY_BYTES}")
-    return key
-
-
-def _bytes_view(value: Any, *, writable: bool) -> tuple[np.ndarray, int, int]:
-    """(an array keeping the memory alive, its address, its length) for a contiguous buffer."""
-    try:
-        view = memoryview(value)
-    except TypeError:
-        raise TierValueError(f"{type(value).__name__} does not expose a buffer") from None
-    if writable and view.readonly:
-        raise TierValueError("the buffer is read-only")
-    if not view.c_contiguous:
-        raise TierValueError("the buffer is not C-contiguous")
-    if view.nbytes == 0:
-        return np.zeros(0, dtype=np.uint8), 0, 0
-    try:
-        flat = view if view.format == "B" and view.ndim == 1 else view.cast("B")
-    except (TypeError, ValueError) as e:
-        raise TierValueError(f"the buffer cannot be read as bytes: {e}") from None
-    array = np.frombuffer(flat, dtype=np.uint8)  # holds the buffer: it cannot be freed under us
-    return array, int(array.ctypes.data), array.nbytes
-
-
-def _escape_regex(text: str) -> str:
-    """`text` as a literal for Mooncake's (C++ std::regex, ECMAScript) patterns."""
-    return "".join(
-        "\\" + c if c.isascii() and c.isprintable() and not c.isalnum() and c != "_" else c
-        for c in text
-    )
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def _tag(key: str) -> str:
-    """A key as log lines and errors name it: a short hash, never the key (prefixd's keys hold
-    identity digests and block hashes, which logs must not carry)."""
-    return f"key #{xxhash.xxh32_hexdigest(key.encode('utf-8', 'replace'))}"
-
-
-def _import_store_class() -> Any:
-    # Mooncake logs a line per connection and call at INFO; keep its warnings and errors
-    # (its keys are names derived from prefixd's keys: prefixd.cluster.blocks).
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:  # the package, or libibverbs.so.1 (Debian's libibverbs1), missing
-        raise TierUnavailableError(
-            f"Mooncake's client cannot be imported ({e}); install prefixd[cluster] "
-            "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1"
-        ) from e
-    return MooncakeDistributedStore
-
-
-def _abandon(client: Any, in_flight: Callable[[], int]) -> None:
-    """Keep `client` alive for good: its destructor would run Mooncake's close (GIL held)."""
-    with _ABANDONED_LOCK:
-        _ABANDONED.append((client, in_flight))
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(client))  # no destructor at interpreter exit
-
-
-def close_abandoned() -> int:
-    """Close the Mooncake clients `SharedTier` abandoned (see the module docstring) whose calls
-    have all returned; the number closed. Call it when the master answers again, or before the
-    process exits while it does: Mooncake closes every client left at exit, which takes seconds
-    per client when the master is gone. Each close holds the GIL for 1-2 s."""
-    with _ABANDONED_LOCK:
-        ready = [entry for entry in _ABANDONED if entry[1]() == 0]
-        for entry in ready:
-            _ABANDONED.remove(entry)
-    for client, _ in ready:
-        try:
-            client.close()
-        except Exception as e:  # noqa: BLE001 - best effort
-            log.warning("closing an abandoned Mooncake client failed: %s", e)
-    return len(ready)
-
-
-class _Workers:
-    """Daemon threads running Mooncake calls. Unlike ThreadPoolExecutor's threads they never
-    keep the interpreter from exiting, even when a call hangs for good."""
-
-    def __init__(self, n: int, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
-        self._queue = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
-        future: Future[T] = Future()
-        self._queue.put((future, fn))
-        return future
-
-    def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-
 
 # --- the tier ----------------------------------------------------------------------------------
 
@@ -378,7 +129,7 @@ class SharedTier:
     def __init__(self, settings: MooncakeSettings) -> None:
         self.settings = settings
         self._client: Any = None
-        self._workers: _Workers | None = None
+        self._workers: Workers | None = None
         self._slots = threading.BoundedSemaphore(settings.workers)
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
@@ -415,14 +166,14 @@ class SharedTier:
 
     def _connect_locked(self) -> None:
         s = self.settings
-        store_class = _import_store_class()
+        store_class = import_store_class()
         problem = self._probe()
         if problem:
             raise TierUnavailableError(f"Mooncake is unreachable: {problem}")
-        if _is_loopback(s.local_hostname):
+        if is_loopback(s.local_hostname):
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", s.local_hostname)
         if self._workers is None:
-            self._workers = _Workers(s.workers, "prefixd-mooncake")
+            self._workers = Workers(s.workers, "prefixd-mooncake")
         client = store_class()
 
         def setup() -> int:
@@ -441,13 +192,13 @@ class SharedTier:
         try:
             rc = self._submit("setup", setup, time.monotonic() + s.timeout_s)
         except TierError:
-            _abandon(client, lambda: self._in_flight)
+            abandon(client, lambda: self._in_flight)
             raise
         if rc != 0:
-            _abandon(client, lambda: self._in_flight)
+            abandon(client, lambda: self._in_flight)
             raise TierUnavailableError(
                 f"Mooncake setup (master {s.master}, metadata {s.metadata}) failed: "
-                f"{_code_name(rc)}",
+                f"{code_name(rc)}",
                 rc,
             )
         self._client = client
@@ -481,7 +232,7 @@ class SharedTier:
                 "abandoning the Mooncake client without closing it (%s)",
                 problem or "calls still running",
             )
-            _abandon(client, lambda: self._in_flight)
+            abandon(client, lambda: self._in_flight)
         else:
             with self._in_flight_lock:
                 self._in_flight += 1
@@ -491,7 +242,7 @@ class SharedTier:
                 future.result(timeout=max(5.0, self.settings.timeout_s))
             except FutureTimeoutError:
                 log.warning("Mooncake close did not finish in time; abandoning the client")
-                _abandon(client, lambda: self._in_flight)
+                abandon(client, lambda: self._in_flight)
             except Exception as e:  # noqa: BLE001 - closing is best effort
                 log.warning("Mooncake close failed: %s", e)
         for _ in range(held):
@@ -512,8 +263,8 @@ class SharedTier:
     ) -> None:
         """Store `value` (any non-empty C-contiguous buffer) under `key`. Without `overwrite`
         an existing key keeps its value (objects are content-addressed; no transfer happens)."""
-        _check_key(key)
-        array, address, n = _bytes_view(value, writable=False)
+        check_key(key)
+        array, address, n = bytes_view(value, writable=False)
         if n == 0:
             raise TierValueError("the value is empty (Mooncake refuses empty objects)")
         call: Callable[[Any], int]
@@ -537,13 +288,13 @@ class SharedTier:
 
             call = staged
 
-        rc = self._call(f"put {_tag(key)}", call)
+        rc = self._call(f"put {tag(key)}", call)
         if rc != 0:
-            raise _failure(f"put {_tag(key)} ({n} bytes)", rc)
+            raise failure(f"put {tag(key)} ({n} bytes)", rc)
 
     def get(self, key: str) -> bytes | None:
         """The value under `key`, or None when there is none."""
-        _check_key(key)
+        check_key(key)
         direct = self.settings.protocol == "tcp"
 
         def call(client: Any) -> bytes | None:
@@ -552,30 +303,30 @@ class SharedTier:
                 return bytes(data)
             # b"" is both "missing" and "failed" (empty values cannot exist): ask the size.
             size = int(client.get_size(key))
-            if size == _NOT_FOUND:
+            if size == NOT_FOUND:
                 return None
             if size < 0:
-                raise _failure(f"get {_tag(key)}", size)
+                raise failure(f"get {tag(key)}", size)
             if not direct:
-                raise TierError(f"get {_tag(key)} ({size} bytes) failed through the staging buffer")
+                raise TierError(f"get {tag(key)} ({size} bytes) failed through the staging buffer")
             out = bytearray(size)
             array = np.frombuffer(out, dtype=np.uint8)
             rc = int(client.get_into(key, int(array.ctypes.data), size))
-            if rc == _NOT_FOUND:
+            if rc == NOT_FOUND:
                 return None
             if rc < 0:
-                raise _failure(f"get {_tag(key)}", rc)
+                raise failure(f"get {tag(key)}", rc)
             return bytes(out) if rc == size else bytes(memoryview(out)[:rc])
 
-        return self._call(f"get {_tag(key)}", call)
+        return self._call(f"get {tag(key)}", call)
 
     def get_into(self, key: str, buffer: bytearray | memoryview | Any) -> int | None:
         """Copy the value under `key` into the start of `buffer` (any writable C-contiguous
         buffer, e.g. a bytearray or a numpy array); the number of bytes, or None when missing.
         Zero-copy on TCP and for registered buffers; otherwise through the staging buffer.
         After a TierUnavailableError the buffer may still be written: see `in_flight`."""
-        _check_key(key)
-        array, address, n = _bytes_view(buffer, writable=True)
+        check_key(key)
+        array, address, n = bytes_view(buffer, writable=True)
         direct = self._direct(address, n)
 
         def call(client: Any) -> int | None:
@@ -586,22 +337,22 @@ class SharedTier:
                 if data and len(data) <= n:
                     array[: len(data)] = np.frombuffer(data, dtype=np.uint8)
                     return len(data)
-                rc = _INVALID_PARAMS if data else _NOT_FOUND
+                rc = INVALID_PARAMS if data else NOT_FOUND
             if rc >= 0:
                 return rc
-            if rc == _NOT_FOUND or rc == _INVALID_PARAMS:
+            if rc == NOT_FOUND or rc == INVALID_PARAMS:
                 size = int(client.get_size(key))
-                if size == _NOT_FOUND:
+                if size == NOT_FOUND:
                     return None
                 if size > n:
                     raise TierValueError(
-                        f"get_into {_tag(key)}: the value is {size} bytes, the buffer {n}", rc
+                        f"get_into {tag(key)}: the value is {size} bytes, the buffer {n}", rc
                     )
                 if size < 0:
-                    raise _failure(f"get_into {_tag(key)}", size)
-            raise _failure(f"get_into {_tag(key)}", rc)
+                    raise failure(f"get_into {tag(key)}", size)
+            raise failure(f"get_into {tag(key)}", rc)
 
-        return self._call(f"get_into {_tag(key)}", call)
+        return self._call(f"get_into {tag(key)}", call)
 
     def get_many_into(
         self, keys: Sequence[str], buffer: bytearray | memoryview | Any, capacity: int
@@ -610,8 +361,8 @@ class SharedTier:
         value goes to `buffer[i * capacity:]`. Per key: its length; None when it has no value;
         -1 when it is longer than `capacity` (fetch that one alone). Direct (TCP, or a
         registered buffer) only; after a TierUnavailableError the buffer may still be written."""
-        names = [_check_key(k) for k in keys]
-        array, address, n = _bytes_view(buffer, writable=True)
+        names = [check_key(k) for k in keys]
+        array, address, n = bytes_view(buffer, writable=True)
         if capacity <= 0 or len(names) * capacity > n:
             raise ValueError(f"{len(names)} values of {capacity} bytes do not fit {n} bytes")
         if not self._direct(address, n):
@@ -633,35 +384,35 @@ class SharedTier:
         for code in codes:
             if code >= 0:
                 out.append(code)
-            elif code == _NOT_FOUND:
+            elif code == NOT_FOUND:
                 out.append(None)
-            elif code == _INVALID_PARAMS:
+            elif code == INVALID_PARAMS:
                 out.append(-1)  # longer than `capacity`
             else:
-                raise _failure(what, code)
+                raise failure(what, code)
         return out
 
     def size(self, key: str) -> int | None:
         """The value's length in bytes, or None when `key` has no value."""
-        _check_key(key)
-        rc = self._call(f"size {_tag(key)}", lambda client: int(client.get_size(key)))
-        if rc == _NOT_FOUND:
+        check_key(key)
+        rc = self._call(f"size {tag(key)}", lambda client: int(client.get_size(key)))
+        if rc == NOT_FOUND:
             return None
         if rc < 0:
-            raise _failure(f"size {_tag(key)}", rc)
+            raise failure(f"size {tag(key)}", rc)
         return rc
 
     def exists(self, key: str) -> bool:
         """Whether `key` has a value (this grants the key a read lease, see TierBusyError)."""
-        _check_key(key)
-        rc = self._call(f"exists {_tag(key)}", lambda client: int(client.is_exist(key)))
+        check_key(key)
+        rc = self._call(f"exists {tag(key)}", lambda client: int(client.is_exist(key)))
         if rc < 0:
-            raise _failure(f"exists {_tag(key)}", rc)
+            raise failure(f"exists {tag(key)}", rc)
         return rc == 1
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """`exists` for many keys in one round trip."""
-        names = [_check_key(k) for k in keys]
+        names = [check_key(k) for k in keys]
         if not names:
             return []
         codes = self._call(
@@ -672,7 +423,7 @@ class SharedTier:
             raise TierError(f"exists_many: {len(codes)} answers for {len(names)} keys")
         failed = [c for c in codes if c < 0]
         if failed:
-            raise _failure(f"exists_many ({len(failed)} of {len(names)} keys)", failed[0])
+            raise failure(f"exists_many ({len(failed)} of {len(names)} keys)", failed[0])
         return [c == 1 for c in codes]
 
     def remove(self, key: str, *, force: bool = True) -> bool:
@@ -682,27 +433,27 @@ class SharedTier:
         `--default_kv_lease_ttl` (TierBusyError), because a reader may be mid-transfer; that
         reader can then get torn bytes, which prefixd's end-to-end checksums
         (prefixd.cluster.blocks) reject. `force=False` respects the lease."""
-        _check_key(key)
-        rc = self._call(f"remove {_tag(key)}", lambda client: int(client.remove(key, force)))
+        check_key(key)
+        rc = self._call(f"remove {tag(key)}", lambda client: int(client.remove(key, force)))
         if rc == 0:
             return True
-        if rc == _NOT_FOUND:
+        if rc == NOT_FOUND:
             return False
-        raise _failure(f"remove {_tag(key)}", rc)
+        raise failure(f"remove {tag(key)}", rc)
 
     def remove_prefix(self, prefix: str, *, force: bool = True) -> int:
         """Remove every key starting with `prefix` (non-empty: the pool is shared), through
         Mooncake's remove_by_regex; the number removed. Forced by default, as `remove`; with
         `force=False` keys under a read lease are skipped silently (and not counted). The master
         scans all its keys: an occasional call (purges), not a hot one."""
-        _check_key(prefix)
-        pattern = "^" + _escape_regex(prefix)
+        check_key(prefix)
+        pattern = "^" + escape_regex(prefix)
         rc = self._call(
-            f"remove_prefix {_tag(prefix)}",
+            f"remove_prefix {tag(prefix)}",
             lambda client: int(client.remove_by_regex(pattern, force)),
         )
         if rc < 0:
-            raise _failure(f"remove_prefix {_tag(prefix)}", rc)
+            raise failure(f"remove_prefix {tag(prefix)}", rc)
         return rc
 
     def buffer(self, size: int) -> memoryview:
@@ -717,10 +468,10 @@ class SharedTier:
         """Register `buffer` with the transfer engine for zero-copy `put`/`get_into` (needed for
         RDMA; TCP reads and writes any memory). It stays registered, and alive, until the tier
         closes."""
-        array, address, n = _bytes_view(buffer, writable=True)
+        array, address, n = bytes_view(buffer, writable=True)
         rc = self._call("register", lambda client: int(client.register_buffer(address, n)))
         if rc != 0:
-            raise _failure(f"register ({n} bytes)", rc)
+            raise failure(f"register ({n} bytes)", rc)
         with self._registered_lock:
             self._registered[address] = (n, array)
 
