@@ -10,8 +10,8 @@ may still be a cluster hit, much cheaper than a prefill.
 
 `SharedTier` is what the daemon uses; it never exposes Mooncake's API, its integer return codes or
 its blocking behaviour (`prefixd.cluster.mooncake_calls` names the codes and runs the calls;
-`prefixd.cluster.mooncake_settings` holds `MooncakeSettings`). Facts this module relies on, measured with the PyPI package
-`mooncake-transfer-engine-non-cuda==0.3.13.post1`:
+`prefixd.cluster.mooncake_settings` holds `MooncakeSettings`). Facts this module relies on,
+measured with the PyPI package `mooncake-transfer-engine-non-cuda==0.3.13.post1`:
 
 * Packaging: the wheel ships `mooncake_master` and the Python client `mooncake.store`. Both link
   Debian's `libibverbs1` even when only TCP is used; without it `import mooncake` fails.
