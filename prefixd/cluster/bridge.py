@@ -279,6 +279,8 @@ class SharedTierBridge:
         install (one that ran before them would see it come back)."""
         try:
             self._installer.submit(lambda: None).result(timeout_s)
+        except RuntimeError:  # stopped: `stop` waited for the installs
+            return
         except TimeoutError:
             self._count("settle_timeouts")
             log.warning("installs from the shared tier still running after %.0f s", timeout_s)

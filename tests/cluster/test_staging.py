@@ -215,6 +215,13 @@ def test_a_delete_after_a_read_through_removes_what_it_installs(
     assert bridge_b.with_staged(IDENT, TOKENS, b.longest_prefix(IDENT, TOKENS)).n_blocks == 0
 
 
+def test_settling_a_stopped_bridge_returns_at_once(nodes) -> None:  # noqa: ANN001
+    """A delete that races the daemon's shutdown: `stop` waited for the installs already."""
+    _, _, (_, bridge_b) = nodes
+    bridge_b.stop(timeout_s=0.5)
+    bridge_b.settle()
+
+
 class CountingTier(MemoryTier):
     """Counts the buffers handed out and not given back."""
 
