@@ -22,8 +22,15 @@ class LoadTimeModel:
     def __init__(self, overhead_s: float = 300e-6, bandwidth: float = 2e9) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=_SAMPLES)
         self._lock = threading.Lock()
+        self._defaults = (overhead_s, bandwidth)
         self.overhead_s = overhead_s
         self.bandwidth = bandwidth
+
+    def forget(self) -> None:
+        """Back to the defaults: the moves seen so far no longer describe the path."""
+        with self._lock:
+            self._samples.clear()
+            self.overhead_s, self.bandwidth = self._defaults
 
     def observe(self, n_bytes: int, seconds: float) -> None:
         with self._lock:

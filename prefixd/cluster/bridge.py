@@ -44,6 +44,7 @@ from functools import partial
 from typing import Any, Final, Protocol, TypeAlias
 
 from prefixd.cluster import runs
+from prefixd.cluster.benefit import FetchBenefit
 from prefixd.cluster.blocks import (
     RemoteBlock,
     block_key,
@@ -54,7 +55,6 @@ from prefixd.cluster.blocks import (
 )
 from prefixd.cluster.staging import FetchRooms, Staging, staged_load
 from prefixd.errors import PrefixdError, RemoteBlockError, TierUnavailableError
-from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
@@ -133,9 +133,9 @@ class SharedTierBridge:
         # hybrid read-throughs that brought nothing: (first block, end) -> when to ask again
         self._fruitless: dict[tuple[bytes, int], float] = {}
         self.tier = tier
-        self.prefill_tokens_per_s = prefill_tokens_per_s
+        # whether a fetch beats the prefill it saves
+        self.benefit = FetchBenefit(prefill_tokens_per_s, now)
         self.max_fetch_blocks = max_fetch_blocks
-        self.fetch_time = LoadTimeModel(overhead_s=2e-3, bandwidth=1e9)
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         # (identity digest, block, replace the tier's value, tries so far)
@@ -236,16 +236,25 @@ class SharedTierBridge:
         end = min(chain.n_blocks, local_blocks + self.max_fetch_blocks)
         if end <= local_blocks:
             return 0
-        if not self._worth_it(identity, end - local_blocks):
-            self._count("remote_skipped_by_benefit")
-            return 0
+        stats = self.store.stats()  # the local bytes per block: the mean of what it holds
+        per_block = stats.payload_bytes / stats.blocks if stats.blocks else 0.0
+        probe = False
+        if not self.benefit.worth_it(identity.block_tokens, end - local_blocks, per_block):
+            if not self.benefit.probe_due():
+                self._count("remote_skipped_by_benefit")
+                return 0
+            probe = True  # the model may be stale: one fetch tells
+            self._count("remote_benefit_probes")
         asked = (chain.hash(local_blocks), end)
         if hybrid and self._asked_recently(asked):
             self._count("remote_skipped_recently")
             return 0
         started = time.perf_counter()
         installed = self._read_through(identity, chain, local_blocks, end, staged)
-        self._count("remote_read_us", _us(time.perf_counter() - started))
+        took = time.perf_counter() - started
+        self._count("remote_read_us", _us(took))
+        if probe and installed:
+            self.benefit.probed(took, identity.block_tokens, end - local_blocks)
         self._count("remote_hit_blocks", installed or 0)
         if hybrid and installed is not None and not installed:
             self._remember_fruitless(asked)  # the tier had the blocks, and nothing new
@@ -453,7 +462,7 @@ class SharedTierBridge:
             self._release_held()
         got = sum(v.nbytes for v in values if v is not None)
         took = time.perf_counter() - started
-        self.fetch_time.observe(got, took)
+        self.benefit.fetch_time.observe(got, took)
         self._count("remote_fetch_us", _us(took))
         return values, buffer
 
@@ -552,15 +561,6 @@ class SharedTierBridge:
         self._count("remote_bytes", size if new else 0)
         batch.clear()
         return n, new
-
-    def _worth_it(self, identity: Identity, blocks: int) -> bool:
-        """Whether fetching `blocks` blocks beats prefilling their tokens, by the fetch model
-        and the local bytes per block of this store (the mean of what it holds)."""
-        stats = self.store.stats()
-        per_block = stats.payload_bytes / stats.blocks if stats.blocks else 0.0
-        fetch_s = self.fetch_time.estimate(int(per_block * blocks)) if per_block else 0.0
-        saved_s = blocks * identity.block_tokens / self.prefill_tokens_per_s
-        return fetch_s < saved_s
 
     # --- purges ----------------------------------------------------------------------------------
 

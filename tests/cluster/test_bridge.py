@@ -13,6 +13,7 @@ import pytest
 
 from prefixd import Identity, Store
 from prefixd.cluster import bridge as bridge_module
+from prefixd.cluster.benefit import PROBE_S, FetchBenefit
 from prefixd.cluster.blocks import block_key, decode_block, encode_block
 from prefixd.cluster.bridge import SharedTierBridge
 from prefixd.errors import RemoteBlockError
@@ -103,9 +104,36 @@ def test_the_benefit_model_skips_fetches_slower_than_prefill(nodes) -> None:  # 
     tier, (a, b), (bridge_a, bridge_b) = nodes
     publish(a, bridge_a, tier)
     b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])  # the store knows its bytes per block
-    bridge_b.prefill_tokens_per_s = 1e12  # prefill is (absurdly) faster than any fetch
+    bridge_b.benefit.prefill_tokens_per_s = 1e12  # prefill is (absurdly) faster than any fetch
     assert bridge_b.read_through(IDENT, TOKENS, 1) == 0
     assert bridge_b.snapshot()["remote_skipped_by_benefit"] == 1
+
+
+def test_a_stale_benefit_model_is_probed_and_forgotten(nodes) -> None:  # noqa: ANN001
+    """A tier that was slow for a while (a master restarting) leaves the model advising against
+    every fetch, and it learns only from fetches: one is made anyway every PROBE_S, and when it
+    beats the prefill, the model starts over."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])  # the store knows its bytes per block
+    clock = [0.0]
+    bridge_b.benefit = FetchBenefit(1000.0, now=lambda: clock[0])
+    for n in range(1, 9):  # fetches that took a second per 50 KB
+        bridge_b.benefit.fetch_time.observe(50_000 * n, float(n))
+    assert bridge_b.read_through(IDENT, TOKENS, 1) == 0
+    clock[0] += PROBE_S - 0.1
+    assert bridge_b.read_through(IDENT, TOKENS, 1) == 0
+    assert bridge_b.snapshot()["remote_skipped_by_benefit"] == 2
+    clock[0] += 0.1
+    assert bridge_b.read_through(IDENT, TOKENS, 1) == 5  # the probe, at memory speed
+    assert bridge_b.snapshot()["remote_benefit_probes"] == 1
+    # the model forgot the slow fetches: the next prompt is fetched without waiting for a probe
+    other = TOKENS + 50_000
+    result = a.put(IDENT, other, PAYLOADS)
+    bridge_a.published(IDENT, result.hashes)
+    wait_for(lambda: len(tier.objects) >= 12, "the second prompt published", poll_s=0.01)
+    assert bridge_b.read_through(IDENT, other, 0) == 6
+    assert bridge_b.snapshot()["remote_benefit_probes"] == 1
 
 
 def test_a_read_through_fetches_a_batch_a_round_trip(nodes) -> None:  # noqa: ANN001

@@ -177,7 +177,11 @@ def test_the_master_killed_at_random_moments(
             finally:
                 loaded.release()
 
-        wait_for(shared, "A's new prompt fetched by B once the master is back", poll_s=0.2)
+        try:
+            wait_for(shared, "A's new prompt fetched by B once the master is back", poll_s=0.2)
+        except AssertionError:
+            print("A:", counts(a), "\nB:", counts(b))
+            raise
         print(f"shared again after {time.monotonic() - back:.1f} s")
         loaded = client.load(IDENTITY, tokens(seed))
         assert [bytes(v) for v in loaded.views] == blocks(seed)
