@@ -378,11 +378,9 @@ class SharedTierBridge:
                     break
         finally:
             if ahead is not None:  # a batch fetched ahead and not needed: no call outlives this
-                if ahead[0].cancel():
+                if ahead[0].cancel() or ahead[0].result()[0]:
                     rooms.back(ahead[1])
-                elif ahead[0].result()[0]:
-                    rooms.back(ahead[1])
-                else:
+                else:  # the tier failed: it may still write into the room
                     rooms.forget()
             if not staged:
                 brought = sum(done.result()[1] for done in installs)

@@ -89,17 +89,20 @@ class Staging:
     def sizes_from(self, chain: BlockChain, first: int, limit: int) -> list[int]:
         """The payload sizes of the staged blocks from block `first` on, up to the first block
         (or `limit`) that is not staged."""
-        sizes: list[int] = []
         with self._lock:
-            if not self._blocks:
-                return sizes
+            return [run.payloads[at].nbytes for run, at in self._run_from(chain, first, limit)]
+
+    def _run_from(self, chain: BlockChain, first: int, limit: int) -> list[tuple[StagedRun, int]]:
+        """The staged blocks from block `first` on, in order, up to the first one that is not
+        (or `limit`); called under the lock."""
+        found: list[tuple[StagedRun, int]] = []
+        if self._blocks:
             for index in range(first, limit):
-                found = self._blocks.get(chain.hash(index))
-                if found is None:
+                entry = self._blocks.get(chain.hash(index))
+                if entry is None:
                     break
-                run, at = found
-                sizes.append(run.payloads[at].nbytes)
-        return sizes
+                found.append(entry)
+        return found
 
     def copy_into(self, chain: BlockChain, first: int, limit: int, out: memoryview) -> Copied:
         """Copy the staged payloads of blocks `first`... (before `limit`) back to back into
@@ -107,21 +110,16 @@ class Staging:
         taken: list[tuple[StagedRun, int]] = []
         copied = Copied()
         with self._lock:
-            if not self._blocks:
-                return copied
             room = out.nbytes
-            for index in range(first, limit):
-                found = self._blocks.get(chain.hash(index))
-                if found is None:
-                    break
-                run, at = found
+            for run, at in self._run_from(chain, first, limit):
                 size = run.payloads[at].nbytes
                 if size > room:
                     copied.next_size = size
                     break
                 room -= size
-                taken.append(found)
-            for run in dict.fromkeys(run for run, _ in taken):
+                taken.append((run, at))
+            held = list(dict.fromkeys(run for run, _ in taken))
+            for run in held:
                 run.readers += 1
             self.served_blocks += len(taken)
         try:
@@ -133,7 +131,7 @@ class Staging:
                 copied.sizes.append(payload.nbytes)
                 offset += payload.nbytes
         finally:
-            self._let_go(dict.fromkeys(run for run, _ in taken))
+            self._let_go(held)
         return copied
 
     def _let_go(self, runs: Iterable[StagedRun]) -> None:
