@@ -2,10 +2,16 @@
 
 * echo:    a blocking Unix-socket round trip of a 64-byte message to an echo server in another
            process (a plain `recv_into` / `sendall` loop): the floor for any request/reply.
+           Where the scheduler puts the two ends decides it: on this VM a round trip within one
+           vCPU is a few times faster than one across two (guest halt-polling is off, so each
+           wake of an idle vCPU costs tens of microseconds). `wake` measures both after the
+           interleaved rounds, each end pinned (2 CPUs or more).
 * hello:   the `hello` request on a bare protocol connection (daemon_bench.HelloPinger): socket,
            event loop and frame handling, no pool and no store.
 * lookup:  `Client.lookup` of one 131,072-token prompt of 512-token blocks (256 blocks, all
-           stored), the blocking client; echo, hello and lookup interleaved.
+           stored), the blocking client with its default reply polling (`poll_us`; see
+           prefixd.client.polling), and `lookup_sleeping` with poll_us=0 on a second
+           connection; echo, hello and both lookups interleaved.
 * scale:   the lookup p50 of a store of `--scale-entries` entries over one of 1,000
            (bench/scale.py; skipped with `--scale-entries 0`).
 
@@ -61,6 +67,38 @@ while True:
 """
 
 
+def _pinned_echo(echo: Echo, server_cpu: int, client_cpu: int, rounds: int) -> float:
+    """p50 microseconds of echo round trips with the server pinned to one CPU and this thread
+    to another (or the same); both affinities are restored after."""
+    server_was = os.sched_getaffinity(echo.server.pid)
+    ours_was = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(echo.server.pid, {server_cpu})
+        os.sched_setaffinity(0, {client_cpu})
+        clock = time.perf_counter
+        samples = []
+        for i in range(WARMUP + rounds):
+            started = clock()
+            echo()
+            if i >= WARMUP:
+                samples.append(clock() - started)
+    finally:
+        os.sched_setaffinity(echo.server.pid, server_was)
+        os.sched_setaffinity(0, ours_was)
+    return _percentiles(samples)["p50"]
+
+
+def wake(echo: Echo, rounds: int) -> dict[str, float] | None:
+    """The echo round trip within one CPU and across two: what waking a sleeping peer on
+    another CPU adds to every request (None with fewer than 2 usable CPUs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    same = _pinned_echo(echo, cpus[0], cpus[0], rounds)
+    across = _pinned_echo(echo, cpus[0], cpus[1], rounds)
+    return {"same_cpu_p50_us": same, "cross_cpu_p50_us": across}
+
+
 class Echo:
     """A blocking round trip to an echo server in another process."""
 
@@ -105,7 +143,10 @@ def measure(lookups: int, workdir: Path, sock_dir: Path) -> dict[str, Any]:
     echo = Echo(sock_dir / "echo.sock")
     try:
         daemon.start()
-        with Client(daemon.socket, region_bytes=16 << 20) as client:
+        with (
+            Client(daemon.socket, region_bytes=16 << 20) as client,
+            Client(daemon.socket, poll_us=0) as sleeper,
+        ):
             if db.put_all(client, ident, tokens, payloads, 64) != n_blocks:
                 raise RuntimeError("the lookup chain was not stored whole")
             hello = db.HelloPinger(daemon.socket)
@@ -113,14 +154,18 @@ def measure(lookups: int, workdir: Path, sock_dir: Path) -> dict[str, Any]:
                 hello()  # greets
                 prompts = [tokens]
 
-                def lookup() -> None:
-                    if client.lookup(ident, prompts)[0].n_blocks != n_blocks:
-                        raise RuntimeError("the lookup missed stored blocks")
+                def lookup(through: Client) -> Callable[[], None]:
+                    def go() -> None:
+                        if through.lookup(ident, prompts)[0].n_blocks != n_blocks:
+                            raise RuntimeError("the lookup missed stored blocks")
+
+                    return go
 
                 actions: dict[str, Callable[[], Any]] = {
                     "echo": echo,
                     "hello": hello,
-                    "lookup": lookup,
+                    "lookup": lookup(client),
+                    "lookup_sleeping": lookup(sleeper),
                 }
                 times: dict[str, list[float]] = {name: [] for name in actions}
                 names = list(actions)
@@ -133,13 +178,18 @@ def measure(lookups: int, workdir: Path, sock_dir: Path) -> dict[str, Any]:
                         actions[name]()
                         if i >= WARMUP:
                             times[name].append(clock() - started)
+                waits = client.reply_waits
+                woken = wake(echo, lookups)
             finally:
                 hello.close()
     finally:
         echo.close()
         if daemon.stop() != 0:
             raise RuntimeError(f"the daemon did not stop cleanly{daemon.tail()}")
-    return {name: _percentiles(values) for name, values in times.items()}
+    out: dict[str, Any] = {name: _percentiles(values) for name, values in times.items()}
+    out["reply_waits"] = waits
+    out["wake"] = woken
+    return out
 
 
 def report(latency: dict[str, Any], scale_ratio: float | None, lookups: int) -> dict[str, Any]:
@@ -156,6 +206,10 @@ def report(latency: dict[str, Any], scale_ratio: float | None, lookups: int) -> 
         "lookup_p50_vs_target": round(latency["lookup"]["p50"] / TARGET_LOOKUP_P50_US, 2),
         "lookup_p99_vs_target": round(latency["lookup"]["p99"] / TARGET_LOOKUP_P99_US, 2),
         "lookup_p50_vs_echo": round(latency["lookup"]["p50"] / echo["p50"], 2),
+        "lookup_sleeping_p50_us": latency["lookup_sleeping"]["p50"],
+        "lookup_sleeping_p99_us": latency["lookup_sleeping"]["p99"],
+        "lookup_reply_waits": latency["reply_waits"],
+        "echo_pinned": latency["wake"],
         "scale_lookup_p50_ratio": scale_ratio,
         "scale_vs_target": None
         if scale_ratio is None

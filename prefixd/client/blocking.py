@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from prefixd.client.core import Call, ClientCore, Reserve, Shell, Steps, Synchronize
 from prefixd.client.leases import Lease
+from prefixd.client.polling import DEFAULT_POLL_US, ReplyPolling
 from prefixd.client.results import (
     HotPrefix,
     ListedBlock,
@@ -62,6 +63,9 @@ class Client(Shell):
         serves: Sequence[tuple[str, str]] = (),
         reconnect_wait_s: float = 0.0,
         daemon_uid: int | None = None,
+        poll_us: float = DEFAULT_POLL_US,
+        clock: Callable[[], float] = time.perf_counter,
+        crowded: Callable[[], bool] | None = None,
     ) -> None:
         """`region_bytes`: the shared region payloads are staged in and loaded into (0: none,
         for lookups only). `token_region_bytes`: where long prompts' token ids are staged.
@@ -70,7 +74,11 @@ class Client(Shell):
         for a restarting daemon to come back (with backoff) before DaemonUnavailableError.
         `daemon_uid`: the user the daemon runs as (default: this process's own, or root); a
         socket, socket directory or serving process of another user is refused before anything
-        is sent (UntrustedDaemonError, prefixd.trust)."""
+        is sent (UntrustedDaemonError, prefixd.trust). `poll_us`: how long a thread polls for a
+        reply before it sleeps in recv, for the kinds of request whose last reply came that
+        fast, while no other thread waits for a CPU (0: always sleep; see prefixd.client.polling);
+        `clock` times it and `crowded` says when other threads wait (default: the kernel's run
+        queue)."""
         self._core = ClientCore(
             socket_path,
             region_bytes=region_bytes,
@@ -84,6 +92,7 @@ class Client(Shell):
         self._sock: socket.socket | None = None
         self._lock = threading.RLock()  # one round trip at a time on the connection
         self._frames = FrameReader()
+        self._polling = ReplyPolling(poll_us * 1e-6, clock, crowded)
         self._publisher: Publisher | None = None
         self._publisher_lock = threading.Lock()
         try:
@@ -330,6 +339,13 @@ class Client(Shell):
                 self._publisher = Publisher(self._core, region_bytes)
             return self._publisher
 
+    @property
+    def reply_waits(self) -> dict[str, int]:
+        """How this client's replies were waited for: picked up by polling, or asleep in recv
+        (see `poll_us`)."""
+        polling = self._polling
+        return {"polled": polling.polled, "slept": polling.slept}
+
     def close(self) -> None:
         with self._publisher_lock:
             if self._publisher is not None:
@@ -337,6 +353,7 @@ class Client(Shell):
                 self._publisher = None
         with self._lock:
             self._drop()
+            self._polling.close()
         self._core.close()
 
     def __enter__(self) -> Client:
@@ -408,8 +425,11 @@ class Client(Shell):
                 send_with_fds(sock, frame, step.fds)
             else:
                 sock.sendall(frame)
+            kind = type(step.message)
+            polling = self._polling
+            sent = polling.clock()
             while True:
-                body = self._receive(sock)
+                body = self._receive(sock, kind)
                 try:
                     ours, reply = ClientCore.reply_if_for(step.message, rid, body)
                 except PrefixdError as exc:
@@ -418,6 +438,7 @@ class Client(Shell):
                     break
                 if ours:
                     lost = False  # the daemon is done with the request once it replied
+                    polling.took(kind, polling.clock() - sent)
                     return reply
                 if ClientCore.reply_id(body) is None:  # an error addressed to no request
                     refused = _error_of(body)
@@ -491,11 +512,20 @@ class Client(Shell):
             self._sock.close()
             self._sock = None
 
-    def _receive(self, sock: socket.socket) -> memoryview:
-        """The next reply's body (valid until the next receive): usually one recv brings it."""
+    def _receive(self, sock: socket.socket, kind: type) -> memoryview:
+        """The next reply's body (valid until the next receive): usually one recv brings it,
+        polled for first where a reply to a request of `kind` is likely to come at once."""
         frames = self._frames
+        polling = self._polling
         try:
             body = frames.next_body()
+            if body is None and polling.worth(kind):
+                body = polling.poll(sock, frames)
+                if body is not None:
+                    polling.polled += 1
+                    return body
+            if body is None:
+                polling.slept += 1
             while body is None:
                 got = sock.recv_into(frames.space())
                 if not got:
