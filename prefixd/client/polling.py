@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from typing import BinaryIO
 
 from prefixd.errors import ConfigError, DaemonUnavailableError
 from prefixd.wire.frames import FrameReader
@@ -38,24 +39,25 @@ class RunQueue:
 
     def __init__(self, path: str = "/proc/loadavg") -> None:
         self._cpus = os.cpu_count() or 1
-        try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._file: BinaryIO | None
+        try:  # a file object: closed with it if a dropped client is never closed
+            self._file = open(path, "rb", buffering=0)
         except OSError:
-            self._fd = -1
+            self._file = None
 
     def __call__(self) -> bool:
-        if self._fd < 0:
+        file = self._file
+        if file is None or file.closed:
             return True
         try:
-            runnable = int(os.pread(self._fd, 128, 0).split()[3].split(b"/")[0])
+            runnable = int(os.pread(file.fileno(), 128, 0).split()[3].split(b"/")[0])
         except (OSError, ValueError, IndexError):
             return True
         return runnable > self._cpus
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._file is not None:
+            self._file.close()
 
 
 class ReplyPolling:

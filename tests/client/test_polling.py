@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import struct
@@ -98,6 +99,16 @@ def test_the_run_queue_is_crowded_past_one_runnable_thread_per_cpu(tmp_path: Pat
         queue.close()
     assert verdicts == [False, True, True]  # what cannot be read counts as crowded
     assert RunQueue(str(tmp_path / "missing"))()
+
+
+def test_a_run_queue_never_closed_leaves_no_descriptor_behind() -> None:
+    # an engine's link drops a lost client without closing it: its run queue goes with it
+    before = len(os.listdir("/proc/self/fd"))
+    queues = [RunQueue() for _ in range(8)]
+    assert len(os.listdir("/proc/self/fd")) >= before + 8
+    del queues
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 @pytest.mark.parametrize("poll_us", [-1.0, float("nan")])
