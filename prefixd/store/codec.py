@@ -36,6 +36,8 @@ _READ_PIECE = 1 << 20
 # the least bytes of a load one thread of the FairPool decodes at a time: whole blocks, enough of
 # them that handing the piece over costs little beside decoding it
 PIECE_BYTES = 1 << 20
+# chunks of a load at most this far apart in the data file are read ahead as one range
+READ_AHEAD_GAP = 256 << 10
 COMPRESSION_BY_NAME = {
     "none": Compression.NONE,
     "zstd": Compression.ZSTD,
@@ -447,16 +449,43 @@ def _read_ahead(items: Sequence[StoredPayload]) -> None:
     """Ask the kernel for every chunk a load will read from the file, at once: on a cold cache
     the disk then serves the whole load at its queue depth instead of one piece at a time (the
     blocks of one chain need not lie next to each other in the file, so readahead alone does
-    not find them). A range already in the page cache costs a lookup and no I/O."""
+    not find them). A range already in the page cache costs a lookup and no I/O.
+
+    Chunks close together are asked for as one range (see `read_ahead_ranges`): the call's own
+    cost is what counts on a warm cache, about 20 us each on this VM against 0.13 ms for one
+    call over 256 MiB of chunks, which made a 256 MiB load from the page cache 8.3 GB/s instead
+    of 11.5."""
+    spans: dict[int, list[tuple[int, int]]] = {}
     for item in items:
         source = item.source
         if source is None:
             continue
-        for at, chunk in zip(source.offsets, item.chunks):
+        wanted = spans.setdefault(source.fd, [])
+        wanted.extend((at, chunk.nbytes) for at, chunk in zip(source.offsets, item.chunks))
+    for fd, wanted in spans.items():
+        for at, length in read_ahead_ranges(wanted):
             try:
-                os.posix_fadvise(source.fd, at, chunk.nbytes, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(fd, at, length, os.POSIX_FADV_WILLNEED)
             except OSError:
                 return  # a hint only: the reads themselves report what is wrong
+
+
+def read_ahead_ranges(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) ranges covering `spans` (offset, length) in file order, two of them
+    merged when at most READ_AHEAD_GAP bytes lie between them (the pages of LMDB's other tables
+    between a chain's chunks: a little read for nothing instead of a call per chunk)."""
+    merged: list[tuple[int, int]] = []
+    start = end = -1
+    for at, length in sorted(spans):
+        if start >= 0 and at <= end + READ_AHEAD_GAP:
+            end = max(end, at + length)
+            continue
+        if start >= 0:
+            merged.append((start, end - start))
+        start, end = at, at + length
+    if start >= 0:
+        merged.append((start, end - start))
+    return merged
 
 
 def _pread_exactly(fd: int, target: memoryview, at: int) -> bool:

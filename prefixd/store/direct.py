@@ -37,7 +37,10 @@ class DataFile:
         self.read_path = read_path
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if read_path != "mmap" else -1
         self._path = path
-        self._maps: list[tuple[int, int]] = []  # [start, end) of this process's maps of it
+        # [start, end) of this process's maps of it, read now (LMDB mapped the file when the
+        # environment opened) so that no load pays for reading /proc/self/maps (1-2 ms in a
+        # daemon); read again only when an address is in none of them
+        self._maps: list[tuple[int, int]] = _maps_of(path) if self.fd >= 0 else []
 
     def spans(self, record: PayloadRecord, chunks: Sequence[memoryview]) -> FileSpans | None:
         """Where `chunks` (views LMDB returned in an open read transaction) lie in the file, when

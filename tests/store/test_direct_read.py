@@ -15,7 +15,7 @@ import pytest
 from prefixd import Store
 from prefixd.clock import ManualClock
 from prefixd.schema.state import StateGroup
-from prefixd.store import codec
+from prefixd.store import codec, direct
 
 from .test_faults import BAD, IDENT, N_BLOCKS, SENTINEL, TOKENS, assert_loads, corrupt_payload
 from .test_joint import hybrid
@@ -316,3 +316,52 @@ def test_a_copy_from_the_map_past_the_deadline_stops_before_the_next_block(
         assert loaded.n_blocks == BAD + 1
         assert store.stats().deadline_cutoffs == 1
         assert store.stats().quarantined == 0
+
+
+def test_read_ahead_merges_chunks_close_together_into_one_range() -> None:
+    gap = codec.READ_AHEAD_GAP
+    spans = [(5_000_000, 100), (0, 1000), (1000 + gap, 500), (1000 + gap + 500 + gap + 1, 10)]
+    assert codec.read_ahead_ranges(spans) == [
+        (0, 1000 + gap + 500),  # the gap of READ_AHEAD_GAP bytes is read too
+        (1000 + gap + 500 + gap + 1, 10),  # one byte further: a range of its own
+        (5_000_000, 100),
+    ]
+    assert codec.read_ahead_ranges([(0, 100), (10, 20), (50, 100)]) == [(0, 150)]  # overlaps
+    assert codec.read_ahead_ranges([]) == []
+
+
+def test_a_load_asks_the_kernel_for_a_chains_chunks_in_few_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    payloads = big_payloads()  # several chunks each, between them the pages of other tables
+    calls: list[tuple[int, int]] = []
+    fadvise = os.posix_fadvise
+
+    def counted(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append((offset, length))
+        fadvise(fd, offset, length, advice)
+
+    with open_store(tmp_path / "s") as store:
+        store.put(IDENT, TOKENS, payloads)
+        monkeypatch.setattr(codec.os, "posix_fadvise", counted)
+        assert_loads(store, payloads)
+    chunks = sum(-(-len(p) // CHUNK) for p in payloads)
+    assert chunks >= 3 * N_BLOCKS
+    assert 1 <= len(calls) <= N_BLOCKS  # one call per chunk before: `chunks` calls
+    asked = sorted(calls)
+    assert sum(length for _, length in asked) >= sum(map(len, payloads))
+
+
+def test_the_maps_are_read_when_the_store_opens_not_by_its_first_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    payloads = big_payloads()
+    with open_store(tmp_path / "s") as store:
+        store.put(IDENT, TOKENS, payloads)
+    with open_store(tmp_path / "s") as store:
+        reads: list[Path] = []
+        maps_of = direct._maps_of
+        monkeypatch.setattr(direct, "_maps_of", lambda path: reads.append(path) or maps_of(path))
+        assert_loads(store, payloads)
+        assert store.stats().file_read_bytes == sum(map(len, payloads))  # read from the file
+    assert reads == []
