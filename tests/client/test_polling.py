@@ -101,14 +101,26 @@ def test_the_run_queue_is_crowded_past_one_runnable_thread_per_cpu(tmp_path: Pat
     assert RunQueue(str(tmp_path / "missing"))()
 
 
+def _loadavg_fds() -> set[int]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/proc/loadavg":
+                found.add(int(name))
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor among them)
+    return found
+
+
 def test_a_run_queue_never_closed_leaves_no_descriptor_behind() -> None:
     # an engine's link drops a lost client without closing it: its run queue goes with it
-    before = len(os.listdir("/proc/self/fd"))
+    before = _loadavg_fds()
     queues = [RunQueue() for _ in range(8)]
-    assert len(os.listdir("/proc/self/fd")) >= before + 8
+    opened = _loadavg_fds() - before
+    assert len(opened) == 8
     del queues
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert not opened & _loadavg_fds()
 
 
 @pytest.mark.parametrize("poll_us", [-1.0, float("nan")])
