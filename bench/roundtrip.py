@@ -4,8 +4,8 @@
            process (a plain `recv_into` / `sendall` loop): the floor for any request/reply.
            Where the scheduler puts the two ends decides it: on this VM a round trip within one
            vCPU is a few times faster than one across two (guest halt-polling is off, so each
-           wake of an idle vCPU costs tens of microseconds). `wake` measures both after the
-           interleaved rounds, each end pinned (2 CPUs or more).
+           wake of an idle vCPU costs tens of microseconds). `echo_pinned` reports both,
+           measured after the interleaved rounds with each end pinned (2 CPUs or more).
 * hello:   the `hello` request on a bare protocol connection (daemon_bench.HelloPinger): socket,
            event loop and frame handling, no pool and no store.
 * lookup:  `Client.lookup` of one 131,072-token prompt of 512-token blocks (256 blocks, all

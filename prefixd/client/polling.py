@@ -4,8 +4,8 @@ sleeps in recv, for the requests whose replies come that fast.
 A thread asleep in recv is woken by the kernel when its reply lands, and where idle cores halt
 (a VM with guest halt-polling off, a server core in a deep C-state) that wake-up is most of a
 short request's time. On the 2-vCPU VM of the README a blocking echo round trip takes about
-11 us with both ends on one vCPU and 51-55 us across the two, and a 131,072-token lookup
-through the daemon falls from about 200 us to about 130 us when the client polls for its reply.
+10-14 us with both ends on one vCPU and 51-65 us across the two, and a 131,072-token lookup
+through the daemon falls from 183-200 us to 111-150 us when the client polls for its reply.
 
 Polling costs the client's CPU, so it is bounded twice: by a budget per reply, after which the
 thread sleeps in recv as before, and by kind of request, the way haltpoll adapts its window: a
