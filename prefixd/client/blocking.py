@@ -521,9 +521,6 @@ class Client(Shell):
             body = frames.next_body()
             if body is None and polling.worth(kind):
                 body = polling.poll(sock, frames)
-                if body is not None:
-                    polling.polled += 1
-                    return body
             if body is None:
                 polling.slept += 1
             while body is None:

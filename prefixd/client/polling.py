@@ -94,9 +94,9 @@ class ReplyPolling:
             self._run_queue.close()
 
     def poll(self, sock: socket.socket, frames: FrameReader) -> memoryview | None:
-        """The next reply's body if it comes within the budget, read without sleeping; None
-        once the budget is spent or another thread waits for a CPU (whatever part of a frame
-        came is kept in `frames`)."""
+        """The next reply's body if it comes within the budget, read without sleeping (counted
+        in `polled`); None once the budget is spent or another thread waits for a CPU
+        (whatever part of a frame came is kept in `frames`)."""
         if self.crowded():
             return None  # another thread wants a CPU: leave it to them
         clock = self.clock
@@ -117,6 +117,7 @@ class ReplyPolling:
             frames.filled(got)
             body = frames.next_body()
             if body is not None:
+                self.polled += 1
                 return body
 
 
