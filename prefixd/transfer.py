@@ -48,9 +48,10 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
 
 if TYPE_CHECKING:
-    from prefixd.client.core import ClientCore, Steps
+    from prefixd.client.core import ClientCore
     from prefixd.client.leases import Lease
     from prefixd.client.results import HotPrefix, Stored
+    from prefixd.client.steps import Steps
 
 DEFAULT_SLOTS = 3
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ def load_into(
     """Stream the verified payloads of the stored prefix of `token_ids` into `destinations`
     (block i into destinations[i], any device, contiguous, at least the payload's size), as many
     blocks as there are destinations and the store holds."""
-    from prefixd.client.core import Reserve, Synchronize
+    from prefixd.client.steps import Reserve, Synchronize
 
     allocator = core.payloads
     if allocator is None:
@@ -269,11 +270,13 @@ def load_state_into(
     """Load a hybrid identity's joint hit and copy each group's payloads into
     `destinations[group]` (pages in order; a checkpoint group's first destination takes the
     checkpoint). The whole hit passes through the region at once, so it must fit there."""
+    from prefixd.client import state_steps
+
     if core.payloads is None:
         raise PrefixdError("load_state_into needs a client with a shared region (region_bytes)")
     devices = [d for dests in destinations.values() for d in dests]
     device = _device_of(devices) if devices else torch.device("cpu")
-    hit = yield from core.load_state(identity, token_ids, None)
+    hit = yield from state_steps.load_state(core, identity, token_ids, None)
     lease = hit.lease
     assert lease is not None
     copier = Copier(lease, 1, lease.size, device)

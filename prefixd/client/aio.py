@@ -16,7 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixd.client.core import Call, ClientCore, Reserve, Shell, Steps, Synchronize
+from prefixd.client import state_steps
+from prefixd.client.core import ClientCore, Shell
+from prefixd.client.steps import Call, Reserve, Steps, Synchronize
 from prefixd.client.leases import Lease, Span
 from prefixd.client.results import (
     HotPrefix,
@@ -189,7 +191,8 @@ class AsyncClient(Shell):
         upto_tokens: int | None = None,
         first_block: int = 0,
     ) -> Stored:
-        steps = self._core.put_state(
+        steps = state_steps.put_state(
+            self._core,
             identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
         )
         return await self._run(steps)
@@ -201,7 +204,7 @@ class AsyncClient(Shell):
         *,
         hashes: Sequence[bytes | None] | None = None,
     ) -> list[StateLookup]:
-        return await self._run(self._core.lookup_state(identity, prompts, hashes))
+        return await self._run(state_steps.lookup_state(self._core, identity, prompts, hashes))
 
     async def load_state(
         self,
@@ -211,7 +214,8 @@ class AsyncClient(Shell):
         length: int | None = None,
         deadline_s: float | None = None,
     ) -> StateLoaded:
-        return await self._run(self._core.load_state(identity, token_ids, length, deadline_s))
+        steps = state_steps.load_state(self._core, identity, token_ids, length, deadline_s)
+        return await self._run(steps)
 
     async def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
         return await self._run(self._core.simple({"op": "purge", "dry_run": dry_run, **criteria}))

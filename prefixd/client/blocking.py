@@ -16,7 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixd.client.core import Call, ClientCore, Reserve, Shell, Steps, Synchronize
+from prefixd.client import state_steps
+from prefixd.client.core import ClientCore, Shell
+from prefixd.client.steps import Call, Reserve, Steps, Synchronize
 from prefixd.client.leases import Lease
 from prefixd.client.polling import DEFAULT_POLL_US, ReplyPolling
 from prefixd.client.results import (
@@ -211,7 +213,8 @@ class Client(Shell):
         first_block: int = 0,
     ) -> Stored:
         """Stage and publish a hybrid identity's state groups (see Store.put_state)."""
-        steps = self._core.put_state(
+        steps = state_steps.put_state(
+            self._core,
             identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
         )
         return self._run(steps)
@@ -224,7 +227,7 @@ class Client(Shell):
         hashes: Sequence[bytes | None] | None = None,
     ) -> list[StateLookup]:
         """The joint hit of each prompt for a hybrid identity (one round trip)."""
-        return self._run(self._core.lookup_state(identity, prompts, hashes))
+        return self._run(state_steps.lookup_state(self._core, identity, prompts, hashes))
 
     def load_state(
         self,
@@ -237,7 +240,8 @@ class Client(Shell):
         """Load every verified payload of the joint hit into leased region space; each part's
         `view` holds its bytes until the result is released. Past `deadline_s` seconds (default:
         the daemon's load_deadline_s) the daemon stops reading and answers a miss."""
-        return self._run(self._core.load_state(identity, token_ids, length, deadline_s))
+        steps = state_steps.load_state(self._core, identity, token_ids, length, deadline_s)
+        return self._run(steps)
 
     def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
         """Remove entries by tenant, model version or age (see PurgeSelector); the counts."""

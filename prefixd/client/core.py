@@ -2,42 +2,24 @@
 of the replies. `Client` and `AsyncClient` are thin shells that drive these steps over a socket,
 so the two cannot drift apart.
 
-Each call is a generator of steps (in the manner of h11's sans-I/O core):
-
-- `Reserve(allocator, nbytes)`: the shell waits for region space (a thread blocks, a task
-  awaits) and sends back the `Lease`;
-- `Call(message, spans)`: the shell sends one request and sends back its reply (an error reply is
-  raised into the generator as its exception class); `spans` are the leased region spans the
-  request names, kept out of use until its reply arrives;
-- `Synchronize(event)`: the shell waits for a CUDA event (copies to or from a device).
-
-A generator releases what it leased in `finally` blocks, so an error, a timeout or a cancelled
-task never leaks space, and never frees space a request in flight still names (see leases.py).
+Each call is a generator of steps (prefixd.client.steps); the calls for hybrid identities are in
+prefixd.client.state_steps.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
 from prefixd.client.leases import Lease, RegionAllocator, RegionUsage, Span
-from prefixd.client.results import (
-    HotPrefix,
-    ListedBlock,
-    Loaded,
-    Lookup,
-    Routed,
-    StateLoaded,
-    StateLookup,
-    StatePart,
-    Stored,
-)
+from prefixd.client.results import HotPrefix, ListedBlock, Loaded, Lookup, Routed, Stored
+from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of, unpacked
 from prefixd.errors import PrefixdError, RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
@@ -48,40 +30,7 @@ from prefixd.wire.errors import error_for
 from prefixd.wire.frames import PROTOCOL_VERSION, decode_body, encode_frame
 from prefixd.wire.region import SharedRegion
 
-T = TypeVar("T")
-
 INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not the socket
-
-
-class Call(NamedTuple):
-    """Send `message` (with `fds` attached) and return its reply: the typed reply of a typed
-    request (prefixd.wire.messages), or the map of a raw one (a dict, given its id on sending)."""
-
-    message: wire.RequestMessage | dict[str, Any]
-    spans: tuple[Span, ...] = ()
-    fds: tuple[int, ...] = ()
-    # Whether the call alone holds `spans` (so no one can release them while a blocking shell
-    # waits for the reply); False for spans a caller leased and may release from another thread.
-    owned: bool = True
-
-
-class Reserve(NamedTuple):
-    """Lease `nbytes` of `allocator`'s region (with `largest`: the largest free span of at least
-    `nbytes`), waiting for space up to the client's timeout."""
-
-    allocator: RegionAllocator
-    nbytes: int
-    largest: bool = False
-
-
-class Synchronize(NamedTuple):
-    """Wait until a CUDA event has completed."""
-
-    event: Any
-
-
-Step = Call | Reserve | Synchronize
-Steps = Generator[Step, Any, T]
 
 
 class LoadReply(NamedTuple):
@@ -217,7 +166,7 @@ class ClientCore:
 
     # --- request pieces -------------------------------------------------------------------------
 
-    def _identity(self, identity: Identity) -> wire.WireIdentity:
+    def wire_identity(self, identity: Identity) -> wire.WireIdentity:
         cached = self._identities.get(id(identity))
         if cached is None or cached[0] is not identity:
             cached = (identity, wire.WireIdentity.of(identity))
@@ -226,15 +175,15 @@ class ClientCore:
             self._identities[id(identity)] = cached
         return cached[1]
 
-    def _require_payloads(self) -> RegionAllocator:
+    def require_payloads(self) -> RegionAllocator:
         if self.payloads is None:
             raise PrefixdError("this client has no shared region: pass region_bytes")
         return self.payloads
 
-    def _region_id(self, allocator: RegionAllocator) -> int:
+    def region_id(self, allocator: RegionAllocator) -> int:
         return self._region_ids[id(allocator)]
 
-    def _prompt(self, token_ids: TokenIds, held: list[Lease | Span]) -> dict[str, Any]:
+    def prompt_fields(self, token_ids: TokenIds, held: list[Lease | Span]) -> dict[str, Any]:
         """A prompt's token fields: staged in a span of the token region when long and there
         is room now (the span goes to `held`), else inline in the frame."""
         entry = self._entry(token_ids, None, held.append)
@@ -260,15 +209,15 @@ class ClientCore:
         where = (self._region_ids[id(allocator)], span.offset, len(tokens))
         return wire.Prompt(tokens_span=where, n_tokens=len(tokens), hashes=hashes)
 
-    def _stage(self, payloads: Sequence[Any]) -> Steps[tuple[Lease | None, list[wire.Span]]]:
+    def stage(self, payloads: Sequence[Any]) -> Steps[tuple[Lease | None, list[wire.Span]]]:
         """Lease room for `payloads` and copy them in back to back; the spans a put names."""
-        allocator = self._require_payloads()
+        allocator = self.require_payloads()
         sources = [np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in payloads]
         total = sum(s.nbytes for s in sources)
         if total == 0:
-            return None, [(self._region_id(allocator), 0, 0) for _ in sources]
+            return None, [(self.region_id(allocator), 0, 0) for _ in sources]
         lease: Lease = yield Reserve(allocator, total)
-        region_id = self._region_id(allocator)
+        region_id = self.region_id(allocator)
         spans: list[wire.Span] = []
         offset = 0
         for source in sources:
@@ -287,7 +236,7 @@ class ClientCore:
 
     def reserve(self, nbytes: int) -> Steps[Lease]:
         """Region space for the caller to fill itself (then `put_spans`)."""
-        lease: Lease = yield Reserve(self._require_payloads(), nbytes)
+        lease: Lease = yield Reserve(self.require_payloads(), nbytes)
         return lease
 
     def put(
@@ -295,19 +244,19 @@ class ClientCore:
     ) -> Steps[Stored]:
         held: list[Lease | Span] = []
         try:
-            lease, spans = yield from self._stage(payloads)
+            lease, spans = yield from self.stage(payloads)
             if lease is not None:
                 held.append(lease)
             message = wire.Put(
                 id=self.next_id(),
-                identity=self._identity(identity),
-                **self._prompt(token_ids, held),
+                identity=self.wire_identity(identity),
+                **self.prompt_fields(token_ids, held),
                 first_block=first_block,
                 blocks=spans,
             )
-            reply: wire.PutReply = yield Call(message, _spans(held))
+            reply: wire.PutReply = yield Call(message, spans_of(held))
         finally:
-            _release(held)
+            release_all(held)
         return Stored(reply.stored, reply.existed)
 
     def put_spans(
@@ -318,8 +267,8 @@ class ClientCore:
         first_block: int,
     ) -> Steps[Stored]:
         """Publish payloads the caller wrote into region space it leased (`reserve`)."""
-        allocator = self._require_payloads()
-        region_id = self._region_id(allocator)
+        allocator = self.require_payloads()
+        region_id = self.region_id(allocator)
         named: list[Span] = []
         for offset, length in spans:
             span = allocator.covering(offset, length)
@@ -334,17 +283,17 @@ class ClientCore:
         try:
             message = wire.Put(
                 id=self.next_id(),
-                identity=self._identity(identity),
-                **self._prompt(token_ids, held),
+                identity=self.wire_identity(identity),
+                **self.prompt_fields(token_ids, held),
                 first_block=first_block,
                 blocks=[(region_id, o, n) for o, n in spans],
             )
-            reply: wire.PutReply = yield Call(message, (*named, *_spans(held)), owned=False)
+            reply: wire.PutReply = yield Call(message, (*named, *spans_of(held)), owned=False)
         finally:
-            _release(held)
+            release_all(held)
         return Stored(reply.stored, reply.existed)
 
-    def _prompts(
+    def prompt_entries(
         self,
         prompts: Sequence[TokenIds],
         hashes: Sequence[bytes | None] | None,
@@ -366,15 +315,15 @@ class ClientCore:
         try:
             message = wire.Lookup(
                 id=self.next_id(),
-                identity=self._identity(identity),
-                prompts=self._prompts(prompts, hashes, held),
+                identity=self.wire_identity(identity),
+                prompts=self.prompt_entries(prompts, hashes, held),
                 pin=pin or None,
             )
             reply: wire.LookupReply = yield Call(message, tuple(held))
         finally:
-            _release(held)
+            release_all(held)
         return [
-            Lookup(r.n_blocks, r.n_tokens, _unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
+            Lookup(r.n_blocks, r.n_tokens, unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
             for r in reply.results
         ]
 
@@ -383,13 +332,13 @@ class ClientCore:
         try:
             message = wire.Route(
                 id=self.next_id(),
-                identity=self._identity(identity),
-                **self._prompt(token_ids, held),
+                identity=self.wire_identity(identity),
+                **self.prompt_fields(token_ids, held),
                 hashes=hashes,
             )
-            reply: wire.RouteReply = yield Call(message, tuple(_spans(held)))
+            reply: wire.RouteReply = yield Call(message, tuple(spans_of(held)))
         finally:
-            _release(held)
+            release_all(held)
         fields = msgspec.structs.asdict(reply)
         return Routed(**{name: fields[name] for name in Routed.__slots__})
 
@@ -398,12 +347,12 @@ class ClientCore:
         try:
             message = wire.Unpin(
                 id=self.next_id(),
-                identity=self._identity(identity),
-                prompts=self._prompts(prompts, None, held),
+                identity=self.wire_identity(identity),
+                prompts=self.prompt_entries(prompts, None, held),
             )
             reply: wire.UnpinReply = yield Call(message, tuple(held))
         finally:
-            _release(held)
+            release_all(held)
         return reply.released
 
     def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
@@ -411,12 +360,12 @@ class ClientCore:
         try:
             message = wire.Delete(
                 id=self.next_id(),
-                identity=self._identity(identity),
-                prompts=self._prompts(prompts, None, held),
+                identity=self.wire_identity(identity),
+                prompts=self.prompt_entries(prompts, None, held),
             )
             reply: wire.DeleteReply = yield Call(message, tuple(held))
         finally:
-            _release(held)
+            release_all(held)
         return reply.blocks
 
     def list_blocks(
@@ -445,15 +394,15 @@ class ClientCore:
         """Load into bytes [start, start + length) of a lease the caller holds."""
         if not 0 <= start <= start + length <= lease.size or lease.released:
             raise RegionError(f"[{start}, {start + length}) is not inside a held lease")
-        allocator = self._require_payloads()
+        allocator = self.require_payloads()
         held: list[Lease | Span] = []
         try:
             message = wire.Load(
                 id=self.next_id(),
-                identity=self._identity(identity),
-                **self._prompt(token_ids, held),
+                identity=self.wire_identity(identity),
+                **self.prompt_fields(token_ids, held),
                 hashes=hashes,
-                region=self._region_id(allocator),
+                region=self.region_id(allocator),
                 offset=lease.offset + start,
                 length=length,
                 max_blocks=max_blocks,
@@ -461,14 +410,14 @@ class ClientCore:
                 warm=warm or None,
                 deadline_s=deadline_s,
             )
-            reply: wire.LoadReply = yield Call(message, (lease.span, *_spans(held)))
+            reply: wire.LoadReply = yield Call(message, (lease.span, *spans_of(held)))
         finally:
-            _release(held)
+            release_all(held)
         return LoadReply(
             reply.n_blocks,
             reply.n_tokens,
-            _unpacked(reply.offsets),
-            _unpacked(reply.sizes),
+            unpacked(reply.offsets),
+            unpacked(reply.sizes),
             reply.first_block,
             reply.next_size,
         )
@@ -487,7 +436,7 @@ class ClientCore:
     ) -> Steps[Loaded]:
         """The longest stored prefix (from `first_block` on) into leased region space: at most
         `length` bytes, or as much of the hit as the region holds."""
-        allocator = self._require_payloads()
+        allocator = self.require_payloads()
         options: dict[str, Any] = {
             "max_blocks": max_blocks,
             "hashes": hashes,
@@ -548,164 +497,11 @@ class ClientCore:
             HotPrefix(
                 p.identity.to_identity(),
                 np.frombuffer(p.tokens, dtype="<u4"),
-                _unpacked(p.sizes),
+                unpacked(p.sizes),
                 p.score,
             )
             for p in reply.prefixes
         ]
-
-    # --- hybrid identities ----------------------------------------------------------------------
-
-    def put_state(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        paged: Mapping[str, Sequence[Any]],
-        checkpoints: Mapping[str, Mapping[int, Any]],
-        upto_tokens: int | None,
-        first_block: int,
-    ) -> Steps[Stored]:
-        payloads = [p for name in paged for p in paged[name]]
-        payloads += [p for name in checkpoints for p in checkpoints[name].values()]
-        held: list[Lease | Span] = []
-        try:
-            lease, staged = yield from self._stage(payloads)
-            if lease is not None:
-                held.append(lease)
-            spans = iter(staged)
-            message = wire.PutState(
-                id=self.next_id(),
-                identity=self._identity(identity),
-                **self._prompt(token_ids, held),
-                first_block=first_block,
-                upto_tokens=upto_tokens,
-                paged={name: [next(spans) for _ in paged[name]] for name in paged},
-                checkpoints={
-                    name: [(boundary, next(spans)) for boundary in placed]
-                    for name, placed in checkpoints.items()
-                },
-            )
-            reply: wire.PutStateReply = yield Call(message, _spans(held))
-        finally:
-            _release(held)
-        return Stored(reply.stored, reply.existed, reply.parts)
-
-    def lookup_state(
-        self,
-        identity: Identity,
-        prompts: Sequence[TokenIds],
-        hashes: Sequence[bytes | None] | None,
-    ) -> Steps[list[StateLookup]]:
-        held: list[Span] = []
-        try:
-            message = wire.LookupState(
-                id=self.next_id(),
-                identity=self._identity(identity),
-                prompts=self._prompts(prompts, hashes, held),
-            )
-            reply: wire.LookupStateReply = yield Call(message, tuple(held))
-        finally:
-            _release(held)
-        return [
-            StateLookup(
-                r.reusable_tokens,
-                r.replay_from,
-                r.paged_tokens,
-                r.matched_tokens,
-                tuple(_part(p, None, 0) for p in r.parts),
-                r.est_load_s,
-                r.est_prefill_s,
-            )
-            for r in reply.results
-        ]
-
-    def load_state(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        length: int | None,
-        deadline_s: float | None = None,
-    ) -> Steps[StateLoaded]:
-        """Every verified payload of the joint hit, back to back in leased region space."""
-        allocator = self._require_payloads()
-        if length is not None:
-            lease = yield Reserve(allocator, max(length, 1))
-        else:
-            lease = yield Reserve(allocator, 1, largest=True)
-        try:
-            result = yield from self._load_state_span(identity, token_ids, lease, deadline_s)
-        except RegionError:
-            lease.release()
-            if length is not None or lease.size >= allocator.size:
-                raise
-            # others held space and the hit did not fit: once more with a lease of its size
-            [hit] = yield from self.lookup_state(identity, [token_ids], None)
-            lease = yield Reserve(allocator, min(max(hit.payload_bytes, 1), allocator.size))
-            try:
-                result = yield from self._load_state_span(identity, token_ids, lease, deadline_s)
-            except BaseException:
-                lease.release()
-                raise
-        except BaseException:
-            lease.release()
-            raise
-        try:
-            parts = result.parts
-            ends = ((p.offset or 0) + p.size - lease.offset for p in parts)
-            lease.trim(max(ends, default=0))
-            loaded = tuple(_part(p, lease, lease.offset) for p in parts)
-        except BaseException:
-            lease.release()
-            raise
-        return StateLoaded(
-            result.reusable_tokens,
-            result.replay_from,
-            result.paged_tokens,
-            result.matched_tokens,
-            loaded,
-            lease,
-        )
-
-    def _load_state_span(
-        self, identity: Identity, token_ids: TokenIds, lease: Lease, deadline_s: float | None
-    ) -> Steps[wire.LoadStateReply]:
-        allocator = self._require_payloads()
-        held: list[Lease | Span] = []
-        try:
-            message = wire.LoadState(
-                id=self.next_id(),
-                identity=self._identity(identity),
-                **self._prompt(token_ids, held),
-                region=self._region_id(allocator),
-                offset=lease.offset,
-                length=lease.size,
-                deadline_s=deadline_s,
-            )
-            reply: wire.LoadStateReply = yield Call(message, (lease.span, *_spans(held)))
-        finally:
-            _release(held)
-        return reply
-
-
-def _part(entry: wire.StatePart, lease: Lease | None, base: int) -> StatePart:
-    offset = -1 if entry.offset is None else entry.offset
-    view = None
-    if lease is not None:
-        view = lease.slice(offset - base, offset - base + entry.size)
-    return StatePart(entry.group, entry.first_token, entry.tokens, entry.size, offset, view)
-
-
-def _spans(leases: Sequence[Lease | Span]) -> tuple[Span, ...]:
-    return tuple(lease.span for lease in leases)
-
-
-def _release(leases: Sequence[Lease | Span]) -> None:
-    for lease in leases:
-        lease.release()
-
-
-def _unpacked(packed: bytes) -> tuple[int, ...]:
-    return tuple(np.frombuffer(packed, "<u8").tolist())
 
 
 class Shell:

@@ -110,8 +110,8 @@ def test_long_prompts_use_the_token_region_and_agree_with_inline(daemon: Daemon)
     ) as inline:
         # The first client really sends long prompts through its token region, the second inline.
         held: list[Any] = []
-        assert spans._core._prompt(long, held)["tokens_span"] is not None
-        assert inline._core._prompt(long, [])["tokens_span"] is None
+        assert spans._core.prompt_fields(long, held)["tokens_span"] is not None
+        assert inline._core.prompt_fields(long, [])["tokens_span"] is None
         held[0].release()
 
         assert spans.put(IDENTITY, long, pays).stored == n_blocks

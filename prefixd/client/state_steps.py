@@ -1,0 +1,164 @@
+"""The client core's calls for hybrid identities (state groups: paged KV beside checkpoints):
+the same steps as the plain calls in core.py, each a function of the core it runs on."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from prefixd.client.core import ClientCore
+from prefixd.client.leases import Lease, Span
+from prefixd.client.results import StateLoaded, StateLookup, StatePart, Stored
+from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of
+from prefixd.errors import RegionError
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TokenIds
+from prefixd.wire import messages as wire
+
+
+def put_state(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    paged: Mapping[str, Sequence[Any]],
+    checkpoints: Mapping[str, Mapping[int, Any]],
+    upto_tokens: int | None,
+    first_block: int,
+) -> Steps[Stored]:
+    """Stage every group's payloads in the region back to back and publish them in one put."""
+    payloads = [p for name in paged for p in paged[name]]
+    payloads += [p for name in checkpoints for p in checkpoints[name].values()]
+    held: list[Lease | Span] = []
+    try:
+        lease, staged = yield from core.stage(payloads)
+        if lease is not None:
+            held.append(lease)
+        spans = iter(staged)
+        message = wire.PutState(
+            id=core.next_id(),
+            identity=core.wire_identity(identity),
+            **core.prompt_fields(token_ids, held),
+            first_block=first_block,
+            upto_tokens=upto_tokens,
+            paged={name: [next(spans) for _ in paged[name]] for name in paged},
+            checkpoints={
+                name: [(boundary, next(spans)) for boundary in placed]
+                for name, placed in checkpoints.items()
+            },
+        )
+        reply: wire.PutStateReply = yield Call(message, spans_of(held))
+    finally:
+        release_all(held)
+    return Stored(reply.stored, reply.existed, reply.parts)
+
+
+def lookup_state(
+    core: ClientCore,
+    identity: Identity,
+    prompts: Sequence[TokenIds],
+    hashes: Sequence[bytes | None] | None,
+) -> Steps[list[StateLookup]]:
+    held: list[Span] = []
+    try:
+        message = wire.LookupState(
+            id=core.next_id(),
+            identity=core.wire_identity(identity),
+            prompts=core.prompt_entries(prompts, hashes, held),
+        )
+        reply: wire.LookupStateReply = yield Call(message, tuple(held))
+    finally:
+        release_all(held)
+    return [
+        StateLookup(
+            r.reusable_tokens,
+            r.replay_from,
+            r.paged_tokens,
+            r.matched_tokens,
+            tuple(_part(p, None, 0) for p in r.parts),
+            r.est_load_s,
+            r.est_prefill_s,
+        )
+        for r in reply.results
+    ]
+
+
+def load_state(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    length: int | None,
+    deadline_s: float | None = None,
+) -> Steps[StateLoaded]:
+    """Every verified payload of the joint hit, back to back in leased region space."""
+    allocator = core.require_payloads()
+    if length is not None:
+        lease = yield Reserve(allocator, max(length, 1))
+    else:
+        lease = yield Reserve(allocator, 1, largest=True)
+    try:
+        result = yield from _load_state_span(core, identity, token_ids, lease, deadline_s)
+    except RegionError:
+        lease.release()
+        if length is not None or lease.size >= allocator.size:
+            raise
+        # others held space and the hit did not fit: once more with a lease of its size
+        [hit] = yield from lookup_state(core, identity, [token_ids], None)
+        lease = yield Reserve(allocator, min(max(hit.payload_bytes, 1), allocator.size))
+        try:
+            result = yield from _load_state_span(core, identity, token_ids, lease, deadline_s)
+        except BaseException:
+            lease.release()
+            raise
+    except BaseException:
+        lease.release()
+        raise
+    try:
+        parts = result.parts
+        ends = ((p.offset or 0) + p.size - lease.offset for p in parts)
+        lease.trim(max(ends, default=0))
+        loaded = tuple(_part(p, lease, lease.offset) for p in parts)
+    except BaseException:
+        lease.release()
+        raise
+    return StateLoaded(
+        result.reusable_tokens,
+        result.replay_from,
+        result.paged_tokens,
+        result.matched_tokens,
+        loaded,
+        lease,
+    )
+
+
+def _load_state_span(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    lease: Lease,
+    deadline_s: float | None,
+) -> Steps[wire.LoadStateReply]:
+    allocator = core.require_payloads()
+    held: list[Lease | Span] = []
+    try:
+        message = wire.LoadState(
+            id=core.next_id(),
+            identity=core.wire_identity(identity),
+            **core.prompt_fields(token_ids, held),
+            region=core.region_id(allocator),
+            offset=lease.offset,
+            length=lease.size,
+            deadline_s=deadline_s,
+        )
+        reply: wire.LoadStateReply = yield Call(message, (lease.span, *spans_of(held)))
+    finally:
+        release_all(held)
+    return reply
+
+
+def _part(entry: wire.StatePart, lease: Lease | None, base: int) -> StatePart:
+    """A reply's part, with a view of its bytes when they were loaded into `lease`."""
+    offset = -1 if entry.offset is None else entry.offset
+    view = None
+    if lease is not None:
+        view = lease.slice(offset - base, offset - base + entry.size)
+    return StatePart(entry.group, entry.first_token, entry.tokens, entry.size, offset, view)
