@@ -40,6 +40,10 @@ cold_load empties the page cache with /proc/sys/vm/drop_caches (root only) in th
 fraction of either file still in the page cache before a cold round (mincore), to show the round
 was cold.
 
+`row_reported_to_host_mib` says how much freed memory the VM's kernel handed back to its host
+during each row (free page reporting to a virtio balloon; None where the kernel does not say):
+the next writes into those pages wait for the host, which can halve a write row.
+
 `--quick` runs every row with small sizes in seconds (tests/bench/test_limits.py runs it): its
 figures are for shape, not for comparison. GB/s means 1e9 bytes per second. Everything lives in
 temporary directories, removed at the end.
@@ -61,7 +65,7 @@ import limits_lookups
 import limits_puts
 import numpy as np
 from benchlib import run_in_workdir
-from limitlib import Preset
+from limitlib import Preset, reported_to_host_kib
 from suitelib import MiB, machine_info
 
 from prefixd.store.allocator import keep_write_buffers
@@ -158,14 +162,18 @@ def run(settings: Settings, workdir: Path, sock_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     rows: dict[str, Any] = {}
     row_s: dict[str, float] = {}
+    reported_mib: dict[str, int | None] = {}
     for index, name in enumerate(ROWS):
         if name not in settings.rows:
             continue
         began = time.perf_counter()
+        before = reported_to_host_kib()
         root = workdir / name
         root.mkdir()
         rows[name] = ROWS[name](root, settings.preset, np.random.default_rng((SEED, index)))
         row_s[name] = round(time.perf_counter() - began, 1)
+        after = reported_to_host_kib()
+        reported_mib[name] = None if before is None or after is None else (after - before) >> 10
         if settings.verbose:
             print(f"{name} ({row_s[name]} s): {rows[name]}", file=sys.stderr, flush=True)
     return {
@@ -178,6 +186,9 @@ def run(settings: Settings, workdir: Path, sock_dir: Path) -> dict[str, Any]:
             if not t["met"]
         ],
         "row_s": row_s,
+        # freed memory the VM gave back to its host during each row (None: the kernel does not
+        # say); writes into those pages wait for the host, which can halve a write row
+        "row_reported_to_host_mib": reported_mib,
         "total_s": round(time.perf_counter() - started, 1),
         "settings": dataclasses.asdict(settings.preset),
         "machine": machine_info(loadavg),
@@ -209,6 +220,9 @@ def print_table(report: dict[str, Any]) -> None:
         for key in EXTRAS:
             if r.get(key):
                 print(f"  {key}: {r[key]}")
+        reported = report["row_reported_to_host_mib"].get(name)
+        if reported:
+            print(f"  memory the VM reported to its host meanwhile: {reported} MiB")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

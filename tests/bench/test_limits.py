@@ -56,6 +56,11 @@ def test_every_row_is_reported(report: dict[str, Any]) -> None:
     assert report["mode"] == "quick"
     assert tuple(report["rows"]) == ROWS
     assert set(report["row_s"]) == set(ROWS)
+    reported = report["row_reported_to_host_mib"]
+    assert set(reported) == set(ROWS)
+    expected = Path("/sys/module/page_reporting/parameters/reported_kib").exists()
+    for value in reported.values():
+        assert (isinstance(value, int) and value >= 0) if expected else value is None, value
     for key in ("cpu_model", "cpu_count", "python", "lmdb"):
         assert report["machine"][key], key
 
