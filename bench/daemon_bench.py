@@ -80,6 +80,7 @@ from benchlib import (
     touched_buffer,
 )
 
+import prefixd
 from prefixd import Identity, Store
 from prefixd.client import Client
 from prefixd.schema.chain import packed_hashes
@@ -189,6 +190,8 @@ def log(settings: Settings, message: str) -> None:
 
 # --- the daemon ------------------------------------------------------------------------------
 
+PREFIXD_TREE = Path(prefixd.__file__).resolve().parents[1]  # the tree this process imported
+
 
 class Daemon:
     """`python -m prefixd serve` in a subprocess, ready once READY=1 reached our NOTIFY_SOCKET."""
@@ -229,6 +232,12 @@ class Daemon:
         inherited = ("PREFIXD_", "LISTEN_", "WATCHDOG_", "NOTIFY_SOCKET")
         env = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
         env["NOTIFY_SOCKET"] = str(self.notify_path)
+        # The daemon runs the prefixd this process imported (another revision's, put first on
+        # PYTHONPATH, in an A/B run), not whatever `prefixd` lies in the working directory, which
+        # `python -m` would put first on its path: it starts in the daemon's own directory.
+        inherited_path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        paths = [str(PREFIXD_TREE), *filter(None, inherited_path)]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             notify.bind(str(self.notify_path))
@@ -237,6 +246,7 @@ class Daemon:
                 self.process = subprocess.Popen(
                     self.command(),
                     env=env,
+                    cwd=self.data_dir.parent,
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
