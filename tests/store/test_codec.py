@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixd.schema.records import BlockRecord, Compression
-from prefixd.store.codec import PayloadCodec, StoredPayload, checksum
+from prefixd.store.codec import POOL_MIN_RAW_BYTES, PayloadCodec, StoredPayload, checksum
 from prefixd.store.fair import FairPool
 
 CHUNK = 64 << 10
@@ -112,3 +114,36 @@ def test_run_stops_at_the_first_bad_payload() -> None:
     assert bytes(dests[1]) == datas[1]
     assert not any(dests[2]) and not any(dests[3])  # nothing unreported is left behind
     assert c.counters.verify_failures == 1
+
+
+class _CountingPool(ThreadPoolExecutor):
+    """A pool that counts the work handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.submitted = 0
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kind", "count", "size", "handed_over"),
+    [
+        ("none", 64, 16 << 10, False),  # 1 MiB to checksum: cheaper here than a hand-off
+        ("none", 2, POOL_MIN_RAW_BYTES // 2, True),
+        ("zstd", 2, 16 << 10, True),  # compression always pays for a second thread
+        ("none", 1, POOL_MIN_RAW_BYTES, False),  # nothing to split
+    ],
+)
+def test_encode_many_hands_work_to_the_pool_only_when_it_pays(
+    kind: str, count: int, size: int, handed_over: bool
+) -> None:
+    c = codec(kind)
+    payloads = [memoryview(bf16_like(size // 2, seed)) for seed in range(count)]
+    with _CountingPool() as pool:
+        encoded = c.encode_many(payloads, pool)
+    assert (pool.submitted > 0) is handed_over
+    assert [e.payload_size for e in encoded] == [p.nbytes for p in payloads]
+    assert [e.checksum for e in encoded] == [c.encode(p).checksum for p in payloads]
