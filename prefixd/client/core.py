@@ -304,6 +304,21 @@ class ClientCore:
             return [self._entry(prompt, None, keep) for prompt in prompts]
         return [self._entry(prompt, hashes[i], keep) for i, prompt in enumerate(prompts)]
 
+    def prompts_call(
+        self,
+        build: Callable[[list[wire.Prompt]], wire.RequestMessage],
+        prompts: Sequence[TokenIds],
+        hashes: Sequence[bytes | None] | None,
+    ) -> Steps[Any]:
+        """Send the request `build` makes of the prompts' entries and return its reply, holding
+        the token-region spans the entries were staged in until the reply is in."""
+        held: list[Span] = []
+        try:
+            reply = yield Call(build(self.prompt_entries(prompts, hashes, held)), tuple(held))
+        finally:
+            release_all(held)
+        return reply
+
     def lookup(
         self,
         identity: Identity,
@@ -311,17 +326,16 @@ class ClientCore:
         hashes: Sequence[bytes | None] | None,
         pin: bool = False,
     ) -> Steps[list[Lookup]]:
-        held: list[Span] = []  # the token spans (the engine's hot path: kept lean)
-        try:
-            message = wire.Lookup(
+        reply: wire.LookupReply = yield from self.prompts_call(
+            lambda entries: wire.Lookup(
                 id=self.next_id(),
                 identity=self.wire_identity(identity),
-                prompts=self.prompt_entries(prompts, hashes, held),
+                prompts=entries,
                 pin=pin or None,
-            )
-            reply: wire.LookupReply = yield Call(message, tuple(held))
-        finally:
-            release_all(held)
+            ),
+            prompts,
+            hashes,
+        )
         return [
             Lookup(r.n_blocks, r.n_tokens, unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
             for r in reply.results
@@ -343,29 +357,23 @@ class ClientCore:
         return Routed(**{name: fields[name] for name in Routed.__slots__})
 
     def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
-        held: list[Span] = []
-        try:
-            message = wire.Unpin(
-                id=self.next_id(),
-                identity=self.wire_identity(identity),
-                prompts=self.prompt_entries(prompts, None, held),
-            )
-            reply: wire.UnpinReply = yield Call(message, tuple(held))
-        finally:
-            release_all(held)
+        reply: wire.UnpinReply = yield from self.prompts_call(
+            lambda entries: wire.Unpin(
+                id=self.next_id(), identity=self.wire_identity(identity), prompts=entries
+            ),
+            prompts,
+            None,
+        )
         return reply.released
 
     def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
-        held: list[Span] = []
-        try:
-            message = wire.Delete(
-                id=self.next_id(),
-                identity=self.wire_identity(identity),
-                prompts=self.prompt_entries(prompts, None, held),
-            )
-            reply: wire.DeleteReply = yield Call(message, tuple(held))
-        finally:
-            release_all(held)
+        reply: wire.DeleteReply = yield from self.prompts_call(
+            lambda entries: wire.Delete(
+                id=self.next_id(), identity=self.wire_identity(identity), prompts=entries
+            ),
+            prompts,
+            None,
+        )
         return reply.blocks
 
     def list_blocks(

@@ -58,16 +58,13 @@ def lookup_state(
     prompts: Sequence[TokenIds],
     hashes: Sequence[bytes | None] | None,
 ) -> Steps[list[StateLookup]]:
-    held: list[Span] = []
-    try:
-        message = wire.LookupState(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            prompts=core.prompt_entries(prompts, hashes, held),
-        )
-        reply: wire.LookupStateReply = yield Call(message, tuple(held))
-    finally:
-        release_all(held)
+    reply: wire.LookupStateReply = yield from core.prompts_call(
+        lambda entries: wire.LookupState(
+            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
+        ),
+        prompts,
+        hashes,
+    )
     return [
         StateLookup(
             r.reusable_tokens,

@@ -4,26 +4,11 @@ honest client is answered without an error; the attacks are refused as the READM
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 300
+from tests.bench.benches import run_bench
 
 
 def test_the_attacks_bench_reports_each_attack_beside_an_honest_client() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "attacks.py"), "--only", "decode,verify", "--json"],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout)
+    report = run_bench("attacks.py", "--only", "decode,verify", "--json")
     assert set(report) == {"decode", "verify", "machine"}
     for name in ("decode", "verify"):
         row = report[name]

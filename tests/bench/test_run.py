@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
 import math
 import shutil
 import subprocess
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.bench.benches import run_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "bench" / "run.py"
@@ -27,16 +28,7 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, str(RUN), "--quick", "--json"],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return run_bench("run.py", "--quick", "--json", timeout_s=TIMEOUT_S)
 
 
 def _positive(value: Any) -> bool:
