@@ -520,13 +520,10 @@ class Client(Shell):
         """The next reply's body (valid until the next receive): usually one recv brings it,
         polled for first where a reply to a request of `kind` is likely to come at once."""
         frames = self._frames
-        polling = self._polling
         try:
             body = frames.next_body()
-            if body is None and polling.worth(kind):
-                body = polling.poll(sock, frames)
             if body is None:
-                polling.slept += 1
+                body = self._polling.before_sleeping(sock, frames, kind)
             while body is None:
                 got = sock.recv_into(frames.space())
                 if not got:

@@ -93,6 +93,16 @@ class ReplyPolling:
         if self._run_queue is not None:
             self._run_queue.close()
 
+    def before_sleeping(
+        self, sock: socket.socket, frames: FrameReader, kind: type
+    ) -> memoryview | None:
+        """The reply to a request of `kind`, polled for when that is worth it; None (counted in
+        `slept`) when the caller is to wait for it asleep in recv."""
+        body = self.poll(sock, frames) if self.worth(kind) else None
+        if body is None:
+            self.slept += 1
+        return body
+
     def poll(self, sock: socket.socket, frames: FrameReader) -> memoryview | None:
         """The next reply's body if it comes within the budget, read without sleeping (counted
         in `polled`); None once the budget is spent or another thread waits for a CPU

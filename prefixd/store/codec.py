@@ -484,18 +484,13 @@ def read_ahead_ranges(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]
     """(offset, length) ranges covering `spans` (offset, length) in file order, two of them
     merged when at most READ_AHEAD_GAP bytes lie between them (the pages of LMDB's other tables
     between a chain's chunks: a little read for nothing instead of a call per chunk)."""
-    merged: list[tuple[int, int]] = []
-    start = end = -1
+    merged: list[list[int]] = []  # [start, end)
     for at, length in sorted(spans):
-        if start >= 0 and at <= end + READ_AHEAD_GAP:
-            end = max(end, at + length)
-            continue
-        if start >= 0:
-            merged.append((start, end - start))
-        start, end = at, at + length
-    if start >= 0:
-        merged.append((start, end - start))
-    return merged
+        if merged and at <= merged[-1][1] + READ_AHEAD_GAP:
+            merged[-1][1] = max(merged[-1][1], at + length)
+        else:
+            merged.append([at, at + length])
+    return [(start, end - start) for start, end in merged]
 
 
 def _pread_exactly(fd: int, target: memoryview, at: int) -> bool:
