@@ -359,3 +359,14 @@ class TierValueError(TierError, ValueError):
 class TierBusyError(TierError):
     """`remove(key, force=False)` met a read lease (a reader fetched the key lately); force it,
     or retry after the master's `--default_kv_lease_ttl`."""
+
+
+# --- durability --------------------------------------------------------------------------------
+
+
+class SyncFailedError(StoreWriteError):
+    """An fsync of the store failed: what it acknowledged since its last good sync may not be on
+    disk (the kernel may have dropped those pages), so it refuses writes from then on; reads go
+    on. A restart checks the blocks written since the last good sync (prefixd.store.sync_state)."""
+
+    code = "sync_failed"

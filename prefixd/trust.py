@@ -4,28 +4,84 @@ Another local user must not be able to stand in for the daemon. A socket directo
 or may write lets them replace the socket with their own and receive a client's identity, token
 ids and payloads; a data directory they may write lets them replace the store. So the daemon
 serves only from directories owned by its own user (or root) that no one else may write, and a
-client, before it sends anything, checks that the socket and its directory belong to the user it
-expects the daemon to run as (its own, or root, unless told another) and, once connected, that
-the process on the other end runs as that user (SO_PEERCRED).
+client, before it sends anything, checks that the socket and its directory belong to a user it
+trusts to be the daemon's and, once connected, that the process on the other end runs as one of
+them (SO_PEERCRED).
+
+Which users a client trusts: root, and the daemon's user when named (`PREFIXD_DAEMON_USER`, or a
+client's `daemon_uid=`, a user name or uid); when none is named, also the client's own user and
+the service user the shipped units run the daemon as (`prefixd`, when that account exists). Only
+root can create an account or chown a file to one, so a socket that another ordinary user made or
+could replace still fails the checks.
 """
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import socket
 import stat
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from prefixd.errors import UntrustedDaemonError, UntrustedPathError
+from prefixd.errors import (
+    ConfigError,
+    DaemonUnavailableError,
+    UntrustedDaemonError,
+    UntrustedPathError,
+)
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
+DAEMON_USER_VARIABLE = "PREFIXD_DAEMON_USER"
+SERVICE_USER = "prefixd"  # the account systemd/prefixd.service runs the daemon as
 
-def daemon_uids(expected: int | None = None) -> frozenset[int]:
-    """The users a client accepts as the daemon's: `expected` when given, else its own or root."""
-    return frozenset({expected} if expected is not None else {os.geteuid(), 0})
+
+def daemon_uids(
+    expected: int | str | None = None, env: Mapping[str, str] | None = None
+) -> frozenset[int]:
+    """The users a client accepts as the daemon's: root and `expected` (a uid or user name) when
+    given, else root and PREFIXD_DAEMON_USER when set, else root, this process's own user and the
+    `prefixd` service user (when the account exists)."""
+    named = (
+        expected
+        if expected is not None
+        else (os.environ if env is None else env).get(DAEMON_USER_VARIABLE)
+    )
+    if named is not None and named != "":
+        try:
+            return frozenset({resolve_user(named), 0})
+        except ConfigError as exc:
+            what = "daemon_uid" if expected is not None else DAEMON_USER_VARIABLE
+            raise ConfigError(f"{what}: {exc}") from None
+    uids = {os.geteuid(), 0}
+    service = _uid_of(SERVICE_USER)
+    if service is not None:
+        uids.add(service)
+    return frozenset(uids)
+
+
+def resolve_user(user: int | str) -> int:
+    """The uid of a user given by name or number (a number that names no account is kept: a
+    daemon may run under a uid without a passwd entry)."""
+    if isinstance(user, int):
+        return user
+    text = user.strip()
+    if text.isdigit():
+        return int(text)
+    uid = _uid_of(text)
+    if uid is None:
+        raise ConfigError(f"no user {text!r} on this machine (give a user name or uid)")
+    return uid
+
+
+def _uid_of(name: str) -> int | None:
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return None
 
 
 def check_private_dir(path: Path, what: str) -> None:
@@ -58,17 +114,20 @@ def check_socket_path(path: Path, uids: Collection[int]) -> None:
         dir_info = os.stat(path.parent)
     except FileNotFoundError:
         return  # nothing there: the connect reports it
+    except PermissionError as exc:
+        raise unreachable(path, exc) from None
     if not stat.S_ISSOCK(sock_info.st_mode):
         raise UntrustedDaemonError(f"{path} is not a socket")
     if sock_info.st_uid not in uids:
         raise UntrustedDaemonError(
-            f"the socket {path} belongs to uid {sock_info.st_uid}, not to the daemon's "
-            f"({_names(uids)}): not sending anything"
+            f"the socket {path} belongs to {_who(sock_info.st_uid)}, not to a user trusted to "
+            f"run the daemon ({_names(uids)}): not sending anything. {_fix(sock_info.st_uid)}"
         )
     if dir_info.st_uid not in uids:
         raise UntrustedDaemonError(
-            f"the socket's directory {path.parent} belongs to uid {dir_info.st_uid}, not to the "
-            f"daemon's ({_names(uids)}): not sending anything"
+            f"the socket's directory {path.parent} belongs to {_who(dir_info.st_uid)}, not to a "
+            f"user trusted to run the daemon ({_names(uids)}): not sending anything. "
+            f"{_fix(dir_info.st_uid)}"
         )
     writable = dir_info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     if writable and not dir_info.st_mode & stat.S_ISVTX:
@@ -84,13 +143,115 @@ def check_peer(sock: socket.socket, uids: Collection[int]) -> None:
     _pid, uid, _gid = _UCRED.unpack(raw)
     if uid not in uids:
         raise UntrustedDaemonError(
-            f"the process serving the socket runs as uid {uid}, not as the daemon's "
-            f"({_names(uids)}): not sending anything"
+            f"the process serving the socket runs as {_who(uid)}, not as a user trusted to run "
+            f"the daemon ({_names(uids)}): not sending anything. {_fix(uid)}"
         )
 
 
+def unreachable(path: Path, exc: OSError) -> DaemonUnavailableError:
+    """The error for a socket this process cannot connect to, saying what to do about it."""
+    if isinstance(exc, PermissionError):
+        denied = access_problem(path)
+        what, fix = denied or (f"permission denied on {path}", DENIED_FIX)
+        return DaemonUnavailableError(f"cannot connect to {path}: {what}. {fix}")
+    if isinstance(exc, FileNotFoundError):
+        return DaemonUnavailableError(
+            f"cannot connect to {path}: no socket there. Start the daemon (systemctl start "
+            "prefixd.socket, or prefixd@NAME.socket for an instance), or name the socket it "
+            "serves on"
+        )
+    if isinstance(exc, ConnectionRefusedError):
+        return DaemonUnavailableError(
+            f"cannot connect to {path}: nothing listens there (a stopped daemon's socket). Start "
+            "the daemon (systemctl start prefixd.socket)"
+        )
+    return DaemonUnavailableError(f"cannot connect to {path}: {exc}")
+
+
+DENIED_FIX = (
+    "add the engine's user to the group that owns the socket and its directory (prefixd under "
+    "the shipped units)"
+)
+
+
+def access_problem(path: Path) -> tuple[str, str] | None:
+    """(what, fix) when this process's user may not enter one of the directories above the
+    socket `path` or may not write (connect to) the socket itself; None when it may."""
+    user = user_name(os.geteuid())
+    for directory in [*reversed(path.parents), path]:
+        try:
+            info = os.stat(directory)
+        except OSError:  # not there (nothing to be denied), or not passable: said above
+            return None
+        if directory == path:
+            if not os.access(path, os.W_OK):
+                return _access_fix(path, info, stat.S_IWGRP, "connect to the socket", user)
+        elif not os.access(directory, os.X_OK):
+            return _access_fix(directory, info, stat.S_IXGRP, "enter the directory", user)
+    return None
+
+
+def _access_fix(
+    path: Path, info: os.stat_result, group_bit: int, verb: str, user: str
+) -> tuple[str, str]:
+    group = group_name(info.st_gid)
+    what = (
+        f"{user} may not {verb} {path} ({stat.filemode(info.st_mode)}, "
+        f"owner {user_name(info.st_uid)}, group {group})"
+    )
+    if info.st_mode & group_bit and info.st_gid != 0:
+        return what, (
+            f"add {user} to group {group} (usermod -aG {group} {user}), then restart the engine"
+        )
+    return what, (
+        f"{path} lets no group of {user} in: run the daemon as the shipped units do (socket "
+        f"0660 in a 0750 directory, group prefixd) and add {user} to that group "
+        f"(usermod -aG prefixd {user})"
+    )
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _who(uid: int) -> str:
+    """`uid 999 (prefixd)`: the number, and the name when the account has one."""
+    name = user_name(uid)
+    return f"uid {uid}" if name == str(uid) else f"uid {uid} ({name})"
+
+
 def _names(uids: Collection[int]) -> str:
-    return "uid " + " or ".join(str(u) for u in sorted(uids))
+    return " or ".join(_who(u) for u in sorted(uids))
 
 
-__all__ = ["check_peer", "check_private_dir", "check_socket_path", "daemon_uids"]
+def _fix(uid: int) -> str:
+    user = user_name(uid)
+    return (
+        f"If the daemon does run as {user}, say so: {DAEMON_USER_VARIABLE}={user} (or "
+        f"--daemon-user {user}, daemon_uid={user!r})"
+    )
+
+
+__all__ = [
+    "DAEMON_USER_VARIABLE",
+    "DENIED_FIX",
+    "access_problem",
+    "check_peer",
+    "check_private_dir",
+    "check_socket_path",
+    "daemon_uids",
+    "group_name",
+    "resolve_user",
+    "unreachable",
+    "user_name",
+]

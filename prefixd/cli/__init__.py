@@ -8,7 +8,8 @@ Every command reads the same settings as `serve`: flags, PREFIXD_* variables and
 file (`prefixd serve --print-config` writes one). A command told only a data directory finds the
 daemon that serves it, and one told only a socket finds its store.
 
-Exit codes: 0 done, 1 failed (or problems found), 2 bad arguments or settings.
+Exit codes: 0 done, 1 failed (or problems found), 2 bad arguments or settings, 3 a purge named a
+tenant or model the store does not hold.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from prefixd import __version__
 from prefixd.cli import commands
+from prefixd.cli.endpoints import add_daemon_arguments
 from prefixd.cli.output import Output
 from prefixd.errors import ConfigError, PrefixdError
 from prefixd.store.purge import VERSIONED_FIELDS
@@ -48,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail
         return 1
     except OSError as exc:  # a path that is not what the command needs (a file, no access)
-        print(f"prefixd: {exc}", file=sys.stderr)
+        from prefixd.cli.oserrors import explain
+
+        print(f"prefixd: {explain(exc, os.environ)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -61,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="prefixd",
         description=__doc__.split("\n\n")[0].replace("\n", " ") if __doc__ else None,
-        epilog="Exit codes: 0 done, 1 failed or problems found, 2 bad arguments or settings. "
+        epilog="Exit codes: 0 done, 1 failed or problems found, 2 bad arguments or settings, "
+        "3 a purge named a tenant or model the store does not hold. "
         "Run `prefixd COMMAND --help` for a command's flags.",
     )
     top.add_argument("--version", action="version", version=f"prefixd {__version__}")
@@ -87,8 +92,10 @@ def parser() -> argparse.ArgumentParser:
     offline = _common(online=False)
 
     stats = sub.add_parser(
-        "stats", parents=[online], help="print the daemon's statistics (hit rates, latencies, "
-        "what the store holds per tenant)"
+        "stats",
+        parents=[online],
+        help="print the daemon's statistics (hit rates, latencies, "
+        "what the store holds per tenant)",
     )
     stats.add_argument(
         "--watch",
@@ -126,7 +133,8 @@ def parser() -> argparse.ArgumentParser:
         parents=[online],
         help="remove a tenant, retired model versions or idle entries",
         description="Online through the daemon when one serves the store, offline otherwise. "
-        "Exit codes: 0 done (or nothing to do), 1 error, 2 bad arguments.",
+        "Exit codes: 0 done (or nothing to do), 1 error, 2 bad arguments, 3 the store holds no "
+        "tenant or model of the name given (nothing removed).",
     )
     purge.add_argument("--tenant", help="remove every entry of this tenant")
     purge.add_argument("--model", help="retire versions of this model")
@@ -138,7 +146,9 @@ def parser() -> argparse.ArgumentParser:
             help=f"with --model: keep the entries whose {name} is VERSION",
         )
     purge.add_argument(
-        "--older-than", metavar="DURATION", help="only entries idle this long (like 30d or 12h)"
+        "--older-than",
+        metavar="DURATION",
+        help="only entries idle this long: a number and its unit (ms, s, m, h or d), like 30d",
     )
     purge.add_argument("--all", action="store_true", help="remove everything")
     purge.add_argument("--dry-run", action="store_true", help="count what would go; change nothing")
@@ -167,12 +177,16 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--batch", type=int, default=10_000, help="items per transaction")
     up.set_defaults(command=commands.migrate_up)
 
+    from prefixd.cli import doctor
+
+    doctor.add_parser(sub)  # check the node as an engine's user sees it
+
     completion = sub.add_parser(
         "completion",
         help="print a shell completion script",
         description="Print a completion script for bash or zsh, e.g. "
         "`prefixd completion bash > /etc/bash_completion.d/prefixd` or "
-        "`prefixd completion zsh > \"${fpath[1]}/_prefixd\"`.",
+        '`prefixd completion zsh > "${fpath[1]}/_prefixd"`.',
     )
     completion.add_argument("shell", choices=("bash", "zsh"))
     completion.set_defaults(command=commands.completion)
@@ -184,13 +198,7 @@ def _common(*, online: bool) -> argparse.ArgumentParser:
     them), and how to print."""
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_argument_group("which store and daemon (as serve: flags, PREFIXD_*, TOML)")
-    where.add_argument("--config", type=Path, metavar="FILE", help="TOML settings [PREFIXD_CONFIG]")
-    where.add_argument(
-        "--data-dir", metavar="PATH", help="the store (default: as serve) [PREFIXD_DATA_DIR]"
-    )
-    where.add_argument(
-        "--socket", metavar="PATH", help="the daemon's socket (default: as serve) [PREFIXD_SOCKET]"
-    )
+    add_daemon_arguments(where, data_dir=True)
     if online:
         where.add_argument(
             "--timeout",

@@ -8,22 +8,29 @@ the store itself. Commands return an exit code and raise PrefixdError; only `mai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixd.cli.endpoints import Target, target
 from prefixd.cli.output import Advance, Output
-from prefixd.errors import ConfigError
+from prefixd.errors import ConfigError, PrefixdError, ServeError
 from prefixd.store.purge import VERSIONED_FIELDS
 
+if TYPE_CHECKING:
+    from prefixd.store import Store
+
 POLL_S = 0.2  # how often a bar polls work that reports no progress of its own
+UNKNOWN_NAME = 3  # exit code: a purge named a tenant or model the store does not hold
+DURATION_UNITS = "ms, s, m, h, d"
 
 
 def serve(args: argparse.Namespace, out: Output) -> int:
@@ -46,7 +53,15 @@ def serve(args: argparse.Namespace, out: Output) -> int:
 
     keep_write_buffers()  # the daemon owns its process: let LMDB reuse its write buffers
     server = Server(config, reread=lambda: config_from_args(args, os.environ))
-    code = run_server(server)
+    try:
+        code = run_server(server)
+    except OSError as exc:  # a data directory or socket path this user cannot have
+        if isinstance(exc, (PrefixdError, BrokenPipeError)):
+            raise
+        from prefixd.cli.oserrors import explain
+
+        flags = {config.data_dir: "--data-dir", config.socket: "--socket"}
+        raise ServeError(explain(exc, os.environ, flags)) from None
     if server.abandoned:
         # Shutdown left store work running on threads past the grace period: end now, as a kill
         # would (LMDB keeps every committed transaction; the running ones never commit).
@@ -60,8 +75,8 @@ def serve(args: argparse.Namespace, out: Output) -> int:
 def stats(args: argparse.Namespace, out: Output) -> int:
     from prefixd.client import Client
 
-    where = _target(args)
-    with Client(where.socket, timeout=args.timeout) as client:
+    where = _target(args, offline=False)
+    with Client(where.socket, timeout=args.timeout, daemon_uid=where.daemon_user) as client:
         if args.watch is None:
             reply = _stats_of(client)
             if out.as_json:
@@ -103,17 +118,17 @@ def _one_line(value: Any) -> str:
 def health(args: argparse.Namespace, out: Output) -> int:
     from prefixd.client import Client
 
-    where = _target(args)
-    with Client(where.socket, timeout=args.timeout) as client:
+    where = _target(args, offline=False)
+    with Client(where.socket, timeout=args.timeout, daemon_uid=where.daemon_user) as client:
         reply = client.health()
     report = {k: v for k, v in reply.items() if k not in ("id", "ok")}
     report["socket"] = str(where.socket)
     out.result(report, "prefixd health")
-    return 0
+    return 0 if report.get("status") == "ok" else 1  # sync_failed: writes refused (the disk)
 
 
 def verify(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.store import Store, check_report
+    from prefixd.store import check_report
 
     if args.fix and args.no_payloads:
         raise ConfigError("--fix checks payloads too; drop --no-payloads")
@@ -122,7 +137,7 @@ def verify(args: argparse.Namespace, out: Output) -> int:
         from prefixd.client import Client
 
         with (
-            Client(where.socket, timeout=args.timeout) as client,
+            Client(where.socket, timeout=args.timeout, daemon_uid=where.daemon_user) as client,
             out.progress("verifying through the daemon"),
         ):
             reply = client.verify(fix=args.fix, payloads=not args.no_payloads)
@@ -131,7 +146,7 @@ def verify(args: argparse.Namespace, out: Output) -> int:
         report.pop("ok", None)
     else:
         with (
-            Store.open(where.data_dir, create=False, exclusive=True) as store,
+            _opened(where) as store,
             out.progress("verifying", total=store.stats().blocks) as advance,
         ):
             found = check_report.verify(
@@ -166,16 +181,9 @@ def migrate_up(args: argparse.Namespace, out: Output) -> int:
 
 
 def purge(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.store import PurgeSelector, Store
-    from prefixd.store.config import parse_seconds
+    from prefixd.store import PurgeSelector
 
-    try:
-        older_than = parse_seconds(args.older_than) if args.older_than is not None else None
-    except ValueError:
-        raise ConfigError(
-            f"--older-than {args.older_than!r} is not a duration (a finite number of seconds, or"
-            " one ending in ms, s, m, h or d, like 30d)"
-        ) from None
+    older_than = None if args.older_than is None else _duration("--older-than", args.older_than)
     keep = {n: getattr(args, f"keep_{n}") for n in VERSIONED_FIELDS}
     criteria = {
         "tenant": args.tenant,
@@ -190,7 +198,7 @@ def purge(args: argparse.Namespace, out: Output) -> int:
         from prefixd.client import Client
 
         with (
-            Client(where.socket, timeout=args.timeout) as client,
+            Client(where.socket, timeout=args.timeout, daemon_uid=where.daemon_user) as client,
             out.progress("purging through the daemon"),
         ):
             reply = client.purge(dry_run=args.dry_run, **selector.describe())
@@ -198,20 +206,48 @@ def purge(args: argparse.Namespace, out: Output) -> int:
         mode = "online"
     else:
         with (
-            Store.open(where.data_dir, create=False, exclusive=True) as store,
+            _opened(where) as store,
             out.progress("purging", total=None) as advance,
         ):
             summary = store.purge(selector, dry_run=args.dry_run, progress=advance).describe()
         mode = "offline"
-    out.result({"mode": mode, "path": str(where.data_dir), **summary}, "prefixd purge")
-    return 0
+    unknown = list(summary.get("unknown") or ())  # an older daemon does not say
+    report = {"mode": mode, "path": str(where.data_dir), **summary, "unknown": unknown}
+    out.result(report, "prefixd purge")
+    if not unknown:
+        return 0
+    names = " and ".join(f"{field} {criteria[field]!r}" for field in unknown)
+    if unknown == ["model"] and args.tenant is not None:
+        names += f" of tenant {args.tenant!r}"
+    print(f"prefixd: purge: the store {where.data_dir} holds no {names}", file=sys.stderr)
+    return UNKNOWN_NAME
+
+
+def _duration(flag: str, text: str) -> float:
+    """A duration an operator typed: a number and its unit. A bare number is refused: 5 meant
+    as days must not purge what has been idle for 5 seconds."""
+    from prefixd.store.config import parse_seconds
+
+    try:
+        bare = math.isfinite(float(text))
+    except ValueError:
+        bare = False
+    if bare:
+        n = text.strip()
+        raise ConfigError(
+            f"{flag} {text!r} has no unit: write {n}s, {n}m, {n}h or {n}d (units: {DURATION_UNITS})"
+        )
+    try:
+        return parse_seconds(text)
+    except ValueError:
+        raise ConfigError(
+            f"{flag} {text!r} is not a duration (a number and its unit, one of {DURATION_UNITS}: "
+            "like 30d or 12h)"
+        ) from None
 
 
 def compact(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.store import Store
-
-    source = _target(args).data_dir
-    with Store.open(source, create=False, exclusive=True) as store:
+    with _opened(_target(args)) as store:
         used = store.stats().map_used_bytes
         with out.progress("compacting (bytes written)", total=used) as advance:
             report = _polled(lambda: store.compact_to(args.to), args.to / "data.mdb", advance)
@@ -248,5 +284,15 @@ def completion(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-def _target(args: argparse.Namespace) -> Target:
-    return target(args, os.environ, timeout=min(args.timeout, 10.0))
+def _target(args: argparse.Namespace, *, offline: bool = True) -> Target:
+    """The store and daemon `args` name; `offline`: the command can work on the store itself."""
+    return target(args, os.environ, timeout=min(args.timeout, 10.0), offline=offline)
+
+
+def _opened(where: Target) -> Store:
+    """The store, opened offline (exclusively) with the settings `serve` would open it with (map
+    size, durability, readers, threads, ...), never created."""
+    from prefixd.store import Store
+
+    settings = where.config.store_config()
+    return Store(dataclasses.replace(settings, path=where.data_dir, create=False), exclusive=True)

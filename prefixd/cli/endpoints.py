@@ -4,7 +4,9 @@ Flags, PREFIXD_* variables and the `--config` TOML file give `data_dir` and `soc
 do to `serve`. The two are then kept together, so they can never name different stores: a store
 that a daemon holds records the socket it serves on (its owner lock), and a daemon tells the store
 it serves (`health`). A command told only one of them finds the other; told both, it refuses a
-pair that does not belong together.
+pair that does not belong together. A socket told alone names a store only through the daemon
+that answers on it: where none does, a command that could work offline refuses rather than fall
+back on the default store (a typo must not verify, purge or migrate another store).
 """
 
 from __future__ import annotations
@@ -13,11 +15,47 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prefixd.daemon.config import Config
 from prefixd.daemon.config_sources import config_and_given
-from prefixd.errors import ConfigError, DaemonUnavailableError
+from prefixd.errors import (
+    ConfigError,
+    DaemonUnavailableError,
+    NotAStoreError,
+    UntrustedDaemonError,
+)
+from prefixd.paths import node_socket
 from prefixd.store.environment import held_socket
+
+# Settings that say which daemon a command means besides its paths: the instance (its default
+# paths) and the daemon's user (whom the client trusts).
+NAMING = ("instance", "daemon_user")
+
+
+def add_daemon_arguments(where: Any, *, data_dir: bool) -> None:
+    """The flags that say which store and daemon a command means, as `serve` reads them (each
+    also a PREFIXD_* variable and a TOML key): every command that talks to a daemon has them."""
+    where.add_argument("--config", type=Path, metavar="FILE", help="TOML settings [PREFIXD_CONFIG]")
+    if data_dir:
+        where.add_argument(
+            "--data-dir", metavar="PATH", help="the store (default: as serve) [PREFIXD_DATA_DIR]"
+        )
+    where.add_argument(
+        "--socket", metavar="PATH", help="the daemon's socket (default: as serve) [PREFIXD_SOCKET]"
+    )
+    where.add_argument(
+        "--instance",
+        metavar="NAME",
+        help="which of the node's daemons (prefixd@NAME): its default store and socket "
+        "[PREFIXD_INSTANCE]",
+    )
+    where.add_argument(
+        "--daemon-user",
+        metavar="USER",
+        help="the user the daemon runs as, trusted besides root, you and prefixd "
+        "[PREFIXD_DAEMON_USER]",
+    )
 
 
 @dataclass(frozen=True)
@@ -29,43 +67,83 @@ class Target:
     socket: Path
     served: bool  # a daemon holds the store (online commands go through it)
 
+    @property
+    def daemon_user(self) -> str | None:
+        """The daemon's user when the settings name one (clients trust its socket)."""
+        return self.config.daemon_user or None
 
-def target(args: argparse.Namespace, env: Mapping[str, str], *, timeout: float) -> Target:
-    """The Target of a command's --data-dir, --socket and --config (and PREFIXD_*)."""
-    cli = {name: getattr(args, name, None) for name in ("data_dir", "socket")}
+
+def target(
+    args: argparse.Namespace, env: Mapping[str, str], *, timeout: float, offline: bool = True
+) -> Target:
+    """The Target of a command's --data-dir, --socket and --config (and PREFIXD_*).
+
+    `offline`: the command can work on the store itself (verify, purge, compact, migrate); told
+    a socket alone where no daemon answers, it then refuses (DaemonUnavailableError). A command
+    that only talks to a daemon gets the socket as told, and the client's own error.
+    """
+    cli = {name: getattr(args, name, None) for name in ("data_dir", "socket", *NAMING)}
     config, given = config_and_given(cli, env, getattr(args, "config", None))
     data_dir, socket = config.data_dir, config.socket
+    user = config.daemon_user or None
+    if not {"socket", "data_dir"} & given and not _present(socket):
+        node = node_socket(config.instance)
+        if _present(node):  # a user's command, and the node's daemon (the shipped units)
+            socket = node
+    if "socket" in given and "data_dir" not in given:  # the socket alone names the store
+        try:
+            served_dir = _served_dir(socket, timeout, user)
+        except UntrustedDaemonError:
+            raise
+        except DaemonUnavailableError as exc:
+            if not offline:  # the client's own error follows, when the command connects
+                return Target(config, data_dir, socket, served=False)
+            raise DaemonUnavailableError(
+                f"{exc}; a socket where no daemon answers names no store: to work on a store "
+                "offline, give --data-dir STORE"
+            ) from None
+        return Target(config, served_dir or data_dir, socket, served=True)
+    if offline and data_dir.exists() and not data_dir.is_dir():
+        raise NotAStoreError(f"{data_dir} is not a directory: give --data-dir a store's directory")
     recorded = held_socket(data_dir)
-    if recorded is not None and recorded != socket:
-        if "socket" in given:
+    if recorded is not None:
+        if "socket" in given and recorded != socket:
             raise ConfigError(
                 f"socket: the store {data_dir} is served on {recorded}, not on {socket}"
             )
-        socket = recorded
-    if recorded is None and "data_dir" not in given:
-        served_dir = _served_dir(socket, timeout)
-        if served_dir is not None:
-            data_dir = served_dir
-            recorded = held_socket(data_dir)
-    elif recorded is None and "socket" in given:
-        served_dir = _served_dir(socket, timeout)
-        if served_dir is not None and served_dir != data_dir:
-            raise ConfigError(
-                f"data_dir: the daemon on {socket} serves {served_dir}, not {data_dir}"
-            )
-    return Target(config, data_dir, socket, served=recorded is not None)
+        return Target(config, data_dir, recorded, served=True)
+    if "data_dir" in given and "socket" not in given:
+        return Target(config, data_dir, socket, served=False)
+    try:
+        served_dir = _served_dir(socket, timeout, user)
+    except UntrustedDaemonError:
+        raise
+    except DaemonUnavailableError:  # no daemon: the store named (or the default) offline
+        return Target(config, data_dir, socket, served=False)
+    if served_dir is None:  # a daemon that does not say which store it serves
+        return Target(config, data_dir, socket, served=False)
+    if "data_dir" not in given:  # both defaults: the default socket's daemon names the store
+        return Target(config, served_dir, socket, served=True)
+    if served_dir != data_dir:
+        raise ConfigError(f"data_dir: the daemon on {socket} serves {served_dir}, not {data_dir}")
+    return Target(config, data_dir, socket, served=True)
 
 
-def _served_dir(socket: Path, timeout: float) -> Path | None:
-    """The store the daemon on `socket` serves, or None when none answers there."""
-    if not socket.exists():
-        return None
+def _present(path: Path) -> bool:
+    """Something lies at `path`, or this user may not look (the client then says why)."""
+    try:
+        return path.exists()
+    except PermissionError:
+        return True
+
+
+def _served_dir(socket: Path, timeout: float, daemon_user: str | None) -> Path | None:
+    """The store the daemon on `socket` serves (None when it does not say); the client's
+    DaemonUnavailableError when none answers there (UntrustedDaemonError: one answers, or a path
+    lies there, that is not to be trusted)."""
     from prefixd.client import Client
 
-    try:
-        with Client(socket, timeout=timeout) as client:
-            reply = client.health()
-    except DaemonUnavailableError:
-        return None
+    with Client(socket, timeout=timeout, daemon_uid=daemon_user) as client:
+        reply = client.health()
     served = reply.get("data_dir")
     return Path(served) if served else None

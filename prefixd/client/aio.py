@@ -33,7 +33,7 @@ from prefixd.client.results import (
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
-from prefixd.trust import check_peer, check_socket_path
+from prefixd.trust import check_peer, check_socket_path, unreachable
 from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
 
@@ -65,7 +65,7 @@ class AsyncClient(Shell):
         name: str = "prefixd-async-client",
         serves: Sequence[tuple[str, str]] = (),
         reconnect_wait_s: float = 0.0,
-        daemon_uid: int | None = None,
+        daemon_uid: int | str | None = None,
     ) -> None:
         """The options are Client's. Use `await AsyncClient.connect(...)` or `async with`."""
         self._core = ClientCore(
@@ -425,7 +425,7 @@ class AsyncClient(Shell):
             await asyncio.wait_for(loop.sock_connect(sock, path), self._core.timeout)
         except (TimeoutError, OSError) as exc:
             sock.close()
-            raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
+            raise unreachable(self._core.socket_path, exc) from None
         try:
             check_peer(sock, self._core.daemon_uids)
         except BaseException:

@@ -40,7 +40,7 @@ from prefixd.errors import (
 )
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
-from prefixd.trust import check_peer, check_socket_path
+from prefixd.trust import check_peer, check_socket_path, unreachable
 from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import FrameReader, decode_body
 from prefixd.wire.region import send_with_fds
@@ -64,7 +64,7 @@ class Client(Shell):
         name: str = "prefixd-client",
         serves: Sequence[tuple[str, str]] = (),
         reconnect_wait_s: float = 0.0,
-        daemon_uid: int | None = None,
+        daemon_uid: int | str | None = None,
         poll_us: float = DEFAULT_POLL_US,
         clock: Callable[[], float] = time.perf_counter,
         crowded: Callable[[], bool] | None = None,
@@ -425,10 +425,19 @@ class Client(Shell):
             span.begin_request()
         lost = True
         try:
-            if step.fds:
-                send_with_fds(sock, frame, step.fds)
-            else:
-                sock.sendall(frame)
+            try:
+                if step.fds:
+                    send_with_fds(sock, frame, step.fds)
+                else:
+                    sock.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                # A daemon that refuses a peer replies and closes at once: its refusal may be
+                # waiting unread while this send meets the closed end.
+                refusal = self._refusal_left(sock)
+                if refusal is None:
+                    raise DaemonUnavailableError(f"connection to the daemon lost: {exc}") from None
+                lost = False  # the daemon never took the request
+                raise refusal from None
             kind = type(step.message)
             polling = self._polling
             sent = polling.clock()
@@ -453,7 +462,7 @@ class Client(Shell):
             raise RequestTimeoutError(
                 f"no reply from {self._core.socket_path} within {self._core.timeout:g} s"
             ) from None
-        except DaemonUnavailableError:
+        except PrefixdError:  # some are OSErrors too (ForbiddenError is a PermissionError)
             raise
         except OSError as exc:
             raise DaemonUnavailableError(f"connection to the daemon lost: {exc}") from None
@@ -488,7 +497,7 @@ class Client(Shell):
             sock.connect(path)
         except OSError as exc:
             sock.close()
-            raise DaemonUnavailableError(f"cannot connect to {path}: {exc}") from None
+            raise unreachable(self._core.socket_path, exc) from None
         try:
             check_peer(sock, self._core.daemon_uids)
             _kernel_timeouts(sock, self._core.timeout)
@@ -510,6 +519,21 @@ class Client(Shell):
         except BaseException:
             self._drop()
             raise
+
+    def _refusal_left(self, sock: socket.socket) -> PrefixdError | None:
+        """The error a closed connection left unread (a reply addressed to no request), or None."""
+        frames = self._frames
+        try:
+            while (body := frames.next_body()) is None:
+                got = sock.recv_into(frames.space(), 0, socket.MSG_DONTWAIT)
+                if not got:
+                    return None
+                frames.filled(got)
+        except OSError:
+            return None
+        if ClientCore.reply_id(body) is not None:
+            return None
+        return _error_of(body)
 
     def _drop(self) -> None:
         if self._sock is not None:

@@ -58,7 +58,7 @@ class ClientCore:
         name: str,
         serves: Sequence[tuple[str, str]] = (),
         reconnect_wait_s: float = 0.0,
-        daemon_uid: int | None = None,
+        daemon_uid: int | str | None = None,
     ) -> None:
         self.socket_path = Path(socket_path)
         self.daemon_uids = daemon_uids(daemon_uid)  # who may serve the socket (prefixd.trust)

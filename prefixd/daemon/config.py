@@ -32,12 +32,14 @@ from typing import Any
 from prefixd.daemon.events import EventSettings
 from prefixd.daemon.policy import TenantPolicy
 from prefixd.errors import ConfigError
+from prefixd.paths import check_instance
 from prefixd.store.config import (
     COMPRESSIONS,
     READ_PATHS,
     Durability,
     StoreConfig,
 )
+from prefixd.trust import resolve_user
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -105,6 +107,20 @@ class Config:
         "Unix socket to listen on (default: $RUNTIME_DIRECTORY/prefixd.sock, "
         "/run/prefixd/prefixd.sock as root, else $XDG_RUNTIME_DIR/prefixd/prefixd.sock "
         "or /tmp/prefixd-UID/prefixd.sock)",
+    )
+    instance: str = _setting(
+        "text",
+        "which of several daemons on this node (one per GPU or NUMA node, prefixd@NAME.service): "
+        "NAME makes the default store and socket /var/lib/prefixd-NAME and "
+        "/run/prefixd-NAME/prefixd.sock as root (else prefixd-NAME under the XDG directories)",
+        "",
+    )
+    daemon_user: str = _setting(
+        "text",
+        "the user the daemon runs as (a name or uid): clients and commands trust a socket of "
+        "this user (besides root); serve refuses to start as another (default: clients trust "
+        "root, their own user and the prefixd service user)",
+        "",
     )
     socket_mode: int = _setting("mode", "file mode of the socket, octal", 0o660, low=0, high=0o777)
     allowed_uids: tuple[int, ...] = _setting(
@@ -415,37 +431,6 @@ def cli_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-# --- defaults that depend on the environment -------------------------------------------------
-
-
-def default_data_dir(env: Mapping[str, str]) -> Path:
-    """Where the store lives unless told: systemd's StateDirectory=, else the FHS or XDG place."""
-    if env.get("STATE_DIRECTORY"):
-        return Path(env["STATE_DIRECTORY"].split(":")[0])  # several StateDirectory= are ':'-joined
-    if os.geteuid() == 0:
-        return Path("/var/lib/prefixd")
-    return _xdg_dir(env, "XDG_STATE_HOME", ".local/state") / "prefixd"
-
-
-def default_socket(env: Mapping[str, str]) -> Path:
-    """Where the socket lives unless told: systemd's RuntimeDirectory=, else /run or XDG or /tmp."""
-    if env.get("RUNTIME_DIRECTORY"):
-        return Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / "prefixd.sock"
-    if os.geteuid() == 0:
-        return Path("/run/prefixd/prefixd.sock")
-    runtime = env.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(runtime):  # the XDG spec says to ignore relative values
-        return Path(runtime) / "prefixd" / "prefixd.sock"
-    return Path(f"/tmp/prefixd-{os.geteuid()}/prefixd.sock")
-
-
-def _xdg_dir(env: Mapping[str, str], variable: str, fallback: str) -> Path:
-    value = env.get(variable, "")
-    if os.path.isabs(value):
-        return Path(value)
-    return (Path(env["HOME"]) if env.get("HOME") else Path.home()) / fallback
-
-
 def _toml_value(value: Any) -> str:
     """A TOML value: JSON's string escapes are TOML's too, and arrays read the same."""
     if isinstance(value, bool):
@@ -455,7 +440,6 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     return json.dumps(str(value), ensure_ascii=False)
-
 
 
 # --- validating typed values -------------------------------------------------------------------
@@ -505,6 +489,13 @@ def validated(name: str, value: Any) -> Any:
     if kind == "text":
         if not isinstance(value, str) or len(value) > 4096 or "\n" in value:
             raise ConfigError(f"{name}: must be one line of text, got {value!r}")
+        if name == "instance" and value:
+            check_instance(value)
+        if name == "daemon_user" and value:
+            try:
+                resolve_user(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
         return value
     if kind == "bool":  # only the daemon's own (the store's are StoreConfig's, above)
         if not isinstance(value, bool):

@@ -20,14 +20,13 @@ from prefixd.daemon.config import (
     SETTINGS,
     Config,
     cli_flag,
-    default_data_dir,
-    default_socket,
     env_var,
     format_size,
     plain,
     validated,
 )
 from prefixd.errors import ConfigError
+from prefixd.paths import default_data_dir, default_socket
 from prefixd.store.config import parse_seconds, parse_size
 
 # Kinds of setting: how a string (flag, environment) is parsed and which TOML types are accepted.
@@ -121,9 +120,10 @@ def config_and_given(
                 _convert(name, raw, source, text=False, base=path.parent)
             )
     values = {name: _agreed(name, items) for name, items in given.items()}
+    instance = values.get("instance", "")
     for name, default in (("data_dir", default_data_dir), ("socket", default_socket)):
         if name not in values:
-            values[name] = _attributed(name, default(env), "the default")
+            values[name] = _attributed(name, default(env, instance), "the default")
     return Config(**values), frozenset(given)
 
 

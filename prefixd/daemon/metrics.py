@@ -263,6 +263,7 @@ class Metrics:
             },
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "tenants": tenants,
+            "sync": _sync_state(self.store),
         }
 
 
@@ -380,6 +381,29 @@ class _StoreCollector:
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        sync = _sync_state(store)
+        yield GaugeMetricFamily(
+            "prefixd_store_sync_failed",
+            "1 once an fsync of the store failed: writes are refused (reads go on) until a "
+            "restart checks what was written since the last good sync",
+            value=float(sync["failed"]),
+        )
+        yield GaugeMetricFamily(
+            "prefixd_store_last_sync_timestamp_seconds",
+            "When the last fsync of the store that succeeded began (Unix time; 0: none yet)",
+            value=sync["last_good_s"],
+        )
+
+
+def _sync_state(store: Store) -> dict[str, Any]:
+    """Whether the store's fsync failed (a sticky state: prefixd.store.sync_state), when the
+    last good one began, and what happened."""
+    failure = store.sync_failure
+    return {
+        "failed": failure is not None,
+        "last_good_s": store.last_sync_ns / 1e9,
+        "error": failure.describe() if failure is not None else None,
+    }
 
 
 class _TallyCollector:

@@ -527,6 +527,7 @@ class Operations:
             stored_bytes=report.stored_bytes,
             dry_run=report.dry_run,
             seconds=report.seconds,
+            unknown=list(report.unknown),
         )
 
     async def verify(self, conn: Connection, request: Request[Verify]) -> dict[str, Any]:
@@ -565,7 +566,8 @@ class Operations:
         await self._run(self.store.stats)  # the store answers through the pool
         return HealthReply(
             id=rid,
-            status="ok",
+            # a failed fsync: writes refused, reads served (prefixd.store.sync_state)
+            status="ok" if self.store.sync_failure is None else "sync_failed",
             uptime_s=round(self.clock.monotonic() - self.started, 3),
             connections=conn.server.open_connections,
             data_dir=str(self.store.path),

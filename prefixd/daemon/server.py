@@ -44,7 +44,7 @@ from prefixd.daemon.watchers import ManifestWatcher, Retire
 from prefixd.daemon.work import WorkPool
 from prefixd.errors import ServeError
 from prefixd.store import PurgeSelector, Store
-from prefixd.trust import check_private_dir
+from prefixd.trust import check_private_dir, resolve_user
 from prefixd.wire.errors import ErrorCode
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ RECLAIM_INTERVAL_S = 60.0
 # After the grace period, with no store work left running: how long the last steps (the metrics
 # textfile's last write, the store's last sync and close) may take before they are abandoned too.
 CLOSE_TIMEOUT_S = 5.0
+# How often the loop looks whether the store's fsync failed (a flag read: nearly free).
+SYNC_WATCH_S = 1.0
 # The shared tier's bridge stops within its own bounds (a publish queue drained for up to 5 s, a
 # thread joined for up to 5 s, ...); past this the daemon stops waiting for it.
 BRIDGE_STOP_TIMEOUT_S = 20.0
@@ -128,6 +130,12 @@ class Server:
         after a graceful stop, 1 after a forced one."""
         loop = asyncio.get_running_loop()
         config = self.config
+        if config.daemon_user and resolve_user(config.daemon_user) != os.geteuid():
+            # The clients trust a socket of daemon_user: one served by another would be refused.
+            raise ServeError(
+                f"daemon_user is {config.daemon_user}, but this daemon runs as uid {os.geteuid()}:"
+                " start it as that user (systemd: User=), or change daemon_user"
+            )
         if not systemd.activated(self.env):
             _refuse_taken(config.socket)  # before the store: a refused start leaves no files
         # Only directories no other user may write: one who could would replace the store.
@@ -195,6 +203,7 @@ class Server:
             tasks.append(asyncio.create_task(self._accept(operations), name="prefixd-accept"))
             # always: a reload may give tenants times to live
             tasks.append(asyncio.create_task(self._reclaim(pool), name="prefixd-reclaim"))
+            tasks.append(asyncio.create_task(self._report_sync_failure(), name="prefixd-sync"))
             interval = systemd.watchdog_interval(self.env)
             if interval:
                 watchdog = systemd.Watchdog(interval, self._healthy, env=self.env)
@@ -491,8 +500,12 @@ class Server:
             uid in (0, os.geteuid())
             or uid in config.allowed_uids
             or not gids.isdisjoint(config.allowed_gids)
+            or (os.getegid() != 0 and os.getegid() in gids)  # the daemon's own group's members
         ):
-            return ErrorCode.FORBIDDEN, f"uid {uid} (groups {sorted(gids)}) may not use this daemon"
+            return ErrorCode.FORBIDDEN, (
+                f"uid {uid} (groups {sorted(gids)}) may not use this daemon: add the user to its "
+                f"group (gid {os.getegid()}) or to allowed_uids, or its group to allowed_gids"
+            )
         if len(self.connections) >= config.max_connections:
             return ErrorCode.BUSY, f"the daemon serves at most {config.max_connections} connections"
         held = sum(1 for conn in self.connections if conn.uid == uid)
@@ -516,6 +529,24 @@ class Server:
         # Cancelled, a connection only closes its socket and regions (its requests' threads are
         # not waited for here): this is quick, but bounded all the same.
         await self._within(time.monotonic() + CLOSE_TIMEOUT_S, waiting, forced=False)
+
+    async def _report_sync_failure(self) -> None:
+        """Once the store's fsync fails, say so in systemd's STATUS= (health and the metrics read
+        the store's state themselves) and go on serving reads, writes refused. The daemon does
+        not exit, nor withhold its watchdog pings (which would have systemd restart it): a
+        restart is for the operator to make after a look at the disk, since it checks the
+        blocks the failure left unsure through a page cache that may still hold what the disk
+        lost (prefixd.store.sync_state says why at length)."""
+        assert self.store is not None
+        while (failure := self.store.sync_failure) is None:
+            await asyncio.sleep(SYNC_WATCH_S)
+        systemd.notify(
+            systemd.status(
+                f"writes refused, reads served: {failure.describe()}; check the disk, then "
+                "restart (the start checks what was written since the last good sync)"
+            ),
+            self.env,
+        )
 
     async def _healthy(self) -> bool:
         if self.store is None:

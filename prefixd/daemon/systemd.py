@@ -78,6 +78,11 @@ def notify(state: str, env: Mapping[str, str] | None = None) -> bool:
     return True
 
 
+def status(text: str) -> str:
+    """A STATUS= line carrying `text` on one line (a newline would start another assignment)."""
+    return "STATUS=" + " ".join(text.split())
+
+
 def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
     """Seconds between WATCHDOG=1 pings: half of $WATCHDOG_USEC, as sd_watchdog_enabled(3) advises.
 
@@ -145,6 +150,8 @@ class Watchdog:
     the daemon. The health check covers what a live loop does not prove (e.g. the store still
     answers); it gets one interval to answer, and a check that fails, raises or overruns skips that
     ping, so systemd (WatchdogSec = two intervals) acts after about two bad checks in a row.
+    A store whose fsync failed still passes: it serves reads, and the daemon reports the failure
+    in STATUS= instead of being restarted (see Server._report_sync_failure).
     """
 
     def __init__(

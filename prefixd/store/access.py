@@ -5,7 +5,9 @@ and warm-up weigh each block by its last read and its hits. So reads are noted h
 blocks kept whole (a repeated long lookup costs one dict entry), and spread over their blocks when
 `sync` writes them to the access table: on every periodic sync (prefixd.store.syncer), before an
 eviction, an idle-time purge or a warm-up ranks blocks, and at close. The times come from the
-store's clock.
+store's clock. `sync` then fsyncs the store through its sync state (prefixd.store.sync_state),
+whatever became of the times: a failed fsync is recorded there, and from then on the times are
+dropped instead of written (nothing more is written to a store whose disk may have lost writes).
 """
 
 from __future__ import annotations
@@ -54,16 +56,28 @@ class AccessTimes:
             self._spread()
             return self._touched.get(block, (0, 0))
 
-    def sync(self) -> None:
-        """Write the pending read times and collision count, then fsync the environment. A
-        failure is logged, not raised: the times are a hint, not data."""
+    def sync(self) -> bool:
+        """Write the pending read times and collision count, then fsync the environment; whether
+        the fsync succeeded. A failure to write the times is logged, not raised (they are a hint,
+        not data); a failed fsync, now or before, is the sync state's (`ctx.syncs`), which
+        records it, and the store refuses writes from then on."""
         ctx = self._ctx
         with self._lock:
             self._spread()
             touched, self._touched = self._touched, {}
         collisions = ctx.tallies.take_collisions()
+        try:
+            if ctx.syncs.failure is None:
+                self._write(sorted(touched.items()), collisions)
+        finally:  # whatever became of the times: the fsync is what the durability bound needs
+            synced = ctx.syncs.sync(ctx.env)
+        return synced
+
+    def _write(self, pending: Sequence[tuple[bytes, tuple[int, int]]], collisions: int) -> None:
+        """Write `pending` (block -> (last read ns, hits), in key order: each batch dirties
+        neighbouring pages) and the collision count into the access table."""
+        ctx = self._ctx
         t = ctx.tables
-        pending = sorted(touched.items())  # in key order: each batch dirties neighbouring pages
         try:
             for start in range(0, max(1, len(pending)), ACCESS_BATCH):
                 with ctx.env.begin(write=True) as txn:
@@ -77,11 +91,7 @@ class AccessTimes:
                     if start == 0:
                         counters.add(txn, t.counters, counters.COLLISIONS, collisions)
         except lmdb.Error as exc:  # a full map or disk
-            log.warning("%d access times not recorded: %s", len(touched), exc)
-        try:
-            ctx.env.sync(True)
-        except lmdb.Error as exc:
-            log.warning("fsync of the store failed: %s", exc)
+            log.warning("%d access times not recorded: %s", len(pending), exc)
 
     def _spread(self) -> None:
         """Spread the noted runs over their blocks (call under the lock)."""

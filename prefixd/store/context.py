@@ -23,6 +23,7 @@ from prefixd.store.fair import FairPool
 from prefixd.store.journal import BlockObserver, Journals
 from prefixd.store.lookup_memo import VerifiedPrefixes
 from prefixd.store.pins import Pins
+from prefixd.store.sync_state import SyncState
 from prefixd.store.tallies import Tallies
 from prefixd.store.tenancy import TenantIndex
 
@@ -40,6 +41,7 @@ class StoreContext:
     pool: ThreadPoolExecutor | None  # encode threads (config.verify_threads)
     tenants: TenantIndex  # digest -> tenant, over the identities table
     tallies: Tallies  # this process's counts
+    syncs: SyncState  # every fsync goes through it; sticky once one failed (sync_state.py)
     pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
     observer: BlockObserver | None = None  # told what each write transaction changed
     data_file: DataFile | None = None  # data.mdb for loads that read it directly (direct.py)

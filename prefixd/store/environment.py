@@ -100,10 +100,16 @@ def open_environment(
     `any_version` accepts a store of an older schema version (for migrations); `readonly` opens
     an existing store without the possibility of writing to it. `now_ns` dates a new store's meta
     record (the store's clock).
+
+    A store another process holds (a daemon serving it) is refused unless `readonly`: LMDB would
+    let a second writer in beside the daemon, whose counts, caches and access times would stop
+    being the store's. Migrations (`any_version`) take the owner lock themselves first.
     """
     path = config.path
     if path.exists() and not path.is_dir():
         raise NotAStoreError(f"{path} is not a directory")
+    if not readonly and not any_version and is_held(path):
+        raise StoreBusyError(held_message(path))
     data_file = path / DATA_FILE
     lock_file = path / LOCK_FILE
     creating = not data_file.exists()
@@ -317,9 +323,7 @@ class OwnerLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise StoreBusyError(
-                f"{path} is held by another process (a running prefixd daemon?): stop it first"
-            ) from None
+            raise StoreBusyError(held_message(path)) from None
         self._fd = fd
 
     def record(self, socket: Path) -> None:
@@ -339,8 +343,30 @@ def held_socket(path: Path) -> Path | None:
     """The socket of the daemon that holds the store at `path`, as it recorded it; None when no
     process holds the store, or its holder serves none (a migration)."""
     try:
-        if not is_held(path):
-            return None
+        return _recorded_socket(path) if is_held(path) else None
+    except OSError:
+        return None
+
+
+def held_message(path: Path) -> str:
+    """Why the store at `path`, which another process holds, cannot be opened: the daemon's
+    socket to go through instead, when the holder recorded one."""
+    socket = _recorded_socket(path)
+    if socket is None:
+        return (
+            f"{path} is held by another process (a migration, or a daemon starting): wait for "
+            "it, or stop it first"
+        )
+    return (
+        f"{path} is held by another process, the prefixd daemon serving it on {socket}: go "
+        f"through it (prefixd verify or purge --socket {socket}, or a client), or stop it first"
+    )
+
+
+def _recorded_socket(path: Path) -> Path | None:
+    """The socket the holder of the store's owner lock recorded, if any (whether or not it still
+    holds it)."""
+    try:
         with open(path / OWNER_FILE, "rb") as file:
             text = file.read(4096)
         socket = json.loads(text).get("socket") if text else None

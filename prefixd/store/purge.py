@@ -128,9 +128,14 @@ class PurgeReport:
     # the identity digests removed whole (not for an idle-time purge): a shared tier drops their
     # objects too
     digests: tuple[bytes, ...] = ()
+    # the criteria ("tenant", "model") that name nothing the store holds: a purge of a tenant or
+    # model that is not there (a typo) says so instead of reporting zeros
+    unknown: tuple[str, ...] = ()
 
     def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k != "digests"}
+        described = {k: v for k, v in vars(self).items() if k != "digests"}
+        described["unknown"] = list(self.unknown)
+        return described
 
 
 def purge(
@@ -153,6 +158,7 @@ def purge(
     begin = ctx.env.begin(buffers=True) if dry_run else writing(ctx)
     with begin as txn:
         digests = selected_identities(txn, t, selector)
+        unknown = () if digests else unknown_names(txn, t, selector)
         if whole:
             roots = [child for d in digests for child in children_of(txn, t, d)]
         else:
@@ -186,6 +192,7 @@ def purge(
         dry_run,
         round(time.perf_counter() - started, 6),
         tuple(digests) if whole and not dry_run else (),
+        unknown,
     )
 
 
@@ -199,6 +206,29 @@ def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelecto
         if selector.selects(identity):
             chosen.append(bytes(digest))
     return chosen
+
+
+def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> tuple[str, ...]:
+    """Which of the selector's tenant and model the store holds no identity of: ("tenant",) when
+    no identity has the tenant, else ("model",) when none (of that tenant, when one is named) has
+    the model."""
+    if selector.tenant is None and selector.model is None:
+        return ()
+    tenant_known = model_known = False
+    for _digest, encoded in txn.cursor(db=t.identities):
+        try:
+            identity = Identity.decode(bytes(encoded))
+        except IdentityError:
+            continue
+        if identity.tenant == selector.tenant:
+            tenant_known = True
+        if identity.model == selector.model and selector.tenant in (None, identity.tenant):
+            model_known = True
+    if selector.tenant is not None and not tenant_known:
+        return ("tenant",)  # a model of a tenant that is not there is not worth naming
+    if selector.model is not None and not model_known:
+        return ("model",)
+    return ()
 
 
 def children_of(txn: lmdb.Transaction, t: Tables, key: bytes) -> list[bytes]:

@@ -7,6 +7,8 @@ call to the part of the store that owns it:
   read.py        the read path: walks, lookups, gathering verified payloads into destinations
   tenancy.py     tenants of identities, share groups, quotas, times to live, reclaiming expired
   access.py      read times, batched in memory and written by `sync`
+  sync_state.py  every fsync, and the sticky state after one fails (writes refused, reads go on)
+  recheck.py     at the open after a failed fsync: the blocks written since the last good sync
   quarantine.py  dropping blocks that fail verification
   removal.py     removing a block with its subtree (every removal), and `delete`
   eviction.py    capacity and which leaves go first; an eviction round
@@ -45,7 +47,13 @@ from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.context import StoreContext
 from prefixd.store.direct import DataFile
-from prefixd.store.environment import DATA_FILE, OwnerLock, copy_compacted, open_environment
+from prefixd.store.environment import (
+    DATA_FILE,
+    OwnerLock,
+    copy_compacted,
+    is_held,
+    open_environment,
+)
 from prefixd.store.fair import FairPool
 from prefixd.store.joint import JointMatch
 from prefixd.store.journal import BlockChange, BlockObserver
@@ -54,6 +62,7 @@ from prefixd.store.lmdb_errors import lmdb_errors
 from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.put import Writer, check_first_block
 from prefixd.store.read import Reader
+from prefixd.store.recheck import RecheckReport, recheck
 from prefixd.store.results import (
     BlockInfo,
     EvictionReport,
@@ -67,6 +76,7 @@ from prefixd.store.results import (
     StateLoad,
     StoreStats,
 )
+from prefixd.store.sync_state import SyncFailure, SyncState
 from prefixd.store.syncer import PeriodicSyncer
 from prefixd.store.tallies import Tallies, store_stats
 from prefixd.store.tenancy import Tenancy, TenantIndex
@@ -136,6 +146,7 @@ class Store:
             ),
             tenants=TenantIndex(tables.identities),
             tallies=Tallies(),
+            syncs=SyncState(config.path, clock),
             data_file=data_file,
             copier=(
                 FairPool(config.verify_threads, name="prefixd-verify")
@@ -148,7 +159,14 @@ class Store:
         self._writer = Writer(self._ctx, self._tenancy, self._access)
         self._reader = Reader(self._ctx, self._tenancy, self._access)
         self._closed = False
-        self._syncer = PeriodicSyncer(self.sync, config.sync_interval_s)
+        try:
+            self.rechecked = self._settle(may_recheck=exclusive or not is_held(config.path))
+            """What this open checked after an earlier run's failed fsync (None: nothing)."""
+        except BaseException:
+            self._closed = True
+            self._release()
+            raise
+        self._syncer = PeriodicSyncer(self._access.sync, config.sync_interval_s)
         self._syncer.start()
 
     @classmethod
@@ -184,9 +202,10 @@ class Store:
         the last payload's block are ignored. Refused whole, with nothing written: a block with
         fewer than `block_tokens` tokens (OpenTailError), a first block whose parent chain is not
         stored (OrphanBlockError), a hash owned by other tokens (BlockCollisionError), an empty or
-        non-contiguous payload (PayloadError); a full map raises StoreFullError.
+        non-contiguous payload (PayloadError); a full map raises StoreFullError; after a failed
+        fsync, every put raises SyncFailedError (see `sync_failure`).
         """
-        self._check_usable()
+        self._check_writable()
         return self._writer.put(identity, token_ids, payloads, first_block)
 
     @_translated("the put")
@@ -209,7 +228,7 @@ class Store:
         same chain). Refused whole, with nothing written: state that is not closed (OpenTailError),
         payloads that do not match the spec or its policies (PayloadError), and everything `put`
         refuses."""
-        self._check_usable()
+        self._check_writable()
         return self._writer.put_state(
             identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
         )
@@ -217,7 +236,7 @@ class Store:
     @_translated("the delete")
     def delete(self, hashes: Iterable[bytes]) -> int:
         """Remove the given blocks and every block below them; return how many blocks went."""
-        self._check_usable()
+        self._check_writable()
         return removal.delete(self._ctx, hashes)
 
     # --- reading -------------------------------------------------------------------------------
@@ -411,14 +430,17 @@ class Store:
         """Evict leaves, lowest value per byte first (see prefixd.store.eviction), until the
         stored bytes are at most `target_bytes` (default: the low watermark of the capacity).
         With `tenant`, only that tenant's blocks are candidates and its bytes are what counts."""
-        self._check_usable()
+        self._check_writable()
         return eviction.evict(self._ctx, self._tenancy, self._access, target_bytes, tenant)
 
     @_translated("the reclaim")
     def reclaim_expired(self) -> int:
         """Remove the blocks past their tenant's time to live (already unreachable: lookups and
-        loads skip them); return how many went."""
+        loads skip them); return how many went. None go after a failed fsync (nothing more is
+        written then), and nothing a caller sees changes: they are unreachable all the same."""
         self._check_usable()
+        if self._ctx.syncs.failure is not None:
+            return 0
         return self._tenancy.reclaim_expired()
 
     @_translated("the purge")
@@ -432,7 +454,10 @@ class Store:
         """Remove what `selector` names, in one transaction: unreachable at once, pages freed
         once in-flight reads (which keep their snapshot) are done. A dry run counts only.
         `progress` is told how many root blocks each step handled."""
-        self._check_usable()
+        if dry_run:
+            self._check_usable()
+        else:
+            self._check_writable()
         return purge.purge(self._ctx, self._access, selector, dry_run=dry_run, progress=progress)
 
     def observe(self, observer: BlockObserver | None) -> None:
@@ -450,9 +475,22 @@ class Store:
             after = found[-1].block
 
     def sync(self) -> None:
-        """Write pending access times and counters, then fsync the environment."""
+        """Write pending access times and counters, then fsync the environment; SyncFailedError
+        if that fsync fails, or one did before (it is never retried as if it could succeed)."""
         self._check_usable()
-        self._access.sync()
+        if not self._access.sync():
+            self._ctx.syncs.check_writable()
+
+    @property
+    def sync_failure(self) -> SyncFailure | None:
+        """The failed fsync that made this store refuse writes (reads go on), or None while every
+        fsync has succeeded (prefixd.store.sync_state)."""
+        return self._ctx.syncs.failure
+
+    @property
+    def last_sync_ns(self) -> int:
+        """When (store clock, ns) the last fsync that succeeded began; 0 if none did."""
+        return self._ctx.syncs.last_good_ns
 
     @_translated("the compaction")
     def compact_to(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -491,7 +529,7 @@ class Store:
         problem condemns (with everything below it) and rebuild the indexes and counters from
         the remaining records, in one transaction; report what was found, what was done, and
         whatever still fails a check afterwards."""
-        self._check_usable()
+        self._check_writable()
         return repair.repair(self._ctx, problems, progress=progress)
 
     def apply_tenancy(self, config: StoreConfig) -> None:
@@ -507,32 +545,67 @@ class Store:
             self._owner.record(socket)
 
     def close(self) -> None:
-        """Flush, fsync and close; idempotent. Only the opening process may close the environment."""
+        """Flush, fsync and close; idempotent. Only the opening process may close the environment.
+        SyncFailedError (once closed) if this last fsync is the first to fail; a failure found
+        before was reported then, and its marker stays for the next open either way."""
         if self._closed:
             return
         if os.getpid() != self._pid:
             self._closed = True
             return
         self._syncer.stop()
+        syncs = self._ctx.syncs
+        failed_before = syncs.failure is not None
         try:
             self._access.sync()
         finally:
             self._closed = True
-            if self._ctx.pool is not None:
-                self._ctx.pool.shutdown(wait=True)
-            if self._ctx.copier is not None:
-                self._ctx.copier.close()
-            self._ctx.env.close()
-            if self._ctx.data_file is not None:
-                self._ctx.data_file.close()
-            if self._owner is not None:
-                self._owner.release()
+            self._release()
+        if not failed_before:
+            syncs.check_writable()
+
+    def _release(self) -> None:
+        """Close what the open built: threads, environment, data file, owner lock."""
+        if self._ctx.pool is not None:
+            self._ctx.pool.shutdown(wait=True)
+        if self._ctx.copier is not None:
+            self._ctx.copier.close()
+        self._ctx.env.close()
+        if self._ctx.data_file is not None:
+            self._ctx.data_file.close()
+        if self._owner is not None:
+            self._owner.release()
+
+    def _settle(self, *, may_recheck: bool) -> RecheckReport | None:
+        """At open: check the blocks an earlier run's failed fsync left unsure (if this process
+        may: it holds the store, or none does), then fsync, so that the last good sync is known
+        from the start; clear the marker once both went well. An open that may not check them
+        starts in the failed state."""
+        syncs = self._ctx.syncs
+        inherited = syncs.inherited
+        report = None
+        if inherited is not None:
+            if not may_recheck:
+                syncs.adopt(inherited)
+                return None
+            report = recheck(self._ctx, inherited)
+            if not report.complete:
+                syncs.fail("the check after a failed sync could not quarantine what failed")
+        if syncs.sync(self._ctx.env) and report is not None:
+            syncs.clear_marker()
+        return report
 
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _check_writable(self) -> None:
+        """`_check_usable`, and SyncFailedError once an fsync failed: nothing a caller is told
+        was written could be promised to stay so."""
+        self._check_usable()
+        self._ctx.syncs.check_writable()
 
     def _check_usable(self) -> None:
         if self._closed:

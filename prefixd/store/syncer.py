@@ -1,4 +1,8 @@
-"""The background thread of the periodic durability mode: flush access times, then fsync."""
+"""The background thread of the periodic durability mode: flush access times, then fsync.
+
+A failed fsync is no exception here: the store's sync state records it (prefixd.store.sync_state)
+and the store refuses writes from then on, so nothing is swallowed but a bug's traceback, logged.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ log = logging.getLogger(__name__)
 class PeriodicSyncer:
     """Calls `flush` every `interval_s` seconds on a daemon thread until stopped."""
 
-    def __init__(self, flush: Callable[[], None], interval_s: float) -> None:
+    def __init__(self, flush: Callable[[], object], interval_s: float) -> None:
         self._flush = flush
         self._interval_s = interval_s
         self._stop = threading.Event()
@@ -25,7 +29,7 @@ class PeriodicSyncer:
         while not self._stop.wait(self._interval_s):
             try:
                 self._flush()
-            except Exception:  # keep syncing: one failed flush must not end durability
+            except Exception:  # a bug: keep going (the flush fsyncs whatever else failed)
                 log.exception("periodic store sync failed")
 
     def stop(self) -> None:

@@ -36,6 +36,7 @@ class ErrorCode(str, Enum):
     FORBIDDEN = "forbidden"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
+    SYNC_FAILED = "sync_failed"  # an fsync of the store failed: writes refused, reads go on
 
 
 # The class a client raises for each code. A class's subclasses share its code (DiskFullError is a
@@ -61,6 +62,7 @@ ERROR_CLASSES: dict[ErrorCode, type[errors.PrefixdError]] = {
     ErrorCode.FORBIDDEN: errors.ForbiddenError,
     ErrorCode.SHUTTING_DOWN: errors.ShuttingDownError,
     ErrorCode.INTERNAL: errors.InternalError,
+    ErrorCode.SYNC_FAILED: errors.SyncFailedError,
 }
 _CODES = frozenset(code.value for code in ErrorCode)
 

@@ -536,6 +536,9 @@ class PurgeReply(Reply, kw_only=True):
     stored_bytes: int
     dry_run: bool
     seconds: float
+    # the criteria ("tenant", "model") that name nothing the store holds (`prefixd purge` exits
+    # 3); absent from an older daemon's reply
+    unknown: Annotated[list[Name], Meta(max_length=2)] = msgspec.field(default_factory=list)
 
 
 class VerifyReply(Reply, kw_only=True):

@@ -21,7 +21,14 @@ import pytest
 from prefixd.client import Client
 from prefixd.store import Store
 
-from ..daemon.conftest import Daemon, DaemonFactory, daemon_env, make_identity, payload
+from ..daemon.conftest import (
+    Daemon,
+    DaemonFactory,
+    command_env,
+    daemon_env,
+    make_identity,
+    payload,
+)
 from ..store.test_faults import corrupt_payload
 from ..waiting import DEADLINE_S
 
@@ -34,17 +41,22 @@ COMMANDS = ("serve", "stats", "health", "verify", "purge", "compact", "migrate",
 def run(
     *args: str, env: dict[str, str] | None = None, home: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """The installed command with no PREFIXD_* of ours; `home` keeps the per-user defaults (a
-    store under ~/.local/state) inside the test."""
+    """The installed command with no PREFIXD_* of ours and defaults of the test's own (never the
+    machine's daemon's); `home` puts them in it, a store under ~/.local/state for any user (root's
+    through systemd's variables)."""
     extra = dict(env or {})
     if home is not None:
         extra.update(HOME=str(home), XDG_STATE_HOME="", XDG_RUNTIME_DIR=str(home / "run"))
+        extra.update(
+            STATE_DIRECTORY=str(home / ".local" / "state" / "prefixd"),
+            RUNTIME_DIRECTORY=str(home / "run" / "prefixd"),
+        )
     return subprocess.run(
         [PREFIXD, *args],
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,
-        env=daemon_env(**extra),
+        env=command_env(**extra),
         stdin=subprocess.DEVNULL,
     )
 
@@ -171,7 +183,7 @@ def test_verify_lists_problems_in_every_mode(tmp_path: Path) -> None:
         (("stats", "--timeout", "0"), 2, "more than 0 seconds"),
         (("verify", "--data-dir", "{file}"), 1, "not a directory"),
         (("purge", "--all", "--data-dir", "{file}"), 1, "not a directory"),
-        (("migrate", "up", "--data-dir", "{file}"), 1, "Not a directory"),
+        (("migrate", "up", "--data-dir", "{file}"), 1, "not a directory: give --data-dir"),
         (("migrate", "status", "--data-dir", "{file}"), 1, "not a directory"),
         (("compact", "--data-dir", "{store}", "--to", "{file}"), 1, "is not a directory"),
     ],

@@ -251,3 +251,45 @@ def test_a_reconnecting_async_client_leaves_no_noise(daemon: Daemon) -> None:
     gc.collect()
     assert kinds <= {DaemonUnavailableError}, kinds
     assert complaints == []
+
+
+def test_a_refusal_sent_before_the_hello_is_not_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon refuses a peer by replying and closing at once. When that happens before the
+    client's hello leaves, the hello meets a closed end (EPIPE): the client still reads the
+    refusal left in its socket and raises it, not a lost connection."""
+    from prefixd.client import blocking
+    from prefixd.errors import ForbiddenError
+    from prefixd.wire.frames import encode_frame
+    from prefixd.wire.messages import error_reply
+
+    path = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp")) / "d.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    closed = threading.Event()
+
+    def refuse() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(encode_frame(error_reply(None, ErrorCode.FORBIDDEN, "uid 1 may not")))
+        conn.close()
+        closed.set()
+
+    checked = blocking.check_peer
+
+    def check_then_wait(sock: socket.socket, uids: Any) -> None:
+        checked(sock, uids)
+        assert closed.wait(30), "the fake daemon never refused"  # the hello leaves after this
+
+    monkeypatch.setattr(blocking, "check_peer", check_then_wait)
+    server = threading.Thread(target=refuse)
+    server.start()
+    try:
+        with pytest.raises(ForbiddenError, match="may not"):
+            Client(path)
+    finally:
+        server.join()
+        listener.close()
+        path.unlink()
+        path.parent.rmdir()

@@ -30,6 +30,7 @@ import pytest
 import prefixd
 from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
 from prefixd.wire.region import send_with_fds
+from tests.hermetic import SYSTEMD_HANDOFF
 from tests.waiting import DEADLINE_S as DEADLINE_S
 from tests.waiting import wait_for as wait_for
 
@@ -41,17 +42,9 @@ REPO = Path(__file__).resolve().parents[2]
 # a laptop building something) is slow without failing.
 READY_TIMEOUT_S = DEADLINE_S
 STOP_TIMEOUT_S = DEADLINE_S
-# Variables of the test runner's environment that must not reach a daemon under test.
-_SCRUBBED = (
-    "NOTIFY_SOCKET",
-    "WATCHDOG_USEC",
-    "WATCHDOG_PID",
-    "LISTEN_PID",
-    "LISTEN_FDS",
-    "LISTEN_FDNAMES",
-    "STATE_DIRECTORY",
-    "RUNTIME_DIRECTORY",
-)
+# Variables of the test runner's environment that must not reach a daemon under test (the suite
+# has its own STATE_DIRECTORY and RUNTIME_DIRECTORY: see `command_env`).
+_SCRUBBED = SYSTEMD_HANDOFF
 
 
 def make_identity(**changes: Any) -> prefixd.Identity:
@@ -80,11 +73,23 @@ def payload(seed: int, index: int, size: int = 256) -> bytes:
 
 
 def daemon_env(**extra: str) -> dict[str, str]:
+    """The environment of a prefixd process under test: no PREFIXD_* setting and nothing systemd
+    hands a service, so root's defaults are the FHS paths (tests/daemon/test_node.py gives them
+    to a node of its own): whoever relies on a default uses `command_env`."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_") and k not in _SCRUBBED
     }
     env.update(extra)
     return env
+
+
+def command_env(**extra: str) -> dict[str, str]:
+    """The environment of a command that may fall back on the default store or socket (a
+    command told only one of them finds the other from the defaults): `daemon_env`'s, with the
+    test's own defaults (tests/conftest.py): systemd's variables, the only ones root's defaults
+    follow, as a unit's ExecStart= has them."""
+    own = {name: os.environ[name] for name in ("STATE_DIRECTORY", "RUNTIME_DIRECTORY")}
+    return daemon_env(**{**own, **extra})
 
 
 class Daemon:

@@ -32,6 +32,7 @@ from prefixd.errors import ConfigError
 from tests.waiting import settle, wait_for
 
 from ..cluster.conftest import mooncake_master  # noqa: F401 (a fixture, used below)
+from ..readme import readme_block
 from .conftest import (
     DEADLINE_S,
     IDENTITY,
@@ -43,6 +44,7 @@ from .conftest import (
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = ("prefixd.service", "prefixd.socket")
+TEMPLATES = ("prefixd@.service", "prefixd@.socket")  # several daemons on a node, one per instance
 SUN_PATH_MAX = 100  # sun_path is 108 bytes; keep a margin
 
 
@@ -435,17 +437,18 @@ def _analyze() -> str:
     return analyze
 
 
-def _verify(directory: Path, *names: str) -> list[str]:
+def _verify(directory: Path, *names: str, about: Sequence[str] = ()) -> list[str]:
     """Run `systemd-analyze verify` and return its complaints about our units.
 
     It exits 0 even for unknown keys or unparsable values, so every line it prints about one of
-    `names` (or a drop-in of theirs) counts; lines about other units on the host (pulled in as
+    `names` (or a drop-in of theirs, or one of the unit files in `about`: the templates an
+    instance's name is made from) counts; lines about other units on the host (pulled in as
     dependencies) do not.
     """
     result = subprocess.run(
         [_analyze(), "verify", *names], cwd=directory, capture_output=True, text=True, timeout=60
     )
-    mentions = re.compile("|".join(re.escape(name) for name in names))
+    mentions = re.compile("|".join(re.escape(name) for name in (*names, *about)))
     output = (result.stdout + result.stderr).splitlines()
     complaints = [line for line in output if mentions.search(line)]
     if result.returncode != 0 and not complaints:
@@ -457,7 +460,7 @@ def _copy_units(directory: Path, *drop_ins: str) -> None:
     """The shipped units, with ExecStart= pointing at an executable that exists on this machine
     (verify refuses a missing one), and `drop_ins` in prefixd.service.d/ as an operator installs
     them."""
-    for name in UNITS:
+    for name in (*UNITS, *TEMPLATES):
         text = (REPO / "systemd" / name).read_text()
         (directory / name).write_text(text.replace(EXEC_START, sys.executable))
     if drop_ins:
@@ -525,6 +528,68 @@ def test_hardening_at_least_that_of_debians_redis_unit(
     assert _exposure(tmp_path / "prefixd.service") <= bar
 
 
+def test_template_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    """An instance of the templates, as `systemctl enable --now prefixd@gpu0.socket` makes one."""
+    _copy_units(tmp_path)
+    assert _verify(tmp_path, "prefixd@gpu0.service", "prefixd@gpu0.socket", about=TEMPLATES) == []
+    broken = tmp_path / "prefixd@.service"
+    broken.write_text(broken.read_text().replace("WatchdogSec=30", "WatchdogSek=30"))
+    complaints = _verify(tmp_path, "prefixd@gpu0.service", about=TEMPLATES)
+    assert any("WatchdogSek" in line for line in complaints)  # the check sees the template
+
+
+def test_an_instance_is_hardened_as_the_unit(tmp_path: Path) -> None:
+    _copy_units(tmp_path)
+    assert _exposure(tmp_path / "prefixd@gpu0.service") <= _exposure(tmp_path / "prefixd.service")
+
+
+def _sections(name: str) -> dict[str, list[str]]:
+    """A unit file's assignments, comments left out, by section, in order."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for raw in (REPO / "systemd" / name).read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("["):
+            current = sections.setdefault(line, [])
+        elif line and not line.startswith(("#", ";")):
+            current.append(line)
+    return sections
+
+
+def test_the_templates_are_the_units_with_an_instances_names() -> None:
+    """prefixd@.service and prefixd@.socket say what prefixd.service and prefixd.socket say, line
+    for line, but for the instance's names: its own store, socket and settings, so no two
+    instances share a directory, and a change to the unit cannot miss the template."""
+    for unit, template in zip(UNITS, TEMPLATES, strict=True):
+        instance = {
+            section: [
+                line
+                for line in lines
+                if line != "Environment=PREFIXD_INSTANCE=%i"  # the instance's own default paths
+            ]
+            for section, lines in _sections(template).items()
+        }
+        plain = {
+            section: [
+                line.replace("prefixd.socket", "prefixd@%i.socket")
+                .replace("prefixd.service", "prefixd@%i.service")
+                .replace("StateDirectory=prefixd", "StateDirectory=prefixd-%i")
+                .replace("RuntimeDirectory=prefixd", "RuntimeDirectory=prefixd-%i")
+                .replace("/run/prefixd/", "/run/prefixd-%i/")
+                .replace("KV-cache store", "KV-cache store, instance %i")
+                .replace("prefixd socket", "prefixd socket, instance %i")
+                for line in lines
+            ]
+            for section, lines in _sections(unit).items()
+        }
+        assert instance == plain, template
+    service = _sections("prefixd@.service")["[Service]"]
+    assert "Environment=PREFIXD_INSTANCE=%i" in service
+    assert {"StateDirectory=prefixd-%i", "RuntimeDirectory=prefixd-%i"} <= set(service)
+    listen = "ListenStream=/run/prefixd-%i/prefixd.sock"
+    assert listen in _sections("prefixd@.socket")["[Socket]"]
+
+
 def test_units_agree_with_each_other() -> None:
     """What the socket listens on is where the daemon's default socket path points."""
     service = (REPO / "systemd" / "prefixd.service").read_text()
@@ -544,10 +609,11 @@ def test_unit_runs_the_install_the_readme_gives() -> None:
     assert service["ExecStart"] == [f"{EXEC_START} serve"]
     venv = EXEC_START.removesuffix("/bin/prefixd")
     readme = (REPO / "README.md").read_text()
-    assert f"python3 -m venv {venv}\n" in readme
-    assert f"{venv}/bin/pip install " in readme
-    assert f"{venv}/share/prefixd/systemd/prefixd.service" in readme
-    for name in (*UNITS, *DROP_INS.values(), "prefixd.conf.example"):
+    quick_start = readme_block("## Quick start: a node", "sh")  # test_quick_start.py runs it
+    assert f"python3 -m venv {venv} " in quick_start
+    assert f"{venv}/bin/pip install " in quick_start
+    assert f"{venv}/share/prefixd/systemd/prefixd.service" in quick_start
+    for name in (*UNITS, *TEMPLATES, *DROP_INS.values(), "prefixd.conf.example"):
         text = (REPO / "systemd" / name).read_text()
         assert "/usr/local" not in text and "/usr/bin/prefixd" not in text, name
     assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]  # the daemon reloads on SIGHUP
@@ -559,7 +625,7 @@ def test_unit_files_name_only_real_settings() -> None:
     config = pytest.importorskip("prefixd.daemon.config")
     known = {config.CONFIG_ENV} | {config.env_var(name) for name in config.SETTINGS}
     mentioned: set[str] = set()
-    for name in (*UNITS, "prefixd.conf.example", *DROP_INS.values()):
+    for name in (*UNITS, *TEMPLATES, "prefixd.conf.example", *DROP_INS.values()):
         mentioned |= set(re.findall(r"PREFIXD_[A-Z0-9_]+", (REPO / "systemd" / name).read_text()))
     assert {"PREFIXD_METRICS_PORT", "PREFIXD_METRICS_TEXTFILE"} <= mentioned  # not vacuous
     assert mentioned <= known

@@ -944,6 +944,7 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
             stored_bytes=12,
             dry_run=True,
             seconds=0.5,
+            unknown=["tenant"],
         ),
         {
             "id": 10,
@@ -954,6 +955,7 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
             "stored_bytes": 12,
             "dry_run": True,
             "seconds": 0.5,
+            "unknown": ["tenant"],
         },
     ),
     (

@@ -218,6 +218,9 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             "socket": self._settings.socket,
             "store_connected": self._storer.connected,
             "prefetch_connected": self._fetcher.connected,
+            # each link's last problem and fix, failures by kind, calls missed for them
+            "store_link": self._storer.status(),
+            "prefetch_link": self._fetcher.status(),
         }
 
     def close(self) -> None:

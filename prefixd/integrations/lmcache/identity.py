@@ -66,7 +66,7 @@ class Settings:
     region_bytes: int = 256 << 20
     timeout_s: float = 5.0
     reconnect_s: float = 1.0
-    daemon_uid: int | None = None
+    daemon_uid: int | str | None = None
     usage_refresh_s: float = 1.0
 
     @classmethod

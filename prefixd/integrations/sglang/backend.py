@@ -520,6 +520,12 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         keys); a lost connection is dropped and made again on the next call."""
         return self._link.call(operation)
 
+    def status(self) -> dict[str, Any]:
+        """The link to the daemon, for an operator: connected, the last problem and its fix,
+        failures by kind, calls answered as misses because the daemon was unusable. (SGLang's
+        own `get_stats` wants its StorageMetrics, so this is a method of its own.)"""
+        return self._link.status()
+
     def clear(self) -> None:
         """SGLang's `clear` drops what the backend holds; prefixd's entries are the daemon's
         (shared, persistent, evicted and purged there), so nothing is removed."""

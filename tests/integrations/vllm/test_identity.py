@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,14 @@ def test_the_command_line_prints_the_config_for_vllm_serve(model: Path) -> None:
     extra = printed["kv_connector_extra_config"]
     assert extra["cpu_bytes_to_use"] == 1 << 30
     assert extra["secondary_tiers"][0]["identity"] == fields(base_args(model))
+    assert "daemon_uid" not in extra["secondary_tiers"][0]  # the client's own rule
+    # The daemon's user, named once for the node (PREFIXD_DAEMON_USER), reaches the tier.
+    named = subprocess.run(
+        [*command, "--", *engine],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PREFIXD_DAEMON_USER": "nobody"},
+    )
+    tier = json.loads(named.stdout)["kv_connector_extra_config"]["secondary_tiers"][0]
+    assert tier["daemon_uid"] == "nobody"

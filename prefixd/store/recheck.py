@@ -1,0 +1,165 @@
+"""After a failed fsync: the next open checks the blocks written since the last good sync.
+
+A failed sync (prefixd.store.sync_state) leaves every block and part created since the last good
+sync unsure: the disk may lack their pages. `recheck` reads every block record (they are small,
+and a damaged one is condemned whatever its age) and, for the blocks and parts created since then
+(less RECHECK_SLACK_NS, for a clock stepped back), checks what `verify` checks of a block: its
+payload chunks present, their size and checksum, its parent and identity stored. In one write
+transaction it quarantines each failing block with everything below it and, when it quarantined
+any, rebuilds the indexes and counters from the records left (as `verify --fix` does); it logs
+what it checked (counts and reasons, never a key).
+
+It reads what the kernel serves now: after a reboot that is the disk; after a restart without one,
+pages the disk lost may still sit in the page cache, and show later as payloads that fail their
+checksum on a read (quarantined then) or damaged pages (`prefixd verify`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import lmdb
+
+from prefixd.errors import CorruptRecordError, CorruptStoreError
+from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
+from prefixd.schema.records import BlockRecord, PartRecord, chunk_key
+from prefixd.store import quarantine
+from prefixd.store.codec import checksum, chunks_present
+from prefixd.store.environment import Tables
+from prefixd.store.journal import writing
+from prefixd.store.lmdb_errors import DAMAGE
+from prefixd.store.removal import remove_subtree
+from prefixd.store.repair import rebuild_derived
+from prefixd.store.sync_state import SyncFailure
+
+if TYPE_CHECKING:
+    from prefixd.store.context import StoreContext
+
+log = logging.getLogger(__name__)
+
+# Blocks created this long before the last good sync began are checked too: the store's clock
+# may have stepped back between a block's creation and that sync.
+RECHECK_SLACK_NS = 60 * 10**9
+BAD_PAYLOAD = "payload fails verification"
+BAD_PARENT = "parent is not stored"
+BAD_IDENTITY = "identity is not registered"
+
+
+@dataclass(frozen=True)
+class RecheckReport:
+    """What an open checked after a failed sync: blocks and parts created since `since_ns`, the
+    blocks that failed (hash -> why), how many blocks went with them, and whether that
+    quarantine was written (`complete`: False when the disk refused it)."""
+
+    since_ns: int
+    blocks: int
+    parts: int
+    condemned: dict[bytes, str]
+    quarantined: int
+    complete: bool = True
+
+
+def recheck(ctx: StoreContext, failure: SyncFailure) -> RecheckReport:
+    """Check the blocks `failure` left unsure and quarantine the ones that fail. Damaged pages
+    met on the way raise CorruptStoreError (a repair cannot mend those)."""
+    since = max(0, failure.last_good_ns - RECHECK_SLACK_NS) if failure.last_good_ns else 0
+    try:
+        with ctx.env.begin(buffers=True) as txn:
+            condemned, blocks, parts = _failing(txn, ctx.tables, since)
+    except DAMAGE as exc:
+        raise CorruptStoreError(
+            f"{ctx.path} has damaged pages ({exc}), met while checking the blocks written since "
+            f"the last good sync before a failed one ({failure.describe()}); restore the store "
+            "from a backup, or delete the directory and let the cache refill"
+        ) from None
+    quarantined, complete = _quarantine(ctx, condemned) if condemned else (0, True)
+    report = RecheckReport(since, blocks, parts, condemned, quarantined, complete)
+    reasons = ", ".join(f"{n} {why}" for why, n in sorted(Counter(condemned.values()).items()))
+    log.warning(
+        "%s: %s; this open checked the %d block(s) and %d part(s) written since the last good "
+        "sync: %s%s",
+        ctx.path,
+        failure.describe(),
+        blocks,
+        parts,
+        f"{len(condemned)} failed ({reasons}), {quarantined} block(s) quarantined with them"
+        if condemned
+        else "all sound",
+        "" if complete else ", but the quarantine could not be written",
+    )
+    return report
+
+
+def _failing(
+    txn: lmdb.Transaction[memoryview], t: Tables, since_ns: int
+) -> tuple[dict[bytes, str], int, int]:
+    """The blocks that fail (hash -> why): every damaged record, and the unsound blocks and parts
+    created at `since_ns` or later; and how many blocks and parts were that recent."""
+    condemned: dict[bytes, str] = {}
+    blocks = parts = 0
+    for key, raw in txn.cursor(db=t.blocks):
+        h = bytes(key)
+        try:
+            record = BlockRecord.decode(raw)
+        except CorruptRecordError:
+            condemned[h] = quarantine.BAD_RECORD
+            continue
+        if record.created_ns < since_ns:
+            continue
+        blocks += 1
+        if not _payload_sound(txn, t, h, record):
+            condemned[h] = BAD_PAYLOAD
+        elif record.parent != ROOT_PARENT and txn.get(record.parent, db=t.blocks) is None:
+            condemned[h] = BAD_PARENT
+        elif txn.get(record.identity, db=t.identities) is None:
+            condemned[h] = BAD_IDENTITY
+    if t.parts is not None:
+        for key, raw in txn.cursor(db=t.parts):
+            part_key = bytes(key)
+            block = part_key[:HASH_BYTES]
+            try:
+                part = PartRecord.decode(raw)
+            except CorruptRecordError:
+                condemned.setdefault(block, quarantine.BAD_PART)
+                continue
+            if part.created_ns < since_ns:
+                continue
+            parts += 1
+            if not _payload_sound(txn, t, part_key, part):
+                condemned.setdefault(block, quarantine.BAD_PART)
+    return condemned, blocks, parts
+
+
+def _payload_sound(
+    txn: lmdb.Transaction[memoryview], t: Tables, key: bytes, record: BlockRecord | PartRecord
+) -> bool:
+    """Whether the payload stored under `key` is whole and matches its record's checksum."""
+    chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)]
+    if not chunks_present(chunks) or sum(len(c) for c in chunks) != record.stored_size:
+        return False
+    return checksum(chunks) == record.checksum
+
+
+def _quarantine(ctx: StoreContext, condemned: dict[bytes, str]) -> tuple[int, bool]:
+    """Remove the condemned blocks with their subtrees and rebuild what derives from the
+    records, in one transaction; (blocks removed, whether it committed)."""
+    t = ctx.tables
+    removed = 0
+    try:
+        with writing(ctx) as txn:
+            for block, why in condemned.items():
+                if txn.get(block, db=t.blocks) is None:
+                    continue  # gone already, below another condemned block
+                removed += remove_subtree(ctx, txn, block, reason="quarantined")
+                quarantine.note(ctx, txn, block, f"after a failed sync: {why}")
+            rebuild_derived(txn, t, ctx.clock.time_ns())
+    except lmdb.Error as exc:
+        log.error("%s: could not quarantine the blocks that failed: %s", ctx.path, exc)
+        return 0, False
+    return removed, True
+
+
+__all__ = ["RECHECK_SLACK_NS", "RecheckReport", "recheck"]

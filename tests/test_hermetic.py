@@ -1,0 +1,118 @@
+"""The suite is hermetic (tests/hermetic.py): what its tests and their subprocesses see names no
+directory of the machine's, and a test that touches the machine's prefixd paths all the same is
+named. `.ci/run` runs the suite beside a daemon on the default paths, as a root install has one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from prefixd.daemon.config_sources import config_from_sources
+
+from .daemon.conftest import command_env, daemon_env
+from .hermetic import (
+    SYSTEMD_HANDOFF,
+    DefaultPathWatch,
+    Hermetic,
+    machine_default_dirs,
+    watched_for,
+)
+
+OWN = ("HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")
+DEFAULTS = ("XDG_RUNTIME_DIR", "STATE_DIRECTORY", "RUNTIME_DIRECTORY")
+
+
+def inside(path: Path | str, base: Path) -> bool:
+    return Path(path).resolve().is_relative_to(base.resolve())
+
+
+@pytest.mark.parametrize("uid", [0, 1000], ids=["root", "user"])
+def test_the_defaults_tests_see_are_their_own(
+    hermetic: Hermetic, uid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HOME, the XDG directories and the store and socket a command falls back on are the
+    session's (as root too: systemd's variables move root's defaults), and the runner's PREFIXD_*
+    settings and systemd variables reach no test."""
+    for name in (*OWN, *DEFAULTS):
+        assert inside(os.environ[name], hermetic.base), (name, os.environ[name])
+    assert not [name for name in os.environ if name.startswith("PREFIXD_")]
+    assert not (set(SYSTEMD_HANDOFF) - set(DEFAULTS)) & set(os.environ)
+    monkeypatch.setattr(os, "geteuid", lambda: uid)
+    environments = {"os.environ": dict(os.environ), "command_env": command_env()}
+    if uid != 0:  # daemon_env has root's FHS defaults: a daemon under test is told its paths
+        environments["daemon_env"] = daemon_env()
+    for how, env in environments.items():
+        config = config_from_sources({}, env, None)
+        assert inside(config.data_dir, hermetic.base), (how, config.data_dir)
+        assert inside(config.socket, hermetic.base), (how, config.socket)
+
+
+def test_each_test_has_its_own_default_store(hermetic: Hermetic) -> None:
+    """What one test leaves in its default store, no other sees."""
+    state = Path(os.environ["STATE_DIRECTORY"])
+    assert inside(state, hermetic.base / "tests") and not state.exists()
+    assert hermetic.per_test()["STATE_DIRECTORY"] != str(state)
+
+
+def test_the_machines_paths_are_the_runners_defaults(tmp_path: Path) -> None:
+    runner = {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": "/run/user/1000", "STATE_DIRECTORY": "/s"}
+    dirs = machine_default_dirs(runner, 1000)
+    assert dirs[:2] == [Path("/var/lib/prefixd"), Path("/run/prefixd")]
+    for path in (
+        tmp_path / ".local" / "state" / "prefixd",
+        Path("/tmp/prefixd-1000"),
+        Path("/run/user/1000/prefixd"),
+        Path("/s"),
+    ):
+        assert path in dirs
+
+
+def test_the_watch_names_what_was_done_to_a_default_path(tmp_path: Path) -> None:
+    """Opening, making, renaming or removing anything of a default store or socket directory,
+    or of an instance's beside it, is named (by the test that did it, or at the end where its
+    parent did not exist to be watched); looking at them, a file already open being written (a
+    serving daemon) and other names are not."""
+    store = tmp_path / "var-lib" / "prefixd"
+    store.mkdir(parents=True)
+    (store / "owner.lock").write_text('{"socket": "/run/prefixd/prefixd.sock"}')
+    data = (store / "data.mdb").open("wb")  # the daemon's, open before the watch
+    (tmp_path / "run").mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    dirs = [store, tmp_path / "run" / "prefixd", home / ".local" / "state" / "prefixd"]
+    watch = DefaultPathWatch(watched_for(dirs))
+    try:
+        assert watch.drain() == []
+        (store / "owner.lock").stat()
+        (tmp_path / "run" / "prefixd").exists()
+        data.write(b"x" * 4096)
+        data.flush()
+        (tmp_path / "run" / "elsewhere").mkdir()
+        (tmp_path / "var-lib" / "other").mkdir()
+        assert watch.drain() == []
+        (store / "owner.lock").read_text()  # what a command does to find the daemon
+        assert watch.drain() == [f"{store}/owner.lock: opened"]
+        (tmp_path / "run" / "prefixd-gpu0").mkdir()
+        (store / "owner.lock").rename(store / "moved")
+        (home / ".local" / "state" / "other").mkdir(parents=True)
+        assert watch.drain() == [
+            f"{tmp_path}/run/prefixd-gpu0/: created",
+            f"{store}/owner.lock: moved away",
+            f"{store}/moved: moved in",
+        ]
+        (home / ".local" / "state" / "prefixd").mkdir()  # where no watch could be: seen at the end
+        assert watch.drain() == []
+        finished = watch.finish()  # the events since the drain (none), then the snapshot's
+        assert finished[:4] == [
+            f"created: {home}/.local/state/prefixd",
+            f"created: {tmp_path}/run/prefixd-gpu0",
+            f"created: {store}/moved",
+            f"removed: {store}/owner.lock",
+        ]
+        # and the directory's mtime, unless the clock's tick has not moved since it was made
+        assert {line.split(" (")[0] for line in finished[4:]} <= {f"changed: {store}"}
+    finally:
+        watch.close()
+        data.close()
