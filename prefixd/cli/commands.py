@@ -160,14 +160,17 @@ def verify(args: argparse.Namespace, out: Output) -> int:
 def migrate_status(args: argparse.Namespace, out: Output) -> int:
     from prefixd.migrate import Migrator
 
-    out.result(Migrator(_target(args).data_dir).status().describe(), "prefixd migrate status")
+    where = _target(args)
+    migrator = Migrator(where.data_dir, settings=where.config.store_config())
+    out.result(migrator.status().describe(), "prefixd migrate status")
     return 0
 
 
 def migrate_up(args: argparse.Namespace, out: Output) -> int:
     from prefixd.migrate import Migrator
 
-    migrator = Migrator(_target(args).data_dir, batch=args.batch)
+    where = _target(args)
+    migrator = Migrator(where.data_dir, batch=args.batch, settings=where.config.store_config())
     with out.progress("migrating") as advance:
 
         def progress(step: Any, examined: int) -> None:

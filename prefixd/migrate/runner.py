@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -73,11 +74,16 @@ class UpgradeReport:
 class Migrator:
     """Migrations of the store at `path`. Never run beside a daemon holding the store."""
 
-    def __init__(self, path: Path, *, batch: int = DEFAULT_BATCH) -> None:
+    def __init__(
+        self, path: Path, *, batch: int = DEFAULT_BATCH, settings: StoreConfig | None = None
+    ) -> None:
+        """`settings`: what `serve` opens the store with (map size, readers, ...); the
+        defaults when None."""
         if batch < 1:
             raise MigrationError(f"batch must be at least 1, got {batch}")
         self.path = Path(path)
         self.batch = batch
+        self.settings = settings or StoreConfig(path=self.path)
         self.steps = registry()
 
     def status(self) -> MigrationStatus:
@@ -116,7 +122,7 @@ class Migrator:
     # --- internals ------------------------------------------------------------------------------
 
     def _open(self, *, readonly: bool) -> tuple[lmdb.Environment, Tables, StoreMeta]:
-        config = StoreConfig(path=self.path, create=False, verify_threads=0)
+        config = dataclasses.replace(self.settings, path=self.path, create=False, verify_threads=0)
         return open_environment(config, any_version=True, readonly=readonly)
 
     def _pending(self, meta: StoreMeta, to: int | None) -> tuple[Migration, ...]:

@@ -25,6 +25,7 @@ import pytest
 
 from prefixd.client import Client
 from prefixd.errors import StoreBusyError
+from prefixd.migrate import runner
 from prefixd.store import Store
 
 from ..daemon.conftest import Daemon, DaemonFactory, as_nobody, daemon_env
@@ -259,6 +260,13 @@ def test_offline_commands_open_the_store_with_the_settings_serve_uses(
         real_init(self, config, **kwargs)
 
     monkeypatch.setattr(Store, "__init__", spy)
+    real_open = runner.open_environment
+
+    def spy_open(config: Any, **kwargs: Any) -> Any:  # the migrations open the environment
+        opened.append(config)
+        return real_open(config, **kwargs)
+
+    monkeypatch.setattr(runner, "open_environment", spy_open)
     for key in [k for k in os.environ if k.startswith("PREFIXD_")]:
         monkeypatch.delenv(key)
     for key, value in defaults_in(tmp_path).items():
@@ -272,9 +280,11 @@ def test_offline_commands_open_the_store_with_the_settings_serve_uses(
             ["verify", "--quiet"],
             ["purge", "--all", "--dry-run", "--quiet"],
             ["compact", "--to", str(tmp_path / "copy"), "--quiet"],
+            ["migrate", "status"],
+            ["migrate", "up", "--quiet"],
         ):
             assert main([*argv, "--json", "--data-dir", str(store)]) == 0, argv
-    assert len(opened) == 3
+    assert len(opened) == 5
     for config in opened:
         assert (config.path, config.create) == (store, False)
         assert (config.map_size, config.durability.value, config.max_readers) == (
