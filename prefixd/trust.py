@@ -137,15 +137,17 @@ def check_socket_path(path: Path, uids: Collection[int]) -> None:
         )
 
 
-def check_peer(sock: socket.socket, uids: Collection[int]) -> None:
-    """After connecting: the process on the other end runs as one of `uids`."""
+def check_peer(sock: socket.socket, uids: Collection[int]) -> tuple[int, int, int]:
+    """After connecting: the process on the other end runs as one of `uids`; its (pid, uid,
+    gid)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    _pid, uid, _gid = _UCRED.unpack(raw)
+    pid, uid, gid = _UCRED.unpack(raw)
     if uid not in uids:
         raise UntrustedDaemonError(
             f"the process serving the socket runs as {_who(uid)}, not as a user trusted to run "
             f"the daemon ({_names(uids)}): not sending anything. {_fix(uid)}"
         )
+    return pid, uid, gid
 
 
 def unreachable(path: Path, exc: OSError) -> DaemonUnavailableError:

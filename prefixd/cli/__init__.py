@@ -22,9 +22,10 @@ from pathlib import Path
 
 from prefixd import __version__
 from prefixd.cli import commands
-from prefixd.cli.endpoints import add_daemon_arguments
+from prefixd.cli.arguments import add_daemon_arguments, positive
 from prefixd.cli.output import Output
 from prefixd.errors import ConfigError, PrefixdError
+from prefixd.store.config import parse_seconds
 from prefixd.store.purge import VERSIONED_FIELDS
 
 USAGE_ERROR = 2
@@ -202,7 +203,7 @@ def _common(*, online: bool) -> argparse.ArgumentParser:
     if online:
         where.add_argument(
             "--timeout",
-            type=_seconds,
+            type=positive(parse_seconds, "a number of seconds", "seconds"),
             default=3600.0,
             metavar="SECONDS",
             help="how long to wait for the daemon's reply, in seconds (default 10 for stats and"
@@ -214,15 +215,3 @@ def _common(*, online: bool) -> argparse.ArgumentParser:
     shown.add_argument("--json", action="store_true", help="print JSON, for scripts")
     shown.add_argument("--quiet", "-q", action="store_true", help="no progress display")
     return common
-
-
-def _seconds(text: str) -> float:
-    from prefixd.store.config import parse_seconds
-
-    try:
-        seconds = parse_seconds(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
-    return seconds

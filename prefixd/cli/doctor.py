@@ -70,16 +70,8 @@ class Account:
 
 def add_parser(commands: Any) -> None:
     """Register `doctor` among the CLI's subcommands (`commands`: argparse's subparsers)."""
-    from prefixd.store.config import parse_size
-
-    def size(text: str) -> int:
-        try:
-            value = parse_size(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a size (like 256MiB)") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 bytes")
-        return value
+    from prefixd.cli.arguments import add_daemon_arguments, positive
+    from prefixd.store.config import parse_seconds, parse_size
 
     doctor = commands.add_parser(
         "doctor",
@@ -87,8 +79,6 @@ def add_parser(commands: Any) -> None:
         description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
         epilog="Exit codes: 0 every check passed, 1 a check failed, 2 bad arguments.",
     )
-    from prefixd.cli.endpoints import add_daemon_arguments
-
     add_daemon_arguments(doctor, data_dir=False)
     doctor.add_argument(
         "--as-user",
@@ -102,13 +92,17 @@ def add_parser(commands: Any) -> None:
     )
     doctor.add_argument(
         "--region-bytes",
-        type=size,
+        type=positive(parse_size, "a size (like 256MiB)", "bytes"),
         default=DEFAULT_REGION_BYTES,
         metavar="SIZE",
         help="the region_bytes the engine's adapter sets (default 64MiB): its cost is measured",
     )
     doctor.add_argument(
-        "--timeout", type=float, default=10.0, metavar="SECONDS", help="per reply (default 10)"
+        "--timeout",
+        type=positive(parse_seconds, "a number of seconds", "seconds"),
+        default=10.0,
+        metavar="SECONDS",
+        help="per reply (default 10)",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON, for scripts")
     doctor.set_defaults(command=run)
@@ -233,16 +227,10 @@ def _reach(state: _State) -> Check:
 def _trust(state: _State) -> Check:
     """The client's own checks: the socket and its directory, then the serving process."""
     import socket as sockets
-    import struct
 
     from prefixd.errors import UntrustedDaemonError
-    from prefixd.trust import (
-        DAEMON_USER_VARIABLE,
-        check_peer,
-        check_socket_path,
-        daemon_uids,
-        user_name,
-    )
+    from prefixd.integrations.link import diagnose
+    from prefixd.trust import check_peer, check_socket_path, daemon_uids, user_name
 
     uids = daemon_uids(state.daemon_user)
     trusted = " or ".join(f"{user_name(u)} (uid {u})" for u in sorted(uids))
@@ -251,19 +239,10 @@ def _trust(state: _State) -> Check:
         with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as sock:
             sock.settimeout(state.timeout_s)
             sock.connect(os.fspath(state.socket))
-            check_peer(sock, uids)
-            raw = sock.getsockopt(sockets.SOL_SOCKET, sockets.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, gid = check_peer(sock, uids)
     except UntrustedDaemonError as exc:
-        fix = (
-            ""
-            if DAEMON_USER_VARIABLE in str(exc)
-            else (
-                f"if the daemon runs as another user, name it: {DAEMON_USER_VARIABLE}=<user> "
-                "(--daemon-user, or the adapter's daemon_uid)"
-            )
-        )
-        return Check("trust", False, str(exc), fix)
-    pid, uid, gid = struct.unpack("3i", raw)
+        problem = diagnose(exc, socket=state.socket, region_bytes=0, timeout_s=state.timeout_s)
+        return Check("trust", False, problem.message, problem.fix)
     state.daemon_gid = gid
     return Check(
         "trust",

@@ -15,7 +15,6 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prefixd.daemon.config import Config
 from prefixd.daemon.config_sources import config_and_given
@@ -31,31 +30,6 @@ from prefixd.store.environment import held_socket
 # Settings that say which daemon a command means besides its paths: the instance (its default
 # paths) and the daemon's user (whom the client trusts).
 NAMING = ("instance", "daemon_user")
-
-
-def add_daemon_arguments(where: Any, *, data_dir: bool) -> None:
-    """The flags that say which store and daemon a command means, as `serve` reads them (each
-    also a PREFIXD_* variable and a TOML key): every command that talks to a daemon has them."""
-    where.add_argument("--config", type=Path, metavar="FILE", help="TOML settings [PREFIXD_CONFIG]")
-    if data_dir:
-        where.add_argument(
-            "--data-dir", metavar="PATH", help="the store (default: as serve) [PREFIXD_DATA_DIR]"
-        )
-    where.add_argument(
-        "--socket", metavar="PATH", help="the daemon's socket (default: as serve) [PREFIXD_SOCKET]"
-    )
-    where.add_argument(
-        "--instance",
-        metavar="NAME",
-        help="which of the node's daemons (prefixd@NAME): its default store and socket "
-        "[PREFIXD_INSTANCE]",
-    )
-    where.add_argument(
-        "--daemon-user",
-        metavar="USER",
-        help="the user the daemon runs as, trusted besides root, you and prefixd "
-        "[PREFIXD_DAEMON_USER]",
-    )
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import select
 import shlex
 import signal
 import socket
@@ -135,17 +136,19 @@ def start(unit: str, listener: socket.socket) -> int:
 def stop(unit: str) -> None:
     pid = int((STATE / f"{unit}.pid").read_text())
     try:
-        os.kill(pid, signal.SIGTERM)
+        pidfd = os.pidfd_open(pid)  # not the stand-in's child (another invocation started it)
     except ProcessLookupError:  # not running (it failed to start, or was stopped)
         return
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise SystemExit(f"{unit} ignored SIGTERM")
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        exited = select.poll()  # a pidfd turns readable when the process exits: an event
+        exited.register(pidfd, select.POLLIN)
+        if not exited.poll(READY_TIMEOUT_S * 1000):
+            raise SystemExit(f"{unit} ignored SIGTERM")
+    except ProcessLookupError:  # it exited meanwhile
+        pass
+    finally:
+        os.close(pidfd)
 
 
 def main(argv: list[str]) -> int:

@@ -9,7 +9,6 @@ for one whose `sync` fails as a disk's would (LMDB's error, as it comes).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from prefixd.store.purge import PurgeSelector
 from prefixd.store.recheck import RECHECK_SLACK_NS
 from prefixd.store.sync_state import SYNC_MARKER, read_marker
 
+from ..waiting import wait_for
 from .test_faults import IDENT, N_BLOCKS, TOKENS, corrupt_payload, open_store, random_payloads
 
 OTHER_TOKENS = [0x5B5B0000 + i for i in range(N_BLOCKS * 4)]
@@ -77,9 +77,8 @@ def test_a_failed_sync_refuses_writes_keeps_reads_and_is_never_retried(
             with pytest.raises(SyncFailedError):
                 store.sync()
         elif found_by == "periodic syncer":
-            deadline = time.monotonic() + 30
-            while read_marker(store.path) is None and time.monotonic() < deadline:
-                time.sleep(0.01)  # the thread refuses writes first, then writes the marker
+            # the thread refuses writes first, then writes the marker
+            wait_for(lambda: read_marker(store.path) is not None, "the syncer to record it")
         else:
             store.hottest(1 << 20, tenant="a")  # a read: its sync fails, the read goes on
 
