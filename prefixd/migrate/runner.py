@@ -12,11 +12,18 @@ from typing import Any
 
 import lmdb
 
-from prefixd.errors import MigrationError, StoreBusyError
+from prefixd.errors import MigrationError, NotAStoreError, StoreBusyError
 from prefixd.migrate.steps import Migration, registry
 from prefixd.schema.meta import SCHEMA_VERSION, StoreMeta, with_version
 from prefixd.store.config import StoreConfig
-from prefixd.store.environment import META_KEY, OwnerLock, Tables, is_held, open_environment
+from prefixd.store.environment import (
+    DATA_FILE,
+    META_KEY,
+    OwnerLock,
+    Tables,
+    is_held,
+    open_environment,
+)
 
 # A step's batch size: large enough to amortise commits, small enough that a batch is quick.
 DEFAULT_BATCH = 10_000
@@ -108,6 +115,8 @@ class Migrator:
         """Apply the pending steps up to version `to` (default: this code's version)."""
         if dry_run:
             return self._dry_run(to)
+        if not (self.path / DATA_FILE).is_file():  # the lock file would make it "not empty"
+            raise NotAStoreError(f"no store at {self.path}")
         owner = OwnerLock(self.path)  # refuses while a daemon holds the store
         try:
             env, tables, meta = self._open(readonly=False)

@@ -7,7 +7,7 @@ does with prefixd's units, read from /etc/systemd/system as an operator installe
 
 The socket: its directory (DirectoryMode=, root's), the socket bound with SocketUser=,
 SocketGroup= and SocketMode=. The service: StateDirectory= and RuntimeDirectory= made (or taken
-over) with their modes for User= and Group=, the supplementary groups of User= (initgroups, as
+over, with what they hold) with their modes for User= and Group=, the supplementary groups of User= (initgroups, as
 systemd does), UMask=, Environment=, STATE_DIRECTORY, RUNTIME_DIRECTORY and the listening socket
 as fd 3 (LISTEN_FDS=1); it returns once the daemon said READY=1 (Type=notify). systemd starts the
 service on the first connection; this starts it at once, which an engine cannot tell apart. The
@@ -67,6 +67,19 @@ def listen(unit: str) -> tuple[socket.socket, str]:
     return listener, last(spec, "Service", unit.replace(".socket", ".service"))
 
 
+def take_over(directory: Path, uid: int, gid: int) -> None:
+    """As systemd does for StateDirectory= and RuntimeDirectory=: a directory another user or
+    group owns (a store a root daemon made before the units were installed) changes owner with
+    everything in it."""
+    found = directory.stat()
+    if (found.st_uid, found.st_gid) == (uid, gid):
+        return
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            os.chown(os.path.join(parent, name), uid, gid, follow_symlinks=False)
+        os.chown(parent, uid, gid)
+
+
 def start(unit: str, listener: socket.socket) -> int:
     """The service, as systemd starts it, with `listener` passed; its pid once READY=1 came."""
     service = sections(UNITS / unit)["Service"]
@@ -78,7 +91,7 @@ def start(unit: str, listener: socket.socket) -> int:
         if name:
             directory = Path(base) / name
             directory.mkdir(parents=True, exist_ok=True)
-            os.chown(directory, user.pw_uid, gid)
+            take_over(directory, user.pw_uid, gid)
             os.chmod(directory, int(last(service, f"{kind}DirectoryMode", "0755"), 8))
             env[f"{kind.upper()}_DIRECTORY"] = str(directory)
     for value in service.get("Environment", []):

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from prefixd import Store
+
 from ..readme import readme_block
 from .conftest import REPO, daemon_env
 
@@ -80,6 +82,17 @@ def overlays_work(scratch: Path) -> bool:
     return probe.returncode == 0
 
 
+def root_daemons_store(var_upper: Path) -> None:
+    """/var/lib/prefixd on the node: a store root's `prefixd serve` made before the units were
+    installed, which the unit's StateDirectory= hands to the service user, as systemd does.
+    Whatever the machine has there (CI serves a default store beside the suite) stays hidden
+    behind an opaque directory in the overlay's upper layer: the node never opens or copies it."""
+    store = var_upper / "lib" / "prefixd"
+    store.mkdir(parents=True)
+    os.setxattr(store, "trusted.overlay.opaque", b"y")
+    Store.open(store).close()
+
+
 @pytest.fixture
 def node() -> Iterator[Path]:
     """The node's directory: overlays' upper layers, a copy of the checkout, the stand-in."""
@@ -99,6 +112,7 @@ def node() -> Iterator[Path]:
             if source.is_file():
                 (root / "src" / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, root / "src" / name)
+        root_daemons_store(root / "var.up")
         (root / "bin").mkdir()
         standin = root / "bin" / "systemctl"
         standin.write_text(

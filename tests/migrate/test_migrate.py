@@ -191,6 +191,19 @@ def test_up_refuses_a_store_a_daemon_holds(tmp_path: Path) -> None:
     assert Migrator(path).status().version == 1
 
 
+@pytest.mark.parametrize("made", [False, True], ids=["absent", "empty"])
+def test_up_where_no_store_is_says_so_and_leaves_the_directory_for_one(
+    tmp_path: Path, made: bool
+) -> None:
+    path = tmp_path / "s"
+    if made:
+        path.mkdir()
+    out = cli("migrate", "up", "--data-dir", str(path))
+    assert out.returncode == 1 and f"no store at {path}" in out.stderr, out.stderr
+    assert path.is_dir() == made and (not made or not any(path.iterdir()))
+    Store.open(path).close()  # a daemon still creates its store there
+
+
 def test_a_running_daemon_holds_its_store(tmp_path: Path) -> None:
     Store.open(tmp_path / "s").close()
     sock_dir = Path(tempfile.mkdtemp(prefix="pd-mig", dir="/tmp"))  # a socket path holds 107 bytes
