@@ -13,12 +13,7 @@ package's way of saying them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, TypeVar
-
-if TYPE_CHECKING:
-    from prefixd.wire.errors import ErrorCode
-
-_E = TypeVar("_E", bound="PrefixdError")
+from typing import ClassVar, Self
 
 
 class PrefixdError(Exception):
@@ -28,7 +23,7 @@ class PrefixdError(Exception):
     message: str = ""  # the daemon's text, when the error came through the socket
 
     @classmethod
-    def from_wire(cls: type[_E], message: str) -> _E:
+    def from_wire(cls, message: str) -> Self:
         """The error a client raises for an error reply with this class's code: built without
         the class's own constructor (whose arguments the reply does not carry)."""
         error = cls.__new__(cls)
@@ -135,7 +130,7 @@ class RequestError(ProtocolError):
     could be read (None: the reply's id is nil) and its `op` when it names a known one."""
 
     def __init__(
-        self, code: ErrorCode, message: str, *, rid: int | None = None, op: str | None = None
+        self, code: str, message: str, *, rid: int | None = None, op: str | None = None
     ) -> None:
         super().__init__(code, message)
         self.rid = rid

@@ -20,13 +20,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from prefixd import __version__
 from prefixd.cli import commands
 from prefixd.cli.arguments import add_daemon_arguments, positive
 from prefixd.cli.output import Output
 from prefixd.errors import ConfigError, PrefixdError
 from prefixd.store.config import parse_seconds
 from prefixd.store.purge import VERSIONED_FIELDS
+from prefixd.version import __version__
 
 USAGE_ERROR = 2
 

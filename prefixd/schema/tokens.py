@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 
@@ -13,7 +12,7 @@ TOKEN_DTYPE = np.dtype("<u4")
 TOKEN_BYTES = TOKEN_DTYPE.itemsize
 MAX_TOKEN_ID = (1 << 32) - 1
 
-TokenIds = Union[Sequence[int], np.ndarray, bytes, bytearray, memoryview]
+TokenIds = Sequence[int] | np.ndarray | bytes | bytearray | memoryview
 
 
 def as_token_array(token_ids: TokenIds) -> np.ndarray:

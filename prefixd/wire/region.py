@@ -15,6 +15,7 @@ import mmap
 import os
 import socket
 from collections.abc import Sequence
+from typing import Self
 
 import numpy as np
 
@@ -82,7 +83,7 @@ class SharedRegion:
         self.fd = -1
         _unmap(self.view, self._mmap)
 
-    def __enter__(self) -> SharedRegion:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -167,8 +167,8 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         deleted, sizes = [], []
         for identity, batch in self._by_identity(keys).items():
             for key, words in batch:
-                found = self._storer.call(lambda c: c.lookup(identity, [words]))
-                removed = self._storer.call(lambda c: c.delete(identity, [words]))
+                found = self._storer.call(lambda c: c.lookup(identity, [words]))  # noqa: B023
+                removed = self._storer.call(lambda c: c.delete(identity, [words]))  # noqa: B023
                 if removed and found and found[0].sizes:
                     deleted.append(key)
                     sizes.append(found[0].sizes[0])
@@ -295,7 +295,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 ok = False
                 continue
             payload = obj.byte_array
-            put = self._storer.call(lambda c: c.put(identity, words, [payload]))
+            put = self._storer.call(lambda c: c.put(identity, words, [payload]))  # noqa: B023
             if put is None:
                 ok = False
                 continue
@@ -314,7 +314,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             for at in range(0, len(batch), MAX_KEYS_PER_LOOKUP):
                 part = batch[at : at + MAX_KEYS_PER_LOOKUP]
                 hits = self._fetcher.call(
-                    lambda c: c.lookup(identity, [words for _, words in part], pin=True)
+                    lambda c: c.lookup(identity, [words for _, words in part], pin=True)  # noqa: B023
                 )
                 for (place, _), hit in zip(part, hits or ()):
                     if hit.n_blocks == 1:
@@ -327,7 +327,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         for identity, batch in self._by_identity(keys).items():
             for at in range(0, len(batch), MAX_KEYS_PER_LOOKUP):
                 part = [words for _, words in batch[at : at + MAX_KEYS_PER_LOOKUP]]
-                self._fetcher.call(lambda c: c.unpin(identity, part))
+                self._fetcher.call(lambda c: c.unpin(identity, part))  # noqa: B023
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         """Each key's verified payload copied straight into its memory object."""
@@ -338,7 +338,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             if identity is None:
                 continue
             size = obj.get_size()
-            if self._fetcher.call(lambda c: _load_into(c, identity, words, obj, size)):
+            if self._fetcher.call(lambda c: _load_into(c, identity, words, obj, size)):  # noqa: B023
                 loaded.set(place)
                 accessed.append(key)
         if accessed:

@@ -30,7 +30,7 @@ def list_keys(
         page_after = after if name == at else None
         while len(found) < page_size:
             want = min(4096, page_size - len(found))
-            page = link.call(lambda c: c.list_blocks(tenant=name, after=page_after, limit=want))
+            page = link.call(lambda c: c.list_blocks(tenant=name, after=page_after, limit=want))  # noqa: B023
             if page is None:
                 raise RuntimeError("prefixd L2 adapter: the daemon did not answer a listing")
             blocks, page_after = page

@@ -379,7 +379,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         identity = self._identities()[0][name]
         for start, chain, first, count in self._runs(identity, keys, prefix, self._per_call(name)):
             result = self._call(
-                lambda c: c.load(identity, chain, first_block=first, max_blocks=count)
+                lambda c: c.load(identity, chain, first_block=first, max_blocks=count)  # noqa: B023
             )
             if result is None:
                 return start

@@ -460,4 +460,3 @@ def batch_row(state: LayerState, tensor: torch.Tensor | None, row: int) -> torch
     if not 0 <= row < tensor.shape[0]:
         raise state.fail(f"has batch size {tensor.shape[0]}, no row {row}")
     return tensor[row]
-

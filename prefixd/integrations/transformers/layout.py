@@ -246,7 +246,13 @@ def layout_of(
         try:
             layers.append(
                 _layer_state(
-                    text, layer_config, index, kind, cache_layer, dtype, shared_kv,
+                    text,
+                    layer_config,
+                    index,
+                    kind,
+                    cache_layer,
+                    dtype,
+                    shared_kv,
                     positions=index == first_indexed,
                 )
             )
@@ -360,7 +366,7 @@ def _first(layer: PreTrainedConfig, names: list[str]) -> Any:
     for name in names:
         try:
             value = getattr(layer, name, None)
-        except Exception:  # a config may refuse a global read of a per-layer attribute
+        except Exception:  # noqa: BLE001 - a config may refuse a global read of a per-layer attribute
             value = None
         if value is not None:
             return value
@@ -407,5 +413,3 @@ def _checked(f: Field, tensor: torch.Tensor, n_tokens: int) -> torch.Tensor:
             f" {f.dtype} {shape} (from the config's attributes)"
         )
     return tensor
-
-

@@ -46,11 +46,8 @@ def engine_fields(vllm_config: Any) -> dict[str, str | None]:
     local = Path(model) if Path(model).is_dir() else None
     revision = model_config.revision or "main"
     weights = f"rev={revision}" if local is None else f"local:{_weights_fingerprint(local)}"
-    tokenizer = "{}@{} mode={}".format(
-        model_config.tokenizer,
-        model_config.tokenizer_revision or revision,
-        model_config.tokenizer_mode,
-    )
+    tokenizer_revision = model_config.tokenizer_revision or revision
+    tokenizer = f"{model_config.tokenizer}@{tokenizer_revision} mode={model_config.tokenizer_mode}"
     return {
         "model": model,
         "weights": weights,

@@ -216,7 +216,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             if identity is None or not wanted:
                 continue
             prefix = chain.keys[: max(wanted) + 1]
-            found = self._call(lambda c: c.lookup(identity, [pack_keys(identity, prefix)]))
+            found = self._call(lambda c: c.lookup(identity, [pack_keys(identity, prefix)]))  # noqa: B023
             hit_blocks[group] = found[0].n_blocks if found else 0
         hits = []
         for key in keys:
@@ -257,7 +257,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         for run in runs:
             # blocks the daemon has already (a chunk stored again) are not copied again
             found = self._call(
-                lambda c: c.lookup(run.identity, [pack_keys(run.identity, run.chain)])
+                lambda c: c.lookup(run.identity, [pack_keys(run.identity, run.chain)])  # noqa: B023
             )
             if found is None:
                 break
@@ -270,7 +270,10 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                 chain = run.chain[: first + len(rows)]
                 put = self._call(
                     lambda c: c.put(
-                        run.identity, pack_keys(run.identity, chain), payloads, first_block=first
+                        run.identity,
+                        pack_keys(run.identity, chain),
+                        payloads,
+                        first_block=first,  # noqa: B023
                     )
                 )
                 if put is None:
@@ -309,7 +312,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             count = min(per_load, len(run.keys) - done)
             words = pack_keys(run.identity, run.chain[: first + count])
             result = self._call(
-                lambda c: c.load(run.identity, words, first_block=first, max_blocks=count)
+                lambda c: c.load(run.identity, words, first_block=first, max_blocks=count)  # noqa: B023
             )
             if result is None:
                 return done
