@@ -190,7 +190,7 @@ def parser() -> argparse.ArgumentParser:
         '`prefixd completion zsh > "${fpath[1]}/_prefixd"`.',
     )
     completion.add_argument("shell", choices=("bash", "zsh"))
-    completion.set_defaults(command=commands.completion)
+    completion.set_defaults(command=commands.completion, parser=parser)  # the whole parser, anew
     return top
 
 

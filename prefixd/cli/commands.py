@@ -281,9 +281,7 @@ def _polled(work: Callable[[], dict[str, Any]], grows: Path, advance: Advance) -
 def completion(args: argparse.Namespace, out: Output) -> int:
     import shtab
 
-    from prefixd.cli import parser
-
-    out.stdout.write(shtab.complete(parser(), shell=args.shell))
+    out.stdout.write(shtab.complete(args.parser(), shell=args.shell))
     return 0
 
 
