@@ -17,7 +17,7 @@ from prefixd.errors import CorruptRecordError
 from prefixd.migrate.steps import ApplyBatch, CountPending, Cursor, Migration
 from prefixd.schema.records import BlockRecord
 from prefixd.store import counters
-from prefixd.store.environment import Tables
+from prefixd.store.tables import Tables
 
 
 def recount(

@@ -17,14 +17,8 @@ from prefixd.migrate import access_hits, per_identity, state_parts
 from prefixd.migrate.steps import Migration
 from prefixd.schema.meta import SCHEMA_VERSION, StoreMeta, with_version
 from prefixd.store.config import StoreConfig
-from prefixd.store.environment import (
-    DATA_FILE,
-    META_KEY,
-    OwnerLock,
-    Tables,
-    is_held,
-    open_environment,
-)
+from prefixd.store.environment import DATA_FILE, OwnerLock, is_held, open_environment
+from prefixd.store.tables import META_KEY, Tables
 
 # A step's batch size: large enough to amortise commits, small enough that a batch is quick.
 DEFAULT_BATCH = 10_000

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from prefixd.store.environment import Tables
+from prefixd.store.tables import Tables
 
 Cursor = bytes | None
 # (txn, tables, resume cursor or None to start, batch size) -> (next cursor or None when done, changed)

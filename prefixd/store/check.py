@@ -22,8 +22,8 @@ from prefixd.schema.records import (
 )
 from prefixd.store import counters
 from prefixd.store.codec import checksum, chunks_present
-from prefixd.store.environment import META_KEY, Tables
 from prefixd.store.results import Problem
+from prefixd.store.tables import META_KEY, Tables
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext

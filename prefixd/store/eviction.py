@@ -17,7 +17,8 @@ rolled back and run again. `lru` orders leaves by last read
 alone; it exists to compare against (bench/eviction_bench.py).
 
 `evict` runs a round: to the low watermark of the capacity, or of a tenant's quota when a put
-took the tenant past it (prefixd.store.put decides when; prefixd.store.tenancy holds quotas).
+took the tenant past it (prefixd.store.put decides when; prefixd.store.tenancy holds quotas);
+it first frees the blocks past their tenant's time to live (`reclaim_expired`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
 from prefixd.store.config import StoreConfig
-from prefixd.store.environment import Tables
 from prefixd.store.joint import part_bytes
 from prefixd.store.journal import Journaled
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
+from prefixd.store.tables import Tables
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -104,7 +105,9 @@ def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int, token
     return rate * tokens / max(1, record.stored_size)
 
 
-def score(policy: str, record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int) -> float:
+def score(
+    policy: str, record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int
+) -> float:
     if policy == "lru":
         return float(access.last_ns)
     return value_per_byte(record, access, now_ns, tokens)
@@ -198,7 +201,7 @@ def evict(
     started = time.perf_counter()
     if target_bytes is None:
         target_bytes = int(capacity_bytes(config) * config.low_watermark)
-    tenancy.reclaim_expired()  # what no lookup can reach goes first
+    reclaim_expired(ctx, tenancy)  # what no lookup can reach goes first
     access.sync()  # the reads still counted in memory must be weighed too
     evicted = freed = 0
     for _ in range(PIN_RETRIES):
@@ -213,6 +216,30 @@ def evict(
     return EvictionReport(evicted, freed, round(time.perf_counter() - started, 6))
 
 
+def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
+    """Remove the blocks past their tenant's time to live (already unreachable: lookups and
+    loads skip them); return how many went."""
+    if not tenancy.expires:
+        return 0
+    now = ctx.clock.time_ns()
+    removed = 0
+    with ctx.writing() as txn:
+        expired = []
+        for key, raw in txn.cursor(db=ctx.tables.blocks):
+            try:
+                record = BlockRecord.decode(raw)
+            except CorruptRecordError:
+                continue
+            tenant = ctx.tenants.tenant_of(txn, record.identity) or ""
+            if record.created_ns < tenancy.ttl_cutoff_ns(tenant, now):
+                expired.append(bytes(key))
+        for block in expired:
+            removed += remove_subtree(ctx, txn, block, reason="expired")
+    if removed:
+        log.info("reclaimed %d expired block(s)", removed)
+    return removed
+
+
 def _round(
     ctx: StoreContext, tenancy: Tenancy, target_bytes: int, tenant: str | None
 ) -> tuple[int, int] | None:
@@ -224,7 +251,7 @@ def _round(
     t = ctx.tables
     evicted = freed = 0
     victims: list[bytes] = []
-    journaled = Journaled(ctx)  # what the round removed is told only if it commits
+    journaled = Journaled(ctx.journals)  # what the round removed is told only if it commits
     committed = False
     txn = ctx.env.begin(write=True)
     try:

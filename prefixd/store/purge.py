@@ -19,9 +19,8 @@ from prefixd.errors import ConfigError, CorruptRecordError, IdentityError
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
-from prefixd.store.environment import Tables
-from prefixd.store.journal import writing
 from prefixd.store.removal import remove_subtree
+from prefixd.store.tables import Tables
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -155,7 +154,7 @@ def purge(
     whole = selector.older_than_s is None  # whole identities go, not idle subtrees
     cutoff = ctx.clock.time_ns() - int((selector.older_than_s or 0) * 1e9)
     reason = "retired" if selector.model is not None else "purged"
-    begin = ctx.env.begin(buffers=True) if dry_run else writing(ctx)
+    begin = ctx.env.begin(buffers=True) if dry_run else ctx.writing()
     with begin as txn:
         digests = selected_identities(txn, t, selector)
         unknown = () if digests else unknown_names(txn, t, selector)

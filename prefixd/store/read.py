@@ -36,8 +36,7 @@ from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.codec import Deadline, StoredPayload, chunks_present
-from prefixd.store.environment import parent_key
-from prefixd.store.joint import JointMatch, joint_match, require_hybrid, require_plain
+from prefixd.store.joint import joint_match, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import (
     BAD_PART,
@@ -51,11 +50,13 @@ from prefixd.store.quarantine import (
 from prefixd.store.results import (
     BlockInfo,
     ExportedBlock,
+    JointMatch,
     LoadResult,
     PrefixMatch,
     ReadResult,
     StateLoad,
 )
+from prefixd.store.tables import parent_key
 from prefixd.store.walk import Walk, walk_chain
 
 if TYPE_CHECKING:

@@ -18,8 +18,7 @@ import lmdb
 from prefixd.errors import CorruptRecordError
 from prefixd.schema.records import BlockRecord, PartRecord
 from prefixd.store import counters
-from prefixd.store.environment import Tables, children_key
-from prefixd.store.journal import noting, writing
+from prefixd.store.tables import Tables, children_key
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -44,7 +43,7 @@ def remove_subtree(
     by_identity: dict[bytes, int] = {}
     blocks_of: Counter[bytes] = Counter()
     stack = [root]
-    journal = noting(ctx)
+    journal = ctx.journals.current()
     children = txn.cursor(db=t.children)
     while stack:
         h = stack.pop()
@@ -96,7 +95,7 @@ def remove_subtree(
 def delete(ctx: StoreContext, hashes: Iterable[bytes]) -> int:
     """Remove the given blocks and every block below them, in one transaction."""
     removed = 0
-    with writing(ctx) as txn:
+    with ctx.writing() as txn:
         for h in hashes:
             removed += remove_subtree(ctx, txn, bytes(h), reason="deleted")
     return removed

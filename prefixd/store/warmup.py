@@ -21,8 +21,8 @@ from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
-from prefixd.store.environment import Tables
 from prefixd.store.eviction import TokensPerBlock, value_per_byte
+from prefixd.store.tables import Tables
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
