@@ -14,7 +14,7 @@ from prefixd.errors import CorruptRecordError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord
 from prefixd.store import counters
-from prefixd.store.tables import Tables
+from prefixd.store.tables import Tables, records_after
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,8 @@ class Rebuilt:
 
 def rebuild_derived(txn: lmdb.Transaction, t: Tables, now_ns: int) -> Rebuilt:
     """Rebuild everything that follows from the sound block records; return what changed."""
-    records: dict[bytes, BlockRecord] = {}
-    for key, raw in txn.cursor(db=t.blocks):
-        try:
-            records[bytes(key)] = BlockRecord.decode(raw)
-        except CorruptRecordError:
-            continue  # the caller quarantines damaged records before rebuilding
+    # the caller quarantines damaged records before rebuilding
+    records = {h: r for h, r in records_after(txn, t, None) if r is not None}
     parts = _drop_stray_parts(txn, t, records)
     return Rebuilt(
         children=_rebuild_children(txn, t, records),

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError, IdentityError
+from prefixd.errors import IdentityError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
@@ -43,7 +43,7 @@ from prefixd.store.joint import part_bytes
 from prefixd.store.journal import Journaled
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
-from prefixd.store.tables import Tables
+from prefixd.store.tables import Tables, decoded, records_after
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -150,9 +150,8 @@ class VictimQueue:
     def _candidate(self, block: bytes, raw: bytes | memoryview) -> Candidate | None:
         if self._pins is not None and self._pins.held(block):
             return None  # between a lookup that pinned it and the load that reads it
-        try:
-            record = BlockRecord.decode(raw)
-        except CorruptRecordError:
+        record = decoded(raw)
+        if record is None:
             return None  # verification quarantines it; eviction leaves it alone
         if self._identities is not None and record.identity not in self._identities:
             return None
@@ -225,14 +224,12 @@ def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
     removed = 0
     with ctx.writing() as txn:
         expired = []
-        for key, raw in txn.cursor(db=ctx.tables.blocks):
-            try:
-                record = BlockRecord.decode(raw)
-            except CorruptRecordError:
+        for block, record in records_after(txn, ctx.tables, None):
+            if record is None:
                 continue
             tenant = ctx.tenants.tenant_of(txn, record.identity) or ""
             if record.created_ns < tenancy.ttl_cutoff_ns(tenant, now):
-                expired.append(bytes(key))
+                expired.append(block)
         for block in expired:
             removed += remove_subtree(ctx, txn, block, reason="expired")
     if removed:

@@ -20,11 +20,10 @@ from typing import Protocol
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import BlockRecord
-from prefixd.store.tables import Tables, records_after
+from prefixd.store.tables import Tables, identity_of, records_after, stored_record
 
 log = logging.getLogger(__name__)
 
@@ -85,25 +84,8 @@ def keyed_parent(
     prompt's first block and for blocks under token ids (their parent is its chain hash)."""
     if identity is None or identity.key_bytes is None or record.parent == ROOT_PARENT:
         return b""
-    raw = txn.get(record.parent, db=tables.blocks)
-    try:
-        return b"" if raw is None else BlockRecord.decode(raw).tokens
-    except CorruptRecordError:
-        return b""
-
-
-def identity_of(
-    tables: Tables, txn: lmdb.Transaction, digest: bytes, memo: dict[bytes, Identity | None]
-) -> Identity | None:
-    """The identity `digest` names as `txn` sees it (None: no readable row), remembered in
-    `memo` for the rest of the transaction."""
-    if digest not in memo:
-        encoded = txn.get(digest, db=tables.identities)
-        try:
-            memo[digest] = None if encoded is None else Identity.decode(bytes(encoded))
-        except IdentityError:
-            memo[digest] = None
-    return memo[digest]
+    parent = stored_record(txn, tables, record.parent)
+    return b"" if parent is None else parent.tokens
 
 
 class Journals:

@@ -13,9 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prefixd.errors import IdentityError
 from prefixd.schema.identity import Identity
-from prefixd.store.tables import records_after
+from prefixd.store.tables import identity_of, records_after
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -46,11 +45,7 @@ def list_blocks(
             return [], None
         identities: dict[bytes, Identity] = {}
         for digest in owned:
-            raw = txn.get(digest, db=ctx.tables.identities)
-            try:
-                identity = Identity.decode(bytes(raw)) if raw is not None else None
-            except IdentityError:
-                identity = None  # check reports it
+            identity = identity_of(ctx.tables, txn, digest, {})  # None: check reports it
             if identity is not None:
                 identities[digest] = dataclasses.replace(identity, tenant=tenant)
         last, scanned = after, 0

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from prefixd.errors import ConfigError, CorruptRecordError, IdentityError
+from prefixd.errors import ConfigError, IdentityError
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import AccessRecord, BlockRecord
+from prefixd.schema.records import AccessRecord
 from prefixd.store import counters
 from prefixd.store.removal import remove_subtree
-from prefixd.store.tables import Tables
+from prefixd.store.tables import Tables, stored_record
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -245,14 +245,8 @@ def idle_blocks(
     for key, value in txn.cursor(db=t.access):
         if AccessRecord.read(bytes(value), 0).last_ns >= cutoff_ns:
             continue
-        raw = txn.get(bytes(key), db=t.blocks)
-        if raw is None:
-            continue
-        try:
-            owner = BlockRecord.decode(raw).identity
-        except CorruptRecordError:
-            continue
-        if owner in digests:
+        record = stored_record(txn, t, bytes(key))
+        if record is not None and record.identity in digests:
             idle.append(bytes(key))
     return idle
 
@@ -267,12 +261,8 @@ def subtree_totals(txn: lmdb.Transaction, t: Tables, roots: list[bytes]) -> tupl
         if h in seen:
             continue
         seen.add(h)
-        raw = txn.get(h, db=t.blocks)
-        if raw is None:
-            continue
-        try:
-            record = BlockRecord.decode(raw)
-        except CorruptRecordError:
+        record = stored_record(txn, t, h)
+        if record is None:
             continue
         blocks += 1
         payload += record.payload_size

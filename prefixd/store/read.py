@@ -56,7 +56,7 @@ from prefixd.store.results import (
     ReadResult,
     StateLoad,
 )
-from prefixd.store.tables import parent_key
+from prefixd.store.tables import decoded, parent_key
 from prefixd.store.walk import Walk, walk_chain
 
 if TYPE_CHECKING:
@@ -371,11 +371,7 @@ class Reader:
         bad: list[Damaged] = []
         with ctx.env.begin(buffers=True) as txn:
             raw = txn.get(block, db=ctx.tables.blocks)
-            if raw is None:
-                return None
-            try:
-                record = BlockRecord.decode(raw)
-            except CorruptRecordError:
+            if raw is None or (record := decoded(raw)) is None:
                 return None
             out = bytearray(record.payload_size)
             parent = parent_key(record.identity, record.parent)
@@ -433,11 +429,7 @@ class Reader:
         with self._ctx.env.begin() as txn:
             raw = txn.get(block, db=t.blocks)
             access = txn.get(block, db=t.access)
-        if raw is None:
-            return None
-        try:
-            record = BlockRecord.decode(raw)
-        except CorruptRecordError:
+        if raw is None or (record := decoded(raw)) is None:
             return None
         pending_at, pending_hits = self._access.pending(block)
         stored = AccessRecord.read(access, record.created_ns)

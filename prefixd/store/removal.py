@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from prefixd.errors import CorruptRecordError
-from prefixd.schema.records import BlockRecord, PartRecord
+from prefixd.schema.records import PartRecord
 from prefixd.store import counters
-from prefixd.store.tables import Tables, children_key
+from prefixd.store.tables import Tables, children_key, decoded
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -50,10 +50,8 @@ def remove_subtree(
         raw = txn.get(h, db=t.blocks)
         if raw is None:
             continue
-        try:  # before any write: `raw` may be a view of LMDB's page (a buffers transaction)
-            record: BlockRecord | None = BlockRecord.decode(raw)
-        except CorruptRecordError:
-            record = None
+        # decoded before any write: `raw` may be a view of LMDB's page (a buffers transaction)
+        record = decoded(raw)
         if journal is not None:
             journal.removed(txn, h, record, reason)
         if children.set_key(h):

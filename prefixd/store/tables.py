@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError
+from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
+from prefixd.schema.identity import Identity
 from prefixd.schema.records import BlockRecord
 
 META_KEY = b"meta"
@@ -75,9 +76,34 @@ def records_after(
     if more and after is not None and bytes(cursor.key()) == after:
         more = cursor.next()
     while more:
-        try:
-            record: BlockRecord | None = BlockRecord.decode(cursor.value())
-        except CorruptRecordError:
-            record = None
-        yield bytes(cursor.key()), record
+        yield bytes(cursor.key()), decoded(cursor.value())
         more = cursor.next()
+
+
+def decoded(raw: bytes | memoryview) -> BlockRecord | None:
+    """The block record `raw` encodes; None when it is too damaged to decode (verification
+    quarantines it)."""
+    try:
+        return BlockRecord.decode(raw)
+    except CorruptRecordError:
+        return None
+
+
+def stored_record(txn: lmdb.Transaction, tables: Tables, h: bytes) -> BlockRecord | None:
+    """Block `h`'s record as `txn` sees it; None when it is not stored or too damaged."""
+    raw = txn.get(h, db=tables.blocks)
+    return None if raw is None else decoded(raw)
+
+
+def identity_of(
+    tables: Tables, txn: lmdb.Transaction, digest: bytes, memo: dict[bytes, Identity | None]
+) -> Identity | None:
+    """The identity `digest` names as `txn` sees it (None: no readable row), remembered in
+    `memo` for the rest of the transaction."""
+    if digest not in memo:
+        encoded = txn.get(digest, db=tables.identities)
+        try:
+            memo[digest] = None if encoded is None else Identity.decode(bytes(encoded))
+        except IdentityError:
+            memo[digest] = None
+    return memo[digest]
