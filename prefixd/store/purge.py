@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from prefixd.errors import ConfigError, IdentityError
+from prefixd.errors import ConfigError
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord
 from prefixd.store import counters
 from prefixd.store.removal import remove_subtree
-from prefixd.store.tables import Tables, stored_record
+from prefixd.store.tables import Tables, readable_identities, stored_record
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -196,15 +196,9 @@ def purge(
 
 
 def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> list[bytes]:
-    chosen = []
-    for digest, encoded in txn.cursor(db=t.identities):
-        try:
-            identity = Identity.decode(bytes(encoded))
-        except IdentityError:
-            continue  # check() reports it; a purge cannot judge it
-        if selector.selects(identity):
-            chosen.append(bytes(digest))
-    return chosen
+    return [
+        digest for digest, identity in readable_identities(txn, t) if selector.selects(identity)
+    ]
 
 
 def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> tuple[str, ...]:
@@ -214,11 +208,7 @@ def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> 
     if selector.tenant is None and selector.model is None:
         return ()
     tenant_known = model_known = False
-    for _digest, encoded in txn.cursor(db=t.identities):
-        try:
-            identity = Identity.decode(bytes(encoded))
-        except IdentityError:
-            continue
+    for _digest, identity in readable_identities(txn, t):
         if identity.tenant == selector.tenant:
             tenant_known = True
         if identity.model == selector.model and selector.tenant in (None, identity.tenant):

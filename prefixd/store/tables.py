@@ -95,6 +95,16 @@ def stored_record(txn: lmdb.Transaction, tables: Tables, h: bytes) -> BlockRecor
     return None if raw is None else decoded(raw)
 
 
+def readable_identities(txn: lmdb.Transaction, tables: Tables) -> Iterator[tuple[bytes, Identity]]:
+    """Every identity row with its digest, leaving out those that do not decode (check reports
+    them)."""
+    for digest, encoded in txn.cursor(db=tables.identities):
+        try:
+            yield bytes(digest), Identity.decode(bytes(encoded))
+        except IdentityError:
+            continue
+
+
 def identity_of(
     tables: Tables, txn: lmdb.Transaction, digest: bytes, memo: dict[bytes, Identity | None]
 ) -> Identity | None:
