@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import lmdb
 
 from prefixd.errors import CorruptRecordError
-from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
+from prefixd.schema.chain import HASH_BYTES
 from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord
 from prefixd.store import counters
-from prefixd.store.tables import Tables, records_after
+from prefixd.store.tables import Tables, children_key, records_after
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,7 @@ def rebuild_derived(txn: lmdb.Transaction, t: Tables, now_ns: int) -> Rebuilt:
 
 
 def _rebuild_children(txn: lmdb.Transaction, t: Tables, records: dict[bytes, BlockRecord]) -> int:
-    expected = {
-        (r.identity if r.parent == ROOT_PARENT else r.parent, h) for h, r in records.items()
-    }
+    expected = {(children_key(r), h) for h, r in records.items()}
     present = {(bytes(k), bytes(v)) for k, v in txn.cursor(db=t.children)}
     for parent, child in present - expected:
         txn.delete(parent, child, db=t.children)

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from prefixd.errors import IdentityError
-from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
@@ -43,7 +42,7 @@ from prefixd.store.joint import part_bytes
 from prefixd.store.journal import Journaled
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
-from prefixd.store.tables import Tables, decoded, records_after
+from prefixd.store.tables import Tables, children_key, decoded, records_after
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -156,7 +155,7 @@ class VictimQueue:
         if self._identities is not None and record.identity not in self._identities:
             return None
         access = AccessRecord.read(self._txn.get(block, db=self._t.access), record.created_ns)
-        parent_key = record.identity if record.parent == ROOT_PARENT else record.parent
+        parent_key = children_key(record)
         # a hybrid identity's block holds its bytes in parts (its record's own payload is empty)
         stored = record.stored_size + part_bytes(self._txn, self._t.parts, block)
         record = record._replace(stored_size=stored)
