@@ -450,11 +450,7 @@ class Writer:
             and counters.read(txn, self._ctx.tables.counters, counters.REMOVALS) == known.epoch
             and known.oldest_created_ns >= min_created
         ):
-            start = Walk(
-                list(known.hashes),
-                list(known.payload_sizes),
-                oldest_created_ns=known.oldest_created_ns,
-            )
+            start = known.walk()
             if len(start.hashes) >= first_block:
                 return start
         walk = walk_chain(txn, self._ctx.tables.blocks, chain, first_block, start, min_created)

@@ -453,13 +453,7 @@ class Reader:
         epoch = counters.read(txn, self._ctx.tables.counters, counters.REMOVALS)
         min_created = self._tenancy.min_created_ns(chain.identity)
         known = self.memo.find(chain, epoch, limit, min_created)
-        start = None
-        if known is not None:
-            start = Walk(
-                list(known.hashes),
-                list(known.payload_sizes),
-                oldest_created_ns=known.oldest_created_ns,
-            )
+        start = None if known is None else known.walk()
         walk = walk_chain(txn, self._ctx.tables.blocks, chain, limit, start, min_created)
         if walk.corrupt is None and len(walk.hashes) > (len(known.hashes) if known else 0):
             self.memo.remember(
