@@ -16,8 +16,8 @@ from typing import Any, Self
 
 import lmdb
 
-from prefixd.store.environment import TABLE_NAMES
 from prefixd.store.syncer import PeriodicSyncer
+from prefixd.store.tables import TABLE_NAMES
 
 MAP_SIZE = 8 << 30
 

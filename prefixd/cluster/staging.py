@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
@@ -25,8 +25,13 @@ from prefixd.store import Store
 from prefixd.store.read import dest_view
 from prefixd.store.results import LoadResult
 
-if TYPE_CHECKING:
-    from prefixd.cluster.bridge import TierClient
+
+class TierBuffers(Protocol):
+    """The fetch buffers a shared tier lends (the bridge's TierClient has them)."""
+
+    def buffer(self, size: int) -> memoryview: ...
+
+    def release(self, view: memoryview) -> None: ...
 
 
 @dataclass(eq=False)
@@ -155,7 +160,7 @@ class FetchRooms:
     them without a copy: prefixd.cluster.child): at most `most` at once; `take` waits for one to
     come back when all are out. What comes back after `close` is given back to the tier."""
 
-    def __init__(self, tier: TierClient, size: int, most: int) -> None:
+    def __init__(self, tier: TierBuffers, size: int, most: int) -> None:
         self._tier = tier
         self._size = size
         self._most = max(1, most)

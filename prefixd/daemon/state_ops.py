@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
-from prefixd.store.joint import JointMatch
-from prefixd.store.results import PutResult, StateLoad
+from prefixd.store.results import JointMatch, PutResult, StateLoad
 from prefixd.wire.messages import (
     JointResult,
     LoadState,

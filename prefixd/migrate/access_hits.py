@@ -14,7 +14,7 @@ import lmdb
 
 from prefixd.migrate.steps import Cursor, Migration
 from prefixd.schema.records import AccessRecord
-from prefixd.store.environment import Tables
+from prefixd.store.tables import Tables
 
 _V1 = struct.Struct("<Q")
 

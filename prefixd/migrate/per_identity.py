@@ -1,8 +1,10 @@
-"""Recounting a per-identity counter from the block records, in resumable batches.
+"""Versions 3 and 5: running counts of each identity's stored bytes and blocks.
 
-Steps that add a per-identity counter (versions 3 and 5) share this: a step that starts clears
-the counters it computes, so a rerun never counts twice, then adds up a measure of each record
-into its identity's counter, batch by batch.
+Per-tenant quotas add up the stored bytes of a tenant's identities on every put, and the daemon
+reports stored entries per tenant; older versions kept only store-wide totals. Version 3 keeps
+`identity_stored:<digest>` counters, version 5 `identity_blocks:<digest>`, both maintained in the
+same transactions as the blocks. Each step computes them from the block records in resumable
+batches: a step that starts clears the counters it computes, so a rerun never counts twice.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from collections.abc import Callable
 import lmdb
 
 from prefixd.errors import CorruptRecordError
-from prefixd.migrate.steps import ApplyBatch, CountPending, Cursor
+from prefixd.migrate.steps import ApplyBatch, CountPending, Cursor, Migration
 from prefixd.schema.records import BlockRecord
 from prefixd.store import counters
-from prefixd.store.environment import Tables
+from prefixd.store.tables import Tables
 
 
 def recount(
@@ -51,3 +53,15 @@ def recount(
         return next_cursor, seen
 
     return pending, apply
+
+
+IDENTITY_BYTES = Migration(
+    3,
+    "per-identity stored-byte counters (for per-tenant quotas)",
+    *recount(counters.IDENTITY_STORED, lambda record: record.stored_size),
+)
+IDENTITY_BLOCKS = Migration(
+    5,
+    "per-identity stored-block counters (for per-tenant entry counts)",
+    *recount(counters.IDENTITY_BLOCKS, lambda record: 1),
+)

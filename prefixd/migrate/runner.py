@@ -13,17 +13,12 @@ from typing import Any
 import lmdb
 
 from prefixd.errors import MigrationError, NotAStoreError, StoreBusyError
-from prefixd.migrate.steps import Migration, registry
+from prefixd.migrate import access_hits, per_identity, state_parts
+from prefixd.migrate.steps import Migration
 from prefixd.schema.meta import SCHEMA_VERSION, StoreMeta, with_version
 from prefixd.store.config import StoreConfig
-from prefixd.store.environment import (
-    DATA_FILE,
-    META_KEY,
-    OwnerLock,
-    Tables,
-    is_held,
-    open_environment,
-)
+from prefixd.store.environment import DATA_FILE, OwnerLock, is_held, open_environment
+from prefixd.store.tables import META_KEY, Tables
 
 # A step's batch size: large enough to amortise commits, small enough that a batch is quick.
 DEFAULT_BATCH = 10_000
@@ -76,6 +71,18 @@ class UpgradeReport:
             "backup": self.backup,
             "steps": [vars(step) for step in self.steps],
         }
+
+
+def registry() -> tuple[Migration, ...]:
+    """Every migration step, in version order (append only: a shipped step never changes)."""
+    steps = (
+        access_hits.STEP,
+        per_identity.IDENTITY_BYTES,
+        state_parts.STEP,
+        per_identity.IDENTITY_BLOCKS,
+    )
+    assert [s.version for s in steps] == list(range(2, 2 + len(steps))), "steps out of order"
+    return steps
 
 
 class Migrator:

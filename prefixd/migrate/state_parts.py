@@ -10,7 +10,7 @@ from __future__ import annotations
 import lmdb
 
 from prefixd.migrate.steps import Cursor, Migration
-from prefixd.store.environment import Tables
+from prefixd.store.tables import Tables
 
 
 def pending(txn: lmdb.Transaction, t: Tables) -> tuple[int, int]:

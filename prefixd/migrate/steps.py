@@ -4,6 +4,7 @@ Like alembic's revisions: step N turns a version N-1 store into a version N stor
 batches so a large store never needs one huge transaction; each batch commits together with the
 step's resume cursor in the meta record, and the last batch commits the new version stamp. A
 killed migration therefore resumes where it stopped, and a store is always at exactly one version.
+The steps themselves are listed in prefixd.migrate.runner.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from prefixd.store.environment import Tables
+from prefixd.store.tables import Tables
 
 Cursor = bytes | None
 # (txn, tables, resume cursor or None to start, batch size) -> (next cursor or None when done, changed)
@@ -29,12 +30,3 @@ class Migration:
     description: str
     pending: CountPending  # (items the step would change, items it looks at): for dry runs
     apply: ApplyBatch
-
-
-def registry() -> tuple[Migration, ...]:
-    """Every migration step, in version order (append only: a shipped step never changes)."""
-    from prefixd.migrate import access_hits, identity_blocks, identity_bytes, state_parts
-
-    steps = (access_hits.STEP, identity_bytes.STEP, state_parts.STEP, identity_blocks.STEP)
-    assert [s.version for s in steps] == list(range(2, 2 + len(steps))), "steps out of order"
-    return steps

@@ -18,7 +18,7 @@ from prefixd.errors import CorruptMetaError, NotAStoreError, SchemaVersionError
 
 MAGIC = b"PREFIXD\x00"
 # 2: access records hold a hit count (prefixd.migrate.access_hits)
-# 3: per-identity stored-byte counters (prefixd.migrate.identity_bytes)
+# 3: per-identity stored-byte counters (prefixd.migrate.per_identity)
 SCHEMA_VERSION = 5
 _HEAD = struct.Struct("<8sII")
 _CRC = struct.Struct("<I")

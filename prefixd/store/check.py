@@ -22,8 +22,8 @@ from prefixd.schema.records import (
 )
 from prefixd.store import counters
 from prefixd.store.codec import checksum, chunks_present
-from prefixd.store.environment import META_KEY, Tables
 from prefixd.store.results import Problem
+from prefixd.store.tables import META_KEY, Tables, children_key
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -103,15 +103,12 @@ def check_store(
         child_record = records.get(child)
         if child_record is None:
             problems.append(Problem("children", "index names a block that is not stored", child))
-        elif parent != (
-            child_record.identity if child_record.parent == ROOT_PARENT else child_record.parent
-        ):
+        elif parent != children_key(child_record):
             problems.append(
                 Problem("children", "index files a block under the wrong parent", child)
             )
     for h, record in records.items():
-        parent = record.identity if record.parent == ROOT_PARENT else record.parent
-        if (parent, h) not in indexed:
+        if (children_key(record), h) not in indexed:
             problems.append(Problem("children", "block is missing from the children index", h))
 
     for stored_key in txn.cursor(db=t.chunks).iternext(keys=True, values=False):

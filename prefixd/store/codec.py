@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, NamedTuple, TypeGuard, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 import crc32c
 import numpy as np
@@ -25,6 +25,7 @@ import zstandard
 
 from prefixd.errors import PayloadError
 from prefixd.schema.records import BlockRecord, Compression, PartRecord
+from prefixd.store.direct import FileSpans
 from prefixd.store.fair import FairPool
 
 _PLANE_HEADER = struct.Struct("<I")
@@ -70,14 +71,6 @@ class EncodedPayload:
     payload_size: int
     stored_size: int
     checksum: int
-
-
-class FileSpans(NamedTuple):
-    """Where a payload's chunks lie in a file (prefixd.store.direct): read them from `fd` at
-    `offsets`, straight into the destination, instead of copying them from their views."""
-
-    fd: int
-    offsets: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

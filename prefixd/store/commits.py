@@ -110,7 +110,7 @@ class CommitQueue(Generic[T]):
         """Run the group's bodies in one transaction and commit it; False (nothing written) if
         a body refused or anything failed."""
         ctx = self._ctx
-        journaled = Journaled(ctx)
+        journaled = Journaled(ctx.journals)
         txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's pages
         try:
             for item in group:
@@ -150,7 +150,7 @@ def transact(
     """Run `body` in one write transaction: committed with its outcome, aborted if the outcome
     `aborts` (or on an exception), so a refused put leaves nothing behind (and tells the
     observer nothing)."""
-    journaled = Journaled(ctx)
+    journaled = Journaled(ctx.journals)
     txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
     try:
         outcome = body(txn)

@@ -2,12 +2,14 @@
 
 `Store` (prefixd.store.store) builds one `StoreContext` when it opens and passes it to the write
 path (put), the read path (read), tenancy, access times, quarantine, removal, eviction, purge and
-repair; each file keeps its own state and reads the shared handles from here.
+repair; each file keeps its own state and reads the shared handles from here. What the context
+holds (journals, tallies, the tenant index) is given only the handles it needs, never the context.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,14 +20,14 @@ from prefixd.schema.meta import StoreMeta
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
 from prefixd.store.direct import DataFile
-from prefixd.store.environment import Tables
 from prefixd.store.fair import FairPool
-from prefixd.store.journal import BlockObserver, Journals
+from prefixd.store.journal import Journals
 from prefixd.store.lookup_memo import VerifiedPrefixes
 from prefixd.store.pins import Pins
 from prefixd.store.sync_state import SyncState
+from prefixd.store.tables import Tables
 from prefixd.store.tallies import Tallies
-from prefixd.store.tenancy import TenantIndex
+from prefixd.store.tenants import TenantIndex
 
 
 @dataclass(eq=False)
@@ -43,17 +45,22 @@ class StoreContext:
     tallies: Tallies  # this process's counts
     syncs: SyncState  # every fsync goes through it; sticky once one failed (sync_state.py)
     pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
-    observer: BlockObserver | None = None  # told what each write transaction changed
     data_file: DataFile | None = None  # data.mdb for loads that read it directly (direct.py)
     # copy and verify threads shared by every load, a piece of each in turn (prefixd.store.fair)
     copier: FairPool | None = None
-    journals: Journals = field(default_factory=Journals)  # the write transaction's, per thread
+    # each thread's write transaction's changes, and the observer told them (journal.py)
+    journals: Journals = field(init=False)
     # prefixes verified by a walk or written by a put: lookups and puts both start after them
     memo: VerifiedPrefixes = field(init=False)
 
     def __post_init__(self) -> None:
         self.memo = VerifiedPrefixes(self.config.verified_cache_bytes)
+        self.journals = Journals(self.tables)
 
     @property
     def path(self) -> Path:
         return self.config.path
+
+    def writing(self) -> AbstractContextManager[lmdb.Transaction]:
+        """A write transaction whose changes reach the observer once, and only if, it commits."""
+        return self.journals.writing(self.env)

@@ -21,13 +21,21 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-from prefixd.schema.records import Compression
-from prefixd.store.codec import FileSpans, PayloadRecord
+from prefixd.schema.records import BlockRecord, Compression, PartRecord
 
 PREAD_MIN_BYTES = 64 << 10
+
+
+class FileSpans(NamedTuple):
+    """Where a payload's chunks lie in a file: read them from `fd` at
+    `offsets`, straight into the destination, instead of copying them from their views."""
+
+    fd: int
+    offsets: tuple[int, ...]
 
 
 class DataFile:
@@ -42,7 +50,9 @@ class DataFile:
         # daemon); read again only when an address is in none of them
         self._maps: list[tuple[int, int]] = _maps_of(path) if self.fd >= 0 else []
 
-    def spans(self, record: PayloadRecord, chunks: Sequence[memoryview]) -> FileSpans | None:
+    def spans(
+        self, record: BlockRecord | PartRecord, chunks: Sequence[memoryview]
+    ) -> FileSpans | None:
         """Where `chunks` (views LMDB returned in an open read transaction) lie in the file, when
         the payload is to be read from it; None to copy it from the map."""
         if self.fd < 0 or record.compression is not Compression.NONE or not chunks:

@@ -1,17 +1,5 @@
 """Opening the LMDB environment of a store and telling "not a store", "wrong version" and "corrupt"
-apart before anything is written.
-
-Tables (LMDB named databases):
-  meta        b"meta" -> StoreMeta
-  blocks      block hash -> BlockRecord
-  chunks      block hash + u32 BE index -> stored payload chunk
-  children    parent hash (or identity digest for first blocks) -> child hash (dupsort)
-  access      block hash -> last access, u64 ns
-  quarantine  block hash -> msgpack {at_ns, reason} of blocks dropped for failing verification
-  counters    name -> u64 running totals kept in the same transactions as the data
-  identities  identity digest -> Identity.encode()
-  parts       block hash + u8 group -> PartRecord of a hybrid identity's state-group payload
-              (its chunks live in `chunks` under the part key), since schema version 4
+apart before anything is written (the tables: prefixd.store.tables).
 """
 
 from __future__ import annotations
@@ -21,7 +9,6 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,56 +22,17 @@ from prefixd.errors import (
     StoreBusyError,
     StoreOpenError,
 )
-from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.meta import FORMAT_SETTINGS, SCHEMA_VERSION, StoreMeta, new_meta
-from prefixd.schema.records import BlockRecord
 from prefixd.store.config import Durability, StoreConfig
 from prefixd.store.lmdb_errors import lmdb_errors
+from prefixd.store.tables import META_KEY, TABLE_NAMES, Tables
 
-META_KEY = b"meta"
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
 OWNER_FILE = "owner.lock"
-TABLE_NAMES = (
-    "meta",
-    "blocks",
-    "chunks",
-    "children",
-    "access",
-    "quarantine",
-    "counters",
-    "identities",
-    "parts",
-)
 _DUPSORT = {"children"}
 # Tables added by a schema version: an older store gets them, empty, when a migration opens it.
 _TABLE_SINCE = {"parts": 4}
-
-
-@dataclass(frozen=True)
-class Tables:
-    """Handles of the store's named databases."""
-
-    meta: lmdb._Database
-    blocks: lmdb._Database
-    chunks: lmdb._Database
-    children: lmdb._Database
-    access: lmdb._Database
-    quarantine: lmdb._Database
-    counters: lmdb._Database
-    identities: lmdb._Database
-    parts: lmdb._Database | None  # None only in a read-only view of a store older than version 4
-
-
-def parent_key(identity_digest: bytes, parent: bytes) -> bytes:
-    """The children-index key a block hangs under: its parent's hash, or for a first block its
-    identity's digest (so an identity's blocks can be enumerated)."""
-    return identity_digest if parent == ROOT_PARENT else parent
-
-
-def children_key(record: BlockRecord) -> bytes:
-    """`parent_key` of the block `record` describes."""
-    return parent_key(record.identity, record.parent)
 
 
 def open_environment(

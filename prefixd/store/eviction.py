@@ -17,7 +17,8 @@ rolled back and run again. `lru` orders leaves by last read
 alone; it exists to compare against (bench/eviction_bench.py).
 
 `evict` runs a round: to the low watermark of the capacity, or of a tenant's quota when a put
-took the tenant past it (prefixd.store.put decides when; prefixd.store.tenancy holds quotas).
+took the tenant past it (prefixd.store.put decides when; prefixd.store.tenancy holds quotas);
+it first frees the blocks past their tenant's time to live (`reclaim_expired`).
 """
 
 from __future__ import annotations
@@ -32,17 +33,16 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError, IdentityError
-from prefixd.schema.chain import ROOT_PARENT
+from prefixd.errors import IdentityError
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
 from prefixd.store.config import StoreConfig
-from prefixd.store.environment import Tables
 from prefixd.store.joint import part_bytes
 from prefixd.store.journal import Journaled
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
+from prefixd.store.tables import Tables, children_key, decoded, records_after
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -104,7 +104,9 @@ def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int, token
     return rate * tokens / max(1, record.stored_size)
 
 
-def score(policy: str, record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int) -> float:
+def score(
+    policy: str, record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int
+) -> float:
     if policy == "lru":
         return float(access.last_ns)
     return value_per_byte(record, access, now_ns, tokens)
@@ -147,14 +149,13 @@ class VictimQueue:
     def _candidate(self, block: bytes, raw: bytes | memoryview) -> Candidate | None:
         if self._pins is not None and self._pins.held(block):
             return None  # between a lookup that pinned it and the load that reads it
-        try:
-            record = BlockRecord.decode(raw)
-        except CorruptRecordError:
+        record = decoded(raw)
+        if record is None:
             return None  # verification quarantines it; eviction leaves it alone
         if self._identities is not None and record.identity not in self._identities:
             return None
         access = AccessRecord.read(self._txn.get(block, db=self._t.access), record.created_ns)
-        parent_key = record.identity if record.parent == ROOT_PARENT else record.parent
+        parent_key = children_key(record)
         # a hybrid identity's block holds its bytes in parts (its record's own payload is empty)
         stored = record.stored_size + part_bytes(self._txn, self._t.parts, block)
         record = record._replace(stored_size=stored)
@@ -198,7 +199,7 @@ def evict(
     started = time.perf_counter()
     if target_bytes is None:
         target_bytes = int(capacity_bytes(config) * config.low_watermark)
-    tenancy.reclaim_expired()  # what no lookup can reach goes first
+    reclaim_expired(ctx, tenancy)  # what no lookup can reach goes first
     access.sync()  # the reads still counted in memory must be weighed too
     evicted = freed = 0
     for _ in range(PIN_RETRIES):
@@ -213,6 +214,28 @@ def evict(
     return EvictionReport(evicted, freed, round(time.perf_counter() - started, 6))
 
 
+def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
+    """Remove the blocks past their tenant's time to live (already unreachable: lookups and
+    loads skip them); return how many went."""
+    if not tenancy.expires:
+        return 0
+    now = ctx.clock.time_ns()
+    removed = 0
+    with ctx.writing() as txn:
+        expired = []
+        for block, record in records_after(txn, ctx.tables, None):
+            if record is None:
+                continue
+            tenant = ctx.tenants.tenant_of(txn, record.identity) or ""
+            if record.created_ns < tenancy.ttl_cutoff_ns(tenant, now):
+                expired.append(block)
+        for block in expired:
+            removed += remove_subtree(ctx, txn, block, reason="expired")
+    if removed:
+        log.info("reclaimed %d expired block(s)", removed)
+    return removed
+
+
 def _round(
     ctx: StoreContext, tenancy: Tenancy, target_bytes: int, tenant: str | None
 ) -> tuple[int, int] | None:
@@ -224,7 +247,7 @@ def _round(
     t = ctx.tables
     evicted = freed = 0
     victims: list[bytes] = []
-    journaled = Journaled(ctx)  # what the round removed is told only if it commits
+    journaled = Journaled(ctx.journals)  # what the round removed is told only if it commits
     committed = False
     txn = ctx.env.begin(write=True)
     try:

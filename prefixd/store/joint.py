@@ -26,6 +26,7 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.records import PartRecord, part_key
 from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec
 from prefixd.store.codec import payload_view
+from prefixd.store.results import JointMatch, PartRef
 
 
 def require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
@@ -42,45 +43,6 @@ def require_plain(identity: Identity, hybrid_method: str) -> None:
     prefix that no state group backs (a partial hit), so they refuse it."""
     if identity.state is not None:
         raise IdentityError("state", f"is set: an identity with state groups uses {hybrid_method}")
-
-
-@dataclass(frozen=True, slots=True)
-class PartRef:
-    """One payload of a joint match: which group, the block it hangs on, and what it covers.
-
-    A page covers tokens [first_token, first_token + tokens); a checkpoint is the state at
-    first_token (tokens is 0)."""
-
-    group: str
-    block: bytes
-    block_index: int
-    payload_size: int
-    first_token: int
-    tokens: int
-
-
-@dataclass(frozen=True)
-class JointMatch:
-    """The answer of a hybrid lookup.
-
-    `reusable_tokens` R: the longest boundary where every group is complete; `replay_from`: where
-    the engine recomputes from (R, or earlier for groups whose policy stores nothing);
-    `paged_tokens`: the longest run of complete paged groups (what sparse checkpoints cost is
-    paged_tokens - R); `matched_tokens`: the stored chain, by token ids; `parts`: the payloads to
-    load, group by group in spec order (pages in order, then the checkpoint at R)."""
-
-    identity_digest: bytes
-    block_tokens: int
-    reusable_tokens: int
-    replay_from: int
-    paged_tokens: int
-    matched_tokens: int
-    hashes: tuple[bytes, ...]
-    parts: tuple[PartRef, ...]
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(part.payload_size for part in self.parts)
 
 
 @dataclass(frozen=True)

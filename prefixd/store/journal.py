@@ -3,10 +3,10 @@
 KV events for routers must name exactly the blocks the store holds, whatever removed them
 (eviction, quota, TTL expiry, quarantine, purge, retirement, repair, delete). So a block counts as
 stored or removed when its transaction commits, never before and never when it aborts: every
-write path opens its transaction through `writing` (or `Journaled` where it commits by hand), and
-the two places that change blocks, the put path and `removal.remove_subtree`, note each change in
-the journal of the transaction this thread has open. Without an observer nothing is noted: the
-store pays nothing for events nobody publishes.
+write path opens its transaction through `Journals.writing` (or `Journaled` where it commits by
+hand), and the two places that change blocks, the put path and `removal.remove_subtree`, note each
+change in the journal of the transaction this thread has open. Without an observer nothing is
+noted: the store pays nothing for events nobody publishes.
 """
 
 from __future__ import annotations
@@ -16,18 +16,14 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import BlockRecord
-from prefixd.store.listing import records_after
-
-if TYPE_CHECKING:
-    from prefixd.store.context import StoreContext
+from prefixd.store.tables import Tables, identity_of, records_after, stored_record
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +55,15 @@ class BlockObserver(Protocol):
 class Journal:
     """The changes of one open write transaction."""
 
-    def __init__(self, ctx: StoreContext) -> None:
-        self._ctx = ctx
+    def __init__(self, tables: Tables) -> None:
+        self._tables = tables
         self.changes: list[BlockChange] = []
         self._identities: dict[bytes, Identity | None] = {}
 
     def stored(
         self, txn: lmdb.Transaction, h: bytes, record: BlockRecord, identity: Identity
     ) -> None:
-        parent_tokens = keyed_parent(self._ctx, txn, record, identity)
+        parent_tokens = keyed_parent(self._tables, txn, record, identity)
         change = BlockChange(STORED, h, record.parent, record.tokens, identity, parent_tokens)
         self.changes.append(change)
 
@@ -77,113 +73,98 @@ class Journal:
         if record is None:  # too damaged to say what it was: its hash alone
             self.changes.append(BlockChange(reason, h, b"", b"", None))
             return
-        identity = identity_of(self._ctx, txn, record.identity, self._identities)
+        identity = identity_of(self._tables, txn, record.identity, self._identities)
         self.changes.append(BlockChange(reason, h, record.parent, record.tokens, identity))
 
 
 def keyed_parent(
-    ctx: StoreContext, txn: lmdb.Transaction, record: BlockRecord, identity: Identity | None
+    tables: Tables, txn: lmdb.Transaction, record: BlockRecord, identity: Identity | None
 ) -> bytes:
     """The key of an engine-keyed block's parent (what the engine names it by); b"" for a
     prompt's first block and for blocks under token ids (their parent is its chain hash)."""
     if identity is None or identity.key_bytes is None or record.parent == ROOT_PARENT:
         return b""
-    raw = txn.get(record.parent, db=ctx.tables.blocks)
-    try:
-        return b"" if raw is None else BlockRecord.decode(raw).tokens
-    except CorruptRecordError:
-        return b""
-
-
-def identity_of(
-    ctx: StoreContext, txn: lmdb.Transaction, digest: bytes, memo: dict[bytes, Identity | None]
-) -> Identity | None:
-    """The identity `digest` names as `txn` sees it (None: no readable row), remembered in
-    `memo` for the rest of the transaction."""
-    if digest not in memo:
-        encoded = txn.get(digest, db=ctx.tables.identities)
-        try:
-            memo[digest] = None if encoded is None else Identity.decode(bytes(encoded))
-        except IdentityError:
-            memo[digest] = None
-    return memo[digest]
+    parent = stored_record(txn, tables, record.parent)
+    return b"" if parent is None else parent.tokens
 
 
 class Journals:
-    """The journal of the write transaction each thread has open (LMDB allows one per thread)."""
+    """The journal of the write transaction each thread has open (LMDB allows one per thread),
+    and the observer told what each commit changed (None: nothing is noted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tables: Tables) -> None:
+        self._tables = tables
         self._open = threading.local()
+        self.observer: BlockObserver | None = None
 
     def current(self) -> Journal | None:
+        """The journal this thread's open write transaction notes its changes in (None: none)."""
+        if self.observer is None:
+            return None
         journal: Journal | None = getattr(self._open, "journal", None)
         return journal
 
-    def open(self, ctx: StoreContext) -> Journal | None:
-        journal = Journal(ctx) if ctx.observer is not None else None
+    def open(self) -> Journal | None:
+        journal = Journal(self._tables) if self.observer is not None else None
         self._open.journal = journal
         return journal
 
-    def close(self, ctx: StoreContext, journal: Journal | None, *, committed: bool) -> None:
+    def close(self, journal: Journal | None, *, committed: bool) -> None:
         """Forget the thread's journal; after a commit, tell the observer what it changed (an
         observer's failure is logged: the transaction is committed either way)."""
         self._open.journal = None
-        if not committed or journal is None or not journal.changes or ctx.observer is None:
+        observer = self.observer
+        if not committed or journal is None or not journal.changes or observer is None:
             return
         try:
-            ctx.observer.committed(journal.changes)
+            observer.committed(journal.changes)
         except Exception:  # noqa: BLE001 - events are lost, never the write
             log.exception("the block observer failed; %d change(s) not told", len(journal.changes))
 
-
-@contextmanager
-def writing(ctx: StoreContext) -> Iterator[lmdb.Transaction]:
-    """`env.begin(write=True)` whose changes reach the observer once, and only if, it commits."""
-    journal = ctx.journals.open(ctx)
-    try:
-        with ctx.env.begin(write=True) as txn:
-            yield txn
-    except BaseException:
-        ctx.journals.close(ctx, journal, committed=False)
-        raise
-    ctx.journals.close(ctx, journal, committed=True)
+    @contextmanager
+    def writing(self, env: lmdb.Environment) -> Iterator[lmdb.Transaction]:
+        """`env.begin(write=True)` whose changes reach the observer once, and only if, it
+        commits."""
+        journal = self.open()
+        try:
+            with env.begin(write=True) as txn:
+                yield txn
+        except BaseException:
+            self.close(journal, committed=False)
+            raise
+        self.close(journal, committed=True)
 
 
 class Journaled:
     """For a write path that commits or aborts its transaction by hand (the put path)."""
 
-    def __init__(self, ctx: StoreContext) -> None:
-        self._ctx = ctx
-        self._journal = ctx.journals.open(ctx)
+    def __init__(self, journals: Journals) -> None:
+        self._journals = journals
+        self._journal = journals.open()
 
     def done(self, *, committed: bool) -> None:
-        self._ctx.journals.close(self._ctx, self._journal, committed=committed)
+        self._journals.close(self._journal, committed=committed)
 
 
-def inventory(ctx: StoreContext, after: bytes, limit: int) -> list[BlockChange]:
+def inventory(env: lmdb.Environment, tables: Tables, after: bytes, limit: int) -> list[BlockChange]:
     """Up to `limit` stored blocks whose hashes follow `after` (b"": from the first), as STORED
     changes, in hash order; each call is a read transaction of its own, so walking a store of
     millions of blocks never holds one snapshot open (a block removed meanwhile is told as
     removed by its own commit)."""
     found: list[BlockChange] = []
     identities: dict[bytes, Identity | None] = {}
-    with ctx.env.begin() as txn:
-        for h, record in records_after(txn, ctx, after or None):
+    with env.begin() as txn:
+        for h, record in records_after(txn, tables, after or None):
             if record is None:
                 continue  # a damaged record is no block a lookup can reach
-            identity = identity_of(ctx, txn, record.identity, identities)
-            parent_tokens = keyed_parent(ctx, txn, record, identity)
+            identity = identity_of(tables, txn, record.identity, identities)
+            parent_tokens = keyed_parent(tables, txn, record, identity)
             found.append(
                 BlockChange(STORED, h, record.parent, record.tokens, identity, parent_tokens)
             )
             if len(found) >= limit:
                 break
     return found
-
-
-def noting(ctx: StoreContext) -> Journal | None:
-    """The journal this thread's open write transaction notes its changes in (None: none)."""
-    return ctx.journals.current() if ctx.observer is not None else None
 
 
 __all__ = [
@@ -194,5 +175,4 @@ __all__ = [
     "Journaled",
     "Journals",
     "inventory",
-    "writing",
 ]

@@ -21,6 +21,7 @@ import numpy as np
 import xxhash
 
 from prefixd.schema.chain import BlockChain
+from prefixd.store.walk import Walk
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,12 @@ class VerifiedPrefix:
     payload_sizes: tuple[int, ...]
     content: bytes  # _content_key(identity, tokens)
     oldest_created_ns: int  # entries of a tenant with a time to live expire with their oldest block
+
+    def walk(self) -> Walk:
+        """A walk that found this prefix, for `walk_chain` to go on from."""
+        return Walk(
+            list(self.hashes), list(self.payload_sizes), oldest_created_ns=self.oldest_created_ns
+        )
 
 
 class VerifiedPrefixes:

@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from prefixd.errors import ConfigError, CorruptRecordError, IdentityError
+from prefixd.errors import ConfigError
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import AccessRecord, BlockRecord
+from prefixd.schema.records import AccessRecord
 from prefixd.store import counters
-from prefixd.store.environment import Tables
-from prefixd.store.journal import writing
 from prefixd.store.removal import remove_subtree
+from prefixd.store.tables import Tables, readable_identities, stored_record
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -155,7 +154,7 @@ def purge(
     whole = selector.older_than_s is None  # whole identities go, not idle subtrees
     cutoff = ctx.clock.time_ns() - int((selector.older_than_s or 0) * 1e9)
     reason = "retired" if selector.model is not None else "purged"
-    begin = ctx.env.begin(buffers=True) if dry_run else writing(ctx)
+    begin = ctx.env.begin(buffers=True) if dry_run else ctx.writing()
     with begin as txn:
         digests = selected_identities(txn, t, selector)
         unknown = () if digests else unknown_names(txn, t, selector)
@@ -197,15 +196,9 @@ def purge(
 
 
 def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> list[bytes]:
-    chosen = []
-    for digest, encoded in txn.cursor(db=t.identities):
-        try:
-            identity = Identity.decode(bytes(encoded))
-        except IdentityError:
-            continue  # check() reports it; a purge cannot judge it
-        if selector.selects(identity):
-            chosen.append(bytes(digest))
-    return chosen
+    return [
+        digest for digest, identity in readable_identities(txn, t) if selector.selects(identity)
+    ]
 
 
 def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> tuple[str, ...]:
@@ -215,11 +208,7 @@ def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> 
     if selector.tenant is None and selector.model is None:
         return ()
     tenant_known = model_known = False
-    for _digest, encoded in txn.cursor(db=t.identities):
-        try:
-            identity = Identity.decode(bytes(encoded))
-        except IdentityError:
-            continue
+    for _digest, identity in readable_identities(txn, t):
         if identity.tenant == selector.tenant:
             tenant_known = True
         if identity.model == selector.model and selector.tenant in (None, identity.tenant):
@@ -246,14 +235,8 @@ def idle_blocks(
     for key, value in txn.cursor(db=t.access):
         if AccessRecord.read(bytes(value), 0).last_ns >= cutoff_ns:
             continue
-        raw = txn.get(bytes(key), db=t.blocks)
-        if raw is None:
-            continue
-        try:
-            owner = BlockRecord.decode(raw).identity
-        except CorruptRecordError:
-            continue
-        if owner in digests:
+        record = stored_record(txn, t, bytes(key))
+        if record is not None and record.identity in digests:
             idle.append(bytes(key))
     return idle
 
@@ -268,12 +251,8 @@ def subtree_totals(txn: lmdb.Transaction, t: Tables, roots: list[bytes]) -> tupl
         if h in seen:
             continue
         seen.add(h)
-        raw = txn.get(h, db=t.blocks)
-        if raw is None:
-            continue
-        try:
-            record = BlockRecord.decode(raw)
-        except CorruptRecordError:
+        record = stored_record(txn, t, h)
+        if record is None:
             continue
         blocks += 1
         payload += record.payload_size

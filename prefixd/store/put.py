@@ -53,14 +53,13 @@ from prefixd.schema.tokens import TokenIds
 from prefixd.store import counters, quarantine
 from prefixd.store.codec import EncodedPayload, payload_view
 from prefixd.store.commits import CommitQueue
-from prefixd.store.environment import Tables, children_key, parent_key
 from prefixd.store.eviction import capacity_bytes, evict
 from prefixd.store.joint import PlannedPart, plan_put, require_hybrid, require_plain
-from prefixd.store.journal import noting
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import Damaged
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport, PutResult
+from prefixd.store.tables import Tables, children_key, parent_key
 from prefixd.store.walk import Walk, walk_chain
 
 if TYPE_CHECKING:
@@ -451,11 +450,7 @@ class Writer:
             and counters.read(txn, self._ctx.tables.counters, counters.REMOVALS) == known.epoch
             and known.oldest_created_ns >= min_created
         ):
-            start = Walk(
-                list(known.hashes),
-                list(known.payload_sizes),
-                oldest_created_ns=known.oldest_created_ns,
-            )
+            start = known.walk()
             if len(start.hashes) >= first_block:
                 return start
         walk = walk_chain(txn, self._ctx.tables.blocks, chain, first_block, start, min_created)
@@ -533,7 +528,7 @@ class Writer:
             bytes(chain.block_bytes(index)),
         )
         txn.put(h, record.encode(), db=t.blocks)
-        journal = noting(self._ctx)
+        journal = self._ctx.journals.current()
         if journal is not None:
             journal.stored(txn, h, record, chain.identity)
         intact = _put_chunks(txn, t, h, payload.chunks) == payload.checksum

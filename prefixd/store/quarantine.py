@@ -17,7 +17,6 @@ import msgpack
 
 from prefixd.schema.chain import BlockChain
 from prefixd.store import counters
-from prefixd.store.journal import writing
 from prefixd.store.removal import remove_subtree
 from prefixd.store.walk import Walk
 
@@ -47,7 +46,7 @@ def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
     if not bad:
         return
     try:
-        with writing(ctx) as txn:
+        with ctx.writing() as txn:
             for h, parent_key, identity, reason in bad:
                 dropped = remove_subtree(ctx, txn, h, parent_key, identity, reason="quarantined")
                 if dropped:

@@ -36,8 +36,7 @@ from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
 from prefixd.store.codec import Deadline, StoredPayload, chunks_present
-from prefixd.store.environment import parent_key
-from prefixd.store.joint import JointMatch, joint_match, require_hybrid, require_plain
+from prefixd.store.joint import joint_match, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import (
     BAD_PART,
@@ -51,11 +50,13 @@ from prefixd.store.quarantine import (
 from prefixd.store.results import (
     BlockInfo,
     ExportedBlock,
+    JointMatch,
     LoadResult,
     PrefixMatch,
     ReadResult,
     StateLoad,
 )
+from prefixd.store.tables import decoded, parent_key
 from prefixd.store.walk import Walk, walk_chain
 
 if TYPE_CHECKING:
@@ -370,11 +371,7 @@ class Reader:
         bad: list[Damaged] = []
         with ctx.env.begin(buffers=True) as txn:
             raw = txn.get(block, db=ctx.tables.blocks)
-            if raw is None:
-                return None
-            try:
-                record = BlockRecord.decode(raw)
-            except CorruptRecordError:
+            if raw is None or (record := decoded(raw)) is None:
                 return None
             out = bytearray(record.payload_size)
             parent = parent_key(record.identity, record.parent)
@@ -432,11 +429,7 @@ class Reader:
         with self._ctx.env.begin() as txn:
             raw = txn.get(block, db=t.blocks)
             access = txn.get(block, db=t.access)
-        if raw is None:
-            return None
-        try:
-            record = BlockRecord.decode(raw)
-        except CorruptRecordError:
+        if raw is None or (record := decoded(raw)) is None:
             return None
         pending_at, pending_hits = self._access.pending(block)
         stored = AccessRecord.read(access, record.created_ns)
@@ -460,13 +453,7 @@ class Reader:
         epoch = counters.read(txn, self._ctx.tables.counters, counters.REMOVALS)
         min_created = self._tenancy.min_created_ns(chain.identity)
         known = self.memo.find(chain, epoch, limit, min_created)
-        start = None
-        if known is not None:
-            start = Walk(
-                list(known.hashes),
-                list(known.payload_sizes),
-                oldest_created_ns=known.oldest_created_ns,
-            )
+        start = None if known is None else known.walk()
         walk = walk_chain(txn, self._ctx.tables.blocks, chain, limit, start, min_created)
         if walk.corrupt is None and len(walk.hashes) > (len(known.hashes) if known else 0):
             self.memo.remember(

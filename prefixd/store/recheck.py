@@ -28,12 +28,11 @@ from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.records import BlockRecord, PartRecord, chunk_key
 from prefixd.store import quarantine
 from prefixd.store.codec import checksum, chunks_present
-from prefixd.store.environment import Tables
-from prefixd.store.journal import writing
+from prefixd.store.derived import rebuild_derived
 from prefixd.store.lmdb_errors import DAMAGE
 from prefixd.store.removal import remove_subtree
-from prefixd.store.repair import rebuild_derived
 from prefixd.store.sync_state import SyncFailure
+from prefixd.store.tables import Tables
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -149,7 +148,7 @@ def _quarantine(ctx: StoreContext, condemned: dict[bytes, str]) -> tuple[int, bo
     t = ctx.tables
     removed = 0
     try:
-        with writing(ctx) as txn:
+        with ctx.writing() as txn:
             for block, why in condemned.items():
                 if txn.get(block, db=t.blocks) is None:
                     continue  # gone already, below another condemned block

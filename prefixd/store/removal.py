@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING
 import lmdb
 
 from prefixd.errors import CorruptRecordError
-from prefixd.schema.records import BlockRecord, PartRecord
+from prefixd.schema.records import PartRecord
 from prefixd.store import counters
-from prefixd.store.environment import Tables, children_key
-from prefixd.store.journal import noting, writing
+from prefixd.store.tables import Tables, children_key, decoded
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -44,17 +43,15 @@ def remove_subtree(
     by_identity: dict[bytes, int] = {}
     blocks_of: Counter[bytes] = Counter()
     stack = [root]
-    journal = noting(ctx)
+    journal = ctx.journals.current()
     children = txn.cursor(db=t.children)
     while stack:
         h = stack.pop()
         raw = txn.get(h, db=t.blocks)
         if raw is None:
             continue
-        try:  # before any write: `raw` may be a view of LMDB's page (a buffers transaction)
-            record: BlockRecord | None = BlockRecord.decode(raw)
-        except CorruptRecordError:
-            record = None
+        # decoded before any write: `raw` may be a view of LMDB's page (a buffers transaction)
+        record = decoded(raw)
         if journal is not None:
             journal.removed(txn, h, record, reason)
         if children.set_key(h):
@@ -96,7 +93,7 @@ def remove_subtree(
 def delete(ctx: StoreContext, hashes: Iterable[bytes]) -> int:
     """Remove the given blocks and every block below them, in one transaction."""
     removed = 0
-    with writing(ctx) as txn:
+    with ctx.writing() as txn:
         for h in hashes:
             removed += remove_subtree(ctx, txn, bytes(h), reason="deleted")
     return removed

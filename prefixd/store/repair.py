@@ -2,27 +2,18 @@
 
 `repair` checks the store, then in one write transaction quarantines the blocks whose record,
 payload, parts, parent or identity fail the check (each with everything below it, as a failed
-read would) and rebuilds what is derived from the records that are left: the children index, the
-access records, chunks and parts that belong to no block, and every counter.
+read would) and rebuilds what is derived from the records that are left (prefixd.store.derived).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import lmdb
-
-from prefixd.errors import CorruptRecordError
-from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
-from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord
-from prefixd.store import counters, quarantine
+from prefixd.store import quarantine
 from prefixd.store.check import check
-from prefixd.store.environment import Tables
-from prefixd.store.journal import writing
+from prefixd.store.derived import rebuild_derived
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import Problem, RepairReport
 
@@ -49,7 +40,7 @@ def repair(
         p.block: p.kind for p in problems if p.kind in BLOCK_PROBLEMS and p.block is not None
     }
     quarantined = 0
-    with writing(ctx) as txn:
+    with ctx.writing() as txn:
         for block, kind in condemned.items():
             if txn.get(block, db=ctx.tables.blocks) is None:
                 continue  # e.g. a part hung on no block: the rebuild drops it
@@ -63,151 +54,3 @@ def repair(
             rebuilt.total,
         )
     return RepairReport(tuple(problems), quarantined, rebuilt.total, tuple(check(ctx)))
-
-
-@dataclass(frozen=True)
-class Rebuilt:
-    """What the rebuild changed, by kind."""
-
-    children: int = 0
-    access: int = 0
-    chunks: int = 0
-    parts: int = 0
-    counters: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.children + self.access + self.chunks + self.parts + self.counters
-
-
-def rebuild_derived(txn: lmdb.Transaction, t: Tables, now_ns: int) -> Rebuilt:
-    """Rebuild everything that follows from the sound block records; return what changed."""
-    records: dict[bytes, BlockRecord] = {}
-    for key, raw in txn.cursor(db=t.blocks):
-        try:
-            records[bytes(key)] = BlockRecord.decode(raw)
-        except CorruptRecordError:
-            continue  # the caller quarantines damaged records before rebuilding
-    parts = _drop_stray_parts(txn, t, records)
-    return Rebuilt(
-        children=_rebuild_children(txn, t, records),
-        access=_rebuild_access(txn, t, records, now_ns),
-        chunks=_drop_stray_chunks(txn, t, records, parts),
-        parts=parts.dropped,
-        counters=_rebuild_counters(txn, t, records, parts.kept),
-    )
-
-
-def _rebuild_children(txn: lmdb.Transaction, t: Tables, records: dict[bytes, BlockRecord]) -> int:
-    expected = {
-        (r.identity if r.parent == ROOT_PARENT else r.parent, h) for h, r in records.items()
-    }
-    present = {(bytes(k), bytes(v)) for k, v in txn.cursor(db=t.children)}
-    for parent, child in present - expected:
-        txn.delete(parent, child, db=t.children)
-    for parent, child in expected - present:
-        txn.put(parent, child, db=t.children)
-    return len(present - expected) + len(expected - present)
-
-
-def _rebuild_access(
-    txn: lmdb.Transaction, t: Tables, records: dict[bytes, BlockRecord], now_ns: int
-) -> int:
-    changed = 0
-    stray = [
-        bytes(k) for k in txn.cursor(db=t.access).iternext(values=False) if bytes(k) not in records
-    ]
-    for key in stray:
-        txn.delete(key, db=t.access)
-    for h, record in records.items():
-        raw = txn.get(h, db=t.access)
-        try:
-            if raw is not None:
-                AccessRecord.decode(raw)
-                continue
-        except CorruptRecordError:
-            pass
-        txn.put(h, AccessRecord(min(record.created_ns, now_ns), 0).encode(), db=t.access)
-        changed += 1
-    return changed + len(stray)
-
-
-@dataclass(frozen=True)
-class _Parts:
-    kept: dict[bytes, PartRecord]
-    dropped: int
-
-
-def _drop_stray_parts(
-    txn: lmdb.Transaction, t: Tables, records: dict[bytes, BlockRecord]
-) -> _Parts:
-    kept: dict[bytes, PartRecord] = {}
-    stray = []
-    if t.parts is not None:
-        for key, raw in txn.cursor(db=t.parts):
-            key = bytes(key)
-            try:
-                part = PartRecord.decode(raw)
-            except CorruptRecordError:
-                stray.append(key)
-                continue
-            if key[:HASH_BYTES] in records and len(key) == HASH_BYTES + 1:
-                kept[key] = part
-            else:
-                stray.append(key)
-        for key in stray:
-            txn.delete(key, db=t.parts)
-    return _Parts(kept, len(stray))
-
-
-def _drop_stray_chunks(
-    txn: lmdb.Transaction, t: Tables, records: dict[bytes, BlockRecord], parts: _Parts
-) -> int:
-    stray = []
-    for key in txn.cursor(db=t.chunks).iternext(values=False):
-        key = bytes(key)
-        owner, index = key[:-4], int.from_bytes(key[-4:], "big")
-        if len(owner) == HASH_BYTES:
-            record = records.get(owner)
-            if record is None or index >= record.n_chunks:
-                stray.append(key)
-        else:
-            part = parts.kept.get(owner)
-            if part is None or index >= part.n_chunks:
-                stray.append(key)
-    for key in stray:
-        txn.delete(key, db=t.chunks)
-    return len(stray)
-
-
-def _rebuild_counters(
-    txn: lmdb.Transaction,
-    t: Tables,
-    records: dict[bytes, BlockRecord],
-    parts: dict[bytes, PartRecord],
-) -> int:
-    """Set every inventory counter to what the tables hold; return how many were wrong."""
-    wanted: Counter[bytes] = Counter()
-    for h, record in records.items():
-        wanted[counters.BLOCKS] += 1
-        wanted[counters.PAYLOAD_BYTES] += record.payload_size
-        wanted[counters.STORED_BYTES] += record.stored_size
-        wanted[counters.identity_stored(record.identity)] += record.stored_size
-        wanted[counters.identity_blocks(record.identity)] += 1
-    for key, part in parts.items():
-        identity = records[key[:HASH_BYTES]].identity
-        wanted[counters.PARTS] += 1
-        wanted[counters.PAYLOAD_BYTES] += part.payload_size
-        wanted[counters.STORED_BYTES] += part.stored_size
-        wanted[counters.identity_stored(identity)] += part.stored_size
-    names = {counters.BLOCKS, counters.PARTS, counters.PAYLOAD_BYTES, counters.STORED_BYTES}
-    for prefix in (counters.IDENTITY_STORED, counters.IDENTITY_BLOCKS):
-        names |= {prefix + d for d in counters.read_prefixed(txn, t.counters, prefix)}
-    names |= set(wanted)
-    wrong = 0
-    for name in names:
-        have = counters.read(txn, t.counters, name)
-        if have != wanted[name]:
-            counters.add(txn, t.counters, name, wanted[name] - have)
-            wrong += 1
-    return wrong

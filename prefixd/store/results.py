@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from prefixd.store.joint import JointMatch
-
 
 class BlockRef(NamedTuple):
     """One block of a found prefix (a NamedTuple: a long prefix builds hundreds per lookup)."""
@@ -46,6 +44,45 @@ class PrefixMatch:
     @property
     def payload_bytes(self) -> int:
         return sum(self.payload_sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class PartRef:
+    """One payload of a joint match: which group, the block it hangs on, and what it covers.
+
+    A page covers tokens [first_token, first_token + tokens); a checkpoint is the state at
+    first_token (tokens is 0)."""
+
+    group: str
+    block: bytes
+    block_index: int
+    payload_size: int
+    first_token: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class JointMatch:
+    """The answer of a hybrid lookup.
+
+    `reusable_tokens` R: the longest boundary where every group is complete; `replay_from`: where
+    the engine recomputes from (R, or earlier for groups whose policy stores nothing);
+    `paged_tokens`: the longest run of complete paged groups (what sparse checkpoints cost is
+    paged_tokens - R); `matched_tokens`: the stored chain, by token ids; `parts`: the payloads to
+    load, group by group in spec order (pages in order, then the checkpoint at R)."""
+
+    identity_digest: bytes
+    block_tokens: int
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    matched_tokens: int
+    hashes: tuple[bytes, ...]
+    parts: tuple[PartRef, ...]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(part.payload_size for part in self.parts)
 
 
 @dataclass(frozen=True, slots=True)

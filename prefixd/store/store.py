@@ -5,18 +5,19 @@ call to the part of the store that owns it:
 
   put.py         the write path: put, put_state, ancestry checks, block claims, room on a full map
   read.py        the read path: walks, lookups, gathering verified payloads into destinations
-  tenancy.py     tenants of identities, share groups, quotas, times to live, reclaiming expired
+  tenancy.py     share groups, quotas, times to live; tenants.py the tenant of each identity
   access.py      read times, batched in memory and written by `sync`
   sync_state.py  every fsync, and the sticky state after one fails (writes refused, reads go on)
   recheck.py     at the open after a failed fsync: the blocks written since the last good sync
   quarantine.py  dropping blocks that fail verification
   removal.py     removing a block with its subtree (every removal), and `delete`
-  eviction.py    capacity and which leaves go first; an eviction round
+  eviction.py    capacity and which leaves go first; an eviction round; reclaiming expired
   listing.py     a tenant's stored blocks, page by page (`list_blocks`)
   pins.py        blocks held from eviction between a lookup and its load (`pin`, `unpin`)
   purge.py       what a purge selects, and the purge
-  repair.py      `repair`: quarantine what a check condemns, rebuild indexes and counters
-  check.py       the consistency check; tallies.py this process's counts and `stats`
+  repair.py      `repair`: quarantine what a check condemns; derived.py rebuilds indexes, counters
+  check.py       the consistency check; tallies.py this process's counts
+  tables.py      the tables and their keys; journal.py what each commit changed, for the observer
   lmdb_errors.py the one translation of LMDB's errors into prefixd's, around every public method
 
 Invariants every write transaction keeps:
@@ -41,7 +42,17 @@ from prefixd.errors import StoreClosedError
 from prefixd.schema.chain import chain_hashes
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
-from prefixd.store import check, eviction, journal, listing, purge, removal, repair, warmup
+from prefixd.store import (
+    check,
+    counters,
+    eviction,
+    journal,
+    listing,
+    purge,
+    removal,
+    repair,
+    warmup,
+)
 from prefixd.store.access import AccessTimes
 from prefixd.store.codec import PayloadCodec
 from prefixd.store.config import StoreConfig
@@ -55,7 +66,6 @@ from prefixd.store.environment import (
     open_environment,
 )
 from prefixd.store.fair import FairPool
-from prefixd.store.joint import JointMatch
 from prefixd.store.journal import BlockChange, BlockObserver
 from prefixd.store.listing import ListedBlock
 from prefixd.store.lmdb_errors import lmdb_errors
@@ -67,6 +77,7 @@ from prefixd.store.results import (
     BlockInfo,
     EvictionReport,
     ExportedBlock,
+    JointMatch,
     LoadResult,
     PrefixMatch,
     Problem,
@@ -78,8 +89,9 @@ from prefixd.store.results import (
 )
 from prefixd.store.sync_state import SyncFailure, SyncState
 from prefixd.store.syncer import PeriodicSyncer
-from prefixd.store.tallies import Tallies, store_stats
-from prefixd.store.tenancy import Tenancy, TenantIndex
+from prefixd.store.tallies import Tallies
+from prefixd.store.tenancy import Tenancy
+from prefixd.store.tenants import TenantIndex
 from prefixd.store.warmup import HotPrefix
 
 _P = ParamSpec("_P")
@@ -359,7 +371,8 @@ class Store:
         """A page of the tenant's stored blocks after the cursor `after`, and the next page's
         cursor (None when none follows); see prefixd.store.listing."""
         self._check_usable()
-        return listing.list_blocks(self._ctx, self._tenancy, tenant, after, limit)
+        stored_as = self._tenancy.stored_as(tenant)
+        return listing.list_blocks(self._ctx, tenant, stored_as, after, limit)
 
     @_translated("the lookup", writing=False)
     def lookup_state(
@@ -441,7 +454,7 @@ class Store:
         self._check_usable()
         if self._ctx.syncs.failure is not None:
             return 0
-        return self._tenancy.reclaim_expired()
+        return eviction.reclaim_expired(self._ctx, self._tenancy)
 
     @_translated("the purge")
     def purge(
@@ -463,14 +476,14 @@ class Store:
     def observe(self, observer: BlockObserver | None) -> None:
         """Tell `observer`, after each commit, which blocks that transaction stored and removed,
         whatever removed them (prefixd.store.journal); None stops telling."""
-        self._ctx.observer = observer
+        self._ctx.journals.observer = observer
 
     def inventory(self, batch: int = 1024) -> Iterator[list[BlockChange]]:
         """Every stored block, in batches of `batch` (each read in a transaction of its own), as
         STORED changes: what a restarted daemon announces it holds."""
         self._check_usable()
         after = b""
-        while found := journal.inventory(self._ctx, after, batch):
+        while found := journal.inventory(self._ctx.env, self._ctx.tables, after, batch):
             yield found
             after = found[-1].block
 
@@ -504,7 +517,41 @@ class Store:
     def stats(self) -> StoreStats:
         """Persisted totals plus this process's activity and codec speeds."""
         self._check_usable()
-        return store_stats(self._ctx)
+        ctx = self._ctx
+        with ctx.env.begin() as txn:
+            totals = counters.read_all(txn, ctx.tables.counters)
+            n_identities = txn.stat(ctx.tables.identities)["entries"]
+        info = ctx.env.info()
+        activity = ctx.tallies.activity()
+        c = ctx.codec.counters
+        payload = totals[counters.PAYLOAD_BYTES]
+        stored = totals[counters.STORED_BYTES]
+        return StoreStats(
+            blocks=totals[counters.BLOCKS],
+            parts=totals[counters.PARTS],
+            copy_verify_gbps=c.copied_bytes / c.copy_s / 1e9 if c.copy_s else 0.0,
+            payload_bytes=payload,
+            stored_bytes=stored,
+            identities=n_identities,
+            quarantined=totals[counters.QUARANTINED],
+            collisions=totals[counters.COLLISIONS] + ctx.tallies.pending_collisions(),
+            map_size=info["map_size"],
+            map_used_bytes=(info["last_pgno"] + 1) * ctx.env.stat()["psize"],
+            compression_ratio=payload / stored if stored else 1.0,
+            lookups=activity.lookups,
+            hit_blocks=activity.hit_blocks,
+            loaded_blocks=activity.loaded_blocks,
+            loaded_bytes=activity.loaded_bytes,
+            verify_failures=c.verify_failures,
+            compress_gbps=c.compress_in_bytes / c.compress_s / 1e9 if c.compress_s else 0.0,
+            decompress_gbps=(
+                c.decompress_out_bytes / c.decompress_s / 1e9 if c.decompress_s else 0.0
+            ),
+            compressed_payloads_stored_raw=c.stored_raw_after_trial,
+            destinations_changed=c.destinations_changed,
+            file_read_bytes=c.file_read_bytes,
+            deadline_cutoffs=c.deadline_cutoffs,
+        )
 
     @_translated("the check", writing=False)
     def check(

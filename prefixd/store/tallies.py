@@ -1,4 +1,4 @@
-"""What this process counted since it opened the store, and the store's stats.
+"""What this process counted since it opened the store.
 
 Lookups, hits and loads are rates for the daemon's metrics; hash collisions wait here until the
 next sync writes them to the counters table (a lookup does not write); removals are counted per
@@ -11,13 +11,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from prefixd.store import counters
-from prefixd.store.results import StoreStats
-
-if TYPE_CHECKING:
-    from prefixd.store.context import StoreContext
 
 
 @dataclass(frozen=True)
@@ -89,41 +82,3 @@ class Tallies:
         for (tenant, reason), blocks in tally.items():
             out.setdefault(tenant, {})[reason] = blocks
         return out
-
-
-def store_stats(ctx: StoreContext) -> StoreStats:
-    """The persisted totals, this process's activity and the codec's speeds."""
-    t = ctx.tables
-    with ctx.env.begin() as txn:
-        totals = counters.read_all(txn, t.counters)
-        n_identities = txn.stat(t.identities)["entries"]
-    info = ctx.env.info()
-    used = (info["last_pgno"] + 1) * ctx.env.stat()["psize"]
-    activity = ctx.tallies.activity()
-    c = ctx.codec.counters
-    payload = totals[counters.PAYLOAD_BYTES]
-    stored = totals[counters.STORED_BYTES]
-    return StoreStats(
-        blocks=totals[counters.BLOCKS],
-        parts=totals[counters.PARTS],
-        copy_verify_gbps=c.copied_bytes / c.copy_s / 1e9 if c.copy_s else 0.0,
-        payload_bytes=payload,
-        stored_bytes=stored,
-        identities=n_identities,
-        quarantined=totals[counters.QUARANTINED],
-        collisions=totals[counters.COLLISIONS] + ctx.tallies.pending_collisions(),
-        map_size=info["map_size"],
-        map_used_bytes=used,
-        compression_ratio=payload / stored if stored else 1.0,
-        lookups=activity.lookups,
-        hit_blocks=activity.hit_blocks,
-        loaded_blocks=activity.loaded_blocks,
-        loaded_bytes=activity.loaded_bytes,
-        verify_failures=c.verify_failures,
-        compress_gbps=c.compress_in_bytes / c.compress_s / 1e9 if c.compress_s else 0.0,
-        decompress_gbps=c.decompress_out_bytes / c.decompress_s / 1e9 if c.decompress_s else 0.0,
-        compressed_payloads_stored_raw=c.stored_raw_after_trial,
-        destinations_changed=c.destinations_changed,
-        file_read_bytes=c.file_read_bytes,
-        deadline_cutoffs=c.deadline_cutoffs,
-    )

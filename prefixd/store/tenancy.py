@@ -1,33 +1,30 @@
 """Tenancy: which tenant owns each stored identity, share groups, quotas and times to live.
 
 Where each lives:
-  * `TenantIndex`: the tenant of an identity digest, read from the identities table in the
-    caller's own transaction;
+  * `TenantIndex` (prefixd.store.tenants): the tenant of an identity digest;
   * `Tenancy.namespace`: a tenant of a share group stores and finds entries under the group's
     namespace ("share:GROUP"), so the group's tenants share them and no one else does;
   * `Tenancy.quota_of` / `tenant_bytes`: a tenant's quota and what counts against it (the
     per-identity stored-bytes counters); a put over it evicts the tenant's leaves
     (prefixd.store.put, prefixd.store.eviction);
   * `Tenancy.min_created_ns` and friends: a tenant's time to live, as a creation-time cutoff the
-    walk and the gather apply (an expired block is a miss at once); `reclaim_expired` frees them.
+    walk and the gather apply (an expired block is a miss at once); eviction's `reclaim_expired`
+    frees them.
 
-An identity's digest is a hash over all of it, tenant included, so the tenant of a digest can
-never change: once decoded it is remembered. Which digests are *live* is never remembered: it is
-read from the table each time, in the transaction that acts on it, so a purge, a retirement or an
-identity written since cannot leave quotas, totals or TTLs looking at a stale set.
+Which digests are *live* is never remembered: it is read from the table each time, in the
+transaction that acts on it, so a purge, a retirement or an identity written since cannot leave
+quotas, totals or TTLs looking at a stale set.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError, IdentityError
+from prefixd.errors import IdentityError
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import BlockRecord
 from prefixd.store import counters
 from prefixd.store.config import (
     SHARE_PREFIX,
@@ -36,56 +33,9 @@ from prefixd.store.config import (
     parse_tenant_durations,
     parse_tenant_quotas,
 )
-from prefixd.store.journal import writing
-from prefixd.store.removal import remove_subtree
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
-
-log = logging.getLogger(__name__)
-
-MEMO_LIMIT = 1 << 16  # digests remembered; past it the memo starts again (rows are re-read)
-
-
-class TenantIndex:
-    """digest -> tenant over one store's identities table."""
-
-    def __init__(self, identities: Any) -> None:
-        self._identities = identities  # the LMDB database handle of the identities table
-        self._memo: dict[bytes, str] = {}
-
-    def tenant_of(self, txn: lmdb.Transaction, digest: bytes) -> str | None:
-        """The tenant of the identity `digest` names, or None when the table holds no such
-        identity (it was purged or never written)."""
-        tenant = self._memo.get(digest)
-        if tenant is not None:
-            return tenant
-        encoded = txn.get(digest, db=self._identities)
-        if encoded is None:
-            return None
-        tenant = owner(encoded)
-        if len(self._memo) >= MEMO_LIMIT:
-            self._memo.clear()
-        self._memo[bytes(digest)] = tenant
-        return tenant
-
-    def digests_of(self, txn: lmdb.Transaction, tenant: str) -> set[bytes]:
-        """The digests of the tenant's live identities, as this transaction sees them."""
-        cursor = txn.cursor(db=self._identities)
-        found = set()
-        for key in cursor.iternext(keys=True, values=False):
-            digest = bytes(key)
-            if self.tenant_of(txn, digest) == tenant:
-                found.add(digest)
-        return found
-
-
-def owner(encoded: bytes | memoryview) -> str:
-    """The tenant of an encoded identity ("" when it is unreadable: `check` reports that row)."""
-    try:
-        return Identity.decode(bytes(encoded)).tenant
-    except IdentityError:
-        return ""
 
 
 class Tenancy:
@@ -170,6 +120,11 @@ class Tenancy:
         """Blocks created before this are past the tenant's time to live (0: no limit)."""
         return self.ttl_cutoff_ns(identity.tenant, self._ctx.clock.time_ns())
 
+    @property
+    def expires(self) -> bool:
+        """Whether any tenant has a time to live."""
+        return bool(self._ttl_s)
+
     def ttl_cutoff_ns(self, tenant: str, now_ns: int) -> int:
         ttl = self._ttl_s.get(tenant)
         return now_ns - int(ttl * 1e9) if ttl else 0
@@ -181,29 +136,5 @@ class Tenancy:
         tenant = self._ctx.tenants.tenant_of(txn, digest) or ""
         return self.ttl_cutoff_ns(tenant, self._ctx.clock.time_ns())
 
-    def reclaim_expired(self) -> int:
-        """Remove the blocks past their tenant's time to live (already unreachable: lookups and
-        loads skip them); return how many went."""
-        if not self._ttl_s:
-            return 0
-        ctx = self._ctx
-        now = ctx.clock.time_ns()
-        removed = 0
-        with writing(ctx) as txn:
-            expired = []
-            for key, raw in txn.cursor(db=ctx.tables.blocks):
-                try:
-                    record = BlockRecord.decode(raw)
-                except CorruptRecordError:
-                    continue
-                tenant = ctx.tenants.tenant_of(txn, record.identity) or ""
-                if record.created_ns < self.ttl_cutoff_ns(tenant, now):
-                    expired.append(bytes(key))
-            for block in expired:
-                removed += remove_subtree(ctx, txn, block, reason="expired")
-        if removed:
-            log.info("reclaimed %d expired block(s)", removed)
-        return removed
 
-
-__all__ = ["Tenancy", "TenantIndex", "owner"]
+__all__ = ["Tenancy"]

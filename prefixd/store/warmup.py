@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
-from prefixd.store.environment import Tables
 from prefixd.store.eviction import TokensPerBlock, value_per_byte
+from prefixd.store.tables import Tables, readable_identities, records_after
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -78,14 +77,9 @@ def hottest_prefixes(
     ranked: list[tuple[float, bytes]] = []
     plain = _plain_identities(txn, t, tenant)
     tokens = TokensPerBlock(txn, t.identities)
-    for key, raw in txn.cursor(db=t.blocks):
-        try:
-            record = BlockRecord.decode(raw)
-        except CorruptRecordError:
+    for block, record in records_after(txn, t, None):
+        if record is None or record.identity not in plain:
             continue
-        if record.identity not in plain:
-            continue
-        block = bytes(key)
         records[block] = record
         access = AccessRecord.read(txn.get(block, db=t.access), record.created_ns)
         ranked.append((-value_per_byte(record, access, now_ns, tokens.of(record)), block))
@@ -111,15 +105,11 @@ def hottest_prefixes(
 
 
 def _plain_identities(txn: lmdb.Transaction, t: Tables, tenant: str) -> dict[bytes, Identity]:
-    identities = {}
-    for digest, encoded in txn.cursor(db=t.identities):
-        try:
-            identity = Identity.decode(bytes(encoded))
-        except IdentityError:
-            continue
-        if identity.state is None and identity.tenant == tenant:
-            identities[bytes(digest)] = identity
-    return identities
+    return {
+        digest: identity
+        for digest, identity in readable_identities(txn, t)
+        if identity.state is None and identity.tenant == tenant
+    }
 
 
 def _missing_ancestry(

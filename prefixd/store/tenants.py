@@ -1,0 +1,57 @@
+"""digest -> tenant over one store's identities table.
+
+An identity's digest is a hash over all of it, tenant included, so the tenant of a digest can
+never change: once decoded it is remembered (which digests are live is read each time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lmdb
+
+from prefixd.errors import IdentityError
+from prefixd.schema.identity import Identity
+
+MEMO_LIMIT = 1 << 16  # digests remembered; past it the memo starts again (rows are re-read)
+
+
+class TenantIndex:
+    """digest -> tenant over one store's identities table."""
+
+    def __init__(self, identities: Any) -> None:
+        self._identities = identities  # the LMDB database handle of the identities table
+        self._memo: dict[bytes, str] = {}
+
+    def tenant_of(self, txn: lmdb.Transaction, digest: bytes) -> str | None:
+        """The tenant of the identity `digest` names, or None when the table holds no such
+        identity (it was purged or never written)."""
+        tenant = self._memo.get(digest)
+        if tenant is not None:
+            return tenant
+        encoded = txn.get(digest, db=self._identities)
+        if encoded is None:
+            return None
+        tenant = owner(encoded)
+        if len(self._memo) >= MEMO_LIMIT:
+            self._memo.clear()
+        self._memo[bytes(digest)] = tenant
+        return tenant
+
+    def digests_of(self, txn: lmdb.Transaction, tenant: str) -> set[bytes]:
+        """The digests of the tenant's live identities, as this transaction sees them."""
+        cursor = txn.cursor(db=self._identities)
+        found = set()
+        for key in cursor.iternext(keys=True, values=False):
+            digest = bytes(key)
+            if self.tenant_of(txn, digest) == tenant:
+                found.add(digest)
+        return found
+
+
+def owner(encoded: bytes | memoryview) -> str:
+    """The tenant of an encoded identity ("" when it is unreadable: `check` reports that row)."""
+    try:
+        return Identity.decode(bytes(encoded)).tenant
+    except IdentityError:
+        return ""
