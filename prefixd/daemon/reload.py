@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prefixd.daemon import systemd
-from prefixd.daemon.config import SETTINGS, Config, parse_manifests
-from prefixd.daemon.policy import TenantPolicy
+from prefixd.config.settings import SETTINGS, Config, parse_manifests
+from prefixd.config.policy import TenantPolicy
 from prefixd.errors import PrefixdError
 
 if TYPE_CHECKING:

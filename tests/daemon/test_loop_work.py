@@ -12,7 +12,7 @@ import numpy as np
 
 from prefixd import Store
 from prefixd.daemon.operations import LOOP_TOKEN_BYTES, Operations, Request
-from prefixd.daemon.policy import EVERYTHING
+from prefixd.config.policy import EVERYTHING
 from prefixd.wire.messages import Lookup, Prompt, WireIdentity
 
 from .conftest import IDENTITY

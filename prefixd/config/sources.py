@@ -1,33 +1,41 @@
 """Where Config's values come from: flags, PREFIXD_* variables and a TOML file, each parsed the way
-its source writes values, and agreed into one Config (see prefixd.daemon.config for the rules).
+its source writes values, and agreed into one Config (see prefixd.config.settings for the rules).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixd.daemon.config import (
+from prefixd.config.settings import (
+    BENCH_KNOBS,
     CONFIG_ENV,
+    DEFAULTS,
     ENV_PREFIX,
     META,
     SETTINGS,
+    TABLES,
     Config,
     cli_flag,
     env_var,
     format_size,
     plain,
+    toml_key,
+    toml_name,
     validated,
 )
 from prefixd.errors import ConfigError
 from prefixd.paths import default_data_dir, default_socket
 from prefixd.store.config import parse_seconds, parse_size
+
+log = logging.getLogger(__name__)
 
 # Kinds of setting: how a string (flag, environment) is parsed and which TOML types are accepted.
 _TEXT_IN_TOML = frozenset({"path", "size", "mode", "seconds", "choice"})
@@ -114,11 +122,16 @@ def config_and_given(
         given.setdefault(name, []).append(_convert(name, raw, env_var(name), text=True, base=cwd))
     path = _config_path(config_file, env, cwd)
     if path is not None:
-        for name, raw in _file_settings(path).items():
-            source = f"{name} in {path}"
+        for name, source, raw in _file_settings(path):
             given.setdefault(name, []).append(
                 _convert(name, raw, source, text=False, base=path.parent)
             )
+    for name in sorted(set(given) & set(BENCH_KNOBS)):
+        log.warning(
+            "%s: a benchmark knob, leaving serve's settings in the next release (benchmarks set "
+            "it through the library's StoreConfig or their own flags)",
+            name,
+        )
     values = {name: _agreed(name, items) for name, items in given.items()}
     instance = values.get("instance", "")
     for name, default in (("data_dir", default_data_dir), ("socket", default_socket)):
@@ -134,33 +147,36 @@ def config_from_args(namespace: argparse.Namespace, env: Mapping[str, str]) -> C
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --config and one --field-name flag per Config field; flags not given stay unset."""
+    """Add --config and one --field-name flag per Config field, grouped by TOML table; flags not
+    given stay unset. Benchmark knobs are taken but not listed."""
     parser.add_argument(
         "--config",
         type=Path,
         default=None,
         metavar="FILE",
-        help=f"TOML file of settings, as top-level keys named like the flags with _ [{CONFIG_ENV}]",
+        help=f"TOML file of settings, in the tables below (see --print-config) [{CONFIG_ENV}]",
     )
-    group = parser.add_argument_group(
-        "settings",
-        f"each also settable as {ENV_PREFIX}<NAME> or in the --config file; "
-        "a setting given twice must have the same value",
-    )
-    for f in fields(Config):
-        kind = f.metadata["kind"]
-        choices = f.metadata["choices"]
-        has_default = f.default is not MISSING
-        shown = f" (default {_shown_default(f.name, f.default)})" if has_default else ""
-        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kind == "bool" else {}
-        group.add_argument(
-            cli_flag(f.name),
-            dest=f.name,
-            default=argparse.SUPPRESS,
-            metavar="{" + ",".join(choices) + "}" if choices else _METAVARS[kind],
-            help=f"{f.metadata['help']}{shown} [{env_var(f.name)}]".replace("%", "%%"),
-            **extra,
+    for table, names in TABLES.items():
+        group = parser.add_argument_group(
+            f"[{table}] settings",
+            f"each also settable as {ENV_PREFIX}<NAME> or in the --config file's [{table}]; "
+            "a setting given twice must have the same value",
         )
+        for name in names:
+            meta = META[name]
+            kind, choices, default = meta["kind"], meta["choices"], DEFAULTS[name]
+            shown = f" (default {_shown_default(name, default)})" if default is not MISSING else ""
+            key = f"; {toml_key(name)} in the file" if toml_key(name) != name else ""
+            help_text = f"{meta['help']}{shown} [{env_var(name)}{key}]".replace("%", "%%")
+            extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kind == "bool" else {}
+            group.add_argument(
+                cli_flag(name),
+                dest=name,
+                default=argparse.SUPPRESS,
+                metavar="{" + ",".join(choices) + "}" if choices else _METAVARS[kind],
+                help=argparse.SUPPRESS if name in BENCH_KNOBS else help_text,
+                **extra,
+            )
 
 
 def _config_path(config_file: Path | None, env: Mapping[str, str], cwd: Path) -> Path | None:
@@ -186,7 +202,9 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, str]:
     ours = [key for key in env if key.startswith(ENV_PREFIX) and key != CONFIG_ENV]
     unknown = sorted(key for key in ours if key not in known)
     if unknown:
-        names = ", ".join(_with_hint(key, key.removeprefix(ENV_PREFIX).lower()) for key in unknown)
+        names = ", ".join(
+            _with_hint(key, key.removeprefix(ENV_PREFIX).lower(), SETTINGS) for key in unknown
+        )
         raise ConfigError(
             f"environment: unknown variable(s) {names}; every {ENV_PREFIX}* variable must name a "
             "setting"
@@ -194,8 +212,9 @@ def _env_settings(env: Mapping[str, str]) -> dict[str, str]:
     return {known[key]: env[key] for key in ours}
 
 
-def _file_settings(path: Path) -> dict[str, Any]:
-    """The settings a TOML file holds; keys that name no setting are an error."""
+def _file_settings(path: Path) -> list[tuple[str, str, Any]]:
+    """(setting, where the file gives it, raw value) of each: the keys of its tables, and, deprecated, a
+    setting as a top-level key (warned once, naming its table). Unknown keys are an error."""
     try:
         with path.open("rb") as file:
             data = tomllib.load(file)
@@ -203,25 +222,40 @@ def _file_settings(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config: {path} is not valid TOML: {exc}") from None
-    cluster = data.pop("cluster", None)
-    if isinstance(cluster, dict):  # [cluster] master = ... is cluster_master
-        for key, value in cluster.items():
-            data[f"cluster_{key}"] = value
-    elif cluster is not None:
-        raise ConfigError(f"config: cluster in {path} must be a table ([cluster])")
-    unknown = sorted(set(data) - set(SETTINGS))
+    found: list[tuple[str, str, Any]] = []
+    unknown = []
+    for top, value in data.items():
+        if top in TABLES and isinstance(value, dict):
+            keys = {toml_key(name): name for name in TABLES[top]}
+            for key, raw in value.items():
+                if key in keys:
+                    found.append((keys[key], f"[{top}] {key} in {path}", raw))
+                else:
+                    unknown.append(_with_hint(f"[{top}] {key}", key, tuple(keys)))
+        elif top in SETTINGS:
+            log.warning(
+                "config: %s at the top level of %s is deprecated; write it as %s",
+                top,
+                path,
+                toml_name(top),
+            )
+            found.append((top, f"{top} in {path}", value))
+        elif top in TABLES:
+            raise ConfigError(f"config: {top} in {path} must be a table ([{top}])")
+        else:
+            unknown.append(_with_hint(top, top, SETTINGS))
     if unknown:
-        names = ", ".join(_with_hint(key, key) for key in unknown)
         raise ConfigError(
-            f"config: unknown setting(s) in {path}: {names}; settings are top-level keys "
-            "named like the fields (see prefixd serve --print-config)"
+            f"config: unknown setting(s) in {path}: {', '.join(sorted(unknown))}; settings are "
+            "keys of the tables [store], [socket], [tenants], [limits], [metrics], [events] and "
+            "[cluster] (see prefixd serve --print-config)"
         )
-    return data
+    return found
 
 
-def _with_hint(shown: str, probe: str) -> str:
-    """An unknown name as its source spells it, plus the setting it probably meant."""
-    close = difflib.get_close_matches(probe, SETTINGS, n=1)
+def _with_hint(shown: str, probe: str, known: tuple[str, ...]) -> str:
+    """An unknown name as its source spells it, plus the known one it probably meant."""
+    close = difflib.get_close_matches(probe, known, n=1)
     if not close:
         return shown
     suggestion = env_var(close[0]) if shown.startswith(ENV_PREFIX) else close[0]
@@ -355,5 +389,3 @@ def _toml_text(value: Any) -> str:
 def _text(value: Any) -> str:
     """A plain value for a message: strings unquoted, everything else as TOML writes it."""
     return value if isinstance(value, str) else _toml_text(value)
-
-

@@ -10,9 +10,9 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from prefixd.daemon import config as cfg
-from prefixd.daemon.config import Config, cli_flag, env_var
-from prefixd.daemon.config_sources import add_arguments, config_from_args, config_from_sources
+from prefixd.config import settings as cfg
+from prefixd.config.settings import Config, cli_flag, env_var
+from prefixd.config.sources import add_arguments, config_from_args, config_from_sources
 from prefixd.errors import ConfigError
 from prefixd.store.config import Durability, StoreConfig
 
@@ -476,7 +476,7 @@ def test_a_cluster_table_maps_onto_the_cluster_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="0 or at least 16MiB"):
         load(env={"PREFIXD_CLUSTER_SEGMENT_BYTES": "8MiB"})
     file.write_text('[cluster]\nmastr = "x"\n')
-    with pytest.raises(ConfigError, match="cluster_mastr"):
+    with pytest.raises(ConfigError, match=r"\[cluster\] mastr \(did you mean master\?\)"):
         load(file=file)
     file.write_text('cluster = "x"\n')
     with pytest.raises(ConfigError, match="must be a table"):
