@@ -265,8 +265,16 @@ def test_bad_text_values_name_the_setting_and_source(
 
 @pytest.mark.parametrize(
     "line",
-    ['workers = "8"', 'readahead = "true"', "allowed_uids = 5", "allowed_uids = [true]",
-     "log_level = 3", "data_dir = 1", "workers = 1.5", "max_frame_bytes = 0"],
+    [
+        'workers = "8"',
+        'readahead = "true"',
+        "allowed_uids = 5",
+        "allowed_uids = [true]",
+        "log_level = 3",
+        "data_dir = 1",
+        "workers = 1.5",
+        "max_frame_bytes = 0",
+    ],
 )
 def test_toml_values_of_the_wrong_type_are_rejected(
     line: str, base_env: dict[str, str], tmp_path: Path
@@ -303,10 +311,16 @@ def test_bad_default_socket_names_its_origin(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "raw", "expected"),
-    [("max_frame_bytes", "4KiB", 4096), ("max_frame_bytes", "16MiB", 16 * MiB),
-     ("map_size", "64GiB", 64 * GiB), ("map_size", "1.5GiB", 3 * GiB // 2),
-     ("map_size", "16 mib", 16 * MiB), ("map_size", "2097152", 2 * MiB),
-     ("max_region_bytes", "1TiB", 1 << 40), ("chunk_bytes", "65536B", 64 << 10)],
+    [
+        ("max_frame_bytes", "4KiB", 4096),
+        ("max_frame_bytes", "16MiB", 16 * MiB),
+        ("map_size", "64GiB", 64 * GiB),
+        ("map_size", "1.5GiB", 3 * GiB // 2),
+        ("map_size", "16 mib", 16 * MiB),
+        ("map_size", "2097152", 2 * MiB),
+        ("max_region_bytes", "1TiB", 1 << 40),
+        ("chunk_bytes", "65536B", 64 << 10),
+    ],
 )
 def test_size_suffixes_parse(name: str, raw: str, expected: int, base_env: dict[str, str]) -> None:
     assert getattr(load({name: raw}, base_env), name) == expected
@@ -350,13 +364,28 @@ def test_allowed_ids_parse_from_every_source(base_env: dict[str, str], tmp_path:
 def test_store_settings_flow_into_store_config(base_env: dict[str, str], tmp_path: Path) -> None:
     file = write_toml(tmp_path / "p.toml", 'compression = "zstd"\nzstd_level = 3\n')
     env = {**base_env, "PREFIXD_DURABILITY": "full", "PREFIXD_READAHEAD": "no"}
-    cli = {"map_size": "1GiB", "chunk_bytes": "256KiB", "verify_threads": "0",
-           "max_readers": "64", "sync_interval_s": "250ms", "min_compression_gain": "0.1"}
+    cli = {
+        "map_size": "1GiB",
+        "chunk_bytes": "256KiB",
+        "verify_threads": "0",
+        "max_readers": "64",
+        "sync_interval_s": "250ms",
+        "min_compression_gain": "0.1",
+    }
     store = load(cli, env, file).store_config()
     assert store == StoreConfig(
-        path=tmp_path / "state", create=True, map_size=GiB, durability=Durability.FULL,
-        sync_interval_s=0.25, compression="zstd", zstd_level=3, min_compression_gain=0.1,
-        chunk_bytes=256 << 10, verify_threads=0, readahead=False, max_readers=64,
+        path=tmp_path / "state",
+        create=True,
+        map_size=GiB,
+        durability=Durability.FULL,
+        sync_interval_s=0.25,
+        compression="zstd",
+        zstd_level=3,
+        min_compression_gain=0.1,
+        chunk_bytes=256 << 10,
+        verify_threads=0,
+        readahead=False,
+        max_readers=64,
     )
 
 
@@ -405,9 +434,21 @@ def test_argparse_round_trip(base_env: dict[str, str], tmp_path: Path) -> None:
     file = write_toml(tmp_path / "p.toml", 'log_level = "warning"\n')
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    argv = ["--workers", "8", "--socket-mode", "0600", "--allowed-uids", "1,2",
-            "--readahead=false", "--map-size", "2GiB", "--data-dir", str(tmp_path / "d"),
-            "--config", str(file)]
+    argv = [
+        "--workers",
+        "8",
+        "--socket-mode",
+        "0600",
+        "--allowed-uids",
+        "1,2",
+        "--readahead=false",
+        "--map-size",
+        "2GiB",
+        "--data-dir",
+        str(tmp_path / "d"),
+        "--config",
+        str(file),
+    ]
     namespace = parser.parse_args(argv)
     assert not hasattr(namespace, "max_inflight")  # flags not given stay unset
     config = config_from_args(namespace, {**base_env, "PREFIXD_MAX_INFLIGHT": "7"})
@@ -435,8 +476,13 @@ def test_argparse_conflict_with_environment(base_env: dict[str, str]) -> None:
 
 def test_describe_is_plain_and_loads_back(base_env: dict[str, str], tmp_path: Path) -> None:
     config = load(
-        {"socket_mode": "0640", "allowed_gids": "27,100", "durability": "full",
-         "shutdown_grace_s": "1.5", "socket": str(tmp_path / "s.sock")},
+        {
+            "socket_mode": "0640",
+            "allowed_gids": "27,100",
+            "durability": "full",
+            "shutdown_grace_s": "1.5",
+            "socket": str(tmp_path / "s.sock"),
+        },
         base_env,
     )
     described = config.describe()
@@ -481,3 +527,100 @@ def test_a_cluster_table_maps_onto_the_cluster_settings(tmp_path: Path) -> None:
     file.write_text('cluster = "x"\n')
     with pytest.raises(ConfigError, match="must be a table"):
         load(file=file)
+
+
+# --- tables, and the flat keys and benchmark knobs of the old surface ------------------------------
+
+
+def test_every_setting_is_in_one_table_under_a_distinct_key() -> None:
+    assert sorted(cfg.TABLE_OF) == sorted(cfg.SETTINGS)
+    assert sum(map(len, cfg.TABLES.values())) == len(cfg.SETTINGS)
+    assert len(cfg.TABLES) <= 7
+    for names in cfg.TABLES.values():
+        keys = [cfg.toml_key(name) for name in names]
+        assert len(set(keys)) == len(keys)
+    assert cfg.toml_name("socket_mode") == "[socket] mode"
+    assert cfg.toml_name("kv_events_endpoint") == "[events] endpoint"
+    assert cfg.toml_name("map_size") == "[store] map_size"
+
+
+def test_settings_load_from_their_tables(base_env: dict[str, str], tmp_path: Path) -> None:
+    file = write_toml(
+        tmp_path / "p.toml",
+        '[store]\nmap_size = "1GiB"\nworkers = 8\n[socket]\nmode = "0600"\nallowed_uids = [7]\n'
+        '[tenants]\nttls = ["a=7d"]\n[limits]\nshutdown_grace_s = "2s"\n[metrics]\nport = 9464\n',
+    )
+    config = load(env=base_env, file=file)
+    assert (config.map_size, config.workers, config.socket_mode) == (GiB, 8, 0o600)
+    assert (config.allowed_uids, config.tenant_ttls) == ((7,), ("a=7d",))
+    assert (config.shutdown_grace_s, config.metrics_port) == (2.0, 9464)
+
+
+def test_a_flat_key_still_works_and_is_warned_naming_its_table(
+    base_env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    file = write_toml(tmp_path / "p.toml", 'socket_mode = "0600"\nworkers = 8\n')
+    with caplog.at_level("WARNING", logger="prefixd.config"):
+        config = load(env=base_env, file=file)
+    assert (config.socket_mode, config.workers) == (0o600, 8)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2
+    assert "socket_mode at the top level" in warnings[0] and "[socket] mode" in warnings[0]
+    assert "[store] workers" in warnings[1]
+
+
+def test_a_flat_key_and_its_table_key_must_agree(base_env: dict[str, str], tmp_path: Path) -> None:
+    file = write_toml(tmp_path / "p.toml", "workers = 8\n[store]\nworkers = 4\n")
+    with pytest.raises(ConfigError, match=r"^workers: set to 8 by workers in .* \[store\] workers"):
+        load(env=base_env, file=file)
+    write_toml(file, "workers = 8\n[store]\nworkers = 8\n")
+    assert load(env=base_env, file=file).workers == 8
+
+
+def test_unknown_keys_of_a_table_are_rejected(base_env: dict[str, str], tmp_path: Path) -> None:
+    file = write_toml(tmp_path / "p.toml", "[socket]\nmod = 0o600\n[store]\nsocket_mode = 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load(env=base_env, file=file)
+    assert "[socket] mod (did you mean mode?)" in str(caught.value)
+    assert "[store] socket_mode" in str(caught.value)  # each setting in its own table only
+
+
+def test_benchmark_knobs_are_not_listed_but_still_taken_with_a_warning(
+    base_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    listed = parser.format_help()
+    for name in cfg.BENCH_KNOBS:
+        assert cli_flag(name) not in listed
+    assert "--map-size" in listed and "[store] settings" in listed
+    with caplog.at_level("WARNING", logger="prefixd.config"):
+        config = load({"eviction": "lru"}, base_env)
+    assert config.store_config().eviction == "lru"
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["eviction"]
+    assert "eviction" not in load(env=base_env).toml()
+    assert 'eviction = "lru"' in config.toml()  # set, it is printed, so the file round-trips
+
+
+def test_print_config_is_a_file_of_tables_that_loads_back(
+    base_env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = load(
+        {
+            "socket_mode": "0640",
+            "allowed_gids": "27,100",
+            "durability": "full",
+            "kv_events_tenants": 'a "quoted" name',
+            "cluster_timeout_s": "500ms",
+            "tenant_quotas": "a=1GiB",
+            "socket": str(tmp_path / "s.sock"),
+        },
+        base_env,
+    )
+    printed = config.toml()
+    tables = [line for line in printed.splitlines() if line.startswith("[")]
+    assert tables == [f"[{table}]" for table in cfg.TABLES]
+    file = write_toml(tmp_path / "printed.toml", printed)
+    with caplog.at_level("WARNING", logger="prefixd.config"):
+        assert load(file=file) == config
+    assert not caplog.records  # no flat key in what is printed
