@@ -414,7 +414,7 @@ class Config:
                 if name in BENCH_KNOBS and getattr(self, name) == DEFAULTS[name]:
                     continue
                 lines.append(f"# {META[name]['help']}")
-                lines.append(f"{toml_key(name)} = {_toml_value(described[name])}")
+                lines.append(f"{toml_key(name)} = {toml_value(described[name])}")
             lines.append("")
         return "\n".join(lines)
 
@@ -510,14 +510,14 @@ def cli_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     """A TOML value: JSON's string escapes are TOML's too, and arrays read the same."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
     return json.dumps(str(value), ensure_ascii=False)
 
 

@@ -29,6 +29,7 @@ from prefixd.config.settings import (
     plain,
     toml_key,
     toml_name,
+    toml_value,
     validated,
 )
 from prefixd.errors import ConfigError
@@ -36,47 +37,6 @@ from prefixd.paths import default_data_dir, default_socket
 from prefixd.store.config import parse_seconds, parse_size
 
 log = logging.getLogger(__name__)
-
-# Kinds of setting: how a string (flag, environment) is parsed and which TOML types are accepted.
-_TEXT_IN_TOML = frozenset({"path", "size", "mode", "seconds", "choice"})
-_EXPECTED = {
-    "path": "a non-empty path",
-    "int": "an integer",
-    "size": "a size like 16MiB or a number of bytes (units: B, KiB, MiB, GiB, TiB)",
-    "mode": "an octal mode like 0660",
-    "float": "a number",
-    "seconds": "a duration like 2.5, 10s, 500ms, 5m or 1h",
-    "bool": "a boolean (true/false, 1/0, yes/no)",
-    "choice": "a string",
-    "text": "a string",
-    "ids": "a comma-separated list of integers like 1000,1001",
-    "entries": "a comma-separated list of NAME=VALUE entries",
-}
-_TOML_EXPECTED = {
-    "path": "a string",
-    "int": "an integer",
-    "size": "an integer or a string like '16MiB'",
-    "mode": "an integer like 0o660 or a string like '0660'",
-    "float": "a number",
-    "seconds": "a number of seconds or a string like '10s'",
-    "bool": "true or false",
-    "choice": "a string",
-    "text": "a string",
-    "ids": "an array of integers",
-    "entries": "an array of strings like 'NAME=VALUE'",
-}
-_METAVARS = {
-    "path": "PATH",
-    "int": "N",
-    "size": "BYTES",
-    "mode": "MODE",
-    "float": "X",
-    "seconds": "SECONDS",
-    "bool": "BOOL",
-    "text": "TEXT",
-    "ids": "ID[,ID...]",
-    "entries": "NAME=VALUE[,...]",
-}
 
 # --- assembling a Config from its sources ----------------------------------------------------
 
@@ -173,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 cli_flag(name),
                 dest=name,
                 default=argparse.SUPPRESS,
-                metavar="{" + ",".join(choices) + "}" if choices else _METAVARS[kind],
+                metavar="{" + ",".join(choices) + "}" if choices else _KINDS[kind].metavar,
                 help=argparse.SUPPRESS if name in BENCH_KNOBS else help_text,
                 **extra,
             )
@@ -264,21 +224,19 @@ def _with_hint(shown: str, probe: str, known: tuple[str, ...]) -> str:
 
 def _convert(name: str, raw: Any, source: str, *, text: bool, base: Path) -> _Given:
     """Parse and validate one source's raw value; errors name the setting and the source."""
-    kind = META[name]["kind"]
+    kind = _KINDS[META[name]["kind"]]
     if META[name]["optional"] and raw in ("", None):
         return _Given(source, raw, None)  # an optional path given empty: off
-    if isinstance(raw, str) and (text or kind in _TEXT_IN_TOML):
+    if isinstance(raw, str) and (text or kind.text_in_toml):
         try:
-            value = _PARSERS[kind](raw)
+            value = kind.parse(raw)
         except ValueError:
-            raise ConfigError(f"{name}: {raw!r} from {source} is not {_EXPECTED[kind]}") from None
-    elif _native_ok(kind, raw):
+            raise ConfigError(f"{name}: {raw!r} from {source} is not {kind.expected}") from None
+    elif kind.native(raw):
         value = raw
     else:
-        raise ConfigError(
-            f"{name}: {source} must be {_TOML_EXPECTED[kind]}, got {_toml_type(raw)} {raw!r}"
-        )
-    if kind == "path" and value is not None:
+        raise ConfigError(f"{name}: {source} must be {kind.in_toml}, got {_toml_type(raw)} {raw!r}")
+    if META[name]["kind"] == "path" and value is not None:
         value = base / Path(value).expanduser()
     return _Given(source, raw, _attributed(name, value, source))
 
@@ -301,7 +259,7 @@ def _agreed(name: str, items: list[_Given]) -> Any:
 
 def _shown(name: str, item: _Given) -> str:
     """A value as its source wrote it, plus what it means where that differs (16MiB, ./data)."""
-    raw = item.raw if isinstance(item.raw, str) else _toml_text(item.raw)
+    raw = _text(item.raw)
     effective = _text(plain(name, item.value))
     return raw if raw == effective else f"{raw} (= {effective})"
 
@@ -339,38 +297,94 @@ def _parse_ids(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {
-    "path": _parse_path,
-    "int": int,
-    "size": parse_size,
-    "mode": lambda text: int(text, 8),
-    "float": float,
-    "seconds": parse_seconds,
-    "bool": _parse_bool,
-    "choice": lambda text: text,
-    "text": lambda text: text,
-    "ids": _parse_ids,
-    "entries": lambda text: tuple(item.strip() for item in text.split(",") if item.strip()),
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, (list, tuple)) and all(map(check, value))
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How a kind of setting is written: its flag's metavar, how text (a flag, a variable; and a
+    TOML string where `text_in_toml`) parses, the typed values TOML may give, and the messages."""
+
+    metavar: str
+    parse: Callable[[str], Any]
+    native: Callable[[Any], bool]
+    expected: str  # of text
+    in_toml: str  # of a TOML value
+    text_in_toml: bool = False
+
+
+_KINDS = {
+    "path": _Kind(
+        "PATH",
+        _parse_path,
+        lambda v: isinstance(v, os.PathLike),
+        "a non-empty path",
+        "a string",
+        True,
+    ),
+    "int": _Kind("N", int, _is_int, "an integer", "an integer"),
+    "size": _Kind(
+        "BYTES",
+        parse_size,
+        _is_int,
+        "a size like 16MiB or a number of bytes (units: B, KiB, MiB, GiB, TiB)",
+        "an integer or a string like '16MiB'",
+        True,
+    ),
+    "mode": _Kind(
+        "MODE",
+        lambda text: int(text, 8),
+        _is_int,
+        "an octal mode like 0660",
+        "an integer like 0o660 or a string like '0660'",
+        True,
+    ),
+    "float": _Kind("X", float, _is_number, "a number", "a number"),
+    "seconds": _Kind(
+        "SECONDS",
+        parse_seconds,
+        _is_number,
+        "a duration like 2.5, 10s, 500ms, 5m or 1h",
+        "a number of seconds or a string like '10s'",
+        True,
+    ),
+    "bool": _Kind(
+        "BOOL",
+        _parse_bool,
+        lambda v: isinstance(v, bool),
+        "a boolean (true/false, 1/0, yes/no)",
+        "true or false",
+    ),
+    "choice": _Kind("", lambda text: text, _is_str, "a string", "a string", True),
+    "text": _Kind("TEXT", lambda text: text, _is_str, "a string", "a string"),
+    "ids": _Kind(
+        "ID[,ID...]",
+        _parse_ids,
+        _list_of(_is_int),
+        "a comma-separated list of integers like 1000,1001",
+        "an array of integers",
+    ),
+    "entries": _Kind(
+        "NAME=VALUE[,...]",
+        lambda text: tuple(item.strip() for item in text.split(",") if item.strip()),
+        _list_of(_is_str),
+        "a comma-separated list of NAME=VALUE entries",
+        "an array of strings like 'NAME=VALUE'",
+    ),
 }
-
-
-def _native_ok(kind: str, value: Any) -> bool:
-    """Whether a typed value (from TOML, or a typed cli mapping) has the Python type kind needs."""
-    if kind == "path":
-        return isinstance(value, os.PathLike)
-    if kind in ("int", "size", "mode"):
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind in ("float", "seconds"):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind in ("choice", "text"):
-        return isinstance(value, str)
-    if kind == "entries":
-        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
-    return isinstance(value, (list, tuple)) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    )
 
 
 def _toml_type(value: Any) -> str:
@@ -378,14 +392,6 @@ def _toml_type(value: Any) -> str:
     return "table" if isinstance(value, dict) else names.get(type(value), type(value).__name__)
 
 
-def _toml_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
-    return str(value)
-
-
 def _text(value: Any) -> str:
     """A plain value for a message: strings unquoted, everything else as TOML writes it."""
-    return value if isinstance(value, str) else _toml_text(value)
+    return value if isinstance(value, str) else toml_value(value)
