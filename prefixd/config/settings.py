@@ -326,7 +326,11 @@ class Config:
         "min_compression_gain", "float", "store a block raw unless compression saves this fraction"
     )
     chunk_bytes: int = _store("chunk_bytes", "size", "payload chunk size (even)")
-    verify_threads: int = _store("verify_threads", "int", "threads verifying checksums on reads")
+    verify_threads: int = _store(
+        "verify_threads",
+        "int",
+        "threads verifying checksums on reads (default about one per usable core, at least 2)",
+    )
     readahead: bool = _store("readahead", "bool", "let the OS read ahead in the data file")
     read_path: str = _store(
         "read_path",

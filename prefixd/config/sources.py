@@ -139,6 +139,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
 
+def reference() -> str:
+    """docs/settings.md: each table's settings with their flag, variable, default and help, the
+    same text --help shows (tests/config/test_reference.py keeps the file equal to it)."""
+    lines = [
+        "# Settings of `prefixd serve`",
+        "",
+        'Generated from prefixd/config, as `prefixd serve --help`; see README "Operating a node".',
+    ]
+    for table, names in TABLES.items():
+        lines += ["", f"## [{table}]", "", "| key | flag | variable | default | what |"]
+        lines.append("|---|---|---|---|---|")
+        for name in (n for n in names if n not in BENCH_KNOBS):
+            default = DEFAULTS[name]
+            computed = default is MISSING or "(default " in META[name]["help"]  # the machine's
+            shown = "computed" if computed else _shown_default(name, default) or '""'
+            what = META[name]["help"].replace("|", "\\|")
+            lines.append(
+                f"| `{toml_key(name)}` | `{cli_flag(name)}` | `{env_var(name)}` | {shown} | {what} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def _config_path(config_file: Path | None, env: Mapping[str, str], cwd: Path) -> Path | None:
     """The TOML file named by --config or PREFIXD_CONFIG (which must agree if both are set)."""
     from_env = env.get(CONFIG_ENV) or None
