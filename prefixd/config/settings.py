@@ -51,7 +51,7 @@ LOOPBACKS = ("127.0.0.1", "::1")
 SOCKET_PATH_MAX = 107  # sun_path is 108 bytes on Linux, one of them the terminating NUL
 MAX_ID = (1 << 32) - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t)-1, which means "no id"
 
-_STOREDEFAULTS = {f.name: f.default for f in fields(StoreConfig)}
+_STORE_DEFAULTS = {f.name: f.default for f in fields(StoreConfig)}
 
 
 def _setting(
@@ -79,7 +79,7 @@ def _setting(
 
 def _store(name: str, kind: str, doc: str, choices: tuple[str, ...] = ()) -> Any:
     """A field mirrored from StoreConfig: same default; StoreConfig itself validates it."""
-    return _setting(kind, doc, _STOREDEFAULTS[name], choices=choices)
+    return _setting(kind, doc, _STORE_DEFAULTS[name], choices=choices)
 
 
 @dataclass(frozen=True)
@@ -272,8 +272,7 @@ class Config:
     )
     cluster_master: str = _setting(
         "text",
-        "the Mooncake master (HOST:PORT) of a shared tier behind the local store (empty: off); "
-        "in a TOML file, `master` under [cluster]",
+        "the Mooncake master (HOST:PORT) of a shared tier behind the local store (empty: off)",
         "",
     )
     cluster_metadata: str = _setting(
@@ -430,54 +429,26 @@ STORE_SETTINGS: tuple[str, ...] = tuple(
 META: dict[str, Mapping[str, Any]] = {f.name: f.metadata for f in fields(Config)}
 DEFAULTS = {f.name: f.default for f in fields(Config)}
 
-# The TOML tables, each setting in one; a table's key drops the prefix its settings share
-# (TABLE_PREFIXES): [cluster] master is cluster_master, [socket] mode is socket_mode.
+# The TOML tables, each setting in one (in --help's and --print-config's order); a table's key
+# drops the prefix its settings share: [cluster] master is cluster_master, [socket] mode is
+# socket_mode.
 TABLES: dict[str, tuple[str, ...]] = {
-    "store": (
-        "data_dir",
-        "instance",
-        "workers",
-        "model_manifests",
-        *(
-            name
-            for name in STORE_SETTINGS
-            if name not in ("tenant_quota_bytes", "tenant_quotas", "tenant_ttls", "share_groups")
-        ),
-    ),
-    "socket": ("socket", "socket_mode", "daemon_user", "allowed_uids", "allowed_gids"),
-    "tenants": (
-        "tenant_policy",
-        "tenant_quota_bytes",
-        "tenant_quotas",
-        "tenant_ttls",
-        "share_groups",
-    ),
-    "limits": (
-        "max_connections",
-        "max_connections_per_uid",
-        "max_inflight",
-        "max_frame_bytes",
-        "max_region_bytes",
-        "max_prompt_tokens",
-        "max_request_tokens",
-        "min_reusable_tokens",
-        "handshake_timeout_s",
-        "frame_timeout_s",
-        "idle_timeout_s",
-        "load_deadline_s",
-        "shutdown_grace_s",
-    ),
-    "metrics": (
-        "metrics_port",
-        "metrics_address",
-        "metrics_textfile",
-        "metrics_interval_s",
-        "metrics_textfile_mode",
-        "prefill_tokens_per_s",
-        "log_level",
-    ),
-    "events": tuple(name for name in SETTINGS if name.startswith("kv_events_")),
-    "cluster": tuple(name for name in SETTINGS if name.startswith("cluster_")),
+    table: tuple(names.split())
+    for table, names in {
+        "store": "data_dir instance workers model_manifests map_size durability sync_interval_s "
+        "compression zstd_level min_compression_gain chunk_bytes verify_threads readahead "
+        "read_path max_readers verified_cache_bytes capacity_bytes high_watermark low_watermark "
+        "eviction",
+        "socket": "socket socket_mode daemon_user allowed_uids allowed_gids",
+        "tenants": "tenant_policy tenant_quota_bytes tenant_quotas tenant_ttls share_groups",
+        "limits": "max_connections max_connections_per_uid max_inflight max_frame_bytes "
+        "max_region_bytes max_prompt_tokens max_request_tokens min_reusable_tokens "
+        "handshake_timeout_s frame_timeout_s idle_timeout_s load_deadline_s shutdown_grace_s",
+        "metrics": "metrics_port metrics_address metrics_textfile metrics_interval_s "
+        "metrics_textfile_mode prefill_tokens_per_s log_level",
+        "events": " ".join(name for name in SETTINGS if name.startswith("kv_events_")),
+        "cluster": " ".join(name for name in SETTINGS if name.startswith("cluster_")),
+    }.items()
 }
 TABLE_PREFIXES = {
     "socket": "socket_",
