@@ -9,7 +9,7 @@ import difflib
 import logging
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
@@ -107,36 +107,47 @@ def config_from_args(namespace: argparse.Namespace, env: Mapping[str, str]) -> C
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --config and one --field-name flag per Config field, grouped by TOML table; flags not
-    given stay unset. Benchmark knobs are taken but not listed."""
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help=f"TOML file of settings, in the tables below (see --print-config) [{CONFIG_ENV}]",
-    )
+    """serve's flags: --config and one --field-name flag per setting, grouped by TOML table."""
+    add_config_flag(parser)
     for table, names in TABLES.items():
         group = parser.add_argument_group(
             f"[{table}] settings",
             f"each also settable as {ENV_PREFIX}<NAME> or in the --config file's [{table}]; "
             "a setting given twice must have the same value",
         )
-        for name in names:
-            meta = META[name]
-            kind, choices, default = meta["kind"], meta["choices"], DEFAULTS[name]
-            shown = f" (default {_shown_default(name, default)})" if default is not MISSING else ""
-            key = f"; {toml_key(name)} in the file" if toml_key(name) != name else ""
-            help_text = f"{meta['help']}{shown} [{env_var(name)}{key}]".replace("%", "%%")
-            extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kind == "bool" else {}
-            group.add_argument(
-                cli_flag(name),
-                dest=name,
-                default=argparse.SUPPRESS,
-                metavar="{" + ",".join(choices) + "}" if choices else _KINDS[kind].metavar,
-                help=argparse.SUPPRESS if name in BENCH_KNOBS else help_text,
-                **extra,
-            )
+        add_setting_flags(group, names)
+
+
+def add_config_flag(where: Any) -> None:
+    """--config FILE (`where`: a parser or an argument group)."""
+    where.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"TOML file of settings, in the tables of serve --print-config [{CONFIG_ENV}]",
+    )
+
+
+def add_setting_flags(where: Any, names: Iterable[str]) -> None:
+    """The flags of settings `names`, as serve has them; a flag not given leaves its name unset in
+    the namespace. Benchmark knobs are taken but not listed."""
+    for name in names:
+        meta = META[name]
+        kind, choices, default = meta["kind"], meta["choices"], DEFAULTS[name]
+        shown = "" if default is MISSING else _shown_default(name, default)
+        shown = f" (default {shown})" if shown else ""
+        key = f"; {toml_key(name)} in the file" if toml_key(name) != name else ""
+        help_text = f"{meta['help']}{shown} [{env_var(name)}{key}]".replace("%", "%%")
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if kind == "bool" else {}
+        where.add_argument(
+            cli_flag(name),
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar="{" + ",".join(choices) + "}" if choices else _KINDS[kind].metavar,
+            help=argparse.SUPPRESS if name in BENCH_KNOBS else help_text,
+            **extra,
+        )
 
 
 def reference() -> str:
