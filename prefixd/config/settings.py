@@ -500,40 +500,31 @@ def toml_value(value: Any) -> str:
 
 
 def validated(name: str, value: Any) -> Any:
-    """The normalized value of one setting, or ConfigError "<name>: <problem>"."""
+    """The normalized value of one setting, or ConfigError "<name>: <problem>": its kind's type
+    and range, then what that setting alone needs (_CHECKS)."""
     if name in STORE_SETTINGS:
         return getattr(StoreConfig(path=Path("."), **{name: value}), name)
-    meta = META[name]
-    kind = meta["kind"]
-    if meta["optional"] and value in (None, ""):
+    if META[name]["optional"] and value in (None, ""):
         return None  # an optional path left empty: the feature is off
+    value = _typed(name, value, META[name])
+    if value and name in _CHECKS:
+        try:
+            _CHECKS[name](value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    return value
+
+
+def _typed(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
+    kind = meta["kind"]
     if kind == "path":
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ConfigError(f"{name}: must be a path, got {value!r}")
-        path = Path(value)
-        if name == "socket" and len(os.fsencode(path)) > SOCKET_PATH_MAX:
-            raise ConfigError(
-                f"{name}: {path} is {len(os.fsencode(path))} bytes long, a Unix socket path can be "
-                f"at most {SOCKET_PATH_MAX}; choose a shorter one"
-            )
-        if name == "metrics_textfile" and path.suffix != ".prom":
-            raise ConfigError(
-                f"{name}: {path} does not end in .prom, and node_exporter's textfile collector "
-                "reads only *.prom files"
-            )
-        return path
+        return Path(value)
     if kind == "entries":  # model_manifests, tenant_policy (store settings: StoreConfig above)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}: must be a list of NAME=VALUE entries")
-        entries = tuple(value)
-        if name == "tenant_policy":
-            TenantPolicy(entries, os.geteuid())  # raises ConfigError naming what is wrong
-            return entries
-        try:
-            parse_manifests(entries)
-        except ValueError as exc:
-            raise ConfigError(f"{name}: {exc}") from None
-        return entries
+        return tuple(value)
     if kind == "ids":
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: must be a list of integers, got {type(value).__name__}")
@@ -543,13 +534,6 @@ def validated(name: str, value: Any) -> Any:
     if kind == "text":
         if not isinstance(value, str) or len(value) > 4096 or "\n" in value:
             raise ConfigError(f"{name}: must be one line of text, got {value!r}")
-        if name == "instance" and value:
-            check_instance(value)
-        if name == "daemon_user" and value:
-            try:
-                resolve_user(value)
-            except ConfigError as exc:
-                raise ConfigError(f"{name}: {exc}") from None
         return value
     if kind == "bool":  # only the daemon's own (the store's are StoreConfig's, above)
         if not isinstance(value, bool):
@@ -567,6 +551,41 @@ def validated(name: str, value: Any) -> Any:
         return float(value)
     _check_int(name, kind, value, meta["low"], meta["high"])
     return value
+
+
+def _short_socket(path: Path) -> None:
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        raise ValueError(
+            f"{path} is {len(os.fsencode(path))} bytes long, a Unix socket path can be at most "
+            f"{SOCKET_PATH_MAX}; choose a shorter one"
+        )
+
+
+def _prom_file(path: Path) -> None:
+    if path.suffix != ".prom":
+        raise ValueError(
+            f"{path} does not end in .prom, and node_exporter's textfile collector reads only "
+            "*.prom files"
+        )
+
+
+def _known_user(user: str) -> None:
+    try:
+        resolve_user(user)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+# What a setting needs besides its kind's checks, for a value given (not empty): a ValueError is
+# named after the setting, a ConfigError says it all.
+_CHECKS: dict[str, Callable[[Any], object]] = {
+    "socket": _short_socket,
+    "metrics_textfile": _prom_file,
+    "tenant_policy": lambda entries: TenantPolicy(entries, os.geteuid()),
+    "model_manifests": lambda entries: parse_manifests(entries),  # defined below
+    "instance": check_instance,
+    "daemon_user": _known_user,
+}
 
 
 def _check_int(name: str, kind: str, value: Any, low: int, high: int) -> None:
