@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixd.daemon.config_sources import config_from_sources
+from prefixd.config.sources import config_from_sources
 
 from .daemon.conftest import command_env, daemon_env
 from .hermetic import (

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The whole command line (also what shell completion is generated from)."""
-    from prefixd.daemon.config_sources import add_arguments
+    from prefixd.config.sources import add_arguments
 
     top = argparse.ArgumentParser(
         prog="prefixd",

@@ -6,35 +6,18 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T", int, float)
 
 
 def add_daemon_arguments(where: Any, *, data_dir: bool) -> None:
-    """The flags that say which store and daemon a command means, as `serve` reads them (each
-    also a PREFIXD_* variable and a TOML key): every command that talks to a daemon has them."""
-    where.add_argument("--config", type=Path, metavar="FILE", help="TOML settings [PREFIXD_CONFIG]")
-    if data_dir:
-        where.add_argument(
-            "--data-dir", metavar="PATH", help="the store (default: as serve) [PREFIXD_DATA_DIR]"
-        )
-    where.add_argument(
-        "--socket", metavar="PATH", help="the daemon's socket (default: as serve) [PREFIXD_SOCKET]"
-    )
-    where.add_argument(
-        "--instance",
-        metavar="NAME",
-        help="which of the node's daemons (prefixd@NAME): its default store and socket "
-        "[PREFIXD_INSTANCE]",
-    )
-    where.add_argument(
-        "--daemon-user",
-        metavar="USER",
-        help="the user the daemon runs as, trusted besides root, you and prefixd "
-        "[PREFIXD_DAEMON_USER]",
-    )
+    """The flags that say which store and daemon a command means, as `serve` has them (each also
+    a PREFIXD_* variable and a TOML key): every command that talks to a daemon has them."""
+    from prefixd.config.sources import add_config_flag, add_setting_flags
+
+    add_config_flag(where)
+    add_setting_flags(where, ("data_dir",) * data_dir + ("socket", "instance", "daemon_user"))
 
 
 def positive(parse: Callable[[str], T], what: str, unit: str) -> Callable[[str], T]:

@@ -34,7 +34,7 @@ DURATION_UNITS = "ms, s, m, h, d"
 
 
 def serve(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.daemon.config_sources import config_from_args
+    from prefixd.config.sources import config_from_args
     from prefixd.daemon.server import Server, run_server
 
     config = config_from_args(args, os.environ)

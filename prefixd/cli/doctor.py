@@ -109,9 +109,9 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.daemon.config_sources import config_and_given
+    from prefixd.config.sources import config_and_given
 
-    cli = {"socket": args.socket, "instance": args.instance, "daemon_user": args.daemon_user}
+    cli = {name: getattr(args, name, None) for name in ("socket", "instance", "daemon_user")}
     config = config_and_given(cli, os.environ, args.config)[0]
     account = _account(args.as_user) if args.as_user is not None else _me()
 

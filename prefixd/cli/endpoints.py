@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixd.daemon.config import Config
-from prefixd.daemon.config_sources import config_and_given
+from prefixd.config.settings import Config
+from prefixd.config.sources import config_and_given
 from prefixd.errors import (
     ConfigError,
     DaemonUnavailableError,

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 
+from prefixd.config.policy import EVERYTHING, Grant
 from prefixd.daemon.inbox import Frame, Inbox, close_fds
 from prefixd.daemon.operations import AnyReply, Operations, Request
 from prefixd.daemon.outbox import Outbox
-from prefixd.daemon.policy import EVERYTHING, Grant
 from prefixd.errors import ProtocolError, RequestError
 from prefixd.wire.decoding import decode_request
 from prefixd.wire.errors import ErrorCode, code_of

@@ -24,12 +24,12 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from prefixd.config.events import EventSettings
 from prefixd.errors import ConfigError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.store.journal import BlockChange
@@ -44,7 +44,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay, as vLLM's publi
 # The publisher wakes this often to send what is queued, or at once when a whole batch waits: a
 # thread woken at every commit would take the interpreter from the writers each time.
 POLL_S = 0.02
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 # --- vLLM's wire format (vllm/distributed/kv_events.py, 0.32.0), written from its source -------
 
@@ -93,46 +92,6 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 # --- what is published ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EventSettings:
-    endpoint: str
-    replay_endpoint: str = ""
-    tenants: frozenset[str] = frozenset()  # "*": every tenant
-    hash_only: bool = False
-    queue_events: int = 100_000  # changes waiting for the publisher; more are dropped
-    replay_batches: int = 10_000  # batches the replay endpoint can answer from
-    inventory_rate: int = 100_000  # blocks announced per second after a start
-    topic: str = ""
-
-    @classmethod
-    def parse(cls, endpoint: str, tenants: str, **options: Any) -> EventSettings:
-        """Settings from the daemon's flags; ConfigError for an endpoint that is neither an
-        ipc:// path nor a loopback tcp:// address (events name prompts: never off the node)."""
-        check_endpoint("kv_events_endpoint", endpoint)
-        if options.get("replay_endpoint"):
-            check_endpoint("kv_events_replay_endpoint", options["replay_endpoint"])
-        named = frozenset(t.strip() for t in tenants.split(",") if t.strip())
-        return cls(endpoint=endpoint, tenants=named, **options)
-
-    def publishes(self, change: BlockChange) -> bool:
-        if "*" in self.tenants:
-            return True
-        return change.identity is not None and change.identity.tenant in self.tenants
-
-
-def check_endpoint(name: str, endpoint: str) -> None:
-    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
-        return
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        if host in LOOPBACK_HOSTS and port.isdigit() and 0 < int(port) < 65536:
-            return
-    raise ConfigError(
-        f"{name}: must be ipc://PATH or tcp://127.0.0.1:PORT (a loopback address: events "
-        "carry prompt token ids)"
-    )
 
 
 def event_of(change: BlockChange, hash_only: bool) -> Event:
@@ -348,7 +307,5 @@ __all__ = [
     "BlockStored",
     "EventBatch",
     "EventPublisher",
-    "EventSettings",
-    "check_endpoint",
     "event_of",
 ]

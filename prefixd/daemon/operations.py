@@ -622,7 +622,7 @@ def _check_protocol(msg: Hello) -> None:
 
 
 def _may_use(conn: Connection, tenant: str) -> None:
-    """Refuse a tenant the peer's grant (prefixd.daemon.policy) does not name."""
+    """Refuse a tenant the peer's grant (prefixd.config.policy) does not name."""
     if not conn.grant.may_use(tenant):
         raise ProtocolError(ErrorCode.FORBIDDEN, f"uid {conn.uid} may not use tenant {tenant!r}")
 

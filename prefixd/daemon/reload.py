@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prefixd.config.policy import TenantPolicy
+from prefixd.config.settings import SETTINGS, Config, parse_manifests
 from prefixd.daemon import systemd
-from prefixd.daemon.config import SETTINGS, Config, parse_manifests
-from prefixd.daemon.policy import TenantPolicy
 from prefixd.errors import PrefixdError
 
 if TYPE_CHECKING:

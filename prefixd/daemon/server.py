@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefixd.clock import Clock, SystemClock
+from prefixd.config.policy import TenantPolicy
+from prefixd.config.settings import parse_manifests
 from prefixd.daemon import systemd
-from prefixd.daemon.config import parse_manifests
 from prefixd.daemon.connection import Connection, reply_and_close
 from prefixd.daemon.events import EventPublisher
 from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import Operations
-from prefixd.daemon.policy import TenantPolicy
 from prefixd.daemon.reload import Reloader
 from prefixd.daemon.watchers import ManifestWatcher, Retire
 from prefixd.daemon.work import WorkPool
@@ -49,7 +49,7 @@ from prefixd.wire.errors import ErrorCode
 
 if TYPE_CHECKING:
     from prefixd.cluster.bridge import SharedTierBridge
-    from prefixd.daemon.config import Config
+    from prefixd.config.settings import Config
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,7 @@ def test_a_socket_where_no_daemon_answers_is_an_error_not_the_default_store(
     fill(default)
     typo = tmp_path / "no-such-dir" / "typo.sock"
     settings = tmp_path / "prefixd.toml"
-    settings.write_text(f'socket = "{typo}"\n')
+    settings.write_text(f'[socket]\npath = "{typo}"\n')
     ways = (
         ("--socket", ["--socket", str(typo)], {}),
         ("PREFIXD_SOCKET", [], {"PREFIXD_SOCKET": str(typo)}),

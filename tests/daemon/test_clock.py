@@ -16,7 +16,7 @@ import pytest
 
 from prefixd.client import Client
 from prefixd.clock import ManualClock
-from prefixd.daemon.config import Config
+from prefixd.config.settings import Config
 from prefixd.daemon.server import Server
 
 from .conftest import DEADLINE_S, IDENTITY, payload, wait_for

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from prefixd import Store
+from prefixd.config.policy import EVERYTHING
 from prefixd.daemon.operations import LOOP_TOKEN_BYTES, Operations, Request
-from prefixd.daemon.policy import EVERYTHING
 from prefixd.wire.messages import Lookup, Prompt, WireIdentity
 
 from .conftest import IDENTITY

@@ -622,7 +622,7 @@ def test_unit_runs_the_install_the_readme_gives() -> None:
 
 def test_unit_files_name_only_real_settings() -> None:
     """Every PREFIXD_* variable the unit files mention is one the daemon's Config accepts."""
-    config = pytest.importorskip("prefixd.daemon.config")
+    config = pytest.importorskip("prefixd.config.settings")
     known = {config.CONFIG_ENV} | {config.env_var(name) for name in config.SETTINGS}
     mentioned: set[str] = set()
     for name in (*UNITS, *TEMPLATES, "prefixd.conf.example", *DROP_INS.values()):

@@ -1,4 +1,4 @@
-"""Who may act for which tenant (prefixd.daemon.policy), tested as the attack: a second uid
+"""Who may act for which tenant (prefixd.config.policy), tested as the attack: a second uid
 (`nobody`, when the tests run as root) allowed on the socket reads, poisons, retires and purges
 other tenants' entries. With a tenant policy every one of those is refused as `forbidden`,
 naming the tenant, and counted; without one (a single-engine node) nothing changes, and the

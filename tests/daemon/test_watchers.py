@@ -10,7 +10,7 @@ import pytest
 
 from prefixd import Identity
 from prefixd.client import Client
-from prefixd.daemon.config import parse_manifests
+from prefixd.config.settings import parse_manifests
 from prefixd.daemon.watchers import fingerprint
 
 from .conftest import DaemonFactory, wait_for

@@ -10,9 +10,9 @@ from typing import Any, get_type_hints
 
 import pytest
 
-from prefixd.daemon import config as cfg
-from prefixd.daemon.config import Config, cli_flag, env_var
-from prefixd.daemon.config_sources import add_arguments, config_from_args, config_from_sources
+from prefixd.config import settings as cfg
+from prefixd.config.settings import Config, cli_flag, env_var
+from prefixd.config.sources import add_arguments, config_from_args, config_from_sources
 from prefixd.errors import ConfigError
 from prefixd.store.config import Durability, StoreConfig
 
@@ -476,8 +476,105 @@ def test_a_cluster_table_maps_onto_the_cluster_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="0 or at least 16MiB"):
         load(env={"PREFIXD_CLUSTER_SEGMENT_BYTES": "8MiB"})
     file.write_text('[cluster]\nmastr = "x"\n')
-    with pytest.raises(ConfigError, match="cluster_mastr"):
+    with pytest.raises(ConfigError, match=r"\[cluster\] mastr \(did you mean master\?\)"):
         load(file=file)
     file.write_text('cluster = "x"\n')
     with pytest.raises(ConfigError, match="must be a table"):
         load(file=file)
+
+
+# --- tables, and the flat keys and benchmark knobs of the old surface ------------------------------
+
+
+def test_every_setting_is_in_one_table_under_a_distinct_key() -> None:
+    assert sorted(cfg.TABLE_OF) == sorted(cfg.SETTINGS)
+    assert sum(map(len, cfg.TABLES.values())) == len(cfg.SETTINGS)
+    assert len(cfg.TABLES) <= 7
+    for names in cfg.TABLES.values():
+        keys = [cfg.toml_key(name) for name in names]
+        assert len(set(keys)) == len(keys)
+    assert cfg.toml_name("socket_mode") == "[socket] mode"
+    assert cfg.toml_name("kv_events_endpoint") == "[events] endpoint"
+    assert cfg.toml_name("map_size") == "[store] map_size"
+
+
+def test_settings_load_from_their_tables(base_env: dict[str, str], tmp_path: Path) -> None:
+    file = write_toml(
+        tmp_path / "p.toml",
+        '[store]\nmap_size = "1GiB"\nworkers = 8\n[socket]\nmode = "0600"\nallowed_uids = [7]\n'
+        '[tenants]\nttls = ["a=7d"]\n[limits]\nshutdown_grace_s = "2s"\n[metrics]\nport = 9464\n',
+    )
+    config = load(env=base_env, file=file)
+    assert (config.map_size, config.workers, config.socket_mode) == (GiB, 8, 0o600)
+    assert (config.allowed_uids, config.tenant_ttls) == ((7,), ("a=7d",))
+    assert (config.shutdown_grace_s, config.metrics_port) == (2.0, 9464)
+
+
+def test_a_flat_key_still_works_and_is_warned_naming_its_table(
+    base_env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    file = write_toml(tmp_path / "p.toml", 'socket_mode = "0600"\nworkers = 8\n')
+    with caplog.at_level("WARNING", logger="prefixd.config"):
+        config = load(env=base_env, file=file)
+    assert (config.socket_mode, config.workers) == (0o600, 8)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2
+    assert "socket_mode at the top level" in warnings[0] and "[socket] mode" in warnings[0]
+    assert "[store] workers" in warnings[1]
+
+
+def test_a_flat_key_and_its_table_key_must_agree(base_env: dict[str, str], tmp_path: Path) -> None:
+    file = write_toml(tmp_path / "p.toml", "workers = 8\n[store]\nworkers = 4\n")
+    with pytest.raises(ConfigError, match=r"^workers: set to 8 by workers in .* \[store\] workers"):
+        load(env=base_env, file=file)
+    write_toml(file, "workers = 8\n[store]\nworkers = 8\n")
+    assert load(env=base_env, file=file).workers == 8
+
+
+def test_unknown_keys_of_a_table_are_rejected(base_env: dict[str, str], tmp_path: Path) -> None:
+    file = write_toml(tmp_path / "p.toml", "[socket]\nmod = 0o600\n[store]\nsocket_mode = 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load(env=base_env, file=file)
+    assert "[socket] mod (did you mean mode?)" in str(caught.value)
+    assert "[store] socket_mode" in str(caught.value)  # each setting in its own table only
+
+
+def test_benchmark_knobs_are_not_listed_but_still_taken_with_a_warning(
+    base_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    listed = parser.format_help()
+    for name in cfg.BENCH_KNOBS:
+        assert cli_flag(name) not in listed
+    assert "--map-size" in listed and "[store] settings" in listed
+    with caplog.at_level("WARNING", logger="prefixd.config"):
+        config = load({"eviction": "lru"}, base_env)
+    assert config.store_config().eviction == "lru"
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["eviction"]
+    assert "eviction" not in load(env=base_env).toml()
+    assert 'eviction = "lru"' in config.toml()  # set, it is printed, so the file round-trips
+
+
+def test_print_config_is_a_file_of_tables_that_loads_back(
+    base_env: dict[str, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = load(
+        {
+            "socket_mode": "0640",
+            "allowed_gids": "27,100",
+            "durability": "full",
+            "kv_events_tenants": 'a "quoted" name',
+            "cluster_timeout_s": "500ms",
+            "tenant_quotas": "a=1GiB",
+            "socket": str(tmp_path / "s.sock"),
+        },
+        base_env,
+    )
+    printed = config.toml()
+    tables = [line for line in printed.splitlines() if line.startswith("[")]
+    assert tables == [f"[{table}]" for table in cfg.TABLES]
+    file = write_toml(tmp_path / "printed.toml", printed)
+    with caplog.at_level("WARNING", logger="prefixd.config"):
+        assert load(file=file) == config
+    assert not caplog.records  # no flat key in what is printed

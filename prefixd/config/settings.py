@@ -1,22 +1,20 @@
 """Settings of `prefixd serve`: one typed Config fed by a TOML file, PREFIXD_* variables and flags.
 
-Every setting has exactly one name per source, derived from its field name, never from a table:
+Each setting has one name per source: its field name gives the flag and the variable, its table
+(TABLES) the TOML key:
 
-    field      TOML key (top level)   environment          flag
-    workers    workers = 8            PREFIXD_WORKERS=8    --workers 8
+    field        TOML                     environment            flag
+    workers      [store] workers = 8      PREFIXD_WORKERS=8      --workers 8
+    socket_mode  [socket] mode = "0660"   PREFIXD_SOCKET_MODE    --socket-mode
 
-The TOML file holds the settings as top-level keys; there is no `[prefixd]` table, so the output
-of `prefixd serve --print-config` is itself a valid file. Relative paths in the file are relative to
-the file's directory; relative paths from flags and the environment are relative to the working
-directory. The file is named by `--config` or PREFIXD_CONFIG.
+The file's tables are those of `prefixd serve --print-config`, itself a valid file; a setting as a
+top-level key (the old flat file) still works, with a warning naming its table. Relative paths in
+the file are relative to its directory, those of flags and variables to the working directory.
 
 There is no precedence: a setting given by two sources must have the same value in both (compared
-after parsing, so "16MiB" and 16777216 agree), else ConfigError names both sources: nobody has to
-guess whether a unit file's Environment= or the config file won. Unknown TOML keys and unknown
-PREFIXD_* variables are errors, so a misspelt setting is never silently ignored.
-
-This module holds the settings and their checks; `config_sources` reads them from the three
-sources and agrees them into one Config.
+after parsing, so "16MiB" and 16777216 agree), else ConfigError names both sources. Unknown keys and
+unknown PREFIXD_* variables are errors, so a misspelt setting is never silently ignored.
+`prefixd.config.sources` reads the sources and agrees them into one Config.
 """
 
 from __future__ import annotations
@@ -29,8 +27,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from prefixd.daemon.events import EventSettings
-from prefixd.daemon.policy import TenantPolicy
+from prefixd.config.events import EventSettings
+from prefixd.config.policy import TenantPolicy
 from prefixd.errors import ConfigError
 from prefixd.paths import check_instance
 from prefixd.store.config import (
@@ -274,8 +272,7 @@ class Config:
     )
     cluster_master: str = _setting(
         "text",
-        "the Mooncake master (HOST:PORT) of a shared tier behind the local store (empty: off); "
-        "in a TOML file, `master` under [cluster]",
+        "the Mooncake master (HOST:PORT) of a shared tier behind the local store (empty: off)",
         "",
     )
     cluster_metadata: str = _setting(
@@ -328,7 +325,11 @@ class Config:
         "min_compression_gain", "float", "store a block raw unless compression saves this fraction"
     )
     chunk_bytes: int = _store("chunk_bytes", "size", "payload chunk size (even)")
-    verify_threads: int = _store("verify_threads", "int", "threads verifying checksums on reads")
+    verify_threads: int = _store(
+        "verify_threads",
+        "int",
+        "threads verifying checksums on reads (default about one per usable core, at least 2)",
+    )
     readahead: bool = _store("readahead", "bool", "let the OS read ahead in the data file")
     read_path: str = _store(
         "read_path",
@@ -406,12 +407,19 @@ class Config:
         return {name: plain(name, getattr(self, name)) for name in SETTINGS}
 
     def toml(self) -> str:
-        """The effective settings as a TOML file `--config` accepts, each with its help."""
+        """The effective settings as a TOML file `--config` accepts, a table per group, each
+        setting with its help; a benchmark knob only where it is not its default."""
+        described = self.describe()
         lines = []
-        for name, value in self.describe().items():
-            lines.append(f"# {META[name]['help']}")
-            lines.append(f"{name} = {_toml_value(value)}")
-        return "\n".join(lines) + "\n"
+        for table, names in TABLES.items():
+            lines.append(f"[{table}]")
+            for name in names:
+                if name in BENCH_KNOBS and getattr(self, name) == DEFAULTS[name]:
+                    continue
+                lines.append(f"# {META[name]['help']}")
+                lines.append(f"{toml_key(name)} = {toml_value(described[name])}")
+            lines.append("")
+        return "\n".join(lines)
 
 
 SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(Config))
@@ -419,6 +427,52 @@ STORE_SETTINGS: tuple[str, ...] = tuple(
     f.name for f in fields(StoreConfig) if f.name not in ("path", "create")
 )
 META: dict[str, Mapping[str, Any]] = {f.name: f.metadata for f in fields(Config)}
+DEFAULTS = {f.name: f.default for f in fields(Config)}
+
+# The TOML tables, each setting in one (in --help's and --print-config's order); a table's key
+# drops the prefix its settings share: [cluster] master is cluster_master, [socket] mode is
+# socket_mode.
+TABLES: dict[str, tuple[str, ...]] = {
+    table: tuple(names.split())
+    for table, names in {
+        "store": "data_dir instance workers model_manifests map_size durability sync_interval_s "
+        "compression zstd_level min_compression_gain chunk_bytes verify_threads readahead "
+        "read_path max_readers verified_cache_bytes capacity_bytes high_watermark low_watermark "
+        "eviction",
+        "socket": "socket socket_mode daemon_user allowed_uids allowed_gids",
+        "tenants": "tenant_policy tenant_quota_bytes tenant_quotas tenant_ttls share_groups",
+        "limits": "max_connections max_connections_per_uid max_inflight max_frame_bytes "
+        "max_region_bytes max_prompt_tokens max_request_tokens min_reusable_tokens "
+        "handshake_timeout_s frame_timeout_s idle_timeout_s load_deadline_s shutdown_grace_s",
+        "metrics": "metrics_port metrics_address metrics_textfile metrics_interval_s "
+        "metrics_textfile_mode prefill_tokens_per_s log_level",
+        "events": " ".join(name for name in SETTINGS if name.startswith("kv_events_")),
+        "cluster": " ".join(name for name in SETTINGS if name.startswith("cluster_")),
+    }.items()
+}
+TABLE_PREFIXES = {
+    "socket": "socket_",
+    "tenants": "tenant_",
+    "metrics": "metrics_",
+    "events": "kv_events_",
+    "cluster": "cluster_",
+}
+TABLE_OF = {name: table for table, names in TABLES.items() for name in names}
+# Knobs that exist to compare against in bench/ (eviction=lru, the cluster client inline, a read
+# path forced): not in serve's --help nor the settings reference; a benchmark sets them through
+# StoreConfig, and serve still takes them for one release, with a warning.
+BENCH_KNOBS = ("eviction", "read_path", "cluster_client")
+
+
+def toml_key(name: str) -> str:
+    """The key of a setting in its table: cluster_master -> master, socket -> path."""
+    key = name.removeprefix(TABLE_PREFIXES.get(TABLE_OF[name], "\0"))
+    return "path" if key == "socket" else key
+
+
+def toml_name(name: str) -> str:
+    """The setting as a TOML file names it, for messages: [cluster] master."""
+    return f"[{TABLE_OF[name]}] {toml_key(name)}"
 
 
 def env_var(name: str) -> str:
@@ -431,14 +485,14 @@ def cli_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     """A TOML value: JSON's string escapes are TOML's too, and arrays read the same."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
     return json.dumps(str(value), ensure_ascii=False)
 
 
@@ -446,40 +500,31 @@ def _toml_value(value: Any) -> str:
 
 
 def validated(name: str, value: Any) -> Any:
-    """The normalized value of one setting, or ConfigError "<name>: <problem>"."""
+    """The normalized value of one setting, or ConfigError "<name>: <problem>": its kind's type
+    and range, then what that setting alone needs (_CHECKS)."""
     if name in STORE_SETTINGS:
         return getattr(StoreConfig(path=Path("."), **{name: value}), name)
-    meta = META[name]
-    kind = meta["kind"]
-    if meta["optional"] and value in (None, ""):
+    if META[name]["optional"] and value in (None, ""):
         return None  # an optional path left empty: the feature is off
+    value = _typed(name, value, META[name])
+    if value and name in _CHECKS:
+        try:
+            _CHECKS[name](value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    return value
+
+
+def _typed(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
+    kind = meta["kind"]
     if kind == "path":
         if not isinstance(value, (str, os.PathLike)) or not str(value):
             raise ConfigError(f"{name}: must be a path, got {value!r}")
-        path = Path(value)
-        if name == "socket" and len(os.fsencode(path)) > SOCKET_PATH_MAX:
-            raise ConfigError(
-                f"{name}: {path} is {len(os.fsencode(path))} bytes long, a Unix socket path can be "
-                f"at most {SOCKET_PATH_MAX}; choose a shorter one"
-            )
-        if name == "metrics_textfile" and path.suffix != ".prom":
-            raise ConfigError(
-                f"{name}: {path} does not end in .prom, and node_exporter's textfile collector "
-                "reads only *.prom files"
-            )
-        return path
+        return Path(value)
     if kind == "entries":  # model_manifests, tenant_policy (store settings: StoreConfig above)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}: must be a list of NAME=VALUE entries")
-        entries = tuple(value)
-        if name == "tenant_policy":
-            TenantPolicy(entries, os.geteuid())  # raises ConfigError naming what is wrong
-            return entries
-        try:
-            parse_manifests(entries)
-        except ValueError as exc:
-            raise ConfigError(f"{name}: {exc}") from None
-        return entries
+        return tuple(value)
     if kind == "ids":
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: must be a list of integers, got {type(value).__name__}")
@@ -489,13 +534,6 @@ def validated(name: str, value: Any) -> Any:
     if kind == "text":
         if not isinstance(value, str) or len(value) > 4096 or "\n" in value:
             raise ConfigError(f"{name}: must be one line of text, got {value!r}")
-        if name == "instance" and value:
-            check_instance(value)
-        if name == "daemon_user" and value:
-            try:
-                resolve_user(value)
-            except ConfigError as exc:
-                raise ConfigError(f"{name}: {exc}") from None
         return value
     if kind == "bool":  # only the daemon's own (the store's are StoreConfig's, above)
         if not isinstance(value, bool):
@@ -513,6 +551,41 @@ def validated(name: str, value: Any) -> Any:
         return float(value)
     _check_int(name, kind, value, meta["low"], meta["high"])
     return value
+
+
+def _short_socket(path: Path) -> None:
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        raise ValueError(
+            f"{path} is {len(os.fsencode(path))} bytes long, a Unix socket path can be at most "
+            f"{SOCKET_PATH_MAX}; choose a shorter one"
+        )
+
+
+def _prom_file(path: Path) -> None:
+    if path.suffix != ".prom":
+        raise ValueError(
+            f"{path} does not end in .prom, and node_exporter's textfile collector reads only "
+            "*.prom files"
+        )
+
+
+def _known_user(user: str) -> None:
+    try:
+        resolve_user(user)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+# What a setting needs besides its kind's checks, for a value given (not empty): a ValueError is
+# named after the setting, a ConfigError says it all.
+_CHECKS: dict[str, Callable[[Any], object]] = {
+    "socket": _short_socket,
+    "metrics_textfile": _prom_file,
+    "tenant_policy": lambda entries: TenantPolicy(entries, os.geteuid()),
+    "model_manifests": lambda entries: parse_manifests(entries),  # defined below
+    "instance": check_instance,
+    "daemon_user": _known_user,
+}
 
 
 def _check_int(name: str, kind: str, value: Any, low: int, high: int) -> None:
