@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import msgpack
 import numpy as np
@@ -54,7 +54,7 @@ class Honest:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> Honest:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -50,14 +50,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from localmaster import LocalMaster, master_binary  # noqa: E402
-from suitelib import SuiteDaemon, machine_info, ratio  # noqa: E402
+from localmaster import LocalMaster, master_binary
+from suitelib import SuiteDaemon, machine_info, ratio
 
-from prefixd import Identity  # noqa: E402
-from prefixd.client import Client  # noqa: E402
-from prefixd.cluster.blocks import block_key  # noqa: E402
-from prefixd.cluster.mooncake import SharedTier  # noqa: E402
-from prefixd.schema.chain import BlockChain  # noqa: E402
+from prefixd import Identity
+from prefixd.client import Client
+from prefixd.cluster.blocks import block_key
+from prefixd.cluster.mooncake import SharedTier
+from prefixd.schema.chain import BlockChain
 
 BLOCK_TOKENS = 256
 # node B's own seconds per stage of a remote hit (its bridge's counters): fetching from the tier,

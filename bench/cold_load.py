@@ -160,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                     if round_:
                         samples.add(f"{kind}_{read_path}", seconds)
             if round_:
-                log(
-                    "round %d: %s"
-                    % (round_, "  ".join(f"{k} {v[-1]:.3f}s" for k, v in samples.seconds.items()))
-                )
+                times = "  ".join(f"{k} {v[-1]:.3f}s" for k, v in samples.seconds.items())
+                log(f"round {round_}: {times}")
         rate = {k: gbps(total, samples.median(k)) for k in samples.seconds}
         rate["readinto"] = gbps(length, samples.median("readinto"))
         rate["cold_readinto"] = gbps(length, samples.median("cold_readinto"))

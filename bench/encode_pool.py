@@ -42,7 +42,7 @@ def measure(blocks: int, block_kib: int, puts: int, rounds: int) -> dict[str, An
     rule = codec.POOL_MIN_RAW_BYTES
     thresholds = {"rule": rule, "always_pool": 0}
     rates: dict[str, list[float]] = {name: [] for name in thresholds}
-    with tempfile.TemporaryDirectory(prefix="prefixd-encode-pool-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="prefixd-encode-pool-") as tmp:  # noqa: SIM117
         with Store.open(Path(tmp) / "store", map_size=MAP_SIZE) as store:
             try:
                 for round_ in range(1 + rounds):

@@ -33,7 +33,7 @@ from suitelib import SuiteDaemon, machine_info, ratio
 from prefixd.client import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import router  # noqa: E402  (examples/router.py)
+import router
 
 BLOCK_BYTES = 64 << 10
 BLOCKS_PER_PUT = 16
@@ -90,7 +90,7 @@ def put_cost(root: Path, *, puts: int, rounds: int) -> dict[str, Any]:
                 order = daemons[round_ % 3 :] + daemons[: round_ % 3]  # each goes first in turn
                 for name, client, pid in order:
                     cpu = cpu_seconds(pid)
-                    seconds, _ = timed(lambda c=client: put_round(c, round_ * 7, puts, payloads))
+                    seconds, _ = timed(lambda c=client: put_round(c, round_ * 7, puts, payloads))  # noqa: B023
                     if round_:
                         samples.add(name, seconds)
                         samples.add(f"{name}_cpu", cpu_seconds(pid) - cpu)

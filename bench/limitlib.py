@@ -227,9 +227,9 @@ class FileSyncer:
 
 
 __all__ = [
-    "Preset",
     "MAP_SIZE",
     "FileSyncer",
+    "Preset",
     "RawLmdb",
     "Target",
     "interleaved",

@@ -38,12 +38,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from suitelib import SuiteDaemon  # noqa: E402
+from suitelib import SuiteDaemon
 
-from prefixd import Store  # noqa: E402
-from prefixd.integrations.lmcache import l2_adapter_config  # noqa: E402
-from prefixd.schema.chain import chain_hashes  # noqa: E402
-from tests.integrations.lmcache.harness import (  # noqa: E402
+from prefixd import Store
+from prefixd.integrations.lmcache import l2_adapter_config
+from prefixd.schema.chain import chain_hashes
+from tests.integrations.lmcache.harness import (
     keys,
     load,
     lookup_and_lock,
@@ -51,7 +51,7 @@ from tests.integrations.lmcache.harness import (  # noqa: E402
     payload_objs,
     store,
 )
-from tests.store.test_faults import corrupt_stored_chunk  # noqa: E402
+from tests.store.test_faults import corrupt_stored_chunk
 
 MiB = 1 << 20
 
@@ -66,9 +66,7 @@ def build(spec: dict[str, Any]) -> Any:
 
     parser = argparse.ArgumentParser()
     add_l2_adapters_args(parser)
-    config = parse_args_to_l2_adapters_config(
-        parser.parse_args(["--l2-adapter", json.dumps(spec)])
-    )
+    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)]))
     return create_l2_adapter_from_registry(config.adapters[0])
 
 
@@ -226,7 +224,9 @@ def main() -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{args.objects} objects of {args.object_mib} MiB, memcpy {report['memcpy_gbps']} GB/s")
+        print(
+            f"{args.objects} objects of {args.object_mib} MiB, memcpy {report['memcpy_gbps']} GB/s"
+        )
         for r in report["results"]:
             print(
                 f"{r['adapter']:>11}: store {r['store_gbps']} GB/s, load {r['load_gbps']} GB/s, "

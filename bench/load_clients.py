@@ -152,7 +152,7 @@ def _client_main(
                 kind = "memcpy" if phase == "memcpy" else "load"
                 timings.append((step, kind, started, ended, cpu))
                 barrier.wait(PHASE_TIMEOUT_S)
-    except BaseException as exc:  # reported to the parent, which fails the run
+    except BaseException as exc:  # reported to the parent, which fails the run  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
         barrier.abort()
     results.put((index, timings, error))
@@ -183,7 +183,7 @@ def _loop_client(
                     if sum(loaded.sizes) != nbytes:
                         raise RuntimeError(f"loaded {sum(loaded.sizes)} of {nbytes} bytes")
                 latencies.append(time.perf_counter() - began)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {exc}"
         start.abort()
     results.put((index, latencies, error))

@@ -41,17 +41,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from tests.integrations.sglang.standin import install  # noqa: E402
+from tests.integrations.sglang.standin import install
 
 install()  # sglang's model configs import torchvision (see the stand-in's docstring)
 
-import torch  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from suitelib import SuiteDaemon  # noqa: E402
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from suitelib import SuiteDaemon
 
-from tests.integrations.sglang import harness  # noqa: E402
-from tests.integrations.sglang.harness import Controller, file_extra, fill, pages_of  # noqa: E402
+from tests.integrations.sglang import harness
+from tests.integrations.sglang.harness import Controller, file_extra, fill, pages_of
 
 PAGE = harness.PAGE
 LAYERS, HEADS, HEAD_DIM = 8, 8, 128  # bf16: 32 KiB of KV per token, 512 KiB per 16-token page

@@ -246,7 +246,7 @@ def bench_writes(
             store.close()
             shutil.rmtree(store.path)
         store = open_store(workdir / f"store-{round_}", settings)
-        seconds, stored = timed(lambda: put_all(store, ident, tokens, payloads, run_blocks))
+        seconds, stored = timed(lambda: put_all(store, ident, tokens, payloads, run_blocks))  # noqa: B023
         if stored != settings.n_blocks:
             raise RuntimeError(f"put stored {stored} of {settings.n_blocks} blocks")
         file_path.unlink(missing_ok=True)

@@ -40,9 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from suitelib import SuiteDaemon  # noqa: E402
+from suitelib import SuiteDaemon
 
-from tests.integrations.vllm.harness import Engine, context, prefixd_tier, request_keys  # noqa: E402
+from tests.integrations.vllm.harness import Engine, context, prefixd_tier, request_keys
 
 MiB = 1 << 20
 STEP_S = 0.001  # how often the scheduler steps while a load is under way (a short forward pass)

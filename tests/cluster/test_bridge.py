@@ -49,7 +49,7 @@ def loaded(store: Store) -> list[bytes]:
     return [bytes(out[o : o + n]) for o, n in zip(result.offsets, result.sizes, strict=True)]
 
 
-def test_a_cold_miss_is_served_from_another_nodes_publication(nodes) -> None:  # noqa: ANN001
+def test_a_cold_miss_is_served_from_another_nodes_publication(nodes) -> None:
     tier, (a, b), (bridge_a, bridge_b) = nodes
     publish(a, bridge_a, tier)
     assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
@@ -63,7 +63,7 @@ def test_a_cold_miss_is_served_from_another_nodes_publication(nodes) -> None:  #
     assert bridge_b.read_through(IDENT, TOKENS, 4) == 2
 
 
-def test_a_damaged_remote_value_is_never_installed(nodes) -> None:  # noqa: ANN001
+def test_a_damaged_remote_value_is_never_installed(nodes) -> None:
     tier, (a, b), (bridge_a, bridge_b) = nodes
     publish(a, bridge_a, tier)
     key = block_key(IDENT.digest, BlockChain(IDENT, TOKENS).hash(3))
@@ -78,8 +78,8 @@ def test_a_damaged_remote_value_is_never_installed(nodes) -> None:  # noqa: ANN0
     assert bridge_b.read_through(IDENT, TOKENS, 3) == 0
 
 
-def test_the_tier_down_costs_nothing_but_a_count(nodes) -> None:  # noqa: ANN001
-    tier, (a, b), (bridge_a, bridge_b) = nodes
+def test_the_tier_down_costs_nothing_but_a_count(nodes) -> None:
+    tier, (a, _b), (bridge_a, bridge_b) = nodes
     tier.down = True
     result = a.put(IDENT, TOKENS, PAYLOADS)
     bridge_a.published(IDENT, result.hashes)
@@ -89,7 +89,7 @@ def test_the_tier_down_costs_nothing_but_a_count(nodes) -> None:  # noqa: ANN001
     wait_for(lambda: bridge_a.snapshot().get("publish_errors", 0) > 0, "a publish error")
 
 
-def test_a_purge_removes_the_remote_copies(nodes) -> None:  # noqa: ANN001
+def test_a_purge_removes_the_remote_copies(nodes) -> None:
     tier, (a, _), (bridge_a, _) = nodes
     publish(a, bridge_a, tier)
     other = Identity(**{**IDENT.to_dict(), "tenant": "globex"})
@@ -100,7 +100,7 @@ def test_a_purge_removes_the_remote_copies(nodes) -> None:  # noqa: ANN001
     assert list(tier.objects) == [block_key(other.digest, b"\x01" * 16)]
 
 
-def test_the_benefit_model_skips_fetches_slower_than_prefill(nodes) -> None:  # noqa: ANN001
+def test_the_benefit_model_skips_fetches_slower_than_prefill(nodes) -> None:
     tier, (a, b), (bridge_a, bridge_b) = nodes
     publish(a, bridge_a, tier)
     b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])  # the store knows its bytes per block
@@ -109,7 +109,7 @@ def test_the_benefit_model_skips_fetches_slower_than_prefill(nodes) -> None:  # 
     assert bridge_b.snapshot()["remote_skipped_by_benefit"] == 1
 
 
-def test_a_stale_benefit_model_is_probed_and_forgotten(nodes) -> None:  # noqa: ANN001
+def test_a_stale_benefit_model_is_probed_and_forgotten(nodes) -> None:
     """A tier that was slow for a while (a master restarting) leaves the model advising against
     every fetch, and it learns only from fetches: one is made anyway every PROBE_S, and when it
     beats the prefill, the model starts over."""
@@ -136,7 +136,7 @@ def test_a_stale_benefit_model_is_probed_and_forgotten(nodes) -> None:  # noqa: 
     assert bridge_b.snapshot()["remote_benefit_probes"] == 1
 
 
-def test_a_read_through_fetches_a_batch_a_round_trip(nodes) -> None:  # noqa: ANN001
+def test_a_read_through_fetches_a_batch_a_round_trip(nodes) -> None:
     """Six blocks: one size, one batch get; a value longer than the room the first one's size
     gives is fetched alone; every block is installed."""
     tier, (a, b), (bridge_a, bridge_b) = nodes
@@ -151,11 +151,11 @@ def test_a_read_through_fetches_a_batch_a_round_trip(nodes) -> None:  # noqa: AN
 
 
 def test_a_read_through_counts_the_time_of_each_stage(
-    nodes, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+    nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Microseconds fetching, proving, installing and in the read-through in all, on a clock
     that ticks a millisecond a reading: what tells an operator where a remote hit's time goes."""
-    tier, (a, b), (bridge_a, bridge_b) = nodes
+    tier, (a, _b), (bridge_a, bridge_b) = nodes
     publish(a, bridge_a, tier)
     ticks = iter(range(1_000_000))
     clock = SimpleNamespace(perf_counter=lambda: next(ticks) / 1000, monotonic=time.monotonic)
@@ -168,7 +168,7 @@ def test_a_read_through_counts_the_time_of_each_stage(
 
 
 def test_batches_overlap_and_stop_at_the_first_failure(
-    nodes, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+    nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches of two blocks: a damaged value in the second batch stops the installs right
     before it, and a tier that fails mid-way leaves what came before it installed."""
@@ -185,13 +185,13 @@ def test_batches_overlap_and_stop_at_the_first_failure(
     third_fetched = threading.Event()
     fetch, prove = tier.get_many_into, bridge_b._proven
 
-    def fetch_and_tell(*args):  # noqa: ANN002, ANN202
+    def fetch_and_tell(*args):
         got = fetch(*args)
         if tier.calls["get_many_into"] == 3:
             third_fetched.set()
         return got
 
-    def prove_once_the_third_is_fetched(identity, chain, start, values):  # noqa: ANN001, ANN202
+    def prove_once_the_third_is_fetched(identity, chain, start, values):
         if start == 2:  # the second batch: the third is on its way meanwhile
             assert third_fetched.wait(10), "the third batch was not fetched during the proof"
         return prove(identity, chain, start, values)
@@ -210,9 +210,7 @@ def test_batches_overlap_and_stop_at_the_first_failure(
     assert loaded(b)[:5] == PAYLOADS[:5]
 
 
-def test_a_block_the_tier_missed_is_offered_again(
-    nodes, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
-) -> None:
+def test_a_block_the_tier_missed_is_offered_again(nodes, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tier that cannot be reached for a while (a master restarting): the blocks published
     meanwhile go back in the queue and reach the tier once it answers (three tries in all)."""
     from prefixd.cluster import bridge as bridge_module
@@ -235,7 +233,7 @@ def test_a_block_the_tier_missed_is_offered_again(
     assert bridge_a.snapshot()["publish_errors"] <= 4 + 3
 
 
-def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:  # noqa: ANN001
+def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:
     """Blocks named by an engine's keys (vLLM's 36-byte ones) travel, are proven and installed
     like token-keyed ones: the key takes the tokens' place in the chain and in the proof."""
     from prefixd.schema.keys import pack_keys
@@ -274,9 +272,11 @@ def test_remote_values_are_proven_before_use() -> None:
         bytes(chain.block_bytes(0)),
     ).encode()
     value = encode_block(record, b"abc")
-    proven = dict(
-        identity_digest=IDENT.digest, parent=chain.parent_of(0), tokens=bytes(chain.block_bytes(0))
-    )
+    proven = {
+        "identity_digest": IDENT.digest,
+        "parent": chain.parent_of(0),
+        "tokens": bytes(chain.block_bytes(0)),
+    }
     assert bytes(decode_block(value, **proven).payload) == b"abc"
     for bad in (value[:10], b"XXXX" + value[4:], value[:-1] + b"d", value + b"!"):
         with pytest.raises(RemoteBlockError):

@@ -125,9 +125,11 @@ def test_the_child_ends_with_its_parent(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import signal; from prefixd.cluster.child import ChildTier;"
-            f"t = ChildTier({{'pid_file': {str(pid_file)!r}}}, factory={FAKE!r},"
-            " call_timeout_s=5); t.put('k', b'v'); print('up', flush=True); signal.pause()",
+            (
+                "import signal; from prefixd.cluster.child import ChildTier;"
+                f"t = ChildTier({{'pid_file': {str(pid_file)!r}}}, factory={FAKE!r},"
+                " call_timeout_s=5); t.put('k', b'v'); print('up', flush=True); signal.pause()"
+            ),
         ],
         cwd=Path(__file__).resolve().parents[2],
         stdout=subprocess.PIPE,

@@ -79,7 +79,7 @@ def nodes(tmp_path: Path, master_control: MooncakeMaster) -> Iterator[tuple[Daem
         "--cluster-pending", "64",  # a short backlog to drain once the master is back
         "--prefill-tokens-per-s", "100",
     )  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="pdm") as sockdir:
+    with tempfile.TemporaryDirectory(prefix="pdm") as sockdir:  # noqa: SIM117
         with _factory(tmp_path, Path(sockdir)) as start:
             yield start(*flags, name="a"), start(*flags, name="b")
 
@@ -101,7 +101,7 @@ def test_the_master_killed_at_random_moments(
     seeds = iter(range(1, 1_000_000))
     stored: list[int] = []  # seeds put on A (each also offered to the tier)
 
-    def timed(call):  # noqa: ANN001, ANN202
+    def timed(call):
         started = time.monotonic()
         result = call()
         latencies.append(time.monotonic() - started)
@@ -111,10 +111,10 @@ def test_the_master_killed_at_random_moments(
         with Client(a.socket, region_bytes=1 << 20) as client:
             while not stop.is_set():
                 seed = next(seeds)
-                timed(lambda: client.put(IDENTITY, tokens(seed), blocks(seed)))
-                timed(lambda: put_state(client, seed))
+                timed(lambda: client.put(IDENTITY, tokens(seed), blocks(seed)))  # noqa: B023
+                timed(lambda: put_state(client, seed))  # noqa: B023
                 stored.append(seed)
-                loaded = timed(lambda: client.load(IDENTITY, tokens(seed)))
+                loaded = timed(lambda: client.load(IDENTITY, tokens(seed)))  # noqa: B023
                 if [bytes(v) for v in loaded.views] != blocks(seed)[: loaded.n_blocks]:
                     failures.append(f"A served other bytes for {seed}")  # (or fewer: evicted)
                 loaded.release()
@@ -128,11 +128,11 @@ def test_the_master_killed_at_random_moments(
                     continue
                 seed = rng.choice(stored)
                 # a local hit, or fetched from the tier while it answers: never wrong bytes
-                loaded = timed(lambda: client.load(IDENTITY, tokens(seed)))
+                loaded = timed(lambda: client.load(IDENTITY, tokens(seed)))  # noqa: B023
                 if [bytes(v) for v in loaded.views] != blocks(seed)[: loaded.n_blocks]:
                     failures.append(f"B served other bytes for {seed}")
                 loaded.release()
-                if not timed(lambda: state_ok(client, seed)):
+                if not timed(lambda: state_ok(client, seed)):  # noqa: B023
                     failures.append(f"B served another state for {seed}")
 
     workers = [threading.Thread(target=node_a), threading.Thread(target=node_b)]

@@ -47,7 +47,7 @@ def nodes(tmp_path: Path, mooncake_master: MooncakeMaster) -> Iterator[tuple[Dae
         "--cluster-timeout-s", str(TIMEOUT_S),
         "--prefill-tokens-per-s", "100",  # every fetch is worth it
     )  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="pdp") as sockdir:
+    with tempfile.TemporaryDirectory(prefix="pdp") as sockdir:  # noqa: SIM117
         with _factory(tmp_path, Path(sockdir)) as start:
             yield start(*flags, name="a"), start(*flags, name="b")
 
@@ -58,8 +58,9 @@ def test_a_peer_killed_mid_transfer(nodes: tuple[Daemon, Daemon]) -> None:
         for seed in range(PROMPTS):
             assert client.put(IDENTITY, tokens(seed), blocks(seed)).stored == BLOCKS
         wait_for(
-            lambda: client.stats()["metrics"]["cluster"].get("published_blocks", 0)
-            >= PROMPTS * BLOCKS,
+            lambda: (
+                client.stats()["metrics"]["cluster"].get("published_blocks", 0) >= PROMPTS * BLOCKS
+            ),
             "A's blocks published",
         )
     rng = random.Random(20261202)

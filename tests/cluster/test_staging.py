@@ -50,7 +50,7 @@ class HeldInstalls:
 
 
 @pytest.fixture
-def held(nodes, monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldInstalls]:  # noqa: ANN001
+def held(nodes, monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldInstalls]:
     _, (_, b), _ = nodes
     holder = HeldInstalls(b, monkeypatch)
     yield holder
@@ -66,7 +66,7 @@ def payloads_of(out: bytearray, result: Any) -> list[bytes]:
 
 
 def test_staged_blocks_are_served_before_their_install(
-    nodes,  # noqa: ANN001
+    nodes,
     held: HeldInstalls,
 ) -> None:
     tier, (a, b), (bridge_a, bridge_b) = nodes
@@ -105,7 +105,7 @@ def test_staged_blocks_are_served_before_their_install(
 
 
 def test_a_load_continues_from_the_store_where_installs_ended(
-    nodes,  # noqa: ANN001
+    nodes,
     held: HeldInstalls,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -140,7 +140,7 @@ def test_a_load_continues_from_the_store_where_installs_ended(
 
 
 def test_a_load_finds_in_the_store_what_left_the_staging_while_it_read(
-    nodes,  # noqa: ANN001
+    nodes,
     held: HeldInstalls,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -169,7 +169,7 @@ def test_a_load_finds_in_the_store_what_left_the_staging_while_it_read(
 
 
 def test_a_failed_install_takes_its_staged_blocks_and_those_after_away(
-    nodes,  # noqa: ANN001
+    nodes,
     held: HeldInstalls,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -193,7 +193,7 @@ def test_a_failed_install_takes_its_staged_blocks_and_those_after_away(
 
 
 def test_a_delete_after_a_read_through_removes_what_it_installs(
-    nodes,  # noqa: ANN001
+    nodes,
     held: HeldInstalls,
 ) -> None:
     """`settle` (which the daemon's delete and purge call first) waits for the installs queued
@@ -215,7 +215,7 @@ def test_a_delete_after_a_read_through_removes_what_it_installs(
     assert bridge_b.with_staged(IDENT, TOKENS, b.longest_prefix(IDENT, TOKENS)).n_blocks == 0
 
 
-def test_settling_a_stopped_bridge_returns_at_once(nodes) -> None:  # noqa: ANN001
+def test_settling_a_stopped_bridge_returns_at_once(nodes) -> None:
     """A delete that races the daemon's shutdown: `stop` waited for the installs already."""
     _, _, (_, bridge_b) = nodes
     bridge_b.stop(timeout_s=0.5)
@@ -254,7 +254,7 @@ def counting_bridge(store: Store, tier: MemoryTier, staging_bytes: int) -> Count
 
 
 def test_staged_buffers_are_bounded(
-    nodes,  # noqa: ANN001
+    nodes,
     held: HeldInstalls,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -278,7 +278,7 @@ def test_staged_buffers_are_bounded(
 
 
 def test_a_staged_buffer_is_given_back_once_nobody_reads_it(
-    nodes,  # noqa: ANN001
+    nodes,
     held: HeldInstalls,
 ) -> None:
     tier, (a, b), (bridge_a, _) = nodes

@@ -241,7 +241,7 @@ def test_a_prompt_the_tier_did_not_extend_is_not_asked_again_at_once(nodes: Node
     lookup, only after `_RECHECK_S` (on the bridge's clock)."""
     from prefixd.cluster.bridge import _RECHECK_S
 
-    tier, (a, b), (bridge_a, bridge_b) = nodes
+    tier, (a, _b), (bridge_a, bridge_b) = nodes
     clock = [1000.0]
     bridge_b._now = lambda: clock[0]
     put_sparse(a, bridge_a, tier)

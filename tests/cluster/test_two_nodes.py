@@ -46,7 +46,7 @@ def node_flags(master: MooncakeMaster) -> tuple[str, ...]:
 def nodes(tmp_path: Path, mooncake_master: MooncakeMaster) -> Iterator[tuple[Daemon, Daemon]]:
     """Two daemons on one master."""
     flags = node_flags(mooncake_master)
-    with tempfile.TemporaryDirectory(prefix="pdc") as sockdir:
+    with tempfile.TemporaryDirectory(prefix="pdc") as sockdir:  # noqa: SIM117
         with _factory(tmp_path, Path(sockdir)) as start:
             yield start(*flags, name="a"), start(*flags, name="b")
 
@@ -109,7 +109,7 @@ def test_a_damaged_remote_copy_is_never_served(
 def test_the_master_down_leaves_local_service_alone(
     nodes: tuple[Daemon, Daemon], master_control: MooncakeMaster
 ) -> None:
-    a, b = nodes
+    _a, b = nodes
     data = put_on(b, 3)
     # connected and published first: Mooncake's `setup` holds the GIL while it waits for a
     # master that died under it (prefixd.cluster.mooncake), which a connect racing the stop

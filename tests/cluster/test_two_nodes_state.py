@@ -38,7 +38,7 @@ def nodes(
 ) -> Iterator[tuple[Daemon, Daemon]]:
     """Two daemons on one master for the whole module (as tests/cluster/test_two_nodes.py's)."""
     flags = node_flags(mooncake_master)
-    with tempfile.TemporaryDirectory(prefix="pds") as sockdir:
+    with tempfile.TemporaryDirectory(prefix="pds") as sockdir:  # noqa: SIM117
         with _factory(tmp_path_factory.mktemp("nodes"), Path(sockdir)) as start:
             yield start(*flags, name="a"), start(*flags, name="b")
 

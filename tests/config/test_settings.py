@@ -265,8 +265,16 @@ def test_bad_text_values_name_the_setting_and_source(
 
 @pytest.mark.parametrize(
     "line",
-    ['workers = "8"', 'readahead = "true"', "allowed_uids = 5", "allowed_uids = [true]",
-     "log_level = 3", "data_dir = 1", "workers = 1.5", "max_frame_bytes = 0"],
+    [
+        'workers = "8"',
+        'readahead = "true"',
+        "allowed_uids = 5",
+        "allowed_uids = [true]",
+        "log_level = 3",
+        "data_dir = 1",
+        "workers = 1.5",
+        "max_frame_bytes = 0",
+    ],
 )
 def test_toml_values_of_the_wrong_type_are_rejected(
     line: str, base_env: dict[str, str], tmp_path: Path
@@ -303,10 +311,16 @@ def test_bad_default_socket_names_its_origin(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "raw", "expected"),
-    [("max_frame_bytes", "4KiB", 4096), ("max_frame_bytes", "16MiB", 16 * MiB),
-     ("map_size", "64GiB", 64 * GiB), ("map_size", "1.5GiB", 3 * GiB // 2),
-     ("map_size", "16 mib", 16 * MiB), ("map_size", "2097152", 2 * MiB),
-     ("max_region_bytes", "1TiB", 1 << 40), ("chunk_bytes", "65536B", 64 << 10)],
+    [
+        ("max_frame_bytes", "4KiB", 4096),
+        ("max_frame_bytes", "16MiB", 16 * MiB),
+        ("map_size", "64GiB", 64 * GiB),
+        ("map_size", "1.5GiB", 3 * GiB // 2),
+        ("map_size", "16 mib", 16 * MiB),
+        ("map_size", "2097152", 2 * MiB),
+        ("max_region_bytes", "1TiB", 1 << 40),
+        ("chunk_bytes", "65536B", 64 << 10),
+    ],
 )
 def test_size_suffixes_parse(name: str, raw: str, expected: int, base_env: dict[str, str]) -> None:
     assert getattr(load({name: raw}, base_env), name) == expected
@@ -350,13 +364,28 @@ def test_allowed_ids_parse_from_every_source(base_env: dict[str, str], tmp_path:
 def test_store_settings_flow_into_store_config(base_env: dict[str, str], tmp_path: Path) -> None:
     file = write_toml(tmp_path / "p.toml", 'compression = "zstd"\nzstd_level = 3\n')
     env = {**base_env, "PREFIXD_DURABILITY": "full", "PREFIXD_READAHEAD": "no"}
-    cli = {"map_size": "1GiB", "chunk_bytes": "256KiB", "verify_threads": "0",
-           "max_readers": "64", "sync_interval_s": "250ms", "min_compression_gain": "0.1"}
+    cli = {
+        "map_size": "1GiB",
+        "chunk_bytes": "256KiB",
+        "verify_threads": "0",
+        "max_readers": "64",
+        "sync_interval_s": "250ms",
+        "min_compression_gain": "0.1",
+    }
     store = load(cli, env, file).store_config()
     assert store == StoreConfig(
-        path=tmp_path / "state", create=True, map_size=GiB, durability=Durability.FULL,
-        sync_interval_s=0.25, compression="zstd", zstd_level=3, min_compression_gain=0.1,
-        chunk_bytes=256 << 10, verify_threads=0, readahead=False, max_readers=64,
+        path=tmp_path / "state",
+        create=True,
+        map_size=GiB,
+        durability=Durability.FULL,
+        sync_interval_s=0.25,
+        compression="zstd",
+        zstd_level=3,
+        min_compression_gain=0.1,
+        chunk_bytes=256 << 10,
+        verify_threads=0,
+        readahead=False,
+        max_readers=64,
     )
 
 
@@ -405,9 +434,21 @@ def test_argparse_round_trip(base_env: dict[str, str], tmp_path: Path) -> None:
     file = write_toml(tmp_path / "p.toml", 'log_level = "warning"\n')
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    argv = ["--workers", "8", "--socket-mode", "0600", "--allowed-uids", "1,2",
-            "--readahead=false", "--map-size", "2GiB", "--data-dir", str(tmp_path / "d"),
-            "--config", str(file)]
+    argv = [
+        "--workers",
+        "8",
+        "--socket-mode",
+        "0600",
+        "--allowed-uids",
+        "1,2",
+        "--readahead=false",
+        "--map-size",
+        "2GiB",
+        "--data-dir",
+        str(tmp_path / "d"),
+        "--config",
+        str(file),
+    ]
     namespace = parser.parse_args(argv)
     assert not hasattr(namespace, "max_inflight")  # flags not given stay unset
     config = config_from_args(namespace, {**base_env, "PREFIXD_MAX_INFLIGHT": "7"})
@@ -435,8 +476,13 @@ def test_argparse_conflict_with_environment(base_env: dict[str, str]) -> None:
 
 def test_describe_is_plain_and_loads_back(base_env: dict[str, str], tmp_path: Path) -> None:
     config = load(
-        {"socket_mode": "0640", "allowed_gids": "27,100", "durability": "full",
-         "shutdown_grace_s": "1.5", "socket": str(tmp_path / "s.sock")},
+        {
+            "socket_mode": "0640",
+            "allowed_gids": "27,100",
+            "durability": "full",
+            "shutdown_grace_s": "1.5",
+            "socket": str(tmp_path / "s.sock"),
+        },
         base_env,
     )
     described = config.describe()

@@ -84,6 +84,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
 
 
@@ -165,7 +166,9 @@ def test_up_migrates_the_fixture_bit_identically(tmp_path: Path, name: str) -> N
             out_buffer = bytearray(1 << 20)
             loaded = store.load(identity, tokens, out_buffer)
             assert loaded.n_blocks == len(entry["payload_sha256"])
-            for offset, size, expected in zip(loaded.offsets, loaded.sizes, entry["payload_sha256"]):
+            for offset, size, expected in zip(
+                loaded.offsets, loaded.sizes, entry["payload_sha256"]
+            ):
                 assert hashlib.sha256(out_buffer[offset : offset + size]).hexdigest() == expected
         store.sync()
         first = store.longest_prefix(identity, tokens).hashes[0]
@@ -213,8 +216,16 @@ def test_a_running_daemon_holds_its_store(tmp_path: Path) -> None:
     notify.bind(notify_path)
     notify.settimeout(20)
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "prefixd", "serve", "--data-dir", str(tmp_path / "s"),
-         "--socket", str(sock)],
+        [
+            sys.executable,
+            "-m",
+            "prefixd",
+            "serve",
+            "--data-dir",
+            str(tmp_path / "s"),
+            "--socket",
+            str(sock),
+        ],
         stderr=subprocess.PIPE,
         env={**os.environ, "NOTIFY_SOCKET": notify_path},
     )
@@ -235,8 +246,14 @@ def test_a_running_daemon_holds_its_store(tmp_path: Path) -> None:
 
 def make_old_store(path: Path, n_blocks: int) -> dict[bytes, int]:
     identity = Identity(
-        model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-        block_tokens=2, tenant="a",
+        model="m",
+        weights="w",
+        tokenizer="t",
+        template="c",
+        rope="r",
+        kv_layout="bf16",
+        block_tokens=2,
+        tenant="a",
     )
     with Store.open(path) as store:
         tokens = np.arange(2 * n_blocks, dtype=np.uint32)
@@ -253,8 +270,17 @@ def test_kill_9_at_any_point_then_resume(tmp_path: Path) -> None:
     kills = 0
     for delay in (0.0, 0.02, 0.05):
         child = subprocess.Popen(
-            [sys.executable, "-m", "prefixd", "migrate", "up", "--batch", "1",
-             "--data-dir", str(path)],
+            [
+                sys.executable,
+                "-m",
+                "prefixd",
+                "migrate",
+                "up",
+                "--batch",
+                "1",
+                "--data-dir",
+                str(path),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -12,16 +12,16 @@ import pytest
 from prefixd import Identity
 from prefixd.errors import IdentityError
 
-BASE = dict(
-    model="llama-3-8b",
-    weights="sha256:0123",
-    tokenizer="tok-v2",
-    template="chat-v3",
-    rope="rope-theta-500000",
-    kv_layout="bf16/paged-16/tp1-rank0",
-    block_tokens=4,
-    tenant="acme",
-)
+BASE = {
+    "model": "llama-3-8b",
+    "weights": "sha256:0123",
+    "tokenizer": "tok-v2",
+    "template": "chat-v3",
+    "rope": "rope-theta-500000",
+    "kv_layout": "bf16/paged-16/tp1-rank0",
+    "block_tokens": 4,
+    "tenant": "acme",
+}
 
 # Pinned: an accidental change of the encoding must fail here, not silently orphan every store.
 GOLDEN = {
@@ -134,11 +134,10 @@ def test_identity_is_immutable() -> None:
 
 @pytest.mark.parametrize("seed", ["0", "1", "12345"])
 def test_digest_is_the_same_under_any_hash_seed(seed: str) -> None:
-    code = (
-        "from prefixd import Identity;"
-        f"print(Identity(**{BASE!r}).digest.hex())"
-    )
+    code = f"from prefixd import Identity;print(Identity(**{BASE!r}).digest.hex())"
     env = {**os.environ, "PYTHONHASHSEED": seed}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == GOLDEN["base"]

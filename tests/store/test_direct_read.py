@@ -307,7 +307,7 @@ def test_a_copy_from_the_map_past_the_deadline_stops_before_the_next_block(
             clock.advance(10.0)
         return value
 
-    settings = dict(map_size=MAP, read_path="mmap", verify_threads=0)  # one run, in order
+    settings = {"map_size": MAP, "read_path": "mmap", "verify_threads": 0}  # one run, in order
     with Store.open(tmp_path / "s", clock=clock, **settings) as store:
         store.put(IDENT, TOKENS, payloads)
         monkeypatch.setattr(codec, "_copy_and_checksum", stalled_at_bad)

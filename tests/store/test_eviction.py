@@ -11,8 +11,16 @@ from prefixd import Identity, Store
 from prefixd.schema.chain import chain_hashes
 from prefixd.store import PurgeSelector
 
-IDENT = Identity(model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-                 block_tokens=2, tenant="a")
+IDENT = Identity(
+    model="m",
+    weights="w",
+    tokenizer="t",
+    template="c",
+    rope="r",
+    kv_layout="bf16",
+    block_tokens=2,
+    tenant="a",
+)
 
 
 def chain(seed: int, n_blocks: int) -> list[int]:

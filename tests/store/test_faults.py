@@ -17,6 +17,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import crc32c
 import lmdb
@@ -535,7 +536,7 @@ class FullAtCommit:
     def __getattr__(self, name: str) -> object:
         return getattr(self._txn, name)
 
-    def __enter__(self) -> FullAtCommit:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind: object, *rest: object) -> None:
@@ -717,7 +718,7 @@ def test_store_is_refused_in_a_forked_child(tmp_path: Path) -> None:
                     code = n  # this call was not refused
                     break
                 store.close()  # closes nothing of the parent's
-            except BaseException:
+            except BaseException:  # noqa: BLE001
                 code = 99
             finally:
                 os._exit(code)
@@ -785,7 +786,9 @@ def test_a_payload_rewritten_during_a_put_is_refused_never_stored_corrupt(
     payloads = [bytearray(p) for p in random_payloads(N_BLOCKS)]
     original = commits.transact
 
-    def rewritten_first(ctx: object, body: Callable[[lmdb.Transaction], object], aborts: object) -> object:
+    def rewritten_first(
+        ctx: object, body: Callable[[lmdb.Transaction], object], aborts: object
+    ) -> object:
         payloads[BAD][100] ^= 0xFF  # checksummed already; LMDB copies it inside the transaction
         return original(ctx, body, aborts)  # type: ignore[arg-type]
 

@@ -16,15 +16,15 @@ from prefixd.store.purge import PurgeSelector
 
 from ..must_check import assert_store_checks, checks_on_teardown
 
-BASE = dict(
-    model="kimi",
-    weights="w1",
-    tokenizer="t",
-    template="c",
-    rope="r",
-    kv_layout="bf16",
-    tenant="a",
-)
+BASE = {
+    "model": "kimi",
+    "weights": "w1",
+    "tokenizer": "t",
+    "template": "c",
+    "rope": "r",
+    "kv_layout": "bf16",
+    "tenant": "a",
+}
 
 
 def hybrid(block_tokens: int, *groups: StateGroup, **fields: str) -> Identity:
@@ -124,16 +124,16 @@ def test_refused_puts_write_nothing(store: Store) -> None:
     kv = pages_for("kv", range(4))
     win = {8: snap("win", 8), 16: snap("win", 16)}
     bad = [
-        (PayloadError, dict(paged={"kv": kv[:3]}, checkpoints={"win": win})),
-        (PayloadError, dict(paged={"kv": kv, "nope": [b"x"]}, checkpoints={"win": win})),
-        (PayloadError, dict(paged={"kv": kv, "win": [b"x"]}, checkpoints={"win": win})),
-        (PayloadError, dict(paged={"kv": kv}, checkpoints={"win": {8: b"x"}})),  # 16 missing
-        (PayloadError, dict(paged={"kv": kv}, checkpoints={"win": {**win, 4: b"x"}})),
-        (PayloadError, dict(paged={"kv": kv}, checkpoints={"win": win, "swa": {8: b"x"}})),
-        (PayloadError, dict(paged={"kv": kv}, checkpoints={"win": {**win, 24: b"x"}})),
-        (PayloadError, dict(paged={"kv": [*kv[:3], b""]}, checkpoints={"win": win})),
-        (PayloadError, dict(paged={"kv": [*kv[:3], 7]}, checkpoints={"win": win})),
-        (OpenTailError, dict(paged={"kv": kv}, checkpoints={"win": {**win, 10: b"x"}})),
+        (PayloadError, {"paged": {"kv": kv[:3]}, "checkpoints": {"win": win}}),
+        (PayloadError, {"paged": {"kv": kv, "nope": [b"x"]}, "checkpoints": {"win": win}}),
+        (PayloadError, {"paged": {"kv": kv, "win": [b"x"]}, "checkpoints": {"win": win}}),
+        (PayloadError, {"paged": {"kv": kv}, "checkpoints": {"win": {8: b"x"}}}),  # 16 missing
+        (PayloadError, {"paged": {"kv": kv}, "checkpoints": {"win": {**win, 4: b"x"}}}),
+        (PayloadError, {"paged": {"kv": kv}, "checkpoints": {"win": win, "swa": {8: b"x"}}}),
+        (PayloadError, {"paged": {"kv": kv}, "checkpoints": {"win": {**win, 24: b"x"}}}),
+        (PayloadError, {"paged": {"kv": [*kv[:3], b""]}, "checkpoints": {"win": win}}),
+        (PayloadError, {"paged": {"kv": [*kv[:3], 7]}, "checkpoints": {"win": win}}),
+        (OpenTailError, {"paged": {"kv": kv}, "checkpoints": {"win": {**win, 10: b"x"}}}),
     ]
     for error, kwargs in bad:
         with pytest.raises(error):

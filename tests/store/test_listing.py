@@ -8,8 +8,16 @@ from pathlib import Path
 from prefixd import Identity, Store
 from prefixd.store import listing
 
-IDENT = Identity(model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-                 block_tokens=2, tenant="a")
+IDENT = Identity(
+    model="m",
+    weights="w",
+    tokenizer="t",
+    template="c",
+    rope="r",
+    kv_layout="bf16",
+    block_tokens=2,
+    tenant="a",
+)
 OTHER = dataclasses.replace(IDENT, tenant="b")
 
 
@@ -22,7 +30,9 @@ def test_pages_list_every_block_of_the_tenant_once(tmp_path: Path, monkeypatch) 
             store.put(IDENT, tokens, [bytes([seed]) * (10 + seed), bytes(3)])
             store.put(OTHER, tokens, [bytes(1), bytes(1)])
             expected[(100 * seed, 100 * seed + 1)] = 10 + seed
-            expected[(100 * seed + 2, 100 * seed + 3)] = 3  # a child block holds only its own tokens
+            expected[(100 * seed + 2, 100 * seed + 3)] = (
+                3  # a child block holds only its own tokens
+            )
         seen: list[tuple[tuple[int, ...], int]] = []
         after, pages = None, 0
         while True:

@@ -74,7 +74,9 @@ def test_removal_by_another_process_is_seen(tmp_path: Path, identity: Identity) 
             f"s = Store.open({str(path)!r}, create=False);"
             f"print(s.delete([bytes.fromhex({victim.hex()!r})])); s.close()"
         )
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == "8"
         assert store.longest_prefix(identity, TOKENS).n_blocks == 2
@@ -90,7 +92,9 @@ def test_cache_is_bounded(tmp_path: Path, identity: Identity) -> None:
         assert store._reader.memo._bytes <= 200
 
 
-def test_cached_prefix_answers_only_whole_unchanged_prompts(store: Store, identity: Identity) -> None:
+def test_cached_prefix_answers_only_whole_unchanged_prompts(
+    store: Store, identity: Identity
+) -> None:
     store.put(identity, TOKENS[:20], payloads(5))
     assert store.cached_prefix(identity, TOKENS) is None  # nothing verified of these 10 blocks
     store.put(identity, TOKENS, payloads(5), first_block=5)

@@ -9,8 +9,16 @@ from prefixd import Identity, Store
 from prefixd.schema.chain import chain_hashes
 from prefixd.store import eviction
 
-IDENT = Identity(model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-                 block_tokens=2, tenant="a")
+IDENT = Identity(
+    model="m",
+    weights="w",
+    tokenizer="t",
+    template="c",
+    rope="r",
+    kv_layout="bf16",
+    block_tokens=2,
+    tenant="a",
+)
 
 
 def prompt(seed: int) -> list[int]:

@@ -12,8 +12,16 @@ from prefixd.clock import ManualClock
 from prefixd.errors import ConfigError, IdentityError
 from prefixd.store import PurgeSelector
 
-BASE = dict(model="m", weights="w1", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-            block_tokens=4, tenant="a")
+BASE = {
+    "model": "m",
+    "weights": "w1",
+    "tokenizer": "t",
+    "template": "c",
+    "rope": "r",
+    "kv_layout": "bf16",
+    "block_tokens": 4,
+    "tenant": "a",
+}
 PROMPT = list(range(100, 120))  # five blocks
 
 
@@ -126,8 +134,13 @@ def test_everything(store: Store) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"keep": {"weights": "v"}}, {"tenant": "a", "everything": True},
-     {"model": "m", "keep": {"tenant": "a"}}, {"older_than_s": -1.0}],
+    [
+        {},
+        {"keep": {"weights": "v"}},
+        {"tenant": "a", "everything": True},
+        {"model": "m", "keep": {"tenant": "a"}},
+        {"older_than_s": -1.0},
+    ],
 )
 def test_bad_selectors(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):

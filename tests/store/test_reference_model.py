@@ -15,8 +15,14 @@ from prefixd.errors import OpenTailError, OrphanBlockError
 
 BT = 2
 IDENTITY = Identity(
-    model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-    block_tokens=BT, tenant="a",
+    model="m",
+    weights="w",
+    tokenizer="t",
+    template="c",
+    rope="r",
+    kv_layout="bf16",
+    block_tokens=BT,
+    tenant="a",
 )
 # A tiny alphabet so that prompts share prefixes often.
 prompts = st.lists(st.integers(0, 2), min_size=0, max_size=14)
@@ -127,7 +133,9 @@ def test_store_is_consistent_after_random_work(tmp_path: Path) -> None:
                 store.delete([match.blocks[rnd.randrange(match.n_blocks)].hash])
                 continue
             closed = len(tokens) // BT
-            data = [payload_for(tuple(tokens[: (i + 1) * BT])) for i in range(match.n_blocks, closed)]
+            data = [
+                payload_for(tuple(tokens[: (i + 1) * BT])) for i in range(match.n_blocks, closed)
+            ]
             store.put(IDENTITY, tokens, data, first_block=match.n_blocks)
             assert store.longest_prefix(IDENTITY, tokens).n_blocks == closed
         assert store.check() == []

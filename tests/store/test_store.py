@@ -108,7 +108,12 @@ def test_divergent_prompts_share_only_their_common_blocks(store: Store, identity
 
 def test_identities_never_share(store: Store, identity: Identity) -> None:
     store.put(identity, TOKENS, payloads(2))
-    for field, value in [("tenant", "b"), ("weights", "w2"), ("adapter", "lora@1"), ("kv_layout", "fp8")]:
+    for field, value in [
+        ("tenant", "b"),
+        ("weights", "w2"),
+        ("adapter", "lora@1"),
+        ("kv_layout", "fp8"),
+    ]:
         other = Identity(**{**identity.to_dict(), field: value})
         assert store.longest_prefix(other, TOKENS).n_blocks == 0
         assert store.load(other, TOKENS, bytearray(10_000)).n_blocks == 0
@@ -254,7 +259,7 @@ def test_concurrent_writers_and_readers(store: Store, identity: Identity) -> Non
                 loaded = store.load(identity, tokens, out)
                 assert loaded.n_blocks == 5
                 assert bytes(out[1000:1500]) == bytes([tokens[8]]) * 500
-        except BaseException as exc:  # surfaced below
+        except BaseException as exc:  # surfaced below  # noqa: BLE001
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]

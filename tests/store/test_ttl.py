@@ -10,8 +10,16 @@ from prefixd import Identity, Store
 from prefixd.clock import ManualClock
 from prefixd.errors import ConfigError, OrphanBlockError
 
-BASE = dict(model="m", weights="w", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-            block_tokens=4, tenant="short")
+BASE = {
+    "model": "m",
+    "weights": "w",
+    "tokenizer": "t",
+    "template": "c",
+    "rope": "r",
+    "kv_layout": "bf16",
+    "block_tokens": 4,
+    "tenant": "short",
+}
 PROMPT = list(range(100, 116))  # four blocks
 
 
