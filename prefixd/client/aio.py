@@ -38,7 +38,7 @@ from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
 
 if TYPE_CHECKING:
-    from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
+    from prefixd.client.transfer import Installed, InstalledState, Publisher, WarmUp
 
 T = TypeVar("T")
 
@@ -246,7 +246,7 @@ class AsyncClient(Shell):
         wait: bool = True,
         hashes: bytes | None = None,
     ) -> Installed:
-        from prefixd.transfer import load_into
+        from prefixd.client.transfer import load_into
 
         steps = load_into(
             self._core, identity, token_ids, destinations, slots=slots, wait=wait, hashes=hashes
@@ -261,7 +261,7 @@ class AsyncClient(Shell):
         *,
         wait: bool = True,
     ) -> InstalledState:
-        from prefixd.transfer import load_state_into
+        from prefixd.client.transfer import load_state_into
 
         steps = load_state_into(self._core, identity, token_ids, destinations, wait=wait)
         return await self._run(steps)
@@ -277,7 +277,7 @@ class AsyncClient(Shell):
         region_bytes: int = 256 << 20,
     ) -> asyncio.Future[Stored]:
         """Like Client.store_from; the returned future is an asyncio one."""
-        from prefixd.transfer import Publisher
+        from prefixd.client.transfer import Publisher
 
         if self._publisher is not None and self._publisher.region_bytes < region_bytes:
             publisher, self._publisher = self._publisher, None
@@ -300,7 +300,7 @@ class AsyncClient(Shell):
         limit: int = 64,
         slots: int = 3,
     ) -> WarmUp:
-        from prefixd.transfer import warm_up
+        from prefixd.client.transfer import warm_up
 
         steps = warm_up(
             self._core, budget_bytes, destinations_factory, tenant=tenant, limit=limit, slots=slots

@@ -46,7 +46,7 @@ from prefixd.wire.frames import FrameReader, decode_body
 from prefixd.wire.region import send_with_fds
 
 if TYPE_CHECKING:
-    from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
+    from prefixd.client.transfer import Installed, InstalledState, Publisher, WarmUp
 
 T = TypeVar("T")
 
@@ -263,7 +263,7 @@ class Client(Shell):
         tests); the reply, or its error raised as the error's class."""
         return self._run(self._core.simple(dict(message)))
 
-    # --- into and out of device memory (prefixd.transfer; needs torch) -------------------------
+    # --- into and out of device memory (prefixd.client.transfer; needs torch) -------------------------
 
     def load_into(
         self,
@@ -276,8 +276,8 @@ class Client(Shell):
         hashes: bytes | None = None,
     ) -> Installed:
         """Stream the stored prefix's verified payloads into `destinations` (tensors on any
-        device, one per block) through leased staging slots; see prefixd.transfer."""
-        from prefixd.transfer import load_into
+        device, one per block) through leased staging slots; see prefixd.client.transfer."""
+        from prefixd.client.transfer import load_into
 
         steps = load_into(
             self._core, identity, token_ids, destinations, slots=slots, wait=wait, hashes=hashes
@@ -293,7 +293,7 @@ class Client(Shell):
         wait: bool = True,
     ) -> InstalledState:
         """A hybrid identity's joint hit into per-group destination tensors."""
-        from prefixd.transfer import load_state_into
+        from prefixd.client.transfer import load_state_into
 
         return self._run(load_state_into(self._core, identity, token_ids, destinations, wait=wait))
 
@@ -325,7 +325,7 @@ class Client(Shell):
     ) -> WarmUp:
         """After a restart: the tenant's most valuable prefixes into destinations, up to
         `budget_bytes`."""
-        from prefixd.transfer import warm_up
+        from prefixd.client.transfer import warm_up
 
         steps = warm_up(
             self._core, budget_bytes, destinations_factory, tenant=tenant, limit=limit, slots=slots
@@ -333,7 +333,7 @@ class Client(Shell):
         return self._run(steps)
 
     def _publisher_for(self, region_bytes: int) -> Publisher:
-        from prefixd.transfer import Publisher
+        from prefixd.client.transfer import Publisher
 
         with self._publisher_lock:
             if self._publisher is not None and self._publisher.region_bytes < region_bytes:

@@ -37,7 +37,7 @@ except ModuleNotFoundError as missing:  # serving does not need torch: it is an 
     if missing.name != "torch":
         raise
     raise ModuleNotFoundError(
-        "prefixd.transfer needs torch, which the base install leaves out: "
+        "prefixd.client.transfer needs torch, which the base install leaves out: "
         "pip install 'prefixd[gpu]' (or any torch >= 2.4)",
         name="torch",
     ) from missing
