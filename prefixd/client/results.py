@@ -5,11 +5,15 @@ are gone), and raise on use after release instead of showing another request's b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from prefixd.client.leases import Lease
 from prefixd.schema.identity import Identity
+
+if TYPE_CHECKING:
+    import torch  # the loads into tensors only (prefixd.client.tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,40 @@ class ListedBlock:
     identity: Identity
     tokens: bytes
     size: int
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What a load installed: `n_blocks` blocks, `n_tokens` tokens (the caller skips these).
+    `event` is recorded after the last copy (None on CPU, or when the call waited); `complete`
+    says whether every destination was filled (False: the stored prefix was shorter)."""
+
+    n_blocks: int
+    n_tokens: int
+    n_bytes: int
+    complete: bool
+    event: torch.cuda.Event | None = None
+
+
+@dataclass(frozen=True)
+class InstalledState:
+    """What a hybrid load installed (see prefixd.store.joint.JointMatch for the fields)."""
+
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    n_bytes: int
+    event: torch.cuda.Event | None = None
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a restart warm-up brought back."""
+
+    prefixes: int
+    blocks: int
+    tokens: int
+    bytes: int
 
 
 def _by_group(parts: tuple[StatePart, ...]) -> dict[str, list[StatePart]]:

@@ -13,8 +13,8 @@ Every byte of the region these calls use is leased (prefixd.client.leases): a lo
 store's staging space. The lease is held until the copies that read or write it have completed,
 so concurrent calls on one client never overlap.
 
-The loads are steps of the client core (prefixd.client.core), so `Client` and `AsyncClient` run
-the same code.
+The loads are steps of the client core (prefixd.client.tensors), so `Client` and `AsyncClient`
+run the same code; this module is their torch side: the copies, and the publisher of stores.
 
 Nothing reaches a destination before the daemon verified it: a slot is copied only after the reply
 that says its bytes passed their checksums. A load that fails part way raises TransferError with the
@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 try:
     import torch
@@ -42,18 +40,15 @@ except ModuleNotFoundError as missing:  # serving does not need torch: it is an 
         name="torch",
     ) from missing
 
-from prefixd.errors import DestinationError, PrefixdError, TransferError
-from prefixd.schema.chain import packed_hashes
+from prefixd.client.operations import Drives, put_spans, reserve
+from prefixd.errors import DestinationError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
 
 if TYPE_CHECKING:
-    from prefixd.client.core import ClientCore
     from prefixd.client.leases import Lease
-    from prefixd.client.results import HotPrefix, Stored
-    from prefixd.client.steps import Steps
+    from prefixd.client.results import Stored
 
-DEFAULT_SLOTS = 3
 log = logging.getLogger(__name__)
 
 
@@ -61,40 +56,6 @@ log = logging.getLogger(__name__)
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     """One dedicated copy stream per device, for the life of the process."""
     return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch leaves these untyped
-
-
-@dataclass(frozen=True)
-class Installed:
-    """What a load installed: `n_blocks` blocks, `n_tokens` tokens (the caller skips these).
-    `event` is recorded after the last copy (None on CPU, or when the call waited); `complete`
-    says whether every destination was filled (False: the stored prefix was shorter)."""
-
-    n_blocks: int
-    n_tokens: int
-    n_bytes: int
-    complete: bool
-    event: torch.cuda.Event | None = None
-
-
-@dataclass(frozen=True)
-class InstalledState:
-    """What a hybrid load installed (see prefixd.store.joint.JointMatch for the fields)."""
-
-    reusable_tokens: int
-    replay_from: int
-    paged_tokens: int
-    n_bytes: int
-    event: torch.cuda.Event | None = None
-
-
-@dataclass(frozen=True)
-class WarmUp:
-    """What a restart warm-up brought back."""
-
-    prefixes: int
-    blocks: int
-    tokens: int
-    bytes: int
 
 
 class Copier:
@@ -180,151 +141,21 @@ class Copier:
             self.stream.synchronize()
 
 
-def load_into(
-    core: ClientCore,
-    identity: Identity,
-    token_ids: TokenIds,
-    destinations: Sequence[torch.Tensor],
-    *,
-    slots: int = DEFAULT_SLOTS,
-    wait: bool = True,
-    hashes: bytes | None = None,
-    warm: bool = False,
-) -> Steps[Installed]:
-    """Stream the verified payloads of the stored prefix of `token_ids` into `destinations`
-    (block i into destinations[i], any device, contiguous, at least the payload's size), as many
-    blocks as there are destinations and the store holds."""
-    from prefixd.client.steps import Reserve, Synchronize
+class PublishingClient(Drives, Protocol):
+    """The blocking client a Publisher puts through."""
 
-    allocator = core.payloads
-    if allocator is None:
-        raise PrefixdError("load_into needs a client with a shared region (region_bytes)")
-    if not destinations:
-        return Installed(0, 0, 0, True)
-    device = _device_of(destinations)
-    if hashes is None:  # hashed once here, not again by the daemon for every batch
-        hashes = packed_hashes(identity, token_ids)
-    [hit] = yield from core.lookup(identity, [token_ids], [hashes])
-    sizes = hit.sizes[: min(len(destinations), hit.n_blocks)]
-    for i, (size, dest) in enumerate(zip(sizes, destinations, strict=False)):
-        if _nbytes(dest) < size:
-            raise DestinationError(f"destination {i} holds {_nbytes(dest)} bytes, needs {size}")
-    if not sizes:
-        return Installed(0, 0, 0, False)
-    slot_bytes = _slot_bytes(sizes, allocator.size, slots)
-    batches = _batches(sizes, slot_bytes)
-    n_slots = min(slots, len(batches))
-    lease: Lease = yield Reserve(allocator, n_slots * slot_bytes)
-    copier = Copier(lease, n_slots, slot_bytes, device)
-    block_tokens = identity.block_tokens
-    copier.begin()
-    installed = n_bytes = 0
-    try:
-        for k, (start, stop) in enumerate(batches):
-            slot = k % n_slots
-            event = copier.reuse(slot)
-            if event is not None:
-                yield Synchronize(event)
-            loaded = yield from core.load_span(
-                identity,
-                token_ids,
-                lease,
-                copier.slot_offset(slot),
-                slot_bytes,
-                first_block=start,
-                max_blocks=stop - start,
-                hashes=hashes,
-                warm=warm,
-            )
-            for i, (offset, size) in enumerate(zip(loaded.offsets, loaded.sizes, strict=True)):
-                copier.to_device(offset - lease.offset, size, destinations[start + i])
-                n_bytes += size
-            copier.finish(slot)
-            installed = start + loaded.n_blocks
-            if loaded.n_blocks < stop - start:
-                break  # evicted or failed verification since the lookup: a shorter hit
-    except BaseException as exc:
-        copier.drain()  # what was queued is installed, then the error says how much
-        del copier
-        lease.release()
-        if not isinstance(exc, Exception):
-            raise
-        raise TransferError(
-            f"load into destinations failed: {exc}", installed * block_tokens
-        ) from exc
-    done = copier.done(wait)
-    del copier
-    lease.release_after(done)  # the slots stay leased until the last copy out has read them
-    complete = installed == len(destinations)
-    return Installed(installed, installed * block_tokens, n_bytes, complete, done)
-
-
-def load_state_into(
-    core: ClientCore,
-    identity: Identity,
-    token_ids: TokenIds,
-    destinations: Mapping[str, Sequence[torch.Tensor]],
-    *,
-    wait: bool = True,
-) -> Steps[InstalledState]:
-    """Load a hybrid identity's joint hit and copy each group's payloads into
-    `destinations[group]` (pages in order; a checkpoint group's first destination takes the
-    checkpoint). The whole hit passes through the region at once, so it must fit there."""
-    from prefixd.client import state_steps
-
-    if core.payloads is None:
-        raise PrefixdError("load_state_into needs a client with a shared region (region_bytes)")
-    devices = [d for dests in destinations.values() for d in dests]
-    device = _device_of(devices) if devices else torch.device("cpu")
-    hit = yield from state_steps.load_state(core, identity, token_ids, None)
-    lease = hit.lease
-    assert lease is not None
-    copier = Copier(lease, 1, lease.size, device)
-    copier.begin()
-    n_bytes = 0
-    try:
-        for group, parts in hit.by_group().items():
-            dests = destinations.get(group, ())
-            if len(dests) < len(parts):
-                raise DestinationError(
-                    f"state group {group!r}: {len(parts)} payloads, {len(dests)} destinations"
-                )
-            for part, dest in zip(parts, dests, strict=False):
-                if _nbytes(dest) < part.size:
-                    raise DestinationError(
-                        f"state group {group!r}: a destination holds {_nbytes(dest)} bytes, "
-                        f"the payload needs {part.size}"
-                    )
-                copier.to_device(part.offset - lease.offset, part.size, dest)
-                n_bytes += part.size
-    except BaseException:
-        copier.drain()
-        del copier
-        hit.release()
-        raise
-    copier.finish(0)
-    done = copier.done(wait)
-    del copier
-    lease.release_after(done)
-    return InstalledState(hit.reusable_tokens, hit.replay_from, hit.paged_tokens, n_bytes, done)
+    def close(self) -> None: ...
 
 
 class Publisher:
     """Stores from device tensors without making the engine wait: the copies to the host and the
     put run on a thread of their own, through a connection and a region of their own."""
 
-    def __init__(self, core: ClientCore, region_bytes: int) -> None:
-        from prefixd.client.blocking import Client
-
+    def __init__(self, client: PublishingClient, region_bytes: int) -> None:
+        """`client`: a blocking client of the publisher's own, with a region of `region_bytes`."""
         self.region_bytes = region_bytes
-        self._client = Client(
-            core.socket_path,
-            region_bytes=region_bytes,
-            timeout=core.timeout,
-            name=f"{core.name}-publisher",
-        )
+        self._client = client
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixd-publish")
-        self._lock = threading.Lock()
 
     def store_from(
         self,
@@ -341,7 +172,7 @@ class Publisher:
         changed until the returned future is done."""
         tokens = as_token_array(token_ids).copy()
         sources = list(sources)
-        if ready is None and sources and _device_of(sources).type == "cuda":
+        if ready is None and sources and device_of(sources).type == "cuda":
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves these untyped
             ready.record(torch.cuda.current_stream(sources[0].device))
         return self._executor.submit(self._publish, identity, tokens, sources, first_block, ready)
@@ -354,9 +185,9 @@ class Publisher:
         first_block: int,
         ready: torch.cuda.Event | None,
     ) -> Stored:
-        sizes = [_nbytes(source) for source in sources]
-        with self._client.reserve(max(sum(sizes), 1)) as lease:
-            device = _device_of(sources) if sources else torch.device("cpu")
+        sizes = [nbytes(source) for source in sources]
+        with self._client.run(reserve, max(sum(sizes), 1)) as lease:
+            device = device_of(sources)
             copier = Copier(lease, 1, lease.size, device)
             if copier.stream is not None and ready is not None:
                 copier.stream.wait_event(ready)
@@ -367,68 +198,17 @@ class Publisher:
                 offset += size
             copier.drain()
             del copier
-            return self._client.put_spans(identity, tokens, spans, first_block=first_block)
+            return self._client.run(put_spans, identity, tokens, spans, first_block=first_block)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._client.close()
 
 
-def warm_up(
-    core: ClientCore,
-    budget_bytes: int,
-    destinations_factory: Callable[[HotPrefix], Sequence[torch.Tensor] | None],
-    *,
-    tenant: str,
-    limit: int = 64,
-    slots: int = DEFAULT_SLOTS,
-) -> Steps[WarmUp]:
-    """After a restart, stream the tenant's most valuable stored prefixes (by eviction score) into
-    destinations until `budget_bytes` of payload: `destinations_factory(prefix)` allocates one
-    destination per block of `prefix` (or returns None to skip it). The daemon counts what was
-    warmed (`prefixd stats`: warmed_blocks, warmed_bytes)."""
-    prefixes = blocks = tokens = n_bytes = 0
-    for prefix in (yield from core.hot(budget_bytes, tenant, limit)):
-        destinations = destinations_factory(prefix)
-        if destinations is None:
-            continue
-        installed = yield from load_into(
-            core, prefix.identity, prefix.tokens, destinations, slots=slots, warm=True
-        )
-        prefixes += 1
-        blocks += installed.n_blocks
-        tokens += installed.n_tokens
-        n_bytes += installed.n_bytes
-    return WarmUp(prefixes, blocks, tokens, n_bytes)
-
-
-def _slot_bytes(sizes: Sequence[int], region_bytes: int, slots: int) -> int:
-    """A staging slot's size: the whole hit when it fits in one slot's share of the region, else
-    that share (so a small load leases little of a shared region)."""
-    share = region_bytes // max(slots, 1)
-    return max(1, min(share, max(sum(sizes), 1)))
-
-
-def _batches(sizes: Sequence[int], slot_bytes: int) -> list[tuple[int, int]]:
-    """Consecutive runs of blocks [start, stop) whose payloads fit in one slot."""
-    batches: list[tuple[int, int]] = []
-    start, used = 0, 0
-    for i, size in enumerate(sizes):
-        if size > slot_bytes:
-            raise DestinationError(
-                f"block {i}'s payload is {size} bytes, a staging slot holds {slot_bytes}: "
-                "use a larger region or fewer slots"
-            )
-        if used + size > slot_bytes:
-            batches.append((start, i))
-            start, used = i, 0
-        used += size
-    if start < len(sizes):
-        batches.append((start, len(sizes)))
-    return batches
-
-
-def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+def device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The one device all the tensors are on (the CPU for none)."""
+    if not tensors:
+        return torch.device("cpu")
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise DestinationError(
@@ -437,7 +217,7 @@ def _device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
     return devices.pop()
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
