@@ -13,8 +13,6 @@ from prefixd.client.aio import AsyncClient
 from prefixd.client.blocking import Client
 from prefixd.client.leases import Lease, RegionUsage
 from prefixd.client.results import (
-    HotPrefix,
-    ListedBlock,
     Loaded,
     Lookup,
     Routed,
@@ -24,6 +22,7 @@ from prefixd.client.results import (
     Stored,
 )
 from prefixd.errors import DaemonUnavailableError, RemoteError, RequestTimeoutError
+from prefixd.schema.stored import HotPrefix, ListedBlock
 
 __all__ = [
     "AsyncClient",

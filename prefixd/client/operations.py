@@ -20,10 +20,11 @@ import numpy as np
 from prefixd.client import state_steps
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Lease, RegionUsage, Span
-from prefixd.client.results import HotPrefix, ListedBlock, Loaded, Lookup, Routed, Stored
+from prefixd.client.results import Loaded, Lookup, Routed, Stored
 from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of, unpacked
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
+from prefixd.schema.stored import HotPrefix, ListedBlock
 from prefixd.schema.tokens import TokenIds
 from prefixd.wire import messages as wire
 from prefixd.wire.region import SharedRegion
@@ -297,7 +298,7 @@ def load(
 
 def hot(
     core: ClientCore, budget_bytes: int, *, tenant: str, limit: int = 64
-) -> Steps[list[HotPrefix]]:
+) -> Steps[list[HotPrefix[np.ndarray]]]:
     """The tenant's most valuable stored prefixes (by the eviction score) within
     `budget_bytes`."""
     message = wire.Hot(id=core.next_id(), budget_bytes=budget_bytes, tenant=tenant, limit=limit)

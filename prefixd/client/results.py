@@ -7,10 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from prefixd.client.leases import Lease
-from prefixd.schema.identity import Identity
 
 if TYPE_CHECKING:
     import torch  # the loads into tensors only (prefixd.client.tensors)
@@ -146,26 +143,6 @@ class StateLoaded(_Releasable):
 
     def __enter__(self) -> StateLoaded:
         return self
-
-
-@dataclass(frozen=True)
-class HotPrefix:
-    """A prefix the daemon ranks among the most valuable (see Client.hot)."""
-
-    identity: Identity
-    tokens: np.ndarray
-    sizes: tuple[int, ...]
-    score: float
-
-
-@dataclass(frozen=True, slots=True)
-class ListedBlock:
-    """A stored block of a listing (see Client.list_blocks): its identity, its packed token
-    ids or engine key, and its payload's size."""
-
-    identity: Identity
-    tokens: bytes
-    size: int
 
 
 @dataclass(frozen=True)

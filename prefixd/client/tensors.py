@@ -9,15 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from prefixd.client import state_steps
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Lease
 from prefixd.client.operations import Operation, hot, lookup
-from prefixd.client.results import HotPrefix, Installed, InstalledState, WarmUp
+from prefixd.client.results import Installed, InstalledState, WarmUp
 from prefixd.client.steps import Reserve, Steps, Synchronize, unpacked
 from prefixd.errors import DestinationError, PrefixdError, TransferError
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.identity import Identity
+from prefixd.schema.stored import HotPrefix
 from prefixd.schema.tokens import TokenIds
 
 if TYPE_CHECKING:
@@ -160,7 +163,7 @@ def load_state_into(
 def warm_up(
     core: ClientCore,
     budget_bytes: int,
-    destinations_factory: Callable[[HotPrefix], Sequence[torch.Tensor] | None],
+    destinations_factory: Callable[[HotPrefix[np.ndarray]], Sequence[torch.Tensor] | None],
     *,
     tenant: str,
     limit: int = 64,

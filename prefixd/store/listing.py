@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import lmdb
@@ -19,22 +18,13 @@ import lmdb
 from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import BlockRecord
+from prefixd.schema.stored import ListedBlock
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
     from prefixd.store.tenancy import Tenancy
 
 SCAN_LIMIT = 65536
-
-
-@dataclass(frozen=True, slots=True)
-class ListedBlock:
-    """One stored block: its identity (named with the tenant asked for), its token ids or
-    engine key (packed), and its payload's size."""
-
-    identity: Identity
-    tokens: bytes
-    payload_size: int
 
 
 def records_after(
@@ -91,4 +81,4 @@ def list_blocks(
     return found, None
 
 
-__all__ = ["SCAN_LIMIT", "ListedBlock", "list_blocks"]
+__all__ = ["SCAN_LIMIT", "list_blocks"]
