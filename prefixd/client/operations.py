@@ -10,6 +10,7 @@ and here its steps and one line in `Operations`.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
@@ -74,8 +75,7 @@ class Operation(Generic[P, R]):
     def __get__(self, client: Drives | Awaits | None, owner: type[Any]) -> Any:
         if client is None:
             return self
-        steps_of, run = self.steps_of, client.run
-        return lambda *args, **kwargs: run(steps_of, *args, **kwargs)
+        return functools.partial(client.run, self.steps_of)
 
 
 # --- the operations -----------------------------------------------------------------------------
