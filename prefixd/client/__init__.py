@@ -1,6 +1,7 @@
 """Clients for the daemon: `Client` (blocking, for an engine's hot path and its threads) and
-`AsyncClient` (asyncio), two thin shells over one core (prefixd.client.core), so they offer the
-same calls with the same results and errors.
+`AsyncClient` (asyncio), two thin shells over one core (prefixd.client.core) that bind the same
+operations, each declared once (prefixd.client.operations), so they offer the same calls with the
+same results and errors.
 
 Both share memory regions with the daemon (sealed memfds, see prefixd.wire.region): payloads are
 staged in them for puts and loaded into them by the daemon, so bulk data never crosses the socket.
@@ -13,8 +14,6 @@ from prefixd.client.aio import AsyncClient
 from prefixd.client.blocking import Client
 from prefixd.client.leases import Lease, RegionUsage
 from prefixd.client.results import (
-    HotPrefix,
-    ListedBlock,
     Loaded,
     Lookup,
     Routed,
@@ -24,6 +23,7 @@ from prefixd.client.results import (
     Stored,
 )
 from prefixd.errors import DaemonUnavailableError, RemoteError, RequestTimeoutError
+from prefixd.schema.stored import HotPrefix, ListedBlock
 
 __all__ = [
     "AsyncClient",

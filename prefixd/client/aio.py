@@ -12,24 +12,17 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from prefixd.client import state_steps
-from prefixd.client.core import ClientCore, Shell
+from prefixd.client.blocking import open_publisher
+from prefixd.client.core import ClientCore
+from prefixd.client.leases import Span
+from prefixd.client.operations import Operations
+from prefixd.client.results import Stored
 from prefixd.client.steps import Call, Reserve, Steps, Synchronize
-from prefixd.client.leases import Lease, Span
-from prefixd.client.results import (
-    HotPrefix,
-    ListedBlock,
-    Loaded,
-    Lookup,
-    Routed,
-    StateLoaded,
-    StateLookup,
-    Stored,
-)
+from prefixd.client.tensors import TensorOperations
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
@@ -38,8 +31,9 @@ from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
 
 if TYPE_CHECKING:
-    from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
+    from prefixd.client.transfer import Publisher
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -52,7 +46,7 @@ class _Pending:
     waited: bool = True  # False once the caller gave up: nobody will retrieve the outcome
 
 
-class AsyncClient(Shell):
+class AsyncClient(Operations, TensorOperations):
     """asyncio client; safe to share between tasks of one event loop."""
 
     def __init__(
@@ -96,175 +90,7 @@ class AsyncClient(Shell):
             raise
         return client
 
-    # --- operations (the same as Client's; see there) -------------------------------------------
-
-    async def reserve(self, nbytes: int) -> Lease:
-        return await self._run(self._core.reserve(nbytes))
-
-    async def put(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        payloads: Sequence[Any],
-        *,
-        first_block: int = 0,
-    ) -> Stored:
-        return await self._run(self._core.put(identity, token_ids, payloads, first_block))
-
-    async def put_spans(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        spans: Sequence[tuple[int, int]],
-        *,
-        first_block: int = 0,
-    ) -> Stored:
-        return await self._run(self._core.put_spans(identity, token_ids, spans, first_block))
-
-    async def lookup(
-        self,
-        identity: Identity,
-        prompts: Sequence[TokenIds],
-        *,
-        hashes: Sequence[bytes | None] | None = None,
-        pin: bool = False,
-    ) -> list[Lookup]:
-        return await self._run(self._core.lookup(identity, prompts, hashes, pin))
-
-    async def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
-        """Release one of this connection's pins of each closed block of `prompts` (pinned by
-        `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
-        return await self._run(self._core.unpin(identity, prompts))
-
-    async def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
-        """Remove the last closed block of each prompt and every block below it; how many
-        blocks went."""
-        return await self._run(self._core.delete(identity, prompts))
-
-    async def list_blocks(
-        self, *, tenant: str, after: bytes | None = None, limit: int = 1024
-    ) -> tuple[list[ListedBlock], bytes | None]:
-        """A page of the tenant's stored blocks after the cursor `after`, and the next page's
-        cursor (None: the listing is complete)."""
-        return await self._run(self._core.list_blocks(tenant, after, limit))
-
-    async def route(
-        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
-    ) -> Routed:
-        return await self._run(self._core.route(identity, token_ids, hashes))
-
-    async def load(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        *,
-        length: int | None = None,
-        max_blocks: int | None = None,
-        hashes: bytes | None = None,
-        first_block: int = 0,
-        warm: bool = False,
-        deadline_s: float | None = None,
-    ) -> Loaded:
-        return await self._run(
-            self._core.load(
-                identity,
-                token_ids,
-                length=length,
-                max_blocks=max_blocks,
-                hashes=hashes,
-                first_block=first_block,
-                warm=warm,
-                deadline_s=deadline_s,
-            )
-        )
-
-    async def hot(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix]:
-        return await self._run(self._core.hot(budget_bytes, tenant, limit))
-
-    async def put_state(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        *,
-        paged: Mapping[str, Sequence[Any]] | None = None,
-        checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
-        upto_tokens: int | None = None,
-        first_block: int = 0,
-    ) -> Stored:
-        steps = state_steps.put_state(
-            self._core,
-            identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
-        )
-        return await self._run(steps)
-
-    async def lookup_state(
-        self,
-        identity: Identity,
-        prompts: Sequence[TokenIds],
-        *,
-        hashes: Sequence[bytes | None] | None = None,
-    ) -> list[StateLookup]:
-        return await self._run(state_steps.lookup_state(self._core, identity, prompts, hashes))
-
-    async def load_state(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        *,
-        length: int | None = None,
-        deadline_s: float | None = None,
-    ) -> StateLoaded:
-        steps = state_steps.load_state(self._core, identity, token_ids, length, deadline_s)
-        return await self._run(steps)
-
-    async def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
-        return await self._run(self._core.simple({"op": "purge", "dry_run": dry_run, **criteria}))
-
-    async def stats(self) -> dict[str, Any]:
-        return await self._run(self._core.simple({"op": "stats"}))
-
-    async def verify(self, *, fix: bool = False, payloads: bool = True) -> dict[str, Any]:
-        message = {"op": "verify", "fix": fix, "payloads": payloads}
-        reply = await self._run(self._core.simple(message))
-        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
-
-    async def health(self) -> dict[str, Any]:
-        return await self._run(self._core.simple({"op": "health"}))
-
-    async def call(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Send one protocol message as it is (for operations this client has no call for, or
-        tests); the reply, or its error raised as the error's class."""
-        return await self._run(self._core.simple(dict(message)))
-
-    async def load_into(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        destinations: Sequence[Any],
-        *,
-        slots: int = 3,
-        wait: bool = True,
-        hashes: bytes | None = None,
-    ) -> Installed:
-        from prefixd.transfer import load_into
-
-        steps = load_into(
-            self._core, identity, token_ids, destinations, slots=slots, wait=wait, hashes=hashes
-        )
-        return await self._run(steps)
-
-    async def load_state_into(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        destinations: Mapping[str, Sequence[Any]],
-        *,
-        wait: bool = True,
-    ) -> InstalledState:
-        from prefixd.transfer import load_state_into
-
-        steps = load_state_into(self._core, identity, token_ids, destinations, wait=wait)
-        return await self._run(steps)
+    # --- the operations (prefixd.client.operations and .tensors), and storing from tensors ------
 
     async def store_from(
         self,
@@ -277,35 +103,17 @@ class AsyncClient(Shell):
         region_bytes: int = 256 << 20,
     ) -> asyncio.Future[Stored]:
         """Like Client.store_from; the returned future is an asyncio one."""
-        from prefixd.transfer import Publisher
-
         if self._publisher is not None and self._publisher.region_bytes < region_bytes:
             publisher, self._publisher = self._publisher, None
             await asyncio.get_running_loop().run_in_executor(None, publisher.close)
         if self._publisher is None:
             self._publisher = await asyncio.get_running_loop().run_in_executor(
-                None, Publisher, self._core, region_bytes
+                None, open_publisher, self._core, region_bytes
             )
         future = self._publisher.store_from(
             identity, token_ids, sources, first_block=first_block, ready=ready
         )
         return asyncio.wrap_future(future)
-
-    async def warm_up(
-        self,
-        budget_bytes: int,
-        destinations_factory: Callable[[HotPrefix], Sequence[Any] | None],
-        *,
-        tenant: str,
-        limit: int = 64,
-        slots: int = 3,
-    ) -> WarmUp:
-        from prefixd.transfer import warm_up
-
-        steps = warm_up(
-            self._core, budget_bytes, destinations_factory, tenant=tenant, limit=limit, slots=slots
-        )
-        return await self._run(steps)
 
     async def close(self) -> None:
         self._closed = True
@@ -324,7 +132,15 @@ class AsyncClient(Shell):
 
     # --- the shell: steps over an asyncio socket ------------------------------------------------
 
-    async def _run(self, steps: Steps[T]) -> T:
+    async def run(
+        self,
+        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """Run one operation's steps to its result (see Client.run)."""
+        steps = steps_of(self._core, *args, **kwargs)
         value: Any = None
         error: BaseException | None = None
         while True:

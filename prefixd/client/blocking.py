@@ -12,25 +12,16 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from prefixd.client import state_steps
-from prefixd.client.core import ClientCore, Shell
-from prefixd.client.steps import Call, Reserve, Steps, Synchronize
-from prefixd.client.leases import Lease
+from prefixd.client.core import ClientCore
+from prefixd.client.operations import Operations
 from prefixd.client.polling import DEFAULT_POLL_US, ReplyPolling
-from prefixd.client.results import (
-    HotPrefix,
-    ListedBlock,
-    Loaded,
-    Lookup,
-    Routed,
-    StateLoaded,
-    StateLookup,
-    Stored,
-)
+from prefixd.client.results import Stored
+from prefixd.client.steps import Call, Reserve, Steps, Synchronize
+from prefixd.client.tensors import TensorOperations
 from prefixd.errors import (
     BadFrameError,
     DaemonUnavailableError,
@@ -46,12 +37,13 @@ from prefixd.wire.frames import FrameReader, decode_body
 from prefixd.wire.region import send_with_fds
 
 if TYPE_CHECKING:
-    from prefixd.transfer import Installed, InstalledState, Publisher, WarmUp
+    from prefixd.client.transfer import Publisher
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
-class Client(Shell):
+class Client(Operations, TensorOperations):
     """Blocking client; safe to share between threads."""
 
     def __init__(
@@ -104,198 +96,7 @@ class Client(Shell):
             self._core.close()
             raise
 
-    # --- operations -----------------------------------------------------------------------------
-
-    def reserve(self, nbytes: int) -> Lease:
-        """Lease `nbytes` of the region to fill yourself (then `put_spans`), waiting for room."""
-        return self._run(self._core.reserve(nbytes))
-
-    def put(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        payloads: Sequence[Any],
-        *,
-        first_block: int = 0,
-    ) -> Stored:
-        """Stage `payloads` in the region and publish blocks first_block.. of `token_ids`."""
-        return self._run(self._core.put(identity, token_ids, payloads, first_block))
-
-    def put_spans(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        spans: Sequence[tuple[int, int]],
-        *,
-        first_block: int = 0,
-    ) -> Stored:
-        """Publish payloads the engine wrote into leased region space, named by (region offset,
-        length) spans; a span outside every held lease is refused (RegionError)."""
-        return self._run(self._core.put_spans(identity, token_ids, spans, first_block))
-
-    def lookup(
-        self,
-        identity: Identity,
-        prompts: Sequence[TokenIds],
-        *,
-        hashes: Sequence[bytes | None] | None = None,
-        pin: bool = False,
-    ) -> list[Lookup]:
-        """The stored prefix of each prompt (one round trip for the whole batch)."""
-        return self._run(self._core.lookup(identity, prompts, hashes, pin))
-
-    def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
-        """Release one of this connection's pins of each closed block of `prompts` (pinned by
-        `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
-        return self._run(self._core.unpin(identity, prompts))
-
-    def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> int:
-        """Remove the last closed block of each prompt and every block below it; how many
-        blocks went."""
-        return self._run(self._core.delete(identity, prompts))
-
-    def list_blocks(
-        self, *, tenant: str, after: bytes | None = None, limit: int = 1024
-    ) -> tuple[list[ListedBlock], bytes | None]:
-        """A page of the tenant's stored blocks after the cursor `after`, and the next page's
-        cursor (None: the listing is complete)."""
-        return self._run(self._core.list_blocks(tenant, after, limit))
-
-    def route(
-        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
-    ) -> Routed:
-        """What this node would serve the prompt and its routing score (no payload is read)."""
-        return self._run(self._core.route(identity, token_ids, hashes))
-
-    def load(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        *,
-        length: int | None = None,
-        max_blocks: int | None = None,
-        hashes: bytes | None = None,
-        first_block: int = 0,
-        warm: bool = False,
-        deadline_s: float | None = None,
-    ) -> Loaded:
-        """Load the longest stored prefix of `token_ids` (from `first_block` on, at most
-        `length` bytes) into leased region space. The result's views stay valid until it is
-        released (`release()`, `with`, or when it and its views are gone). `warm` counts the load
-        as restart warm-up in the daemon's stats. Past `deadline_s` seconds (default: the daemon's
-        load_deadline_s) the daemon stops reading and answers the verified prefix it has."""
-        return self._run(
-            self._core.load(
-                identity,
-                token_ids,
-                length=length,
-                max_blocks=max_blocks,
-                hashes=hashes,
-                first_block=first_block,
-                warm=warm,
-                deadline_s=deadline_s,
-            )
-        )
-
-    def hot(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix]:
-        """The tenant's most valuable stored prefixes (by the eviction score) within
-        `budget_bytes`."""
-        return self._run(self._core.hot(budget_bytes, tenant, limit))
-
-    def put_state(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        *,
-        paged: Mapping[str, Sequence[Any]] | None = None,
-        checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
-        upto_tokens: int | None = None,
-        first_block: int = 0,
-    ) -> Stored:
-        """Stage and publish a hybrid identity's state groups (see Store.put_state)."""
-        steps = state_steps.put_state(
-            self._core,
-            identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
-        )
-        return self._run(steps)
-
-    def lookup_state(
-        self,
-        identity: Identity,
-        prompts: Sequence[TokenIds],
-        *,
-        hashes: Sequence[bytes | None] | None = None,
-    ) -> list[StateLookup]:
-        """The joint hit of each prompt for a hybrid identity (one round trip)."""
-        return self._run(state_steps.lookup_state(self._core, identity, prompts, hashes))
-
-    def load_state(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        *,
-        length: int | None = None,
-        deadline_s: float | None = None,
-    ) -> StateLoaded:
-        """Load every verified payload of the joint hit into leased region space; each part's
-        `view` holds its bytes until the result is released. Past `deadline_s` seconds (default:
-        the daemon's load_deadline_s) the daemon stops reading and answers a miss."""
-        steps = state_steps.load_state(self._core, identity, token_ids, length, deadline_s)
-        return self._run(steps)
-
-    def purge(self, *, dry_run: bool = False, **criteria: Any) -> dict[str, Any]:
-        """Remove entries by tenant, model version or age (see PurgeSelector); the counts."""
-        return self._run(self._core.simple({"op": "purge", "dry_run": dry_run, **criteria}))
-
-    def stats(self) -> dict[str, Any]:
-        return self._run(self._core.simple({"op": "stats"}))
-
-    def verify(self, *, fix: bool = False, payloads: bool = True) -> dict[str, Any]:
-        """Check (or with `fix`, repair) the store the daemon serves; the report."""
-        reply = self._run(self._core.simple({"op": "verify", "fix": fix, "payloads": payloads}))
-        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
-
-    def health(self) -> dict[str, Any]:
-        return self._run(self._core.simple({"op": "health"}))
-
-    def call(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Send one protocol message as it is (for operations this client has no call for, or
-        tests); the reply, or its error raised as the error's class."""
-        return self._run(self._core.simple(dict(message)))
-
-    # --- into and out of device memory (prefixd.transfer; needs torch) -------------------------
-
-    def load_into(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        destinations: Sequence[Any],
-        *,
-        slots: int = 3,
-        wait: bool = True,
-        hashes: bytes | None = None,
-    ) -> Installed:
-        """Stream the stored prefix's verified payloads into `destinations` (tensors on any
-        device, one per block) through leased staging slots; see prefixd.transfer."""
-        from prefixd.transfer import load_into
-
-        steps = load_into(
-            self._core, identity, token_ids, destinations, slots=slots, wait=wait, hashes=hashes
-        )
-        return self._run(steps)
-
-    def load_state_into(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        destinations: Mapping[str, Sequence[Any]],
-        *,
-        wait: bool = True,
-    ) -> InstalledState:
-        """A hybrid identity's joint hit into per-group destination tensors."""
-        from prefixd.transfer import load_state_into
-
-        return self._run(load_state_into(self._core, identity, token_ids, destinations, wait=wait))
+    # --- the operations (prefixd.client.operations and .tensors), and storing from tensors ------
 
     def store_from(
         self,
@@ -309,38 +110,17 @@ class Client(Shell):
     ) -> Future[Stored]:
         """Publish blocks from device tensors in the background (a connection and region of
         their own, of at least `region_bytes`); the future resolves when they are stored."""
-        publisher = self._publisher_for(region_bytes)
-        return publisher.store_from(
+        return self._publisher_for(region_bytes).store_from(
             identity, token_ids, sources, first_block=first_block, ready=ready
         )
 
-    def warm_up(
-        self,
-        budget_bytes: int,
-        destinations_factory: Callable[[HotPrefix], Sequence[Any] | None],
-        *,
-        tenant: str,
-        limit: int = 64,
-        slots: int = 3,
-    ) -> WarmUp:
-        """After a restart: the tenant's most valuable prefixes into destinations, up to
-        `budget_bytes`."""
-        from prefixd.transfer import warm_up
-
-        steps = warm_up(
-            self._core, budget_bytes, destinations_factory, tenant=tenant, limit=limit, slots=slots
-        )
-        return self._run(steps)
-
     def _publisher_for(self, region_bytes: int) -> Publisher:
-        from prefixd.transfer import Publisher
-
         with self._publisher_lock:
             if self._publisher is not None and self._publisher.region_bytes < region_bytes:
                 self._publisher.close()  # waits for the stores under way, then makes room
                 self._publisher = None
             if self._publisher is None:
-                self._publisher = Publisher(self._core, region_bytes)
+                self._publisher = open_publisher(self._core, region_bytes)
             return self._publisher
 
     @property
@@ -368,9 +148,17 @@ class Client(Shell):
 
     # --- the shell: steps over a blocking socket ------------------------------------------------
 
-    def _run(self, steps: Steps[T]) -> T:
-        """Drive one call's steps; an error of a step is raised inside the call, so it releases
-        what it leased on its way out."""
+    def run(
+        self,
+        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """Run one operation, given as the function that makes its steps on this client's core
+        (prefixd.client.operations), to its result. An error of a step is raised inside the
+        steps, so they release what they leased on their way out."""
+        steps = steps_of(self._core, *args, **kwargs)
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -559,6 +347,20 @@ class Client(Shell):
         return body
 
 
+def open_publisher(core: ClientCore, region_bytes: int) -> Publisher:
+    """A publisher of stores from tensors for the client of `core`, through a connection and a
+    region of `region_bytes` of its own (prefixd.client.transfer, which needs torch)."""
+    from prefixd.client.transfer import Publisher
+
+    client = Client(
+        core.socket_path,
+        region_bytes=region_bytes,
+        timeout=core.timeout,
+        name=f"{core.name}-publisher",
+    )
+    return Publisher(client, region_bytes)
+
+
 def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
     """Bound each send and recv by `seconds` in the kernel (SO_SNDTIMEO, SO_RCVTIMEO; a call
     that waits longer fails with EAGAIN), on a blocking socket: Python's own socket timeout
@@ -580,4 +382,4 @@ def _error_of(body: memoryview) -> PrefixdError:
     return BadFrameError(ErrorCode.BAD_FRAME, "a reply with no id that is no error")
 
 
-__all__ = ["Client"]
+__all__ = ["Client", "open_publisher"]

@@ -1,9 +1,7 @@
-"""The client's protocol core, without I/O: what every call sends, what it leases, what it makes
-of the replies. `Client` and `AsyncClient` are thin shells that drive these steps over a socket,
-so the two cannot drift apart.
-
-Each call is a generator of steps (prefixd.client.steps); the calls for hybrid identities are in
-prefixd.client.state_steps.
+"""The client's protocol core, without I/O: its regions, request ids and the daemon's greeting,
+and the pieces every request is made of (identities, prompts, staged payloads, a load into a
+span). The operations are built on it as steps (prefixd.client.operations), which `Client` and
+`AsyncClient` drive over a socket.
 """
 
 from __future__ import annotations
@@ -12,14 +10,13 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from prefixd.client.leases import Lease, RegionAllocator, RegionUsage, Span
-from prefixd.client.results import HotPrefix, ListedBlock, Loaded, Lookup, Routed, Stored
-from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of, unpacked
+from prefixd.client.leases import Lease, RegionAllocator, Span
+from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of
 from prefixd.errors import PrefixdError, RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
@@ -31,17 +28,6 @@ from prefixd.wire.frames import PROTOCOL_VERSION, decode_body, encode_frame
 from prefixd.wire.region import SharedRegion
 
 INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not the socket
-
-
-class LoadReply(NamedTuple):
-    """A load's reply: blocks first_block.. at region offsets `offsets`."""
-
-    n_blocks: int
-    n_tokens: int
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    first_block: int
-    next_size: int  # the next block's size when the span had no room for it (0: other reason)
 
 
 class ClientCore:
@@ -226,73 +212,6 @@ class ClientCore:
             offset += source.nbytes
         return lease, spans
 
-    # --- operations -----------------------------------------------------------------------------
-
-    def simple(self, message: dict[str, Any]) -> Steps[dict[str, Any]]:
-        """An operation with no region and no token ids, as maps (stats, health, purge, verify:
-        free-form reports; and raw messages)."""
-        reply: dict[str, Any] = yield Call(message)
-        return reply
-
-    def reserve(self, nbytes: int) -> Steps[Lease]:
-        """Region space for the caller to fill itself (then `put_spans`)."""
-        lease: Lease = yield Reserve(self.require_payloads(), nbytes)
-        return lease
-
-    def put(
-        self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], first_block: int
-    ) -> Steps[Stored]:
-        held: list[Lease | Span] = []
-        try:
-            lease, spans = yield from self.stage(payloads)
-            if lease is not None:
-                held.append(lease)
-            message = wire.Put(
-                id=self.next_id(),
-                identity=self.wire_identity(identity),
-                **self.prompt_fields(token_ids, held),
-                first_block=first_block,
-                blocks=spans,
-            )
-            reply: wire.PutReply = yield Call(message, spans_of(held))
-        finally:
-            release_all(held)
-        return Stored(reply.stored, reply.existed)
-
-    def put_spans(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        spans: Sequence[tuple[int, int]],
-        first_block: int,
-    ) -> Steps[Stored]:
-        """Publish payloads the caller wrote into region space it leased (`reserve`)."""
-        allocator = self.require_payloads()
-        region_id = self.region_id(allocator)
-        named: list[Span] = []
-        for offset, length in spans:
-            span = allocator.covering(offset, length)
-            if span is None:
-                raise RegionError(
-                    f"[{offset}, {offset + length}) is not inside a lease this client holds: "
-                    "reserve() the space and write the payloads there first"
-                )
-            if span not in named:
-                named.append(span)
-        held: list[Lease | Span] = []
-        try:
-            message = wire.Put(
-                id=self.next_id(),
-                identity=self.wire_identity(identity),
-                **self.prompt_fields(token_ids, held),
-                first_block=first_block,
-                blocks=[(region_id, o, n) for o, n in spans],
-            )
-            reply: wire.PutReply = yield Call(message, (*named, *spans_of(held)), owned=False)
-        finally:
-            release_all(held)
-        return Stored(reply.stored, reply.existed)
-
     def prompt_entries(
         self,
         prompts: Sequence[TokenIds],
@@ -319,71 +238,7 @@ class ClientCore:
             release_all(held)
         return reply
 
-    def lookup(
-        self,
-        identity: Identity,
-        prompts: Sequence[TokenIds],
-        hashes: Sequence[bytes | None] | None,
-        pin: bool = False,
-    ) -> Steps[list[Lookup]]:
-        reply: wire.LookupReply = yield from self.prompts_call(
-            lambda entries: wire.Lookup(
-                id=self.next_id(),
-                identity=self.wire_identity(identity),
-                prompts=entries,
-                pin=pin or None,
-            ),
-            prompts,
-            hashes,
-        )
-        return [
-            Lookup(r.n_blocks, r.n_tokens, unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
-            for r in reply.results
-        ]
-
-    def route(self, identity: Identity, token_ids: TokenIds, hashes: bytes | None) -> Steps[Routed]:
-        held: list[Lease | Span] = []
-        try:
-            message = wire.Route(
-                id=self.next_id(),
-                identity=self.wire_identity(identity),
-                **self.prompt_fields(token_ids, held),
-                hashes=hashes,
-            )
-            reply: wire.RouteReply = yield Call(message, tuple(spans_of(held)))
-        finally:
-            release_all(held)
-        fields = msgspec.structs.asdict(reply)
-        return Routed(**{name: fields[name] for name in Routed.__slots__})
-
-    def unpin(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
-        reply: wire.UnpinReply = yield from self.prompts_call(
-            lambda entries: wire.Unpin(
-                id=self.next_id(), identity=self.wire_identity(identity), prompts=entries
-            ),
-            prompts,
-            None,
-        )
-        return reply.released
-
-    def delete(self, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
-        reply: wire.DeleteReply = yield from self.prompts_call(
-            lambda entries: wire.Delete(
-                id=self.next_id(), identity=self.wire_identity(identity), prompts=entries
-            ),
-            prompts,
-            None,
-        )
-        return reply.blocks
-
-    def list_blocks(
-        self, tenant: str, after: bytes | None, limit: int
-    ) -> Steps[tuple[list[ListedBlock], bytes | None]]:
-        message = wire.ListBlocks(id=self.next_id(), tenant=tenant, after=after, limit=limit)
-        reply: wire.ListReply = yield Call(message)
-        identities = [w.to_identity() for w in reply.identities]
-        blocks = [ListedBlock(identities[b.identity], b.tokens, b.size) for b in reply.blocks]
-        return blocks, reply.next
+    # --- the load every load is made of ----------------------------------------------------------
 
     def load_span(
         self,
@@ -398,8 +253,9 @@ class ClientCore:
         first_block: int = 0,
         warm: bool = False,
         deadline_s: float | None = None,
-    ) -> Steps[LoadReply]:
-        """Load into bytes [start, start + length) of a lease the caller holds."""
+    ) -> Steps[wire.LoadReply]:
+        """Load into bytes [start, start + length) of a lease the caller holds; the reply packs
+        the loaded blocks' region offsets and sizes (`unpacked`)."""
         if not 0 <= start <= start + length <= lease.size or lease.released:
             raise RegionError(f"[{start}, {start + length}) is not inside a held lease")
         allocator = self.require_payloads()
@@ -421,125 +277,4 @@ class ClientCore:
             reply: wire.LoadReply = yield Call(message, (lease.span, *spans_of(held)))
         finally:
             release_all(held)
-        return LoadReply(
-            reply.n_blocks,
-            reply.n_tokens,
-            unpacked(reply.offsets),
-            unpacked(reply.sizes),
-            reply.first_block,
-            reply.next_size,
-        )
-
-    def load(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        *,
-        length: int | None = None,
-        max_blocks: int | None = None,
-        hashes: bytes | None = None,
-        first_block: int = 0,
-        warm: bool = False,
-        deadline_s: float | None = None,
-    ) -> Steps[Loaded]:
-        """The longest stored prefix (from `first_block` on) into leased region space: at most
-        `length` bytes, or as much of the hit as the region holds."""
-        allocator = self.require_payloads()
-        options: dict[str, Any] = {
-            "max_blocks": max_blocks,
-            "hashes": hashes,
-            "first_block": first_block,
-            "warm": warm,
-            "deadline_s": deadline_s,
-        }
-        # Into as much of the region as is free (all of it when nothing else is leased). When
-        # others held space and the hit did not fit, ask again once with a lease of the hit's
-        # size, holding nothing while waiting for it: a load never comes back short for lack of
-        # room that it could have had.
-        if length is not None:
-            lease = yield Reserve(allocator, max(length, 1))
-        else:
-            lease = yield Reserve(allocator, 1, largest=True)
-        try:
-            reply = yield from self.load_span(identity, token_ids, lease, 0, lease.size, **options)
-        except BaseException:
-            lease.release()
-            raise
-        if length is None and reply.next_size and lease.size < allocator.size:
-            lease.release()
-            [hit] = yield from self.lookup(
-                identity, [token_ids], None if hashes is None else [hashes]
-            )
-            wanted = hit.sizes[first_block:]
-            if max_blocks is not None:
-                wanted = wanted[:max_blocks]
-            lease = yield Reserve(allocator, min(max(sum(wanted), 1), allocator.size))
-            try:
-                reply = yield from self.load_span(
-                    identity, token_ids, lease, 0, lease.size, **options
-                )
-            except BaseException:
-                lease.release()
-                raise
-        try:
-            base = lease.offset
-            lease.trim(max((o + n - base for o, n in zip(reply.offsets, reply.sizes)), default=0))
-            views = tuple(lease.slice(o - base, o - base + n) for o, n in zip(*reply[2:4]))
-        except BaseException:
-            lease.release()
-            raise
-        return Loaded(
-            reply.n_blocks,
-            reply.n_tokens,
-            reply.offsets,
-            reply.sizes,
-            views,
-            reply.first_block,
-            lease,
-        )
-
-    def hot(self, budget_bytes: int, tenant: str, limit: int) -> Steps[list[HotPrefix]]:
-        message = wire.Hot(id=self.next_id(), budget_bytes=budget_bytes, tenant=tenant, limit=limit)
-        reply: wire.HotReply = yield Call(message)
-        return [
-            HotPrefix(
-                p.identity.to_identity(),
-                np.frombuffer(p.tokens, dtype="<u4"),
-                unpacked(p.sizes),
-                p.score,
-            )
-            for p in reply.prefixes
-        ]
-
-
-class Shell:
-    """What `Client` and `AsyncClient` share apart from how they drive steps: the core and
-    the views of it a caller reads."""
-
-    _core: ClientCore
-
-    @property
-    def socket_path(self) -> os.PathLike[str]:
-        return self._core.socket_path
-
-    @property
-    def name(self) -> str:
-        return self._core.name
-
-    @property
-    def timeout(self) -> float:
-        return self._core.timeout
-
-    @property
-    def server(self) -> dict[str, Any]:
-        """The daemon's hello reply (limits, operations, served models, instance)."""
-        return self._core.server
-
-    @property
-    def region(self) -> SharedRegion | None:
-        return self._core.region
-
-    def region_usage(self) -> RegionUsage | None:
-        """What the payload region's space is doing (None without a region)."""
-        payloads = self._core.payloads
-        return None if payloads is None else payloads.usage()
+        return reply

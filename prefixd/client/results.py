@@ -5,11 +5,12 @@ are gone), and raise on use after release instead of showing another request's b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from prefixd.client.leases import Lease
-from prefixd.schema.identity import Identity
+
+if TYPE_CHECKING:
+    import torch  # the loads into tensors only (prefixd.client.tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,23 +146,37 @@ class StateLoaded(_Releasable):
 
 
 @dataclass(frozen=True)
-class HotPrefix:
-    """A prefix the daemon ranks among the most valuable (see Client.hot)."""
+class Installed:
+    """What a load installed: `n_blocks` blocks, `n_tokens` tokens (the caller skips these).
+    `event` is recorded after the last copy (None on CPU, or when the call waited); `complete`
+    says whether every destination was filled (False: the stored prefix was shorter)."""
 
-    identity: Identity
-    tokens: np.ndarray
-    sizes: tuple[int, ...]
-    score: float
+    n_blocks: int
+    n_tokens: int
+    n_bytes: int
+    complete: bool
+    event: torch.cuda.Event | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ListedBlock:
-    """A stored block of a listing (see Client.list_blocks): its identity, its packed token
-    ids or engine key, and its payload's size."""
+@dataclass(frozen=True)
+class InstalledState:
+    """What a hybrid load installed (see prefixd.store.joint.JointMatch for the fields)."""
 
-    identity: Identity
-    tokens: bytes
-    size: int
+    reusable_tokens: int
+    replay_from: int
+    paged_tokens: int
+    n_bytes: int
+    event: torch.cuda.Event | None = None
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a restart warm-up brought back."""
+
+    prefixes: int
+    blocks: int
+    tokens: int
+    bytes: int
 
 
 def _by_group(parts: tuple[StatePart, ...]) -> dict[str, list[StatePart]]:

@@ -1,5 +1,5 @@
-"""The client core's calls for hybrid identities (state groups: paged KV beside checkpoints):
-the same steps as the plain calls in core.py, each a function of the core it runs on."""
+"""The operations on hybrid identities (state groups: paged KV beside checkpoints): steps of the
+client core like the plain ones in operations.py, which binds them to the clients."""
 
 from __future__ import annotations
 
@@ -20,12 +20,15 @@ def put_state(
     core: ClientCore,
     identity: Identity,
     token_ids: TokenIds,
-    paged: Mapping[str, Sequence[Any]],
-    checkpoints: Mapping[str, Mapping[int, Any]],
-    upto_tokens: int | None,
-    first_block: int,
+    *,
+    paged: Mapping[str, Sequence[Any]] | None = None,
+    checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
+    upto_tokens: int | None = None,
+    first_block: int = 0,
 ) -> Steps[Stored]:
-    """Stage every group's payloads in the region back to back and publish them in one put."""
+    """Stage and publish a hybrid identity's state groups (see Store.put_state): every group's
+    payloads back to back in the region, in one put."""
+    paged, checkpoints = paged or {}, checkpoints or {}
     payloads = [p for name in paged for p in paged[name]]
     payloads += [p for name in checkpoints for p in checkpoints[name].values()]
     held: list[Lease | Span] = []
@@ -56,8 +59,10 @@ def lookup_state(
     core: ClientCore,
     identity: Identity,
     prompts: Sequence[TokenIds],
-    hashes: Sequence[bytes | None] | None,
+    *,
+    hashes: Sequence[bytes | None] | None = None,
 ) -> Steps[list[StateLookup]]:
+    """The joint hit of each prompt for a hybrid identity (one round trip)."""
     reply: wire.LookupStateReply = yield from core.prompts_call(
         lambda entries: wire.LookupState(
             id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
@@ -83,10 +88,13 @@ def load_state(
     core: ClientCore,
     identity: Identity,
     token_ids: TokenIds,
-    length: int | None,
+    *,
+    length: int | None = None,
     deadline_s: float | None = None,
 ) -> Steps[StateLoaded]:
-    """Every verified payload of the joint hit, back to back in leased region space."""
+    """Load every verified payload of the joint hit, back to back into leased region space;
+    each part's `view` holds its bytes until the result is released. Past `deadline_s` seconds
+    (default: the daemon's load_deadline_s) the daemon stops reading and answers a miss."""
     allocator = core.require_payloads()
     if length is not None:
         lease = yield Reserve(allocator, max(length, 1))
@@ -99,7 +107,7 @@ def load_state(
         if length is not None or lease.size >= allocator.size:
             raise
         # others held space and the hit did not fit: once more with a lease of its size
-        [hit] = yield from lookup_state(core, identity, [token_ids], None)
+        [hit] = yield from lookup_state(core, identity, [token_ids])
         lease = yield Reserve(allocator, min(max(hit.payload_bytes, 1), allocator.size))
         try:
             result = yield from _load_state_span(core, identity, token_ids, lease, deadline_s)

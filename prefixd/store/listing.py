@@ -10,26 +10,16 @@ blocks gets short (even empty) pages with a cursor, never one page that reads th
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prefixd.schema.identity import Identity
+from prefixd.schema.stored import ListedBlock
 from prefixd.store.tables import identity_of, records_after
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
 
 SCAN_LIMIT = 65536
-
-
-@dataclass(frozen=True, slots=True)
-class ListedBlock:
-    """One stored block: its identity (named with the tenant asked for), its token ids or
-    engine key (packed), and its payload's size."""
-
-    identity: Identity
-    tokens: bytes
-    payload_size: int
 
 
 def list_blocks(
@@ -63,4 +53,4 @@ def list_blocks(
     return found, None
 
 
-__all__ = ["SCAN_LIMIT", "ListedBlock", "list_blocks"]
+__all__ = ["SCAN_LIMIT", "list_blocks"]

@@ -41,6 +41,7 @@ from prefixd.clock import Clock, SystemClock
 from prefixd.errors import StoreClosedError
 from prefixd.schema.chain import chain_hashes
 from prefixd.schema.identity import Identity
+from prefixd.schema.stored import HotPrefix, ListedBlock
 from prefixd.schema.tokens import TokenIds
 from prefixd.store import (
     check,
@@ -67,7 +68,6 @@ from prefixd.store.environment import (
 )
 from prefixd.store.fair import FairPool
 from prefixd.store.journal import BlockChange, BlockObserver
-from prefixd.store.listing import ListedBlock
 from prefixd.store.lmdb_errors import lmdb_errors
 from prefixd.store.purge import PurgeReport, PurgeSelector
 from prefixd.store.put import Writer, check_first_block
@@ -92,7 +92,6 @@ from prefixd.store.syncer import PeriodicSyncer
 from prefixd.store.tallies import Tallies
 from prefixd.store.tenancy import Tenancy
 from prefixd.store.tenants import TenantIndex
-from prefixd.store.warmup import HotPrefix
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -357,7 +356,7 @@ class Store:
         )
 
     @_translated("the warm-up ranking", writing=False)
-    def hottest(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix]:
+    def hottest(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix[bytes]]:
         """The tenant's most valuable stored prefixes, by eviction score, whose payloads fit in
         `budget_bytes` (see prefixd.store.warmup): what to bring back first after a restart. A
         tenant of a share group gets the group's prefixes, named with its own identity."""

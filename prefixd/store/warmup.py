@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import lmdb
@@ -20,6 +19,7 @@ import lmdb
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
+from prefixd.schema.stored import HotPrefix
 from prefixd.store.eviction import TokensPerBlock, value_per_byte
 from prefixd.store.tables import Tables, readable_identities, records_after
 
@@ -29,21 +29,6 @@ if TYPE_CHECKING:
     from prefixd.store.tenancy import Tenancy
 
 
-@dataclass(frozen=True)
-class HotPrefix:
-    """A prefix to warm: its identity, its token ids (packed '<u4', whole blocks from token 0),
-    its blocks' payload sizes, and the best value per byte among the blocks that put it here."""
-
-    identity: Identity
-    tokens: bytes
-    payload_sizes: tuple[int, ...]
-    score: float
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(self.payload_sizes)
-
-
 def hottest(
     ctx: StoreContext,
     tenancy: Tenancy,
@@ -51,7 +36,7 @@ def hottest(
     budget_bytes: int,
     tenant: str,
     limit: int,
-) -> list[HotPrefix]:
+) -> list[HotPrefix[bytes]]:
     """`hottest_prefixes` of the store, after writing the pending read times (they weigh too);
     a tenant of a share group gets the group's prefixes, named with its own identity."""
     stored_as = tenancy.stored_as(tenant)
@@ -70,7 +55,7 @@ def hottest(
 
 def hottest_prefixes(
     txn: lmdb.Transaction, t: Tables, now_ns: int, budget_bytes: int, limit: int, tenant: str
-) -> list[HotPrefix]:
+) -> list[HotPrefix[bytes]]:
     """At most `limit` of `tenant`'s prefixes whose blocks together hold at most
     `budget_bytes` of payload (a tenant never learns another's prompts)."""
     records: dict[bytes, BlockRecord] = {}
@@ -131,7 +116,7 @@ def _missing_ancestry(
 
 def _prefix(
     tip: bytes, records: dict[bytes, BlockRecord], plain: dict[bytes, Identity], score: float
-) -> HotPrefix:
+) -> HotPrefix[bytes]:
     chain = [tip]
     while records[chain[-1]].parent != ROOT_PARENT:
         chain.append(records[chain[-1]].parent)

@@ -1,7 +1,7 @@
 """The package as a release ships it: an sdist and a wheel built from this tree, the wheel installed
 with its dependencies into a fresh venv without torch, and the installed `prefixd` command serving
 puts and loads from the installed clients. Serving must not need torch (754 MB on CPU, gigabytes
-with CUDA): it is the [gpu] extra, for prefixd.transfer only.
+with CUDA): it is the [gpu] extra, for prefixd.client.transfer only.
 
 The build and the venv are made once per session (pip may fetch small packages; never torch: the
 wheel's requirements are checked before anything is installed)."""
@@ -199,7 +199,7 @@ def test_base_install_serves_puts_and_loads_without_torch(
 
 
 def test_without_torch_the_extras_are_named(installed: Installed, tmp_path: Path) -> None:
-    failed = _run([installed.python, "-c", "import prefixd.transfer"], tmp_path)
+    failed = _run([installed.python, "-c", "import prefixd.client.transfer"], tmp_path)
     assert failed.returncode != 0
     assert "prefixd[gpu]" in failed.stderr, failed.stderr
     integration = [installed.python, "-c", "import prefixd.integrations.transformers"]

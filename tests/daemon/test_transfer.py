@@ -1,5 +1,5 @@
-"""Streaming between the daemon and tensors (prefixd.transfer): the CPU path runs everywhere;
-the CUDA tests run where a GPU is."""
+"""Streaming between the daemon and tensors (prefixd.client.tensors): the CPU path runs
+everywhere; the CUDA tests run where a GPU is."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from prefixd.client import Client  # noqa: E402
 from prefixd.errors import DestinationError, TransferError  # noqa: E402
 from prefixd.schema.state import StateGroup  # noqa: E402
-from prefixd.transfer import _batches  # noqa: E402
+from prefixd.client.tensors import _batches  # noqa: E402
 
 from ..store.test_faults import corrupt_payload  # noqa: E402
 from .conftest import IDENTITY, Daemon, make_identity, payload  # noqa: E402

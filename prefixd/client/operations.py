@@ -1,0 +1,395 @@
+"""Every operation of the clients, declared once: a function of the client core that makes its
+steps (prefixd.client.steps), with the signature callers see. `Operations` binds each one to
+both clients through the `Operation` descriptor: `Client.load(...)` drives the steps to the
+result, `AsyncClient.load(...)` returns a coroutine of it, and mypy checks both calls against the
+function's own parameters (a misspelt keyword is an error).
+
+Adding an operation: its message and reply (prefixd.wire.messages), its handler in the daemon,
+and here its steps and one line in `Operations`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
+
+import msgspec
+import numpy as np
+
+from prefixd.client import state_steps
+from prefixd.client.core import ClientCore
+from prefixd.client.leases import Lease, RegionUsage, Span
+from prefixd.client.results import Loaded, Lookup, Routed, Stored
+from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of, unpacked
+from prefixd.errors import RegionError
+from prefixd.schema.identity import Identity
+from prefixd.schema.stored import HotPrefix, ListedBlock
+from prefixd.schema.tokens import TokenIds
+from prefixd.wire import messages as wire
+from prefixd.wire.region import SharedRegion
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class Drives(Protocol):
+    """A client that runs an operation's steps to its result (Client)."""
+
+    def run(
+        self,
+        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T: ...
+
+
+class Awaits(Protocol):
+    """A client whose run of an operation's steps is a coroutine (AsyncClient)."""
+
+    def run(
+        self,
+        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> Coroutine[Any, Any, T]: ...
+
+
+class Operation(Generic[P, R]):
+    """An operation bound to the client it is read from: `client.run` with its steps function."""
+
+    def __init__(self, steps_of: Callable[Concatenate[ClientCore, P], Steps[R]]) -> None:
+        self.steps_of = steps_of
+        self.__doc__ = steps_of.__doc__
+
+    @overload
+    def __get__(self, client: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, client: Drives, owner: type[Any]) -> Callable[P, R]: ...
+    @overload
+    def __get__(self, client: Awaits, owner: type[Any]) -> Callable[P, Coroutine[Any, Any, R]]: ...
+    def __get__(self, client: Drives | Awaits | None, owner: type[Any]) -> Any:
+        if client is None:
+            return self
+        return functools.partial(client.run, self.steps_of)
+
+
+# --- the operations -----------------------------------------------------------------------------
+
+
+def reserve(core: ClientCore, nbytes: int) -> Steps[Lease]:
+    """Lease `nbytes` of the region to fill yourself (then `put_spans`), waiting for room."""
+    lease: Lease = yield Reserve(core.require_payloads(), nbytes)
+    return lease
+
+
+def put(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    payloads: Sequence[Any],
+    *,
+    first_block: int = 0,
+) -> Steps[Stored]:
+    """Stage `payloads` in the region and publish blocks first_block.. of `token_ids`."""
+    held: list[Lease | Span] = []
+    try:
+        lease, spans = yield from core.stage(payloads)
+        if lease is not None:
+            held.append(lease)
+        message = wire.Put(
+            id=core.next_id(),
+            identity=core.wire_identity(identity),
+            **core.prompt_fields(token_ids, held),
+            first_block=first_block,
+            blocks=spans,
+        )
+        reply: wire.PutReply = yield Call(message, spans_of(held))
+    finally:
+        release_all(held)
+    return Stored(reply.stored, reply.existed)
+
+
+def put_spans(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    spans: Sequence[tuple[int, int]],
+    *,
+    first_block: int = 0,
+) -> Steps[Stored]:
+    """Publish payloads the engine wrote into leased region space, named by (region offset,
+    length) spans; a span outside every held lease is refused (RegionError)."""
+    allocator = core.require_payloads()
+    region_id = core.region_id(allocator)
+    named: list[Span] = []
+    for offset, length in spans:
+        span = allocator.covering(offset, length)
+        if span is None:
+            raise RegionError(
+                f"[{offset}, {offset + length}) is not inside a lease this client holds: "
+                "reserve() the space and write the payloads there first"
+            )
+        if span not in named:
+            named.append(span)
+    held: list[Lease | Span] = []
+    try:
+        message = wire.Put(
+            id=core.next_id(),
+            identity=core.wire_identity(identity),
+            **core.prompt_fields(token_ids, held),
+            first_block=first_block,
+            blocks=[(region_id, o, n) for o, n in spans],
+        )
+        reply: wire.PutReply = yield Call(message, (*named, *spans_of(held)), owned=False)
+    finally:
+        release_all(held)
+    return Stored(reply.stored, reply.existed)
+
+
+def lookup(
+    core: ClientCore,
+    identity: Identity,
+    prompts: Sequence[TokenIds],
+    *,
+    hashes: Sequence[bytes | None] | None = None,
+    pin: bool = False,
+) -> Steps[list[Lookup]]:
+    """The stored prefix of each prompt (one round trip for the whole batch)."""
+    reply: wire.LookupReply = yield from core.prompts_call(
+        lambda entries: wire.Lookup(
+            id=core.next_id(),
+            identity=core.wire_identity(identity),
+            prompts=entries,
+            pin=pin or None,
+        ),
+        prompts,
+        hashes,
+    )
+    return [
+        Lookup(r.n_blocks, r.n_tokens, unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
+        for r in reply.results
+    ]
+
+
+def unpin(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
+    """Release one of this connection's pins of each closed block of `prompts` (pinned by
+    `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
+    reply: wire.UnpinReply = yield from core.prompts_call(
+        lambda entries: wire.Unpin(
+            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
+        ),
+        prompts,
+        None,
+    )
+    return reply.released
+
+
+def delete(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
+    """Remove the last closed block of each prompt and every block below it; how many
+    blocks went."""
+    reply: wire.DeleteReply = yield from core.prompts_call(
+        lambda entries: wire.Delete(
+            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
+        ),
+        prompts,
+        None,
+    )
+    return reply.blocks
+
+
+def list_blocks(
+    core: ClientCore, *, tenant: str, after: bytes | None = None, limit: int = 1024
+) -> Steps[tuple[list[ListedBlock], bytes | None]]:
+    """A page of the tenant's stored blocks after the cursor `after`, and the next page's
+    cursor (None: the listing is complete)."""
+    message = wire.ListBlocks(id=core.next_id(), tenant=tenant, after=after, limit=limit)
+    reply: wire.ListReply = yield Call(message)
+    identities = [w.to_identity() for w in reply.identities]
+    blocks = [ListedBlock(identities[b.identity], b.tokens, b.size) for b in reply.blocks]
+    return blocks, reply.next
+
+
+def route(
+    core: ClientCore, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+) -> Steps[Routed]:
+    """What this node would serve the prompt and its routing score (no payload is read)."""
+    held: list[Lease | Span] = []
+    try:
+        message = wire.Route(
+            id=core.next_id(),
+            identity=core.wire_identity(identity),
+            **core.prompt_fields(token_ids, held),
+            hashes=hashes,
+        )
+        reply: wire.RouteReply = yield Call(message, tuple(spans_of(held)))
+    finally:
+        release_all(held)
+    fields = msgspec.structs.asdict(reply)
+    return Routed(**{name: fields[name] for name in Routed.__slots__})
+
+
+def load(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    *,
+    length: int | None = None,
+    max_blocks: int | None = None,
+    hashes: bytes | None = None,
+    first_block: int = 0,
+    warm: bool = False,
+    deadline_s: float | None = None,
+) -> Steps[Loaded]:
+    """Load the longest stored prefix of `token_ids` (from `first_block` on, at most `length`
+    bytes) into leased region space. The result's views stay valid until it is released
+    (`release()`, `with`, or when it and its views are gone). `warm` counts the load as restart
+    warm-up in the daemon's stats. Past `deadline_s` seconds (default: the daemon's
+    load_deadline_s) the daemon stops reading and answers the verified prefix it has."""
+    allocator = core.require_payloads()
+    options: dict[str, Any] = {
+        "max_blocks": max_blocks,
+        "hashes": hashes,
+        "first_block": first_block,
+        "warm": warm,
+        "deadline_s": deadline_s,
+    }
+    # Into as much of the region as is free (all of it when nothing else is leased). When
+    # others held space and the hit did not fit, ask again once with a lease of the hit's
+    # size, holding nothing while waiting for it: a load never comes back short for lack of
+    # room that it could have had.
+    if length is not None:
+        lease = yield Reserve(allocator, max(length, 1))
+    else:
+        lease = yield Reserve(allocator, 1, largest=True)
+    try:
+        reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
+    except BaseException:
+        lease.release()
+        raise
+    if length is None and reply.next_size and lease.size < allocator.size:
+        lease.release()
+        [hit] = yield from lookup(
+            core, identity, [token_ids], hashes=None if hashes is None else [hashes]
+        )
+        wanted = hit.sizes[first_block:]
+        if max_blocks is not None:
+            wanted = wanted[:max_blocks]
+        lease = yield Reserve(allocator, min(max(sum(wanted), 1), allocator.size))
+        try:
+            reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
+        except BaseException:
+            lease.release()
+            raise
+    try:
+        base = lease.offset
+        offsets, sizes = unpacked(reply.offsets), unpacked(reply.sizes)
+        lease.trim(max((o + n - base for o, n in zip(offsets, sizes)), default=0))
+        views = tuple(lease.slice(o - base, o - base + n) for o, n in zip(offsets, sizes))
+    except BaseException:
+        lease.release()
+        raise
+    return Loaded(reply.n_blocks, reply.n_tokens, offsets, sizes, views, reply.first_block, lease)
+
+
+def hot(
+    core: ClientCore, budget_bytes: int, *, tenant: str, limit: int = 64
+) -> Steps[list[HotPrefix[np.ndarray]]]:
+    """The tenant's most valuable stored prefixes (by the eviction score) within
+    `budget_bytes`."""
+    message = wire.Hot(id=core.next_id(), budget_bytes=budget_bytes, tenant=tenant, limit=limit)
+    reply: wire.HotReply = yield Call(message)
+    return [
+        HotPrefix(
+            p.identity.to_identity(),
+            np.frombuffer(p.tokens, dtype="<u4"),
+            unpacked(p.sizes),
+            p.score,
+        )
+        for p in reply.prefixes
+    ]
+
+
+def call(core: ClientCore, message: dict[str, Any]) -> Steps[dict[str, Any]]:
+    """Send one protocol message as it is (for operations this client has no call for, or
+    tests); the reply, or its error raised as the error's class."""
+    reply: dict[str, Any] = yield Call(dict(message))
+    return reply
+
+
+def purge(core: ClientCore, /, *, dry_run: bool = False, **criteria: Any) -> Steps[dict[str, Any]]:
+    """Remove entries by tenant, model version or age (see PurgeSelector); the counts."""
+    return (yield from call(core, {"op": "purge", "dry_run": dry_run, **criteria}))
+
+
+def stats(core: ClientCore) -> Steps[dict[str, Any]]:
+    return (yield from call(core, {"op": "stats"}))
+
+
+def health(core: ClientCore) -> Steps[dict[str, Any]]:
+    return (yield from call(core, {"op": "health"}))
+
+
+def verify(core: ClientCore, *, fix: bool = False, payloads: bool = True) -> Steps[dict[str, Any]]:
+    """Check (or with `fix`, repair) the store the daemon serves; the report."""
+    reply = yield from call(core, {"op": "verify", "fix": fix, "payloads": payloads})
+    return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+
+# --- the clients' face ---------------------------------------------------------------------------
+
+
+class Operations:
+    """What `Client` and `AsyncClient` share apart from how they drive steps: every operation,
+    and the views of the core a caller reads."""
+
+    _core: ClientCore
+
+    reserve = Operation(reserve)
+    put = Operation(put)
+    put_spans = Operation(put_spans)
+    lookup = Operation(lookup)
+    unpin = Operation(unpin)
+    delete = Operation(delete)
+    list_blocks = Operation(list_blocks)
+    route = Operation(route)
+    load = Operation(load)
+    hot = Operation(hot)
+    put_state = Operation(state_steps.put_state)
+    lookup_state = Operation(state_steps.lookup_state)
+    load_state = Operation(state_steps.load_state)
+    purge = Operation(purge)
+    stats = Operation(stats)
+    verify = Operation(verify)
+    health = Operation(health)
+    call = Operation(call)
+
+    @property
+    def socket_path(self) -> os.PathLike[str]:
+        return self._core.socket_path
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def timeout(self) -> float:
+        return self._core.timeout
+
+    @property
+    def server(self) -> dict[str, Any]:
+        """The daemon's hello reply (limits, operations, served models, instance)."""
+        return self._core.server
+
+    @property
+    def region(self) -> SharedRegion | None:
+        return self._core.region
+
+    def region_usage(self) -> RegionUsage | None:
+        """What the payload region's space is doing (None without a region)."""
+        payloads = self._core.payloads
+        return None if payloads is None else payloads.usage()

@@ -1,0 +1,222 @@
+"""The operations into and out of device memory: steps of the client core that stream a load
+through leased staging slots into tensors (`load_into`, `load_state_into`, `warm_up`), bound to
+both clients by `TensorOperations`. The copies themselves need torch (prefixd.client.transfer,
+the [gpu] extra): it is imported when one of these runs, never when the clients are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from prefixd.client import state_steps
+from prefixd.client.core import ClientCore
+from prefixd.client.leases import Lease
+from prefixd.client.operations import Operation, hot, lookup
+from prefixd.client.results import Installed, InstalledState, WarmUp
+from prefixd.client.steps import Reserve, Steps, Synchronize, unpacked
+from prefixd.errors import DestinationError, PrefixdError, TransferError
+from prefixd.schema.chain import packed_hashes
+from prefixd.schema.identity import Identity
+from prefixd.schema.stored import HotPrefix
+from prefixd.schema.tokens import TokenIds
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_SLOTS = 3
+
+
+def load_into(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    destinations: Sequence[torch.Tensor],
+    *,
+    slots: int = DEFAULT_SLOTS,
+    wait: bool = True,
+    hashes: bytes | None = None,
+    warm: bool = False,
+) -> Steps[Installed]:
+    """Stream the verified payloads of the stored prefix of `token_ids` into `destinations`
+    (block i into destinations[i], any device, contiguous, at least the payload's size), as many
+    blocks as there are destinations and the store holds, through `slots` leased staging slots.
+    `warm` counts the loads as restart warm-up."""
+    from prefixd.client.transfer import Copier, device_of, nbytes
+
+    allocator = core.payloads
+    if allocator is None:
+        raise PrefixdError("load_into needs a client with a shared region (region_bytes)")
+    if not destinations:
+        return Installed(0, 0, 0, True)
+    device = device_of(destinations)
+    if hashes is None:  # hashed once here, not again by the daemon for every batch
+        hashes = packed_hashes(identity, token_ids)
+    [hit] = yield from lookup(core, identity, [token_ids], hashes=[hashes])
+    sizes = hit.sizes[: min(len(destinations), hit.n_blocks)]
+    for i, (size, dest) in enumerate(zip(sizes, destinations, strict=False)):
+        if nbytes(dest) < size:
+            raise DestinationError(f"destination {i} holds {nbytes(dest)} bytes, needs {size}")
+    if not sizes:
+        return Installed(0, 0, 0, False)
+    slot_bytes = _slot_bytes(sizes, allocator.size, slots)
+    batches = _batches(sizes, slot_bytes)
+    n_slots = min(slots, len(batches))
+    lease: Lease = yield Reserve(allocator, n_slots * slot_bytes)
+    copier = Copier(lease, n_slots, slot_bytes, device)
+    block_tokens = identity.block_tokens
+    copier.begin()
+    installed = n_bytes = 0
+    try:
+        for k, (start, stop) in enumerate(batches):
+            slot = k % n_slots
+            event = copier.reuse(slot)
+            if event is not None:
+                yield Synchronize(event)
+            loaded = yield from core.load_span(
+                identity,
+                token_ids,
+                lease,
+                copier.slot_offset(slot),
+                slot_bytes,
+                first_block=start,
+                max_blocks=stop - start,
+                hashes=hashes,
+                warm=warm,
+            )
+            offsets, loaded_sizes = unpacked(loaded.offsets), unpacked(loaded.sizes)
+            for i, (offset, size) in enumerate(zip(offsets, loaded_sizes, strict=True)):
+                copier.to_device(offset - lease.offset, size, destinations[start + i])
+                n_bytes += size
+            copier.finish(slot)
+            installed = start + loaded.n_blocks
+            if loaded.n_blocks < stop - start:
+                break  # evicted or failed verification since the lookup: a shorter hit
+    except BaseException as exc:
+        copier.drain()  # what was queued is installed, then the error says how much
+        del copier
+        lease.release()
+        if not isinstance(exc, Exception):
+            raise
+        raise TransferError(
+            f"load into destinations failed: {exc}", installed * block_tokens
+        ) from exc
+    done = copier.done(wait)
+    del copier
+    lease.release_after(done)  # the slots stay leased until the last copy out has read them
+    complete = installed == len(destinations)
+    return Installed(installed, installed * block_tokens, n_bytes, complete, done)
+
+
+def load_state_into(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    destinations: Mapping[str, Sequence[torch.Tensor]],
+    *,
+    wait: bool = True,
+) -> Steps[InstalledState]:
+    """Load a hybrid identity's joint hit and copy each group's payloads into
+    `destinations[group]` (pages in order; a checkpoint group's first destination takes the
+    checkpoint). The whole hit passes through the region at once, so it must fit there."""
+    from prefixd.client.transfer import Copier, device_of, nbytes
+
+    if core.payloads is None:
+        raise PrefixdError("load_state_into needs a client with a shared region (region_bytes)")
+    devices = [d for dests in destinations.values() for d in dests]
+    device = device_of(devices)
+    hit = yield from state_steps.load_state(core, identity, token_ids)
+    lease = hit.lease
+    assert lease is not None
+    copier = Copier(lease, 1, lease.size, device)
+    copier.begin()
+    n_bytes = 0
+    try:
+        for group, parts in hit.by_group().items():
+            dests = destinations.get(group, ())
+            if len(dests) < len(parts):
+                raise DestinationError(
+                    f"state group {group!r}: {len(parts)} payloads, {len(dests)} destinations"
+                )
+            for part, dest in zip(parts, dests, strict=False):
+                if nbytes(dest) < part.size:
+                    raise DestinationError(
+                        f"state group {group!r}: a destination holds {nbytes(dest)} bytes, "
+                        f"the payload needs {part.size}"
+                    )
+                copier.to_device(part.offset - lease.offset, part.size, dest)
+                n_bytes += part.size
+    except BaseException:
+        copier.drain()
+        del copier
+        hit.release()
+        raise
+    copier.finish(0)
+    done = copier.done(wait)
+    del copier
+    lease.release_after(done)
+    return InstalledState(hit.reusable_tokens, hit.replay_from, hit.paged_tokens, n_bytes, done)
+
+
+def warm_up(
+    core: ClientCore,
+    budget_bytes: int,
+    destinations_factory: Callable[[HotPrefix[np.ndarray]], Sequence[torch.Tensor] | None],
+    *,
+    tenant: str,
+    limit: int = 64,
+    slots: int = DEFAULT_SLOTS,
+) -> Steps[WarmUp]:
+    """After a restart, stream the tenant's most valuable stored prefixes (by eviction score) into
+    destinations until `budget_bytes` of payload: `destinations_factory(prefix)` allocates one
+    destination per block of `prefix` (or returns None to skip it). The daemon counts what was
+    warmed (`prefixd stats`: warmed_blocks, warmed_bytes)."""
+    prefixes = blocks = tokens = n_bytes = 0
+    for prefix in (yield from hot(core, budget_bytes, tenant=tenant, limit=limit)):
+        destinations = destinations_factory(prefix)
+        if destinations is None:
+            continue
+        installed = yield from load_into(
+            core, prefix.identity, prefix.tokens, destinations, slots=slots, warm=True
+        )
+        prefixes += 1
+        blocks += installed.n_blocks
+        tokens += installed.n_tokens
+        n_bytes += installed.n_bytes
+    return WarmUp(prefixes, blocks, tokens, n_bytes)
+
+
+def _slot_bytes(sizes: Sequence[int], region_bytes: int, slots: int) -> int:
+    """A staging slot's size: the whole hit when it fits in one slot's share of the region, else
+    that share (so a small load leases little of a shared region)."""
+    share = region_bytes // max(slots, 1)
+    return max(1, min(share, max(sum(sizes), 1)))
+
+
+def _batches(sizes: Sequence[int], slot_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive runs of blocks [start, stop) whose payloads fit in one slot."""
+    batches: list[tuple[int, int]] = []
+    start, used = 0, 0
+    for i, size in enumerate(sizes):
+        if size > slot_bytes:
+            raise DestinationError(
+                f"block {i}'s payload is {size} bytes, a staging slot holds {slot_bytes}: "
+                "use a larger region or fewer slots"
+            )
+        if used + size > slot_bytes:
+            batches.append((start, i))
+            start, used = i, 0
+        used += size
+    if start < len(sizes):
+        batches.append((start, len(sizes)))
+    return batches
+
+
+class TensorOperations:
+    """The operations into device memory, for `Client` and `AsyncClient` (see Operations)."""
+
+    load_into = Operation(load_into)
+    load_state_into = Operation(load_state_into)
+    warm_up = Operation(warm_up)

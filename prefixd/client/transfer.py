@@ -1,0 +1,231 @@
+"""The last hop: verified payloads from the shared region into destination tensors, and back.
+
+A load streams through the client's region cut into `slots` staging slots (double or triple
+buffering). The daemon verifies batch k into slot k % slots while batch k-1 is copied to the
+device, so verification (and decompression) overlaps the copies. On CUDA the region is registered
+as pinned memory and the copies run with `non_blocking=True` on a dedicated stream; an event per
+slot tells when the slot may be written again, and the engine's compute stream never waits: the
+caller gets an event to make it wait on, or asks the call to wait. Without CUDA (the CPU build of
+torch cannot pin memory) the same pipeline runs, the copies being synchronous, so every test runs
+everywhere.
+
+Every byte of the region these calls use is leased (prefixd.client.leases): a load's slots, a
+store's staging space. The lease is held until the copies that read or write it have completed,
+so concurrent calls on one client never overlap.
+
+The loads are steps of the client core (prefixd.client.tensors), so `Client` and `AsyncClient`
+run the same code; this module is their torch side: the copies, and the publisher of stores.
+
+Nothing reaches a destination before the daemon verified it: a slot is copied only after the reply
+that says its bytes passed their checksums. A load that fails part way raises TransferError with the
+number of tokens installed; loads write the same bytes every time, so a retry is harmless.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
+
+try:
+    import torch
+except ModuleNotFoundError as missing:  # serving does not need torch: it is an extra
+    if missing.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "prefixd.client.transfer needs torch, which the base install leaves out: "
+        "pip install 'prefixd[gpu]' (or any torch >= 2.4)",
+        name="torch",
+    ) from missing
+
+from prefixd.client.operations import Drives, put_spans, reserve
+from prefixd.errors import DestinationError
+from prefixd.schema.identity import Identity
+from prefixd.schema.tokens import TokenIds, as_token_array
+
+if TYPE_CHECKING:
+    from prefixd.client.leases import Lease
+    from prefixd.client.results import Stored
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One dedicated copy stream per device, for the life of the process."""
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch leaves these untyped
+
+
+class Copier:
+    """Copies between a lease's slots and tensors: on a dedicated CUDA stream with one event per
+    slot when the device is CUDA, synchronously otherwise."""
+
+    def __init__(self, lease: Lease, slots: int, slot_bytes: int, device: torch.device) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.cuda = device.type == "cuda"
+        self._host = torch.frombuffer(lease.view, dtype=torch.uint8) if lease.size else None
+        self.stream: torch.cuda.Stream | None = None
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        if self.cuda:
+            if not lease.allocator.region.pin():
+                log.warning("the region could not be pinned: copies to the GPU will be slower")
+            self.stream = _copy_stream(device)
+
+    def begin(self) -> None:
+        """Order the copies after what the caller's stream has queued (destinations it wrote or
+        allocated, sources it computed)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
+
+    def reuse(self, slot: int) -> torch.cuda.Event | None:
+        """The event to wait for before the daemon may write `slot` again (its copies out are
+        done then), or None."""
+        event, self._events[slot] = self._events[slot], None
+        return event
+
+    def host(self, offset: int, size: int) -> torch.Tensor:
+        assert self._host is not None
+        return self._host[offset : offset + size]
+
+    def to_device(self, offset: int, size: int, dest: torch.Tensor) -> None:
+        """Queue a copy of region bytes [offset, offset + size) into the start of `dest`."""
+        target = _byte_view(dest, size)
+        source = self.host(offset, size)
+        if self.stream is None:
+            target.copy_(source)
+            return
+        with torch.cuda.stream(self.stream):
+            target.copy_(source, non_blocking=True)
+            dest.record_stream(self.stream)
+
+    def from_device(self, source: torch.Tensor, offset: int) -> int:
+        """Queue a copy of `source`'s bytes into the region at `offset`; returns its size."""
+        data = _byte_view(source, None)
+        target = self.host(offset, data.numel())
+        if self.stream is None:
+            target.copy_(data)
+        else:
+            with torch.cuda.stream(self.stream):
+                target.copy_(data, non_blocking=True)
+                source.record_stream(self.stream)
+        return data.numel()
+
+    def finish(self, slot: int) -> None:
+        """Mark the end of the copies that use `slot`."""
+        if self.stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves these untyped
+            event.record(self.stream)
+            self._events[slot] = event
+
+    def done(self, wait: bool) -> torch.cuda.Event | None:
+        """An event after every queued copy, or None once they are all done (`wait`, or CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves these untyped
+        event.record(self.stream)
+        if wait:
+            event.synchronize()
+            return None
+        return event
+
+    def drain(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class PublishingClient(Drives, Protocol):
+    """The blocking client a Publisher puts through."""
+
+    def close(self) -> None: ...
+
+
+class Publisher:
+    """Stores from device tensors without making the engine wait: the copies to the host and the
+    put run on a thread of their own, through a connection and a region of their own."""
+
+    def __init__(self, client: PublishingClient, region_bytes: int) -> None:
+        """`client`: a blocking client of the publisher's own, with a region of `region_bytes`."""
+        self.region_bytes = region_bytes
+        self._client = client
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixd-publish")
+
+    def store_from(
+        self,
+        identity: Identity,
+        token_ids: TokenIds,
+        sources: Sequence[torch.Tensor],
+        *,
+        first_block: int = 0,
+        ready: torch.cuda.Event | None = None,
+    ) -> Future[Stored]:
+        """Publish blocks first_block.. of `token_ids` from `sources` (one tensor per block, any
+        device). On CUDA the copies wait for `ready` (recorded by the caller after it wrote the
+        sources; default: everything queued on the current stream now). The sources must not be
+        changed until the returned future is done."""
+        tokens = as_token_array(token_ids).copy()
+        sources = list(sources)
+        if ready is None and sources and device_of(sources).type == "cuda":
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves these untyped
+            ready.record(torch.cuda.current_stream(sources[0].device))
+        return self._executor.submit(self._publish, identity, tokens, sources, first_block, ready)
+
+    def _publish(
+        self,
+        identity: Identity,
+        tokens: Any,
+        sources: list[torch.Tensor],
+        first_block: int,
+        ready: torch.cuda.Event | None,
+    ) -> Stored:
+        sizes = [nbytes(source) for source in sources]
+        with self._client.run(reserve, max(sum(sizes), 1)) as lease:
+            device = device_of(sources)
+            copier = Copier(lease, 1, lease.size, device)
+            if copier.stream is not None and ready is not None:
+                copier.stream.wait_event(ready)
+            spans, offset = [], 0
+            for source, size in zip(sources, sizes, strict=True):
+                copier.from_device(source, offset)
+                spans.append((lease.offset + offset, size))
+                offset += size
+            copier.drain()
+            del copier
+            return self._client.run(put_spans, identity, tokens, spans, first_block=first_block)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._client.close()
+
+
+def device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The one device all the tensors are on (the CPU for none)."""
+    if not tensors:
+        return torch.device("cpu")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise DestinationError(
+            f"all tensors must be on one device, got {sorted(map(str, devices))}"
+        )
+    return devices.pop()
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _byte_view(tensor: torch.Tensor, size: int | None) -> torch.Tensor:
+    """The first `size` bytes (all with None) of a contiguous tensor, as a flat uint8 tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise DestinationError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise DestinationError("tensors must be contiguous")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return flat if size is None else flat[:size]
