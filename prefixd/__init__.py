@@ -3,8 +3,7 @@
 from prefixd import errors
 from prefixd.schema import BlockChain, Identity, chain_hashes
 from prefixd.store import Durability, PrefixMatch, Store, StoreConfig
-
-__version__ = "0.1.0"
+from prefixd.version import __version__
 
 __all__ = [
     "BlockChain",
@@ -13,7 +12,7 @@ __all__ = [
     "PrefixMatch",
     "Store",
     "StoreConfig",
+    "__version__",
     "chain_hashes",
     "errors",
-    "__version__",
 ]

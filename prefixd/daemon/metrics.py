@@ -28,9 +28,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from prefixd import __version__
 from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.meta import SCHEMA_VERSION
+from prefixd.version import __version__
 
 if TYPE_CHECKING:
     from prefixd.store import Store

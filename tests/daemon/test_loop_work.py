@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from prefixd import Store
-from prefixd.daemon.operations import LOOP_TOKEN_BYTES, Operations, Request
+from prefixd.daemon.blocks import LOOP_TOKEN_BYTES
+from prefixd.daemon.context import Request
+from prefixd.daemon.operations import Operations
 from prefixd.daemon.policy import EVERYTHING
 from prefixd.wire.messages import Lookup, Prompt, WireIdentity
 
