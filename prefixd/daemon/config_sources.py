@@ -355,3 +355,5 @@ def _toml_text(value: Any) -> str:
 def _text(value: Any) -> str:
     """A plain value for a message: strings unquoted, everything else as TOML writes it."""
     return value if isinstance(value, str) else _toml_text(value)
+
+
