@@ -17,7 +17,7 @@ from prefixd.daemon.context import (
     Queries,
     Request,
     RequestContext,
-    protocol_error,
+    on_loop,
 )
 from prefixd.daemon.fields import packed, region_output
 from prefixd.store import PrefixMatch
@@ -70,10 +70,7 @@ def lookup_now(ctx: RequestContext, request: Request[Lookup]) -> Answered | Late
     if sum(len(tokens) for tokens, _ in queries.prompts) > LOOP_TOKEN_BYTES:
         return partial(lookup_queries, ctx, request.id, queries)  # work for a worker
     services = ctx.services
-    try:
-        cached = services.store.cached_prefixes(queries.identity, queries.prompts)
-    except Exception as exc:
-        raise protocol_error(exc) from None
+    cached = on_loop(partial(services.store.cached_prefixes, queries.identity, queries.prompts))
     if cached is None:
         return partial(lookup_queries, ctx, request.id, queries)
     results, observed = services.lookup_results(queries.identity, queries.prompts, list(cached))
@@ -93,13 +90,10 @@ async def lookup_queries(ctx: RequestContext, rid: int, queries: Queries) -> Loo
     here, without a thread hop (the store reads no record for them), the rest on the pool."""
     services = ctx.services
     identity, prompts = queries
-    try:
-        matches: list[PrefixMatch | None] = [
-            services.store.cached_prefix(identity, tokens, hashes=hashes)
-            for tokens, hashes in prompts
-        ]
-    except Exception as exc:  # not run through the pool: map store errors the same way
-        raise protocol_error(exc) from None
+    cached_prefix = services.store.cached_prefix
+    matches: list[PrefixMatch | None] = on_loop(
+        lambda: [cached_prefix(identity, tokens, hashes=hashes) for tokens, hashes in prompts]
+    )
     missing = [i for i, match in enumerate(matches) if match is None]
     if missing:
 
@@ -167,10 +161,7 @@ async def route(ctx: RequestContext, request: Request[Route]) -> RouteReply:
     tokens = ctx.prompt(msg)
     match = None
     if len(tokens) <= LOOP_TOKEN_BYTES:  # as lookups: short prompts from memory, on the loop
-        try:
-            match = services.store.cached_prefix(identity, tokens, hashes=msg.hashes)
-        except Exception as exc:
-            raise protocol_error(exc) from None
+        match = on_loop(partial(services.store.cached_prefix, identity, tokens, hashes=msg.hashes))
     if match is None:
         match = await services.run(partial(services.longest_prefix, identity, tokens, msg.hashes))
     [result], _ = services.lookup_results(identity, [(tokens, msg.hashes)], [match])

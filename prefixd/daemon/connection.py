@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from msgspec import Struct
 
+from prefixd.daemon.config import Config
 from prefixd.daemon.context import Answered, AnyReply, Handler, Later, Request, RequestContext
 from prefixd.daemon.inbox import Frame, Inbox, close_fds
 from prefixd.daemon.operations import Operations
@@ -44,26 +45,11 @@ _DISCARD_FACTOR = 64
 READ_STRETCH_S = 0.005
 
 
-class Settings(Protocol):
-    """The server's settings a connection reads."""
-
-    @property
-    def max_inflight(self) -> int: ...
-    @property
-    def max_frame_bytes(self) -> int: ...
-    @property
-    def handshake_timeout_s(self) -> float: ...
-    @property
-    def frame_timeout_s(self) -> float: ...
-    @property
-    def idle_timeout_s(self) -> float: ...
-
-
 class Host(Protocol):
     """What a connection reads of the server that accepted it."""
 
     @property
-    def config(self) -> Settings: ...
+    def config(self) -> Config: ...
     @property
     def stats(self) -> Counter[str]: ...
     @property

@@ -9,7 +9,7 @@ import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from msgspec import Struct
@@ -84,57 +84,46 @@ class Handler:
     while_stopping: bool = False
 
 
+@dataclass(kw_only=True)
 class Services:
-    """What every handler shares: the store (extended by the shared tier when one is set), the
-    pools store work runs on, the limits, the metrics and the daemon's counters."""
+    """What every handler shares: the store (extended by the shared `bridge` tier when one is
+    set), the pools store work runs on (verify and purge on `admin_pool`, one at a time, apart
+    from lookups and loads), the limits, the metrics and the daemon's counters."""
 
-    def __init__(
-        self,
-        store: Store,
-        pool: Executor,
-        *,
-        max_frame_bytes: int,
-        max_region_bytes: int,
-        max_prompt_tokens: int = 4 << 20,
-        max_request_tokens: int = 16 << 20,
-        models: Mapping[str, str] | None = None,
-        metrics: Metrics | None = None,
-        min_reusable_tokens: int = 0,
-        bridge: SharedTierBridge | None = None,
-        clock: Clock | None = None,
-        admin_pool: Executor | None = None,
-        load_deadline_s: float = 0.0,
-        server_counters: Callable[[], dict[str, int]] = dict,
-        open_connections: Callable[[], int] = int,
-        ops: Sequence[str] = (),
-    ) -> None:
-        self.store = store
-        self.clock: Clock = clock or SystemClock()  # the store's: one time for the daemon
-        self.bridge = bridge  # the shared tier, when one is configured
-        self.metrics = metrics if metrics is not None else Metrics(store, prefill_tokens_per_s=1e4)
-        self.min_reusable_tokens = min_reusable_tokens
-        self.load_deadline_s = load_deadline_s  # 0: loads read until they are done
-        self.models = models if models is not None else {}  # served model -> weights fingerprint
-        self.pool = pool
-        # verify and purge run here, one at a time, apart from the pool of lookups and loads
-        self.admin_pool = admin_pool if admin_pool is not None else pool
-        self.verifying = False
-        self.max_frame_bytes = max_frame_bytes
-        self.max_region_bytes = max_region_bytes
-        self.max_prompt_tokens = max_prompt_tokens
-        self.max_request_tokens = max_request_tokens
-        self.server_counters = server_counters
-        self.open_connections = open_connections
-        self.ops = sorted(ops)  # the operations hello names
+    store: Store
+    pool: Executor
+    metrics: Metrics
+    max_frame_bytes: int
+    max_region_bytes: int
+    max_prompt_tokens: int = 4 << 20
+    max_request_tokens: int = 16 << 20
+    min_reusable_tokens: int = 0
+    load_deadline_s: float = 0.0  # 0: loads read until they are done
+    models: Mapping[str, str] = field(default_factory=dict)  # served model -> weights fingerprint
+    bridge: SharedTierBridge | None = None
+    clock: Clock = field(default_factory=SystemClock)  # the store's: one time for the daemon
+    admin_pool: Executor | None = None  # None: the pool
+    server_counters: Callable[[], dict[str, int]] = dict
+    open_connections: Callable[[], int] = int
+    ops: list[str] = field(default_factory=list)  # the operations hello names
+    verifying: bool = False
+    loads: LoadQueue = field(default_factory=LoadQueue)  # what `route` counts as the queue
+    # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
+    warmed: Counter[str] = field(
+        default_factory=lambda: Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
+    )
+    cluster_hits: Counter[str] = field(
+        default_factory=lambda: Counter(local_hit_blocks=0, remote_hit_blocks=0)
+    )
+    # Names this run of the daemon: a client that finds another one after reconnecting knows
+    # the old one can no longer touch the region spans its lost requests named.
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
+    _identities: dict[WireIdentity, Identity] = field(default_factory=dict)
+
+    started: float = field(init=False)
+
+    def __post_init__(self) -> None:
         self.started = self.clock.monotonic()
-        # Names this run of the daemon: a client that finds another one after reconnecting knows
-        # the old one can no longer touch the region spans its lost requests named.
-        self.instance = secrets.token_hex(8)
-        self.loads = LoadQueue()  # what `route` counts as this node's queue
-        # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
-        self.warmed: Counter[str] = Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
-        self.cluster_hits: Counter[str] = Counter(local_hit_blocks=0, remote_hit_blocks=0)
-        self._identities: dict[WireIdentity, Identity] = {}
 
     async def run(self, call: Callable[[], T], pool: Executor | None = None) -> T:
         """Run blocking store work on the pool (or `pool`); store errors become protocol
@@ -294,6 +283,15 @@ class RequestContext:
             for i, prompt in enumerate(msg.prompts)
         ]
         return Queries(identity, prompts)
+
+
+def on_loop(call: Callable[[], T]) -> T:
+    """Store work that memory answers, run on the event loop; its errors mapped as `run` maps
+    those of the pool."""
+    try:
+        return call()
+    except Exception as exc:
+        raise protocol_error(exc) from None
 
 
 def protocol_error(exc: Exception) -> Exception:

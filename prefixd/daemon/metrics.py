@@ -213,11 +213,15 @@ class Metrics:
 
     def track_cluster(self, bridge: Any) -> None:
         """Expose the shared tier's counts (prefixd.cluster.bridge) as metrics too."""
-        self.registry.register(_ClusterCollector(bridge))
+        gauges = {"publish_queued": "Blocks waiting to be published"}
+        self.registry.register(_SnapshotCollector(bridge, "prefixd_cluster", "Shared tier", gauges))
 
     def track_events(self, publisher: Any) -> None:
         """Expose the KV event publisher's counts (prefixd.daemon.events) as metrics too."""
-        self.registry.register(_EventsCollector(publisher))
+        gauges = {"queued_events": "KV events: queued events"}
+        self.registry.register(
+            _SnapshotCollector(publisher, "prefixd_kv_events", "KV events", gauges)
+        )
 
     # --- the benefit model --------------------------------------------------------------------
 
@@ -283,7 +287,15 @@ _SUMMED = (
 )
 
 
-class _BuildInfo:
+class _Lazy:
+    """A collector whose families are read only when collected (`describe` says nothing): the
+    store may be busy when the registry is built."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
+class _BuildInfo(_Lazy):
     """`prefixd_build_info` 1, labeled with what a dashboard shows beside a node's numbers."""
 
     def __init__(self) -> None:
@@ -293,9 +305,6 @@ class _BuildInfo:
             "python_implementation": platform.python_implementation(),
             "schema_version": str(SCHEMA_VERSION),
         }
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
@@ -307,16 +316,13 @@ class _BuildInfo:
         yield info
 
 
-class _StoreCollector:
+class _StoreCollector(_Lazy):
     """The store's totals, read when metrics are collected (they live in the store, persisted);
     per-tenant series under the labels `label` gives (capped like the daemon's counters)."""
 
     def __init__(self, store: Store, label: Callable[[Iterable[str]], dict[str, str]]) -> None:
         self.store = store
         self.label = label
-
-    def describe(self) -> list[Metric]:
-        return []  # collected lazily: the store may be busy when the registry is built
 
     def collect(self) -> Iterator[Metric]:
         store = self.store
@@ -406,14 +412,11 @@ def _sync_state(store: Store) -> dict[str, Any]:
     }
 
 
-class _TallyCollector:
+class _TallyCollector(_Lazy):
     """The daemon's own counts as Prometheus families, read when scraped."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         tenants, lengths, ops = self.metrics.tallies()
@@ -437,43 +440,20 @@ class _TallyCollector:
         yield times
 
 
-class _ClusterCollector:
-    """The shared tier's counts: remote hits, fetches, verification failures, errors."""
+class _SnapshotCollector(_Lazy):
+    """The counts of a part's `snapshot()` (the shared tier's, prefixd.cluster.bridge; the KV
+    event publisher's, prefixd.daemon.events) as `prefix`_NAME counters, `gauges` as gauges."""
 
-    def __init__(self, bridge: Any) -> None:
-        self.bridge = bridge
-
-    def describe(self) -> list[Metric]:
-        return []
+    def __init__(self, source: Any, prefix: str, what: str, gauges: dict[str, str]) -> None:
+        self.source, self.prefix, self.what, self.gauges = source, prefix, what, gauges
 
     def collect(self) -> Iterator[Metric]:
-        for name, value in sorted(self.bridge.snapshot().items()):
-            if name == "publish_queued":
-                yield GaugeMetricFamily(
-                    "prefixd_cluster_publish_queued", "Blocks waiting to be published", value=value
-                )
+        for name, value in sorted(self.source.snapshot().items()):
+            metric = f"{self.prefix}_{name}"
+            if name in self.gauges:
+                yield GaugeMetricFamily(metric, self.gauges[name], value=value)
             else:
-                yield CounterMetricFamily(
-                    f"prefixd_cluster_{name}", f"Shared tier: {name.replace('_', ' ')}", value=value
-                )
-
-
-class _EventsCollector:
-    """The KV event publisher's counts: events and batches published, dropped, queued."""
-
-    def __init__(self, publisher: Any) -> None:
-        self.publisher = publisher
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        for name, value in sorted(self.publisher.snapshot().items()):
-            metric = f"prefixd_kv_events_{name}"
-            text = f"KV events: {name.replace('_', ' ')}"
-            if name == "queued_events":
-                yield GaugeMetricFamily(metric, text, value=value)
-            else:
+                text = f"{self.what}: {name.replace('_', ' ')}"
                 yield CounterMetricFamily(metric, text, value=value)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from prefixd.daemon import admin, blocks, engine_ops, session, state_ops
 from prefixd.daemon.context import Answered, Handler, Request, RequestContext, Services
+from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.peer import Peer
 from prefixd.store import Store
 from prefixd.wire.messages import REQUESTS, Lookup, RequestMessage
@@ -27,11 +28,16 @@ class Operations:
     """Every request type's handler, by type (and by op name, for a frame that decoded to no
     request), and the Services they share."""
 
-    def __init__(self, store: Store, pool: Executor, **settings: Any) -> None:
-        """`settings`: Services' limits, metrics, shared tier, clock, pools and counters."""
+    def __init__(
+        self, store: Store, pool: Executor, *, metrics: Metrics | None = None, **settings: Any
+    ) -> None:
+        """`settings`: the other fields of Services (limits, shared tier, clock, counters)."""
         self.handlers = HANDLERS
         self.by_op = {op: HANDLERS[kind] for op, kind in REQUESTS.items() if kind in HANDLERS}
-        self.services = Services(store, pool, ops=list(self.by_op), **settings)
+        if metrics is None:
+            metrics = Metrics(store, prefill_tokens_per_s=1e4)
+        ops = sorted(self.by_op)
+        self.services = Services(store=store, pool=pool, metrics=metrics, ops=ops, **settings)
 
     def context(self, peer: Peer) -> RequestContext:
         return RequestContext(self.services, peer)

@@ -144,7 +144,7 @@ class Server:
         aux = WorkPool(thread_name_prefix="prefixd-aux")
         closer = WorkPool(1, thread_name_prefix="prefixd-close")
         # Administrative work (verify) on a thread of its own: it never takes a worker from the
-        # lookups and loads, and one runs at a time (Operations refuses a second).
+        # lookups and loads, and one runs at a time (prefixd.daemon.admin refuses a second).
         admin = WorkPool(1, thread_name_prefix="prefixd-admin")
         self._pools = (pool, aux, admin, closer)  # the closer last: shutdown closes with it
         loop.set_default_executor(aux)
