@@ -10,16 +10,9 @@ import time
 from functools import partial
 
 from prefixd.daemon import engine_ops, routing
-from prefixd.daemon.context import (
-    Answered,
-    Handler,
-    Later,
-    Queries,
-    Request,
-    RequestContext,
-    on_loop,
-)
+from prefixd.daemon.context import Answered, Handler, Later, Queries, Request, RequestContext
 from prefixd.daemon.fields import packed, region_output
+from prefixd.daemon.services import on_loop
 from prefixd.store import PrefixMatch
 from prefixd.store.results import LoadResult
 from prefixd.wire.messages import (

@@ -9,9 +9,10 @@ from concurrent.futures import Executor
 from typing import Any
 
 from prefixd.daemon import admin, blocks, engine_ops, session, state_ops
-from prefixd.daemon.context import Answered, Handler, Request, RequestContext, Services
+from prefixd.daemon.context import Answered, Handler, Request, RequestContext
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.peer import Peer
+from prefixd.daemon.services import Services
 from prefixd.store import Store
 from prefixd.wire.messages import REQUESTS, Lookup, RequestMessage
 

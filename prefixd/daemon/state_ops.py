@@ -8,8 +8,9 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from prefixd.daemon.context import Handler, Request, RequestContext, Services
+from prefixd.daemon.context import Handler, Request, RequestContext
 from prefixd.daemon.fields import closed_tokens, region_output
+from prefixd.daemon.services import Services
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.store.joint import JointMatch
