@@ -328,13 +328,10 @@ class Connection:
     # --- socket I/O ------------------------------------------------------------------------------
 
     async def _send(self, message: Struct | dict[str, Any]) -> None:
-        await self._send_frame(encode_frame(message))
-
-    async def _send_frame(self, frame: bytes) -> None:
         """Send a reply after those before it; return once it is out (the usual case: at once,
         the whole reply fitting the socket), so a client that does not read holds its requests
         in flight and the reader stops taking more."""
-        sending = self._outbox.send(frame)
+        sending = self._outbox.send(encode_frame(message))
         if sending is not None:
             await _sent(sending)
 
