@@ -60,12 +60,13 @@ def lookup_now(ctx: RequestContext, request: Request[Lookup]) -> Answered | Late
     queries = ctx.queries(request.message)
     if request.message.pin:
         return partial(engine_ops.pinned_lookup, ctx, request.id, queries)
+    later = partial(lookup_queries, ctx, request.id, queries)
     if sum(len(tokens) for tokens, _ in queries.prompts) > LOOP_TOKEN_BYTES:
-        return partial(lookup_queries, ctx, request.id, queries)  # work for a worker
+        return later  # work for a worker
     services = ctx.services
     cached = on_loop(partial(services.store.cached_prefixes, queries.identity, queries.prompts))
     if cached is None:
-        return partial(lookup_queries, ctx, request.id, queries)
+        return later
     results, observed = services.lookup_results(queries.identity, queries.prompts, list(cached))
     reply = LookupReply(id=request.id, results=results)
     return Answered(reply, partial(services.count, queries.identity, observed))

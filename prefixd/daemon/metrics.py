@@ -271,20 +271,7 @@ class Metrics:
         }
 
 
-_SUMMED = (
-    "lookup_prompts",
-    "lookup_hits",
-    "prompt_tokens",
-    "hit_tokens",
-    "prompt_bytes",
-    "hit_bytes",
-    "loaded_bytes",
-    "loaded_tokens",
-    "prefill_saved_seconds",
-    "put_blocks",
-    "stored_bytes",
-    "stored_blocks",
-)
+_SUMMED = (*(name for name, _ in _TALLIES), "stored_bytes", "stored_blocks")  # in totals
 
 
 class _Lazy:
