@@ -12,7 +12,7 @@ __all__ = [
     "PrefixMatch",
     "Store",
     "StoreConfig",
+    "__version__",
     "chain_hashes",
     "errors",
-    "__version__",
 ]

@@ -53,8 +53,10 @@ _TALLIES = (
     ("hit_tokens", "Tokens of the hits offered"),
     (
         "prompt_bytes",
-        "Payload bytes of the prompts' closed blocks (missed ones estimated from the identity's "
-        "bytes per token)",
+        (
+            "Payload bytes of the prompts' closed blocks (missed ones estimated from the "
+            "identity's bytes per token)"
+        ),
     ),
     ("hit_bytes", "Payload bytes of the hits"),
     ("loaded_bytes", "Verified payload bytes loaded"),

@@ -77,7 +77,7 @@ class Services:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(pool or self.pool, call)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - protocol_error re-raises what is no store error
             raise protocol_error(exc) from None
 
     def identity(self, wire: WireIdentity) -> Identity:
@@ -182,7 +182,7 @@ def on_loop(call: Callable[[], T]) -> T:
     those of the pool."""
     try:
         return call()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - as in Services.run
         raise protocol_error(exc) from None
 
 
