@@ -1,35 +1,38 @@
-"""One client connection: reading frames (with backpressure and timeouts), starting requests,
-sending replies, and the regions and descriptors the client shared.
+"""One client connection: reading frames (with backpressure and timeouts), decoding them,
+starting each request's handler (looked up by its type in prefixd.daemon.operations) and sending
+the replies. It names no request type: what a handler takes (descriptors, a request before hello
+or while the daemon stops, an answer on the event loop) the handler's table entry says.
 
-The Server (prefixd.daemon.server) accepts connections and owns what they share: its config,
-counters and the stopping flag; the Operations (prefixd.daemon.operations) answer the requests.
+The server that accepted the connection (prefixd.daemon.server) owns what connections share: its
+settings, counters and the stopping flag (a `Host`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from msgspec import Struct
 
 from prefixd.config.policy import EVERYTHING, Grant
+from prefixd.config.settings import Config
+from prefixd.daemon.context import Answered, AnyReply, Handler, Later, Request, RequestContext
 from prefixd.daemon.inbox import Frame, Inbox, close_fds
-from prefixd.daemon.operations import AnyReply, Operations, Request
+from prefixd.daemon.operations import Operations
 from prefixd.daemon.outbox import Outbox
+from prefixd.daemon.peer import Peer
 from prefixd.errors import ProtocolError, RequestError
 from prefixd.wire.decoding import decode_request
 from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.frames import MAX_FDS_PER_FRAME, encode_frame
-from prefixd.wire.messages import Hello, Lookup, error_reply, op_of
-from prefixd.wire.region import MappedRegion, fds_from_ancillary
-
-if TYPE_CHECKING:
-    from prefixd.daemon.server import Server
+from prefixd.wire.messages import error_reply, op_of
+from prefixd.wire.region import fds_from_ancillary
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +45,43 @@ _DISCARD_FACTOR = 64
 READ_STRETCH_S = 0.005
 
 
+class Host(Protocol):
+    """What a connection reads of the server that accepted it."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def stats(self) -> Counter[str]: ...
+    @property
+    def stopping(self) -> asyncio.Event: ...
+    @property
+    def connections(self) -> set[Connection]: ...
+
+
 class Connection:
-    """One client: reads frames, runs requests concurrently, owns the client's regions."""
+    """One client: reads frames, runs requests concurrently; its Peer holds the client's
+    regions and pins."""
 
     def __init__(
-        self, server: Server, operations: Operations, sock: socket.socket, *, pid: int, uid: int
+        self,
+        server: Host,
+        operations: Operations,
+        sock: socket.socket,
+        *,
+        pid: int,
+        uid: int,
+        grant: Grant = EVERYTHING,
     ) -> None:
         self.server = server
         self.operations = operations
         self.sock = sock
         self.pid = pid
         self.uid = uid
-        self.grant: Grant = EVERYTHING  # what the tenant policy lets this peer do
-        self.greeted = False
         self.max_inflight = server.config.max_inflight
-        self.regions: dict[int, MappedRegion] = {}
-        self.pins: Counter[bytes] = Counter()  # blocks this client pinned (released at its end)
+        self.peer = Peer(uid, grant, max_inflight=self.max_inflight)
         self.task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
-        self._next_region = 1
+        self._context: RequestContext | None = None  # made when the connection starts
         self._inbox = Inbox()
         self._requests: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()  # set while fewer than max_inflight requests are under way
@@ -75,28 +96,6 @@ class Connection:
         self._handshake_ends = time.monotonic() + config.handshake_timeout_s
         self._frame_timeout_s = config.frame_timeout_s
         self._idle_timeout_s = config.idle_timeout_s
-
-    # --- state used by operations ---------------------------------------------------------------
-
-    @staticmethod
-    def close_fds(fds: list[int]) -> None:
-        close_fds(fds)
-
-    def add_region(self, region: MappedRegion) -> int:
-        region_id = self._next_region
-        self._next_region += 1
-        self.regions[region_id] = region
-        return region_id
-
-    def region(self, region_id: int) -> MappedRegion:
-        region = self.regions.get(region_id)
-        if region is None:
-            raise ProtocolError(ErrorCode.BAD_REGION, f"no region {region_id} on this connection")
-        return region
-
-    def span(self, span: tuple[int, int, int]) -> memoryview:
-        region_id, offset, length = span
-        return self.region(region_id).span(offset, length)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -115,6 +114,7 @@ class Connection:
             self.task.cancel()
 
     async def run(self) -> None:
+        self._context = self.operations.context(self.peer)
         try:
             await self._read_frames()
         except (ConnectionError, OSError) as exc:
@@ -172,7 +172,7 @@ class Connection:
         inbox = self._inbox
         at_boundary = inbox.empty
         started = time.monotonic()
-        if not self.greeted:
+        if not self.peer.greeted:
             deadline: float | None = self._handshake_ends
         elif at_boundary:
             deadline = started + self._idle_timeout_s if self._idle_timeout_s else None
@@ -208,7 +208,7 @@ class Connection:
     def _inline_ready(self) -> bool:
         """Whether the reader callback may read and answer requests itself."""
         return (
-            self.greeted
+            self.peer.greeted
             and not self._draining
             and not self.server.stopping.is_set()
             and len(self._requests) < self.max_inflight
@@ -219,7 +219,7 @@ class Connection:
         try:
             message = decode_request(body)
         except RequestError as exc:
-            self.close_fds(fds)
+            close_fds(fds)
             if exc.rid is not None and len(self._requests) >= self.max_inflight:
                 self._busy(exc.rid)
             else:
@@ -227,57 +227,49 @@ class Connection:
             return
         rid = message.id
         if len(self._requests) >= self.max_inflight:
-            self.close_fds(fds)
+            close_fds(fds)
             self._busy(rid)
             return
-        if fds and op_of(message) not in self.operations.takes_fds:
-            self.close_fds(fds)  # a descriptor belongs to the frame it came with
+        handler = self.operations.handlers[type(message)]
+        if fds and not handler.takes_fds:
+            close_fds(fds)  # a descriptor belongs to the frame it came with
             fds = []
-        if isinstance(message, Lookup | Hello) and not self.server.stopping.is_set():
-            if self._answer_now(message):
+        request = Request(rid, message, tuple(fds))
+        context = self._context
+        assert context is not None
+        work: Later = functools.partial(handler.run, context, request)
+        if handler.now is not None and self._refusal(handler) is None:
+            received = time.perf_counter()
+            try:
+                outcome = handler.now(context, request)
+            except ProtocolError:
+                outcome = work  # the usual path reports it
+            if isinstance(outcome, Answered):
+                self._answered(op_of(message), outcome, received)
                 return
-        self._spawn(self._handle(Request(rid, message, tuple(fds))))
+            work = outcome
+        self._spawn(self._handle(handler, request, work))
 
-    def _answer_now(self, message: Lookup | Hello) -> bool:
-        """Answer on the loop, without a task, what needs no worker: a lookup memory answers
-        (bounded: see Operations.lookup_from_memory) and a hello that retires nothing."""
-        received = time.perf_counter()
-        reply: Struct
-        count = None
-        try:
-            if isinstance(message, Lookup):
-                if not self.greeted:
-                    return False
-                answered = self.operations.lookup_from_memory(self, Request(message.id, message))
-                if answered is None:
-                    return False
-                reply, count = answered
-            else:
-                if message.serves:
-                    return False
-                reply = self.operations.hello_now(self, Request(message.id, message))
-        except ProtocolError:
-            return False  # the usual path reports it
-        op = op_of(message)
+    def _answered(self, op: str, answered: Answered, received: float) -> None:
+        """Send a reply a handler computed on the loop, without a task."""
         self.server.stats[f"requests.{op}"] += 1
-        self._reply_now(reply)
+        self._reply_now(answered.reply)
         sent = time.perf_counter()
-        if count is not None:
-            count()  # after the reply left: the counting is off the client's wait
-        self.operations.metrics.observe_op(op, sent - received)
-        return True
+        if answered.after is not None:
+            answered.after()  # after the reply left: the counting is off the client's wait
+        self.operations.services.metrics.observe_op(op, sent - received)
 
     def _busy(self, rid: int) -> None:
         self.server.stats["errors.busy"] += 1
         text = f"at most {self.max_inflight} requests in flight per connection"
         self._spawn(self._send(error_reply(rid, ErrorCode.BUSY, text)))
 
-    def _refusal(self, op: str) -> ProtocolError | None:
-        """Why a request of `op` is not taken now, whatever its fields: before hello, or while
-        the daemon drains."""
-        if op != "hello" and not self.greeted:
+    def _refusal(self, handler: Handler) -> ProtocolError | None:
+        """Why a request of `handler` is not taken now, whatever its fields: before hello, or
+        while the daemon drains."""
+        if not (handler.before_hello or self.peer.greeted):
             return ProtocolError(ErrorCode.HELLO_REQUIRED, "send hello first")
-        if self.server.stopping.is_set() and op != "health":
+        if self.server.stopping.is_set() and not handler.while_stopping:
             return ProtocolError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         return None
 
@@ -286,7 +278,7 @@ class Connection:
         requests before it). A known op's hello_required or shutting_down comes first."""
         refused: ProtocolError = exc
         if exc.op is not None:
-            refused = self._refusal(exc.op) or exc
+            refused = self._refusal(self.operations.by_op[exc.op]) or exc
         code = _code(refused)
         self.server.stats[f"errors.{code.value}"] += 1
         await self._send(error_reply(exc.rid, code, refused.message))
@@ -308,18 +300,18 @@ class Connection:
         if len(self._requests) < self.max_inflight:
             self._room.set()
 
-    async def _handle(self, request: Request[Any]) -> None:
+    async def _handle(self, handler: Handler, request: Request[Any], work: Later) -> None:
         rid, op = request.id, op_of(request.message)
         stats = self.server.stats
         reply: AnyReply
         try:
-            refused = self._refusal(op)
+            refused = self._refusal(handler)
             if refused is not None:
-                self.close_fds(list(request.fds))
+                close_fds(list(request.fds))
                 raise refused
             started = time.perf_counter()
-            reply = await self.operations.handlers[op](self, request)
-            self.operations.metrics.observe_op(op, time.perf_counter() - started)
+            reply = await work()
+            self.operations.services.metrics.observe_op(op, time.perf_counter() - started)
             stats[f"requests.{op}"] += 1
         except ProtocolError as exc:
             code = _code(exc)
@@ -336,13 +328,10 @@ class Connection:
     # --- socket I/O ------------------------------------------------------------------------------
 
     async def _send(self, message: Struct | dict[str, Any]) -> None:
-        await self._send_frame(encode_frame(message))
-
-    async def _send_frame(self, frame: bytes) -> None:
         """Send a reply after those before it; return once it is out (the usual case: at once,
         the whole reply fitting the socket), so a client that does not read holds its requests
         in flight and the reader stops taking more."""
-        sending = self._outbox.send(frame)
+        sending = self._outbox.send(encode_frame(message))
         if sending is not None:
             await _sent(sending)
 
@@ -426,12 +415,7 @@ class Connection:
             request.cancel()
         await asyncio.gather(*self._requests, return_exceptions=True)
         self._inbox.close_pending()
-        for region in self.regions.values():
-            region.close()  # a copy still running on a pool thread keeps the mapping alive
-        self.regions.clear()
-        if self.pins:
-            self.operations.store.unpin(self.pins.elements())
-            self.pins.clear()
+        self.operations.disconnected(self.peer)
         self._outbox.close()
         with contextlib.suppress(OSError):
             self.sock.close()

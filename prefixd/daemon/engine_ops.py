@@ -1,17 +1,15 @@
 """The operations an engine that holds blocks between a lookup and a load needs (LMCache's
 lookup-and-lock, then load, unlock, delete and listing): a lookup that pins its hits, `unpin`,
-`delete` and `list`. Handlers of prefixd.daemon.operations.Operations, kept apart from the rest."""
+`delete` and `list`."""
 
 from __future__ import annotations
 
 import asyncio
 from functools import partial
-from typing import TYPE_CHECKING
 
-from prefixd.errors import ProtocolError
+from prefixd.daemon.context import Handler, Queries, Request, RequestContext
 from prefixd.schema.identity import Identity
 from prefixd.store import PrefixMatch
-from prefixd.wire.errors import ErrorCode
 from prefixd.wire.messages import (
     Delete,
     DeleteReply,
@@ -19,32 +17,25 @@ from prefixd.wire.messages import (
     ListedEntry,
     ListReply,
     LookupReply,
+    RequestMessage,
     Unpin,
     UnpinReply,
     WireIdentity,
 )
 
-if TYPE_CHECKING:
-    from prefixd.daemon.connection import Connection
-    from prefixd.daemon.operations import Operations, Request
-
 DEFAULT_LIST_LIMIT = 1024
 
 
-async def pinned_lookup(
-    ops: Operations,
-    conn: Connection,
-    rid: int,
-    identity: Identity,
-    queries: list[tuple[bytes | memoryview, bytes | None]],
-) -> LookupReply:
+async def pinned_lookup(ctx: RequestContext, rid: int, queries: Queries) -> LookupReply:
     """A lookup whose hits stay pinned (kept from eviction) for this connection until it unpins
     them or ends (prefixd.store.pins); hits too short to offer are not pinned."""
-    store, least = ops.store, ops.min_reusable_tokens
+    services = ctx.services
+    store, least = services.store, services.min_reusable_tokens
+    identity, prompts = queries
 
     def run() -> list[PrefixMatch]:
         matches = []
-        for tokens, hashes in queries:
+        for tokens, hashes in prompts:
             match = store.pin(identity, tokens, hashes=hashes)
             if match.n_tokens < least:
                 store.unpin(match.hashes)
@@ -58,64 +49,64 @@ async def pinned_lookup(
         if not done.cancelled() and done.exception() is None:
             store.unpin(offered(done.result()))
 
-    pinning = asyncio.ensure_future(ops._run(run))
+    pinning = asyncio.ensure_future(services.run(run))
     try:
         matches = await asyncio.shield(pinning)
     except asyncio.CancelledError:  # the connection ended: its pins must not outlive it
         pinning.add_done_callback(release_if_done)
         raise
-    conn.pins.update(offered(matches))
-    results, observed = ops._lookup_results(identity, queries, matches)
-    ops._count(identity, observed)
+    ctx.peer.pins.update(offered(matches))
+    results, observed = services.lookup_results(identity, prompts, matches)
+    services.count(identity, observed)
     return LookupReply(id=rid, results=results)
 
 
-async def unpin(ops: Operations, conn: Connection, request: Request[Unpin]) -> UnpinReply:
+async def unpin(ctx: RequestContext, request: Request[Unpin]) -> UnpinReply:
     """Release one of this connection's pins of each closed block of each prompt; blocks it
     holds no pin of are left alone (another client's pins are never touched)."""
-    identity, queries = ops._lookup_queries(conn, request.message)
-    chains = await ops._run(lambda: [ops.store.chain_of(identity, tokens) for tokens, _ in queries])
+    services, pins = ctx.services, ctx.peer.pins
+    identity, prompts = ctx.queries(request.message)
+    store = services.store
+    chains = await services.run(lambda: [store.chain_of(identity, tokens) for tokens, _ in prompts])
     released = []
     for chain in chains:
         for block in chain:
-            if conn.pins.get(block, 0) > 0:
-                conn.pins[block] -= 1
-                if not conn.pins[block]:
-                    del conn.pins[block]
+            if pins.get(block, 0) > 0:
+                pins[block] -= 1
+                if not pins[block]:
+                    del pins[block]
                 released.append(block)
-    ops.store.unpin(released)
+    store.unpin(released)
     return UnpinReply(id=request.id, released=len(released))
 
 
-async def delete(ops: Operations, conn: Connection, request: Request[Delete]) -> DeleteReply:
+async def delete(ctx: RequestContext, request: Request[Delete]) -> DeleteReply:
     """Remove the last closed block of each prompt and every block below it (an engine that
     evicts by its own policy). Pinned or not: a pin only holds prefixd's eviction off."""
-    identity, queries = ops._lookup_queries(conn, request.message)
+    services = ctx.services
+    identity, prompts = ctx.queries(request.message)
 
     def run() -> int:
-        if ops.bridge is not None:
-            ops.bridge.settle()  # blocks read-throughs are installing go too
+        if services.bridge is not None:
+            services.bridge.settle()  # blocks read-throughs are installing go too
         lasts = []
-        for tokens, _ in queries:
-            chain = ops.store.chain_of(identity, tokens)
+        for tokens, _ in prompts:
+            chain = services.store.chain_of(identity, tokens)
             if chain:
                 lasts.append(chain[-1])
-        return ops.store.delete(lasts) if lasts else 0
+        return services.store.delete(lasts) if lasts else 0
 
-    return DeleteReply(id=request.id, blocks=await ops._run(run))
+    return DeleteReply(id=request.id, blocks=await services.run(run))
 
 
-async def list_blocks(ops: Operations, conn: Connection, request: Request[ListBlocks]) -> ListReply:
+async def list_blocks(ctx: RequestContext, request: Request[ListBlocks]) -> ListReply:
     """A page of a tenant's stored blocks (prefixd.store.listing): keys the peer may see, since
     it may use the tenant."""
-    msg = request.message
-    if not conn.grant.may_use(msg.tenant):
-        raise ProtocolError(
-            ErrorCode.FORBIDDEN, f"uid {conn.uid} may not use tenant {msg.tenant!r}"
-        )
+    msg, services = request.message, ctx.services
+    ctx.require_tenant(msg.tenant)
     limit = DEFAULT_LIST_LIMIT if msg.limit is None else msg.limit
-    found, after = await ops._run(
-        partial(ops.store.list_blocks, tenant=msg.tenant, after=msg.after, limit=limit)
+    found, after = await services.run(
+        partial(services.store.list_blocks, tenant=msg.tenant, after=msg.after, limit=limit)
     )
     index: dict[Identity, int] = {}
     blocks = [
@@ -126,3 +117,10 @@ async def list_blocks(ops: Operations, conn: Connection, request: Request[ListBl
     ]
     identities = [WireIdentity.of(identity) for identity in index]
     return ListReply(id=request.id, identities=identities, blocks=blocks, next=after)
+
+
+HANDLERS: dict[type[RequestMessage], Handler] = {
+    Unpin: Handler(unpin),
+    Delete: Handler(delete),
+    ListBlocks: Handler(list_blocks),
+}

@@ -1,21 +1,35 @@
 """What handlers read from a request's fields beside the store: a prompt's token ids (inline or
-in a shared region), how many of them lie in closed blocks, and where a load writes."""
+in a shared region), how many of them lie in closed blocks, where a load writes, and the packed
+integers replies carry."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import array
+import sys
+from collections.abc import Sequence
 
+from prefixd.daemon.peer import Peer
 from prefixd.errors import ProtocolError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TOKEN_BYTES
 from prefixd.wire.errors import ErrorCode
 from prefixd.wire.messages import Load, LoadState, Span, TokenFields
 
-if TYPE_CHECKING:
-    from prefixd.daemon.connection import Connection
+
+def token_count(fields: TokenFields, most: int, where: str = "") -> int:
+    """How many token ids a prompt names, refused past `most` (max_prompt_tokens) before any of
+    them is read, mapped or hashed."""
+    span: Span | None = fields.tokens_span
+    count = span[2] if span is not None else len(fields.tokens or b"") // TOKEN_BYTES
+    if count > most:
+        raise ProtocolError(
+            ErrorCode.BAD_TOKENS,
+            f"{where}tokens: {count} token ids, at most {most} per prompt (max_prompt_tokens)",
+        )
+    return count
 
 
-def request_tokens(conn: Connection, fields: TokenFields, where: str = "") -> bytes | memoryview:
+def request_tokens(peer: Peer, fields: TokenFields, where: str = "") -> bytes | memoryview:
     """Packed token ids: inline (`tokens`, a bin) or in a shared region (`tokens_span`,
     [region, offset, n_tokens]), which keeps a long prompt's ids off the socket; exactly one of
     them, agreeing with `n_tokens` when that is given."""
@@ -25,7 +39,7 @@ def request_tokens(conn: Connection, fields: TokenFields, where: str = "") -> by
         if tokens is not None:
             raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens and tokens_span both given")
         region, offset, count = span
-        tokens = conn.span((region, offset, count * TOKEN_BYTES))
+        tokens = peer.span((region, offset, count * TOKEN_BYTES))
     elif tokens is None:
         raise ProtocolError(ErrorCode.BAD_TOKENS, f"{where}tokens (or tokens_span) is required")
     if len(tokens) % TOKEN_BYTES:
@@ -47,10 +61,18 @@ def closed_tokens(tokens: bytes | memoryview, identity: Identity) -> int:
     return len(tokens) // TOKEN_BYTES // identity.block_words * identity.block_tokens
 
 
-def region_output(conn: Connection, msg: Load | LoadState) -> tuple[int, memoryview]:
+def region_output(peer: Peer, msg: Load | LoadState) -> tuple[int, memoryview]:
     """Where a load writes: `region` from `offset` (default 0) for `length` bytes (default: to
     the region's end)."""
-    region = conn.region(msg.region)
+    region = peer.region(msg.region)
     offset = msg.offset or 0
     length = max(0, region.size - offset) if msg.length is None else msg.length
     return offset, region.span(offset, length)
+
+
+def packed(values: Sequence[int]) -> bytes:
+    """Little-endian uint64s (array.array packs a lookup's sizes three times quicker than numpy)."""
+    out = array.array("Q", values)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()

@@ -28,9 +28,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from prefixd import __version__
 from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.meta import SCHEMA_VERSION
+from prefixd.version import __version__
 
 if TYPE_CHECKING:
     from prefixd.store import Store
@@ -53,8 +53,10 @@ _TALLIES = (
     ("hit_tokens", "Tokens of the hits offered"),
     (
         "prompt_bytes",
-        "Payload bytes of the prompts' closed blocks (missed ones estimated from the identity's "
-        "bytes per token)",
+        (
+            "Payload bytes of the prompts' closed blocks (missed ones estimated from the "
+            "identity's bytes per token)"
+        ),
     ),
     ("hit_bytes", "Payload bytes of the hits"),
     ("loaded_bytes", "Verified payload bytes loaded"),
@@ -213,11 +215,15 @@ class Metrics:
 
     def track_cluster(self, bridge: Any) -> None:
         """Expose the shared tier's counts (prefixd.cluster.bridge) as metrics too."""
-        self.registry.register(_ClusterCollector(bridge))
+        gauges = {"publish_queued": "Blocks waiting to be published"}
+        self.registry.register(_SnapshotCollector(bridge, "prefixd_cluster", "Shared tier", gauges))
 
     def track_events(self, publisher: Any) -> None:
         """Expose the KV event publisher's counts (prefixd.daemon.events) as metrics too."""
-        self.registry.register(_EventsCollector(publisher))
+        gauges = {"queued_events": "KV events: queued events"}
+        self.registry.register(
+            _SnapshotCollector(publisher, "prefixd_kv_events", "KV events", gauges)
+        )
 
     # --- the benefit model --------------------------------------------------------------------
 
@@ -267,23 +273,18 @@ class Metrics:
         }
 
 
-_SUMMED = (
-    "lookup_prompts",
-    "lookup_hits",
-    "prompt_tokens",
-    "hit_tokens",
-    "prompt_bytes",
-    "hit_bytes",
-    "loaded_bytes",
-    "loaded_tokens",
-    "prefill_saved_seconds",
-    "put_blocks",
-    "stored_bytes",
-    "stored_blocks",
-)
+_SUMMED = (*(name for name, _ in _TALLIES), "stored_bytes", "stored_blocks")  # in totals
 
 
-class _BuildInfo:
+class _Lazy:
+    """A collector whose families are read only when collected (`describe` says nothing): the
+    store may be busy when the registry is built."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
+class _BuildInfo(_Lazy):
     """`prefixd_build_info` 1, labeled with what a dashboard shows beside a node's numbers."""
 
     def __init__(self) -> None:
@@ -293,9 +294,6 @@ class _BuildInfo:
             "python_implementation": platform.python_implementation(),
             "schema_version": str(SCHEMA_VERSION),
         }
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(
@@ -307,16 +305,13 @@ class _BuildInfo:
         yield info
 
 
-class _StoreCollector:
+class _StoreCollector(_Lazy):
     """The store's totals, read when metrics are collected (they live in the store, persisted);
     per-tenant series under the labels `label` gives (capped like the daemon's counters)."""
 
     def __init__(self, store: Store, label: Callable[[Iterable[str]], dict[str, str]]) -> None:
         self.store = store
         self.label = label
-
-    def describe(self) -> list[Metric]:
-        return []  # collected lazily: the store may be busy when the registry is built
 
     def collect(self) -> Iterator[Metric]:
         store = self.store
@@ -406,14 +401,11 @@ def _sync_state(store: Store) -> dict[str, Any]:
     }
 
 
-class _TallyCollector:
+class _TallyCollector(_Lazy):
     """The daemon's own counts as Prometheus families, read when scraped."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         tenants, lengths, ops = self.metrics.tallies()
@@ -437,43 +429,20 @@ class _TallyCollector:
         yield times
 
 
-class _ClusterCollector:
-    """The shared tier's counts: remote hits, fetches, verification failures, errors."""
+class _SnapshotCollector(_Lazy):
+    """The counts of a part's `snapshot()` (the shared tier's, prefixd.cluster.bridge; the KV
+    event publisher's, prefixd.daemon.events) as `prefix`_NAME counters, `gauges` as gauges."""
 
-    def __init__(self, bridge: Any) -> None:
-        self.bridge = bridge
-
-    def describe(self) -> list[Metric]:
-        return []
+    def __init__(self, source: Any, prefix: str, what: str, gauges: dict[str, str]) -> None:
+        self.source, self.prefix, self.what, self.gauges = source, prefix, what, gauges
 
     def collect(self) -> Iterator[Metric]:
-        for name, value in sorted(self.bridge.snapshot().items()):
-            if name == "publish_queued":
-                yield GaugeMetricFamily(
-                    "prefixd_cluster_publish_queued", "Blocks waiting to be published", value=value
-                )
+        for name, value in sorted(self.source.snapshot().items()):
+            metric = f"{self.prefix}_{name}"
+            if name in self.gauges:
+                yield GaugeMetricFamily(metric, self.gauges[name], value=value)
             else:
-                yield CounterMetricFamily(
-                    f"prefixd_cluster_{name}", f"Shared tier: {name.replace('_', ' ')}", value=value
-                )
-
-
-class _EventsCollector:
-    """The KV event publisher's counts: events and batches published, dropped, queued."""
-
-    def __init__(self, publisher: Any) -> None:
-        self.publisher = publisher
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        for name, value in sorted(self.publisher.snapshot().items()):
-            metric = f"prefixd_kv_events_{name}"
-            text = f"KV events: {name.replace('_', ' ')}"
-            if name == "queued_events":
-                yield GaugeMetricFamily(metric, text, value=value)
-            else:
+                text = f"{self.what}: {name.replace('_', ' ')}"
                 yield CounterMetricFamily(metric, text, value=value)
 
 

@@ -14,17 +14,16 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prefixd.config.policy import TenantPolicy
 from prefixd.config.settings import SETTINGS, Config, parse_manifests
 from prefixd.daemon import systemd
+from prefixd.daemon.watchers import ManifestWatcher
 from prefixd.errors import PrefixdError
-
-if TYPE_CHECKING:
-    from prefixd.daemon.server import Server
+from prefixd.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +48,24 @@ def changes(old: Config, new: Config) -> Changes:
     )
 
 
+class Reloadable(Protocol):
+    """What a reload reads and replaces of the server."""
+
+    config: Config
+    policy: TenantPolicy
+
+    @property
+    def env(self) -> Mapping[str, str]: ...
+    @property
+    def store(self) -> Store | None: ...
+    @property
+    def watcher(self) -> ManifestWatcher | None: ...
+
+
 class Reloader:
     """Runs one reload at a time; a SIGHUP during a reload runs another after it."""
 
-    def __init__(self, server: Server, reread: Callable[[], Config]) -> None:
+    def __init__(self, server: Reloadable, reread: Callable[[], Config]) -> None:
         self._server = server
         self._reread = reread
         self._task: asyncio.Task[None] | None = None

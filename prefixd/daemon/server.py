@@ -107,10 +107,6 @@ class Server:
     def watcher(self) -> ManifestWatcher | None:
         return self._watcher
 
-    @property
-    def open_connections(self) -> int:
-        return len(self.connections)
-
     def counters(self) -> dict[str, int]:
         return {
             **self.stats,
@@ -148,7 +144,7 @@ class Server:
         aux = WorkPool(thread_name_prefix="prefixd-aux")
         closer = WorkPool(1, thread_name_prefix="prefixd-close")
         # Administrative work (verify) on a thread of its own: it never takes a worker from the
-        # lookups and loads, and one runs at a time (Operations refuses a second).
+        # lookups and loads, and one runs at a time (prefixd.daemon.admin refuses a second).
         admin = WorkPool(1, thread_name_prefix="prefixd-admin")
         self._pools = (pool, aux, admin, closer)  # the closer last: shutdown closes with it
         loop.set_default_executor(aux)
@@ -175,6 +171,8 @@ class Server:
             bridge=bridge,
             clock=self.clock,
             admin_pool=admin,
+            server_counters=self.counters,
+            open_connections=lambda: len(self.connections),
         )
         exporter = MetricsExporter(
             metrics.registry,
@@ -340,7 +338,8 @@ class Server:
             assert self._operations is not None
             selector = PurgeSelector(model=model, keep={"weights": keep})
             loop = asyncio.get_running_loop()
-            report = await loop.run_in_executor(pool, self._operations.purge_everywhere, selector)
+            purge = self._operations.services.purge_everywhere
+            report = await loop.run_in_executor(pool, purge, selector)
             return report.blocks
 
         return retire
@@ -486,8 +485,8 @@ class Server:
                     log.warning("refused a connection from pid %d uid %d: %s", pid, uid, refusal[1])
                     await reply_and_close(sock, refusal[0], refusal[1])
                     continue
-                conn = Connection(self, operations, sock, pid=pid, uid=uid)
-                conn.grant = self.policy.grant_for(uid, groups)
+                grant = self.policy.grant_for(uid, groups)
+                conn = Connection(self, operations, sock, pid=pid, uid=uid, grant=grant)
                 self.connections.add(conn)
                 conn.task = asyncio.create_task(conn.run(), name=f"prefixd-conn-{pid}")
         finally:

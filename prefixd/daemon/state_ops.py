@@ -1,15 +1,16 @@
 """The operations of hybrid identities (prefixd.schema.state): `put_state`, `lookup_state` and
 `load_state`, with the shared tier's part in them (a put publishes the blocks it stored or hung
-parts on; a lookup or load reads through from the local joint boundary). Handlers of
-prefixd.daemon.operations.Operations, kept apart from the rest."""
+parts on; a lookup or load reads through from the local joint boundary)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from prefixd.daemon.context import Handler, Request, RequestContext
+from prefixd.daemon.fields import closed_tokens, region_output
+from prefixd.daemon.services import Services
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.store.results import JointMatch, PutResult, StateLoad
@@ -21,31 +22,27 @@ from prefixd.wire.messages import (
     LookupStateReply,
     PutState,
     PutStateReply,
+    RequestMessage,
     StatePart,
 )
 
-from prefixd.daemon.fields import closed_tokens, region_output
 
-if TYPE_CHECKING:
-    from prefixd.daemon.connection import Connection
-    from prefixd.daemon.operations import Operations, Request
-
-
-async def put_state(ops: Operations, conn: Connection, request: Request[PutState]) -> PutStateReply:
-    rid, msg = request.id, request.message
-    identity = ops._identity(conn, msg.identity)
-    tokens = ops._prompt(conn, msg)
+async def put_state(ctx: RequestContext, request: Request[PutState]) -> PutStateReply:
+    msg, services, peer = request.message, ctx.services, ctx.peer
+    identity = ctx.identity(msg.identity)
+    tokens = ctx.prompt(msg)
     paged_spans = msg.paged or {}  # at most MAX_BLOCKS_PER_PUT in all (decode_request)
     checkpoint_spans = msg.checkpoints or {}
-    paged = {name: [conn.span(s) for s in spans] for name, spans in paged_spans.items()}
+    paged = {name: [peer.span(s) for s in spans] for name, spans in paged_spans.items()}
     checkpoints = {
-        name: {boundary: conn.span(s) for boundary, s in pairs}
+        name: {boundary: peer.span(s) for boundary, s in pairs}
         for name, pairs in checkpoint_spans.items()
     }
     first_block, upto_tokens = msg.first_block or 0, msg.upto_tokens
+    bridge = services.bridge
 
     def run() -> tuple[PutResult, list[bytes]]:
-        result = ops.store.put_state(
+        result = services.store.put_state(
             identity,
             tokens,
             paged=paged,
@@ -53,7 +50,7 @@ async def put_state(ops: Operations, conn: Connection, request: Request[PutState
             upto_tokens=upto_tokens,
             first_block=first_block,
         )
-        if ops.bridge is None or not (result.stored or result.parts):
+        if bridge is None or not (result.stored or result.parts):
             return result, []
         # blocks before the put's first that it hung a checkpoint on are published again
         bt = identity.block_tokens
@@ -62,28 +59,27 @@ async def put_state(ops: Operations, conn: Connection, request: Request[PutState
         hashes = [chain.hash(i) for i in sorted(earlier) if i < first_block]
         return result, hashes + list(result.hashes)
 
-    result, published = await ops._run(run)
-    if ops.bridge is not None and published:
-        ops.bridge.published(identity, published)
+    result, published = await services.run(run)
+    if bridge is not None and published:
+        bridge.published(identity, published)
     return PutStateReply(
-        id=rid, stored=result.stored, existed=result.existed, parts=result.parts
+        id=request.id, stored=result.stored, existed=result.existed, parts=result.parts
     )
 
 
-async def lookup_state(
-    ops: Operations, conn: Connection, request: Request[LookupState]
-) -> LookupStateReply:
-    identity, queries = ops._lookup_queries(conn, request.message)
+async def lookup_state(ctx: RequestContext, request: Request[LookupState]) -> LookupStateReply:
+    services = ctx.services
+    identity, prompts = ctx.queries(request.message)
 
     def run() -> list[JointMatch]:
-        return [joint_match(ops, identity, t, h) for t, h in queries]
+        return [joint_match(services, identity, t, h) for t, h in prompts]
 
-    matches = await ops._run(run)
+    matches = await services.run(run)
     results, observed = [], []
-    for (tokens, _), match in zip(queries, matches, strict=True):
-        match = offered(ops, match)
+    for (tokens, _), match in zip(prompts, matches, strict=True):
+        match = offered(services, match)
         hit_tokens, hit_bytes = match.reusable_tokens, match.payload_bytes
-        est_load_s, est_prefill_s = ops.metrics.benefit(hit_tokens, hit_bytes)
+        est_load_s, est_prefill_s = services.metrics.benefit(hit_tokens, hit_bytes)
         results.append(
             JointResult(
                 reusable_tokens=match.reusable_tokens,
@@ -96,56 +92,57 @@ async def lookup_state(
             )
         )
         observed.append((closed_tokens(tokens, identity), hit_tokens, hit_bytes))
-    ops._count(identity, observed)
+    services.count(identity, observed)
     return LookupStateReply(id=request.id, results=results)
 
 
 def joint_match(
-    ops: Operations, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
+    services: Services, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
 ) -> JointMatch:
     """The local joint match, extended from the shared tier first when one is set."""
-    match = ops.store.lookup_state(identity, tokens, hashes=hashes)
-    if ops.bridge is None:
+    store, bridge = services.store, services.bridge
+    match = store.lookup_state(identity, tokens, hashes=hashes)
+    if bridge is None:
         return match
     local = match.reusable_tokens // identity.block_tokens
-    remote = ops.bridge.read_through(identity, tokens, local)
-    ops.cluster_hits["local_hit_blocks"] += local
-    ops.cluster_hits["remote_hit_blocks"] += remote
-    return ops.store.lookup_state(identity, tokens, hashes=hashes) if remote else match
+    remote = bridge.read_through(identity, tokens, local)
+    services.cluster_hits["local_hit_blocks"] += local
+    services.cluster_hits["remote_hit_blocks"] += remote
+    return store.lookup_state(identity, tokens, hashes=hashes) if remote else match
 
 
-def offered(ops: Operations, match: JointMatch) -> JointMatch:
+def offered(services: Services, match: JointMatch) -> JointMatch:
     """`match`, or no hit when it is shorter than `min_reusable_tokens`."""
-    if match.reusable_tokens >= ops.min_reusable_tokens:
+    if match.reusable_tokens >= services.min_reusable_tokens:
         return match
     return dataclasses.replace(match, reusable_tokens=0, replay_from=0, hashes=(), parts=())
 
 
-async def load_state(
-    ops: Operations, conn: Connection, request: Request[LoadState]
-) -> LoadStateReply:
-    rid, msg = request.id, request.message
-    identity = ops._identity(conn, msg.identity)
-    tokens = ops._prompt(conn, msg)
-    offset, out = region_output(conn, msg)
+async def load_state(ctx: RequestContext, request: Request[LoadState]) -> LoadStateReply:
+    msg, services = request.message, ctx.services
+    identity = ctx.identity(msg.identity)
+    tokens = ctx.prompt(msg)
+    offset, out = region_output(ctx.peer, msg)
     started = time.perf_counter()
-    deadline = ops._deadline(msg.deadline_s)
+    deadline = services.deadline(msg.deadline_s)
 
     def run() -> StateLoad:
-        if ops.bridge is not None:
-            joint_match(ops, identity, tokens, msg.hashes)
-        return ops.store.load_state(identity, tokens, out, hashes=msg.hashes, deadline=deadline)
+        if services.bridge is not None:
+            joint_match(services, identity, tokens, msg.hashes)
+        return services.store.load_state(
+            identity, tokens, out, hashes=msg.hashes, deadline=deadline
+        )
 
-    result = await ops._run(run)
-    match = offered(ops, result.match)
-    ops.metrics.observe_load(
+    result = await services.run(run)
+    match = offered(services, result.match)
+    services.metrics.observe_load(
         identity.tenant,
         match.reusable_tokens,
         match.payload_bytes,
         time.perf_counter() - started,
     )
     return LoadStateReply(
-        id=rid,
+        id=request.id,
         reusable_tokens=match.reusable_tokens,
         replay_from=match.replay_from,
         paged_tokens=match.paged_tokens,
@@ -166,3 +163,10 @@ def state_parts(match: JointMatch, offsets: Sequence[int] | None = None) -> list
         )
         for i, part in enumerate(match.parts)
     ]
+
+
+HANDLERS: dict[type[RequestMessage], Handler] = {
+    PutState: Handler(put_state),
+    LookupState: Handler(lookup_state),
+    LoadState: Handler(load_state),
+}

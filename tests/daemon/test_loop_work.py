@@ -12,7 +12,9 @@ import numpy as np
 
 from prefixd import Store
 from prefixd.config.policy import EVERYTHING
-from prefixd.daemon.operations import LOOP_TOKEN_BYTES, Operations, Request
+from prefixd.daemon.blocks import LOOP_TOKEN_BYTES
+from prefixd.daemon.context import Request
+from prefixd.daemon.operations import Operations
 from prefixd.wire.messages import Lookup, Prompt, WireIdentity
 
 from .conftest import IDENTITY

@@ -1,0 +1,197 @@
+"""What every request's handler shares: the store (extended by the shared tier when one is
+set), the pools store work runs on, the limits, the metrics and the daemon's counters."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from prefixd.clock import Clock, SystemClock
+from prefixd.daemon.fields import closed_tokens, packed
+from prefixd.daemon.metrics import Metrics
+from prefixd.daemon.routing import LoadQueue
+from prefixd.errors import IdentityError, ProtocolError
+from prefixd.schema.identity import Identity
+from prefixd.store import PrefixMatch, PurgeSelector, Store
+from prefixd.store.purge import PurgeReport
+from prefixd.store.results import LoadResult
+from prefixd.wire.errors import ErrorCode, code_of
+from prefixd.wire.messages import LookupResult, WireIdentity
+
+if TYPE_CHECKING:
+    from prefixd.cluster.bridge import SharedTierBridge
+
+T = TypeVar("T")
+Query = tuple[bytes | memoryview, bytes | None]  # a prompt's token ids, and its hashes if given
+
+_IDENTITY_CACHE = 1024
+
+
+@dataclass(kw_only=True, eq=False)
+class Services:
+    """The daemon's part of every handler's context; verify and purge run on `admin_pool`, one
+    at a time, apart from the pool of lookups and loads."""
+
+    store: Store
+    pool: Executor
+    metrics: Metrics
+    max_frame_bytes: int
+    max_region_bytes: int
+    max_prompt_tokens: int = 4 << 20
+    max_request_tokens: int = 16 << 20
+    min_reusable_tokens: int = 0
+    load_deadline_s: float = 0.0  # 0: loads read until they are done
+    models: Mapping[str, str] = field(default_factory=dict)  # served model -> weights fingerprint
+    bridge: SharedTierBridge | None = None
+    clock: Clock = field(default_factory=SystemClock)  # the store's: one time for the daemon
+    admin_pool: Executor | None = None  # None: the pool
+    server_counters: Callable[[], dict[str, int]] = dict
+    open_connections: Callable[[], int] = int
+    ops: list[str] = field(default_factory=list)  # the operations hello names
+    verifying: bool = field(default=False, init=False)
+    loads: LoadQueue = field(default_factory=LoadQueue)  # what `route` counts as the queue
+    # what engines loaded as restart warm-up (`hot` listings, `load` with `warm`)
+    warmed: Counter[str] = field(
+        default_factory=lambda: Counter(warm_listings=0, warmed_blocks=0, warmed_bytes=0)
+    )
+    cluster_hits: Counter[str] = field(
+        default_factory=lambda: Counter(local_hit_blocks=0, remote_hit_blocks=0)
+    )
+    # Names this run of the daemon: a client that finds another one after reconnecting knows
+    # the old one can no longer touch the region spans its lost requests named.
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))
+    started: float = field(init=False)
+    _identities: dict[WireIdentity, Identity] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.started = self.clock.monotonic()
+
+    async def run(self, call: Callable[[], T], pool: Executor | None = None) -> T:
+        """Run blocking store work on the pool (or `pool`); store errors become protocol
+        errors."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(pool or self.pool, call)
+        except Exception as exc:  # noqa: BLE001 - protocol_error re-raises what is no store error
+            raise protocol_error(exc) from None
+
+    def identity(self, wire: WireIdentity) -> Identity:
+        """The identity of a wire form; parsed ones are cached by their (frozen, type-checked)
+        wire form, so 4.0 or True can never pass for block_tokens 4 or 1."""
+        cached = self._identities.get(wire)
+        if cached is not None:
+            return cached
+        try:
+            identity = wire.to_identity()
+        except IdentityError as exc:
+            raise ProtocolError(ErrorCode.BAD_IDENTITY, str(exc)) from None
+        if len(self._identities) >= _IDENTITY_CACHE:
+            self._identities.clear()
+        self._identities[wire] = identity
+        return identity
+
+    def deadline(self, asked_s: float | None) -> float | None:
+        """When a load that arrives now stops reading (the client's limit, else the daemon's
+        load_deadline_s), on the store's clock; None: never."""
+        limit_s = asked_s or self.load_deadline_s
+        return self.clock.monotonic() + limit_s if limit_s else None
+
+    def longest_prefix(
+        self, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
+    ) -> PrefixMatch:
+        """The local prefix, extended from the shared tier first when one is configured."""
+        match = self.store.longest_prefix(identity, tokens, hashes=hashes)
+        if self.bridge is None:
+            return match
+        remote = self.bridge.read_through(identity, tokens, match.n_blocks, staged=True)
+        self.cluster_hits["local_hit_blocks"] += match.n_blocks
+        self.cluster_hits["remote_hit_blocks"] += remote
+        if remote:  # some may be installed already, the others are staged
+            match = self.store.longest_prefix(identity, tokens, hashes=hashes)
+        return self.bridge.with_staged(identity, tokens, match)
+
+    def load(
+        self, identity: Identity, tokens: bytes | memoryview, out: memoryview, **options: Any
+    ) -> LoadResult:
+        """`Store.load`, after the prefix is extended from the shared tier when one is set, and
+        continued from the blocks it staged (served while their install runs)."""
+        if self.bridge is None:
+            return self.store.load(identity, tokens, out, **options)
+        if not options.get("first_block"):
+            self.longest_prefix(identity, tokens, options.get("hashes"))
+        return self.bridge.load(identity, tokens, out, **options)
+
+    def purge_everywhere(self, selector: PurgeSelector) -> PurgeReport:
+        """Purge the store, then the shared tier's copies of the identities removed whole."""
+        if self.bridge is not None:
+            self.bridge.settle()  # what read-throughs are installing goes too
+        report = self.store.purge(selector)
+        if self.bridge is not None and report.digests:
+            self.bridge.purged(report.digests)
+        return report
+
+    def lookup_results(
+        self,
+        identity: Identity,
+        queries: Sequence[Query],
+        matches: Sequence[PrefixMatch | None],
+    ) -> tuple[list[LookupResult], list[tuple[int, int, int]]]:
+        """The replies of a lookup's prompts, and what to count for each (prompt tokens, hit
+        tokens, hit bytes): hits shorter than `min_reusable_tokens` are not offered; each comes
+        with the benefit model's estimates."""
+        results, observed = [], []
+        benefit = self.metrics.benefit
+        for (tokens, _), match in zip(queries, matches, strict=True):
+            assert match is not None
+            offered = match.n_tokens >= self.min_reusable_tokens
+            n_tokens = match.n_tokens if offered else 0
+            n_bytes = match.payload_bytes if offered else 0
+            est_load_s, est_prefill_s = benefit(n_tokens, n_bytes)
+            results.append(
+                LookupResult(
+                    n_blocks=match.n_blocks if offered else 0,
+                    n_tokens=n_tokens,
+                    sizes=packed(match.payload_sizes) if offered else b"",
+                    est_load_s=est_load_s,
+                    est_prefill_s=est_prefill_s,
+                )
+            )
+            observed.append((closed_tokens(tokens, identity), n_tokens, n_bytes))
+        return results, observed
+
+    def count(self, identity: Identity, observed: list[tuple[int, int, int]]) -> None:
+        """Count a lookup's prompts (as lookup_results gave them) in the metrics."""
+        for prompt_tokens, hit_tokens, hit_bytes in observed:
+            self.metrics.observe_lookup(
+                identity.tenant,
+                identity.digest,
+                prompt_tokens,
+                hit_tokens,
+                hit_bytes,
+                block_tokens=identity.block_tokens,
+            )
+
+
+def on_loop(call: Callable[[], T]) -> T:
+    """Store work that memory answers, run on the event loop; its errors mapped as `run` maps
+    those of the pool."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - as in Services.run
+        raise protocol_error(exc) from None
+
+
+def protocol_error(exc: Exception) -> Exception:
+    """A store error as the protocol error a client gets (prefixd.wire.errors.code_of); anything
+    else, or an error of prefixd's that says `internal`, unchanged (the server logs it)."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    code = code_of(exc)
+    if code is None or code is ErrorCode.INTERNAL:
+        return exc
+    return ProtocolError(code, str(exc))
