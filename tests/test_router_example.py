@@ -25,7 +25,7 @@ def test_the_router_example_compares_its_policies() -> None:
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     rates = {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r"^(\w+)\s+token_hit_rate ([0-9.]+)", done.stdout, re.M)
+        for m in re.finditer(r"^(\w+)\s+token_hit_rate ([0-9.]+)", done.stdout, re.MULTILINE)
     }
     assert set(rates) == {"score", "affinity", "round_robin"}, done.stdout
     # the index is built from the events: routing by it finds more of the shared prefixes

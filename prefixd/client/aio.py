@@ -14,7 +14,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 from prefixd.client.blocking import open_publisher
 from prefixd.client.core import ClientCore
@@ -123,7 +123,7 @@ class AsyncClient(Operations, TensorOperations):
         await self._disconnect(DaemonUnavailableError("the client was closed"))
         self._core.close()
 
-    async def __aenter__(self) -> AsyncClient:
+    async def __aenter__(self) -> Self:
         await self._ensure_connected(wait_s=0.0)
         return self
 
@@ -151,7 +151,7 @@ class AsyncClient(Operations, TensorOperations):
             value, error = None, None
             try:
                 value = await self._perform(step)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
     async def _perform(self, step: Call | Reserve | Synchronize) -> Any:

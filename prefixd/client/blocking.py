@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 from prefixd.client.core import ClientCore
 from prefixd.client.operations import Operations
@@ -140,7 +140,7 @@ class Client(Operations, TensorOperations):
             self._polling.close()
         self._core.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -169,7 +169,7 @@ class Client(Operations, TensorOperations):
             value, error = None, None
             try:
                 value = self._call(step) if isinstance(step, Call) else self._perform(step)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
     def _perform(self, step: Reserve | Synchronize) -> Any:

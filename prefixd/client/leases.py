@@ -24,6 +24,7 @@ The allocator is shared by threads and asyncio tasks: its state is guarded by a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import threading
 import time
@@ -31,7 +32,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Self
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class Event(Protocol):
 class Span:
     """One allocated extent and what still holds it (see the module docstring)."""
 
-    __slots__ = ("owner", "offset", "size", "holders", "inflight", "lost")
+    __slots__ = ("holders", "inflight", "lost", "offset", "owner", "size")
 
     def __init__(self, owner: RegionAllocator, offset: int, size: int) -> None:
         self.owner = owner
@@ -93,7 +94,7 @@ class Lease:
     `view` is the span's bytes; `release()` gives the span back and makes every view handed out
     by this lease raise on use. The space is reused only once nothing refers to it any more."""
 
-    __slots__ = ("allocator", "offset", "size", "_span", "_buffer", "_views", "_released")
+    __slots__ = ("_buffer", "_released", "_span", "_views", "allocator", "offset", "size")
 
     def __init__(self, allocator: RegionAllocator, span: Span, size: int) -> None:
         self.allocator = allocator
@@ -170,7 +171,7 @@ class Lease:
         """What a request naming these bytes holds while it is in flight."""
         return self._span
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -185,10 +186,8 @@ class Lease:
         self._released = True
         self._views.clear()
         self._buffer = None
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to give back to
             self.allocator.drop(self._span)
-        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to give back to
-            pass
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
@@ -211,7 +210,7 @@ class _Waiter:
     """One operation waiting for space: `nbytes` exactly, or (largest) any span of at least
     `nbytes`. `lease` is set under the allocator's lock when it is served."""
 
-    __slots__ = ("nbytes", "largest", "lease", "error", "wake")
+    __slots__ = ("error", "largest", "lease", "nbytes", "wake")
 
     def __init__(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> None:
         self.nbytes = nbytes

@@ -41,7 +41,7 @@ class RunQueue:
         self._cpus = os.cpu_count() or 1
         self._file: BinaryIO | None
         try:  # a file object: closed with it if a dropped client is never closed
-            self._file = open(path, "rb", buffering=0)
+            self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open with the client
         except OSError:
             self._file = None
 

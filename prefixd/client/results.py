@@ -5,7 +5,7 @@ are gone), and raise on use after release instead of showing another request's b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from prefixd.client.leases import Lease
 
@@ -66,7 +66,7 @@ class _Releasable:
     def released(self) -> bool:
         return self.lease is not None and self.lease.released
 
-    def __enter__(self) -> _Releasable:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -87,7 +87,7 @@ class Loaded(_Releasable):
     first_block: int = 0
     lease: Lease | None = field(default=None, repr=False, compare=False)
 
-    def __enter__(self) -> Loaded:
+    def __enter__(self) -> Self:
         return self
 
 
@@ -141,7 +141,7 @@ class StateLoaded(_Releasable):
     def by_group(self) -> dict[str, list[StatePart]]:
         return _by_group(self.parts)
 
-    def __enter__(self) -> StateLoaded:
+    def __enter__(self) -> Self:
         return self
 
 

@@ -68,9 +68,7 @@ def _name(data: bytes, size: int) -> str:
     return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
-def encoded_size(
-    record: Buffer, payload: Buffer, parts: Sequence[tuple[int, Buffer]] = ()
-) -> int:
+def encoded_size(record: Buffer, payload: Buffer, parts: Sequence[tuple[int, Buffer]] = ()) -> int:
     """The length of the value `encode_block_into` writes."""
     pieces = (record, payload, *(p for _, p in parts))
     return _HEAD.size + len(parts) * _PART.size + sum(memoryview(p).nbytes for p in pieces)
@@ -122,8 +120,10 @@ def decode_block(
     if len(view) < _HEAD.size:
         raise RemoteBlockError(f"value of {len(view)} bytes is shorter than its header")
     magic, version, n_parts, record_len, payload_len, payload_crc = _HEAD.unpack_from(view, 0)
-    if magic != MAGIC or version not in (VERSION, PARTS_VERSION) or (
-        (version == VERSION) != (n_parts == 0)
+    if (
+        magic != MAGIC
+        or version not in (VERSION, PARTS_VERSION)
+        or ((version == VERSION) != (n_parts == 0))
     ):
         raise RemoteBlockError("value has an unknown magic or version")
     offset = _HEAD.size + n_parts * _PART.size

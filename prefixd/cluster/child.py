@@ -36,7 +36,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 import numpy as np
@@ -171,7 +171,7 @@ class ChildTier:
                 buffer.mapping.close()
         self._buffers.clear()
 
-    def __enter__(self) -> ChildTier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -185,9 +185,7 @@ class ChildTier:
         `get_many_into`)."""
         with self._lock:
             free = [
-                b
-                for b in self._buffers.values()
-                if not b.busy and not b.tainted and b.size >= size
+                b for b in self._buffers.values() if not b.busy and not b.tainted and b.size >= size
             ]
             if free:
                 chosen = min(free, key=lambda b: b.size)
@@ -479,4 +477,3 @@ class ChildTier:
     def _trip(self, reason: str) -> None:
         self._down_reason = reason
         self._down_until = time.monotonic() + self.cooldown_s
-

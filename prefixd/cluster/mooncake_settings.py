@@ -10,6 +10,7 @@ from prefixd.errors import ConfigError
 MIN_SEGMENT_BYTES = 16 << 20
 """Smallest non-zero segment Mooncake's `setup` accepted (8 MiB is refused with -600)."""
 
+
 @dataclass(frozen=True)
 class MooncakeSettings:
     """Where the Mooncake cluster is and what this process lends to it.

@@ -69,9 +69,7 @@ def error_reply(call_id: int, exc: Exception, in_flight: int) -> TierReply:
     message = str(exc) if isinstance(exc, TierError) else f"{type(exc).__name__}: {exc}"
     code = getattr(exc, "code", None) if isinstance(exc, TierError) else None
     code = code if isinstance(code, int) else None  # Mooncake's code, not the wire's
-    return TierReply(
-        id=call_id, error=name, message=message, code=code, in_flight=in_flight
-    )
+    return TierReply(id=call_id, error=name, message=message, code=code, in_flight=in_flight)
 
 
 def raise_error(reply: TierReply) -> None:

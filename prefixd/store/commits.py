@@ -118,7 +118,7 @@ class CommitQueue(Generic[T]):
                 if self._aborts(item.outcome):
                     raise _Refused
             txn.commit()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - aborted, then raised again
             txn.abort()
             journaled.done(committed=False)
             return False
@@ -135,7 +135,7 @@ class CommitQueue(Generic[T]):
             item.outcome = None
             try:
                 item.outcome = transact(self._ctx, item.body, self._aborts)
-            except BaseException as exc:  # raised in the put's own thread, as if alone
+            except BaseException as exc:  # noqa: BLE001 - raised in the put's own thread, as if alone
                 item.error = exc
             item.done = True
 

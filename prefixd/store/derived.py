@@ -134,7 +134,7 @@ def _rebuild_counters(
 ) -> int:
     """Set every inventory counter to what the tables hold; return how many were wrong."""
     wanted: Counter[bytes] = Counter()
-    for h, record in records.items():
+    for record in records.values():
         wanted[counters.BLOCKS] += 1
         wanted[counters.PAYLOAD_BYTES] += record.payload_size
         wanted[counters.STORED_BYTES] += record.stored_size

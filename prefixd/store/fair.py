@@ -33,7 +33,7 @@ def default_threads() -> int:
 class _Job:
     """One caller's pieces: which start next, which no longer start, which still run."""
 
-    __slots__ = ("pieces", "outcomes", "next", "stop_at", "running", "error", "done")
+    __slots__ = ("done", "error", "next", "outcomes", "pieces", "running", "stop_at")
 
     def __init__(self, pieces: Sequence[Piece]) -> None:
         self.pieces = pieces
@@ -124,7 +124,7 @@ class FairPool:
             error: BaseException | None = None
             try:
                 ok = bool(job.pieces[index]())
-            except BaseException as exc:  # handed to the caller, who raises it
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
                 error = exc
             with cond:
                 job.running -= 1

@@ -118,7 +118,7 @@ class Journals:
             return
         try:
             observer.committed(journal.changes)
-        except Exception:  # noqa: BLE001 - events are lost, never the write
+        except Exception:
             log.exception("the block observer failed; %d change(s) not told", len(journal.changes))
 
     @contextmanager

@@ -58,6 +58,7 @@ def run(
         timeout=DEADLINE_S,
         env=command_env(**extra),
         stdin=subprocess.DEVNULL,
+        check=False,
     )
 
 
@@ -212,6 +213,7 @@ def test_a_reader_that_leaves_early_ends_no_traceback(tmp_path: Path) -> None:
             text=True,
             timeout=DEADLINE_S,
             env=daemon_env(),
+            check=False,
         )
     finally:
         os.close(write)
@@ -228,6 +230,7 @@ def on_a_terminal(*args: str) -> tuple[int, str]:
             stderr=slave,
             timeout=DEADLINE_S,
             env=daemon_env(),
+            check=False,
         )
     finally:
         os.close(slave)
@@ -284,18 +287,23 @@ def test_shell_completion_for_bash_and_zsh(tmp_path: Path) -> None:
     assert bash.returncode == 0 and "--data-dir" in bash.stdout and "verify" in bash.stdout
     script = tmp_path / "prefixd.bash"
     script.write_text(bash.stdout)
-    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    checked = subprocess.run(
+        ["bash", "-n", str(script)], capture_output=True, text=True, check=False
+    )
     assert checked.returncode == 0, checked.stderr
     # sourced, the function completes the commands
     words = subprocess.run(
         [
             "bash",
             "-c",
-            f"source {script}; COMP_WORDS=(prefixd ver); COMP_CWORD=1; "
-            '_shtab_prefixd; printf "%s\\n" "${COMPREPLY[@]}"',
+            (
+                f"source {script}; COMP_WORDS=(prefixd ver); COMP_CWORD=1; "
+                '_shtab_prefixd; printf "%s\\n" "${COMPREPLY[@]}"'
+            ),
         ],
         capture_output=True,
         text=True,
+        check=False,
     )
     assert words.stdout.split() == ["verify"], words.stderr
     zsh = run("completion", "zsh")
@@ -303,7 +311,7 @@ def test_shell_completion_for_bash_and_zsh(tmp_path: Path) -> None:
     if shutil.which("zsh"):
         zscript = tmp_path / "_prefixd"
         zscript.write_text(zsh.stdout)
-        assert subprocess.run(["zsh", "-n", str(zscript)]).returncode == 0
+        assert subprocess.run(["zsh", "-n", str(zscript)], check=False).returncode == 0
 
 
 def test_a_refused_serve_leaves_no_store_behind(

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefixd.client import AsyncClient, Client
 from tests.waiting import DEADLINE_S
-from tests.waiting import settle as settle
+from tests.waiting import settle as settle  # noqa: PLC0414
 
 
 class AsyncOnThread:

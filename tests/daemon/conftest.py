@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import msgpack
 import numpy as np
@@ -31,8 +31,8 @@ import prefixd
 from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
 from prefixd.wire.region import send_with_fds
 from tests.hermetic import SYSTEMD_HANDOFF
-from tests.waiting import DEADLINE_S as DEADLINE_S
-from tests.waiting import wait_for as wait_for
+from tests.waiting import DEADLINE_S as DEADLINE_S  # noqa: PLC0414
+from tests.waiting import wait_for as wait_for  # noqa: PLC0414
 
 from ..must_check import assert_data_dir_checks, checks_on_teardown
 
@@ -48,16 +48,16 @@ _SCRUBBED = SYSTEMD_HANDOFF
 
 
 def make_identity(**changes: Any) -> prefixd.Identity:
-    fields = dict(
-        model="m",
-        weights="w",
-        tokenizer="t",
-        template="c",
-        rope="r",
-        kv_layout="bf16",
-        block_tokens=4,
-        tenant="a",
-    )
+    fields = {
+        "model": "m",
+        "weights": "w",
+        "tokenizer": "t",
+        "template": "c",
+        "rope": "r",
+        "kv_layout": "bf16",
+        "block_tokens": 4,
+        "tenant": "a",
+    }
     fields.update(changes)
     return prefixd.Identity(**fields)
 
@@ -396,7 +396,7 @@ class Raw:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> Raw:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -329,7 +329,7 @@ def test_open_tail_orphan_and_empty_payloads_store_nothing(raw: Raw, good: Good)
     tokens = np.arange(2 * BT + 2, dtype=np.uint32) + 31337
     with SharedRegion(1 << 12) as region:
         assert raw.request("attach", fds=[region.fd], size=region.size)["region"] == 1
-    put = dict(identity=IDENTITY_DICT, tokens=packed(tokens))
+    put = {"identity": IDENTITY_DICT, "tokens": packed(tokens)}
     expect(raw.request("put", **put, blocks=[[1, 0, 8]] * 3), "open_tail")
     expect(raw.request("put", **put, first_block=2, blocks=[[1, 0, 8]]), "open_tail")
     expect(raw.request("put", **put, first_block=1, blocks=[[1, 0, 8]]), "orphan")
@@ -351,7 +351,7 @@ def test_spans_outside_the_region_and_unknown_regions(raw: Raw, good: Good) -> N
     with SharedRegion(size) as region:
         assert raw.request("attach", fds=[region.fd], size=size)["region"] == 1
     tokens = packed(GOOD_TOKENS)
-    base = dict(identity=IDENTITY_DICT, tokens=tokens)
+    base = {"identity": IDENTITY_DICT, "tokens": tokens}
     cases = [
         ("put", {**base, "blocks": [[1, size - 10, 11]]}),
         ("put", {**base, "blocks": [[1, size, 1]]}),
@@ -1004,7 +1004,7 @@ def test_a_daemon_out_of_descriptors_answers_new_clients(daemon_factory: DaemonF
     told so at once (busy) instead of hanging unanswered, and the daemon recovers when they go."""
     import resource
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = min(hard, 96)
     launcher = ["prlimit", f"--nofile={low}:{hard}", sys.executable, "-m", "prefixd"]
     daemon = daemon_factory("--max-connections-per-uid", "4096", launcher=launcher)

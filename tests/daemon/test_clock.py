@@ -137,7 +137,7 @@ def test_the_daemons_load_deadline_holds_loads_that_name_none(
 ) -> None:
     """load_deadline_s bounds every load whose client names no deadline of its own."""
     prompt, pays = PROMPT, stalling_pays()
-    with serving(tmp_path, load_deadline_s=5.0) as (socket_path, clock):
+    with serving(tmp_path, load_deadline_s=5.0) as (socket_path, clock):  # noqa: SIM117 - one context per clock
         with Client(socket_path, region_bytes=8 << 20) as client:
             client.put(IDENTITY, prompt, pays)
             stall_block_1(monkeypatch, clock)

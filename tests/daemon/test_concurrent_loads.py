@@ -77,7 +77,7 @@ def test_concurrent_split_loads_get_the_stored_bytes(daemon: Daemon) -> None:
                 start.wait(DEADLINE_S)
                 writer_thread.start()
                 try:
-                    prompt, payloads = chains[0]
+                    prompt, _payloads = chains[0]
                     while not loaders_done.is_set() or scribbled["loads"] < 3:
                         with client.load(IDENTITY, prompt) as loaded:
                             scribbled["loads"] += 1

@@ -71,7 +71,7 @@ def rendered_names(exposition: str) -> set[str]:
 def test_the_dashboard_names_only_served_metrics(daemon_factory: DaemonFactory) -> None:
     tricky = (
         'histogram_quantile(0.99, sum by (le, op) (rate(a_bucket{job=~"$job", x="y(z)"}'
-        '[$__rate_interval]))) / on (op) group_left () b_total offset 5m * 1e9 + scalar(c)'
+        "[$__rate_interval]))) / on (op) group_left () b_total offset 5m * 1e9 + scalar(c)"
     )
     assert metric_names(tricky) == {"a_bucket", "b_total", "c"}  # the check reads PromQL
     dashboard = json.loads(DASHBOARD.read_text())

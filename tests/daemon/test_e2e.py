@@ -32,7 +32,7 @@ def block_payloads(seed: int, n_blocks: int, size: int | None = None) -> list[by
     return [payload(seed, i, size or 64 + 37 * (i % 11)) for i in range(n_blocks)]
 
 
-def _views(loaded) -> list[bytes]:  # noqa: ANN001
+def _views(loaded) -> list[bytes]:
     return [bytes(v) for v in loaded.views]
 
 
@@ -105,9 +105,10 @@ def test_long_prompts_use_the_token_region_and_agree_with_inline(daemon: Daemon)
     n_blocks = 1100  # 4400 tokens = 17600 bytes of ids, past the 16 KiB inline limit
     long = tokens(10, n_blocks * BT + 3)
     pays = block_payloads(10, n_blocks, size=48)
-    with Client(daemon.socket, region_bytes=1 << 20) as spans, Client(
-        daemon.socket, region_bytes=1 << 20, token_region_bytes=0
-    ) as inline:
+    with (
+        Client(daemon.socket, region_bytes=1 << 20) as spans,
+        Client(daemon.socket, region_bytes=1 << 20, token_region_bytes=0) as inline,
+    ):
         # The first client really sends long prompts through its token region, the second inline.
         held: list[Any] = []
         assert spans._core.prompt_fields(long, held)["tokens_span"] is not None
@@ -155,9 +156,7 @@ def test_async_client(daemon: Daemon) -> None:
             for result, pay in zip(lookups, pays):
                 assert [r.n_blocks for r in result] == [6, 3, 0]
                 assert result[0].sizes == tuple(len(x) for x in pay)
-            loads = await asyncio.gather(
-                *(client.load(IDENTITY, p, length=8192) for p in prompts)
-            )
+            loads = await asyncio.gather(*(client.load(IDENTITY, p, length=8192) for p in prompts))
             for loaded, pay in zip(loads, pays):
                 assert _views(loaded) == pay
             hashes = [packed_hashes(IDENTITY, p) for p in prompts]
@@ -374,6 +373,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=DEADLINE_S,
         cwd=REPO,
         env={k: v for k, v in os.environ.items() if not k.startswith("PREFIXD_")},
+        check=False,
     )
 
 

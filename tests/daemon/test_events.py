@@ -135,7 +135,7 @@ def test_hash_only_events_carry_no_token_ids_and_a_full_queue_drops_never_waits(
 
 
 def test_tenants_not_named_publish_nothing(daemon_factory: DaemonFactory, sock_dir: Path) -> None:
-    daemon, pub, replay = start(daemon_factory, sock_dir)  # no --kv-events-tenants
+    daemon, _pub, _replay = start(daemon_factory, sock_dir)  # no --kv-events-tenants
     with Client(daemon.socket, region_bytes=1 << 20) as client:
         client.put(ALICE, tokens(1, 4), [b"a" * 256] * 4)
         client.purge(tenant="alice")

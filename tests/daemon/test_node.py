@@ -80,6 +80,7 @@ class Node:
             capture_output=True,
             text=True,
             timeout=DEADLINE_S,
+            check=False,
         )
 
     def python(
@@ -335,6 +336,7 @@ def test_a_daemon_run_as_another_user_is_named_by_one_setting(node: Node) -> Non
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,
+        check=False,
     )
     assert wrong.returncode != 0
     assert "daemon_user is svc2, but this daemon runs as uid 64100" in wrong.stderr

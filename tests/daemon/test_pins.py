@@ -56,9 +56,10 @@ def test_pinned_keys_survive_eviction_until_unpinned_or_disconnected(
 
 def test_a_pin_of_another_client_is_not_released_by_unpin(daemon_factory: DaemonFactory) -> None:
     daemon = daemon_factory(*SMALL)
-    with Client(daemon.socket, region_bytes=4 << 20) as writer, Client(
-        daemon.socket, region_bytes=1 << 20
-    ) as holder:
+    with (
+        Client(daemon.socket, region_bytes=4 << 20) as writer,
+        Client(daemon.socket, region_bytes=1 << 20) as holder,
+    ):
         fill(writer, 0, 1)
         holder.lookup(ENGINE, [one(0)], pin=True)
         assert writer.unpin(ENGINE, [one(0)]) == 0

@@ -15,8 +15,16 @@ from prefixd.store import Store
 
 from .conftest import Daemon
 
-BASE = dict(model="m", weights="w1", tokenizer="t", template="c", rope="r", kv_layout="bf16",
-            block_tokens=4, tenant="a")
+BASE = {
+    "model": "m",
+    "weights": "w1",
+    "tokenizer": "t",
+    "template": "c",
+    "rope": "r",
+    "kv_layout": "bf16",
+    "block_tokens": 4,
+    "tenant": "a",
+}
 PROMPT = np.arange(100, 120, dtype=np.uint32)
 
 
@@ -26,9 +34,22 @@ def ident(**changes: object) -> Identity:
 
 def purge(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "prefixd", "purge", "--json", "--data-dir", str(daemon.data_dir),
-         "--socket", str(daemon.socket), *args],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "prefixd",
+            "purge",
+            "--json",
+            "--data-dir",
+            str(daemon.data_dir),
+            "--socket",
+            str(daemon.socket),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
@@ -80,8 +101,12 @@ def test_offline_purge_after_the_daemon_stopped(daemon: Daemon) -> None:
 
 
 def test_bad_arguments_exit_2(daemon: Daemon) -> None:
-    for args in ((), ("--except-weights", "w2"), ("--tenant", "a", "--all"),
-                 ("--older-than", "soon")):
+    for args in (
+        (),
+        ("--except-weights", "w2"),
+        ("--tenant", "a", "--all"),
+        ("--older-than", "soon"),
+    ):
         out = purge(daemon, *args)
         assert out.returncode == 2, (args, out.stderr)
         assert out.stderr.startswith("prefixd:")
@@ -99,14 +124,16 @@ def test_the_purge_operation_checks_its_fields(daemon: Daemon) -> None:
         assert client.health()["status"] == "ok"
 
 
-def test_share_groups_through_the_daemon(daemon_factory) -> None:  # noqa: ANN001
+def test_share_groups_through_the_daemon(daemon_factory) -> None:
     daemon = daemon_factory("--share-groups", "labs=a+b")
     with Client(daemon.socket, region_bytes=1 << 16) as client:
         fill(client, ident(tenant="a"))
         assert client.lookup(ident(tenant="b"), [PROMPT])[0].n_blocks == 5
         assert client.lookup(ident(tenant="c"), [PROMPT])[0].n_blocks == 0
-        for call in (lambda: client.lookup(ident(tenant="share:labs"), [PROMPT]),
-                     lambda: client.put(ident(tenant="share:labs"), PROMPT, [b"x"])):
+        for call in (
+            lambda: client.lookup(ident(tenant="share:labs"), [PROMPT]),
+            lambda: client.put(ident(tenant="share:labs"), PROMPT, [b"x"]),
+        ):
             try:
                 call()
             except PrefixdError as exc:

@@ -42,7 +42,7 @@ def run_python(replacements: dict[str, str]) -> Callable[[Example], None]:
         source = str(example.parsed)
         for old, new in replacements.items():
             source = source.replace(old, new)
-        exec(compile(source, f"{example.path}:{example.line}", "exec"), example.namespace)
+        exec(compile(source, f"{example.path}:{example.line}", "exec"), example.namespace)  # noqa: S102 - the README's own blocks
 
     return evaluate
 
@@ -140,6 +140,6 @@ def test_the_engine_example_runs_as_written(daemon_factory: DaemonFactory) -> No
     code = readme_block("## Use it from an engine")
     assert NODE_SOCKET in code
     namespace: dict[str, Any] = {"__name__": "readme"}
-    exec(compile(code.replace(NODE_SOCKET, str(daemon.socket)), "README.md", "exec"), namespace)
+    exec(compile(code.replace(NODE_SOCKET, str(daemon.socket)), "README.md", "exec"), namespace)  # noqa: S102 - the README's own blocks
     with Client(daemon.socket) as client:
         assert client.stats()["store"]["blocks"] == 2  # the example stored its two blocks

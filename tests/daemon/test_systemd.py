@@ -446,7 +446,12 @@ def _verify(directory: Path, *names: str, about: Sequence[str] = ()) -> list[str
     dependencies) do not.
     """
     result = subprocess.run(
-        [_analyze(), "verify", *names], cwd=directory, capture_output=True, text=True, timeout=60
+        [_analyze(), "verify", *names],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     mentions = re.compile("|".join(re.escape(name) for name in (*names, *about)))
     output = (result.stdout + result.stderr).splitlines()
@@ -507,6 +512,7 @@ def _exposure(unit: Path) -> float:
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     found = EXPOSURE.search(result.stdout)
     assert found is not None and found.group(1) == unit.name, result.stdout + result.stderr
@@ -514,9 +520,7 @@ def _exposure(unit: Path) -> float:
 
 
 @pytest.mark.parametrize("drop_in", [None, *DROP_INS])
-def test_hardening_at_least_that_of_debians_redis_unit(
-    tmp_path: Path, drop_in: str | None
-) -> None:
+def test_hardening_at_least_that_of_debians_redis_unit(tmp_path: Path, drop_in: str | None) -> None:
     """Debian's redis-server unit is the bar (1.2 with Debian 12's systemd 252): the unit alone,
     and with each drop-in that opens something up, exposes no more than it."""
     redis = Path("/lib/systemd/system/redis-server.service")
@@ -743,7 +747,11 @@ os.execv(sys.argv[2], sys.argv[2:])
 def _syscall_groups() -> dict[str, set[str]]:
     """systemd's groups of system calls (@system-service, ...), each resolved to names."""
     result = subprocess.run(
-        [_analyze(), "syscall-filter", "--no-pager"], capture_output=True, text=True, timeout=60
+        [_analyze(), "syscall-filter", "--no-pager"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     members: dict[str, list[str]] = {}
@@ -891,8 +899,8 @@ def test_the_daemon_serves_under_the_units_sandbox(
 
     daemon = daemon_factory(launcher=launcher, data_dir=tmp_path / "state", env=sandbox.environment)
     status = Path(f"/proc/{daemon.pid}/status").read_text()
-    assert re.search(r"^Seccomp:\s+2$", status, re.M)  # filtered
-    assert re.search(r"^NoNewPrivs:\s+1$", status, re.M)
+    assert re.search(r"^Seccomp:\s+2$", status, re.MULTILINE)  # filtered
+    assert re.search(r"^NoNewPrivs:\s+1$", status, re.MULTILINE)
     assert os.readlink(f"/proc/{daemon.pid}/ns/net") != os.readlink("/proc/self/ns/net")
     tokens = np.arange(10 * IDENTITY.block_tokens, dtype=np.uint32) + 500_000_000
     # Small payloads and large ones (read with preadv straight from the data file).
@@ -1013,7 +1021,9 @@ def test_the_sandbox_applies_what_the_unit_asks(sock_dir: Path, tmp_path: Path) 
         # The launcher's program, a Python here, runs the probe instead of `prefixd serve`.
         command = [*launcher[:-1], sys.executable, str(probe), str(tmp_path / "state")]
         command.append(str(elsewhere))
-        done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=DEADLINE_S, check=False
+        )
     finally:
         shutil.rmtree(elsewhere, ignore_errors=True)
     assert done.returncode == 0, done.stderr

@@ -10,13 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from prefixd.client import Client  # noqa: E402
-from prefixd.errors import DestinationError, TransferError  # noqa: E402
-from prefixd.schema.state import StateGroup  # noqa: E402
-from prefixd.client.tensors import _batches  # noqa: E402
+from prefixd.client import Client
+from prefixd.client.tensors import _batches
+from prefixd.errors import DestinationError, TransferError
+from prefixd.schema.state import StateGroup
 
-from ..store.test_faults import corrupt_payload  # noqa: E402
-from .conftest import IDENTITY, Daemon, make_identity, payload  # noqa: E402
+from ..store.test_faults import corrupt_payload
+from .conftest import IDENTITY, Daemon, make_identity, payload
 
 BT = IDENTITY.block_tokens
 SIZE = 3000  # a slot of a 16 KiB region cut in 3 holds one block: every block is its own batch
@@ -103,7 +103,7 @@ def test_a_daemon_killed_mid_load_reports_what_was_installed(daemon: Daemon) -> 
         real_load = core.load_span
         calls = 0
 
-        def load_then_die(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def load_then_die(*args, **kwargs):
             nonlocal calls
             calls += 1
             if calls == 4:
@@ -154,7 +154,7 @@ def test_warm_up_brings_back_the_most_valuable_prefixes(daemon: Daemon) -> None:
     with Client(daemon.socket, region_bytes=64 << 10) as client:
         seen = []
 
-        def allocate(prefix):  # noqa: ANN001, ANN202
+        def allocate(prefix):
             seen.append(prefix.tokens.tobytes())
             return destinations(len(prefix.sizes))
 
@@ -215,7 +215,7 @@ def test_store_from_gpu_tensors(daemon: Daemon) -> None:
         assert all(torch.equal(d, s) for d, s in zip(dests, sources, strict=True))
 
 
-def test_compressed_payloads_stream_decompressed(daemon_factory) -> None:  # noqa: ANN001
+def test_compressed_payloads_stream_decompressed(daemon_factory) -> None:
     """With compression on, the daemon decompresses batch k while batch k-1 is being copied."""
     daemon = daemon_factory("--compression", "zstd")
     prompt = tokens(9, seed=11)

@@ -42,8 +42,16 @@ def test_manifest_entries_are_checked() -> None:
 
 
 def identity(weights: str) -> Identity:
-    return Identity(model="m", weights=weights, tokenizer="t", template="c", rope="r",
-                    kv_layout="bf16", block_tokens=4, tenant="a")
+    return Identity(
+        model="m",
+        weights=weights,
+        tokenizer="t",
+        template="c",
+        rope="r",
+        kv_layout="bf16",
+        block_tokens=4,
+        tenant="a",
+    )
 
 
 def test_a_changed_manifest_retires_the_old_weights(

@@ -29,6 +29,7 @@ from prefixd.integrations.transformers import (
 
 from . import zoo
 
+
 def test_every_kind_is_restored_exactly() -> None:
     results = [zoo.check(family) for family in zoo.REPRESENTATIVES]
     print("\n" + "\n".join(r.row() for r in results))
@@ -239,8 +240,9 @@ def test_an_indexers_position_history_is_stored() -> None:
 
     again = restored(state.paged["indexer"])
     first = next(
-        i for i, layer in enumerate(again.layers) if getattr(layer, "indexer_position_ids", None)
-        is not None
+        i
+        for i, layer in enumerate(again.layers)
+        if getattr(layer, "indexer_position_ids", None) is not None
     )
     assert torch.equal(again.layers[first].indexer_position_ids, positions[:, None, :48])
     logits = torch.cat([run(again, 48, 55), run(again, 55, 56)], dim=1)

@@ -349,7 +349,7 @@ def _has(config: Any, name: str) -> bool:
     """Whether the config has the attribute as a global one (a per-layer one is left alone)."""
     try:
         getattr(config, name)
-    except Exception:  # absent, or per-layer (transformers' own error class)
+    except Exception:  # absent, or per-layer (transformers' own error class)  # noqa: BLE001
         return False
     return True
 
@@ -436,19 +436,19 @@ def check(
     try:
         config, model = build(family)
         kinds = kinds_of(config)
-    except Exception as error:  # cannot be built small on CPU: say why
+    except Exception as error:  # cannot be built small on CPU: say why  # noqa: BLE001
         return Result(family, "skipped", reason=_short(error))
     prefix, early = prefix_blocks * block, early_blocks * block
     ids = tokens(prefix + tail + 3)
     try:
         reference = forward(model, ids, 0, DynamicCache(config=config))
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001
         return _own_cache(family, config, model, ids, kinds, error)
     try:  # the model's own cache, continued: the path a restored cache takes
         own = DynamicCache(config=config)
         forward(model, ids[:, :early], 0, own)
         continue_logits(model, own, ids, early)
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001
         reason = f"transformers cannot continue this family's own cache: {_short(error)}"
         return Result(family, "skipped", kinds, reason=reason)
     try:
@@ -459,7 +459,7 @@ def check(
         stepwise = _run(config, model, ids, reference, block, page, prefix, early, stepwise=True)
     except LayoutError as error:
         return Result(family, "refused", kinds, reason=str(error))
-    except Exception as error:  # a bug: only LayoutError may refuse
+    except Exception as error:  # a bug: only LayoutError may refuse  # noqa: BLE001
         return Result(family, "ERROR", kinds, reason=_short(error))
     diff, model_diff, own_diff = chunked
     if stepwise[0] <= TOL and own_diff <= TOL:
@@ -492,7 +492,7 @@ def _in_float64(
     try:
         config, model = build(family, torch.float64)
         reference = forward(model, ids, 0, DynamicCache(config=config))
-    except Exception:
+    except Exception:  # noqa: BLE001
         return None
     args = (config, model, ids, reference, block, page, prefix, early)
     return _run(*args, stepwise=False, dtype=torch.float64)
@@ -507,11 +507,14 @@ def _own_cache(
         with torch.no_grad():
             out = model(input_ids=ids[:, :16], use_cache=True)
         own = next(
-            (found for name in ("cache", "past_key_values", "cache_params", "past_buckets_states")
-             if (found := getattr(out, name, None)) is not None),
+            (
+                found
+                for name in ("cache", "past_key_values", "cache_params", "past_buckets_states")
+                if (found := getattr(out, name, None)) is not None
+            ),
             None,
         )
-    except Exception:
+    except Exception:  # noqa: BLE001
         own = None
     if own is None:
         return Result(family, "skipped", kinds, reason=f"no prefill with a cache: {_short(error)}")
@@ -625,8 +628,7 @@ def zeroing_diffs(
         zeroed = dataclasses.replace(
             state,
             paged={
-                g: [bytes(len(p)) if g == group else p for p in ps]
-                for g, ps in state.paged.items()
+                g: [bytes(len(p)) if g == group else p for p in ps] for g, ps in state.paged.items()
             },
             checkpoints=dict(state.checkpoints),
         )

@@ -915,16 +915,31 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
     ),
     (
         RouteReply(
-            id=12, hit_blocks=2, hit_tokens=32, hit_bytes=4096, load_s=0.001,
-            prefill_saved_s=0.0032, loads_in_flight=1, queue_bytes=2048, queue_s=0.0005,
+            id=12,
+            hit_blocks=2,
+            hit_tokens=32,
+            hit_bytes=4096,
+            load_s=0.001,
+            prefill_saved_s=0.0032,
+            loads_in_flight=1,
+            queue_bytes=2048,
+            queue_s=0.0005,
             score_s=0.0017,
         ),
         {
-            "id": 12, "ok": True, "hit_blocks": 2, "hit_tokens": 32, "hit_bytes": 4096,
-            "load_s": 0.001, "prefill_saved_s": 0.0032, "loads_in_flight": 1,
-            "queue_bytes": 2048, "queue_s": 0.0005, "score_s": 0.0017,
+            "id": 12,
+            "ok": True,
+            "hit_blocks": 2,
+            "hit_tokens": 32,
+            "hit_bytes": 4096,
+            "load_s": 0.001,
+            "prefill_saved_s": 0.0032,
+            "loads_in_flight": 1,
+            "queue_bytes": 2048,
+            "queue_s": 0.0005,
+            "score_s": 0.0017,
         },
-    ),  # fmt: skip
+    ),
     (
         HotReply(
             id=9, prefixes=[HotEntry(identity=WIRE_HYBRID, tokens=TOKENS, sizes=SIZES, score=2.5)]

@@ -268,14 +268,8 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                 payloads = [self._row(r) for r in rows]
                 first = run.first + at
                 chain = run.chain[: first + len(rows)]
-                put = self._call(
-                    lambda c: c.put(
-                        run.identity,
-                        pack_keys(run.identity, chain),
-                        payloads,
-                        first_block=first,  # noqa: B023
-                    )
-                )
+                identity, words = run.identity, pack_keys(run.identity, chain)
+                put = self._call(lambda c: c.put(identity, words, payloads, first_block=first))  # noqa: B023
                 if put is None:
                     break  # refused (say, a parent not stored) or the daemon is away
                 stored.extend(run.keys[at : at + per_put])

@@ -253,7 +253,7 @@ def test_two_controller_threads_at_once(daemon: Daemon) -> None:
             for round_ in range(10):
                 ks = keys(4, start=2000 + 4 * round_)
                 assert store(adapter, ks, payload_objs(4, SIZE, seed=round_)).is_successful()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
     def fetching() -> None:
@@ -263,7 +263,7 @@ def test_two_controller_threads_at_once(daemon: Daemon) -> None:
                 bits, got = loaded_bytes(adapter, ready)
                 adapter.submit_unlock(ready)
                 assert bits == [True] * 8 and got == [bytes(o.byte_array) for o in ready_objs]
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
     try:
