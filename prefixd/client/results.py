@@ -107,7 +107,7 @@ class StatePart:
 
 @dataclass(frozen=True, slots=True)
 class StateLookup:
-    """A hybrid identity's joint hit (see prefixd.store.joint.JointMatch): every state group is
+    """A hybrid identity's joint hit (see prefixd.store.results.JointMatch): every state group is
     complete at `reusable_tokens`; the engine recomputes from `replay_from`."""
 
     reusable_tokens: int
@@ -160,7 +160,7 @@ class Installed:
 
 @dataclass(frozen=True)
 class InstalledState:
-    """What a hybrid load installed (see prefixd.store.joint.JointMatch for the fields)."""
+    """What a hybrid load installed (see prefixd.store.results.JointMatch for the fields)."""
 
     reusable_tokens: int
     replay_from: int
