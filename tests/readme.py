@@ -7,6 +7,9 @@ import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+# The node's paths as the README writes them: each test replaces them by its own.
+NODE_SOCKET = "/run/prefixd/prefixd.sock"
+NODE_STORE = "/var/lib/prefixd"
 
 
 def readme_block(heading: str, language: str = "python") -> str:

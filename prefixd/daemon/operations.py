@@ -9,12 +9,12 @@ from concurrent.futures import Executor
 from typing import Any
 
 from prefixd.daemon import admin, blocks, engine_ops, session, state_ops
-from prefixd.daemon.context import Answered, Handler, Request, RequestContext
+from prefixd.daemon.context import Handler, RequestContext
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.peer import Peer
 from prefixd.daemon.services import Services
 from prefixd.store import Store
-from prefixd.wire.messages import REQUESTS, Lookup, RequestMessage
+from prefixd.wire.messages import REQUESTS, RequestMessage
 
 HANDLERS: Mapping[type[RequestMessage], Handler] = {
     **session.HANDLERS,
@@ -49,12 +49,6 @@ class Operations:
         if peer.pins:
             self.services.store.unpin(peer.pins.elements())
             peer.pins.clear()
-
-    def lookup_from_memory(self, peer: Peer, request: Request[Lookup]) -> Answered | None:
-        """The lookup's reply when memory answers it on the event loop (blocks.lookup_now);
-        None when it is work for a worker."""
-        answered = blocks.lookup_now(self.context(peer), request)
-        return answered if isinstance(answered, Answered) else None
 
 
 __all__ = ["HANDLERS", "Operations"]

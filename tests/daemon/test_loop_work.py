@@ -6,15 +6,14 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
 from prefixd import Store
-from prefixd.config.policy import EVERYTHING
-from prefixd.daemon.blocks import LOOP_TOKEN_BYTES
-from prefixd.daemon.context import Request
+from prefixd.daemon.blocks import LOOP_TOKEN_BYTES, lookup_now
+from prefixd.daemon.context import Answered, Request
 from prefixd.daemon.operations import Operations
+from prefixd.daemon.peer import Peer
 from prefixd.wire.messages import Lookup, Prompt, WireIdentity
 
 from .conftest import IDENTITY
@@ -30,16 +29,16 @@ def test_only_short_lookups_are_answered_on_the_loop(tmp_path: Path) -> None:
             store.put(IDENTITY, prompt, [b"x"] * n)
             store.longest_prefix(IDENTITY, prompt)  # now remembered: memory could answer it
         ops = Operations(store, pool, max_frame_bytes=64 << 20, max_region_bytes=1 << 30)
-        conn = SimpleNamespace(uid=0, grant=EVERYTHING)
+        context = ops.context(Peer(0, max_inflight=64))
 
-        def from_memory(prompt: np.ndarray) -> object:
+        def from_memory(prompt: np.ndarray) -> bool:
             message = Lookup(
                 id=1, identity=WireIdentity.of(IDENTITY), prompts=[Prompt(tokens=prompt.tobytes())]
             )
-            return ops.lookup_from_memory(conn, Request(1, message))  # type: ignore[arg-type]
+            return isinstance(lookup_now(context, Request(1, message)), Answered)
 
-        assert from_memory(short) is not None
-        assert from_memory(long) is None  # a worker answers it
+        assert from_memory(short)
+        assert not from_memory(long)  # a worker answers it
 
 
 def test_a_lookup_memory_answers_in_part_is_counted_once(tmp_path: Path) -> None:
@@ -51,12 +50,12 @@ def test_a_lookup_memory_answers_in_part_is_counted_once(tmp_path: Path) -> None
         store.put(IDENTITY, known, [b"x"] * 4)
         store.longest_prefix(IDENTITY, known)  # remembered
         ops = Operations(store, pool, max_frame_bytes=64 << 20, max_region_bytes=1 << 30)
-        conn = SimpleNamespace(uid=0, grant=EVERYTHING)
+        context = ops.context(Peer(0, max_inflight=64))
         message = Lookup(
             id=1,
             identity=WireIdentity.of(IDENTITY),
             prompts=[Prompt(tokens=known.tobytes()), Prompt(tokens=unknown.tobytes())],
         )
         before = store.stats().lookups
-        assert ops.lookup_from_memory(conn, Request(1, message)) is None  # type: ignore[arg-type]
+        assert not isinstance(lookup_now(context, Request(1, message)), Answered)
         assert store.stats().lookups == before  # nothing answered, nothing counted

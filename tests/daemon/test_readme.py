@@ -26,11 +26,9 @@ from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
 from prefixd.client import Client
 
-from ..readme import readme_block
+from ..readme import NODE_SOCKET, NODE_STORE, readme_block
 from .conftest import REPO, DaemonFactory
 
-NODE_SOCKET = "/run/prefixd/prefixd.sock"
-NODE_STORE = "/var/lib/prefixd"
 # The shell blocks a test runs as written on a node (tests/daemon/test_quick_start.py).
 ON_A_NODE = ("## Quick start: a node", "## Install and serve (trying it out)")
 

@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from ...daemon.conftest import Daemon
-from ...readme import readme_block
+from ...readme import NODE_SOCKET, readme_block
 from ...waiting import wait_for
 from ..vllm.tiny_model import build_tiny_model
 from .node import LMCACHE, START_S, env, free_port
 
-NODE_SOCKET = "/run/prefixd/prefixd.sock"
 NODE_MODEL = "/models/llama-3-8b"
 L1_SIZE = "--l1-size-gb 8 "
 

@@ -17,10 +17,9 @@ from prefixd.client import Client
 from prefixd.integrations.sglang.backend import PrefixdHiCache
 
 from ...daemon.conftest import Daemon
-from ...readme import readme_block
+from ...readme import NODE_SOCKET, readme_block
 from .harness import PAGE, Controller, fill, host_pool
 
-NODE_SOCKET = "/run/prefixd/prefixd.sock"
 LAUNCH = ["python", "-m", "sglang.launch_server"]
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from ...readme import readme_block
+from ...readme import NODE_SOCKET, readme_block
 from ...waiting import wait_for
 
 if TYPE_CHECKING:  # not imported at run time: engine processes import this module (the plugin)
@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # not imported at run time: engine processes import this modu
 pytestmark = pytest.mark.slow
 
 HEADING = "## vLLM"
-NODE_SOCKET = "/run/prefixd/prefixd.sock"
 CPU_TIER = {"python": ("8 << 30", "8 << 20"), "sh": ("8GiB", "8MiB")}  # README's, the test's
 TENANT = "acme"  # the README's
 PROMPT = list(range(3, 3 + 100))  # 3 closed blocks of 32 tokens
