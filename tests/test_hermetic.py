@@ -45,8 +45,8 @@ def test_the_defaults_tests_see_are_their_own(
         environments["daemon_env"] = daemon_env()
     for how, env in environments.items():
         config = config_from_sources({}, env, None)
-        assert inside(config.data_dir, hermetic.base), (how, config.data_dir)
-        assert inside(config.socket, hermetic.base), (how, config.socket)
+        assert inside(config.store.data_dir, hermetic.base), (how, config.store.data_dir)
+        assert inside(config.socket.path, hermetic.base), (how, config.socket.path)
 
 
 def test_each_test_has_its_own_default_store(hermetic: Hermetic) -> None:

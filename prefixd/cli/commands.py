@@ -45,7 +45,7 @@ def serve(args: argparse.Namespace, out: Output) -> int:
             out.stdout.write(config.toml())
         return 0
     logging.basicConfig(
-        level=config.log_level.upper(),
+        level=config.metrics.log_level.upper(),
         format="%(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -60,7 +60,7 @@ def serve(args: argparse.Namespace, out: Output) -> int:
             raise
         from prefixd.cli.oserrors import explain
 
-        flags = {config.data_dir: "--data-dir", config.socket: "--socket"}
+        flags = {config.store.data_dir: "--data-dir", config.socket.path: "--socket"}
         raise ServeError(explain(exc, os.environ, flags)) from None
     if server.abandoned:
         # Shutdown left store work running on threads past the grace period: end now, as a kill

@@ -117,8 +117,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
 
     def checks() -> list[Check]:
         return run_checks(
-            config.socket,
-            daemon_user=config.daemon_user or None,
+            config.socket.path,
+            daemon_user=config.socket.daemon_user or None,
             tenant=args.tenant,
             region_bytes=args.region_bytes,
             timeout_s=args.timeout,
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     else:
         results = _as(account, checks)
     report = {
-        "socket": str(config.socket),
+        "socket": str(config.socket.path),
         "user": account.name,
         "uid": account.uid,
         "groups": list(account.groups),

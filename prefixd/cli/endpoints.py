@@ -44,7 +44,7 @@ class Target:
     @property
     def daemon_user(self) -> str | None:
         """The daemon's user when the settings name one (clients trust its socket)."""
-        return self.config.daemon_user or None
+        return self.config.socket.daemon_user or None
 
 
 def target(
@@ -58,10 +58,10 @@ def target(
     """
     cli = {name: getattr(args, name, None) for name in ("data_dir", "socket", *NAMING)}
     config, given = config_and_given(cli, env, getattr(args, "config", None))
-    data_dir, socket = config.data_dir, config.socket
-    user = config.daemon_user or None
+    data_dir, socket = config.store.data_dir, config.socket.path
+    user = config.socket.daemon_user or None
     if not {"socket", "data_dir"} & given and not _present(socket):
-        node = node_socket(config.instance)
+        node = node_socket(config.store.instance)
         if _present(node):  # a user's command, and the node's daemon (the shipped units)
             socket = node
     if "socket" in given and "data_dir" not in given:  # the socket alone names the store

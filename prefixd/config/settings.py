@@ -1,33 +1,33 @@
-"""Settings of `prefixd serve`: one typed Config fed by a TOML file, PREFIXD_* variables and flags.
+"""Settings of `prefixd serve`: one typed Config of seven groups, fed by a TOML file, PREFIXD_*
+variables and flags.
 
-Each setting has one name per source: its field name gives the flag and the variable, its table
-(TABLES) the TOML key:
+Each setting has one name per source: its flat name gives the flag and the variable, its group
+the TOML table and the attribute:
 
-    field        TOML                     environment            flag
-    workers      [store] workers = 8      PREFIXD_WORKERS=8      --workers 8
-    socket_mode  [socket] mode = "0660"   PREFIXD_SOCKET_MODE    --socket-mode
+    Config            TOML                     environment            flag
+    store.workers     [store] workers = 8      PREFIXD_WORKERS=8      --workers 8
+    socket.mode       [socket] mode = "0660"   PREFIXD_SOCKET_MODE    --socket-mode
 
-The file's tables are those of `prefixd serve --print-config`, itself a valid file; a setting as a
-top-level key (the old flat file) still works, with a warning naming its table. Relative paths in
-the file are relative to its directory, those of flags and variables to the working directory.
-
-There is no precedence: a setting given by two sources must have the same value in both (compared
-after parsing, so "16MiB" and 16777216 agree), else ConfigError names both sources. Unknown keys and
-unknown PREFIXD_* variables are errors, so a misspelt setting is never silently ignored.
+A setting as a top-level key (the old flat file) still works, with a warning naming its table.
+Relative paths in the file are relative to its directory, those of flags and variables to the
+working directory. There is no precedence: a setting given by two sources must have the same value
+in both (compared after parsing, so "16MiB" and 16777216 agree), else ConfigError names both.
+Unknown keys and unknown PREFIXD_* variables are errors, so a misspelt setting is never ignored.
+A deprecated setting is still taken, with a warning, for one release and listed nowhere.
 `prefixd.config.sources` reads the sources and agrees them into one Config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from prefixd.config.events import EventSettings
 from prefixd.config.policy import TenantPolicy
 from prefixd.errors import ConfigError
 from prefixd.paths import check_instance
@@ -36,7 +36,10 @@ from prefixd.store.config import (
     READ_PATHS,
     Durability,
     StoreConfig,
+    format_size,
+    tenant_entries,
 )
+from prefixd.store.journal import BlockChange
 from prefixd.trust import resolve_user
 
 KiB = 1 << 10
@@ -50,8 +53,16 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOOPBACKS = ("127.0.0.1", "::1")
 SOCKET_PATH_MAX = 107  # sun_path is 108 bytes on Linux, one of them the terminating NUL
 MAX_ID = (1 << 32) - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t)-1, which means "no id"
+FIXED = "no longer a setting: from the next release it is fixed at its default"
+BENCH = "a benchmark knob: benchmarks set it through the library's StoreConfig"
 
-_STORE_DEFAULTS = {f.name: f.default for f in fields(StoreConfig)}
+
+def _default(item: Any) -> Any:
+    """A field's default, made by its factory where it has one (a map)."""
+    return item.default if item.default_factory is MISSING else item.default_factory()
+
+
+_STORE_DEFAULTS = {f.name: _default(f) for f in fields(StoreConfig)}
 
 
 def _setting(
@@ -63,48 +74,43 @@ def _setting(
     high: float | None = None,
     choices: tuple[str, ...] = (),
     optional: bool = False,
+    name: str = "",
+    deprecated: str = "",
 ) -> Any:
-    """One Config field: its default plus what parsing, validation and --help need to know.
-    An `optional` path defaults to None (off), and an empty value turns it off."""
-    meta = {
-        "kind": kind,
-        "help": doc,
-        "low": low,
-        "high": high,
-        "choices": choices,
-        "optional": optional,
-    }
+    """One group field: its default plus what parsing, validation and --help need. `name` is its
+    flat name where that is not the group's prefix plus the field's; an `optional` path defaults to
+    None (off); `deprecated` says what to do instead of setting it."""
+    meta = {"kind": kind, "help": doc, "low": low, "high": high, "choices": choices}
+    meta |= {"optional": optional, "name": name, "deprecated": deprecated}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def _store(name: str, kind: str, doc: str, choices: tuple[str, ...] = ()) -> Any:
+def _store(name: str, kind: str, doc: str, *, deprecated: str = "", **meta: Any) -> Any:
     """A field mirrored from StoreConfig: same default; StoreConfig itself validates it."""
-    return _setting(kind, doc, _STORE_DEFAULTS[name], choices=choices)
+    return _setting(kind, doc, _STORE_DEFAULTS[name], name=name, deprecated=deprecated, **meta)
+
+
+class _Group:
+    """Each field is validated on construction (see `validated`)."""
+
+    prefix: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for item in fields(self):  # type: ignore[arg-type]
+            value = validated(flat_name(type(self), item), getattr(self, item.name))
+            object.__setattr__(self, item.name, value)
 
 
 @dataclass(frozen=True)
-class Config:
-    """Everything `prefixd serve` can be told; every field is validated on construction.
-
-    Who may connect: a peer (as SO_PEERCRED and SO_PEERGROUPS report it at connect) is allowed if
-    its uid is 0, equals the daemon's uid, is in `allowed_uids`, or its primary gid or one of its
-    supplementary groups is in `allowed_gids`. The socket's file mode is a second, independent
-    gate: a peer also needs write permission on the socket file to connect at all.
-
-    data_dir and socket have no static default: `config_from_sources` computes them from the
-    environment (see `default_data_dir`, `default_socket`).
-    """
+class StoreSettings(_Group):
+    """data_dir has no static default: `config_from_sources` computes it (`default_data_dir`)."""
 
     data_dir: Path = _setting(
         "path",
         "store directory (default: $STATE_DIRECTORY, /var/lib/prefixd as root, "
         "else $XDG_STATE_HOME/prefixd or ~/.local/state/prefixd)",
-    )
-    socket: Path = _setting(
-        "path",
-        "Unix socket to listen on (default: $RUNTIME_DIRECTORY/prefixd.sock, "
-        "/run/prefixd/prefixd.sock as root, else $XDG_RUNTIME_DIR/prefixd/prefixd.sock "
-        "or /tmp/prefixd-UID/prefixd.sock)",
     )
     instance: str = _setting(
         "text",
@@ -113,41 +119,151 @@ class Config:
         "/run/prefixd-NAME/prefixd.sock as root (else prefixd-NAME under the XDG directories)",
         "",
     )
+    workers: int = _setting("int", "threads for blocking store work", 4, low=1, high=256)
+    model_manifests: Mapping[str, tuple[Path, ...]] = _setting(
+        "entries",
+        "models this node serves, each with the files that fingerprint its weights "
+        "(MODEL=FILE[+FILE...]); a change retires the model's other versions",
+        {},
+    )
+    map_size: int = _store("map_size", "size", "LMDB map size: the store's largest size")
+    durability: Durability = _store(
+        "durability",
+        "choice",
+        "what an acknowledged put survives",
+        choices=tuple(d.value for d in Durability),
+    )
+    sync_interval_s: float = _store(
+        "sync_interval_s", "seconds", "background sync interval under periodic durability"
+    )
+    compression: str = _store("compression", "choice", "payload compression", choices=COMPRESSIONS)
+    capacity_bytes: int = _store(
+        "capacity_bytes", "size", "payload bytes the store may hold (0: 80% of map_size)"
+    )
+    zstd_level: int = _store("zstd_level", "int", "zstd compression level", deprecated=FIXED)
+    min_compression_gain: float = _store(
+        "min_compression_gain",
+        "float",
+        "store a block raw unless compression saves this fraction",
+        deprecated=FIXED,
+    )
+    chunk_bytes: int = _store("chunk_bytes", "size", "payload chunk size", deprecated=FIXED)
+    verify_threads: int = _store(
+        "verify_threads", "int", "threads verifying checksums on reads", deprecated=FIXED
+    )
+    readahead: bool = _store("readahead", "bool", "OS readahead in the data file", deprecated=FIXED)
+    read_path: str = _store(
+        "read_path", "choice", "how loads read raw payloads", choices=READ_PATHS, deprecated=BENCH
+    )
+    max_readers: int = _store("max_readers", "int", "LMDB reader slots", deprecated=FIXED)
+    verified_cache_bytes: int = _store(
+        "verified_cache_bytes", "size", "memory for verified prefixes", deprecated=FIXED
+    )
+    high_watermark: float = _store(
+        "high_watermark", "float", "evict past this share of the capacity", deprecated=FIXED
+    )
+    low_watermark: float = _store(
+        "low_watermark", "float", "evict down to this share of the capacity", deprecated=FIXED
+    )
+    eviction: str = _store(
+        "eviction",
+        "choice",
+        "eviction order",
+        choices=("value", "lru", "none"),
+        deprecated=BENCH,
+    )
+
+
+@dataclass(frozen=True)
+class SocketSettings(_Group):
+    """Who may connect: a peer (as SO_PEERCRED and SO_PEERGROUPS report it at connect) is allowed if
+    its uid is 0, equals the daemon's uid, is in `allowed_uids`, or one of its groups is in
+    `allowed_gids`. The socket's file mode is a second gate: a peer also needs write permission on
+    the socket file. path has no static default (`default_socket`)."""
+
+    prefix: ClassVar[str] = "socket_"
+
+    path: Path = _setting(
+        "path",
+        "Unix socket to listen on (default: $RUNTIME_DIRECTORY/prefixd.sock, "
+        "/run/prefixd/prefixd.sock as root, else $XDG_RUNTIME_DIR/prefixd/prefixd.sock "
+        "or /tmp/prefixd-UID/prefixd.sock)",
+        name="socket",
+    )
+    mode: int = _setting("mode", "file mode of the socket, octal", 0o660, low=0, high=0o777)
     daemon_user: str = _setting(
         "text",
         "the user the daemon runs as (a name or uid): clients and commands trust a socket of "
         "this user (besides root); serve refuses to start as another (default: clients trust "
         "root, their own user and the prefixd service user)",
         "",
+        name="daemon_user",
     )
-    socket_mode: int = _setting("mode", "file mode of the socket, octal", 0o660, low=0, high=0o777)
     allowed_uids: tuple[int, ...] = _setting(
-        "ids", "uids allowed to connect besides root and the daemon's own uid", ()
+        "ids",
+        "uids allowed to connect besides root and the daemon's own uid",
+        (),
+        name="allowed_uids",
     )
-    allowed_gids: tuple[int, ...] = _setting("ids", "gids whose members may connect", ())
-    tenant_policy: tuple[str, ...] = _setting(
+    allowed_gids: tuple[int, ...] = _setting(
+        "ids", "gids whose members may connect", (), name="allowed_gids"
+    )
+
+
+@dataclass(frozen=True)
+class TenantSettings(_Group):
+    """Tenants and their limits, parsed into maps (the store's own, see StoreConfig)."""
+
+    prefix: ClassVar[str] = "tenant_"
+
+    policy: tuple[str, ...] = _setting(
         "entries",
         "which tenants and administrative operations each peer may use, uid:N=GRANT+... or "
         "gid:N=...; a grant is a tenant, * (every tenant) or op:purge|retire|verify|hot|* "
         "(none: every allowed peer may use every tenant)",
         (),
     )
-    max_frame_bytes: int = _setting(
-        "size", "largest protocol frame accepted", 16 * MiB, low=4 * KiB, high=1 * GiB
+    quotas: Mapping[str, int] = _store(
+        "tenant_quotas",
+        "entries",
+        "stored bytes a tenant may hold, TENANT=SIZE; *=SIZE: each tenant not listed",
     )
-    workers: int = _setting("int", "threads for blocking store work", 4, low=1, high=256)
+    ttls: Mapping[str, float] = _store(
+        "tenant_ttls", "entries", "time to live of a tenant's entries, TENANT=DURATION (7d)"
+    )
+    share_groups: Mapping[str, tuple[str, ...]] = _store(
+        "share_groups",
+        "entries",
+        "tenants that share identical entries, GROUP=TENANT+TENANT (never shared otherwise)",
+    )
+    quota_bytes: int = _store(
+        "tenant_quota_bytes",
+        "size",
+        "stored bytes each tenant may hold",
+        deprecated='write it as [tenants] quotas = ["*=SIZE"]',
+    )
+
+
+@dataclass(frozen=True)
+class Limits(_Group):
+    """What one peer may ask of the daemon, and how long it may take."""
+
     max_connections: int = _setting(
         "int", "connections served at once; more are refused", 1024, low=1, high=65536
     )
-    max_inflight: int = _setting("int", "requests in flight per connection", 64, low=1, high=4096)
     max_connections_per_uid: int = _setting(
         "int", "connections one uid may hold at once; more are refused", 256, low=1, high=65536
     )
-    handshake_timeout_s: float = _setting(
-        "seconds", "how long a new connection may take to say hello", 10.0, low=0.1, high=3600.0
+    max_inflight: int = _setting("int", "requests in flight per connection", 64, low=1, high=4096)
+    max_region_bytes: int = _setting(
+        "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
     )
-    frame_timeout_s: float = _setting(
-        "seconds", "how long a frame may take to arrive once begun", 30.0, low=0.1, high=3600.0
+    min_reusable_tokens: int = _setting(
+        "int",
+        "hits shorter than this many tokens are not offered (0: every hit)",
+        0,
+        low=0,
+        high=1 << 31,
     )
     idle_timeout_s: float = _setting(
         "seconds",
@@ -165,24 +281,6 @@ class Config:
         low=0.0,
         high=86400.0,
     )
-    max_region_bytes: int = _setting(
-        "size", "largest shared region a client may attach", 64 * GiB, low=1 * MiB, high=1 * TiB
-    )
-    max_prompt_tokens: int = _setting(
-        "int",
-        "most token ids (or engine key words) one prompt may hold; more are refused before any "
-        "hashing",
-        4 << 20,
-        low=1024,
-        high=1 << 30,
-    )
-    max_request_tokens: int = _setting(
-        "int",
-        "most token ids all the prompts of one request may hold together",
-        16 << 20,
-        low=1024,
-        high=1 << 31,
-    )
     shutdown_grace_s: float = _setting(
         "seconds",
         "how long shutdown waits for requests and store work in flight",
@@ -190,19 +288,39 @@ class Config:
         low=0.0,
         high=3600.0,
     )
-    log_level: str = _setting("choice", "log verbosity", "info", choices=LOG_LEVELS)
-    model_manifests: tuple[str, ...] = _setting(
-        "entries",
-        "models this node serves, each with the files that fingerprint its weights "
-        "(MODEL=FILE[+FILE...]); a change retires the model's other versions",
-        (),
+    max_frame_bytes: int = _setting(
+        "size", "largest protocol frame", 16 * MiB, low=4 * KiB, high=1 * GiB, deprecated=FIXED
     )
-    min_reusable_tokens: int = _setting(
-        "int",
-        "hits shorter than this many tokens are not offered (0: every hit)",
-        0,
-        low=0,
-        high=1 << 31,
+    max_prompt_tokens: int = _setting(
+        "int", "most token ids of one prompt", 4 << 20, low=1024, high=1 << 30, deprecated=FIXED
+    )
+    max_request_tokens: int = _setting(
+        "int", "most token ids of one request", 16 << 20, low=1024, high=1 << 31, deprecated=FIXED
+    )
+    handshake_timeout_s: float = _setting(
+        "seconds", "time to say hello", 10.0, low=0.1, high=3600.0, deprecated=FIXED
+    )
+    frame_timeout_s: float = _setting(
+        "seconds", "time a begun frame may take", 30.0, low=0.1, high=3600.0, deprecated=FIXED
+    )
+
+
+@dataclass(frozen=True)
+class MetricsSettings(_Group):
+    prefix: ClassVar[str] = "metrics_"
+
+    port: int = _setting(
+        "int", "serve Prometheus metrics over HTTP on this port (0: off)", 0, low=0, high=65535
+    )
+    address: str = _setting(
+        "choice", "loopback address of the metrics port", "127.0.0.1", choices=LOOPBACKS
+    )
+    textfile: Path | None = _setting(
+        "path",
+        "write Prometheus metrics to this file for node_exporter's textfile collector, mode 0640 "
+        "(off if empty)",
+        None,
+        optional=True,
     )
     prefill_tokens_per_s: float = _setting(
         "float",
@@ -210,211 +328,185 @@ class Config:
         10000.0,
         low=1.0,
         high=1e9,
+        name="prefill_tokens_per_s",
     )
-    metrics_port: int = _setting(
-        "int", "serve Prometheus metrics over HTTP on this port (0: off)", 0, low=0, high=65535
+    log_level: str = _setting(
+        "choice", "log verbosity", "info", choices=LOG_LEVELS, name="log_level"
     )
-    metrics_address: str = _setting(
-        "choice", "loopback address of the metrics port", "127.0.0.1", choices=LOOPBACKS
+    interval_s: float = _setting(
+        "seconds", "textfile rewrite interval", 15.0, low=1.0, high=86400.0, deprecated=FIXED
     )
-    metrics_textfile: Path | None = _setting(
-        "path",
-        "write Prometheus metrics to this file for node_exporter's textfile collector (off if "
-        "empty)",
-        None,
-        optional=True,
+    textfile_mode: int = _setting(
+        "mode", "file mode of the textfile", 0o640, low=0, high=0o777, deprecated=FIXED
     )
-    metrics_interval_s: float = _setting(
-        "seconds", "how often the metrics textfile is rewritten", 15.0, low=1.0, high=86400.0
-    )
-    metrics_textfile_mode: int = _setting(
-        "mode",
-        "file mode of the metrics textfile, octal (it names tenants: not for every user)",
-        0o640,
-        low=0,
-        high=0o777,
-    )
-    kv_events_endpoint: str = _setting(
+
+
+@dataclass(frozen=True)
+class EventSettings(_Group):
+    """What the KV event publisher (prefixd.daemon.events) is told. Events carry prompt token
+    ids, so their endpoints stay on the node."""
+
+    prefix: ClassVar[str] = "kv_events_"
+
+    endpoint: str = _setting(
         "text",
         "publish KV events (vLLM's KVEventBatch) on this ZeroMQ PUB endpoint, ipc://PATH or "
         "tcp://127.0.0.1:PORT (empty: off)",
         "",
     )
-    kv_events_replay_endpoint: str = _setting(
+    replay_endpoint: str = _setting(
         "text",
         "answer replay requests (the batches since a sequence number) on this ZeroMQ ROUTER "
         "endpoint (empty: off)",
         "",
     )
-    kv_events_tenants: str = _setting(
-        "text",
+    tenants: frozenset[str] = _setting(
+        "names",
         "tenants whose blocks are published, comma-separated, or * for all (events carry "
         "prompt token ids; none: nothing is published)",
-        "",
+        frozenset(),
     )
-    kv_events_hash_only: bool = _setting("bool", "publish block hashes and no token ids", False)
-    kv_events_queue: int = _setting(
-        "int",
-        "events waiting for the publisher; more are dropped and counted, never waited for",
-        100_000,
-        low=1,
-        high=1 << 24,
+    hash_only: bool = _setting("bool", "publish block hashes and no token ids", False)
+    queue: int = _setting(
+        "int", "events waiting to be sent", 100_000, low=1, high=1 << 24, deprecated=FIXED
     )
-    kv_events_replay_batches: int = _setting(
-        "int", "event batches kept for replay requests", 10_000, low=1, high=1 << 20
+    replay_batches: int = _setting(
+        "int", "batches kept for replay", 10_000, low=1, high=1 << 20, deprecated=FIXED
     )
-    kv_events_inventory_rate: int = _setting(
-        "int",
-        "blocks a second a start announces as stored (the store's inventory)",
-        100_000,
-        low=1,
-        high=1 << 30,
+    inventory_rate: int = _setting(
+        "int", "blocks/s announced at start", 100_000, low=1, high=1 << 30, deprecated=FIXED
     )
-    cluster_master: str = _setting(
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.replay_endpoint and not self.endpoint:
+            raise ConfigError("kv_events_replay_endpoint: needs kv_events_endpoint")
+
+    def publishes(self, change: BlockChange) -> bool:
+        if "*" in self.tenants:
+            return True
+        return change.identity is not None and change.identity.tenant in self.tenants
+
+
+@dataclass(frozen=True)
+class ClusterSettings(_Group):
+    """The Mooncake shared tier behind the local store."""
+
+    prefix: ClassVar[str] = "cluster_"
+
+    master: str = _setting(
         "text",
         "the Mooncake master (HOST:PORT) of a shared tier behind the local store (empty: off)",
         "",
     )
-    cluster_metadata: str = _setting(
+    metadata: str = _setting(
         "text", "the Mooncake metadata server (a URL like http://HOST:PORT/metadata)", ""
     )
-    cluster_local_hostname: str = _setting(
+    local_hostname: str = _setting(
         "text", "this node's address as the shared tier's transfer engine sees it", "127.0.0.1"
     )
-    cluster_timeout_s: float = _setting(
-        "seconds",
-        "how long a shared-tier call may take before it counts as failed",
-        2.0,
-        low=0.01,
-        high=600.0,
-    )
-    cluster_client: str = _setting(
-        "choice",
-        "where the shared tier's client runs: a child process ('process': nothing Mooncake "
-        "does can stall the daemon) or the daemon itself ('inline')",
-        "process",
-        choices=("process", "inline"),
-    )
-    cluster_segment_bytes: int = _setting(
+    segment_bytes: int = _setting(
         "size",
         "memory this node lends to the shared tier (0: none, else at least 16MiB)",
         256 * MiB,
         low=0,
         high=1 * TiB,
     )
-    cluster_pending: int = _setting(
-        "int",
-        "blocks waiting to be published to the shared tier; more are dropped and counted",
-        4096,
-        low=1,
-        high=1 << 20,
+    timeout_s: float = _setting(
+        "seconds", "time a shared-tier call may take", 2.0, low=0.01, high=600.0, deprecated=FIXED
     )
-    map_size: int = _store("map_size", "size", "LMDB map size: the store's largest size")
-    durability: Durability = _store(
-        "durability",
+    client: str = _setting(
         "choice",
-        "what an acknowledged put survives",
-        tuple(d.value for d in Durability),
+        "where the shared tier's client runs",
+        "process",
+        choices=("process", "inline"),
+        deprecated=BENCH,
     )
-    sync_interval_s: float = _store(
-        "sync_interval_s", "seconds", "background sync interval under periodic durability"
-    )
-    compression: str = _store("compression", "choice", "payload compression", COMPRESSIONS)
-    zstd_level: int = _store("zstd_level", "int", "zstd compression level")
-    min_compression_gain: float = _store(
-        "min_compression_gain", "float", "store a block raw unless compression saves this fraction"
-    )
-    chunk_bytes: int = _store("chunk_bytes", "size", "payload chunk size (even)")
-    verify_threads: int = _store(
-        "verify_threads",
-        "int",
-        "threads verifying checksums on reads (default about one per usable core, at least 2)",
-    )
-    readahead: bool = _store("readahead", "bool", "let the OS read ahead in the data file")
-    read_path: str = _store(
-        "read_path",
-        "choice",
-        "how loads read payloads stored raw: auto (large ones with preadv from the data file, "
-        "small ones from LMDB's map), mmap or pread",
-        READ_PATHS,
-    )
-    max_readers: int = _store("max_readers", "int", "LMDB reader slots")
-    verified_cache_bytes: int = _store(
-        "verified_cache_bytes", "size", "memory for recently verified prefixes (0: off)"
-    )
-    capacity_bytes: int = _store(
-        "capacity_bytes", "size", "payload bytes the store may hold (0: 80% of map_size)"
-    )
-    high_watermark: float = _store(
-        "high_watermark", "float", "evict when the stored bytes pass this share of the capacity"
-    )
-    low_watermark: float = _store(
-        "low_watermark", "float", "evict down to this share of the capacity"
-    )
-    tenant_quota_bytes: int = _store(
-        "tenant_quota_bytes", "size", "stored bytes each tenant may hold (0: no quota)"
-    )
-    tenant_quotas: tuple[str, ...] = _store(
-        "tenant_quotas", "entries", "per-tenant quotas overriding tenant_quota_bytes, TENANT=SIZE"
-    )
-    tenant_ttls: tuple[str, ...] = _store(
-        "tenant_ttls", "entries", "time to live of a tenant's entries, TENANT=DURATION (7d)"
-    )
-    share_groups: tuple[str, ...] = _store(
-        "share_groups",
-        "entries",
-        "tenants that share identical entries, GROUP=TENANT+TENANT (never shared otherwise)",
-    )
-    eviction: str = _store(
-        "eviction",
-        "choice",
-        "eviction order: value (per byte), lru, or none (a full store refuses puts)",
-        ("value", "lru", "none"),
+    pending: int = _setting(
+        "int", "blocks waiting to be published", 4096, low=1, high=1 << 20, deprecated=FIXED
     )
 
     def __post_init__(self) -> None:
-        for name in SETTINGS:
-            object.__setattr__(self, name, validated(name, getattr(self, name)))
-        self.store_config()  # any check StoreConfig makes across fields
-        if self.cluster_master and not self.cluster_metadata:
+        super().__post_init__()
+        if self.master and not self.metadata:
             raise ConfigError("cluster_metadata: required with cluster_master (the metadata URL)")
-        if 0 < self.cluster_segment_bytes < 16 * MiB:
+        if 0 < self.segment_bytes < 16 * MiB:
             raise ConfigError("cluster_segment_bytes: must be 0 or at least 16MiB")
-        if self.kv_events_endpoint or self.kv_events_replay_endpoint:
-            self.event_settings()  # the endpoints' checks
 
-    def event_settings(self) -> EventSettings:
-        """What the KV event publisher is told (prefixd.daemon.events)."""
-        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
-            raise ConfigError("kv_events_replay_endpoint: needs kv_events_endpoint")
-        return EventSettings.parse(
-            self.kv_events_endpoint,
-            self.kv_events_tenants,
-            replay_endpoint=self.kv_events_replay_endpoint,
-            hash_only=self.kv_events_hash_only,
-            queue_events=self.kv_events_queue,
-            replay_batches=self.kv_events_replay_batches,
-            inventory_rate=self.kv_events_inventory_rate,
+
+# The groups, each a TOML table and an attribute of Config, in --help's order.
+GROUPS: dict[str, type[_Group]] = {
+    "store": StoreSettings,
+    "socket": SocketSettings,
+    "tenants": TenantSettings,
+    "limits": Limits,
+    "metrics": MetricsSettings,
+    "events": EventSettings,
+    "cluster": ClusterSettings,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything `prefixd serve` can be told, in its groups."""
+
+    store: StoreSettings
+    socket: SocketSettings
+    tenants: TenantSettings = field(default_factory=TenantSettings)
+    limits: Limits = field(default_factory=Limits)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    events: EventSettings = field(default_factory=EventSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+
+    def __post_init__(self) -> None:
+        self.store_config()  # the checks StoreConfig makes across fields
+
+    @classmethod
+    def from_settings(cls, **values: Any) -> Config:
+        """A Config from settings by their flat names (data_dir=..., socket_mode=0o600)."""
+        unknown = sorted(set(values) - set(WHERE))
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}")
+        groups: dict[str, dict[str, Any]] = {table: {} for table in GROUPS}
+        for name, value in values.items():
+            table, key = WHERE[name]
+            groups[table][key] = value
+        made = {table: GROUPS[table](**given) for table, given in groups.items()}
+        return cls(**made)  # type: ignore[arg-type]
+
+    def with_settings(self, **values: Any) -> Config:
+        """This Config with the settings `values` (by flat name) changed."""
+        groups: dict[str, dict[str, Any]] = {}
+        for name, value in values.items():
+            table, key = WHERE[name]
+            groups.setdefault(table, {})[key] = value
+        return dataclasses.replace(
+            self, **{t: dataclasses.replace(getattr(self, t), **kw) for t, kw in groups.items()}
         )
+
+    def value(self, name: str) -> Any:
+        """A setting by its flat name."""
+        table, key = WHERE[name]
+        return getattr(getattr(self, table), key)
 
     def store_config(self) -> StoreConfig:
         """The store's settings: data_dir as the path, created on first start."""
-        values = {name: getattr(self, name) for name in STORE_SETTINGS}
-        return StoreConfig(path=self.data_dir, create=True, **values)
+        values = {name: self.value(name) for name in STORE_SETTINGS}
+        return StoreConfig(path=self.store.data_dir, create=True, **values)
 
     def describe(self) -> dict[str, Any]:
         """The effective settings as JSON-able values; written as TOML, they load back unchanged."""
-        return {name: plain(name, getattr(self, name)) for name in SETTINGS}
+        return {name: plain(name, self.value(name)) for name in SETTINGS}
 
     def toml(self) -> str:
         """The effective settings as a TOML file `--config` accepts, a table per group, each
-        setting with its help; a benchmark knob only where it is not its default."""
+        setting with its help; a deprecated one only where it is not its default."""
         described = self.describe()
         lines = []
         for table, names in TABLES.items():
             lines.append(f"[{table}]")
             for name in names:
-                if name in BENCH_KNOBS and getattr(self, name) == DEFAULTS[name]:
+                if name in DEPRECATED and self.value(name) == DEFAULTS[name]:
                     continue
                 lines.append(f"# {META[name]['help']}")
                 lines.append(f"{toml_key(name)} = {toml_value(described[name])}")
@@ -422,57 +514,44 @@ class Config:
         return "\n".join(lines)
 
 
-SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(Config))
+def flat_name(group: type[_Group], item: Any) -> str:
+    """The name of a group's field as flags, variables and messages write it."""
+    return str(item.metadata["name"] or group.prefix + item.name)
+
+
+WHERE: dict[str, tuple[str, str]] = {
+    flat_name(group, item): (table, item.name)
+    for table, group in GROUPS.items()
+    for item in fields(group)  # type: ignore[arg-type]
+}
+SETTINGS: tuple[str, ...] = tuple(WHERE)
+META: dict[str, Mapping[str, Any]] = {
+    flat_name(group, item): item.metadata
+    for group in GROUPS.values()
+    for item in fields(group)  # type: ignore[arg-type]
+}
+DEFAULTS = {
+    flat_name(group, item): _default(item)
+    for group in GROUPS.values()
+    for item in fields(group)  # type: ignore[arg-type]
+}
+TABLES: dict[str, tuple[str, ...]] = {
+    table: tuple(name for name, (t, _) in WHERE.items() if t == table) for table in GROUPS
+}
+DEPRECATED: dict[str, str] = {name: m["deprecated"] for name, m in META.items() if m["deprecated"]}
 STORE_SETTINGS: tuple[str, ...] = tuple(
     f.name for f in fields(StoreConfig) if f.name not in ("path", "create")
 )
-META: dict[str, Mapping[str, Any]] = {f.name: f.metadata for f in fields(Config)}
-DEFAULTS = {f.name: f.default for f in fields(Config)}
-
-# The TOML tables, each setting in one (in --help's and --print-config's order); a table's key
-# drops the prefix its settings share: [cluster] master is cluster_master, [socket] mode is
-# socket_mode.
-TABLES: dict[str, tuple[str, ...]] = {
-    table: tuple(names.split())
-    for table, names in {
-        "store": "data_dir instance workers model_manifests map_size durability sync_interval_s "
-        "compression zstd_level min_compression_gain chunk_bytes verify_threads readahead "
-        "read_path max_readers verified_cache_bytes capacity_bytes high_watermark low_watermark "
-        "eviction",
-        "socket": "socket socket_mode daemon_user allowed_uids allowed_gids",
-        "tenants": "tenant_policy tenant_quota_bytes tenant_quotas tenant_ttls share_groups",
-        "limits": "max_connections max_connections_per_uid max_inflight max_frame_bytes "
-        "max_region_bytes max_prompt_tokens max_request_tokens min_reusable_tokens "
-        "handshake_timeout_s frame_timeout_s idle_timeout_s load_deadline_s shutdown_grace_s",
-        "metrics": "metrics_port metrics_address metrics_textfile metrics_interval_s "
-        "metrics_textfile_mode prefill_tokens_per_s log_level",
-        "events": " ".join(name for name in SETTINGS if name.startswith("kv_events_")),
-        "cluster": " ".join(name for name in SETTINGS if name.startswith("cluster_")),
-    }.items()
-}
-TABLE_PREFIXES = {
-    "socket": "socket_",
-    "tenants": "tenant_",
-    "metrics": "metrics_",
-    "events": "kv_events_",
-    "cluster": "cluster_",
-}
-TABLE_OF = {name: table for table, names in TABLES.items() for name in names}
-# Knobs that exist to compare against in bench/ (eviction=lru, the cluster client inline, a read
-# path forced): not in serve's --help nor the settings reference; a benchmark sets them through
-# StoreConfig, and serve still takes them for one release, with a warning.
-BENCH_KNOBS = ("eviction", "read_path", "cluster_client")
 
 
 def toml_key(name: str) -> str:
     """The key of a setting in its table: cluster_master -> master, socket -> path."""
-    key = name.removeprefix(TABLE_PREFIXES.get(TABLE_OF[name], "\0"))
-    return "path" if key == "socket" else key
+    return WHERE[name][1]
 
 
 def toml_name(name: str) -> str:
     """The setting as a TOML file names it, for messages: [cluster] master."""
-    return f"[{TABLE_OF[name]}] {toml_key(name)}"
+    return f"[{WHERE[name][0]}] {toml_key(name)}"
 
 
 def env_var(name: str) -> str:
@@ -502,14 +581,23 @@ def toml_value(value: Any) -> str:
 def validated(name: str, value: Any) -> Any:
     """The normalized value of one setting, or ConfigError "<name>: <problem>": its kind's type
     and range, then what that setting alone needs (_CHECKS)."""
-    if name in STORE_SETTINGS:
-        return getattr(StoreConfig(path=Path("."), **{name: value}), name)
-    if META[name]["optional"] and value in (None, ""):
+    if name in STORE_SETTINGS:  # alone: the checks across fields wait for Config.store_config
+        alone: dict[str, Any] = {"map_size": StoreConfig.map_size_max, name: value}
+        return getattr(StoreConfig(path=Path("."), **alone), name)
+    meta = META[name]
+    if meta["optional"] and value in (None, ""):
         return None  # an optional path left empty: the feature is off
-    value = _typed(name, value, META[name])
+    if name in _MAPS and isinstance(value, Mapping):
+        value = _MAPS[name][1](value)  # parsed already: checked again as its entries
+    value = _typed(name, value, meta)
     if value and name in _CHECKS:
         try:
             _CHECKS[name](value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    if name in _MAPS:
+        try:
+            value = _MAPS[name][0](value)
         except ValueError as exc:
             raise ConfigError(f"{name}: {exc}") from None
     return value
@@ -525,6 +613,12 @@ def _typed(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}: must be a list of NAME=VALUE entries")
         return tuple(value)
+    if kind == "names":
+        if isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, (list, tuple, frozenset, set)):
+            raise ConfigError(f"{name}: must be comma-separated names, got {value!r}")
+        return frozenset(n.strip() for item in value for n in str(item).split(",") if n.strip())
     if kind == "ids":
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: must be a list of integers, got {type(value).__name__}")
@@ -535,7 +629,7 @@ def _typed(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
         if not isinstance(value, str) or len(value) > 4096 or "\n" in value:
             raise ConfigError(f"{name}: must be one line of text, got {value!r}")
         return value
-    if kind == "bool":  # only the daemon's own (the store's are StoreConfig's, above)
+    if kind == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{name}: must be true or false, got {type(value).__name__}")
         return value
@@ -576,15 +670,29 @@ def _known_user(user: str) -> None:
         raise ValueError(str(exc)) from None
 
 
+def _event_endpoint(endpoint: str) -> None:
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if host in ("127.0.0.1", "localhost", "[::1]") and port.isdigit() and 0 < int(port) < 65536:
+            return
+    raise ValueError(
+        "must be ipc://PATH or tcp://127.0.0.1:PORT (a loopback address: events carry prompt "
+        "token ids)"
+    )
+
+
 # What a setting needs besides its kind's checks, for a value given (not empty): a ValueError is
 # named after the setting, a ConfigError says it all.
 _CHECKS: dict[str, Callable[[Any], object]] = {
     "socket": _short_socket,
     "metrics_textfile": _prom_file,
     "tenant_policy": lambda entries: TenantPolicy(entries, os.geteuid()),
-    "model_manifests": lambda entries: parse_manifests(entries),  # defined below
     "instance": check_instance,
     "daemon_user": _known_user,
+    "kv_events_endpoint": _event_endpoint,
+    "kv_events_replay_endpoint": _event_endpoint,
 }
 
 
@@ -600,22 +708,20 @@ def _check_int(name: str, kind: str, value: Any, low: int, high: int) -> None:
         raise ConfigError(f"{name}: must be in [{show(low)}, {show(high)}], got {show(value)}")
 
 
-def format_size(n: int) -> str:
-    """16777216 -> '16MiB': the largest unit that divides n exactly."""
-    for unit, factor in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n and n % factor == 0:
-            return f"{n // factor}{unit}"
-    return str(n)
-
-
 def plain(name: str, value: Any) -> Any:
     """A setting as a JSON/TOML-able value that parses back to the same setting."""
+    if name in STORE_SETTINGS and isinstance(value, Mapping):
+        return tenant_entries(name, value)
+    if name in _MAPS and isinstance(value, Mapping):
+        return list(_MAPS[name][1](value))
     if isinstance(value, Path):
         return str(value)
     if value is None:
         return ""  # an optional path that is off
     if isinstance(value, Enum):
         return value.value
+    if isinstance(value, frozenset):
+        return ",".join(sorted(value))
     if isinstance(value, tuple):
         return list(value)
     if META[name]["kind"] == "mode":
@@ -637,3 +743,13 @@ def parse_manifests(entries: tuple[str, ...]) -> dict[str, tuple[Path, ...]]:
             raise ValueError(f"{entry!r}: manifest files must be absolute paths")
         models[model] = paths
     return models
+
+
+def _manifest_entries(models: Mapping[str, tuple[Path, ...]]) -> tuple[str, ...]:
+    return tuple(f"{model}={'+'.join(map(str, files))}" for model, files in models.items())
+
+
+# Settings held as maps (besides the store's): (parse entries, write the map as entries).
+_MAPS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], tuple[str, ...]]]] = {
+    "model_manifests": (parse_manifests, _manifest_entries),
+}

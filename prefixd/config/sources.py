@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.config.settings import (
-    BENCH_KNOBS,
     CONFIG_ENV,
     DEFAULTS,
+    DEPRECATED,
     ENV_PREFIX,
     META,
     SETTINGS,
@@ -25,7 +25,6 @@ from prefixd.config.settings import (
     Config,
     cli_flag,
     env_var,
-    format_size,
     plain,
     toml_key,
     toml_name,
@@ -34,7 +33,7 @@ from prefixd.config.settings import (
 )
 from prefixd.errors import ConfigError
 from prefixd.paths import default_data_dir, default_socket
-from prefixd.store.config import parse_seconds, parse_size
+from prefixd.store.config import format_size, parse_seconds, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -86,18 +85,14 @@ def config_and_given(
             given.setdefault(name, []).append(
                 _convert(name, raw, source, text=False, base=path.parent)
             )
-    for name in sorted(set(given) & set(BENCH_KNOBS)):
-        log.warning(
-            "%s: a benchmark knob, leaving serve's settings in the next release (benchmarks set "
-            "it through the library's StoreConfig or their own flags)",
-            name,
-        )
+    for name in sorted(set(given) & set(DEPRECATED)):
+        log.warning("%s: deprecated, taken in this release only; %s", name, DEPRECATED[name])
     values = {name: _agreed(name, items) for name, items in given.items()}
     instance = values.get("instance", "")
     for name, default in (("data_dir", default_data_dir), ("socket", default_socket)):
         if name not in values:
             values[name] = _attributed(name, default(env, instance), "the default")
-    return Config(**values), frozenset(given)
+    return Config.from_settings(**values), frozenset(given)
 
 
 def config_from_args(namespace: argparse.Namespace, env: Mapping[str, str]) -> Config:
@@ -131,7 +126,7 @@ def add_config_flag(where: Any) -> None:
 
 def add_setting_flags(where: Any, names: Iterable[str]) -> None:
     """The flags of settings `names`, as serve has them; a flag not given leaves its name unset in
-    the namespace. Benchmark knobs are taken but not listed."""
+    the namespace. Deprecated ones are taken but not listed."""
     for name in names:
         meta = META[name]
         kind, choices, default = meta["kind"], meta["choices"], DEFAULTS[name]
@@ -145,7 +140,7 @@ def add_setting_flags(where: Any, names: Iterable[str]) -> None:
             dest=name,
             default=argparse.SUPPRESS,
             metavar="{" + ",".join(choices) + "}" if choices else _KINDS[kind].metavar,
-            help=argparse.SUPPRESS if name in BENCH_KNOBS else help_text,
+            help=argparse.SUPPRESS if name in DEPRECATED else help_text,
             **extra,
         )
 
@@ -161,7 +156,7 @@ def reference() -> str:
     for table, names in TABLES.items():
         lines += ["", f"## [{table}]", "", "| key | flag | variable | default | what |"]
         lines.append("|---|---|---|---|---|")
-        for name in (n for n in names if n not in BENCH_KNOBS):
+        for name in (n for n in names if n not in DEPRECATED):
             default = DEFAULTS[name]
             computed = default is MISSING or "(default " in META[name]["help"]  # the machine's
             shown = "computed" if computed else _shown_default(name, default) or '""'
@@ -403,6 +398,13 @@ _KINDS = {
     ),
     "choice": _Kind("", lambda text: text, _is_str, "a string", "a string", True),
     "text": _Kind("TEXT", lambda text: text, _is_str, "a string", "a string"),
+    "names": _Kind(
+        "NAME[,NAME...]",
+        lambda text: text,
+        lambda v: _is_str(v) or _list_of(_is_str)(v),
+        "comma-separated names",
+        "a string of comma-separated names or an array of strings",
+    ),
     "ids": _Kind(
         "ID[,ID...]",
         _parse_ids,

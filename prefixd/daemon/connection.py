@@ -77,7 +77,7 @@ class Connection:
         self.sock = sock
         self.pid = pid
         self.uid = uid
-        self.max_inflight = server.config.max_inflight
+        self.max_inflight = server.config.limits.max_inflight
         self.peer = Peer(uid, grant, max_inflight=self.max_inflight)
         self.task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
@@ -93,9 +93,9 @@ class Connection:
         self._frame_began: float | None = None  # when the partial frame's first bytes came
         self._watching = False
         config = server.config
-        self._handshake_ends = time.monotonic() + config.handshake_timeout_s
-        self._frame_timeout_s = config.frame_timeout_s
-        self._idle_timeout_s = config.idle_timeout_s
+        self._handshake_ends = time.monotonic() + config.limits.handshake_timeout_s
+        self._frame_timeout_s = config.limits.frame_timeout_s
+        self._idle_timeout_s = config.limits.idle_timeout_s
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -145,7 +145,7 @@ class Connection:
                 self._unwatch()  # level-triggered: unread frames would wake the loop for nothing
                 self._room.clear()
                 await self._room.wait()
-            frame = inbox.next_frame(config.max_frame_bytes)
+            frame = inbox.next_frame(config.limits.max_frame_bytes)
             if frame is None:
                 if not await self._fill():
                     return
@@ -155,7 +155,7 @@ class Connection:
                 self._start(frame.body, frame.fds)
                 continue
             self.server.stats["errors.frame_too_large"] += 1
-            limit = config.max_frame_bytes
+            limit = config.limits.max_frame_bytes
             message = f"frame of {frame.length} bytes exceeds the limit of {limit}"
             await self._send(error_reply(None, ErrorCode.FRAME_TOO_LARGE, message))
             if frame.length > limit * _DISCARD_FACTOR:
@@ -386,7 +386,7 @@ class Connection:
         self._filled(got, ancillary, flags)
         if inbox.fds_pending:
             return False
-        limit = self.server.config.max_frame_bytes
+        limit = self.server.config.limits.max_frame_bytes
         began = time.monotonic()
         while self._inline_ready() and time.monotonic() - began <= READ_STRETCH_S:
             frame = inbox.next_frame(limit)

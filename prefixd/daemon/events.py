@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from prefixd.config.events import EventSettings
+from prefixd.config.settings import EventSettings
 from prefixd.errors import ConfigError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.store.journal import BlockChange
@@ -174,7 +174,7 @@ class EventPublisher:
 
     def _enqueue(self, events: list[Event]) -> None:
         with self._ready:
-            if self._pending_events + len(events) > self.settings.queue_events:
+            if self._pending_events + len(events) > self.settings.queue:
                 self.counts["dropped_events"] += len(events)
                 return
             self._pending.append(events)
@@ -248,7 +248,7 @@ class EventPublisher:
         self._bound.set()
         buffer: deque[tuple[int, bytes]] = deque(maxlen=self.settings.replay_batches)
         seq = 0
-        topic = self.settings.topic.encode()
+        topic = b""
         while True:
             if replay is not None and replay.poll(0):
                 self._replay(replay, buffer, topic)

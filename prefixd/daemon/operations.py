@@ -5,15 +5,11 @@ peer's RequestContext and for the handler of each request it decodes."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import Executor
-from typing import Any
 
 from prefixd.daemon import admin, blocks, engine_ops, session, state_ops
 from prefixd.daemon.context import Handler, RequestContext
-from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.peer import Peer
 from prefixd.daemon.services import Services
-from prefixd.store import Store
 from prefixd.wire.messages import REQUESTS, RequestMessage
 
 HANDLERS: Mapping[type[RequestMessage], Handler] = {
@@ -29,16 +25,11 @@ class Operations:
     """Every request type's handler, by type (and by op name, for a frame that decoded to no
     request), and the Services they share."""
 
-    def __init__(
-        self, store: Store, pool: Executor, *, metrics: Metrics | None = None, **settings: Any
-    ) -> None:
-        """`settings`: the other fields of Services (limits, shared tier, clock, counters)."""
+    def __init__(self, services: Services) -> None:
         self.handlers = HANDLERS
         self.by_op = {op: HANDLERS[kind] for op, kind in REQUESTS.items() if kind in HANDLERS}
-        if metrics is None:
-            metrics = Metrics(store, prefill_tokens_per_s=1e4)
-        ops = sorted(self.by_op)
-        self.services = Services(store=store, pool=pool, metrics=metrics, ops=ops, **settings)
+        services.ops = sorted(self.by_op)
+        self.services = services
 
     def context(self, peer: Peer) -> RequestContext:
         return RequestContext(self.services, peer)

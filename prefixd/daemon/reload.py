@@ -11,7 +11,6 @@ that do not parse are refused whole: the ones in force stay, and the refusal is 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prefixd.config.policy import TenantPolicy
-from prefixd.config.settings import SETTINGS, Config, parse_manifests
+from prefixd.config.settings import SETTINGS, Config
 from prefixd.daemon import systemd
 from prefixd.daemon.watchers import ManifestWatcher
 from prefixd.errors import PrefixdError
@@ -41,7 +40,7 @@ class Changes:
 
 
 def changes(old: Config, new: Config) -> Changes:
-    changed = [name for name in SETTINGS if getattr(old, name) != getattr(new, name)]
+    changed = [name for name in SETTINGS if old.value(name) != new.value(name)]
     return Changes(
         tuple(n for n in changed if n in RELOADABLE),
         tuple(n for n in changed if n not in RELOADABLE),
@@ -113,14 +112,14 @@ class Reloader:
 
     async def _apply(self, new: Config, found: Changes) -> None:
         server = self._server
-        applied = {name: getattr(new, name) for name in found.applied}
-        config = dataclasses.replace(server.config, **applied)
+        applied = {name: new.value(name) for name in found.applied}
+        config = server.config.with_settings(**applied)
         if set(found.applied) & set(TENANCY) and server.store is not None:
             server.store.apply_tenancy(config.store_config())
         if "tenant_policy" in applied:
-            server.policy = TenantPolicy(config.tenant_policy, os.geteuid())
+            server.policy = TenantPolicy(config.tenants.policy, os.geteuid())
         if "log_level" in applied:
-            logging.getLogger().setLevel(config.log_level.upper())
+            logging.getLogger().setLevel(config.metrics.log_level.upper())
         if "model_manifests" in applied and server.watcher is not None:
-            await server.watcher.watch(parse_manifests(config.model_manifests))
+            await server.watcher.watch(config.store.model_manifests)
         server.config = config  # who may connect: read at every accept

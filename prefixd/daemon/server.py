@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 from prefixd.clock import Clock, SystemClock
 from prefixd.config.policy import TenantPolicy
-from prefixd.config.settings import parse_manifests
 from prefixd.daemon import systemd
 from prefixd.daemon.connection import Connection, reply_and_close
 from prefixd.daemon.events import EventPublisher
@@ -40,6 +39,7 @@ from prefixd.daemon.exporter import MetricsExporter
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import Operations
 from prefixd.daemon.reload import Reloader
+from prefixd.daemon.services import Services
 from prefixd.daemon.watchers import ManifestWatcher, Retire
 from prefixd.daemon.work import WorkPool
 from prefixd.errors import ServeError
@@ -82,7 +82,7 @@ class Server:
         uptime); the shutdown's waits run on the event loop's own clock. `reread`: the settings
         read again from the sources `config` came from, for a reload (SIGHUP); None: no reload."""
         self.config = config
-        self.policy = TenantPolicy(config.tenant_policy, os.geteuid())
+        self.policy = TenantPolicy(config.tenants.policy, os.geteuid())
         self.env = os.environ if env is None else env
         self.clock: Clock = clock or SystemClock()
         self.store: Store | None = None
@@ -126,19 +126,19 @@ class Server:
         after a graceful stop, 1 after a forced one."""
         loop = asyncio.get_running_loop()
         config = self.config
-        if config.daemon_user and resolve_user(config.daemon_user) != os.geteuid():
+        if config.socket.daemon_user and resolve_user(config.socket.daemon_user) != os.geteuid():
             # The clients trust a socket of daemon_user: one served by another would be refused.
             raise ServeError(
-                f"daemon_user is {config.daemon_user}, but this daemon runs as uid {os.geteuid()}:"
+                f"daemon_user is {config.socket.daemon_user}, but this daemon runs as uid {os.geteuid()}:"
                 " start it as that user (systemd: User=), or change daemon_user"
             )
         if not systemd.activated(self.env):
-            _refuse_taken(config.socket)  # before the store: a refused start leaves no files
+            _refuse_taken(config.socket.path)  # before the store: a refused start leaves no files
         # Only directories no other user may write: one who could would replace the store.
-        config.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        check_private_dir(config.data_dir, "data directory")
+        config.store.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private_dir(config.store.data_dir, "data directory")
         self.store = Store(config.store_config(), exclusive=True, clock=self.clock)
-        pool = WorkPool(config.workers, thread_name_prefix="prefixd-worker")
+        pool = WorkPool(config.store.workers, thread_name_prefix="prefixd-worker")
         # Everything else the loop hands to threads (health checks, manifest reads, joins), so
         # that shutdown sees that work too; the closing steps get a thread of their own.
         aux = WorkPool(thread_name_prefix="prefixd-aux")
@@ -148,39 +148,40 @@ class Server:
         admin = WorkPool(1, thread_name_prefix="prefixd-admin")
         self._pools = (pool, aux, admin, closer)  # the closer last: shutdown closes with it
         loop.set_default_executor(aux)
-        watcher = ManifestWatcher(parse_manifests(config.model_manifests), self._retirer(pool))
+        watcher = ManifestWatcher(config.store.model_manifests, self._retirer(pool))
         self._watcher = watcher
-        metrics = Metrics(self.store, prefill_tokens_per_s=config.prefill_tokens_per_s)
+        metrics = Metrics(self.store, prefill_tokens_per_s=config.metrics.prefill_tokens_per_s)
         bridge = self._shared_tier()
         if bridge is not None:
             metrics.track_cluster(bridge)
         events = self._events = self._event_publisher()
         if events is not None:
             metrics.track_events(events)
-        operations = self._operations = Operations(
-            self.store,
-            pool,
-            max_frame_bytes=config.max_frame_bytes,
-            max_region_bytes=config.max_region_bytes,
-            max_prompt_tokens=config.max_prompt_tokens,
-            max_request_tokens=config.max_request_tokens,
+        services = Services(
+            store=self.store,
+            pool=pool,
+            max_frame_bytes=config.limits.max_frame_bytes,
+            max_region_bytes=config.limits.max_region_bytes,
+            max_prompt_tokens=config.limits.max_prompt_tokens,
+            max_request_tokens=config.limits.max_request_tokens,
             models=watcher.fingerprints,
             metrics=metrics,
-            min_reusable_tokens=config.min_reusable_tokens,
-            load_deadline_s=config.load_deadline_s,
+            min_reusable_tokens=config.limits.min_reusable_tokens,
+            load_deadline_s=config.limits.load_deadline_s,
             bridge=bridge,
             clock=self.clock,
             admin_pool=admin,
             server_counters=self.counters,
             open_connections=lambda: len(self.connections),
         )
+        operations = self._operations = Operations(services)
         exporter = MetricsExporter(
             metrics.registry,
-            port=config.metrics_port,
-            address=config.metrics_address,
-            textfile=config.metrics_textfile,
-            interval_s=config.metrics_interval_s,
-            textfile_mode=config.metrics_textfile_mode,
+            port=config.metrics.port,
+            address=config.metrics.address,
+            textfile=config.metrics.textfile,
+            interval_s=config.metrics.interval_s,
+            textfile_mode=config.metrics.textfile_mode,
         )
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -206,20 +207,22 @@ class Server:
             if interval:
                 watchdog = systemd.Watchdog(interval, self._healthy, env=self.env)
                 tasks.append(asyncio.create_task(watchdog.run(), name="prefixd-watchdog"))
-            if (config.allowed_uids or config.allowed_gids) and not self.policy.configured:
+            if (
+                config.socket.allowed_uids or config.socket.allowed_gids
+            ) and not self.policy.configured:
                 log.warning(
                     "peers other than uid %d are allowed on the socket without a tenant policy: "
                     "any of them may use, read and purge every tenant (--tenant-policy)",
                     os.geteuid(),
                 )
-            log.info("serving %s on %s", config.data_dir, config.socket)
-            systemd.notify(f"READY=1\nSTATUS=serving on {config.socket}", self.env)
+            log.info("serving %s on %s", config.store.data_dir, config.socket.path)
+            systemd.notify(f"READY=1\nSTATUS=serving on {config.socket.path}", self.env)
             await self.stopping.wait()
             systemd.notify("STOPPING=1", self.env)
             log.info("stopping: no new connections, draining in-flight requests")
         finally:
             if self._grace_ends is None:  # not stopped by stop(): startup failed, or cancelled
-                self._grace_ends = time.monotonic() + config.shutdown_grace_s
+                self._grace_ends = time.monotonic() + config.limits.shutdown_grace_s
             try:
                 await self._shut_down(tasks, watcher, exporter, bridge, loop)
             finally:
@@ -346,16 +349,16 @@ class Server:
 
     def _event_publisher(self) -> EventPublisher | None:
         """The KV event publisher when `kv_events_endpoint` names one (prefixd.daemon.events)."""
-        if not self.config.kv_events_endpoint:
+        if not self.config.events.endpoint:
             return None
         assert self.store is not None
-        return EventPublisher(self.config.event_settings(), self.store.inventory())
+        return EventPublisher(self.config.events, self.store.inventory())
 
     def _shared_tier(self) -> SharedTierBridge | None:
         """The bridge to the shared tier when `cluster_master` names one (connected lazily: a
         tier that is down at start only costs counted errors)."""
         config = self.config
-        if not config.cluster_master:
+        if not config.cluster.master:
             return None
         from prefixd.cluster.bridge import SharedTierBridge, TierClient
         from prefixd.cluster.child import ChildTier
@@ -363,14 +366,14 @@ class Server:
 
         assert self.store is not None
         settings = MooncakeSettings(
-            master=config.cluster_master,
-            metadata=config.cluster_metadata,
-            local_hostname=config.cluster_local_hostname,
-            segment_bytes=config.cluster_segment_bytes,
-            timeout_s=config.cluster_timeout_s,
+            master=config.cluster.master,
+            metadata=config.cluster.metadata,
+            local_hostname=config.cluster.local_hostname,
+            segment_bytes=config.cluster.segment_bytes,
+            timeout_s=config.cluster.timeout_s,
         )
         tier: TierClient
-        if config.cluster_client == "inline":
+        if config.cluster.client == "inline":
             tier = SharedTier(settings)
         else:
             child = ChildTier.for_mooncake(settings)
@@ -379,8 +382,8 @@ class Server:
         return SharedTierBridge(
             self.store,
             tier,
-            pending=config.cluster_pending,
-            prefill_tokens_per_s=config.prefill_tokens_per_s,
+            pending=config.cluster.pending,
+            prefill_tokens_per_s=config.metrics.prefill_tokens_per_s,
         )
 
     def stop(self) -> None:
@@ -391,7 +394,7 @@ class Server:
             for conn in list(self.connections):
                 conn.cancel()
             return
-        self._grace_ends = time.monotonic() + self.config.shutdown_grace_s
+        self._grace_ends = time.monotonic() + self.config.limits.shutdown_grace_s
         self.stopping.set()
 
     # --- listening ------------------------------------------------------------------------------
@@ -412,10 +415,10 @@ class Server:
         name = listener.getsockname()
         if isinstance(name, (str, bytes)) and name:
             return Path(os.fsdecode(name))
-        return self.config.socket
+        return self.config.socket.path
 
     def _bind_path(self) -> socket.socket:
-        path = self.config.socket
+        path = self.config.socket.path
         path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         # Another user who owns or may write this directory could swap the socket for their own
         # and receive every client's prompts and payloads (as a /tmp/prefixd-UID made beforehand).
@@ -429,7 +432,7 @@ class Server:
                 listener.bind(str(path))
             finally:
                 os.umask(old_umask)
-            os.chmod(path, self.config.socket_mode)
+            os.chmod(path, self.config.socket.mode)
             listener.listen(min(socket.SOMAXCONN, 4096))
         except BaseException:
             listener.close()
@@ -443,7 +446,7 @@ class Server:
             self._listener = None
         if self._created_socket:
             with contextlib.suppress(FileNotFoundError):
-                self.config.socket.unlink()
+                self.config.socket.path.unlink()
             self._created_socket = False
 
     async def _accept(self, operations: Operations) -> None:
@@ -497,19 +500,22 @@ class Server:
         config = self.config
         if not (
             uid in (0, os.geteuid())
-            or uid in config.allowed_uids
-            or not gids.isdisjoint(config.allowed_gids)
+            or uid in config.socket.allowed_uids
+            or not gids.isdisjoint(config.socket.allowed_gids)
             or (os.getegid() != 0 and os.getegid() in gids)  # the daemon's own group's members
         ):
             return ErrorCode.FORBIDDEN, (
                 f"uid {uid} (groups {sorted(gids)}) may not use this daemon: add the user to its "
                 f"group (gid {os.getegid()}) or to allowed_uids, or its group to allowed_gids"
             )
-        if len(self.connections) >= config.max_connections:
-            return ErrorCode.BUSY, f"the daemon serves at most {config.max_connections} connections"
+        if len(self.connections) >= config.limits.max_connections:
+            return (
+                ErrorCode.BUSY,
+                f"the daemon serves at most {config.limits.max_connections} connections",
+            )
         held = sum(1 for conn in self.connections if conn.uid == uid)
-        if held >= config.max_connections_per_uid:
-            limit = config.max_connections_per_uid
+        if held >= config.limits.max_connections_per_uid:
+            limit = config.limits.max_connections_per_uid
             return ErrorCode.BUSY, f"uid {uid} holds {held} connections, at most {limit} allowed"
         return None
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from enum import Enum
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from prefixd.errors import ConfigError
 from prefixd.store.fair import default_threads
@@ -77,6 +77,24 @@ def parse_size(text: str) -> int:
     return int(exact)
 
 
+def format_size(n: int) -> str:
+    """16777216 -> '16MiB': the largest unit that divides n exactly."""
+    for unit in ("tib", "gib", "mib", "kib"):
+        factor = _SIZE_UNITS[unit]
+        if n and n % factor == 0:
+            return f"{n // factor}{unit[0].upper()}iB"
+    return str(n)
+
+
+def format_seconds(seconds: float) -> str:
+    """5400.0 -> '90m': the largest unit that divides the duration exactly."""
+    for unit in ("d", "h", "m", "s"):
+        count = seconds / _SECONDS_UNITS[unit]
+        if count == int(count):
+            return f"{int(count)}{unit}"
+    return f"{seconds!r}s"
+
+
 def parse_tenant_quotas(entries: tuple[str, ...]) -> dict[str, int]:
     """{tenant: bytes} from TENANT=SIZE entries (16GiB); ValueError says which entry is wrong."""
     return _per_tenant(entries, parse_size, "SIZE (a positive size, once each)")
@@ -100,6 +118,30 @@ def _per_tenant(entries: tuple[str, ...], parse: Callable[[str], T], shape: str)
             raise ValueError(f"{entry!r} is not TENANT={shape}")
         values[tenant] = value
     return values
+
+
+def _share_entry(group: str, tenants: tuple[str, ...]) -> str:
+    return f"{group}={'+'.join(tenants)}"
+
+
+# The per-tenant settings, each written as TENANT=VALUE entries and held as a map: (parse the
+# entries, write one entry of the map).
+TENANT_MAPS: dict[str, tuple[Callable[[tuple[str, ...]], Any], Callable[[str, Any], str]]] = {
+    "tenant_quotas": (
+        lambda entries: parse_tenant_quotas(entries),
+        lambda tenant, size: f"{tenant}={format_size(size)}",
+    ),
+    "tenant_ttls": (
+        lambda entries: parse_tenant_durations(entries),
+        lambda tenant, seconds: f"{tenant}={format_seconds(seconds)}",
+    ),
+    "share_groups": (lambda entries: parse_share_groups(entries), _share_entry),
+}
+
+
+def tenant_entries(name: str, values: Mapping[str, Any]) -> list[str]:
+    """A per-tenant map as the entries a file or a flag writes."""
+    return [TENANT_MAPS[name][1](key, value) for key, value in values.items()]
 
 
 SHARE_PREFIX = "share:"  # the tenant name a share group's entries are stored under
@@ -146,9 +188,12 @@ class StoreConfig:
     low_watermark: float = 0.85
     eviction: str = "value"
     tenant_quota_bytes: int = 0
-    tenant_quotas: tuple[str, ...] = ()
-    tenant_ttls: tuple[str, ...] = ()
-    share_groups: tuple[str, ...] = ()
+    # TENANT=VALUE entries or a map; held as a map ("*" in the quotas: each tenant not listed)
+    tenant_quotas: Mapping[str, int] = field(default_factory=dict)
+    tenant_ttls: Mapping[str, float] = field(default_factory=dict)
+    share_groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    map_size_max: ClassVar[int] = 1 << 50
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
@@ -169,7 +214,7 @@ class StoreConfig:
             raise ConfigError(
                 f"read_path: must be one of {', '.join(READ_PATHS)}, got {self.read_path!r}"
             )
-        _int_in("map_size", self.map_size, 1 * MiB, 1 << 50)
+        _int_in("map_size", self.map_size, 1 * MiB, self.map_size_max)
         _int_in("zstd_level", self.zstd_level, -7, 22)
         _int_in("chunk_bytes", self.chunk_bytes, 64 << 10, 1 << 30)
         if self.chunk_bytes % 2:
@@ -179,9 +224,12 @@ class StoreConfig:
         _int_in("verified_cache_bytes", self.verified_cache_bytes, 0, 1 << 40)
         _int_in("capacity_bytes", self.capacity_bytes, 0, self.map_size)
         _int_in("tenant_quota_bytes", self.tenant_quota_bytes, 0, self.map_size)
-        _entries(self, "tenant_ttls", "TENANT=DURATION", parse_tenant_durations)
-        _entries(self, "tenant_quotas", "TENANT=SIZE", parse_tenant_quotas)
-        _entries(self, "share_groups", "GROUP=TENANT+TENANT", parse_share_groups)
+        for name, shape in (
+            ("tenant_ttls", "TENANT=DURATION"),
+            ("tenant_quotas", "TENANT=SIZE"),
+            ("share_groups", "GROUP=TENANT+TENANT"),
+        ):
+            object.__setattr__(self, name, _tenant_map(name, getattr(self, name), shape))
         _number_in("high_watermark", self.high_watermark, 0.05, 1.0)
         _number_in("low_watermark", self.low_watermark, 0.0, self.high_watermark)
         if self.eviction not in ("value", "lru", "none"):
@@ -192,19 +240,23 @@ class StoreConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}: must be true or false")
 
+    @property
+    def default_quota(self) -> int:
+        """The quota of a tenant the quotas do not name (0: none)."""
+        return self.tenant_quotas.get("*", self.tenant_quota_bytes)
 
-def _entries(
-    config: StoreConfig, name: str, shape: str, parse: Callable[[tuple[str, ...]], object]
-) -> None:
-    """Check a list-of-entries setting with its parser and store it as a tuple."""
-    value = getattr(config, name)
+
+def _tenant_map(name: str, value: object, shape: str) -> dict[str, Any]:
+    """A per-tenant setting as a map, from entries or a map (checked again as its entries)."""
+    if isinstance(value, Mapping):
+        value = tenant_entries(name, value)
     if not isinstance(value, (list, tuple)) or not all(isinstance(e, str) for e in value):
         raise ConfigError(f"{name}: must be a list of {shape}")
     try:
-        parse(tuple(value))
+        parsed: dict[str, Any] = TENANT_MAPS[name][0](tuple(value))
     except ValueError as exc:
         raise ConfigError(f"{name}: {exc}") from None
-    object.__setattr__(config, name, tuple(value))
+    return parsed
 
 
 def _int_in(name: str, value: object, low: int, high: int) -> None:

@@ -26,13 +26,7 @@ import lmdb
 from prefixd.errors import IdentityError
 from prefixd.schema.identity import Identity
 from prefixd.store import counters
-from prefixd.store.config import (
-    SHARE_PREFIX,
-    StoreConfig,
-    parse_share_groups,
-    parse_tenant_durations,
-    parse_tenant_quotas,
-)
+from prefixd.store.config import SHARE_PREFIX, StoreConfig
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -48,13 +42,11 @@ class Tenancy:
     def apply(self, config: StoreConfig) -> None:
         """Take `config`'s share groups, quotas and times to live (at open, and when a daemon
         reloads its settings). Each is replaced whole, so a reader sees the old or the new."""
-        self._ttl_s = parse_tenant_durations(config.tenant_ttls)
-        self._quotas = parse_tenant_quotas(config.tenant_quotas)
-        self._default_quota = config.tenant_quota_bytes
+        self._ttl_s = dict(config.tenant_ttls)
+        self._quotas = {t: q for t, q in config.tenant_quotas.items() if t != "*"}
+        self._default_quota = config.default_quota
         self._share_group = {
-            tenant: group
-            for group, tenants in parse_share_groups(config.share_groups).items()
-            for tenant in tenants
+            tenant: group for group, tenants in config.share_groups.items() for tenant in tenants
         }
         self._shared: dict[Identity, Identity] = {}
 

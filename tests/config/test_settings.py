@@ -67,43 +67,43 @@ def load(
 
 def test_defaults_as_root(as_root: None) -> None:
     config = load()
-    assert config.data_dir == Path("/var/lib/prefixd")
-    assert config.socket == Path("/run/prefixd/prefixd.sock")
-    assert config.socket_mode == 0o660
-    assert config.allowed_uids == () and config.allowed_gids == ()
-    assert config.max_frame_bytes == 16 * MiB
-    assert config.workers == 4
-    assert config.max_connections == 1024
-    assert config.max_inflight == 64
-    assert config.max_region_bytes == 64 * GiB
-    assert config.shutdown_grace_s == 10.0
-    assert config.log_level == "info"
+    assert config.store.data_dir == Path("/var/lib/prefixd")
+    assert config.socket.path == Path("/run/prefixd/prefixd.sock")
+    assert config.socket.mode == 0o660
+    assert config.socket.allowed_uids == () and config.socket.allowed_gids == ()
+    assert config.limits.max_frame_bytes == 16 * MiB
+    assert config.store.workers == 4
+    assert config.limits.max_connections == 1024
+    assert config.limits.max_inflight == 64
+    assert config.limits.max_region_bytes == 64 * GiB
+    assert config.limits.shutdown_grace_s == 10.0
+    assert config.metrics.log_level == "info"
 
 
 def test_systemd_directories_win_over_root_defaults(as_root: None, tmp_path: Path) -> None:
     env = {"STATE_DIRECTORY": f"{tmp_path}/state:{tmp_path}/other", "RUNTIME_DIRECTORY": "/run/x"}
     config = load(env=env)
-    assert config.data_dir == tmp_path / "state"
-    assert config.socket == Path("/run/x/prefixd.sock")
+    assert config.store.data_dir == tmp_path / "state"
+    assert config.socket.path == Path("/run/x/prefixd.sock")
 
 
 def test_defaults_as_user_follow_xdg(as_user: int, tmp_path: Path) -> None:
     env = {"XDG_STATE_HOME": str(tmp_path / "st"), "XDG_RUNTIME_DIR": str(tmp_path / "rt")}
     config = load(env=env)
-    assert config.data_dir == tmp_path / "st" / "prefixd"
-    assert config.socket == tmp_path / "rt" / "prefixd" / "prefixd.sock"
+    assert config.store.data_dir == tmp_path / "st" / "prefixd"
+    assert config.socket.path == tmp_path / "rt" / "prefixd" / "prefixd.sock"
 
 
 def test_defaults_as_user_without_xdg(as_user: int, tmp_path: Path) -> None:
     env = {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": "relative/is/ignored"}
     config = load(env=env)
-    assert config.data_dir == tmp_path / ".local" / "state" / "prefixd"
-    assert config.socket == Path(f"/tmp/prefixd-{as_user}/prefixd.sock")
+    assert config.store.data_dir == tmp_path / ".local" / "state" / "prefixd"
+    assert config.socket.path == Path(f"/tmp/prefixd-{as_user}/prefixd.sock")
 
 
 def test_store_defaults_match_store_config(base_env: dict[str, str]) -> None:
     config = load(env=base_env)
-    assert config.store_config() == StoreConfig(path=config.data_dir, create=True)
+    assert config.store_config() == StoreConfig(path=config.store.data_dir, create=True)
 
 
 # --- one source at a time -------------------------------------------------------------------------
@@ -116,12 +116,12 @@ def test_each_source_alone_sets_a_value(
     cli = {"workers": "8"} if source == "cli" else {}
     env = {**base_env, "PREFIXD_WORKERS": "8"} if source == "env" else base_env
     file = write_toml(tmp_path / "p.toml", "workers = 8\n") if source == "file" else None
-    assert load(cli, env, file).workers == 8
+    assert load(cli, env, file).store.workers == 8
 
 
 def test_config_file_named_by_environment(base_env: dict[str, str], tmp_path: Path) -> None:
     file = write_toml(tmp_path / "p.toml", 'log_level = "debug"\n')
-    assert load(env={**base_env, "PREFIXD_CONFIG": str(file)}).log_level == "debug"
+    assert load(env={**base_env, "PREFIXD_CONFIG": str(file)}).metrics.log_level == "debug"
 
 
 def test_relative_paths_in_file_are_relative_to_the_file(
@@ -129,13 +129,17 @@ def test_relative_paths_in_file_are_relative_to_the_file(
 ) -> None:
     (tmp_path / "etc").mkdir()
     file = write_toml(tmp_path / "etc" / "p.toml", 'data_dir = "data"\n')
-    assert load(env=base_env, file=file).data_dir == tmp_path / "etc" / "data"
+    assert load(env=base_env, file=file).store.data_dir == tmp_path / "etc" / "data"
 
 
 def test_typed_cli_values_are_accepted(base_env: dict[str, str], tmp_path: Path) -> None:
     cli = {"workers": 8, "data_dir": tmp_path / "d", "durability": Durability.FULL}
     config = load(cli, base_env)
-    assert (config.workers, config.data_dir, config.durability) == (8, tmp_path / "d", "full")
+    assert (config.store.workers, config.store.data_dir, config.store.durability) == (
+        8,
+        tmp_path / "d",
+        "full",
+    )
 
 
 # --- two sources ----------------------------------------------------------------------------------
@@ -163,8 +167,8 @@ def test_same_value_from_several_sources_is_accepted(
     file = write_toml(tmp_path / "p.toml", "max_frame_bytes = 16777216\nsocket_mode = 0o600\n")
     env = {**base_env, "PREFIXD_MAX_FRAME_BYTES": "16MiB", "PREFIXD_SOCKET_MODE": "0600"}
     config = load({"max_frame_bytes": "16384KiB", "socket_mode": "600"}, env, file)
-    assert config.max_frame_bytes == 16 * MiB
-    assert config.socket_mode == 0o600
+    assert config.limits.max_frame_bytes == 16 * MiB
+    assert config.socket.mode == 0o600
 
 
 def test_equal_values_of_different_spelling_are_shown_when_they_conflict(
@@ -180,7 +184,7 @@ def test_config_and_prefixd_config_must_agree(base_env: dict[str, str], tmp_path
     conflict = "config: set to .* by --config and to .* by PREFIXD_CONFIG"
     with pytest.raises(ConfigError, match=conflict):
         load(env={**base_env, "PREFIXD_CONFIG": str(two)}, file=one)
-    assert load(env={**base_env, "PREFIXD_CONFIG": str(one)}, file=one).workers == 4
+    assert load(env={**base_env, "PREFIXD_CONFIG": str(one)}, file=one).store.workers == 4
 
 
 # --- unknown settings -----------------------------------------------------------------------------
@@ -212,7 +216,7 @@ def test_unknown_prefixd_variable_is_rejected(base_env: dict[str, str]) -> None:
 
 
 def test_variables_outside_the_prefix_are_ignored(base_env: dict[str, str]) -> None:
-    assert load(env={**base_env, "PATH": "/bin", "WORKERS": "9"}).workers == 4
+    assert load(env={**base_env, "PATH": "/bin", "WORKERS": "9"}).store.workers == 4
 
 
 def test_unknown_cli_key_is_rejected(base_env: dict[str, str]) -> None:
@@ -287,17 +291,17 @@ def test_toml_values_of_the_wrong_type_are_rejected(
 
 def test_direct_construction_validates(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="^workers: must be in"):
-        Config(data_dir=tmp_path, socket=tmp_path / "s", workers=0)
+        Config.from_settings(data_dir=tmp_path, socket=tmp_path / "s", workers=0)
     with pytest.raises(ConfigError, match="^zstd_level: "):
-        Config(data_dir=tmp_path, socket=tmp_path / "s", zstd_level=99)
+        Config.from_settings(data_dir=tmp_path, socket=tmp_path / "s", zstd_level=99)
     with pytest.raises(ConfigError, match="^socket: .* at most 107"):
-        Config(data_dir=tmp_path, socket=Path("/" + "s" * 200))
+        Config.from_settings(data_dir=tmp_path, socket=Path("/" + "s" * 200))
 
 
 def test_config_is_frozen(base_env: dict[str, str]) -> None:
     config = load(env=base_env)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.workers = 5  # type: ignore[misc]
+        config.store.workers = 5  # type: ignore[misc]
 
 
 def test_bad_default_socket_names_its_origin(tmp_path: Path) -> None:
@@ -323,21 +327,21 @@ def test_bad_default_socket_names_its_origin(tmp_path: Path) -> None:
     ],
 )
 def test_size_suffixes_parse(name: str, raw: str, expected: int, base_env: dict[str, str]) -> None:
-    assert getattr(load({name: raw}, base_env), name) == expected
-    assert getattr(load(env={**base_env, env_var(name): raw}), name) == expected
+    assert load({name: raw}, base_env).value(name) == expected
+    assert load(env={**base_env, env_var(name): raw}).value(name) == expected
 
 
 def test_size_strings_parse_in_toml(base_env: dict[str, str], tmp_path: Path) -> None:
     file = write_toml(tmp_path / "p.toml", 'max_region_bytes = "2GiB"\nchunk_bytes = 131072\n')
     config = load(env=base_env, file=file)
-    assert (config.max_region_bytes, config.chunk_bytes) == (2 * GiB, 128 << 10)
+    assert (config.limits.max_region_bytes, config.store.chunk_bytes) == (2 * GiB, 128 << 10)
 
 
 @pytest.mark.parametrize(
     ("raw", "expected"), [("2.5", 2.5), ("10s", 10.0), ("500ms", 0.5), ("2m", 120.0), ("1h", 3600)]
 )
 def test_durations_parse(raw: str, expected: float, base_env: dict[str, str]) -> None:
-    assert load({"shutdown_grace_s": raw}, base_env).shutdown_grace_s == expected
+    assert load({"shutdown_grace_s": raw}, base_env).limits.shutdown_grace_s == expected
 
 
 @pytest.mark.parametrize(
@@ -345,17 +349,17 @@ def test_durations_parse(raw: str, expected: float, base_env: dict[str, str]) ->
     [("true", True), ("1", True), ("YES", True), ("false", False), ("0", False), ("no", False)],
 )
 def test_booleans_parse(raw: str, expected: bool, base_env: dict[str, str]) -> None:
-    assert load(env={**base_env, "PREFIXD_READAHEAD": raw}).readahead is expected
+    assert load(env={**base_env, "PREFIXD_READAHEAD": raw}).store.readahead is expected
 
 
 def test_allowed_ids_parse_from_every_source(base_env: dict[str, str], tmp_path: Path) -> None:
-    assert load({"allowed_uids": "1000,1001"}, base_env).allowed_uids == (1000, 1001)
+    assert load({"allowed_uids": "1000,1001"}, base_env).socket.allowed_uids == (1000, 1001)
     env = {**base_env, "PREFIXD_ALLOWED_UIDS": "1000, 1001", "PREFIXD_ALLOWED_GIDS": ""}
-    assert load(env=env).allowed_uids == (1000, 1001)
-    assert load(env=env).allowed_gids == ()
+    assert load(env=env).socket.allowed_uids == (1000, 1001)
+    assert load(env=env).socket.allowed_gids == ()
     file = write_toml(tmp_path / "p.toml", "allowed_uids = [1000, 1001]\nallowed_gids = [27]\n")
     config = load({"allowed_uids": "1000,1001"}, env={**base_env}, file=file)
-    assert (config.allowed_uids, config.allowed_gids) == ((1000, 1001), (27,))
+    assert (config.socket.allowed_uids, config.socket.allowed_gids) == ((1000, 1001), (27,))
 
 
 # --- store settings -------------------------------------------------------------------------------
@@ -391,21 +395,26 @@ def test_store_settings_flow_into_store_config(base_env: dict[str, str], tmp_pat
 
 def test_config_mirrors_every_store_setting() -> None:
     store_fields = {f.name: f for f in dataclasses.fields(StoreConfig)}
-    config_fields = {f.name: f for f in dataclasses.fields(Config)}
-    store_hints, config_hints = get_type_hints(StoreConfig), get_type_hints(Config)
+    store_hints = get_type_hints(StoreConfig)
     mirrored = set(store_fields) - {"path", "create"}
-    assert mirrored <= set(config_fields)
+    assert mirrored <= set(cfg.SETTINGS)
     assert set(cfg.STORE_SETTINGS) == mirrored
     for name in mirrored:
-        assert config_fields[name].default == store_fields[name].default, name
-        assert config_hints[name] == store_hints[name], name
+        table, key = cfg.WHERE[name]
+        group = cfg.GROUPS[table]
+        made = store_fields[name].default_factory
+        default = store_fields[name].default if made is dataclasses.MISSING else made()
+        assert cfg.DEFAULTS[name] == default, name
+        assert get_type_hints(group)[key] == store_hints[name], name
 
 
 # --- names and argparse ---------------------------------------------------------------------------
 
 
 def test_every_field_has_exactly_one_env_name_and_one_flag(base_env: dict[str, str]) -> None:
-    names = [f.name for f in dataclasses.fields(Config)]
+    names = [
+        cfg.flat_name(group, f) for group in cfg.GROUPS.values() for f in dataclasses.fields(group)
+    ]
     assert tuple(names) == cfg.SETTINGS
     envs = {"PREFIXD_" + name.upper() for name in names}
     flags = {"--" + name.replace("_", "-") for name in names}
@@ -452,17 +461,17 @@ def test_argparse_round_trip(base_env: dict[str, str], tmp_path: Path) -> None:
     namespace = parser.parse_args(argv)
     assert not hasattr(namespace, "max_inflight")  # flags not given stay unset
     config = config_from_args(namespace, {**base_env, "PREFIXD_MAX_INFLIGHT": "7"})
-    assert config.workers == 8
-    assert config.socket_mode == 0o600
-    assert config.allowed_uids == (1, 2)
-    assert config.readahead is False
-    assert config.map_size == 2 * GiB
-    assert config.data_dir == tmp_path / "d"
-    assert config.log_level == "warning"
-    assert config.max_inflight == 7
+    assert config.store.workers == 8
+    assert config.socket.mode == 0o600
+    assert config.socket.allowed_uids == (1, 2)
+    assert config.store.readahead is False
+    assert config.store.map_size == 2 * GiB
+    assert config.store.data_dir == tmp_path / "d"
+    assert config.metrics.log_level == "warning"
+    assert config.limits.max_inflight == 7
 
     bare = config_from_args(parser.parse_args(["--readahead"]), base_env)
-    assert bare.readahead is True
+    assert bare.store.readahead is True
 
 
 def test_argparse_conflict_with_environment(base_env: dict[str, str]) -> None:
@@ -501,8 +510,8 @@ def test_only_the_given_environment_is_read(
     monkeypatch.setenv("PREFIXD_WORKERS", "9")
     monkeypatch.setenv("STATE_DIRECTORY", "/elsewhere")
     config = load(env=base_env)
-    assert config.workers == 4
-    assert config.data_dir == Path(base_env["STATE_DIRECTORY"])
+    assert config.store.workers == 4
+    assert config.store.data_dir == Path(base_env["STATE_DIRECTORY"])
 
 
 def test_a_cluster_table_maps_onto_the_cluster_settings(tmp_path: Path) -> None:
@@ -512,11 +521,11 @@ def test_a_cluster_table_maps_onto_the_cluster_settings(tmp_path: Path) -> None:
         'timeout_s = "500ms"\n'
     )
     config = load(file=file)
-    assert config.cluster_master == "127.0.0.1:50051"
-    assert config.cluster_metadata == "http://127.0.0.1:8080/metadata"
-    assert config.cluster_timeout_s == 0.5
+    assert config.cluster.master == "127.0.0.1:50051"
+    assert config.cluster.metadata == "http://127.0.0.1:8080/metadata"
+    assert config.cluster.timeout_s == 0.5
     env = {"PREFIXD_CLUSTER_MASTER": "10.0.0.1:1", "PREFIXD_CLUSTER_METADATA": "http://x/m"}
-    assert load(env=env).cluster_master == "10.0.0.1:1"
+    assert load(env=env).cluster.master == "10.0.0.1:1"
     with pytest.raises(ConfigError, match="cluster_metadata: required"):
         load(env={"PREFIXD_CLUSTER_MASTER": "10.0.0.1:1"})
     with pytest.raises(ConfigError, match="0 or at least 16MiB"):
@@ -533,7 +542,7 @@ def test_a_cluster_table_maps_onto_the_cluster_settings(tmp_path: Path) -> None:
 
 
 def test_every_setting_is_in_one_table_under_a_distinct_key() -> None:
-    assert sorted(cfg.TABLE_OF) == sorted(cfg.SETTINGS)
+    assert sorted(cfg.WHERE) == sorted(cfg.SETTINGS)
     assert sum(map(len, cfg.TABLES.values())) == len(cfg.SETTINGS)
     assert len(cfg.TABLES) <= 7
     for names in cfg.TABLES.values():
@@ -551,9 +560,9 @@ def test_settings_load_from_their_tables(base_env: dict[str, str], tmp_path: Pat
         '[tenants]\nttls = ["a=7d"]\n[limits]\nshutdown_grace_s = "2s"\n[metrics]\nport = 9464\n',
     )
     config = load(env=base_env, file=file)
-    assert (config.map_size, config.workers, config.socket_mode) == (GiB, 8, 0o600)
-    assert (config.allowed_uids, config.tenant_ttls) == ((7,), ("a=7d",))
-    assert (config.shutdown_grace_s, config.metrics_port) == (2.0, 9464)
+    assert (config.store.map_size, config.store.workers, config.socket.mode) == (GiB, 8, 0o600)
+    assert (config.socket.allowed_uids, config.tenants.ttls) == ((7,), {"a": 7 * 86400.0})
+    assert (config.limits.shutdown_grace_s, config.metrics.port) == (2.0, 9464)
 
 
 def test_a_flat_key_still_works_and_is_warned_naming_its_table(
@@ -562,7 +571,7 @@ def test_a_flat_key_still_works_and_is_warned_naming_its_table(
     file = write_toml(tmp_path / "p.toml", 'socket_mode = "0600"\nworkers = 8\n')
     with caplog.at_level("WARNING", logger="prefixd.config"):
         config = load(env=base_env, file=file)
-    assert (config.socket_mode, config.workers) == (0o600, 8)
+    assert (config.socket.mode, config.store.workers) == (0o600, 8)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2
     assert "socket_mode at the top level" in warnings[0] and "[socket] mode" in warnings[0]
@@ -574,7 +583,7 @@ def test_a_flat_key_and_its_table_key_must_agree(base_env: dict[str, str], tmp_p
     with pytest.raises(ConfigError, match=r"^workers: set to 8 by workers in .* \[store\] workers"):
         load(env=base_env, file=file)
     write_toml(file, "workers = 8\n[store]\nworkers = 8\n")
-    assert load(env=base_env, file=file).workers == 8
+    assert load(env=base_env, file=file).store.workers == 8
 
 
 def test_unknown_keys_of_a_table_are_rejected(base_env: dict[str, str], tmp_path: Path) -> None:
@@ -585,13 +594,13 @@ def test_unknown_keys_of_a_table_are_rejected(base_env: dict[str, str], tmp_path
     assert "[store] socket_mode" in str(caught.value)  # each setting in its own table only
 
 
-def test_benchmark_knobs_are_not_listed_but_still_taken_with_a_warning(
+def test_deprecated_settings_are_not_listed_but_still_taken_with_a_warning(
     base_env: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     listed = parser.format_help()
-    for name in cfg.BENCH_KNOBS:
+    for name in cfg.DEPRECATED:
         assert cli_flag(name) not in listed
     assert "--map-size" in listed and "[store] settings" in listed
     with caplog.at_level("WARNING", logger="prefixd.config"):
@@ -600,6 +609,19 @@ def test_benchmark_knobs_are_not_listed_but_still_taken_with_a_warning(
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["eviction"]
     assert "eviction" not in load(env=base_env).toml()
     assert 'eviction = "lru"' in config.toml()  # set, it is printed, so the file round-trips
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prefixd.config"):
+        config = load(env={**base_env, "PREFIXD_TENANT_QUOTA_BYTES": "1GiB"})
+    assert config.store_config().default_quota == GiB
+    assert '[tenants] quotas = ["*=SIZE"]' in caplog.records[0].getMessage()
+
+
+def test_a_star_quota_is_each_unlisted_tenants(base_env: dict[str, str], tmp_path: Path) -> None:
+    file = write_toml(tmp_path / "p.toml", '[tenants]\nquotas = ["*=2GiB", "a=1GiB"]\n')
+    config = load(env=base_env, file=file)
+    assert config.tenants.quotas == {"*": 2 * GiB, "a": GiB}
+    assert config.store_config().default_quota == 2 * GiB
+    assert 'quotas = ["*=2GiB", "a=1GiB"]' in config.toml()
 
 
 def test_print_config_is_a_file_of_tables_that_loads_back(
@@ -611,8 +633,10 @@ def test_print_config_is_a_file_of_tables_that_loads_back(
             "allowed_gids": "27,100",
             "durability": "full",
             "kv_events_tenants": 'a "quoted" name',
-            "cluster_timeout_s": "500ms",
+            "cluster_segment_bytes": "32MiB",
             "tenant_quotas": "a=1GiB",
+            "tenant_ttls": "a=90m",
+            "model_manifests": f"m={tmp_path}/a.json+{tmp_path}/b.json",
             "socket": str(tmp_path / "s.sock"),
         },
         base_env,

@@ -36,7 +36,7 @@ def serving(tmp_path: Path, **settings: Any) -> Iterator[tuple[Path, ManualClock
     clock = ManualClock()
     sock_dir = Path(tempfile.mkdtemp(prefix="pxclk", dir="/tmp"))
     socket_path = sock_dir / "d.sock"
-    config = Config(
+    config = Config.from_settings(
         data_dir=tmp_path / "data",
         socket=socket_path,
         map_size=64 << 20,

@@ -4,7 +4,7 @@ the loop with a prompt of millions of token ids."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +12,20 @@ import numpy as np
 from prefixd import Store
 from prefixd.daemon.blocks import LOOP_TOKEN_BYTES, lookup_now
 from prefixd.daemon.context import Answered, Request
+from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.operations import Operations
 from prefixd.daemon.peer import Peer
+from prefixd.daemon.services import Services
 from prefixd.wire.messages import Lookup, Prompt, WireIdentity
 
 from .conftest import IDENTITY
+
+
+def services(store: Store, pool: Executor) -> Services:
+    metrics = Metrics(store, prefill_tokens_per_s=1e4)
+    return Services(
+        store=store, pool=pool, metrics=metrics, max_frame_bytes=64 << 20, max_region_bytes=1 << 30
+    )
 
 
 def test_only_short_lookups_are_answered_on_the_loop(tmp_path: Path) -> None:
@@ -28,7 +37,7 @@ def test_only_short_lookups_are_answered_on_the_loop(tmp_path: Path) -> None:
             n = len(prompt) // bt
             store.put(IDENTITY, prompt, [b"x"] * n)
             store.longest_prefix(IDENTITY, prompt)  # now remembered: memory could answer it
-        ops = Operations(store, pool, max_frame_bytes=64 << 20, max_region_bytes=1 << 30)
+        ops = Operations(services(store, pool))
         context = ops.context(Peer(0, max_inflight=64))
 
         def from_memory(prompt: np.ndarray) -> bool:
@@ -49,7 +58,7 @@ def test_a_lookup_memory_answers_in_part_is_counted_once(tmp_path: Path) -> None
     with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
         store.put(IDENTITY, known, [b"x"] * 4)
         store.longest_prefix(IDENTITY, known)  # remembered
-        ops = Operations(store, pool, max_frame_bytes=64 << 20, max_region_bytes=1 << 30)
+        ops = Operations(services(store, pool))
         context = ops.context(Peer(0, max_inflight=64))
         message = Lookup(
             id=1,
