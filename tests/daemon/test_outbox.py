@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import msgpack
 
+from prefixd.config.settings import Limits
 from prefixd.daemon.connection import Connection
 from prefixd.daemon.outbox import Outbox
 from prefixd.wire.frames import HEADER, encode_frame
@@ -83,9 +84,7 @@ def test_a_reply_cut_short_is_not_overtaken_by_the_next() -> None:
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         ours.setblocking(False)
         theirs.setblocking(False)
-        config = SimpleNamespace(
-            max_inflight=64, handshake_timeout_s=10.0, frame_timeout_s=30.0, idle_timeout_s=0.0
-        )
+        config = SimpleNamespace(limits=Limits())
         server = SimpleNamespace(config=config, stats=Counter())
         conn = Connection(server, SimpleNamespace(), ours, pid=1, uid=0)  # type: ignore[arg-type]
         first = {"id": 1, "ok": True, "blob": b"a" * (256 << 10)}
