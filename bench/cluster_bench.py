@@ -26,7 +26,7 @@ In the same run, on the same bytes:
   remote_hit_stages_s  node B's own seconds fetching, proving and installing (the three
                   overlap), and in the read-through in all (its counters `remote_*_us`);
   remote_hit_inline   the remote hit with the tier's client in the daemon's own process
-                  (`--cluster-client inline`) instead of a child process (the default): what
+                  (bench/tuned.py's `cluster_client=inline`) instead of a child process (the default): what
                   the child process costs. Rounds of the two alternate.
 
 Run: `python bench/cluster_bench.py [--json] [--size-mib 256] [--block-kib 1024] [--data-root DIR]`
@@ -88,20 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         master.start()
         flags = [
             "--cluster-master", master.master, "--cluster-metadata", master.metadata,
-            "--cluster-segment-bytes", str(segment), "--cluster-timeout-s", "30",
+            "--cluster-segment-bytes", str(segment),
             "--prefill-tokens-per-s", "100",  # slow prefill: every fetch is worth it
         ]  # fmt: skip
         map_size = 4 * segment + (1 << 30)
-        inline = [*flags, "--cluster-client", "inline"]
+        knobs = ["cluster_timeout_s=30"]
+        inline = [*knobs, "cluster_client=inline"]
         try:
             with (
-                SuiteDaemon(root, "a", map_size=map_size, extra=flags) as a,
-                SuiteDaemon(root, "b", map_size=map_size, extra=flags) as b,
-                SuiteDaemon(root, "a-inline", map_size=map_size, extra=inline) as a_inline,
-                SuiteDaemon(root, "b-inline", map_size=map_size, extra=inline) as b_inline,
+                SuiteDaemon(root, "a", map_size=map_size, extra=flags, knobs=knobs) as a,
+                SuiteDaemon(root, "b", map_size=map_size, extra=flags, knobs=knobs) as b,
+                SuiteDaemon(root, "a-inline", map_size=map_size, extra=flags, knobs=inline) as ai,
+                SuiteDaemon(root, "b-inline", map_size=map_size, extra=flags, knobs=inline) as bi,
             ):
                 results = run(
-                    {"": (a, b), "_inline": (a_inline, b_inline)},
+                    {"": (a, b), "_inline": (ai, bi)},
                     root,
                     master,
                     n_blocks,

@@ -11,7 +11,7 @@ mode) against a small one (1,000 entries), measured the same way, both daemons u
 * lookup:  `Client.lookup` of a stored chain (uniformly random) plus one block never stored, so
            every lookup walks the whole chain in the store and ends on a miss; small and large
            interleaved; p50 and p99. Both daemons run without the lookup memo
-           (`--verified-cache-bytes 0`): with it, the small store's 20 chains all fit the memo and
+           (`verified_cache_bytes=0`, through bench/tuned.py): with it, the small store's 20 chains all fit the memo and
            its lookups skip the walk, while only a fifth of the large store's 20,000 do, so the
            ratio would measure the working set against the memo's size (1.9x here), not the
            store's size (1.2x).
@@ -37,7 +37,7 @@ PAYLOAD_BYTES = 16
 CHAIN_BLOCKS = 50
 SMALL_ENTRIES = 1000
 MAX_FACTOR = 3.0
-NO_MEMO = ("--verified-cache-bytes", "0")  # every lookup walks its chain (see the docstring)
+NO_MEMO = ("verified_cache_bytes=0",)  # every lookup walks its chain (see the docstring)
 VOCAB = 128_000
 SEED = 20240603
 
@@ -104,7 +104,7 @@ def measure(root: Path, *, large_entries: int, lookups: int, warmup: int) -> dic
     clients: dict[str, Client] = {}
     try:
         for seed, (name, entries) in enumerate(sizes.items()):
-            daemons[name] = daemon = SuiteDaemon(root, f"scale-{name}", extra=NO_MEMO)
+            daemons[name] = daemon = SuiteDaemon(root, f"scale-{name}", knobs=NO_MEMO)
             stores[name] = build(daemon.data_dir, entries, seed)
         rng = np.random.default_rng(SEED)
         prompts = {

@@ -20,12 +20,19 @@ MiB = 1 << 20
 
 
 class SuiteDaemon(daemon_bench.Daemon):
-    """`python -m prefixd serve` on `root/name/data` with extra flags, its socket in a short
-    temporary directory of its own. `start_s` is spawn -> READY=1 -> a `hello` answered on a
+    """`python -m prefixd serve` on `root/name/data` with extra flags (and `knobs`, NAME=VALUE
+    settings serve does not list, through bench/tuned.py), its socket in a short temporary
+    directory of its own. `start_s` is spawn -> READY=1 -> a `hello` answered on a
     fresh connection: what an engine waits for before its first request."""
 
     def __init__(
-        self, root: Path, name: str, *, map_size: int = 8 * GiB, extra: Sequence[str] = ()
+        self,
+        root: Path,
+        name: str,
+        *,
+        map_size: int = 8 * GiB,
+        extra: Sequence[str] = (),
+        knobs: Sequence[str] = (),
     ) -> None:
         base = root / name
         base.mkdir(parents=True)
@@ -33,10 +40,15 @@ class SuiteDaemon(daemon_bench.Daemon):
         super().__init__(base / "data", self.sock_dir, SimpleNamespace(total_bytes=0, workers=None))
         self.map_size = map_size
         self.extra = list(extra)
+        self.knobs = list(knobs)
         self.start_s = 0.0
 
     def command(self) -> list[str]:
-        return super().command() + self.extra
+        python, *serve = super().command() + self.extra
+        if not self.knobs:
+            return [python, *serve]
+        assert serve[:3] == ["-m", "prefixd", "serve"], serve
+        return [python, str(Path(__file__).with_name("tuned.py")), *self.knobs, "--", *serve[3:]]
 
     def start(self) -> None:
         started = time.perf_counter()

@@ -26,6 +26,7 @@ from prefixd.errors import ConfigError, PrefixdError, ServeError
 from prefixd.store.purge import VERSIONED_FIELDS
 
 if TYPE_CHECKING:
+    from prefixd.config.settings import Config
     from prefixd.store import Store
 
 POLL_S = 0.2  # how often a bar polls work that reports no progress of its own
@@ -35,7 +36,6 @@ DURATION_UNITS = "ms, s, m, h, d"
 
 def serve(args: argparse.Namespace, out: Output) -> int:
     from prefixd.config.sources import config_from_args
-    from prefixd.daemon.server import Server, run_server
 
     config = config_from_args(args, os.environ)
     if args.print_config:
@@ -44,6 +44,14 @@ def serve(args: argparse.Namespace, out: Output) -> int:
         else:
             out.stdout.write(config.toml())
         return 0
+    return serve_config(config, reread=lambda: config_from_args(args, os.environ))
+
+
+def serve_config(config: Config, reread: Callable[[], Config] | None = None) -> int:
+    """Run a daemon on `config` until it stops: `serve`, and bench/tuned.py, which sets knobs
+    serve does not list."""
+    from prefixd.daemon.server import Server, run_server
+
     logging.basicConfig(
         level=config.metrics.log_level.upper(),
         format="%(levelname)s %(name)s: %(message)s",
@@ -52,7 +60,7 @@ def serve(args: argparse.Namespace, out: Output) -> int:
     from prefixd.store.allocator import keep_write_buffers
 
     keep_write_buffers()  # the daemon owns its process: let LMDB reuse its write buffers
-    server = Server(config, reread=lambda: config_from_args(args, os.environ))
+    server = Server(config, reread=reread)
     try:
         code = run_server(server)
     except OSError as exc:  # a data directory or socket path this user cannot have

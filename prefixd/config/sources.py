@@ -95,6 +95,13 @@ def config_and_given(
     return Config.from_settings(**values), frozenset(given)
 
 
+def parse_setting(name: str, text: str, source: str) -> Any:
+    """One setting's value from text as its flag writes it (bench/tuned.py's knobs)."""
+    if name not in SETTINGS:
+        raise ConfigError(f"{source}: unknown setting {_with_hint(name, name, SETTINGS)}")
+    return _convert(name, text, source, text=True, base=Path.cwd()).value
+
+
 def config_from_args(namespace: argparse.Namespace, env: Mapping[str, str]) -> Config:
     """Glue for the CLI: the flags `add_arguments` put in namespace, plus env and --config."""
     cli = {name: getattr(namespace, name) for name in SETTINGS if hasattr(namespace, name)}
