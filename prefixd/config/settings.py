@@ -37,6 +37,8 @@ from prefixd.store.config import (
     Durability,
     StoreConfig,
     format_size,
+    parse_seconds,
+    parse_size,
     tenant_entries,
 )
 from prefixd.store.journal import BlockChange
@@ -604,47 +606,164 @@ def validated(name: str, value: Any) -> Any:
 
 
 def _typed(name: str, value: Any, meta: Mapping[str, Any]) -> Any:
-    kind = meta["kind"]
-    if kind == "path":
-        if not isinstance(value, (str, os.PathLike)) or not str(value):
-            raise ConfigError(f"{name}: must be a path, got {value!r}")
-        return Path(value)
-    if kind == "entries":  # model_manifests, tenant_policy (store settings: StoreConfig above)
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{name}: must be a list of NAME=VALUE entries")
-        return tuple(value)
-    if kind == "names":
-        if isinstance(value, str):
-            value = (value,)
-        if not isinstance(value, (list, tuple, frozenset, set)):
-            raise ConfigError(f"{name}: must be comma-separated names, got {value!r}")
-        return frozenset(n.strip() for item in value for n in str(item).split(",") if n.strip())
-    if kind == "ids":
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name}: must be a list of integers, got {type(value).__name__}")
-        for item in value:
-            _check_int(name, kind, item, 0, MAX_ID)
-        return tuple(value)
-    if kind == "text":
-        if not isinstance(value, str) or len(value) > 4096 or "\n" in value:
-            raise ConfigError(f"{name}: must be one line of text, got {value!r}")
-        return value
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name}: must be true or false, got {type(value).__name__}")
-        return value
-    if kind == "choice":
-        if value not in meta["choices"]:
-            raise ConfigError(f"{name}: must be one of {', '.join(meta['choices'])}, got {value!r}")
-        return value
-    if kind in ("float", "seconds"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}: must be a number, got {type(value).__name__}")
-        if not meta["low"] <= value <= meta["high"]:
-            raise ConfigError(f"{name}: must be in [{meta['low']}, {meta['high']}], got {value}")
-        return float(value)
-    _check_int(name, kind, value, meta["low"], meta["high"])
+    kind = KINDS[meta["kind"]]
+    if not kind.accepts(value):
+        raise ConfigError(f"{name}: must be {kind.typed}, got {type_name(value)} {value!r}")
+    value = kind.held(value)
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"{name}: must be one of {', '.join(meta['choices'])}, got {value!r}")
+    if meta["kind"] == "text" and (len(value) > 4096 or "\n" in value):
+        raise ConfigError(f"{name}: must be one line of text, got {value!r}")
+    low, high = (0, MAX_ID) if meta["kind"] == "ids" else (meta["low"], meta["high"])
+    for item in value if meta["kind"] == "ids" else () if low is None else (value,):
+        if not low <= item <= high:
+            show = _SHOWN.get(meta["kind"], str)
+            raise ConfigError(f"{name}: must be in [{show(low)}, {show(high)}], got {show(item)}")
     return value
+
+
+_SHOWN: dict[str, Callable[[Any], str]] = {"size": format_size, "mode": lambda n: f"{n:#o}"}
+
+
+def type_name(value: Any) -> str:
+    """A value's type as TOML names it, for messages."""
+    names = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array"}
+    return "table" if isinstance(value, dict) else names.get(type(value), type(value).__name__)
+
+
+# --- the kinds of setting ---------------------------------------------------------------------
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _parse_path(text: str) -> Path:
+    if not text:
+        raise ValueError(text)
+    return Path(text)
+
+
+def _parse_bool(text: str) -> bool:
+    try:
+        return _BOOLS[text.strip().lower()]
+    except KeyError:
+        raise ValueError(text) from None
+
+
+def _parse_ids(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",")) if text.strip() else ()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, (list, tuple)) and all(map(check, value))
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _names(value: Any) -> frozenset[str]:
+    items = (value,) if isinstance(value, str) else value
+    return frozenset(n.strip() for item in items for n in item.split(",") if n.strip())
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How a kind of setting is written: its flag's metavar, how text (a flag, a variable; and a
+    TOML string where `text_in_toml`) parses, the typed values it takes (from TOML or Python)
+    and holds, and what the messages say each must be."""
+
+    metavar: str
+    parse: Callable[[str], Any]
+    accepts: Callable[[Any], bool]
+    expected: str  # of text
+    typed: str  # of a typed value
+    text_in_toml: bool = False
+    held: Callable[[Any], Any] = _same
+
+
+KINDS = {
+    "path": Kind(
+        "PATH",
+        _parse_path,
+        lambda v: isinstance(v, (str, os.PathLike)) and bool(str(v)),
+        "a non-empty path",
+        "a path",
+        True,
+        Path,
+    ),
+    "int": Kind("N", int, _is_int, "an integer", "an integer"),
+    "size": Kind(
+        "BYTES",
+        parse_size,
+        _is_int,
+        "a size like 16MiB or a number of bytes (units: B, KiB, MiB, GiB, TiB)",
+        "an integer or a string like '16MiB'",
+        True,
+    ),
+    "mode": Kind(
+        "MODE",
+        lambda text: int(text, 8),
+        _is_int,
+        "an octal mode like 0660",
+        "an integer like 0o660 or a string like '0660'",
+        True,
+    ),
+    "float": Kind("X", float, _is_number, "a number", "a number", held=float),
+    "seconds": Kind(
+        "SECONDS",
+        parse_seconds,
+        _is_number,
+        "a duration like 2.5, 10s, 500ms, 5m or 1h",
+        "a number of seconds or a string like '10s'",
+        True,
+        float,
+    ),
+    "bool": Kind(
+        "BOOL",
+        _parse_bool,
+        lambda v: isinstance(v, bool),
+        "a boolean (true/false, 1/0, yes/no)",
+        "true or false",
+    ),
+    "choice": Kind("", _same, _is_str, "a string", "a string", True),
+    "text": Kind("TEXT", _same, _is_str, "a string", "a string"),
+    "names": Kind(
+        "NAME[,NAME...]",
+        _same,
+        lambda v: _is_str(v) or _list_of(_is_str)(v) or isinstance(v, frozenset),
+        "comma-separated names",
+        "a string of comma-separated names or an array of strings",
+        held=_names,
+    ),
+    "ids": Kind(
+        "ID[,ID...]",
+        _parse_ids,
+        _list_of(_is_int),
+        "a comma-separated list of integers like 1000,1001",
+        "an array of integers",
+        held=tuple,
+    ),
+    "entries": Kind(
+        "NAME=VALUE[,...]",
+        lambda text: tuple(item.strip() for item in text.split(",") if item.strip()),
+        _list_of(_is_str),
+        "a comma-separated list of NAME=VALUE entries",
+        "an array of strings like 'NAME=VALUE'",
+        held=tuple,
+    ),
+}
 
 
 def _short_socket(path: Path) -> None:
@@ -694,18 +813,6 @@ _CHECKS: dict[str, Callable[[Any], object]] = {
     "kv_events_endpoint": _event_endpoint,
     "kv_events_replay_endpoint": _event_endpoint,
 }
-
-
-def _check_int(name: str, kind: str, value: Any, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}: must be an integer, got {type(value).__name__}")
-    if not low <= value <= high:
-        formats: dict[str, Callable[[int], str]] = {
-            "size": format_size,
-            "mode": lambda n: f"{n:#o}",
-        }
-        show = formats.get(kind, str)
-        raise ConfigError(f"{name}: must be in [{show(low)}, {show(high)}], got {show(value)}")
 
 
 def plain(name: str, value: Any) -> Any:

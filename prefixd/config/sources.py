@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
-import os
 import tomllib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from prefixd.config.settings import (
     DEFAULTS,
     DEPRECATED,
     ENV_PREFIX,
+    KINDS,
     META,
     SETTINGS,
     TABLES,
@@ -29,11 +29,12 @@ from prefixd.config.settings import (
     toml_key,
     toml_name,
     toml_value,
+    type_name,
     validated,
 )
 from prefixd.errors import ConfigError
 from prefixd.paths import default_data_dir, default_socket
-from prefixd.store.config import format_size, parse_seconds, parse_size
+from prefixd.store.config import format_size
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def add_setting_flags(where: Any, names: Iterable[str]) -> None:
             cli_flag(name),
             dest=name,
             default=argparse.SUPPRESS,
-            metavar="{" + ",".join(choices) + "}" if choices else _KINDS[kind].metavar,
+            metavar="{" + ",".join(choices) + "}" if choices else KINDS[kind].metavar,
             help=argparse.SUPPRESS if name in DEPRECATED else help_text,
             **extra,
         )
@@ -259,7 +260,7 @@ def _with_hint(shown: str, probe: str, known: tuple[str, ...]) -> str:
 
 def _convert(name: str, raw: Any, source: str, *, text: bool, base: Path) -> _Given:
     """Parse and validate one source's raw value; errors name the setting and the source."""
-    kind = _KINDS[META[name]["kind"]]
+    kind = KINDS[META[name]["kind"]]
     if META[name]["optional"] and raw in ("", None):
         return _Given(source, raw, None)  # an optional path given empty: off
     if isinstance(raw, str) and (text or kind.text_in_toml):
@@ -267,10 +268,10 @@ def _convert(name: str, raw: Any, source: str, *, text: bool, base: Path) -> _Gi
             value = kind.parse(raw)
         except ValueError:
             raise ConfigError(f"{name}: {raw!r} from {source} is not {kind.expected}") from None
-    elif kind.native(raw):
+    elif kind.accepts(raw):
         value = raw
     else:
-        raise ConfigError(f"{name}: {source} must be {kind.in_toml}, got {_toml_type(raw)} {raw!r}")
+        raise ConfigError(f"{name}: {source} must be {kind.typed}, got {type_name(raw)} {raw!r}")
     if META[name]["kind"] == "path" and value is not None:
         value = base / Path(value).expanduser()
     return _Given(source, raw, _attributed(name, value, source))
@@ -306,132 +307,6 @@ def _shown_default(name: str, default: Any) -> str:
     if kind == "ids":
         return ",".join(map(str, default)) or "none"
     return _text(plain(name, default))
-
-
-# --- parsing text ------------------------------------------------------------------------------
-
-_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-def _parse_path(text: str) -> Path:
-    if not text:
-        raise ValueError(text)
-    return Path(text)
-
-
-def _parse_bool(text: str) -> bool:
-    try:
-        return _BOOLS[text.strip().lower()]
-    except KeyError:
-        raise ValueError(text) from None
-
-
-def _parse_ids(text: str) -> tuple[int, ...]:
-    if not text.strip():
-        return ()
-    return tuple(int(part) for part in text.split(","))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda value: isinstance(value, (list, tuple)) and all(map(check, value))
-
-
-def _is_str(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """How a kind of setting is written: its flag's metavar, how text (a flag, a variable; and a
-    TOML string where `text_in_toml`) parses, the typed values TOML may give, and the messages."""
-
-    metavar: str
-    parse: Callable[[str], Any]
-    native: Callable[[Any], bool]
-    expected: str  # of text
-    in_toml: str  # of a TOML value
-    text_in_toml: bool = False
-
-
-_KINDS = {
-    "path": _Kind(
-        "PATH",
-        _parse_path,
-        lambda v: isinstance(v, os.PathLike),
-        "a non-empty path",
-        "a string",
-        True,
-    ),
-    "int": _Kind("N", int, _is_int, "an integer", "an integer"),
-    "size": _Kind(
-        "BYTES",
-        parse_size,
-        _is_int,
-        "a size like 16MiB or a number of bytes (units: B, KiB, MiB, GiB, TiB)",
-        "an integer or a string like '16MiB'",
-        True,
-    ),
-    "mode": _Kind(
-        "MODE",
-        lambda text: int(text, 8),
-        _is_int,
-        "an octal mode like 0660",
-        "an integer like 0o660 or a string like '0660'",
-        True,
-    ),
-    "float": _Kind("X", float, _is_number, "a number", "a number"),
-    "seconds": _Kind(
-        "SECONDS",
-        parse_seconds,
-        _is_number,
-        "a duration like 2.5, 10s, 500ms, 5m or 1h",
-        "a number of seconds or a string like '10s'",
-        True,
-    ),
-    "bool": _Kind(
-        "BOOL",
-        _parse_bool,
-        lambda v: isinstance(v, bool),
-        "a boolean (true/false, 1/0, yes/no)",
-        "true or false",
-    ),
-    "choice": _Kind("", lambda text: text, _is_str, "a string", "a string", True),
-    "text": _Kind("TEXT", lambda text: text, _is_str, "a string", "a string"),
-    "names": _Kind(
-        "NAME[,NAME...]",
-        lambda text: text,
-        lambda v: _is_str(v) or _list_of(_is_str)(v),
-        "comma-separated names",
-        "a string of comma-separated names or an array of strings",
-    ),
-    "ids": _Kind(
-        "ID[,ID...]",
-        _parse_ids,
-        _list_of(_is_int),
-        "a comma-separated list of integers like 1000,1001",
-        "an array of integers",
-    ),
-    "entries": _Kind(
-        "NAME=VALUE[,...]",
-        lambda text: tuple(item.strip() for item in text.split(",") if item.strip()),
-        _list_of(_is_str),
-        "a comma-separated list of NAME=VALUE entries",
-        "an array of strings like 'NAME=VALUE'",
-    ),
-}
-
-
-def _toml_type(value: Any) -> str:
-    names = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array"}
-    return "table" if isinstance(value, dict) else names.get(type(value), type(value).__name__)
 
 
 def _text(value: Any) -> str:
