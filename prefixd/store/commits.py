@@ -1,17 +1,10 @@
 """Group commit: puts that arrive together share one write transaction and one commit.
 
-LMDB has one writer at a time, and a commit (two fsyncs under durability=full, a page flush
-otherwise) costs more than a small put's own writes. So a put does not open a transaction of its
-own: it queues its body, and whichever put holds the commit lock runs every body queued by then in
-one write transaction and commits them once. A body that refuses, anything a body raises, and a
-commit that fails abort the whole group, which then runs one put at a time, in order, each in a
-transaction of its own (its error raised in its own thread), so refusals and errors (a full map
-above all, which the put path meets by making room and trying again) behave exactly as they
-always did. Refusals are rare, and LMDB's nested transactions, which could isolate them, cost
-more than a small put (each allocates a dirty-page list of 2 MiB). A put that meets no other
-commits alone, holding the commit lock through its transaction so that the puts arriving
-meanwhile queue up for the next group.
-"""
+A commit costs more than a small put's writes, so whichever put holds the commit lock runs every
+body queued by then in one transaction. A refusal or any error aborts the whole group, which then
+runs one put at a time, each in its own transaction, so refusals and errors (a full map above all)
+behave exactly as they would alone. LMDB's nested transactions could isolate refusals, but each
+costs more than a small put (a 2 MiB dirty-page list)."""
 
 from __future__ import annotations
 
@@ -55,14 +48,12 @@ class CommitQueue(Generic[T]):
 
     @property
     def waiting(self) -> int:
-        """Puts queued behind the one committing."""
         with self._turn:
             return len(self._queue)
 
     def run(self, body: Callable[[lmdb.Transaction], T]) -> T:
-        """Run `body` in a write transaction, committed unless its outcome aborts; together with
-        whatever other puts are waiting. The puts of a group wait on one condition and all wake
-        when it commits (not one by one through a lock)."""
+        """Run `body` in a write transaction with whatever other puts are waiting; committed unless
+        its outcome aborts."""
         item = _Queued(body)
         with self._turn:
             self._queue.append(item)
@@ -93,8 +84,8 @@ class CommitQueue(Generic[T]):
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """Hold the turn to commit, as a put that is committing does (a failpoint: puts started
-        meanwhile queue up, and commit as one group once it is let go)."""
+        """Hold the turn to commit (a failpoint: puts started meanwhile commit as one group once it
+        is let go)."""
         with self._turn:
             while self._leading:
                 self._turn.wait()
@@ -107,8 +98,8 @@ class CommitQueue(Generic[T]):
                 self._turn.notify_all()
 
     def _commit(self, group: list[_Queued[T]]) -> bool:
-        """Run the group's bodies in one transaction and commit it; False (nothing written) if
-        a body refused or anything failed."""
+        """Run the group in one transaction and commit; False (nothing written) if a body refused or
+        anything failed."""
         ctx = self._ctx
         journaled = Journaled(ctx.journals)
         txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's pages
@@ -129,8 +120,7 @@ class CommitQueue(Generic[T]):
         return True
 
     def _one_by_one(self, group: list[_Queued[T]]) -> None:
-        """Each body in a transaction of its own, in the order they came: what the puts would
-        have done had they not met."""
+        """Each body in its own transaction, in order: what the puts would have done alone."""
         for item in group:
             item.outcome = None
             try:
@@ -147,9 +137,8 @@ class _Refused(Exception):
 def transact(
     ctx: StoreContext, body: Callable[[lmdb.Transaction], T], aborts: Callable[[T], bool]
 ) -> T:
-    """Run `body` in one write transaction: committed with its outcome, aborted if the outcome
-    `aborts` (or on an exception), so a refused put leaves nothing behind (and tells the
-    observer nothing)."""
+    """Run `body` in one write transaction: committed, or aborted if its outcome `aborts` (or on an
+    exception), so a refused put leaves nothing behind and tells the observer nothing."""
     journaled = Journaled(ctx.journals)
     txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
     try:

@@ -1,25 +1,13 @@
 """Which blocks to evict: leaves only, lowest value per byte first.
 
-The design notes rank cached state by V = p * C_saved / (M * T): the chance it is reused, times the
-prefill it saves, over the bytes it holds and the time it has held them. prefixd estimates:
+Value V = p * C_saved / (M * T) (the design notes), estimated as:
+  p / T   ~ (hits + 1) / (residence_s + TAU_S) * exp(-idle_s / IDLE_TAU_S)
+  C_saved ~ the block's tokens (its identity's `block_tokens`)
+  M       = the block's stored bytes, with its state-group parts
 
-  p / T  ~  (hits + 1) / (residence_s + TAU_S) * exp(-idle_s / IDLE_TAU_S)
-            a hit rate with a one-hit prior over TAU_S, decayed by the time since the last read;
-  C_saved ~  the block's token count, its identity's `block_tokens` (prefill cost grows with
-            tokens; the attention term that grows with depth is ignored, since a block is only ever
-            evicted after its descendants); an engine-keyed block holds a key, not its tokens;
-  M       =  the block's stored bytes (with its state-group parts, for a hybrid identity).
-
-Only leaves are candidates (a block is never evicted while a descendant is stored), so a prefix
-shrinks from its end and everything still stored stays reachable. Pinned blocks
-(prefixd.store.pins) are never candidates; a round that removed a block pinned while it ran is
-rolled back and run again. `lru` orders leaves by last read
-alone; it exists to compare against (bench/eviction_bench.py).
-
-`evict` runs a round: to the low watermark of the capacity, or of a tenant's quota when a put
-took the tenant past it (prefixd.store.put decides when; prefixd.store.tenancy holds quotas);
-it first frees the blocks past their tenant's time to live (`reclaim_expired`).
-"""
+Only leaves are candidates, so a prefix shrinks from its end and what stays is reachable.
+Pinned blocks are never candidates; a round that removed a block pinned meanwhile is rolled back
+and run again. `lru` (last read alone) exists to compare against."""
 
 from __future__ import annotations
 
@@ -74,8 +62,8 @@ class Candidate:
 
 
 class TokensPerBlock:
-    """How many tokens one block of each identity holds, read once per identity in a transaction:
-    a block's record holds its token ids, or (engine-keyed) only the engine's key for them."""
+    """Tokens per block of each identity, read once per transaction (an engine-keyed record holds a
+    key, not its tokens)."""
 
     def __init__(self, txn: lmdb.Transaction, identities: lmdb._Database) -> None:
         self._txn = txn
@@ -97,7 +85,6 @@ class TokensPerBlock:
 
 
 def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int) -> float:
-    """The estimated value per byte of a block holding `tokens` tokens (see the module's text)."""
     residence_s = max(0.0, (now_ns - record.created_ns) / 1e9)
     idle_s = max(0.0, (now_ns - access.last_ns) / 1e9)
     rate = (access.hits + 1) / (residence_s + TAU_S) * math.exp(-idle_s / IDLE_TAU_S)
@@ -124,8 +111,7 @@ class VictimQueue:
         identities: set[bytes] | None = None,
         pins: Pins | None = None,
     ) -> None:
-        """`identities`, when given, limits the candidates to blocks of those identities;
-        blocks `pins` holds are never candidates."""
+        """`identities`: only blocks of those are candidates; blocks `pins` holds never are."""
         self._identities = identities
         self._pins = pins
         self._txn = txn
@@ -168,7 +154,6 @@ class VictimQueue:
             yield Candidate(value, block, parent_key, size)
 
     def parent_freed(self, parent_key: bytes) -> None:
-        """After a child went: queue the parent if it is a block that is now a leaf."""
         children = self._txn.cursor(db=self._t.children)
         if children.set_key(parent_key):
             return
@@ -190,9 +175,9 @@ def evict(
     target_bytes: int | None = None,
     tenant: str | None = None,
 ) -> EvictionReport:
-    """Evict leaves, lowest score first, until the stored bytes (the tenant's, with `tenant`)
-    are at most `target_bytes` (default: the low watermark of the capacity), in one write
-    transaction; expired blocks go first and pending read times are written first."""
+    """Evict leaves, lowest score first, until the stored bytes (the tenant's, with `tenant`) are at
+    most `target_bytes`, in one transaction; expired blocks go first and pending read times are
+    written first."""
     config = ctx.config
     if config.eviction == "none":
         return EvictionReport(0, 0, 0.0)
@@ -215,8 +200,7 @@ def evict(
 
 
 def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
-    """Remove the blocks past their tenant's time to live (already unreachable: lookups and
-    loads skip them); return how many went."""
+    """Remove the blocks past their tenant's time to live; return how many went."""
     if not tenancy.expires:
         return 0
     now = ctx.clock.time_ns()
@@ -239,11 +223,9 @@ def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
 def _round(
     ctx: StoreContext, tenancy: Tenancy, target_bytes: int, tenant: str | None
 ) -> tuple[int, int] | None:
-    """One eviction round in one write transaction: (blocks, bytes) evicted, or None when a
-    victim was pinned while the round ran (the round is rolled back). The check and the commit
-    hold the pins' lock, so a pin taken after them finds the block gone when it reads again.
-    (A rolled-back round's removals stay counted in this process's tallies: rare, and only a
-    count.)"""
+    """One eviction round: (blocks, bytes) evicted, or None when a victim was pinned meanwhile
+    (rolled back). The check and the commit hold the pins' lock, so a later pin finds the block gone
+    when it reads again."""
     t = ctx.tables
     evicted = freed = 0
     victims: list[bytes] = []

@@ -1,26 +1,17 @@
 """The write path: `put` and `put_state` publish blocks (and state-group parts) atomically.
 
-Every put is one write transaction that keeps the store's invariants:
-  * ancestry: a put from block k > 0 is refused unless blocks 0..k-1 are stored, match the
-    writer's tokens and are within their tenant's time to live (`_check_ancestry`), so a stored
-    block is reachable exactly when its prefix is (there are no orphans). A prefix verified
-    earlier (by a lookup's walk or an earlier put: the lookup memo, prefixd.store.lookup_memo)
-    and not invalidated since (the removal epoch, read in the put's own transaction) is not read
-    again, and its hashes are not recomputed, so a put that extends a long chain costs what its
-    own blocks cost, not what the chain does;
-  * claims: a block is written once and never modified; a hash already stored for other tokens
-    refuses the put (a collision), a damaged or expired one is removed with its subtree and
-    written afresh (`_claim_block`);
-  * records, chunks, the children index and the counters change in that same transaction;
-  * checksums hold at rest: each payload's checksum, taken when it was encoded, is compared with
-    the crc32c of the bytes LMDB holds once they are written (read back from its pages in the
-    same transaction), so a client that rewrites its payload in its region while the put runs
-    gets the put refused, never a block stored under a checksum its bytes do not match.
+Each put is one write transaction (shared by puts that arrive together: prefixd.store.commits):
+  * ancestry: blocks 0..first_block-1 must be stored, match and be within their time to live,
+    so there are no orphans; a prefix the lookup memo verified at the current removal epoch is
+    not read or hashed again, so extending a long chain costs only the new blocks;
+  * claims: a block is written once; a hash stored for other tokens refuses the put, a damaged
+    or expired one is removed with its subtree and written afresh;
+  * checksums hold at rest: each payload's checksum is compared with the crc32c of the bytes
+    LMDB holds once written, so a client rewriting its payload during the put gets it refused,
+    never a block stored under a checksum its bytes do not match.
 
-A refused put aborts its transaction and raises the refusal's error; nothing was written. A full
-map makes room (a settling commit, then an eviction) and tries once more. After a put, the store
-is kept within its capacity and the tenant within its quota by evicting (prefixd.store.eviction).
-"""
+A refused put aborts its transaction; nothing was written. A full map makes room (a settling
+commit, then an eviction) and tries once more."""
 
 from __future__ import annotations
 
@@ -74,8 +65,7 @@ _NO_PAYLOAD = EncodedPayload(Compression.NONE, [], 0, 0, 0, 0)
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a put's transaction was aborted: the error for the caller, whether a collision is to
-    be counted, and a damaged block met on the way (quarantined once the transaction is over)."""
+    """Why a put's transaction was aborted; a damaged block met on the way is quarantined after it."""
 
     error: PutRefusedError
     collided: bool = False
@@ -83,9 +73,8 @@ class Refusal:
 
 
 class Verified(NamedTuple):
-    """Blocks 0..end-1 of a put's chain as its transaction left them (its ancestry and its own
-    blocks), at the removal epoch the transaction read: what the lookup memo keeps after the
-    commit, so the next put or lookup of this prompt starts after them."""
+    """The chain prefix the put's transaction verified, at the removal epoch it read: what the
+    lookup memo keeps after the commit."""
 
     epoch: int
     walk: Walk
@@ -93,8 +82,8 @@ class Verified(NamedTuple):
 
 
 class Written(NamedTuple):
-    """What a committed put did, how many damaged records it replaced, and the store's stored
-    bytes as its transaction left them (what its eviction check compares with the capacity)."""
+    """What a committed put did, the damaged records it replaced, and the stored bytes it left (what
+    its eviction check compares with the capacity)."""
 
     result: PutResult
     replaced: int
@@ -106,9 +95,6 @@ Outcome = Written | Refusal
 
 
 class Blocks(NamedTuple):
-    """What writing a put's blocks did: the payloads written afresh (in order), how many blocks
-    were stored already, how many damaged records were replaced, and blocks 0..end-1 verified."""
-
     written: list[EncodedPayload]
     existed: int
     replaced: int
@@ -116,8 +102,6 @@ class Blocks(NamedTuple):
 
 
 class Writer:
-    """`put` and `put_state` of one store."""
-
     def __init__(self, ctx: StoreContext, tenancy: Tenancy, access: AccessTimes) -> None:
         self._ctx = ctx
         self._tenancy = tenancy
@@ -129,7 +113,6 @@ class Writer:
     def put(
         self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], first_block: int
     ) -> PutResult:
-        """See `Store.put`."""
         check_first_block(first_block)
         identity, _ = self._tenancy.namespace(identity, None)
         require_plain(identity, "put_state")
@@ -212,7 +195,6 @@ class Writer:
         upto_tokens: int | None,
         first_block: int,
     ) -> PutResult:
-        """See `Store.put_state`."""
         check_first_block(first_block)
         identity, _ = self._tenancy.namespace(identity, None)
         spec = require_hybrid(identity, "put")
@@ -297,9 +279,8 @@ class Writer:
     def _publish(
         self, body: Callable[[lmdb.Transaction], Outcome], tenant: str, chain: BlockChain
     ) -> PutResult:
-        """Run a put's write transaction (making room on a full map), remember the chain it
-        verified, then keep the store within its capacity and the tenant within its quota;
-        raise a refusal's error."""
+        """Run a put's transaction (making room on a full map), remember the verified chain, then
+        keep the store within capacity and the tenant within quota; raise a refusal's error."""
         outcome = self._with_room(lambda: self._commits.run(body))
         if isinstance(outcome, Refusal):
             if outcome.collided:
@@ -333,9 +314,8 @@ class Writer:
     def _with_room(self, write: Callable[[], Outcome]) -> Outcome:
         """Run the put; on a full map, make room and try again.
 
-        LMDB reuses the pages a transaction frees only once a later transaction has committed, so
-        right after a delete the map can look full although the space is there: first one small
-        settling commit, then eviction (to the low watermark) and a settling commit."""
+        LMDB reuses the pages a transaction frees only after a later commit, so right after a delete
+        the map can look full: first a small settling commit, then an eviction and another."""
         try:
             return write()
         except lmdb.MapFullError:
@@ -349,8 +329,6 @@ class Writer:
         return write()
 
     def _keep_within_limits(self, tenant: str, stored: int) -> None:
-        """Evict past the high watermark of the capacity (`stored` bytes, as the put left them),
-        or of the tenant's quota."""
         config = self._ctx.config
         high = config.high_watermark
         if stored > capacity_bytes(config) * high:
@@ -378,8 +356,7 @@ class Writer:
         now: int,
         known: VerifiedPrefix | None,
     ) -> Blocks | Refusal:
-        """Blocks first_block..end-1 of `chain` in `txn`: the ancestry checked, the identity
-        recorded, each block claimed, and those not stored yet written with `payload_of(index)`
+        """Check the ancestry, record the identity, claim each block and write those not stored yet
         (refused if a payload's stored bytes do not match its checksum)."""
         min_created = self._tenancy.min_created_ns(chain.identity)
         ancestry = self._check_ancestry(txn, chain, first_block, min_created, known)
@@ -414,8 +391,8 @@ class Writer:
     def _remembered(
         self, txn: lmdb.Transaction, chain: BlockChain, first_block: int
     ) -> VerifiedPrefix | None:
-        """The lookup memo's longest verified prefix of blocks 0..first_block-1, if any; the
-        chain takes its hashes, so only the put's own blocks are hashed."""
+        """The memo's longest verified prefix of blocks 0..first_block-1; the chain adopts its
+        hashes, so only the put's own blocks are hashed."""
         if not first_block:
             return None
         ctx = self._ctx
@@ -440,10 +417,8 @@ class Writer:
         min_created: int,
         known: VerifiedPrefix | None,
     ) -> Walk | Refusal:
-        """Blocks 0..first_block-1 of `chain`, stored and fresh, or the put's refusal. A prefix
-        the memo verified is trusted only if no block was removed since (the removal epoch is
-        read in this transaction) and it is still within its tenant's time to live; the walk
-        reads the rest, record by record."""
+        """Blocks 0..first_block-1, stored and fresh, or the put's refusal. A memo prefix is trusted
+        only at the removal epoch this transaction reads and within its time to live."""
         start = None
         if (
             known is not None
@@ -472,10 +447,10 @@ class Writer:
     def _claim_block(
         self, txn: lmdb.Transaction, chain: BlockChain, index: int, min_created: int
     ) -> tuple[BlockRecord | None, int] | Refusal:
-        """(block `index`'s record if it is stored already and matches, damaged records dropped).
+        """Block `index`'s record if stored and matching, and how many damaged records were dropped.
 
-        A damaged record, or one past its tenant's time to live, is removed with everything
-        below it so the block is written afresh; a hash owned by other tokens refuses the put."""
+        A damaged or expired record is removed with its subtree so the block is written afresh; a
+        hash owned by other tokens refuses the put."""
         ctx = self._ctx
         digest = chain.identity.digest
         h = chain.hash(index)
@@ -510,9 +485,8 @@ class Writer:
         payload: EncodedPayload,
         now: int,
     ) -> bool:
-        """Write block `index`'s record, chunks, index entry and access record (no counters);
-        False if the payload's stored bytes do not match its checksum (it changed while it was
-        written). A block of a hybrid identity has no payload of its own: its state is in parts."""
+        """Write the record, chunks, index entry and access record (not counters); False if the
+        stored bytes do not match the checksum (the payload changed while written)."""
         t = self._ctx.tables
         h = chain.hash(index)
         record = BlockRecord(
@@ -538,7 +512,6 @@ class Writer:
 
 
 def check_first_block(first_block: object) -> None:
-    """Refuse a `first_block` that is not a non-negative int (a bool is not one)."""
     if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
         raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
 
@@ -552,8 +525,7 @@ def _count(
     payload_bytes: int,
     stored_bytes: int,
 ) -> int:
-    """Add a put's blocks and bytes to the counters, in its own transaction; the store's stored
-    bytes now."""
+    """Add a put's blocks and bytes to the counters; return the store's stored bytes now."""
     counters.add(txn, t.counters, counters.BLOCKS, blocks)
     counters.add(txn, t.counters, counters.PARTS, parts)
     counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
@@ -564,9 +536,8 @@ def _count(
 
 
 def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> int:
-    """Write a payload's chunks under its owner's key (a block hash or a part key); return the
-    crc32c of the bytes LMDB holds now, each chunk read back right after it is written (while
-    it is in cache), which is what the payload's checksum must match."""
+    """Write a payload's chunks; return the crc32c of the bytes LMDB now holds (each chunk read back
+    while in cache), which must match the payload's checksum."""
     value = 0
     for n, chunk in enumerate(chunks):
         key = chunk_key(owner, n)

@@ -1,20 +1,7 @@
-"""Tenancy: which tenant owns each stored identity, share groups, quotas and times to live.
+"""Tenancy: share groups, quotas and times to live of one store.
 
-Where each lives:
-  * `TenantIndex` (prefixd.store.tenants): the tenant of an identity digest;
-  * `Tenancy.namespace`: a tenant of a share group stores and finds entries under the group's
-    namespace ("share:GROUP"), so the group's tenants share them and no one else does;
-  * `Tenancy.quota_of` / `tenant_bytes`: a tenant's quota and what counts against it (the
-    per-identity stored-bytes counters); a put over it evicts the tenant's leaves
-    (prefixd.store.put, prefixd.store.eviction);
-  * `Tenancy.min_created_ns` and friends: a tenant's time to live, as a creation-time cutoff the
-    walk and the gather apply (an expired block is a miss at once); eviction's `reclaim_expired`
-    frees them.
-
-Which digests are *live* is never remembered: it is read from the table each time, in the
-transaction that acts on it, so a purge, a retirement or an identity written since cannot leave
-quotas, totals or TTLs looking at a stale set.
-"""
+Which digests are live is never remembered: it is read in the transaction that acts on it, so a
+purge or an identity written since cannot leave quotas, totals or TTLs looking at a stale set."""
 
 from __future__ import annotations
 
@@ -39,15 +26,13 @@ if TYPE_CHECKING:
 
 
 class Tenancy:
-    """One store's tenancy settings, applied: share groups, quotas and times to live."""
-
     def __init__(self, ctx: StoreContext) -> None:
         self._ctx = ctx
         self.apply(ctx.config)
 
     def apply(self, config: StoreConfig) -> None:
-        """Take `config`'s share groups, quotas and times to live (at open, and when a daemon
-        reloads its settings). Each is replaced whole, so a reader sees the old or the new."""
+        """Take `config`'s share groups, quotas and times to live; each is replaced whole, so a
+        reader sees the old or the new."""
         self._ttl_s = parse_tenant_durations(config.tenant_ttls)
         self._quotas = parse_tenant_quotas(config.tenant_quotas)
         self._default_quota = config.tenant_quota_bytes
@@ -61,8 +46,8 @@ class Tenancy:
     # --- share groups ---------------------------------------------------------------------------
 
     def namespace(self, identity: Identity, hashes: bytes | None) -> tuple[Identity, bytes | None]:
-        """The identity entries are stored under: a tenant of a share group stores and finds
-        them under the group's namespace (and its own chain hashes do not apply there)."""
+        """The identity entries are stored under: a share group's tenants store them under the
+        group's namespace (where their own chain hashes do not apply)."""
         if identity.tenant.startswith(SHARE_PREFIX):
             raise IdentityError("tenant", f"names starting with {SHARE_PREFIX!r} are reserved")
         group = self._share_group.get(identity.tenant)
@@ -75,7 +60,6 @@ class Tenancy:
         return shared, None
 
     def stored_as(self, tenant: str) -> str:
-        """The tenant name `tenant`'s entries are stored under (its group's, in a share group)."""
         if tenant.startswith(SHARE_PREFIX):
             raise IdentityError("tenant", f"names starting with {SHARE_PREFIX!r} are reserved")
         group = self._share_group.get(tenant)
@@ -88,17 +72,14 @@ class Tenancy:
         return self._quotas.get(tenant, self._default_quota)
 
     def tenant_bytes(self, tenant: str) -> int:
-        """Stored bytes of every identity of `tenant` (what its quota limits)."""
         with self._ctx.env.begin() as txn:
             return self.stored_bytes(txn, self._ctx.tenants.digests_of(txn, tenant))
 
     def stored_bytes(self, txn: lmdb.Transaction, digests: set[bytes]) -> int:
-        """Stored bytes of these identities, as `txn` sees them."""
         db = self._ctx.tables.counters
         return sum(counters.read(txn, db, counters.identity_stored(d)) for d in digests)
 
     def tenant_totals(self) -> dict[str, dict[str, int]]:
-        """Stored blocks and bytes per tenant (from the per-identity counters)."""
         ctx = self._ctx
         totals: dict[str, dict[str, int]] = {}
         with ctx.env.begin() as txn:
@@ -122,7 +103,6 @@ class Tenancy:
 
     @property
     def expires(self) -> bool:
-        """Whether any tenant has a time to live."""
         return bool(self._ttl_s)
 
     def ttl_cutoff_ns(self, tenant: str, now_ns: int) -> int:
@@ -130,7 +110,6 @@ class Tenancy:
         return now_ns - int(ttl * 1e9) if ttl else 0
 
     def min_created_for(self, txn: lmdb.Transaction, digest: bytes) -> int:
-        """`min_created_ns` of the identity with this digest, as `txn` sees it."""
         if not self._ttl_s:
             return 0
         tenant = self._ctx.tenants.tenant_of(txn, digest) or ""
