@@ -1,7 +1,4 @@
-"""A full consistency check of a store that reports every problem it finds, not just the first.
-
-`Store.check` runs it in-process; prefixd.store.check_process runs it in a child (which survives
-LMDB aborting on a damaged page); prefixd.store.check_report formats what it found."""
+"""A full consistency check that reports every problem, not just the first."""
 
 from __future__ import annotations
 
@@ -35,7 +32,6 @@ def check(
     verify_payloads: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> list[Problem]:
-    """`check_store` over an open store, in one read transaction (writers go on meanwhile)."""
     with ctx.env.begin(buffers=True) as txn:
         return check_store(txn, ctx.tables, verify_payloads=verify_payloads, progress=progress)
 
@@ -47,8 +43,8 @@ def check_store(
     verify_payloads: bool,
     progress: Callable[[int], None] | None = None,
 ) -> list[Problem]:
-    """Walk every table in one read transaction and list each inconsistency. `progress` is told
-    how many block records were checked, every 1024 and at the end."""
+    """Every inconsistency, in one read transaction; `progress` is told how many block records were
+    checked."""
     problems: list[Problem] = []
     raw_meta = txn.get(META_KEY, db=t.meta)
     if raw_meta is None:
@@ -173,7 +169,7 @@ def _check_parts(
     *,
     verify_payloads: bool,
 ) -> dict[bytes, PartRecord]:
-    """Check every state-group part; return the sound ones that hang on a stored block, by key."""
+    """Check every part; return the sound ones hung on a stored block, by key."""
     sound: dict[bytes, PartRecord] = {}
     if t.parts is None:
         return sound

@@ -1,7 +1,5 @@
-"""What is derived from the block records, rebuilt from the sound ones: the children index, the
-access records, chunks and parts that belong to no block, and every counter (a repair, and the
-check after a failed fsync, end with it).
-"""
+"""What is derived from the sound block records (children index, access records, stray chunks and
+parts, counters), rebuilt by a repair and by the recheck after a failed fsync."""
 
 from __future__ import annotations
 
@@ -19,8 +17,6 @@ from prefixd.store.tables import Tables, children_key, records_after
 
 @dataclass(frozen=True)
 class Rebuilt:
-    """What the rebuild changed, by kind."""
-
     children: int = 0
     access: int = 0
     chunks: int = 0
@@ -33,7 +29,6 @@ class Rebuilt:
 
 
 def rebuild_derived(txn: lmdb.Transaction, t: Tables, now_ns: int) -> Rebuilt:
-    """Rebuild everything that follows from the sound block records; return what changed."""
     # the caller quarantines damaged records before rebuilding
     records = {h: r for h, r in records_after(txn, t, None) if r is not None}
     parts = _drop_stray_parts(txn, t, records)
@@ -132,7 +127,6 @@ def _rebuild_counters(
     records: dict[bytes, BlockRecord],
     parts: dict[bytes, PartRecord],
 ) -> int:
-    """Set every inventory counter to what the tables hold; return how many were wrong."""
     wanted: Counter[bytes] = Counter()
     for record in records.values():
         wanted[counters.BLOCKS] += 1

@@ -1,17 +1,9 @@
 """Joint prefixes of hybrid identities: where every state group is complete at once.
 
-A hybrid identity's blocks are the lookup index (hash blocks of `block_tokens`); its state lives in
-part records hung on those blocks (prefixd.schema.state):
-
-  * a paged group's page covers `page_blocks` blocks and hangs on the page's first block;
-  * a checkpoint hangs on the block that ends at its boundary.
-
-A boundary b (in blocks) is reusable when the chain is stored up to b, every paged group has the
-pages that cover blocks 0..b-1, and every stored checkpoint group has a checkpoint at b. The answer
-is the largest such b: never a boundary at which any group is missing or damaged. A put is checked
-here, before any transaction, so an open page or an unclosed boundary is refused with nothing
-written.
-"""
+A paged group's page hangs on its first block, a checkpoint on the block ending at its boundary. A
+boundary is reusable when the chain is stored up to it, every paged group covers it and every stored
+checkpoint group has a checkpoint there; the answer is the largest. A put is checked here before any
+transaction, so nothing is written for a refused one."""
 
 from __future__ import annotations
 
@@ -30,7 +22,6 @@ from prefixd.store.results import JointMatch, PartRef
 
 
 def require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
-    """The identity's state spec; IdentityError naming `plain_method` if it has none."""
     if identity.state is None:
         raise IdentityError(
             "state", f"is not set: an identity without state groups uses {plain_method}"
@@ -39,16 +30,14 @@ def require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
 
 
 def require_plain(identity: Identity, hybrid_method: str) -> None:
-    """A hybrid identity's blocks carry no payload of their own; the plain calls would report a
-    prefix that no state group backs (a partial hit), so they refuse it."""
+    """The plain calls would report a prefix no state group backs (a partial hit), so they refuse a
+    hybrid identity."""
     if identity.state is not None:
         raise IdentityError("state", f"is set: an identity with state groups uses {hybrid_method}")
 
 
 @dataclass(frozen=True)
 class PlannedPart:
-    """A payload a put will store: group index, the block index it hangs on, its bytes."""
-
     group: int
     block_index: int
     view: memoryview
@@ -63,8 +52,8 @@ def joint_match(
     hashes: Sequence[bytes],
     damaged: list[bytes],
 ) -> JointMatch:
-    """Find the joint boundary over the stored chain `hashes` (block 0 first). Part records that
-    fail verification are appended to `damaged` (by block) and count as missing."""
+    """The joint boundary over the stored chain `hashes`; parts that fail verification go to
+    `damaged` (by block) and count as missing."""
     get = txn.cursor(db=parts_db).get
     found: dict[tuple[int, int], PartRecord] = {}
 
@@ -147,10 +136,8 @@ def plan_put(
     paged: Mapping[str, Sequence[Any]],
     checkpoints: Mapping[str, Mapping[int, Any]],
 ) -> list[PlannedPart]:
-    """Check a put of blocks [first_block, end_block) with these payloads against the spec and
-    return the parts it stores. Raises OpenTailError for state that is not closed (a page that
-    does not end within the put, a checkpoint off a block boundary) and PayloadError for any
-    other mismatch; nothing has been written when either is raised."""
+    """The parts a put of blocks [first_block, end_block) stores, checked against the spec:
+    OpenTailError for state that is not closed, PayloadError for any other mismatch."""
     groups = {g.name: (gi, g) for gi, g in enumerate(spec)}
     for name in (*paged, *checkpoints):
         if name not in groups:
@@ -241,7 +228,6 @@ def _plan_checkpoints(
 
 
 def _required_boundaries(group: StateGroup, block_tokens: int, first: int, end: int) -> set[int]:
-    """Boundaries of the new blocks at which the group's policy promises a checkpoint."""
     new = range((first + 1) * block_tokens, end * block_tokens + 1, block_tokens)
     if group.policy == "full":
         return set(new)
@@ -255,7 +241,6 @@ def _boundary_sort(value: object) -> int:
 
 
 def part_bytes(txn: lmdb.Transaction, parts_db: lmdb._Database | None, block: bytes) -> int:
-    """Stored bytes of every part hung on `block` (0 for a block of a plain identity)."""
     if parts_db is None:
         return 0
     cursor = txn.cursor(db=parts_db)

@@ -1,14 +1,8 @@
-"""The lookup memo: prefixes a walk has verified, kept in memory so a repeated lookup skips
-re-reading them (a cache of the read path, unrelated to `prefixd verify`).
+"""The lookup memo: prefixes a walk verified, so a repeated lookup skips re-reading them.
 
-An engine looks up the same long prompts again and again. A walk that verified blocks 0..n-1 of a
-chain (identity, parent links and token ids, record by record) is remembered under its last block's
-hash with a copy of those token ids. A later query is served from it only if its identity is the
-same, its token ids start with exactly those bytes (one memcmp), and no block has been removed from
-the store since: every removal, in any process, bumps the store's removal epoch in the same
-transaction. Blocks are immutable while they exist (one owner), so nothing else can invalidate it.
-The walk then continues from block n as usual, so blocks added since are found too.
-"""
+An entry is served only if its identity matches, the query's token ids start with its bytes, and no
+block was removed since (every removal bumps the removal epoch in its own transaction). Blocks are
+immutable while they exist, so nothing else can invalidate it."""
 
 from __future__ import annotations
 
@@ -35,14 +29,13 @@ class VerifiedPrefix:
     oldest_created_ns: int  # entries of a tenant with a time to live expire with their oldest block
 
     def walk(self) -> Walk:
-        """A walk that found this prefix, for `walk_chain` to go on from."""
         return Walk(
             list(self.hashes), list(self.payload_sizes), oldest_created_ns=self.oldest_created_ns
         )
 
 
 class VerifiedPrefixes:
-    """A bounded LRU of verified prefixes (bounded by the bytes of token ids it holds)."""
+    """A bounded LRU of verified prefixes (bounded by the memory they take)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -79,7 +72,6 @@ class VerifiedPrefixes:
     def _valid(
         self, key: bytes, chain: BlockChain, epoch: int, limit: int, min_created_ns: int
     ) -> VerifiedPrefix | None:
-        """The entry under `key` if it is a verified prefix of `chain` (call under the lock)."""
         entry = self._entries.get(key)
         if (
             entry is None
@@ -97,8 +89,8 @@ class VerifiedPrefixes:
     def find_whole(
         self, identity_digest: bytes, closed: np.ndarray, epoch: int, min_created_ns: int = 0
     ) -> VerifiedPrefix | None:
-        """The remembered prefix that is exactly these closed blocks' token ids (a '<u4' array,
-        possibly a view of memory a client shares: it is read, never kept), still valid."""
+        """The entry that is exactly these closed blocks' token ids, still valid; `closed` may be a
+        client's shared memory, read, never kept."""
         if not self.max_bytes or not self._entries:
             return None
         raw = closed.data.cast("B")
@@ -129,9 +121,8 @@ class VerifiedPrefixes:
         oldest_created_ns: int,
         replacing: bytes | None = None,
     ) -> None:
-        """Keep a prefix a walk verified (blocks 0..len(hashes)-1 of `chain`). `replacing`: the
-        last hash of the shorter prefix it grew from (a put that extended it), dropped so that a
-        prompt growing block by block holds one entry, not one per length."""
+        """Keep a prefix a walk verified. `replacing`: the last hash of the prefix it grew from,
+        dropped so a prompt growing block by block holds one entry."""
         if not self.max_bytes or not hashes:
             return
         if replacing is not None and replacing != hashes[-1]:
@@ -172,7 +163,6 @@ _ENTRY_COST = 512
 
 
 def _cost(tokens: bytes | memoryview, hashes: Sequence[bytes]) -> int:
-    """The memory an entry really takes, so `max_bytes` bounds the process's memory."""
     return len(tokens) + _BLOCK_COST * len(hashes) + _ENTRY_COST
 
 

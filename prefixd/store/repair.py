@@ -1,9 +1,5 @@
-"""Putting a store's indexes and counters back in line with its block records (`verify --fix`).
-
-`repair` checks the store, then in one write transaction quarantines the blocks whose record,
-payload, parts, parent or identity fail the check (each with everything below it, as a failed
-read would) and rebuilds what is derived from the records that are left (prefixd.store.derived).
-"""
+"""`repair` (`verify --fix`): quarantine in one write transaction the blocks a check condemns, each
+with its subtree, and rebuild what derives from the records left."""
 
 from __future__ import annotations
 
@@ -32,8 +28,6 @@ def repair(
     *,
     progress: Callable[[int], None] | None = None,
 ) -> RepairReport:
-    """Check (unless given the `problems` a check found), quarantine every block a problem
-    condemns and rebuild what is derived, in one write transaction; then check again."""
     if problems is None:
         problems = check(ctx, progress=progress)
     condemned = {

@@ -200,6 +200,3 @@ def _fsync_directory(path: Path) -> None:
         log.warning("fsync of the directory %s failed: %s", path, exc)
     finally:
         os.close(fd)
-
-
-__all__ = ["SYNC_MARKER", "SyncFailure", "SyncState", "read_marker"]

@@ -114,6 +114,3 @@ class Tenancy:
             return 0
         tenant = self._ctx.tenants.tenant_of(txn, digest) or ""
         return self.ttl_cutoff_ns(tenant, self._ctx.clock.time_ns())
-
-
-__all__ = ["Tenancy"]
