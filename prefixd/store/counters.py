@@ -6,6 +6,8 @@ import struct
 
 import lmdb
 
+from prefixd.store.tables import prefixed
+
 _U64 = struct.Struct("<q")
 
 BLOCKS = b"blocks"
@@ -45,15 +47,8 @@ def identity_blocks(digest: bytes) -> bytes:
 
 
 def read_prefixed(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> dict[bytes, int]:
-    found = {}
-    cursor = txn.cursor(db=db)
-    if cursor.set_range(prefix):
-        for key, raw in cursor:
-            key = bytes(key)
-            if not key.startswith(prefix):
-                break
-            found[key[len(prefix) :]] = _U64.unpack(bytes(raw))[0]
-    return found
+    found = prefixed(txn.cursor(db=db), prefix)
+    return {key[len(prefix) :]: _U64.unpack(bytes(raw))[0] for key, raw in found}
 
 
 def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:

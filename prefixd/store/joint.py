@@ -19,6 +19,7 @@ from prefixd.schema.records import PartRecord, part_key
 from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec
 from prefixd.store.codec import payload_view
 from prefixd.store.results import JointMatch, PartRef
+from prefixd.store.tables import decoded_part, prefixed
 
 
 def require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
@@ -243,15 +244,5 @@ def _boundary_sort(value: object) -> int:
 def part_bytes(txn: lmdb.Transaction, parts_db: lmdb._Database | None, block: bytes) -> int:
     if parts_db is None:
         return 0
-    cursor = txn.cursor(db=parts_db)
-    total = 0
-    if not cursor.set_range(block):
-        return 0
-    for key, raw in cursor:
-        if bytes(key[: len(block)]) != block:
-            break
-        try:
-            total += PartRecord.decode(raw).stored_size
-        except CorruptRecordError:
-            continue
-    return total
+    parts = (decoded_part(raw) for _, raw in prefixed(txn.cursor(db=parts_db), block))
+    return sum(part.stored_size for part in parts if part is not None)

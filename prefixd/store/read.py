@@ -26,7 +26,7 @@ from prefixd.schema.records import (
 from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
-from prefixd.store.codec import Deadline, StoredPayload, chunks_present
+from prefixd.store.codec import Deadline, StoredPayload
 from prefixd.store.joint import joint_match, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import (
@@ -47,7 +47,7 @@ from prefixd.store.results import (
     ReadResult,
     StateLoad,
 )
-from prefixd.store.tables import decoded, parent_key
+from prefixd.store.tables import decoded, decoded_part, parent_key, payload_chunks, prefixed
 from prefixd.store.walk import Walk, walk_chain
 
 if TYPE_CHECKING:
@@ -308,24 +308,11 @@ class Reader:
         offset = 0
         for part in match.parts:
             key = part_key(part.block, groups[part.group])
-            raw = txn.get(key, db=t.parts)
-            record: PartRecord | None = None
-            chunks: list[memoryview | None] | None = None
-            if raw is not None:
-                try:
-                    record = PartRecord.decode(raw)
-                except CorruptRecordError:
-                    record = None
-                if record is not None and record.payload_size == part.payload_size:
-                    chunks = [
-                        txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)
-                    ]
-            if (
-                record is None
-                or chunks is None
-                or not chunks_present(chunks)
-                or (sum(c.nbytes for c in chunks) != record.stored_size)
-            ):
+            record = decoded_part(txn.get(key, db=t.parts))
+            chunks = None
+            if record is not None and record.payload_size == part.payload_size:
+                chunks = payload_chunks(txn, t, key, record)
+            if record is None or chunks is None:
                 damaged.append(part.block)
                 return ()
             end = offset + part.payload_size
@@ -379,25 +366,15 @@ class Reader:
         if t.parts is None:
             return (), False
         found: list[tuple[int, bytearray, StoredPayload]] = []
-        cursor = txn.cursor(db=t.parts)
-        if cursor.set_range(block):
-            for stored_key, raw in cursor:
-                key = bytes(stored_key)
-                if key[: len(block)] != block:
-                    break
-                try:
-                    record = PartRecord.decode(raw)
-                except CorruptRecordError:
-                    return None, True
-                if len(key) != len(block) + 1 or record.group != key[-1]:
-                    return None, True
-                chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)]
-                if not chunks_present(chunks) or (
-                    sum(c.nbytes for c in chunks) != record.stored_size
-                ):
-                    return None, True
-                out = bytearray(record.payload_size)
-                found.append((record.group, out, self._payload(record, chunks, memoryview(out))))
+        for key, raw in prefixed(txn.cursor(db=t.parts), block):
+            record = decoded_part(raw)
+            if record is None or len(key) != len(block) + 1 or record.group != key[-1]:
+                return None, True
+            chunks = payload_chunks(txn, t, key, record)
+            if chunks is None:
+                return None, True
+            out = bytearray(record.payload_size)
+            found.append((record.group, out, self._payload(record, chunks, memoryview(out))))
         items = [item for _, _, item in found]
         n_ok = ctx.codec.decode_verified(items, ctx.copier)
         if n_ok < len(items):

@@ -17,14 +17,14 @@ import lmdb
 
 from prefixd.errors import CorruptRecordError, CorruptStoreError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
-from prefixd.schema.records import BlockRecord, PartRecord, chunk_key
+from prefixd.schema.records import BlockRecord, PartRecord
 from prefixd.store import quarantine
-from prefixd.store.codec import checksum, chunks_present
+from prefixd.store.codec import checksum
 from prefixd.store.derived import rebuild_derived
 from prefixd.store.lmdb_errors import DAMAGE
 from prefixd.store.removal import remove_subtree
 from prefixd.store.sync_state import SyncFailure
-from prefixd.store.tables import Tables
+from prefixd.store.tables import Tables, payload_chunks
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -126,10 +126,8 @@ def _failing(
 def _payload_sound(
     txn: lmdb.Transaction[memoryview], t: Tables, key: bytes, record: BlockRecord | PartRecord
 ) -> bool:
-    chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)]
-    if not chunks_present(chunks) or sum(len(c) for c in chunks) != record.stored_size:
-        return False
-    return checksum(chunks) == record.checksum
+    chunks = payload_chunks(txn, t, key, record)
+    return chunks is not None and checksum(chunks) == record.checksum
 
 
 def _quarantine(ctx: StoreContext, condemned: dict[bytes, str]) -> tuple[int, bool]:

@@ -13,7 +13,7 @@ import lmdb
 from prefixd.errors import CorruptRecordError
 from prefixd.schema.records import PartRecord
 from prefixd.store import counters
-from prefixd.store.tables import Tables, children_key, decoded
+from prefixd.store.tables import Tables, children_key, decoded, prefixed
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -92,14 +92,7 @@ def delete(ctx: StoreContext, hashes: Iterable[bytes]) -> int:
 
 
 def _chunk_bytes(txn: lmdb.Transaction, t: Tables, prefix: bytes) -> int:
-    cursor = txn.cursor(db=t.chunks)
-    total = 0
-    if cursor.set_range(prefix):
-        for key, value in cursor:
-            if bytes(key[: len(prefix)]) != prefix:
-                break
-            total += len(value)
-    return total
+    return sum(len(value) for _, value in prefixed(txn.cursor(db=t.chunks), prefix))
 
 
 def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import lmdb
 
 from prefixd.errors import CorruptRecordError, IdentityError
 from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import BlockRecord
+from prefixd.schema.records import BlockRecord, PartRecord, chunk_key
 
+_V = TypeVar("_V", bound=bytes | memoryview)
 META_KEY = b"meta"
 TABLE_NAMES = (
     "meta",
@@ -77,6 +79,36 @@ def decoded(raw: bytes | memoryview) -> BlockRecord | None:
         return BlockRecord.decode(raw)
     except CorruptRecordError:
         return None
+
+
+def decoded_part(raw: bytes | memoryview | None) -> PartRecord | None:
+    """The part record `raw` encodes; None when absent or too damaged to decode."""
+    try:
+        return None if raw is None else PartRecord.decode(raw)
+    except CorruptRecordError:
+        return None
+
+
+def payload_chunks(
+    txn: lmdb.Transaction[_V], tables: Tables, key: bytes, record: BlockRecord | PartRecord
+) -> list[_V] | None:
+    """The chunks of the payload stored under `key`; None if one is missing or they do not add
+    up to the record's stored size."""
+    chunks = [txn.get(chunk_key(key, n), db=tables.chunks) for n in range(record.n_chunks)]
+    present = [c for c in chunks if c is not None]
+    if len(present) < len(chunks) or sum(len(c) for c in present) != record.stored_size:
+        return None
+    return present
+
+
+def prefixed(cursor: lmdb.Cursor[_V], prefix: bytes) -> Iterator[tuple[bytes, _V]]:
+    """The cursor's entries whose keys start with `prefix`, in key order."""
+    if cursor.set_range(prefix):
+        for stored_key, value in cursor:
+            key = bytes(stored_key)
+            if not key.startswith(prefix):
+                return
+            yield key, value
 
 
 def stored_record(txn: lmdb.Transaction, tables: Tables, h: bytes) -> BlockRecord | None:
