@@ -11,12 +11,7 @@ import lmdb
 from prefixd.errors import CorruptRecordError, StoreOpenError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.meta import StoreMeta
-from prefixd.schema.records import (
-    AccessRecord,
-    BlockRecord,
-    PartRecord,
-    chunk_key,
-)
+from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord, chunk_key
 from prefixd.store import counters
 from prefixd.store.codec import checksum, chunks_present
 from prefixd.store.results import Problem

@@ -18,10 +18,7 @@ _PROGRESS = "progress "
 
 
 def run_check(
-    path: Path,
-    *,
-    verify_payloads: bool = True,
-    progress: Callable[[int], None] | None = None,
+    path: Path, *, verify_payloads: bool = True, progress: Callable[[int], None] | None = None
 ) -> list[Problem]:
     """What `Store.check` would list, found by a child; a child killed by the damage is itself a
     problem (kind "pages")."""

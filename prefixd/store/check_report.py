@@ -16,11 +16,7 @@ MAX_LISTED = 1000  # problems listed one by one; the counts by kind cover all of
 
 
 def verify_report(
-    blocks: int,
-    parts: int,
-    *,
-    problems: Sequence[Problem] = (),
-    fixed: RepairReport | None = None,
+    blocks: int, parts: int, *, problems: Sequence[Problem] = (), fixed: RepairReport | None = None
 ) -> dict[str, Any]:
     """What a check found, or what a repair (`fixed`) found, did and left, listed the same way."""
     found = fixed.problems if fixed is not None else problems
@@ -39,11 +35,7 @@ def verify_report(
 
 
 def verify(
-    store: Store,
-    *,
-    fix: bool,
-    payloads: bool,
-    progress: Callable[[int], None] | None = None,
+    store: Store, *, fix: bool, payloads: bool, progress: Callable[[int], None] | None = None
 ) -> dict[str, Any]:
     """Check `store` in a child process (LMDB may abort on a damaged page) and, with `fix`, repair
     what a repair can mend (checking payloads then); damaged pages are left as they are."""

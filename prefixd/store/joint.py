@@ -180,12 +180,7 @@ def _plan_pages(
 
 
 def _plan_checkpoints(
-    gi: int,
-    group: StateGroup,
-    block_tokens: int,
-    first: int,
-    end: int,
-    given: Mapping[int, Any],
+    gi: int, group: StateGroup, block_tokens: int, first: int, end: int, given: Mapping[int, Any]
 ) -> list[PlannedPart]:
     if not isinstance(given, Mapping):
         raise PayloadError(f"state group {group.name!r}: checkpoints must map boundary -> payload")

@@ -16,13 +16,7 @@ import numpy as np
 from prefixd.errors import CorruptRecordError, DestinationError, TokenError
 from prefixd.schema.chain import HASH_BYTES, BlockChain
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import (
-    AccessRecord,
-    BlockRecord,
-    PartRecord,
-    chunk_key,
-    part_key,
-)
+from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord, chunk_key, part_key
 from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters

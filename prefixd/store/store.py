@@ -503,10 +503,7 @@ class Store:
 
     @_translated("the check", writing=False)
     def check(
-        self,
-        *,
-        verify_payloads: bool = True,
-        progress: Callable[[int], None] | None = None,
+        self, *, verify_payloads: bool = True, progress: Callable[[int], None] | None = None
     ) -> list[Problem]:
         """Every inconsistency in the store; empty means healthy. One read transaction: writers go
         on."""
