@@ -147,8 +147,6 @@ class PayloadCodec:
         self._lock = threading.Lock()
         self._local = threading.local()
 
-    # --- encoding ------------------------------------------------------------------------------
-
     def encode(self, payload: memoryview) -> EncodedPayload:
         """Chunk, maybe compress, and checksum a payload. Compression saving less than `min_gain` is
         dropped: stored raw, the payload loads at copy speed."""
@@ -200,8 +198,6 @@ class PayloadCodec:
             compressor = zstandard.ZstdCompressor(level=self.level)
             self._local.compressor = compressor
         return compressor
-
-    # --- decoding ------------------------------------------------------------------------------
 
     def decode_verified(
         self,

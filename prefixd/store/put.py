@@ -108,8 +108,6 @@ class Writer:
         self._access = access  # for the evictions a put sets off
         self._commits: CommitQueue[Outcome] = CommitQueue(ctx, _refused)
 
-    # --- plain identities -----------------------------------------------------------------------
-
     def put(
         self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], first_block: int
     ) -> PutResult:
@@ -165,8 +163,6 @@ class Writer:
         encoded: dict[int, EncodedPayload],
         known: VerifiedPrefix | None,
     ) -> Outcome:
-        t = self._ctx.tables
-        digest = chain.identity.digest
         end = first_block + len(views)
 
         def payload_of(index: int) -> EncodedPayload:
@@ -177,14 +173,7 @@ class Writer:
         )
         if isinstance(blocks, Refusal):
             return blocks
-        payload_bytes = sum(p.payload_size for p in blocks.written)
-        stored_bytes = sum(p.stored_size for p in blocks.written)
-        total = _count(txn, t, digest, len(blocks.written), 0, payload_bytes, stored_bytes)
-        hashes = tuple(chain.hash(i) for i in range(first_block, end))
-        result = PutResult(len(blocks.written), blocks.existed, hashes)
-        return Written(result, blocks.replaced, self._verified(txn, blocks, known), total)
-
-    # --- hybrid identities: state groups --------------------------------------------------------
+        return self._written(txn, chain, range(first_block, end), blocks, known, [])
 
     def put_state(
         self,
@@ -240,13 +229,12 @@ class Writer:
     ) -> Outcome:
         t = self._ctx.tables
         assert t.parts is not None
-        digest = chain.identity.digest
         now = self._ctx.clock.time_ns()
         # a block of a hybrid identity has no payload of its own: its state is in parts
         blocks = self._write_blocks(txn, chain, first_block, end, lambda index: None, now, known)
         if isinstance(blocks, Refusal):
             return blocks
-        parts = payload_bytes = stored_bytes = 0
+        parts: list[EncodedPayload] = []
         for part, payload in zip(planned, encoded):
             key = part_key(chain.hash(part.block_index), part.group)
             if txn.get(key, db=t.parts) is not None:
@@ -265,16 +253,8 @@ class Writer:
             txn.put(key, record.encode(), db=t.parts)
             if _put_chunks(txn, t, key, payload.chunks) != payload.checksum:
                 return _changed(f"the part of block {part.block_index}")
-            parts += 1
-            payload_bytes += payload.payload_size
-            stored_bytes += payload.stored_size
-        stored = len(blocks.written)
-        total = _count(txn, t, digest, stored, parts, payload_bytes, stored_bytes)
-        hashes = tuple(chain.hash(i) for i in range(first_block, end))
-        result = PutResult(stored, blocks.existed, hashes, parts)
-        return Written(result, blocks.replaced, self._verified(txn, blocks, known), total)
-
-    # --- one put's transaction ------------------------------------------------------------------
+            parts.append(payload)
+        return self._written(txn, chain, range(first_block, end), blocks, known, parts)
 
     def _publish(
         self, body: Callable[[lmdb.Transaction], Outcome], tenant: str, chain: BlockChain
@@ -344,8 +324,6 @@ class Writer:
         with self._ctx.env.begin(write=True) as txn:
             counters.add(txn, self._ctx.tables.counters, counters.SETTLES, 1)
 
-    # --- ancestry and claims --------------------------------------------------------------------
-
     def _write_blocks(
         self,
         txn: lmdb.Transaction,
@@ -403,11 +381,35 @@ class Writer:
             chain.adopt(known.hashes)
         return known
 
-    def _verified(
-        self, txn: lmdb.Transaction, blocks: Blocks, known: VerifiedPrefix | None
-    ) -> Verified:
-        epoch = counters.read(txn, self._ctx.tables.counters, counters.REMOVALS)
-        return Verified(epoch, blocks.verified, known.hashes[-1] if known is not None else None)
+    def _written(
+        self,
+        txn: lmdb.Transaction,
+        chain: BlockChain,
+        indexes: range,
+        blocks: Blocks,
+        known: VerifiedPrefix | None,
+        parts: list[EncodedPayload],
+    ) -> Written:
+        """Add the put's blocks and parts to the counters in its own transaction; what it did."""
+        t = self._ctx.tables
+        digest = chain.identity.digest
+        payloads = blocks.written + parts
+        stored_bytes = sum(p.stored_size for p in payloads)
+        for name, delta in (
+            (counters.BLOCKS, len(blocks.written)),
+            (counters.PARTS, len(parts)),
+            (counters.PAYLOAD_BYTES, sum(p.payload_size for p in payloads)),
+            (counters.STORED_BYTES, stored_bytes),
+            (counters.identity_stored(digest), stored_bytes),
+            (counters.identity_blocks(digest), len(blocks.written)),
+        ):
+            counters.add(txn, t.counters, name, delta)
+        hashes = tuple(chain.hash(i) for i in indexes)
+        result = PutResult(len(blocks.written), blocks.existed, hashes, len(parts))
+        epoch = counters.read(txn, t.counters, counters.REMOVALS)
+        verified = Verified(epoch, blocks.verified, known.hashes[-1] if known else None)
+        total = counters.read(txn, t.counters, counters.STORED_BYTES)
+        return Written(result, blocks.replaced, verified, total)
 
     def _check_ancestry(
         self,
@@ -514,25 +516,6 @@ class Writer:
 def check_first_block(first_block: object) -> None:
     if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
         raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
-
-
-def _count(
-    txn: lmdb.Transaction,
-    t: Tables,
-    digest: bytes,
-    blocks: int,
-    parts: int,
-    payload_bytes: int,
-    stored_bytes: int,
-) -> int:
-    """Add a put's blocks and bytes to the counters; return the store's stored bytes now."""
-    counters.add(txn, t.counters, counters.BLOCKS, blocks)
-    counters.add(txn, t.counters, counters.PARTS, parts)
-    counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
-    counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
-    counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
-    counters.add(txn, t.counters, counters.identity_blocks(digest), blocks)
-    return counters.read(txn, t.counters, counters.STORED_BYTES)
 
 
 def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> int:

@@ -59,8 +59,6 @@ class Reader:
         self._access = access
         self.memo = ctx.memo
 
-    # --- plain identities -----------------------------------------------------------------------
-
     def longest_prefix(
         self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
     ) -> PrefixMatch:
@@ -215,8 +213,6 @@ class Reader:
             next_size,
         )
 
-    # --- hybrid identities: state groups --------------------------------------------------------
-
     def lookup_state(
         self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
     ) -> JointMatch:
@@ -326,8 +322,6 @@ class Reader:
         items.clear()
         return tuple(offsets)
 
-    # --- single blocks --------------------------------------------------------------------------
-
     def export_block(self, block: bytes) -> ExportedBlock | None:
         ctx = self._ctx
         bad: list[Damaged] = []
@@ -397,8 +391,6 @@ class Reader:
             max(stored.last_ns, pending_at),
             stored.hits + pending_hits,
         )
-
-    # --- walking and gathering ------------------------------------------------------------------
 
     def _walk(self, txn: lmdb.Transaction, chain: BlockChain, limit: int) -> Walk:
         """`walk_chain`, starting after the longest prefix verified earlier and still valid."""

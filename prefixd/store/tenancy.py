@@ -43,8 +43,6 @@ class Tenancy:
         }
         self._shared: dict[Identity, Identity] = {}
 
-    # --- share groups ---------------------------------------------------------------------------
-
     def namespace(self, identity: Identity, hashes: bytes | None) -> tuple[Identity, bytes | None]:
         """The identity entries are stored under: a share group's tenants store them under the
         group's namespace (where their own chain hashes do not apply)."""
@@ -64,8 +62,6 @@ class Tenancy:
             raise IdentityError("tenant", f"names starting with {SHARE_PREFIX!r} are reserved")
         group = self._share_group.get(tenant)
         return tenant if group is None else SHARE_PREFIX + group
-
-    # --- quotas ---------------------------------------------------------------------------------
 
     def quota_of(self, tenant: str) -> int:
         """The tenant's quota in stored bytes (0: none)."""
@@ -94,8 +90,6 @@ class Tenancy:
                 tenant["blocks"] += n_blocks
                 tenant["stored_bytes"] += n_bytes
         return totals
-
-    # --- times to live --------------------------------------------------------------------------
 
     def min_created_ns(self, identity: Identity) -> int:
         """Blocks created before this are past the tenant's time to live (0: no limit)."""
