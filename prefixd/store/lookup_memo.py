@@ -6,9 +6,10 @@ immutable while they exist, so nothing else can invalidate it."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,33 +57,39 @@ class VerifiedPrefixes:
         digest = chain.identity.digest
         closed = memoryview(chain.token_bytes)[: limit * chain.block_tokens * 4]
         content = _content_key(digest, closed)
+
+        def fits(entry: VerifiedPrefix) -> bool:
+            return len(entry.hashes) <= limit and chain.token_bytes.startswith(entry.tokens)
+
+        # the exact entry, else a shorter remembered prefix (a shared system prompt, say) under
+        # its last block's hash, the longest first
+        shorter = (chain.hash(index) for index in range(limit - 1, -1, -1))
         with self._lock:
-            exact = self._by_content.get(content)
-            if exact is not None:
-                entry = self._valid(exact, chain, epoch, limit, min_created_ns)
-                if entry is not None:
-                    return entry
-            # a shorter remembered prefix (a shared system prompt, say): its last block's hash
-            for index in range(limit - 1, -1, -1):  # the longest first
-                entry = self._valid(chain.hash(index), chain, epoch, limit, min_created_ns)
+            for key in itertools.chain([self._by_content.get(content)], shorter):
+                entry = self._valid(key, digest, epoch, min_created_ns, fits)
                 if entry is not None:
                     return entry
         return None
 
     def _valid(
-        self, key: bytes, chain: BlockChain, epoch: int, limit: int, min_created_ns: int
+        self,
+        key: bytes | None,
+        digest: bytes,
+        epoch: int,
+        min_created_ns: int,
+        fits: Callable[[VerifiedPrefix], bool],
     ) -> VerifiedPrefix | None:
-        entry = self._entries.get(key)
+        """The entry under `key` if it is still valid and `fits` the query (call under the lock)."""
+        entry = self._entries.get(key) if key is not None else None
         if (
             entry is None
             or entry.epoch != epoch
             or entry.oldest_created_ns < min_created_ns
-            or entry.identity != chain.identity.digest
-            or len(entry.hashes) > limit
-            or not chain.token_bytes.startswith(entry.tokens)
+            or entry.identity != digest
+            or not fits(entry)
         ):
             return None
-        self._entries.move_to_end(key)
+        self._entries.move_to_end(entry.hashes[-1])
         self.hits += 1
         return entry
 
@@ -95,22 +102,13 @@ class VerifiedPrefixes:
             return None
         raw = closed.data.cast("B")
         content = _content_key(identity_digest, raw)
+
+        def fits(entry: VerifiedPrefix) -> bool:  # one memcmp (equal lengths: equal bytes)
+            return len(entry.tokens) == closed.nbytes and entry.tokens.startswith(raw)
+
         with self._lock:
             key = self._by_content.get(content)
-            entry = self._entries.get(key) if key is not None else None
-            if (
-                key is None
-                or entry is None
-                or entry.epoch != epoch
-                or entry.oldest_created_ns < min_created_ns
-                or entry.identity != identity_digest
-                or len(entry.tokens) != closed.nbytes
-                or not entry.tokens.startswith(raw)  # one memcmp (equal lengths: equal bytes)
-            ):
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return entry
+            return self._valid(key, identity_digest, epoch, min_created_ns, fits)
 
     def remember(
         self,
