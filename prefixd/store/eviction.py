@@ -16,8 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import lmdb
 
@@ -53,8 +52,7 @@ def capacity_bytes(config: StoreConfig) -> int:
     return config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):  # a tuple: the heap compares them in C
     score: float
     block: bytes
     parent_key: bytes
@@ -91,14 +89,6 @@ def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int, token
     return rate * tokens / max(1, record.stored_size)
 
 
-def score(
-    policy: str, record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int
-) -> float:
-    if policy == "lru":
-        return float(access.last_ns)
-    return value_per_byte(record, access, now_ns, tokens)
-
-
 class VictimQueue:
     """Leaves by ascending score; a parent joins once its last child is gone."""
 
@@ -119,7 +109,7 @@ class VictimQueue:
         self._policy = policy
         self._now = now_ns
         self._tokens = TokensPerBlock(txn, tables.identities)
-        self._heap: list[tuple[float, bytes, bytes, int]] = []
+        self._heap: list[Candidate] = []
         children = txn.cursor(db=tables.children)
         for key, value in txn.cursor(db=tables.blocks):
             block = bytes(key)
@@ -127,9 +117,7 @@ class VictimQueue:
                 continue  # has descendants: not a leaf
             candidate = self._candidate(block, value)
             if candidate is not None:
-                self._heap.append(
-                    (candidate.score, block, candidate.parent_key, candidate.stored_size)
-                )
+                self._heap.append(candidate)
         heapq.heapify(self._heap)
 
     def _candidate(self, block: bytes, raw: bytes | memoryview) -> Candidate | None:
@@ -145,13 +133,14 @@ class VictimQueue:
         # a hybrid identity's block holds its bytes in parts (its record's own payload is empty)
         stored = record.stored_size + part_bytes(self._txn, self._t.parts, block)
         record = record._replace(stored_size=stored)
-        value = score(self._policy, record, access, self._now, self._tokens.of(record))
+        if self._policy == "lru":
+            return Candidate(float(access.last_ns), block, parent_key, stored)
+        value = value_per_byte(record, access, self._now, self._tokens.of(record))
         return Candidate(value, block, parent_key, stored)
 
     def __iter__(self) -> Iterator[Candidate]:
         while self._heap:
-            value, block, parent_key, size = heapq.heappop(self._heap)
-            yield Candidate(value, block, parent_key, size)
+            yield heapq.heappop(self._heap)
 
     def parent_freed(self, parent_key: bytes) -> None:
         children = self._txn.cursor(db=self._t.children)
@@ -162,10 +151,7 @@ class VictimQueue:
             return  # an identity digest (the root's key), or already gone
         candidate = self._candidate(parent_key, raw)
         if candidate is not None:
-            heapq.heappush(
-                self._heap,
-                (candidate.score, parent_key, candidate.parent_key, candidate.stored_size),
-            )
+            heapq.heappush(self._heap, candidate)
 
 
 def evict(
