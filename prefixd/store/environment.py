@@ -79,33 +79,26 @@ def open_environment(
             readonly=readonly,
             mode=0o640,
         )
-    except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
-        if not had_lock:  # leave a directory that is not a store as it was
-            lock_file.unlink(missing_ok=True)
-        if not isinstance(exc, lmdb.VersionMismatchError) and _has_lmdb_magic(data_file):
-            raise CorruptStoreError(
-                f"{data_file} is an LMDB file whose meta pages are damaged; restore it from a "
-                "backup, or delete the directory and let the cache refill"
-            ) from None
-        kind = (
-            "of another LMDB version"
-            if isinstance(exc, lmdb.VersionMismatchError)
-            else "not an LMDB file"
-        )
-        raise NotAStoreError(f"{data_file} is {kind}") from None
     except lmdb.Error as exc:
-        if _has_lmdb_magic(data_file):
+        mismatch = isinstance(exc, lmdb.VersionMismatchError)
+        foreign = mismatch or isinstance(exc, (lmdb.InvalidError, lmdb.CorruptedError))
+        if foreign and not had_lock:  # leave a directory that is not a store as it was
+            lock_file.unlink(missing_ok=True)
+        if not mismatch and _has_lmdb_magic(data_file):
             raise CorruptStoreError(
-                f"{data_file} is an LMDB file whose meta pages are damaged ({exc}); restore it "
-                "from a backup, or delete the directory and let the cache refill"
+                f"{data_file} is an LMDB file whose meta pages are damaged"
+                f"{'' if foreign else f' ({exc})'}; restore it from a backup, or delete the "
+                "directory and let the cache refill"
             ) from None
-        raise StoreOpenError(f"cannot open {path}: {exc}") from None
+        if not foreign:
+            raise StoreOpenError(f"cannot open {path}: {exc}") from None
+        kind = "of another LMDB version" if mismatch else "not an LMDB file"
+        raise NotAStoreError(f"{data_file} is {kind}") from None
     try:
-        if not creating:
-            _check_whole(env, data_file)
         if creating:
             tables, meta = _create(env, now_ns())
         else:
+            _check_whole(env, data_file)
             tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
     except lmdb.Error as exc:  # a damaged page met while reading the tables or the meta record
         env.close()
@@ -214,17 +207,14 @@ def _open_tables(
 ) -> Tables:
     handles: dict[str, lmdb._Database] = {"meta": meta_db}
     for name in TABLE_NAMES[1:]:
-        if version < _TABLE_SINCE.get(name, 0):
-            # an older store, opened to be migrated: the step to that version needs the table
-            # (a read-only view, without a transaction, goes without it: None in Tables)
-            if txn is not None:
-                handles[name] = env.open_db(
-                    name.encode(), txn=txn, create=True, dupsort=name in _DUPSORT
-                )
+        # a table an older store lacks is created when it is opened to be migrated (the step to
+        # that version needs it); a read-only view, without a transaction, goes without it
+        added = version < _TABLE_SINCE.get(name, 0)
+        if added and txn is None:
             continue
         try:
             handles[name] = env.open_db(
-                name.encode(), txn=txn, create=False, dupsort=name in _DUPSORT
+                name.encode(), txn=txn, create=added, dupsort=name in _DUPSORT
             )
         except lmdb.NotFoundError:
             raise CorruptStoreError(f"{path} lacks the {name!r} table") from None
