@@ -115,6 +115,8 @@ class Store:
             env.close()
             raise
         self._pid = os.getpid()
+        threads = config.verify_threads
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="prefixd-verify") if threads else None
         self._ctx = StoreContext(
             config=config,
             env=env,
@@ -127,20 +129,12 @@ class Store:
                 min_gain=config.min_compression_gain,
                 chunk_bytes=config.chunk_bytes,
             ),
-            pool=(
-                ThreadPoolExecutor(config.verify_threads, thread_name_prefix="prefixd-verify")
-                if config.verify_threads
-                else None
-            ),
+            pool=pool,
             tenants=TenantIndex(tables.identities),
             tallies=Tallies(),
             syncs=SyncState(config.path, clock),
             data_file=data_file,
-            copier=(
-                FairPool(config.verify_threads, name="prefixd-verify")
-                if config.verify_threads
-                else None
-            ),
+            copier=FairPool(threads, name="prefixd-verify") if threads else None,
         )
         self._tenancy = Tenancy(self._ctx)
         self._access = AccessTimes(self._ctx)
