@@ -100,20 +100,19 @@ class CommitQueue(Generic[T]):
     def _commit(self, group: list[_Queued[T]]) -> bool:
         """Run the group in one transaction and commit; False (nothing written) if a body refused or
         anything failed."""
-        ctx = self._ctx
-        journaled = Journaled(ctx.journals)
-        txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's pages
-        try:
+
+        def run_all(txn: lmdb.Transaction) -> bool:  # whether a body refused
             for item in group:
                 item.outcome = item.body(txn)
                 if self._aborts(item.outcome):
-                    raise _Refused
-            txn.commit()
-        except BaseException:  # noqa: BLE001 - aborted, then raised again
-            txn.abort()
-            journaled.done(committed=False)
+                    return True
             return False
-        journaled.done(committed=True)
+
+        try:
+            if transact(self._ctx, run_all, bool):
+                return False
+        except BaseException:  # noqa: BLE001 - each put runs again alone, and raises in its thread
+            return False
         self.groups += 1
         for item in group:
             item.done = True
@@ -128,10 +127,6 @@ class CommitQueue(Generic[T]):
             except BaseException as exc:  # noqa: BLE001 - raised in the put's own thread, as if alone
                 item.error = exc
             item.done = True
-
-
-class _Refused(Exception):
-    """A body of the group refused its put: the group's transaction is aborted."""
 
 
 def transact(
