@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import lmdb
@@ -66,21 +66,11 @@ class PurgeSelector:
         return not any(getattr(identity, name) == kept for name, kept in self.keep.items())
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "tenant": self.tenant,
-            "model": self.model,
-            "keep": dict(self.keep),
-            "older_than_s": self.older_than_s,
-            "everything": self.everything,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"keep": dict(self.keep)}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> PurgeSelector:
         """From the wire form (describe()'s keys); ConfigError naming a bad field."""
-        known = {"tenant", "model", "keep", "older_than_s", "everything"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"purge: unknown field {unknown[0]!r}")
         checks = {
             "tenant": (str, type(None)),
             "model": (str, type(None)),
@@ -88,6 +78,9 @@ class PurgeSelector:
             "older_than_s": (int, float, type(None)),
             "everything": (bool,),
         }
+        unknown = sorted(set(values) - set(checks))
+        if unknown:
+            raise ConfigError(f"purge: unknown field {unknown[0]!r}")
         for name, kinds in checks.items():
             value = values.get(name)
             if name in values and (
@@ -97,13 +90,7 @@ class PurgeSelector:
         keep = values.get("keep") or {}
         if not all(isinstance(v, (str, type(None))) for v in keep.values()):
             raise ConfigError("purge: kept versions must be strings")
-        return cls(
-            tenant=values.get("tenant"),
-            model=values.get("model"),
-            keep=dict(keep),
-            older_than_s=values.get("older_than_s"),
-            everything=bool(values.get("everything", False)),
-        )
+        return cls(**{**values, "keep": dict(keep)})
 
 
 @dataclass(frozen=True)
@@ -194,17 +181,13 @@ def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelecto
 def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> tuple[str, ...]:
     """Which of the selector's tenant and model the store holds no identity of, so a typo is
     reported instead of zeros."""
-    if selector.tenant is None and selector.model is None:
-        return ()
-    tenant_known = model_known = False
-    for _digest, identity in readable_identities(txn, t):
-        if identity.tenant == selector.tenant:
-            tenant_known = True
-        if identity.model == selector.model and selector.tenant in (None, identity.tenant):
-            model_known = True
-    if selector.tenant is not None and not tenant_known:
+    found = [identity for _, identity in readable_identities(txn, t)]
+    tenant, model = selector.tenant, selector.model
+    if tenant is not None and all(identity.tenant != tenant for identity in found):
         return ("tenant",)  # a model of a tenant that is not there is not worth naming
-    if selector.model is not None and not model_known:
+    if model is not None and not any(
+        identity.model == model and tenant in (None, identity.tenant) for identity in found
+    ):
         return ("model",)
     return ()
 
