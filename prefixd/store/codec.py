@@ -263,7 +263,7 @@ class PayloadCodec:
         return "destination"
 
     def _decode_run(self, items: Sequence[StoredPayload], deadline: Deadline | None) -> int:
-        """Decode items in order; return how many did before one failed or the deadline stopped it."""
+        """Decode items in order; return how many did before one failed or the deadline hit."""
         copied = decompressed = from_file = 0
         started = time.perf_counter()
         done = 0

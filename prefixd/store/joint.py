@@ -90,33 +90,18 @@ def joint_match(
     replay = max((g.replay_tokens for g in spec if not g.stored), default=0)
     replay_from = max(0, reusable * block_tokens - replay) // block_tokens * block_tokens
     parts: list[PartRef] = []
+
+    def add(group: StateGroup, gi: int, block: int, first_token: int, tokens: int) -> None:
+        size = found[gi, block].payload_size
+        parts.append(PartRef(group.name, hashes[block], block, size, first_token, tokens))
+
     for gi, group in enumerate(spec):
         if group.kind == PAGED:
             span = group.page_blocks * block_tokens
             for start in range(0, reusable, group.page_blocks):
-                record = found[gi, start]
-                parts.append(
-                    PartRef(
-                        group.name,
-                        hashes[start],
-                        start,
-                        record.payload_size,
-                        start * block_tokens,
-                        span,
-                    )
-                )
+                add(group, gi, start, start * block_tokens, span)
         elif group.stored and reusable:
-            record = found[gi, reusable - 1]
-            parts.append(
-                PartRef(
-                    group.name,
-                    hashes[reusable - 1],
-                    reusable - 1,
-                    record.payload_size,
-                    reusable * block_tokens,
-                    0,
-                )
-            )
+            add(group, gi, reusable - 1, reusable * block_tokens, 0)
     return JointMatch(
         identity_digest,
         block_tokens,
@@ -195,8 +180,7 @@ def _plan_checkpoints(
                 f"state group {group.name!r}: a checkpoint at token {boundary} is past the last "
                 f"closed block boundary; only state at a multiple of {block_tokens} is stored"
             )
-        if not 0 < boundary <= end * block_tokens:
-            last = end * block_tokens
+        if not 0 < boundary <= (last := end * block_tokens):
             raise PayloadError(
                 f"state group {group.name!r}: boundary {boundary} is outside 1..{last}"
             )
@@ -205,14 +189,8 @@ def _plan_checkpoints(
                 f"state group {group.name!r}: policy 'periodic' stores only multiples of "
                 f"{group.period_tokens} tokens, not {boundary}"
             )
-        block = boundary // block_tokens - 1
-        planned.append(
-            PlannedPart(
-                gi,
-                block,
-                payload_view(payload, f"state group {group.name!r}: checkpoint at {boundary}"),
-            )
-        )
+        what = f"state group {group.name!r}: checkpoint at {boundary}"
+        planned.append(PlannedPart(gi, boundary // block_tokens - 1, payload_view(payload, what)))
     required = _required_boundaries(group, block_tokens, first, end)
     missing = sorted(required - set(given))
     if missing:

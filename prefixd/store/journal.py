@@ -111,7 +111,7 @@ class Journals:
 
     @contextmanager
     def writing(self, env: lmdb.Environment) -> Iterator[lmdb.Transaction]:
-        """`env.begin(write=True)` whose changes reach the observer once, and only if, it commits."""
+        """A write transaction whose changes reach the observer once, and only if, it commits."""
         journal = self.open()
         try:
             with env.begin(write=True) as txn:

@@ -51,7 +51,7 @@ class VerifiedPrefixes:
     def find(
         self, chain: BlockChain, epoch: int, limit: int, min_created_ns: int = 0
     ) -> VerifiedPrefix | None:
-        """The longest remembered prefix of `chain` (at most `limit` blocks) still valid at `epoch`."""
+        """The longest remembered prefix of `chain`, at most `limit` blocks, valid at `epoch`."""
         if not self.max_bytes or not self._entries:
             return None
         digest = chain.identity.digest

@@ -65,7 +65,7 @@ _NO_PAYLOAD = EncodedPayload(Compression.NONE, [], 0, 0, 0, 0)
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a put's transaction was aborted; a damaged block met on the way is quarantined after it."""
+    """Why a put's transaction was aborted; a damaged block it met is quarantined after it."""
 
     error: PutRefusedError
     collided: bool = False

@@ -441,7 +441,7 @@ class Store:
 
     @property
     def sync_failure(self) -> SyncFailure | None:
-        """The failed fsync that made this store refuse writes, or None (prefixd.store.sync_state)."""
+        """The failed fsync that made this store refuse writes, or None."""
         return self._ctx.syncs.failure
 
     @property
