@@ -476,13 +476,7 @@ class Reader:
 
     def _damaged_record(self, txn: lmdb.Transaction, h: bytes) -> bool:
         raw = txn.get(h, db=self._ctx.tables.blocks)
-        if raw is None:
-            return False
-        try:
-            BlockRecord.decode(raw)
-        except CorruptRecordError:
-            return True
-        return False
+        return raw is not None and decoded(raw) is None
 
 
 def _nothing(match: JointMatch) -> JointMatch:

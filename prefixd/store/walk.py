@@ -59,16 +59,10 @@ def walk_chain(
     verified: Walk | None = None,
     min_created_ns: int = 0,
 ) -> Walk:
-    """Follow `chain` from block 0 for at most `limit` blocks, going on after the blocks `verified`
-    already holds. A block created before `min_created_ns` (past its time to live) counts as
-    missing."""
-    walk = Walk()
-    if verified is not None:
-        walk = Walk(
-            list(verified.hashes),
-            list(verified.payload_sizes),
-            oldest_created_ns=verified.oldest_created_ns,
-        )
+    """Follow `chain` from block 0 for at most `limit` blocks, extending in place the walk
+    `verified` when given (blocks already verified). A block created before `min_created_ns` (past
+    its time to live) counts as missing."""
+    walk = Walk() if verified is None else verified
     get = txn.cursor(db=blocks_db).get
     size = record_bytes(chain.block_tokens)
     digest = np.frombuffer(chain.identity.digest, dtype="<u4")
