@@ -46,15 +46,12 @@ class Tenancy:
     def namespace(self, identity: Identity, hashes: bytes | None) -> tuple[Identity, bytes | None]:
         """The identity entries are stored under: a share group's tenants store them under the
         group's namespace (where their own chain hashes do not apply)."""
-        if identity.tenant.startswith(SHARE_PREFIX):
-            raise IdentityError("tenant", f"names starting with {SHARE_PREFIX!r} are reserved")
-        group = self._share_group.get(identity.tenant)
-        if group is None:
+        stored_as = self.stored_as(identity.tenant)
+        if stored_as == identity.tenant:
             return identity, hashes
         shared = self._shared.get(identity)
         if shared is None:
-            shared = dataclasses.replace(identity, tenant=SHARE_PREFIX + group)
-            self._shared[identity] = shared
+            shared = self._shared[identity] = dataclasses.replace(identity, tenant=stored_as)
         return shared, None
 
     def stored_as(self, tenant: str) -> str:
