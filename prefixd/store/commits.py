@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import lmdb
 
-from prefixd.store.journal import Journaled
-
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
 
@@ -134,22 +132,19 @@ def transact(
 ) -> T:
     """Run `body` in one write transaction: committed, or aborted if its outcome `aborts` (or on an
     exception), so a refused put leaves nothing behind and tells the observer nothing."""
-    journaled = Journaled(ctx.journals)
+    journal = ctx.journals.open()
+    committed = False
     txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
     try:
         outcome = body(txn)
+        if aborts(outcome):
+            txn.abort()
+        else:
+            txn.commit()
+            committed = True
     except BaseException:
         txn.abort()
-        journaled.done(committed=False)
         raise
-    if aborts(outcome):
-        txn.abort()
-        journaled.done(committed=False)
-    else:
-        try:
-            txn.commit()
-        except BaseException:
-            journaled.done(committed=False)
-            raise
-        journaled.done(committed=True)
+    finally:
+        ctx.journals.close(journal, committed=committed)
     return outcome

@@ -26,7 +26,6 @@ from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
 from prefixd.store.config import StoreConfig
 from prefixd.store.joint import part_bytes
-from prefixd.store.journal import Journaled
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
 from prefixd.store.tables import Tables, children_key, decoded, records_after
@@ -215,7 +214,7 @@ def _round(
     t = ctx.tables
     evicted = freed = 0
     victims: list[bytes] = []
-    journaled = Journaled(ctx.journals)  # what the round removed is told only if it commits
+    journal = ctx.journals.open()  # what the round removed is told only if it commits
     committed = False
     txn = ctx.env.begin(write=True)
     try:
@@ -248,5 +247,5 @@ def _round(
         txn.abort()
         raise
     finally:
-        journaled.done(committed=committed)
+        ctx.journals.close(journal, committed=committed)
     return evicted, freed

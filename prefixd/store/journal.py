@@ -1,8 +1,8 @@
 """What each write transaction stored and removed, told to the store's observer once it commits.
 
 KV events for routers must name exactly the blocks the store holds, so a change counts only when its
-transaction commits: every write path opens its transaction through `Journals.writing` (or
-`Journaled`), and the put path and `remove_subtree` note changes in this thread's journal. Without
+transaction commits: every write path opens its transaction through `Journals.writing` (or `open`
+and `close`), and the put path and `remove_subtree` note changes in this thread's journal. Without
 an observer nothing is noted."""
 
 from __future__ import annotations
@@ -120,17 +120,6 @@ class Journals:
             self.close(journal, committed=False)
             raise
         self.close(journal, committed=True)
-
-
-class Journaled:
-    """For a write path that commits or aborts by hand."""
-
-    def __init__(self, journals: Journals) -> None:
-        self._journals = journals
-        self._journal = journals.open()
-
-    def done(self, *, committed: bool) -> None:
-        self._journals.close(self._journal, committed=committed)
 
 
 def inventory(env: lmdb.Environment, tables: Tables, after: bytes, limit: int) -> list[BlockChange]:
