@@ -41,10 +41,10 @@ def repair(
             quarantined += remove_subtree(ctx, txn, block, reason="quarantined")
             quarantine.note(ctx, txn, block, f"verify: {kind} problem")
         rebuilt = rebuild_derived(txn, ctx.tables, ctx.clock.time_ns())
-    if quarantined or rebuilt.total:
+    if quarantined or rebuilt:
         log.warning(
             "repair quarantined %d block(s) and fixed %d index or counter entries",
             quarantined,
-            rebuilt.total,
+            rebuilt,
         )
-    return RepairReport(tuple(problems), quarantined, rebuilt.total, tuple(check(ctx)))
+    return RepairReport(tuple(problems), quarantined, rebuilt, tuple(check(ctx)))
