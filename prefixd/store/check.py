@@ -51,7 +51,7 @@ def check_store(
             problems.append(Problem("meta", str(exc)))
 
     records: dict[bytes, BlockRecord] = {}
-    totals: Counter[str] = Counter()
+    totals: Counter[bytes] = Counter()  # the inventory counters, as the tables hold them
     for n, (key, raw) in enumerate(txn.cursor(db=t.blocks), 1):
         if progress is not None and n % 1024 == 0:
             progress(1024)
@@ -64,9 +64,9 @@ def check_store(
         if len(h) != HASH_BYTES:
             problems.append(Problem("record", f"key is {len(h)} bytes, not {HASH_BYTES}", h))
         records[h] = record
-        totals["blocks"] += 1
-        totals["payload"] += record.payload_size
-        totals["stored"] += record.stored_size
+        totals[counters.BLOCKS] += 1
+        totals[counters.PAYLOAD_BYTES] += record.payload_size
+        totals[counters.STORED_BYTES] += record.stored_size
         chunks = [txn.get(chunk_key(h, n), db=t.chunks) for n in range(record.n_chunks)]
         if not chunks_present(chunks):
             problems.append(Problem("payload", "a payload chunk is missing", h))
@@ -140,18 +140,10 @@ def check_store(
         problems.append(Problem("counters", "per-identity block counts differ from the tables"))
 
     kept = counters.read_all(txn, t.counters)
-    for name, total in (
-        (counters.BLOCKS, totals["blocks"]),
-        (counters.PARTS, totals["parts"]),
-        (counters.PAYLOAD_BYTES, totals["payload"]),
-        (counters.STORED_BYTES, totals["stored"]),
-    ):
-        if kept[name] != total:
-            problems.append(
-                Problem(
-                    "counters", f"{name.decode()} counter is {kept[name]}, the tables hold {total}"
-                )
-            )
+    for name in (counters.BLOCKS, counters.PARTS, counters.PAYLOAD_BYTES, counters.STORED_BYTES):
+        if kept[name] != totals[name]:
+            detail = f"{name.decode()} counter is {kept[name]}, the tables hold {totals[name]}"
+            problems.append(Problem("counters", detail))
     return problems
 
 
@@ -159,7 +151,7 @@ def _check_parts(
     txn: lmdb.Transaction[memoryview],
     t: Tables,
     records: dict[bytes, BlockRecord],
-    totals: Counter[str],
+    totals: Counter[bytes],
     problems: list[Problem],
     *,
     verify_payloads: bool,
@@ -182,9 +174,9 @@ def _check_parts(
         if block not in records:
             problems.append(Problem("part", "part hangs on a block that is not stored", block))
             continue
-        totals["parts"] += 1
-        totals["payload"] += part.payload_size
-        totals["stored"] += part.stored_size
+        totals[counters.PARTS] += 1
+        totals[counters.PAYLOAD_BYTES] += part.payload_size
+        totals[counters.STORED_BYTES] += part.stored_size
         sound[key] = part
         chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(part.n_chunks)]
         if not chunks_present(chunks):
