@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from prefixd.clock import Clock, SystemClock
 from prefixd.errors import StoreClosedError
@@ -78,15 +78,21 @@ _R = TypeVar("_R")
 
 
 def _translated(
-    doing: str, *, writing: bool = True
+    doing: str, *, writing: bool = True, check: Literal["writable", "usable", "none"] | None = None
 ) -> Callable[[Callable[Concatenate[Store, _P], _R]], Callable[Concatenate[Store, _P], _R]]:
-    """Run a public method under `lmdb_errors`: an lmdb.Error leaves the store as the prefixd error
-    a caller can act on."""
+    """Run a public method under `lmdb_errors`, so an lmdb.Error leaves the store as the prefixd
+    error a caller can act on, after `check` (by default: writable for a write, usable for a read).
+    """
+    check = check or ("writable" if writing else "usable")
 
     def wrap(method: Callable[Concatenate[Store, _P], _R]) -> Callable[Concatenate[Store, _P], _R]:
         @functools.wraps(method)
         def run(self: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
             with lmdb_errors(self.config.path, self.config.map_size, doing, writing=writing):
+                if check == "writable":
+                    self._check_writable()
+                elif check == "usable":
+                    self._check_usable()
                 return method(self, *args, **kwargs)
 
         return run
@@ -185,7 +191,6 @@ class Store:
         with nothing written: an open block (OpenTailError), a missing parent chain
         (OrphanBlockError), a hash owned by other tokens (BlockCollisionError), a bad payload
         (PayloadError); after a failed fsync, SyncFailedError."""
-        self._check_writable()
         return self._writer.put(identity, token_ids, payloads, first_block)
 
     @_translated("the put")
@@ -205,7 +210,6 @@ class Store:
         page starting in that range) and `checkpoints[group]` (boundary -> payload, at a stored or
         put boundary of the same chain). Refused whole like `put`, and for state that is not closed
         (OpenTailError) or does not match the spec (PayloadError)."""
-        self._check_writable()
         return self._writer.put_state(
             identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
         )
@@ -213,7 +217,6 @@ class Store:
     @_translated("the delete")
     def delete(self, hashes: Iterable[bytes]) -> int:
         """Remove the given blocks and every block below them; return how many went."""
-        self._check_writable()
         return removal.delete(self._ctx, hashes)
 
     # --- reading -------------------------------------------------------------------------------
@@ -227,7 +230,6 @@ class Store:
         A block whose tokens, parent or identity differ from the query's (a hash collision) is a
         miss and is counted. Payloads are not read: `load`/`read_into` verify them. `hashes`: the
         chain hashes packed back to back, when the caller has them."""
-        self._check_usable()
         return self._reader.longest_prefix(identity, token_ids, hashes)
 
     @_translated("the lookup", writing=False)
@@ -237,7 +239,6 @@ class Store:
         """`longest_prefix`, with the answer's blocks held from eviction until `unpin`. The prefix
         is read again after pinning, so a block an eviction round took meanwhile is neither answered
         nor left pinned."""
-        self._check_usable()
         found = self._reader.longest_prefix(identity, token_ids, hashes)
         pins = self._ctx.pins
         pins.hold(found.hashes)
@@ -277,7 +278,6 @@ class Store:
     ) -> list[PrefixMatch] | None:
         """`cached_prefix` of each query, all or none: None (and nothing counted) unless memory
         answers every one."""
-        self._check_usable()
         return self._reader.cached_prefixes(identity, queries)
 
     @_translated("the read", writing=False)
@@ -286,10 +286,9 @@ class Store:
 
         Only the first `n_blocks` of the result were verified. Destination bytes of a failed block
         are zeroed, never left half-written with unverified data."""
-        self._check_usable()
         return self._reader.read_into(match, dests)
 
-    @_translated("the load", writing=False)
+    @_translated("the load", writing=False, check="none")
     def load(
         self,
         identity: Identity,
@@ -316,7 +315,6 @@ class Store:
     def hottest(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix[bytes]]:
         """The tenant's most valuable prefixes whose payloads fit in `budget_bytes`: what to bring
         back first after a restart (prefixd.store.warmup)."""
-        self._check_usable()
         return warmup.hottest(self._ctx, self._tenancy, self._access, budget_bytes, tenant, limit)
 
     @_translated("the listing", writing=False)
@@ -325,7 +323,6 @@ class Store:
     ) -> tuple[list[ListedBlock], bytes | None]:
         """A page of the tenant's stored blocks after the cursor `after`, and the next page's cursor
         (None when none follows)."""
-        self._check_usable()
         stored_as = self._tenancy.stored_as(tenant)
         return listing.list_blocks(self._ctx, tenant, stored_as, after, limit)
 
@@ -335,7 +332,6 @@ class Store:
     ) -> JointMatch:
         """The longest boundary at which every state group of a hybrid identity is complete
         (prefixd.store.joint). Reads part records, not payloads: `load_state` verifies those."""
-        self._check_usable()
         return self._reader.lookup_state(identity, token_ids, hashes)
 
     @_translated("the load", writing=False)
@@ -352,29 +348,26 @@ class Store:
         (in `match.parts` order). A failing payload is quarantined and the answer worked out again,
         so it is always a consistent boundary. Past `deadline` the answer is a miss: a state needs
         every group. DestinationError if `out` is too small."""
-        self._check_usable()
         return self._reader.load_state(identity, token_ids, out, hashes, deadline)
 
     @_translated("the export", writing=False)
     def export_block(self, block: bytes) -> ExportedBlock | None:
         """A stored block's record and verified payload, to publish it elsewhere; None if it is not
         stored (or fails verification, and is quarantined)."""
-        self._check_usable()
         return self._reader.export_block(block)
 
     @_translated("the block lookup", writing=False)
     def block_info(self, block: bytes) -> BlockInfo | None:
-        self._check_usable()
         return self._reader.block_info(block)
 
     # --- tenants --------------------------------------------------------------------------------
 
-    @_translated("the count", writing=False)
+    @_translated("the count", writing=False, check="none")
     def tenant_bytes(self, tenant: str) -> int:
         """Stored bytes of every identity of `tenant` (what its quota limits)."""
         return self._tenancy.tenant_bytes(tenant)
 
-    @_translated("the count", writing=False)
+    @_translated("the count", writing=False, check="none")
     def tenant_totals(self) -> dict[str, dict[str, int]]:
         return self._tenancy.tenant_totals()
 
@@ -390,19 +383,17 @@ class Store:
     ) -> EvictionReport:
         """Evict leaves, lowest value per byte first, down to `target_bytes` (default: the
         capacity's low watermark); with `tenant`, only its blocks and bytes count."""
-        self._check_writable()
         return eviction.evict(self._ctx, self._tenancy, self._access, target_bytes, tenant)
 
-    @_translated("the reclaim")
+    @_translated("the reclaim", check="usable")
     def reclaim_expired(self) -> int:
         """Remove the blocks past their tenant's time to live (lookups already skip them). None go
         after a failed fsync: nothing more is written then, and no caller sees a difference."""
-        self._check_usable()
         if self._ctx.syncs.failure is not None:
             return 0
         return eviction.reclaim_expired(self._ctx, self._tenancy)
 
-    @_translated("the purge")
+    @_translated("the purge", check="none")
     def purge(
         self,
         selector: PurgeSelector,
@@ -449,16 +440,14 @@ class Store:
         """When (store clock, ns) the last good fsync began; 0 if none did."""
         return self._ctx.syncs.last_good_ns
 
-    @_translated("the compaction")
+    @_translated("the compaction", check="usable")
     def compact_to(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Write a compacted, consistent copy of the store into an empty `directory`."""
-        self._check_usable()
         self._access.sync()
         return copy_compacted(self._ctx.env, self.path, Path(directory), self.config.map_size)
 
     @_translated("the stats", writing=False)
     def stats(self) -> StoreStats:
-        self._check_usable()
         ctx = self._ctx
         with ctx.env.begin() as txn:
             totals = counters.read_all(txn, ctx.tables.counters)
@@ -501,7 +490,6 @@ class Store:
     ) -> list[Problem]:
         """Every inconsistency in the store; empty means healthy. One read transaction: writers go
         on."""
-        self._check_usable()
         return check.check(self._ctx, verify_payloads=verify_payloads, progress=progress)
 
     @_translated("the repair")
@@ -513,7 +501,6 @@ class Store:
     ) -> RepairReport:
         """Quarantine every block a problem condemns (checking first unless given `problems`) and
         rebuild indexes and counters, in one transaction; report what remains."""
-        self._check_writable()
         return repair.repair(self._ctx, problems, progress=progress)
 
     def apply_tenancy(self, config: StoreConfig) -> None:
