@@ -40,12 +40,10 @@ def verify(
     """Check `store` in a child process (LMDB may abort on a damaged page) and, with `fix`, repair
     what a repair can mend (checking payloads then); damaged pages are left as they are."""
     problems = run_check(store.path, verify_payloads=payloads or fix, progress=progress)
-    if fix and not any(p.kind == "pages" for p in problems):
-        repaired = store.repair(problems)
-        stats = store.stats()
-        return verify_report(stats.blocks, stats.parts, fixed=repaired)
+    fixed = None
+    if fix and any(p.kind == "pages" for p in problems):  # a repair cannot mend it: left as it is
+        fixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
+    elif fix:
+        fixed = store.repair(problems)
     stats = store.stats()
-    if fix:  # damage a repair cannot mend: nothing is changed
-        unfixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
-        return verify_report(stats.blocks, stats.parts, fixed=unfixed)
-    return verify_report(stats.blocks, stats.parts, problems=problems)
+    return verify_report(stats.blocks, stats.parts, problems=problems, fixed=fixed)
