@@ -45,7 +45,7 @@ from prefixd.store import counters, quarantine
 from prefixd.store.codec import EncodedPayload, payload_view
 from prefixd.store.commits import CommitQueue
 from prefixd.store.eviction import capacity_bytes, evict
-from prefixd.store.joint import PlannedPart, plan_put, require_hybrid, require_plain
+from prefixd.store.joint import plan_put, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import Damaged
 from prefixd.store.removal import remove_subtree
@@ -148,32 +148,18 @@ class Writer:
             )
         )
 
+        def payload_of(index: int) -> EncodedPayload:
+            return encoded.get(index) or ctx.codec.encode(views[index - first_block])
+
         def body(txn: lmdb.Transaction) -> Outcome:
             remembered = known if compressed else self._remembered(txn, chain, first_block)
-            return self._put_txn(txn, chain, first_block, views, encoded, remembered)
+            now = ctx.clock.time_ns()
+            blocks = self._write_blocks(txn, chain, first_block, end, payload_of, now, remembered)
+            if isinstance(blocks, Refusal):
+                return blocks
+            return self._written(txn, chain, range(first_block, end), blocks, remembered, [])
 
         return self._publish(body, identity.tenant, chain)
-
-    def _put_txn(
-        self,
-        txn: lmdb.Transaction,
-        chain: BlockChain,
-        first_block: int,
-        views: list[memoryview],
-        encoded: dict[int, EncodedPayload],
-        known: VerifiedPrefix | None,
-    ) -> Outcome:
-        end = first_block + len(views)
-
-        def payload_of(index: int) -> EncodedPayload:
-            return encoded.get(index) or self._ctx.codec.encode(views[index - first_block])
-
-        blocks = self._write_blocks(
-            txn, chain, first_block, end, payload_of, self._ctx.clock.time_ns(), known
-        )
-        if isinstance(blocks, Refusal):
-            return blocks
-        return self._written(txn, chain, range(first_block, end), blocks, known, [])
 
     def put_state(
         self,
@@ -189,15 +175,10 @@ class Writer:
         spec = require_hybrid(identity, "put")
         chain = BlockChain(identity, token_ids)
         bt = chain.block_tokens
-        upto = len(chain.tokens) if upto_tokens is None else upto_tokens
-        if (
-            isinstance(upto, bool)
-            or not isinstance(upto, int)
-            or not 0 <= upto <= len(chain.tokens)
-        ):
-            raise PayloadError(
-                f"upto_tokens must be an int in 0..{len(chain.tokens)}, got {upto!r}"
-            )
+        n_tokens = len(chain.tokens)
+        upto = n_tokens if upto_tokens is None else upto_tokens
+        if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= n_tokens:
+            raise PayloadError(f"upto_tokens must be an int in 0..{n_tokens}, got {upto!r}")
         if upto % bt:
             raise OpenTailError(
                 f"{upto} tokens end inside block {upto // bt} ({upto % bt} of {bt} tokens): only "
@@ -211,50 +192,40 @@ class Writer:
         encoded = ctx.codec.encode_many([part.view for part in planned], ctx.pool)
         with ctx.env.begin(buffers=True) as txn:
             known = self._remembered(txn, chain, first_block)
-        return self._publish(
-            lambda txn: self._put_state_txn(txn, chain, first_block, end, planned, encoded, known),
-            identity.tenant,
-            chain,
-        )
 
-    def _put_state_txn(
-        self,
-        txn: lmdb.Transaction,
-        chain: BlockChain,
-        first_block: int,
-        end: int,
-        planned: list[PlannedPart],
-        encoded: list[EncodedPayload],
-        known: VerifiedPrefix | None,
-    ) -> Outcome:
-        t = self._ctx.tables
-        assert t.parts is not None
-        now = self._ctx.clock.time_ns()
-        # a block of a hybrid identity has no payload of its own: its state is in parts
-        blocks = self._write_blocks(txn, chain, first_block, end, lambda index: None, now, known)
-        if isinstance(blocks, Refusal):
-            return blocks
-        parts: list[EncodedPayload] = []
-        for part, payload in zip(planned, encoded):
-            key = part_key(chain.hash(part.block_index), part.group)
-            if txn.get(key, db=t.parts) is not None:
-                continue  # a part is written once, like a block
-            record = PartRecord(
-                payload.compression,
-                part.group,
-                part.block_index,
-                payload.chunk_bytes,
-                len(payload.chunks),
-                payload.checksum,
-                payload.payload_size,
-                payload.stored_size,
-                now,
+        def body(txn: lmdb.Transaction) -> Outcome:
+            t = ctx.tables
+            assert t.parts is not None
+            now = ctx.clock.time_ns()
+            # a block of a hybrid identity has no payload of its own: its state is in parts
+            blocks = self._write_blocks(
+                txn, chain, first_block, end, lambda index: None, now, known
             )
-            txn.put(key, record.encode(), db=t.parts)
-            if _put_chunks(txn, t, key, payload.chunks) != payload.checksum:
-                return _changed(f"the part of block {part.block_index}")
-            parts.append(payload)
-        return self._written(txn, chain, range(first_block, end), blocks, known, parts)
+            if isinstance(blocks, Refusal):
+                return blocks
+            parts: list[EncodedPayload] = []
+            for part, payload in zip(planned, encoded):
+                key = part_key(chain.hash(part.block_index), part.group)
+                if txn.get(key, db=t.parts) is not None:
+                    continue  # a part is written once, like a block
+                record = PartRecord(
+                    payload.compression,
+                    part.group,
+                    part.block_index,
+                    payload.chunk_bytes,
+                    len(payload.chunks),
+                    payload.checksum,
+                    payload.payload_size,
+                    payload.stored_size,
+                    now,
+                )
+                txn.put(key, record.encode(), db=t.parts)
+                if _put_chunks(txn, t, key, payload.chunks) != payload.checksum:
+                    return _changed(f"the part of block {part.block_index}")
+                parts.append(payload)
+            return self._written(txn, chain, range(first_block, end), blocks, known, parts)
+
+        return self._publish(body, identity.tenant, chain)
 
     def _publish(
         self, body: Callable[[lmdb.Transaction], Outcome], tenant: str, chain: BlockChain
