@@ -27,11 +27,9 @@ class Pins:
         with self.lock:
             held = self._held
             for h in hashes:
-                left = held.get(h, 0) - 1
-                if left > 0:
-                    held[h] = left
-                else:
-                    held.pop(h, None)
+                held[h] -= 1
+                if held[h] <= 0:
+                    del held[h]
 
     def held(self, block: bytes) -> bool:
         return block in self._held

@@ -70,11 +70,6 @@ def met_by_walk(walk: Walk, chain: BlockChain) -> Damaged | None:
 def damaged_parts(
     damaged: Sequence[bytes], chain: BlockChain, found: Sequence[bytes]
 ) -> list[Damaged]:
-    index = {h: i for i, h in enumerate(found)}
     digest = chain.identity.digest
-    out = []
-    for h in dict.fromkeys(damaged):
-        i = index[h]
-        parent = found[i - 1] if i else digest
-        out.append(Damaged(h, parent, digest, BAD_PART))
-    return out
+    parents = dict(zip(found, [digest, *found]))
+    return [Damaged(h, parents[h], digest, BAD_PART) for h in dict.fromkeys(damaged)]
