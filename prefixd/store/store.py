@@ -184,13 +184,11 @@ class Store:
         *,
         first_block: int = 0,
     ) -> PutResult:
-        """Publish blocks `first_block .. first_block + len(payloads) - 1` of `token_ids`
-        atomically.
-
-        `token_ids` holds the whole prefix from the first token (the chain needs it). Refused whole,
-        with nothing written: an open block (OpenTailError), a missing parent chain
-        (OrphanBlockError), a hash owned by other tokens (BlockCollisionError), a bad payload
-        (PayloadError); after a failed fsync, SyncFailedError."""
+        """Publish blocks `first_block ..` of `token_ids` (the whole prefix from its first token),
+        one per payload, atomically. Refused whole, with nothing written: an open block
+        (OpenTailError), a missing parent chain (OrphanBlockError), a hash owned by other tokens
+        (BlockCollisionError), a bad payload (PayloadError); after a failed fsync, SyncFailedError.
+        """
         return self._writer.put(identity, token_ids, payloads, first_block)
 
     @_translated("the put")
@@ -204,12 +202,10 @@ class Store:
         upto_tokens: int | None = None,
         first_block: int = 0,
     ) -> PutResult:
-        """Publish the state of a hybrid identity's prefix, every group in one transaction.
-
-        Blocks `first_block .. upto_tokens / block_tokens - 1` with `paged[group]` (one payload per
-        page starting in that range) and `checkpoints[group]` (boundary -> payload, at a stored or
-        put boundary of the same chain). Refused whole like `put`, and for state that is not closed
-        (OpenTailError) or does not match the spec (PayloadError)."""
+        """Publish a hybrid identity's state up to `upto_tokens` in one transaction: `paged[group]`
+        (one payload per page starting in the put's blocks) and `checkpoints[group]` (boundary ->
+        payload, at a stored or put boundary). Refused whole like `put`, and for state not closed
+        (OpenTailError) or not matching the spec (PayloadError)."""
         return self._writer.put_state(
             identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
         )
@@ -225,11 +221,9 @@ class Store:
     def longest_prefix(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch:
-        """The longest run of stored blocks from the first, compared token by token.
-
-        A block whose tokens, parent or identity differ from the query's (a hash collision) is a
-        miss and is counted. Payloads are not read: `load`/`read_into` verify them. `hashes`: the
-        chain hashes packed back to back, when the caller has them."""
+        """The longest run of stored blocks from the first, compared token by token; a hash
+        collision is a counted miss. Payloads are not read: `load`/`read_into` verify them.
+        `hashes`: the chain hashes packed back to back, when the caller has them."""
         return self._reader.longest_prefix(identity, token_ids, hashes)
 
     @_translated("the lookup", writing=False)
@@ -282,10 +276,9 @@ class Store:
 
     @_translated("the read", writing=False)
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
-        """Verify block i's payload and write it into `dests[i]`, in order, copying once.
-
-        Only the first `n_blocks` of the result were verified. Destination bytes of a failed block
-        are zeroed, never left half-written with unverified data."""
+        """Verify block i's payload and write it into `dests[i]`, in order, copying once. Only the
+        first `n_blocks` verified; a failed block's destination is zeroed, never left half-written.
+        """
         return self._reader.read_into(match, dests)
 
     @_translated("the load", writing=False, check="none")
@@ -300,11 +293,9 @@ class Store:
         first_block: int = 0,
         deadline: float | None = None,
     ) -> LoadResult:
-        """Find the longest prefix and write its verified payloads back to back into `out`.
-
-        Loads as many blocks from `first_block` on as fit (at most `max_blocks`), in one read
-        transaction. Past `deadline` (the store clock's monotonic seconds) it answers the blocks
-        verified so far: a shorter hit, counted in `deadline_cutoffs`."""
+        """Find the longest prefix and write its verified payloads from `first_block` on, back to
+        back, into `out` (as many as fit, at most `max_blocks`), in one read transaction. Past
+        `deadline` (store clock, monotonic s) the blocks verified so far answer: a shorter hit."""
         check_first_block(first_block)
         self._check_usable()
         return self._reader.load(
@@ -344,10 +335,9 @@ class Store:
         hashes: bytes | None = None,
         deadline: float | None = None,
     ) -> StateLoad:
-        """Find the joint prefix and write every payload it needs, verified, back to back into `out`
-        (in `match.parts` order). A failing payload is quarantined and the answer worked out again,
-        so it is always a consistent boundary. Past `deadline` the answer is a miss: a state needs
-        every group. DestinationError if `out` is too small."""
+        """Find the joint prefix and write every payload it needs, verified, back to back into
+        `out`. A failing payload is quarantined and the answer worked out again, so it is always a
+        consistent boundary; past `deadline` it is a miss (a state needs every group)."""
         return self._reader.load_state(identity, token_ids, out, hashes, deadline)
 
     @_translated("the export", writing=False)
@@ -516,8 +506,7 @@ class Store:
 
     def close(self) -> None:
         """Flush, fsync and close; idempotent, and only in the opening process. SyncFailedError
-        (once closed) if this last fsync is the first to fail; the marker stays for the next open.
-        """
+        (once closed) if this last fsync is the first to fail."""
         if self._closed:
             return
         if os.getpid() != self._pid:
