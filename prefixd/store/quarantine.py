@@ -12,6 +12,7 @@ import msgpack
 
 from prefixd.schema.chain import BlockChain
 from prefixd.store import counters
+from prefixd.store.derived import rebuild_derived
 from prefixd.store.removal import remove_subtree
 from prefixd.store.walk import Walk
 
@@ -51,6 +52,18 @@ def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
                     )
     except lmdb.Error as exc:
         log.warning("could not quarantine %d damaged block(s) now: %s", len(bad), exc)
+
+
+def condemn(ctx: StoreContext, txn: lmdb.Transaction, reasons: dict[bytes, str]) -> tuple[int, int]:
+    """Quarantine each block of `reasons` with its subtree in `txn`, then rebuild what derives from
+    the records left; (blocks removed, derived entries changed)."""
+    removed = 0
+    for block, reason in reasons.items():
+        if txn.get(block, db=ctx.tables.blocks) is None:
+            continue  # gone below another, or a part hung on no block: the rebuild drops it
+        removed += remove_subtree(ctx, txn, block, reason="quarantined")
+        note(ctx, txn, block, reason)
+    return removed, rebuild_derived(txn, ctx.tables, ctx.clock.time_ns())
 
 
 def note(ctx: StoreContext, txn: lmdb.Transaction, h: bytes, reason: str) -> None:

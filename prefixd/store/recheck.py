@@ -20,11 +20,9 @@ from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.records import BlockRecord, PartRecord
 from prefixd.store import quarantine
 from prefixd.store.codec import checksum
-from prefixd.store.derived import rebuild_derived
 from prefixd.store.lmdb_errors import DAMAGE
-from prefixd.store.removal import remove_subtree
 from prefixd.store.sync_state import SyncFailure
-from prefixd.store.tables import Tables, payload_chunks
+from prefixd.store.tables import Tables, decoded_part, payload_chunks
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -109,17 +107,12 @@ def _failing(
     if t.parts is not None:
         for key, raw in txn.cursor(db=t.parts):
             part_key = bytes(key)
-            block = part_key[:HASH_BYTES]
-            try:
-                part = PartRecord.decode(raw)
-            except CorruptRecordError:
-                condemned.setdefault(block, quarantine.BAD_PART)
+            part = decoded_part(raw)
+            if part is not None and part.created_ns < since_ns:
                 continue
-            if part.created_ns < since_ns:
-                continue
-            parts += 1
-            if not _payload_sound(txn, t, part_key, part):
-                condemned.setdefault(block, quarantine.BAD_PART)
+            parts += part is not None
+            if part is None or not _payload_sound(txn, t, part_key, part):
+                condemned.setdefault(part_key[:HASH_BYTES], quarantine.BAD_PART)
     return condemned, blocks, parts
 
 
@@ -133,16 +126,10 @@ def _payload_sound(
 def _quarantine(ctx: StoreContext, condemned: dict[bytes, str]) -> tuple[int, bool]:
     """Remove the condemned subtrees and rebuild what derives from the records, in one transaction;
     (blocks removed, whether it committed)."""
-    t = ctx.tables
-    removed = 0
+    reasons = {block: f"after a failed sync: {why}" for block, why in condemned.items()}
     try:
         with ctx.writing() as txn:
-            for block, why in condemned.items():
-                if txn.get(block, db=t.blocks) is None:
-                    continue  # gone already, below another condemned block
-                removed += remove_subtree(ctx, txn, block, reason="quarantined")
-                quarantine.note(ctx, txn, block, f"after a failed sync: {why}")
-            rebuild_derived(txn, t, ctx.clock.time_ns())
+            removed, _ = quarantine.condemn(ctx, txn, reasons)
     except lmdb.Error as exc:
         log.error("%s: could not quarantine the blocks that failed: %s", ctx.path, exc)
         return 0, False

@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING
 
 from prefixd.store import quarantine
 from prefixd.store.check import check
-from prefixd.store.derived import rebuild_derived
-from prefixd.store.removal import remove_subtree
 from prefixd.store.results import Problem, RepairReport
 
 if TYPE_CHECKING:
@@ -31,16 +29,12 @@ def repair(
     if problems is None:
         problems = check(ctx, progress=progress)
     condemned = {
-        p.block: p.kind for p in problems if p.kind in BLOCK_PROBLEMS and p.block is not None
+        p.block: f"verify: {p.kind} problem"
+        for p in problems
+        if p.kind in BLOCK_PROBLEMS and p.block is not None
     }
-    quarantined = 0
     with ctx.writing() as txn:
-        for block, kind in condemned.items():
-            if txn.get(block, db=ctx.tables.blocks) is None:
-                continue  # e.g. a part hung on no block: the rebuild drops it
-            quarantined += remove_subtree(ctx, txn, block, reason="quarantined")
-            quarantine.note(ctx, txn, block, f"verify: {kind} problem")
-        rebuilt = rebuild_derived(txn, ctx.tables, ctx.clock.time_ns())
+        quarantined, rebuilt = quarantine.condemn(ctx, txn, condemned)
     if quarantined or rebuilt:
         log.warning(
             "repair quarantined %d block(s) and fixed %d index or counter entries",
