@@ -20,7 +20,7 @@ import crc32c
 import numpy as np
 import zstandard
 
-from prefixd.errors import PayloadError
+from prefixd.errors import PayloadError, PrefixdError
 from prefixd.schema.records import BlockRecord, Compression, PartRecord
 from prefixd.store.direct import FileSpans
 from prefixd.store.fair import FairPool
@@ -484,14 +484,24 @@ def _zstd_into(
         )
 
 
-def payload_view(payload: Any, what: str) -> memoryview:
-    """`payload` as a flat byte view, or PayloadError naming `what`."""
+def byte_view(
+    buffer: Any, what: str, error: type[PrefixdError], *, writable: bool = False
+) -> memoryview:
+    """`buffer` as a flat byte view, or `error` naming `what` (a caller's mistake, said plainly)."""
     try:
-        view = memoryview(payload)
+        view = memoryview(buffer)
     except TypeError:
-        raise PayloadError(f"{what} is a {type(payload).__name__}, not a byte buffer") from None
+        raise error(f"{what} is a {type(buffer).__name__}, not a byte buffer") from None
+    if writable and view.readonly:
+        raise error(f"{what} is read-only")
     if not view.c_contiguous:
-        raise PayloadError(f"{what} is not contiguous")
+        raise error(f"{what} is not contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def payload_view(payload: Any, what: str) -> memoryview:
+    """A put's payload as a flat, non-empty byte view, or PayloadError naming `what`."""
+    view = byte_view(payload, what, PayloadError)
     if view.nbytes == 0:
         raise PayloadError(f"{what} is empty")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return view

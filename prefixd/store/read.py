@@ -20,7 +20,7 @@ from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord, chunk_
 from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
-from prefixd.store.codec import Deadline, StoredPayload
+from prefixd.store.codec import Deadline, StoredPayload, byte_view
 from prefixd.store.joint import joint_match, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import (
@@ -490,16 +490,7 @@ def dest_view(buffer: Any, size: int, index: int | None) -> memoryview:
     """`buffer` as a writable flat byte view of at least `size` bytes (`index` None: the whole
     output buffer; else block `index`'s destination, cut to `size`)."""
     what = "output buffer" if index is None else f"destination of block {index}"
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise DestinationError(f"{what} is a {type(buffer).__name__}, not a byte buffer") from None
-    if view.readonly:
-        raise DestinationError(f"{what} is read-only")
-    if not view.c_contiguous:
-        raise DestinationError(f"{what} is not contiguous")
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
+    view = byte_view(buffer, what, DestinationError, writable=True)
     if view.nbytes < size:
         raise DestinationError(f"{what} holds {view.nbytes} bytes, the payload needs {size}")
     return view if index is None else view[:size]
