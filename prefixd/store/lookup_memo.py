@@ -125,9 +125,7 @@ class VerifiedPrefixes:
             return
         if replacing is not None and replacing != hashes[-1]:
             with self._lock:
-                grown = self._entries.pop(replacing, None)
-                if grown is not None:
-                    self._forget(grown)
+                self._forget(replacing)
         tokens = chain.token_bytes[: len(hashes) * chain.block_tokens * 4]
         if _cost(tokens, hashes) > self.max_bytes:
             return
@@ -137,20 +135,20 @@ class VerifiedPrefixes:
             epoch, digest, tokens, tuple(hashes), tuple(payload_sizes), content, oldest_created_ns
         )
         with self._lock:
-            old = self._entries.pop(hashes[-1], None)
-            if old is not None:
-                self._forget(old)
+            self._forget(hashes[-1])
             self._entries[hashes[-1]] = entry
             self._by_content[content] = hashes[-1]
             self._bytes += _cost(tokens, entry.hashes)
             while self._bytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self._forget(dropped)
+                self._forget(next(iter(self._entries)))  # the least recently used
 
-    def _forget(self, entry: VerifiedPrefix) -> None:
-        self._bytes -= _cost(entry.tokens, entry.hashes)
-        if self._by_content.get(entry.content) == entry.hashes[-1]:
-            del self._by_content[entry.content]
+    def _forget(self, key: bytes) -> None:
+        """Drop the entry under `key`, if any (call under the lock)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= _cost(entry.tokens, entry.hashes)
+            if self._by_content.get(entry.content) == key:
+                del self._by_content[entry.content]
 
 
 # What an entry costs beyond its token bytes, measured with sys.getsizeof: per block a 16-byte
