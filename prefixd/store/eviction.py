@@ -212,7 +212,7 @@ def _round(
     (rolled back). The check and the commit hold the pins' lock, so a later pin finds the block gone
     when it reads again."""
     t = ctx.tables
-    evicted = freed = 0
+    freed = 0
     victims: list[bytes] = []
     journal = ctx.journals.open()  # what the round removed is told only if it commits
     committed = False
@@ -234,9 +234,8 @@ def _round(
                 victims.append(victim.block)
                 stored -= victim.stored_size
                 freed += victim.stored_size
-                evicted += 1
                 queue.parent_freed(victim.parent_key)
-            counters.add(txn, t.counters, counters.EVICTED, evicted)
+            counters.add(txn, t.counters, counters.EVICTED, len(victims))
         with ctx.pins.lock:
             if ctx.pins.any_held(victims):
                 txn.abort()
@@ -248,4 +247,4 @@ def _round(
         raise
     finally:
         ctx.journals.close(journal, committed=committed)
-    return evicted, freed
+    return len(victims), freed
