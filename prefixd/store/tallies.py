@@ -19,29 +19,18 @@ class Activity:
 class Tallies:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._lookups = self._hit_blocks = self._loaded_blocks = self._loaded_bytes = 0
+        self._activity: Counter[str] = Counter()  # by Activity's field names
         self._collisions = 0
         self._removals: Counter[tuple[str, str]] = Counter()
 
-    def count(
-        self,
-        *,
-        lookups: int = 0,
-        hit_blocks: int = 0,
-        loaded_blocks: int = 0,
-        loaded_bytes: int = 0,
-    ) -> None:
+    def count(self, **activity: int) -> None:
+        """Add to the named `Activity` counts (one lock round per operation)."""
         with self._lock:
-            self._lookups += lookups
-            self._hit_blocks += hit_blocks
-            self._loaded_blocks += loaded_blocks
-            self._loaded_bytes += loaded_bytes
+            self._activity.update(activity)
 
     def activity(self) -> Activity:
         with self._lock:
-            return Activity(
-                self._lookups, self._hit_blocks, self._loaded_blocks, self._loaded_bytes
-            )
+            return Activity(**self._activity)
 
     def collided(self) -> None:
         with self._lock:
