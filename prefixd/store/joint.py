@@ -46,15 +46,16 @@ class PlannedPart:
 
 def joint_match(
     txn: lmdb.Transaction,
-    parts_db: lmdb._Database,
+    parts_db: lmdb._Database | None,
     spec: StateSpec,
-    identity_digest: bytes,
-    block_tokens: int,
+    identity: Identity,
     hashes: Sequence[bytes],
     damaged: list[bytes],
 ) -> JointMatch:
     """The joint boundary over the stored chain `hashes`; parts that fail verification go to
     `damaged` (by block) and count as missing."""
+    assert parts_db is not None  # a store whose identities have state has the parts table
+    identity_digest, block_tokens = identity.digest, identity.block_tokens
     get = txn.cursor(db=parts_db).get
     found: dict[tuple[int, int], PartRecord] = {}
 

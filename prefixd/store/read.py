@@ -222,7 +222,7 @@ class Reader:
         damaged: list[bytes] = []
         with self._ctx.env.begin(buffers=True) as txn:
             walk = self._walk(txn, chain, chain.n_blocks)
-            match = self._joint(txn, spec, chain, walk.hashes, damaged)
+            match = joint_match(txn, self._ctx.tables.parts, spec, identity, walk.hashes, damaged)
         self._after_walk(walk, chain)
         quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes))
         self._ctx.tallies.count(lookups=1, hit_blocks=len(match.hashes))
@@ -241,11 +241,12 @@ class Reader:
         chain = BlockChain(identity, token_ids, hashes)
         buffer = dest_view(out, 0, None)
         cut = None if deadline is None else Deadline(self._ctx.clock.monotonic, deadline)
+        parts = self._ctx.tables.parts
         while True:
             damaged: list[bytes] = []
             with self._ctx.env.begin(buffers=True) as txn:
                 walk = self._walk(txn, chain, chain.n_blocks)
-                match = self._joint(txn, spec, chain, walk.hashes, damaged)
+                match = joint_match(txn, parts, spec, identity, walk.hashes, damaged)
                 if not damaged:
                     offsets = self._read_parts(txn, spec, match, buffer, damaged, cut)
             self._after_walk(walk, chain)
@@ -259,19 +260,6 @@ class Reader:
             lookups=1, hit_blocks=n, loaded_blocks=n, loaded_bytes=match.payload_bytes
         )
         return StateLoad(match, offsets)
-
-    def _joint(
-        self,
-        txn: lmdb.Transaction,
-        spec: StateSpec,
-        chain: BlockChain,
-        found: Sequence[bytes],
-        damaged: list[bytes],
-    ) -> JointMatch:
-        parts = self._ctx.tables.parts
-        assert parts is not None
-        identity = chain.identity
-        return joint_match(txn, parts, spec, identity.digest, identity.block_tokens, found, damaged)
 
     def _read_parts(
         self,
