@@ -1,5 +1,7 @@
 """The one translation of LMDB's exceptions into prefixd's, for every path out of the store: a
-caller can act on StoreFullError, DiskFullError or CorruptStoreError, not on an lmdb error."""
+caller can act on StoreFullError, DiskFullError or CorruptStoreError, not on an lmdb error. Inside,
+the store still catches lmdb.MapFullError where it can act (a put makes room) and lmdb.Error where
+only a hint is lost (access times, a quarantine retried on the next read)."""
 
 from __future__ import annotations
 

@@ -110,7 +110,8 @@ class Store:
         self, config: StoreConfig, *, exclusive: bool = False, clock: Clock | None = None
     ) -> None:
         """`exclusive`: hold the owner lock (a daemon does) so offline tools refuse to run beside
-        this process. `clock`: what ages and times to live are read from."""
+        this process; StoreBusyError if another holds it. `clock`: what ages and times to live are
+        read from."""
         self.config = config
         clock = clock or SystemClock()
         env, tables, self.meta = open_environment(config, now_ns=clock.time_ns)
@@ -187,8 +188,8 @@ class Store:
         """Publish blocks `first_block ..` of `token_ids` (the whole prefix from its first token),
         one per payload, atomically. Refused whole, with nothing written: an open block
         (OpenTailError), a missing parent chain (OrphanBlockError), a hash owned by other tokens
-        (BlockCollisionError), a bad payload (PayloadError); after a failed fsync, SyncFailedError.
-        """
+        (BlockCollisionError), a bad payload (PayloadError); a full map raises StoreFullError, and
+        after a failed fsync every put SyncFailedError."""
         return self._writer.put(identity, token_ids, payloads, first_block)
 
     @_translated("the put")
@@ -221,9 +222,10 @@ class Store:
     def longest_prefix(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch:
-        """The longest run of stored blocks from the first, compared token by token; a hash
-        collision is a counted miss. Payloads are not read: `load`/`read_into` verify them.
-        `hashes`: the chain hashes packed back to back, when the caller has them."""
+        """The longest run of stored blocks from the first, compared token by token: it stops at the
+        first missing block, and a hash collision is a counted miss. Payloads are not read:
+        `load`/`read_into` verify them. `hashes`: the chain hashes packed back to back, when the
+        caller has them."""
         return self._reader.longest_prefix(identity, token_ids, hashes)
 
     @_translated("the lookup", writing=False)
@@ -294,8 +296,9 @@ class Store:
         deadline: float | None = None,
     ) -> LoadResult:
         """Find the longest prefix and write its verified payloads from `first_block` on, back to
-        back, into `out` (as many as fit, at most `max_blocks`), in one read transaction. Past
-        `deadline` (store clock, monotonic s) the blocks verified so far answer: a shorter hit."""
+        back, into `out` (as many as fit, at most `max_blocks`), in one read transaction: a long
+        prefix streams through a small buffer piece by piece. Past `deadline` (store clock,
+        monotonic s) the blocks verified so far answer: a shorter hit."""
         check_first_block(first_block)
         self._check_usable()
         return self._reader.load(
@@ -305,7 +308,8 @@ class Store:
     @_translated("the warm-up ranking", writing=False)
     def hottest(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix[bytes]]:
         """The tenant's most valuable prefixes whose payloads fit in `budget_bytes`: what to bring
-        back first after a restart (prefixd.store.warmup)."""
+        back first after a restart (prefixd.store.warmup); a share group's tenant gets the group's.
+        """
         return warmup.hottest(self._ctx, self._tenancy, self._access, budget_bytes, tenant, limit)
 
     @_translated("the listing", writing=False)
@@ -335,9 +339,10 @@ class Store:
         hashes: bytes | None = None,
         deadline: float | None = None,
     ) -> StateLoad:
-        """Find the joint prefix and write every payload it needs, verified, back to back into
-        `out`. A failing payload is quarantined and the answer worked out again, so it is always a
-        consistent boundary; past `deadline` it is a miss (a state needs every group)."""
+        """Find the joint prefix and write every payload it needs, verified, back to back into `out`
+        (DestinationError if it is too small). A failing payload is quarantined and the answer
+        worked out again, so it is always a consistent boundary; past `deadline` it is a miss (a
+        state needs every group)."""
         return self._reader.load_state(identity, token_ids, out, hashes, deadline)
 
     @_translated("the export", writing=False)
@@ -348,6 +353,7 @@ class Store:
 
     @_translated("the block lookup", writing=False)
     def block_info(self, block: bytes) -> BlockInfo | None:
+        """What the store keeps about one block; None if it is not stored (or damaged)."""
         return self._reader.block_info(block)
 
     # --- tenants --------------------------------------------------------------------------------
@@ -362,7 +368,8 @@ class Store:
         return self._tenancy.tenant_totals()
 
     def removals(self) -> dict[str, dict[str, int]]:
-        """Blocks removed since the store was opened, per tenant and reason."""
+        """Blocks removed since the store was opened, per tenant and reason (evicted, quarantined,
+        retired, purged, expired, deleted, replaced)."""
         return self._ctx.tallies.removals()
 
     # --- maintenance ---------------------------------------------------------------------------
@@ -392,7 +399,7 @@ class Store:
         progress: Callable[[int], None] | None = None,
     ) -> PurgeReport:
         """Remove what `selector` names in one transaction; in-flight reads keep their snapshot. A
-        dry run counts only."""
+        dry run counts only; `progress` is told how many root blocks each step handled."""
         if dry_run:
             self._check_usable()
         else:
