@@ -42,11 +42,6 @@ PIECE_BYTES = 1 << 20
 POOL_MIN_RAW_BYTES = 4 << 20
 # chunks of a load at most this far apart in the data file are read ahead as one range
 READ_AHEAD_GAP = 256 << 10
-COMPRESSION_BY_NAME = {
-    "none": Compression.NONE,
-    "zstd": Compression.ZSTD,
-    "zstd-planes": Compression.ZSTD_PLANES,
-}
 
 Buffer = bytes | bytearray | memoryview
 PayloadRecord = BlockRecord | PartRecord  # both name a payload's compression, sizes and checksum
@@ -139,7 +134,7 @@ def _as_array(buffer: Buffer) -> np.ndarray:
 
 class PayloadCodec:
     def __init__(self, compression: str, *, level: int, min_gain: float, chunk_bytes: int) -> None:
-        self.compression = COMPRESSION_BY_NAME[compression]
+        self.compression = Compression[compression.upper().replace("-", "_")]  # "zstd-planes"
         self.level = level
         self.min_gain = min_gain
         self.chunk_bytes = chunk_bytes
