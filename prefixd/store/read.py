@@ -1,7 +1,8 @@
-"""Lookups walk the chain (prefixd.store.walk, after what the lookup memo remembers) reading records
-only; loads gather each block's record and chunk views in one read transaction and have the codec
-verify and copy them. The first block that fails ends the answer, its destination bytes are zeroed,
-and a block damaged where it is stored is quarantined once the transaction is over."""
+"""The read path: lookups walk the chain (prefixd.store.walk, after what the lookup memo
+remembers) reading records only; loads gather each block's record and chunk views in one read
+transaction and have the codec verify and copy them. The first block that fails ends the answer,
+its destination bytes are zeroed, and a block damaged where it is stored is quarantined once the
+transaction is over."""
 
 from __future__ import annotations
 
