@@ -1,14 +1,8 @@
 """Read times, batched: a lookup notes in memory which blocks it touched, and `sync` writes them.
 
-A lookup must not write (it would serialise every reader behind the one LMDB writer), yet eviction
-and warm-up weigh each block by its last read and its hits. So reads are noted here, as runs of
-blocks kept whole (a repeated long lookup costs one dict entry), and spread over their blocks when
-`sync` writes them to the access table: on every periodic sync (prefixd.store.syncer), before an
-eviction, an idle-time purge or a warm-up ranks blocks, and at close. The times come from the
-store's clock. `sync` then fsyncs the store through its sync state (prefixd.store.sync_state),
-whatever became of the times: a failed fsync is recorded there, and from then on the times are
-dropped instead of written (nothing more is written to a store whose disk may have lost writes).
-"""
+A lookup must not write (it would serialise every reader behind the one writer), yet eviction and
+warm-up weigh blocks by their reads. Runs of blocks are kept whole (a repeated long lookup is one
+dict entry). After a failed fsync the times are dropped, not written."""
 
 from __future__ import annotations
 
@@ -34,8 +28,6 @@ ACCESS_BATCH = 1024
 
 
 class AccessTimes:
-    """The reads not yet written to the access table; thread-safe."""
-
     def __init__(self, ctx: StoreContext) -> None:
         self._ctx = ctx
         self._lock = threading.Lock()
@@ -43,7 +35,6 @@ class AccessTimes:
         self._runs: dict[bytes, tuple[Sequence[bytes], int, int]] = {}  # by last block
 
     def touch(self, hashes: Sequence[bytes]) -> None:
-        """Note a read of these blocks (a run of one prefix), now."""
         if hashes:
             now = self._ctx.clock.time_ns()
             with self._lock:
@@ -51,16 +42,13 @@ class AccessTimes:
                 self._runs[hashes[-1]] = (hashes, now, count + 1)
 
     def pending(self, block: bytes) -> tuple[int, int]:
-        """(last read ns, hits) of `block` noted since the last sync ((0, 0) if none)."""
         with self._lock:
             self._spread()
             return self._touched.get(block, (0, 0))
 
     def sync(self) -> bool:
-        """Write the pending read times and collision count, then fsync the environment; whether
-        the fsync succeeded. A failure to write the times is logged, not raised (they are a hint,
-        not data); a failed fsync, now or before, is the sync state's (`ctx.syncs`), which
-        records it, and the store refuses writes from then on."""
+        """Write the pending read times and collisions, then fsync; whether the fsync succeeded. A
+        failure to write the times (a hint, not data) is only logged."""
         ctx = self._ctx
         with self._lock:
             self._spread()
@@ -74,8 +62,8 @@ class AccessTimes:
         return synced
 
     def _write(self, pending: Sequence[tuple[bytes, tuple[int, int]]], collisions: int) -> None:
-        """Write `pending` (block -> (last read ns, hits), in key order: each batch dirties
-        neighbouring pages) and the collision count into the access table."""
+        """Write `pending` in key order (each batch dirties neighbouring pages) and the collision
+        count."""
         ctx = self._ctx
         t = ctx.tables
         try:
@@ -94,7 +82,6 @@ class AccessTimes:
             log.warning("%d access times not recorded: %s", len(pending), exc)
 
     def _spread(self) -> None:
-        """Spread the noted runs over their blocks (call under the lock)."""
         touched = self._touched
         for hashes, at, count in self._runs.values():
             for h in hashes:

@@ -1,14 +1,8 @@
 """Process-wide malloc settings that let LMDB reuse its write buffers.
 
-LMDB mallocs the dirty pages of each large value for the length of a write transaction and frees
-them at commit. With glibc's defaults that memory goes back to the OS after each commit, so the next
-put faults every page in again (5-7 us per 4 KiB page on the development VM), which caps puts near
-0.7 GB/s. Keeping freed memory in the heap (large allocations from the heap, no trimming below the
-threshold) measured 0.67 -> 0.94 GB/s for 1 MiB payloads in 64-block puts.
-
-This changes the whole process, so the library never calls it by itself: `prefixd serve` (the
-process owner) does, and so do the benchmarks; an engine embedding the store may call it too.
-"""
+With glibc's defaults the dirty pages LMDB mallocs for a large value go back to the OS at each
+commit and fault in again on the next put (0.67 -> 0.94 GB/s for 1 MiB payloads when kept). This
+changes the whole process, so only its owner (`prefixd serve`, benchmarks) calls it."""
 
 from __future__ import annotations
 
@@ -27,7 +21,7 @@ TOP_PAD = 64 << 20
 
 
 def keep_write_buffers() -> bool:
-    """Apply the settings above; False where the C library is not glibc (nothing changes)."""
+    """Apply the settings; False where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False

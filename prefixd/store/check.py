@@ -1,7 +1,4 @@
-"""A full consistency check of a store that reports every problem it finds, not just the first.
-
-`Store.check` runs it in-process; prefixd.store.check_process runs it in a child (which survives
-LMDB aborting on a damaged page); prefixd.store.check_report formats what it found."""
+"""A full consistency check that reports every problem, not just the first."""
 
 from __future__ import annotations
 
@@ -14,12 +11,7 @@ import lmdb
 from prefixd.errors import CorruptRecordError, StoreOpenError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
 from prefixd.schema.meta import StoreMeta
-from prefixd.schema.records import (
-    AccessRecord,
-    BlockRecord,
-    PartRecord,
-    chunk_key,
-)
+from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord, chunk_key
 from prefixd.store import counters
 from prefixd.store.codec import checksum, chunks_present
 from prefixd.store.results import Problem
@@ -35,7 +27,6 @@ def check(
     verify_payloads: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> list[Problem]:
-    """`check_store` over an open store, in one read transaction (writers go on meanwhile)."""
     with ctx.env.begin(buffers=True) as txn:
         return check_store(txn, ctx.tables, verify_payloads=verify_payloads, progress=progress)
 
@@ -47,8 +38,8 @@ def check_store(
     verify_payloads: bool,
     progress: Callable[[int], None] | None = None,
 ) -> list[Problem]:
-    """Walk every table in one read transaction and list each inconsistency. `progress` is told
-    how many block records were checked, every 1024 and at the end."""
+    """Every inconsistency, in one read transaction; `progress` is told how many block records were
+    checked."""
     problems: list[Problem] = []
     raw_meta = txn.get(META_KEY, db=t.meta)
     if raw_meta is None:
@@ -60,7 +51,7 @@ def check_store(
             problems.append(Problem("meta", str(exc)))
 
     records: dict[bytes, BlockRecord] = {}
-    totals: Counter[str] = Counter()
+    totals: Counter[bytes] = Counter()  # the inventory counters, as the tables hold them
     for n, (key, raw) in enumerate(txn.cursor(db=t.blocks), 1):
         if progress is not None and n % 1024 == 0:
             progress(1024)
@@ -73,9 +64,9 @@ def check_store(
         if len(h) != HASH_BYTES:
             problems.append(Problem("record", f"key is {len(h)} bytes, not {HASH_BYTES}", h))
         records[h] = record
-        totals["blocks"] += 1
-        totals["payload"] += record.payload_size
-        totals["stored"] += record.stored_size
+        totals[counters.BLOCKS] += 1
+        totals[counters.PAYLOAD_BYTES] += record.payload_size
+        totals[counters.STORED_BYTES] += record.stored_size
         chunks = [txn.get(chunk_key(h, n), db=t.chunks) for n in range(record.n_chunks)]
         if not chunks_present(chunks):
             problems.append(Problem("payload", "a payload chunk is missing", h))
@@ -149,18 +140,10 @@ def check_store(
         problems.append(Problem("counters", "per-identity block counts differ from the tables"))
 
     kept = counters.read_all(txn, t.counters)
-    for name, total in (
-        (counters.BLOCKS, totals["blocks"]),
-        (counters.PARTS, totals["parts"]),
-        (counters.PAYLOAD_BYTES, totals["payload"]),
-        (counters.STORED_BYTES, totals["stored"]),
-    ):
-        if kept[name] != total:
-            problems.append(
-                Problem(
-                    "counters", f"{name.decode()} counter is {kept[name]}, the tables hold {total}"
-                )
-            )
+    for name in (counters.BLOCKS, counters.PARTS, counters.PAYLOAD_BYTES, counters.STORED_BYTES):
+        if kept[name] != totals[name]:
+            detail = f"{name.decode()} counter is {kept[name]}, the tables hold {totals[name]}"
+            problems.append(Problem("counters", detail))
     return problems
 
 
@@ -168,12 +151,12 @@ def _check_parts(
     txn: lmdb.Transaction[memoryview],
     t: Tables,
     records: dict[bytes, BlockRecord],
-    totals: Counter[str],
+    totals: Counter[bytes],
     problems: list[Problem],
     *,
     verify_payloads: bool,
 ) -> dict[bytes, PartRecord]:
-    """Check every state-group part; return the sound ones that hang on a stored block, by key."""
+    """Check every part; return the sound ones hung on a stored block, by key."""
     sound: dict[bytes, PartRecord] = {}
     if t.parts is None:
         return sound
@@ -191,9 +174,9 @@ def _check_parts(
         if block not in records:
             problems.append(Problem("part", "part hangs on a block that is not stored", block))
             continue
-        totals["parts"] += 1
-        totals["payload"] += part.payload_size
-        totals["stored"] += part.stored_size
+        totals[counters.PARTS] += 1
+        totals[counters.PAYLOAD_BYTES] += part.payload_size
+        totals[counters.STORED_BYTES] += part.stored_size
         sound[key] = part
         chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(part.n_chunks)]
         if not chunks_present(chunks):

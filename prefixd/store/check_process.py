@@ -1,11 +1,6 @@
-"""Checking a store in a child process.
-
-A damaged B-tree page can make LMDB's own assertions abort the process that walks it. A daemon
-must survive its own `verify`, and the CLI should report such damage instead of dying of it, so
-both run the check (`check_store` of prefixd.store.check, in a read-only environment) in a
-child: `python -m prefixd.store.check_process PATH`. The child prints its progress on stderr and
-the problems as JSON on stdout; a child that dies reports the damage as one problem.
-"""
+"""Checking a store in a child process: LMDB's assertions may abort the process that walks a damaged
+page, and a daemon must survive its own `verify`. The child prints progress on stderr and the
+problems as JSON on stdout."""
 
 from __future__ import annotations
 
@@ -23,13 +18,10 @@ _PROGRESS = "progress "
 
 
 def run_check(
-    path: Path,
-    *,
-    verify_payloads: bool = True,
-    progress: Callable[[int], None] | None = None,
+    path: Path, *, verify_payloads: bool = True, progress: Callable[[int], None] | None = None
 ) -> list[Problem]:
-    """Every problem `Store.check` would list, found by a child process; a child killed by the
-    damage it met is itself a problem (kind "pages")."""
+    """What `Store.check` would list, found by a child; a child killed by the damage is itself a
+    problem (kind "pages")."""
     command = [sys.executable, "-m", "prefixd.store.check_process", str(path)]
     if not verify_payloads:
         command.append("--no-payloads")

@@ -1,5 +1,4 @@
-"""The report `prefixd verify` prints, offline or from the daemon: the same JSON either way
-(the check itself is prefixd.store.check; run in a child, prefixd.store.check_process)."""
+"""The report `prefixd verify` prints, offline or from the daemon: the same JSON either way."""
 
 from __future__ import annotations
 
@@ -17,14 +16,9 @@ MAX_LISTED = 1000  # problems listed one by one; the counts by kind cover all of
 
 
 def verify_report(
-    blocks: int,
-    parts: int,
-    *,
-    problems: Sequence[Problem] = (),
-    fixed: RepairReport | None = None,
+    blocks: int, parts: int, *, problems: Sequence[Problem] = (), fixed: RepairReport | None = None
 ) -> dict[str, Any]:
-    """`problems` found by a check, or what a repair (`fixed`) found, did and left: the
-    problems are listed the same way in both (a script reads one shape)."""
+    """What a check found, or what a repair (`fixed`) found, did and left, listed the same way."""
     found = fixed.problems if fixed is not None else problems
     report: dict[str, Any] = {
         "blocks": blocks,
@@ -41,22 +35,15 @@ def verify_report(
 
 
 def verify(
-    store: Store,
-    *,
-    fix: bool,
-    payloads: bool,
-    progress: Callable[[int], None] | None = None,
+    store: Store, *, fix: bool, payloads: bool, progress: Callable[[int], None] | None = None
 ) -> dict[str, Any]:
-    """Check `store` (in a child process: LMDB may abort the process that meets a damaged page)
-    and, with `fix`, repair what a repair can mend; the report of what it holds afterwards. A
-    repair checks payloads whatever `payloads` says. Damaged pages are left as they are."""
+    """Check `store` in a child process (LMDB may abort on a damaged page) and, with `fix`, repair
+    what a repair can mend (checking payloads then); damaged pages are left as they are."""
     problems = run_check(store.path, verify_payloads=payloads or fix, progress=progress)
-    if fix and not any(p.kind == "pages" for p in problems):
-        repaired = store.repair(problems)
-        stats = store.stats()
-        return verify_report(stats.blocks, stats.parts, fixed=repaired)
+    fixed = None
+    if fix and any(p.kind == "pages" for p in problems):  # a repair cannot mend it: left as it is
+        fixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
+    elif fix:
+        fixed = store.repair(problems)
     stats = store.stats()
-    if fix:  # damage a repair cannot mend: nothing is changed
-        unfixed = RepairReport(tuple(problems), 0, 0, tuple(problems))
-        return verify_report(stats.blocks, stats.parts, fixed=unfixed)
-    return verify_report(stats.blocks, stats.parts, problems=problems)
+    return verify_report(stats.blocks, stats.parts, problems=problems, fixed=fixed)

@@ -1,11 +1,8 @@
 """Bytes <-> stored chunks: compression and checksums, with no knowledge of LMDB.
 
-A payload is cut into chunks of `chunk_bytes`; each chunk is compressed on its own, so each decodes
-straight into its place in the destination. The checksum (crc32c) covers the stored bytes of all
-chunks in order and is verified before a block is reported to a caller. Raw payloads are copied and
-checksummed piece by piece, each piece hashed while still in cache; compressed ones are checksummed
-before they are decoded.
-"""
+Each chunk is compressed on its own, so it decodes straight into its place in the destination. The
+crc32c covers the stored bytes of all chunks and is verified before a block is reported; raw
+payloads are copied and checksummed piece by piece while each piece is still in cache."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ import crc32c
 import numpy as np
 import zstandard
 
-from prefixd.errors import PayloadError
+from prefixd.errors import PayloadError, PrefixdError
 from prefixd.schema.records import BlockRecord, Compression, PartRecord
 from prefixd.store.direct import FileSpans
 from prefixd.store.fair import FairPool
@@ -45,11 +42,6 @@ PIECE_BYTES = 1 << 20
 POOL_MIN_RAW_BYTES = 4 << 20
 # chunks of a load at most this far apart in the data file are read ahead as one range
 READ_AHEAD_GAP = 256 << 10
-COMPRESSION_BY_NAME = {
-    "none": Compression.NONE,
-    "zstd": Compression.ZSTD,
-    "zstd-planes": Compression.ZSTD_PLANES,
-}
 
 Buffer = bytes | bytearray | memoryview
 PayloadRecord = BlockRecord | PartRecord  # both name a payload's compression, sizes and checksum
@@ -75,8 +67,8 @@ class EncodedPayload:
 
 @dataclass(frozen=True, slots=True)
 class StoredPayload:
-    """One block to decode: its record, its chunk views (valid only inside the read transaction)
-    and where its payload goes; with `source`, a raw payload is read from the file there."""
+    """One block to decode; its chunk views are valid only inside the read transaction. With
+    `source`, a raw payload is read from the file there."""
 
     record: PayloadRecord
     chunks: list[memoryview]
@@ -86,8 +78,6 @@ class StoredPayload:
 
 @dataclass
 class CodecCounters:
-    """Bytes and seconds spent in the codec since the store was opened."""
-
     compress_in_bytes: int = 0
     compress_s: float = 0.0
     stored_raw_after_trial: int = 0
@@ -102,10 +92,8 @@ class CodecCounters:
 
 
 class Deadline:
-    """When a load stops reading, on a clock's monotonic seconds (prefixd.clock): past it,
-    decoding stops before the next block or piece it would read, and notes the item where it
-    stopped, so that the caller tells a cut-off (the verified prefix is still a correct, shorter
-    hit) from a failure. Thread-safe."""
+    """When a load stops reading (a clock's monotonic seconds). Notes the item where decoding
+    stopped, so a cut-off (a correct, shorter hit) is told from a failure. Thread-safe."""
 
     def __init__(self, monotonic: Callable[[], float], at: float) -> None:
         self._monotonic = monotonic
@@ -121,7 +109,6 @@ class Deadline:
             self._stopped.append(item)
 
     def stopped_at(self, item: StoredPayload) -> bool:
-        """Whether decoding stopped at `item` for the deadline (not for a failed check)."""
         with self._lock:
             return any(stopped is item for stopped in self._stopped)
 
@@ -131,7 +118,6 @@ class _DeadlinePassed(Exception):
 
 
 def checksum(chunks: Sequence[Buffer]) -> int:
-    """crc32c over the chunks in order (the GIL is released for large chunks)."""
     value = 0
     for chunk in chunks:
         value = crc32c.crc32c(chunk, value)
@@ -139,7 +125,6 @@ def checksum(chunks: Sequence[Buffer]) -> int:
 
 
 def chunks_present(chunks: list[_C | None]) -> TypeGuard[list[_C]]:
-    """Whether every chunk read is there (none is None)."""
     return all(c is not None for c in chunks)
 
 
@@ -148,10 +133,8 @@ def _as_array(buffer: Buffer) -> np.ndarray:
 
 
 class PayloadCodec:
-    """Encodes payloads for storage and decodes verified ones into caller buffers."""
-
     def __init__(self, compression: str, *, level: int, min_gain: float, chunk_bytes: int) -> None:
-        self.compression = COMPRESSION_BY_NAME[compression]
+        self.compression = Compression[compression.upper().replace("-", "_")]  # "zstd-planes"
         self.level = level
         self.min_gain = min_gain
         self.chunk_bytes = chunk_bytes
@@ -159,11 +142,9 @@ class PayloadCodec:
         self._lock = threading.Lock()
         self._local = threading.local()
 
-    # --- encoding ------------------------------------------------------------------------------
-
     def encode(self, payload: memoryview) -> EncodedPayload:
-        """Chunk, maybe compress, and checksum a payload. Compression that does not save at least
-        `min_gain` of the bytes is dropped: the payload is stored raw and loads at copy speed."""
+        """Chunk, maybe compress, and checksum a payload. Compression saving less than `min_gain` is
+        dropped: stored raw, the payload loads at copy speed."""
         size = payload.nbytes
         step = self.chunk_bytes
         raw = [payload[off : off + step] for off in range(0, size, step)]
@@ -186,9 +167,8 @@ class PayloadCodec:
     def encode_many(
         self, payloads: Sequence[memoryview], pool: Executor | None
     ) -> list[EncodedPayload]:
-        """`encode` each payload; with a pool, the second half (by bytes) is encoded on another
-        core at the same time (crc32c, zstd and numpy release the GIL) when there is work enough
-        to pay for the hand-off (POOL_MIN_RAW_BYTES of raw payloads, or any compression)."""
+        """`encode` each payload; with a pool, the second half (by bytes) on another core (crc32c,
+        zstd and numpy release the GIL), once there is enough to pay for the hand-off."""
         sizes = [p.nbytes for p in payloads]
         if self.compression is Compression.NONE and sum(sizes) < POOL_MIN_RAW_BYTES:
             pool = None
@@ -214,8 +194,6 @@ class PayloadCodec:
             self._local.compressor = compressor
         return compressor
 
-    # --- decoding ------------------------------------------------------------------------------
-
     def decode_verified(
         self,
         items: Sequence[StoredPayload],
@@ -223,14 +201,11 @@ class PayloadCodec:
         deadline: Deadline | None = None,
     ) -> int:
         """Write each item's payload into its dest, in order; return how many leading items
-        verified. The first item that fails ends the run; its dest and those of every item after it
-        are zeroed, so no unreported bytes are left behind. Past `deadline`, decoding stops
-        there too (`Deadline.stopped_at` tells that item from one that failed).
+        verified. The dests of the first failing item and all after it are zeroed, so no unreported
+        bytes are left behind; past `deadline` decoding stops there too.
 
-        With a pool, the items are cut into pieces of whole blocks (at least PIECE_BYTES each)
-        that the pool's threads decode beside the pieces of every other load in flight, a piece
-        of each in turn (prefixd.store.fair); a load smaller than one piece runs here.
-        """
+        With a pool, pieces of whole blocks (PIECE_BYTES or more) are decoded beside every other
+        load's, a piece of each in turn (prefixd.store.fair)."""
         if not items:
             return 0
         _read_ahead(items)
@@ -264,11 +239,9 @@ class PayloadCodec:
 
     def failure(self, item: StoredPayload) -> Failure:
         """Where an item that failed `decode_verified` failed. A raw payload is checksummed in its
-        destination as it is copied there, so bytes a client wrote into its own region during the
-        copy fail the check although the stored bytes are intact: those are checked again here
-        (a payload read from the file is read again into this thread's scratch memory, never
-        through the map, where a file cut short would fault), and a failure they pass is the
-        destination's (nothing is quarantined for it)."""
+        destination, so a client writing into its own region fails the check with the stored bytes
+        intact: those are checked again here (a payload from the file is read again into scratch
+        memory, never through the map, where a file cut short would fault)."""
         record = item.record
         if record.compression is not Compression.NONE:
             return "stored"
@@ -285,8 +258,7 @@ class PayloadCodec:
         return "destination"
 
     def _decode_run(self, items: Sequence[StoredPayload], deadline: Deadline | None) -> int:
-        """Decode items in order; return the index of the first that fails or that the deadline
-        stopped (len(items) if none)."""
+        """Decode items in order; return how many did before one failed or the deadline hit."""
         copied = decompressed = from_file = 0
         started = time.perf_counter()
         done = 0
@@ -353,7 +325,6 @@ class PayloadCodec:
             np.bitwise_or(values, low, out=values, dtype=np.uint16)
 
     def _file_checksum(self, source: FileSpans, sizes: Sequence[int]) -> int | None:
-        """crc32c of the chunks as they are in the file, read piece by piece into scratch."""
         scratch = self._scratch(_READ_PIECE)
         value = 0
         for at, size in zip(source.offsets, sizes):
@@ -372,7 +343,7 @@ class PayloadCodec:
         return decompressor
 
     def _scratch(self, size: int) -> memoryview:
-        """A per-thread buffer reused across blocks, so the hot path allocates no fresh memory."""
+        """A per-thread buffer reused across blocks: the hot path allocates nothing."""
         buffer = getattr(self._local, "scratch", None)
         if buffer is None or len(buffer) < size:
             buffer = bytearray(max(size, self.chunk_bytes // 2))
@@ -381,8 +352,7 @@ class PayloadCodec:
 
 
 def _pieces(items: Sequence[StoredPayload]) -> list[tuple[int, int]]:
-    """[start, end) runs of consecutive items of at least PIECE_BYTES each (the last one may be
-    smaller, and is merged into the one before it when it is)."""
+    """[start, end) runs of at least PIECE_BYTES each; a small last run joins the one before."""
     runs: list[tuple[int, int]] = []
     start = size = 0
     for index, item in enumerate(items):
@@ -399,7 +369,6 @@ def _pieces(items: Sequence[StoredPayload]) -> list[tuple[int, int]]:
 
 
 def _halfway(sizes: Sequence[int]) -> int:
-    """Index splitting a run into two of about equal bytes (the first one never empty)."""
     total = sum(sizes)
     running = 0
     for index, size in enumerate(sizes):
@@ -411,8 +380,7 @@ def _halfway(sizes: Sequence[int]) -> int:
 
 def _copy_and_checksum(chunks: Sequence[memoryview], dest: memoryview) -> int:
     """Copy chunk views back to back into dest in cache-sized pieces, taking the crc32c of each
-    piece while it is still in cache. Returns the crc of the copied bytes (equal to the stored
-    checksum when nothing is damaged)."""
+    piece while it is still in cache."""
     value = 0
     offset = 0
     for chunk in chunks:
@@ -431,9 +399,9 @@ def _read_and_checksum(
     dest: memoryview,
     deadline: Deadline | None = None,
 ) -> int | None:
-    """`_copy_and_checksum`, reading each chunk from `source` with preadv instead of copying its
-    view (the views give only the sizes). None if the file cannot be read or ends early;
-    _DeadlinePassed if `deadline` passes between two pieces (slow storage: a stalled read)."""
+    """`_copy_and_checksum`, reading each chunk from `source` with preadv. None if the file cannot
+    be read or ends early; _DeadlinePassed between two pieces once `deadline` passed (a stalled
+    read)."""
     value = 0
     offset = 0
     for at, chunk in zip(source.offsets, chunks):
@@ -449,15 +417,10 @@ def _read_and_checksum(
 
 
 def _read_ahead(items: Sequence[StoredPayload]) -> None:
-    """Ask the kernel for every chunk a load will read from the file, at once: on a cold cache
-    the disk then serves the whole load at its queue depth instead of one piece at a time (the
-    blocks of one chain need not lie next to each other in the file, so readahead alone does
-    not find them). A range already in the page cache costs a lookup and no I/O.
-
-    Chunks close together are asked for as one range (see `read_ahead_ranges`): on a warm cache
-    the call's own cost is what counts, about 20 us each on this VM, so a call per chunk took
-    4-5 ms of a 256 MiB load from the page cache (about 30 ms in all), where one call over the
-    same chunks takes 0.13 ms."""
+    """Ask the kernel for every chunk a load will read from the file at once, so a cold cache serves
+    the whole load at its queue depth (a chain's blocks need not lie together, so readahead alone
+    misses them). Close chunks are asked for as one range: each call costs about 20 us even on a
+    warm cache."""
     spans: dict[int, list[tuple[int, int]]] = {}
     for item in items:
         source = item.source
@@ -474,9 +437,8 @@ def _read_ahead(items: Sequence[StoredPayload]) -> None:
 
 
 def read_ahead_ranges(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(offset, length) ranges covering `spans` (offset, length) in file order, two of them
-    merged when at most READ_AHEAD_GAP bytes lie between them (the pages of LMDB's other tables
-    between a chain's chunks: a little read for nothing instead of a call per chunk)."""
+    """(offset, length) ranges covering `spans` in file order, merging those at most READ_AHEAD_GAP
+    apart."""
     merged: list[list[int]] = []  # [start, end)
     for at, length in sorted(spans):
         if merged and at <= merged[-1][1] + READ_AHEAD_GAP:
@@ -487,7 +449,7 @@ def read_ahead_ranges(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]
 
 
 def _pread_exactly(fd: int, target: memoryview, at: int) -> bool:
-    """Fill `target` from `fd` at offset `at`; False on an error or the end of the file."""
+    """Fill `target` from `fd` at `at`; False on an error or the end of the file."""
     filled = 0
     while filled < target.nbytes:
         try:
@@ -517,15 +479,24 @@ def _zstd_into(
         )
 
 
-def payload_view(payload: Any, what: str) -> memoryview:
-    """`payload` as a flat byte view, or PayloadError naming `what` (a put's bytes must be a
-    non-empty contiguous buffer: anything else is the caller's mistake, said plainly)."""
+def byte_view(
+    buffer: Any, what: str, error: type[PrefixdError], *, writable: bool = False
+) -> memoryview:
+    """`buffer` as a flat byte view, or `error` naming `what` (a caller's mistake, said plainly)."""
     try:
-        view = memoryview(payload)
+        view = memoryview(buffer)
     except TypeError:
-        raise PayloadError(f"{what} is a {type(payload).__name__}, not a byte buffer") from None
+        raise error(f"{what} is a {type(buffer).__name__}, not a byte buffer") from None
+    if writable and view.readonly:
+        raise error(f"{what} is read-only")
     if not view.c_contiguous:
-        raise PayloadError(f"{what} is not contiguous")
+        raise error(f"{what} is not contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def payload_view(payload: Any, what: str) -> memoryview:
+    """A put's payload as a flat, non-empty byte view, or PayloadError naming `what`."""
+    view = byte_view(payload, what, PayloadError)
     if view.nbytes == 0:
         raise PayloadError(f"{what} is empty")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return view

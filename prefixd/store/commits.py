@@ -1,17 +1,10 @@
 """Group commit: puts that arrive together share one write transaction and one commit.
 
-LMDB has one writer at a time, and a commit (two fsyncs under durability=full, a page flush
-otherwise) costs more than a small put's own writes. So a put does not open a transaction of its
-own: it queues its body, and whichever put holds the commit lock runs every body queued by then in
-one write transaction and commits them once. A body that refuses, anything a body raises, and a
-commit that fails abort the whole group, which then runs one put at a time, in order, each in a
-transaction of its own (its error raised in its own thread), so refusals and errors (a full map
-above all, which the put path meets by making room and trying again) behave exactly as they
-always did. Refusals are rare, and LMDB's nested transactions, which could isolate them, cost
-more than a small put (each allocates a dirty-page list of 2 MiB). A put that meets no other
-commits alone, holding the commit lock through its transaction so that the puts arriving
-meanwhile queue up for the next group.
-"""
+A commit costs more than a small put's writes, so whichever put holds the commit lock runs every
+body queued by then in one transaction. A refusal or any error aborts the whole group, which then
+runs one put at a time, each in its own transaction, so refusals and errors (a full map above all)
+behave exactly as they would alone. LMDB's nested transactions could isolate refusals, but each
+costs more than a small put (a 2 MiB dirty-page list)."""
 
 from __future__ import annotations
 
@@ -21,8 +14,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import lmdb
-
-from prefixd.store.journal import Journaled
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -55,14 +46,12 @@ class CommitQueue(Generic[T]):
 
     @property
     def waiting(self) -> int:
-        """Puts queued behind the one committing."""
         with self._turn:
             return len(self._queue)
 
     def run(self, body: Callable[[lmdb.Transaction], T]) -> T:
-        """Run `body` in a write transaction, committed unless its outcome aborts; together with
-        whatever other puts are waiting. The puts of a group wait on one condition and all wake
-        when it commits (not one by one through a lock)."""
+        """Run `body` in a write transaction with whatever other puts are waiting; committed unless
+        its outcome aborts."""
         item = _Queued(body)
         with self._turn:
             self._queue.append(item)
@@ -93,8 +82,8 @@ class CommitQueue(Generic[T]):
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """Hold the turn to commit, as a put that is committing does (a failpoint: puts started
-        meanwhile queue up, and commit as one group once it is let go)."""
+        """Hold the turn to commit (a failpoint: puts started meanwhile commit as one group once it
+        is let go)."""
         with self._turn:
             while self._leading:
                 self._turn.wait()
@@ -107,30 +96,28 @@ class CommitQueue(Generic[T]):
                 self._turn.notify_all()
 
     def _commit(self, group: list[_Queued[T]]) -> bool:
-        """Run the group's bodies in one transaction and commit it; False (nothing written) if
-        a body refused or anything failed."""
-        ctx = self._ctx
-        journaled = Journaled(ctx.journals)
-        txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's pages
-        try:
+        """Run the group in one transaction and commit; False (nothing written) if a body refused or
+        anything failed."""
+
+        def run_all(txn: lmdb.Transaction) -> bool:  # whether a body refused
             for item in group:
                 item.outcome = item.body(txn)
                 if self._aborts(item.outcome):
-                    raise _Refused
-            txn.commit()
-        except BaseException:  # noqa: BLE001 - aborted, then raised again
-            txn.abort()
-            journaled.done(committed=False)
+                    return True
             return False
-        journaled.done(committed=True)
+
+        try:
+            if transact(self._ctx, run_all, bool):
+                return False
+        except BaseException:  # noqa: BLE001 - each put runs again alone, and raises in its thread
+            return False
         self.groups += 1
         for item in group:
             item.done = True
         return True
 
     def _one_by_one(self, group: list[_Queued[T]]) -> None:
-        """Each body in a transaction of its own, in the order they came: what the puts would
-        have done had they not met."""
+        """Each body in its own transaction, in order: what the puts would have done alone."""
         for item in group:
             item.outcome = None
             try:
@@ -140,32 +127,24 @@ class CommitQueue(Generic[T]):
             item.done = True
 
 
-class _Refused(Exception):
-    """A body of the group refused its put: the group's transaction is aborted."""
-
-
 def transact(
     ctx: StoreContext, body: Callable[[lmdb.Transaction], T], aborts: Callable[[T], bool]
 ) -> T:
-    """Run `body` in one write transaction: committed with its outcome, aborted if the outcome
-    `aborts` (or on an exception), so a refused put leaves nothing behind (and tells the
-    observer nothing)."""
-    journaled = Journaled(ctx.journals)
+    """Run `body` in one write transaction: committed, or aborted if its outcome `aborts` (or on an
+    exception), so a refused put leaves nothing behind and tells the observer nothing."""
+    journal = ctx.journals.open()
+    committed = False
     txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
     try:
         outcome = body(txn)
+        if aborts(outcome):
+            txn.abort()
+        else:
+            txn.commit()
+            committed = True
     except BaseException:
         txn.abort()
-        journaled.done(committed=False)
         raise
-    if aborts(outcome):
-        txn.abort()
-        journaled.done(committed=False)
-    else:
-        try:
-            txn.commit()
-        except BaseException:
-            journaled.done(committed=False)
-            raise
-        journaled.done(committed=True)
+    finally:
+        ctx.journals.close(journal, committed=committed)
     return outcome

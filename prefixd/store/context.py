@@ -1,10 +1,4 @@
-"""What the parts of one open store share, handed to each of them explicitly (no globals).
-
-`Store` (prefixd.store.store) builds one `StoreContext` when it opens and passes it to the write
-path (put), the read path (read), tenancy, access times, quarantine, removal, eviction, purge and
-repair; each file keeps its own state and reads the shared handles from here. What the context
-holds (journals, tallies, the tenant index) is given only the handles it needs, never the context.
-"""
+"""What the parts of one open store share, handed to each explicitly (no globals)."""
 
 from __future__ import annotations
 
@@ -62,5 +56,4 @@ class StoreContext:
         return self.config.path
 
     def writing(self) -> AbstractContextManager[lmdb.Transaction]:
-        """A write transaction whose changes reach the observer once, and only if, it commits."""
         return self.journals.writing(self.env)

@@ -6,6 +6,8 @@ import struct
 
 import lmdb
 
+from prefixd.store.tables import prefixed
+
 _U64 = struct.Struct("<q")
 
 BLOCKS = b"blocks"
@@ -34,7 +36,6 @@ IDENTITY_STORED = b"identity_stored:"  # + identity digest: stored bytes of that
 
 
 def identity_stored(digest: bytes) -> bytes:
-    """The counter of one identity's stored bytes (per-tenant quotas add these up)."""
     return IDENTITY_STORED + digest
 
 
@@ -42,21 +43,12 @@ IDENTITY_BLOCKS = b"identity_blocks:"  # + identity digest: that identity's stor
 
 
 def identity_blocks(digest: bytes) -> bytes:
-    """The counter of one identity's stored blocks (the per-tenant entry counts)."""
     return IDENTITY_BLOCKS + digest
 
 
 def read_prefixed(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> dict[bytes, int]:
-    """Every counter whose name starts with `prefix`, by the rest of its name."""
-    found = {}
-    cursor = txn.cursor(db=db)
-    if cursor.set_range(prefix):
-        for key, raw in cursor:
-            key = bytes(key)
-            if not key.startswith(prefix):
-                break
-            found[key[len(prefix) :]] = _U64.unpack(bytes(raw))[0]
-    return found
+    found = prefixed(txn.cursor(db=db), prefix)
+    return {key[len(prefix) :]: _U64.unpack(bytes(raw))[0] for key, raw in found}
 
 
 def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:
@@ -65,8 +57,8 @@ def read(txn: lmdb.Transaction, db: lmdb._Database, name: bytes) -> int:
 
 
 def add(txn: lmdb.Transaction, db: lmdb._Database, name: bytes, delta: int) -> None:
-    """Add `delta` to a counter in the caller's write transaction (never below zero; a counter
-    that reaches zero is removed, so counters of vanished identities do not pile up)."""
+    """Add `delta` in the caller's write transaction, never below zero; a counter at zero is
+    removed, so vanished identities' counters do not pile up."""
     if delta:
         value = max(0, read(txn, db, name) + delta)
         if value:

@@ -1,12 +1,9 @@
-"""What is derived from the block records, rebuilt from the sound ones: the children index, the
-access records, chunks and parts that belong to no block, and every counter (a repair, and the
-check after a failed fsync, end with it).
-"""
+"""What is derived from the sound block records (children index, access records, stray chunks and
+parts, counters), rebuilt by a repair and by the recheck after a failed fsync."""
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import lmdb
 
@@ -14,35 +11,20 @@ from prefixd.errors import CorruptRecordError
 from prefixd.schema.chain import HASH_BYTES
 from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord
 from prefixd.store import counters
-from prefixd.store.tables import Tables, children_key, records_after
+from prefixd.store.tables import Tables, children_key, decoded_part, records_after
 
 
-@dataclass(frozen=True)
-class Rebuilt:
-    """What the rebuild changed, by kind."""
-
-    children: int = 0
-    access: int = 0
-    chunks: int = 0
-    parts: int = 0
-    counters: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.children + self.access + self.chunks + self.parts + self.counters
-
-
-def rebuild_derived(txn: lmdb.Transaction, t: Tables, now_ns: int) -> Rebuilt:
-    """Rebuild everything that follows from the sound block records; return what changed."""
-    # the caller quarantines damaged records before rebuilding
+def rebuild_derived(txn: lmdb.Transaction, t: Tables, now_ns: int) -> int:
+    """Rebuild what follows from the block records (the caller quarantined the damaged ones);
+    return how many entries changed."""
     records = {h: r for h, r in records_after(txn, t, None) if r is not None}
-    parts = _drop_stray_parts(txn, t, records)
-    return Rebuilt(
-        children=_rebuild_children(txn, t, records),
-        access=_rebuild_access(txn, t, records, now_ns),
-        chunks=_drop_stray_chunks(txn, t, records, parts),
-        parts=parts.dropped,
-        counters=_rebuild_counters(txn, t, records, parts.kept),
+    parts, dropped = _drop_stray_parts(txn, t, records)
+    return (
+        dropped
+        + _rebuild_children(txn, t, records)
+        + _rebuild_access(txn, t, records, now_ns)
+        + _drop_stray_chunks(txn, t, records, parts)
+        + _rebuild_counters(txn, t, records, parts)
     )
 
 
@@ -78,49 +60,37 @@ def _rebuild_access(
     return changed + len(stray)
 
 
-@dataclass(frozen=True)
-class _Parts:
-    kept: dict[bytes, PartRecord]
-    dropped: int
-
-
 def _drop_stray_parts(
     txn: lmdb.Transaction, t: Tables, records: dict[bytes, BlockRecord]
-) -> _Parts:
+) -> tuple[dict[bytes, PartRecord], int]:
     kept: dict[bytes, PartRecord] = {}
     stray = []
     if t.parts is not None:
-        for key, raw in txn.cursor(db=t.parts):
-            key = bytes(key)
-            try:
-                part = PartRecord.decode(raw)
-            except CorruptRecordError:
-                stray.append(key)
-                continue
-            if key[:HASH_BYTES] in records and len(key) == HASH_BYTES + 1:
+        for stored_key, raw in txn.cursor(db=t.parts):
+            key = bytes(stored_key)
+            part = decoded_part(raw)
+            if part is not None and key[:HASH_BYTES] in records and len(key) == HASH_BYTES + 1:
                 kept[key] = part
             else:
                 stray.append(key)
         for key in stray:
             txn.delete(key, db=t.parts)
-    return _Parts(kept, len(stray))
+    return kept, len(stray)
 
 
 def _drop_stray_chunks(
-    txn: lmdb.Transaction, t: Tables, records: dict[bytes, BlockRecord], parts: _Parts
+    txn: lmdb.Transaction,
+    t: Tables,
+    records: dict[bytes, BlockRecord],
+    parts: dict[bytes, PartRecord],
 ) -> int:
     stray = []
     for key in txn.cursor(db=t.chunks).iternext(values=False):
         key = bytes(key)
         owner, index = key[:-4], int.from_bytes(key[-4:], "big")
-        if len(owner) == HASH_BYTES:
-            record = records.get(owner)
-            if record is None or index >= record.n_chunks:
-                stray.append(key)
-        else:
-            part = parts.kept.get(owner)
-            if part is None or index >= part.n_chunks:
-                stray.append(key)
+        holder = records.get(owner) if len(owner) == HASH_BYTES else parts.get(owner)
+        if holder is None or index >= holder.n_chunks:
+            stray.append(key)
     for key in stray:
         txn.delete(key, db=t.chunks)
     return len(stray)
@@ -132,7 +102,6 @@ def _rebuild_counters(
     records: dict[bytes, BlockRecord],
     parts: dict[bytes, PartRecord],
 ) -> int:
-    """Set every inventory counter to what the tables hold; return how many were wrong."""
     wanted: Counter[bytes] = Counter()
     for record in records.values():
         wanted[counters.BLOCKS] += 1

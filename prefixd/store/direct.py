@@ -1,20 +1,11 @@
-"""Reading raw payload chunks straight from data.mdb into their destination with preadv, instead
-of copying them out of LMDB's map.
+"""Reading raw payload chunks straight from data.mdb into their destination with preadv.
 
-Copying from the map costs a page fault for every page this process has not mapped yet (a fresh
-daemon on a warm page cache: one minor fault per 4 KiB), and on a cold cache each fault waits for
-its own small read. preadv of a whole chunk lets the kernel copy from the page cache (or read
-ahead from disk) in large requests with no fault at all. Every value LMDB returns is one
-contiguous span of the map, whose offset in the file is the value's address minus the map's
-base; the read transaction that returned it stays open until the bytes are verified in their
-destination, so LMDB cannot reuse those pages meanwhile.
-
-`read_path` (StoreConfig) picks the path: `mmap` never reads the file; `pread` reads every
-payload stored raw from the file; `auto` (the default) reads payloads stored raw of at least
-PREAD_MIN_BYTES from the file, smaller ones (where a system call per chunk is most of the cost)
-from the map. Compressed payloads are always decoded from the map: zstd reads its input at a
-fraction of copy speed, so faulting it in costs little beside decoding it.
-"""
+Copying from the map costs a page fault per page not mapped yet (on a cold cache, a small read
+each); preadv lets the kernel copy or read ahead in large requests. A value's offset in the file is
+its address minus the map's base; its read transaction stays open until the bytes are verified, so
+LMDB cannot reuse the pages meanwhile. `read_path` `auto` reads only raw payloads of at least
+PREAD_MIN_BYTES this way; compressed ones are decoded from the map (zstd is far slower than the
+faults)."""
 
 from __future__ import annotations
 
@@ -31,16 +22,11 @@ PREAD_MIN_BYTES = 64 << 10
 
 
 class FileSpans(NamedTuple):
-    """Where a payload's chunks lie in a file: read them from `fd` at
-    `offsets`, straight into the destination, instead of copying them from their views."""
-
     fd: int
     offsets: tuple[int, ...]
 
 
 class DataFile:
-    """data.mdb opened read-only beside LMDB's map, and where that map lies in this process."""
-
     def __init__(self, path: Path, read_path: str) -> None:
         self.read_path = read_path
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if read_path != "mmap" else -1
@@ -53,8 +39,8 @@ class DataFile:
     def spans(
         self, record: BlockRecord | PartRecord, chunks: Sequence[memoryview]
     ) -> FileSpans | None:
-        """Where `chunks` (views LMDB returned in an open read transaction) lie in the file, when
-        the payload is to be read from it; None to copy it from the map."""
+        """Where `chunks` lie in the file, when the payload is to be read from it; None to copy it
+        from the map."""
         if self.fd < 0 or record.compression is not Compression.NONE or not chunks:
             return None
         if self.read_path == "auto" and record.stored_size < PREAD_MIN_BYTES:
@@ -71,8 +57,8 @@ class DataFile:
             self.fd = -1
 
     def _base(self, address: int) -> int | None:
-        """The start of the map of data.mdb holding `address` (LMDB maps the file once, from
-        offset 0, when the environment opens: /proc/self/maps is read again only on a miss)."""
+        """The start of the map of data.mdb holding `address`; /proc/self/maps is read again only on
+        a miss."""
         for attempt in range(2):
             for start, end in self._maps:
                 if start <= address < end:
@@ -83,12 +69,10 @@ class DataFile:
 
 
 def _address(view: memoryview) -> int:
-    """The address of a read-only buffer's first byte (reading it faults nothing in)."""
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def _maps_of(path: Path) -> list[tuple[int, int]]:
-    """This process's mappings of the file at `path` from file offset 0, by device and inode."""
     info = os.stat(path)
     found = []
     with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:

@@ -1,6 +1,5 @@
-"""Opening the LMDB environment of a store and telling "not a store", "wrong version" and "corrupt"
-apart before anything is written (the tables: prefixd.store.tables).
-"""
+"""Opening a store's LMDB environment, telling "not a store", "wrong version" and "corrupt" apart
+before anything is written."""
 
 from __future__ import annotations
 
@@ -42,17 +41,12 @@ def open_environment(
     readonly: bool = False,
     now_ns: Callable[[], int] = time.time_ns,
 ) -> tuple[lmdb.Environment, Tables, StoreMeta]:
-    """Open (or, when allowed, create) the store at `config.path`.
+    """Open (or create) the store at `config.path`. Never writes into a directory that is not
+    already a store unless it is absent or empty. `any_version`: accept an older schema (migrations,
+    which take the owner lock themselves).
 
-    Never writes into a directory that is not already a store, unless it is absent or empty.
-    `any_version` accepts a store of an older schema version (for migrations); `readonly` opens
-    an existing store without the possibility of writing to it. `now_ns` dates a new store's meta
-    record (the store's clock).
-
-    A store another process holds (a daemon serving it) is refused unless `readonly`: LMDB would
-    let a second writer in beside the daemon, whose counts, caches and access times would stop
-    being the store's. Migrations (`any_version`) take the owner lock themselves first.
-    """
+    A store another process holds is refused unless `readonly`: LMDB would let a second writer in
+    beside the daemon, whose counts and caches would stop being the store's."""
     path = config.path
     if path.exists() and not path.is_dir():
         raise NotAStoreError(f"{path} is not a directory")
@@ -85,33 +79,26 @@ def open_environment(
             readonly=readonly,
             mode=0o640,
         )
-    except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
-        if not had_lock:  # leave a directory that is not a store as it was
-            lock_file.unlink(missing_ok=True)
-        if not isinstance(exc, lmdb.VersionMismatchError) and _has_lmdb_magic(data_file):
-            raise CorruptStoreError(
-                f"{data_file} is an LMDB file whose meta pages are damaged; restore it from a "
-                "backup, or delete the directory and let the cache refill"
-            ) from None
-        kind = (
-            "of another LMDB version"
-            if isinstance(exc, lmdb.VersionMismatchError)
-            else "not an LMDB file"
-        )
-        raise NotAStoreError(f"{data_file} is {kind}") from None
     except lmdb.Error as exc:
-        if _has_lmdb_magic(data_file):
+        mismatch = isinstance(exc, lmdb.VersionMismatchError)
+        foreign = mismatch or isinstance(exc, (lmdb.InvalidError, lmdb.CorruptedError))
+        if foreign and not had_lock:  # leave a directory that is not a store as it was
+            lock_file.unlink(missing_ok=True)
+        if not mismatch and _has_lmdb_magic(data_file):
             raise CorruptStoreError(
-                f"{data_file} is an LMDB file whose meta pages are damaged ({exc}); restore it "
-                "from a backup, or delete the directory and let the cache refill"
+                f"{data_file} is an LMDB file whose meta pages are damaged"
+                f"{'' if foreign else f' ({exc})'}; restore it from a backup, or delete the "
+                "directory and let the cache refill"
             ) from None
-        raise StoreOpenError(f"cannot open {path}: {exc}") from None
+        if not foreign:
+            raise StoreOpenError(f"cannot open {path}: {exc}") from None
+        kind = "of another LMDB version" if mismatch else "not an LMDB file"
+        raise NotAStoreError(f"{data_file} is {kind}") from None
     try:
-        if not creating:
-            _check_whole(env, data_file)
         if creating:
             tables, meta = _create(env, now_ns())
         else:
+            _check_whole(env, data_file)
             tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
     except lmdb.Error as exc:  # a damaged page met while reading the tables or the meta record
         env.close()
@@ -123,8 +110,8 @@ def open_environment(
 
 
 def _check_whole(env: lmdb.Environment, data_file: Path) -> None:
-    """Refuse a data file shorter than its last page (a partial copy or restore): LMDB maps
-    pages past the end of the file, and reading one kills the process (SIGBUS)."""
+    """Refuse a data file shorter than its last page (a partial copy): reading a page past the end
+    of the file kills the process (SIGBUS)."""
     needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
     size = data_file.stat().st_size
     if size < needed:
@@ -139,8 +126,8 @@ _META_MAGIC_AT = 16  # after the page header, in both meta pages (pages 0 and 1)
 
 
 def _has_lmdb_magic(data_file: Path) -> bool:
-    """Whether the file starts like an LMDB environment (either meta page keeps its magic), so a
-    failure to open it is damage, not a file of something else."""
+    """Whether either meta page keeps LMDB's magic, so a failure to open is damage, not another kind
+    of file."""
     try:
         with data_file.open("rb") as file:
             head = file.read(2 * 65536)
@@ -220,17 +207,14 @@ def _open_tables(
 ) -> Tables:
     handles: dict[str, lmdb._Database] = {"meta": meta_db}
     for name in TABLE_NAMES[1:]:
-        if version < _TABLE_SINCE.get(name, 0):
-            # an older store, opened to be migrated: the step to that version needs the table
-            # (a read-only view, without a transaction, goes without it: None in Tables)
-            if txn is not None:
-                handles[name] = env.open_db(
-                    name.encode(), txn=txn, create=True, dupsort=name in _DUPSORT
-                )
+        # a table an older store lacks is created when it is opened to be migrated (the step to
+        # that version needs it); a read-only view, without a transaction, goes without it
+        added = version < _TABLE_SINCE.get(name, 0)
+        if added and txn is None:
             continue
         try:
             handles[name] = env.open_db(
-                name.encode(), txn=txn, create=False, dupsort=name in _DUPSORT
+                name.encode(), txn=txn, create=added, dupsort=name in _DUPSORT
             )
         except lmdb.NotFoundError:
             raise CorruptStoreError(f"{path} lacks the {name!r} table") from None
@@ -243,8 +227,6 @@ def _open_tables(
 def copy_compacted(
     env: lmdb.Environment, source: Path, target: Path, map_size: int
 ) -> dict[str, Any]:
-    """Write a compacted copy of `env` (free pages dropped: a consistent snapshot) into the
-    empty directory `target`; report both files' sizes."""
     if target.exists() and not target.is_dir():
         raise StoreOpenError(f"{target} is not a directory")
     if target.exists() and any(target.iterdir()):
@@ -261,8 +243,8 @@ def copy_compacted(
 
 
 class OwnerLock:
-    """An advisory lock on DIR/owner.lock, held by a daemon for as long as it serves the store and
-    by offline tools (migrations) that must not run beside one. Released when the process dies."""
+    """A flock on DIR/owner.lock, held by a daemon while it serves the store and by offline tools
+    that must not run beside one; released when the process dies."""
 
     def __init__(self, path: Path) -> None:
         self.path = path / OWNER_FILE
@@ -275,8 +257,8 @@ class OwnerLock:
         self._fd = fd
 
     def record(self, socket: Path) -> None:
-        """Note the socket the holder serves on, so that a command told only the store's
-        directory finds its daemon (`held_socket`)."""
+        """Note the socket the holder serves on, so a command given only the directory finds its
+        daemon."""
         data = json.dumps({"pid": os.getpid(), "socket": str(socket)}).encode()
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)
@@ -288,8 +270,8 @@ class OwnerLock:
 
 
 def held_socket(path: Path) -> Path | None:
-    """The socket of the daemon that holds the store at `path`, as it recorded it; None when no
-    process holds the store, or its holder serves none (a migration)."""
+    """The socket of the daemon holding the store at `path`; None when nobody holds it or the holder
+    serves none."""
     try:
         return _recorded_socket(path) if is_held(path) else None
     except OSError:
@@ -297,8 +279,8 @@ def held_socket(path: Path) -> Path | None:
 
 
 def held_message(path: Path) -> str:
-    """Why the store at `path`, which another process holds, cannot be opened: the daemon's
-    socket to go through instead, when the holder recorded one."""
+    """Why the store, held by another process, cannot be opened: with the daemon's socket to go
+    through instead, when it recorded one."""
     socket = _recorded_socket(path)
     if socket is None:
         return (
@@ -312,8 +294,6 @@ def held_message(path: Path) -> str:
 
 
 def _recorded_socket(path: Path) -> Path | None:
-    """The socket the holder of the store's owner lock recorded, if any (whether or not it still
-    holds it)."""
     try:
         with open(path / OWNER_FILE, "rb") as file:
             text = file.read(4096)
@@ -324,7 +304,6 @@ def _recorded_socket(path: Path) -> Path | None:
 
 
 def is_held(path: Path) -> bool:
-    """Whether some process holds the store's OwnerLock (without taking it)."""
     try:
         fd = os.open(path / OWNER_FILE, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:

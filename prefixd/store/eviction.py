@@ -1,25 +1,13 @@
 """Which blocks to evict: leaves only, lowest value per byte first.
 
-The design notes rank cached state by V = p * C_saved / (M * T): the chance it is reused, times the
-prefill it saves, over the bytes it holds and the time it has held them. prefixd estimates:
+Value V = p * C_saved / (M * T) (the design notes), estimated as:
+  p / T   ~ (hits + 1) / (residence_s + TAU_S) * exp(-idle_s / IDLE_TAU_S)
+  C_saved ~ the block's tokens (its identity's `block_tokens`)
+  M       = the block's stored bytes, with its state-group parts
 
-  p / T  ~  (hits + 1) / (residence_s + TAU_S) * exp(-idle_s / IDLE_TAU_S)
-            a hit rate with a one-hit prior over TAU_S, decayed by the time since the last read;
-  C_saved ~  the block's token count, its identity's `block_tokens` (prefill cost grows with
-            tokens; the attention term that grows with depth is ignored, since a block is only ever
-            evicted after its descendants); an engine-keyed block holds a key, not its tokens;
-  M       =  the block's stored bytes (with its state-group parts, for a hybrid identity).
-
-Only leaves are candidates (a block is never evicted while a descendant is stored), so a prefix
-shrinks from its end and everything still stored stays reachable. Pinned blocks
-(prefixd.store.pins) are never candidates; a round that removed a block pinned while it ran is
-rolled back and run again. `lru` orders leaves by last read
-alone; it exists to compare against (bench/eviction_bench.py).
-
-`evict` runs a round: to the low watermark of the capacity, or of a tenant's quota when a put
-took the tenant past it (prefixd.store.put decides when; prefixd.store.tenancy holds quotas);
-it first frees the blocks past their tenant's time to live (`reclaim_expired`).
-"""
+Only leaves are candidates, so a prefix shrinks from its end and what stays is reachable.
+Pinned blocks are never candidates; a round that removed a block pinned meanwhile is rolled back
+and run again. `lru` (last read alone) exists to compare against."""
 
 from __future__ import annotations
 
@@ -28,8 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import lmdb
 
@@ -39,7 +26,6 @@ from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
 from prefixd.store.config import StoreConfig
 from prefixd.store.joint import part_bytes
-from prefixd.store.journal import Journaled
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
 from prefixd.store.tables import Tables, children_key, decoded, records_after
@@ -65,8 +51,7 @@ def capacity_bytes(config: StoreConfig) -> int:
     return config.capacity_bytes or int(config.map_size * DEFAULT_CAPACITY_SHARE)
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):  # a tuple: the heap compares them in C
     score: float
     block: bytes
     parent_key: bytes
@@ -74,8 +59,8 @@ class Candidate:
 
 
 class TokensPerBlock:
-    """How many tokens one block of each identity holds, read once per identity in a transaction:
-    a block's record holds its token ids, or (engine-keyed) only the engine's key for them."""
+    """Tokens per block of each identity, read once per transaction (an engine-keyed record holds a
+    key, not its tokens)."""
 
     def __init__(self, txn: lmdb.Transaction, identities: lmdb._Database) -> None:
         self._txn = txn
@@ -97,19 +82,10 @@ class TokensPerBlock:
 
 
 def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int) -> float:
-    """The estimated value per byte of a block holding `tokens` tokens (see the module's text)."""
     residence_s = max(0.0, (now_ns - record.created_ns) / 1e9)
     idle_s = max(0.0, (now_ns - access.last_ns) / 1e9)
     rate = (access.hits + 1) / (residence_s + TAU_S) * math.exp(-idle_s / IDLE_TAU_S)
     return rate * tokens / max(1, record.stored_size)
-
-
-def score(
-    policy: str, record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int
-) -> float:
-    if policy == "lru":
-        return float(access.last_ns)
-    return value_per_byte(record, access, now_ns, tokens)
 
 
 class VictimQueue:
@@ -124,8 +100,7 @@ class VictimQueue:
         identities: set[bytes] | None = None,
         pins: Pins | None = None,
     ) -> None:
-        """`identities`, when given, limits the candidates to blocks of those identities;
-        blocks `pins` holds are never candidates."""
+        """`identities`: only blocks of those are candidates; blocks `pins` holds never are."""
         self._identities = identities
         self._pins = pins
         self._txn = txn
@@ -133,7 +108,7 @@ class VictimQueue:
         self._policy = policy
         self._now = now_ns
         self._tokens = TokensPerBlock(txn, tables.identities)
-        self._heap: list[tuple[float, bytes, bytes, int]] = []
+        self._heap: list[Candidate] = []
         children = txn.cursor(db=tables.children)
         for key, value in txn.cursor(db=tables.blocks):
             block = bytes(key)
@@ -141,9 +116,7 @@ class VictimQueue:
                 continue  # has descendants: not a leaf
             candidate = self._candidate(block, value)
             if candidate is not None:
-                self._heap.append(
-                    (candidate.score, block, candidate.parent_key, candidate.stored_size)
-                )
+                self._heap.append(candidate)
         heapq.heapify(self._heap)
 
     def _candidate(self, block: bytes, raw: bytes | memoryview) -> Candidate | None:
@@ -159,16 +132,16 @@ class VictimQueue:
         # a hybrid identity's block holds its bytes in parts (its record's own payload is empty)
         stored = record.stored_size + part_bytes(self._txn, self._t.parts, block)
         record = record._replace(stored_size=stored)
-        value = score(self._policy, record, access, self._now, self._tokens.of(record))
+        if self._policy == "lru":
+            return Candidate(float(access.last_ns), block, parent_key, stored)
+        value = value_per_byte(record, access, self._now, self._tokens.of(record))
         return Candidate(value, block, parent_key, stored)
 
     def __iter__(self) -> Iterator[Candidate]:
         while self._heap:
-            value, block, parent_key, size = heapq.heappop(self._heap)
-            yield Candidate(value, block, parent_key, size)
+            yield heapq.heappop(self._heap)
 
     def parent_freed(self, parent_key: bytes) -> None:
-        """After a child went: queue the parent if it is a block that is now a leaf."""
         children = self._txn.cursor(db=self._t.children)
         if children.set_key(parent_key):
             return
@@ -177,10 +150,7 @@ class VictimQueue:
             return  # an identity digest (the root's key), or already gone
         candidate = self._candidate(parent_key, raw)
         if candidate is not None:
-            heapq.heappush(
-                self._heap,
-                (candidate.score, parent_key, candidate.parent_key, candidate.stored_size),
-            )
+            heapq.heappush(self._heap, candidate)
 
 
 def evict(
@@ -190,9 +160,9 @@ def evict(
     target_bytes: int | None = None,
     tenant: str | None = None,
 ) -> EvictionReport:
-    """Evict leaves, lowest score first, until the stored bytes (the tenant's, with `tenant`)
-    are at most `target_bytes` (default: the low watermark of the capacity), in one write
-    transaction; expired blocks go first and pending read times are written first."""
+    """Evict leaves, lowest score first, until the stored bytes (the tenant's, with `tenant`) are at
+    most `target_bytes`, in one transaction; expired blocks go first and pending read times are
+    written first."""
     config = ctx.config
     if config.eviction == "none":
         return EvictionReport(0, 0, 0.0)
@@ -215,8 +185,7 @@ def evict(
 
 
 def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
-    """Remove the blocks past their tenant's time to live (already unreachable: lookups and
-    loads skip them); return how many went."""
+    """Remove the blocks past their tenant's time to live; return how many went."""
     if not tenancy.expires:
         return 0
     now = ctx.clock.time_ns()
@@ -239,15 +208,13 @@ def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
 def _round(
     ctx: StoreContext, tenancy: Tenancy, target_bytes: int, tenant: str | None
 ) -> tuple[int, int] | None:
-    """One eviction round in one write transaction: (blocks, bytes) evicted, or None when a
-    victim was pinned while the round ran (the round is rolled back). The check and the commit
-    hold the pins' lock, so a pin taken after them finds the block gone when it reads again.
-    (A rolled-back round's removals stay counted in this process's tallies: rare, and only a
-    count.)"""
+    """One eviction round: (blocks, bytes) evicted, or None when a victim was pinned meanwhile
+    (rolled back). The check and the commit hold the pins' lock, so a later pin finds the block gone
+    when it reads again."""
     t = ctx.tables
-    evicted = freed = 0
+    freed = 0
     victims: list[bytes] = []
-    journaled = Journaled(ctx.journals)  # what the round removed is told only if it commits
+    journal = ctx.journals.open()  # what the round removed is told only if it commits
     committed = False
     txn = ctx.env.begin(write=True)
     try:
@@ -267,9 +234,8 @@ def _round(
                 victims.append(victim.block)
                 stored -= victim.stored_size
                 freed += victim.stored_size
-                evicted += 1
                 queue.parent_freed(victim.parent_key)
-            counters.add(txn, t.counters, counters.EVICTED, evicted)
+            counters.add(txn, t.counters, counters.EVICTED, len(victims))
         with ctx.pins.lock:
             if ctx.pins.any_held(victims):
                 txn.abort()
@@ -280,5 +246,5 @@ def _round(
         txn.abort()
         raise
     finally:
-        journaled.done(committed=committed)
-    return evicted, freed
+        ctx.journals.close(journal, committed=committed)
+    return len(victims), freed

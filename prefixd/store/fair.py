@@ -1,15 +1,9 @@
 """Threads that copy and verify the payloads of every load at once, a piece of each in turn.
 
-A load's bytes are cut into pieces (runs of whole blocks, prefixd.store.codec), and every load
-in flight hands its pieces to one `FairPool`: its threads take one piece of each load that has
-some left, round robin, so a huge load never makes a small one wait for all of it, and however
-many loads arrive, only `threads` pieces run at once (about one per core: more threads copying
-at once only evict each other's pieces from the cache and fight over the GIL between pieces).
-
-The caller waits until every piece of its job that started has ended: the bytes a piece writes
-are then all in place (or zeroed by the caller) before the caller reports, or closes the read
-transaction its pieces read under.
-"""
+Round robin over the loads in flight, so a huge load never makes a small one wait, and only
+`threads` pieces run at once (more only evict each other from the cache). A caller returns only once
+every started piece of its job has ended, so its bytes are in place before it reports or closes the
+read transaction."""
 
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ Piece = Callable[[], bool]  # runs one piece; False: it failed, or was stopped (
 
 
 def default_threads() -> int:
-    """About one thread per usable core, at least 2 (a 2-core node keeps the 2 it always had)."""
+    """About one thread per usable core, at least 2."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -31,8 +25,6 @@ def default_threads() -> int:
 
 
 class _Job:
-    """One caller's pieces: which start next, which no longer start, which still run."""
-
     __slots__ = ("done", "error", "next", "outcomes", "pieces", "running", "stop_at")
 
     def __init__(self, pieces: Sequence[Piece]) -> None:
@@ -49,8 +41,6 @@ class _Job:
 
 
 class FairPool:
-    """`threads` threads running the pieces of every job in turn (see the module doc)."""
-
     def __init__(self, threads: int, name: str = "prefixd-copy") -> None:
         if threads < 1:
             raise ValueError("a FairPool needs at least one thread")
@@ -62,11 +52,9 @@ class FairPool:
         self._closed = False
 
     def run(self, pieces: Sequence[Piece]) -> list[bool | None]:
-        """Run `pieces` on the pool's threads, started in order, interleaved with other callers'
-        pieces; return each one's outcome: True, False, or None for a piece that never started
-        because an earlier one returned False (those after a failure are not needed: the caller
-        reports only the prefix before it). Returns once every piece that started has ended;
-        the first exception a piece raised is raised then. After `close`, runs them here."""
+        """Run `pieces` interleaved with other callers'; return each outcome: True, False, or None
+        for a piece never started after an earlier one failed. Returns once every started piece has
+        ended, raising the first exception one raised. After `close`, runs them here."""
         job = _Job(pieces)
         if not pieces:
             return job.outcomes
@@ -88,8 +76,8 @@ class FairPool:
         return job.outcomes
 
     def close(self) -> None:
-        """Stop the threads once the jobs queued have started every piece (callers waiting get
-        their answers); later jobs run on their callers' threads."""
+        """Stop the threads once queued jobs have started every piece; later jobs run on their
+        callers' threads."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -137,6 +125,3 @@ class FairPool:
                         self._jobs.remove(job)
                 if job.running == 0 and not job.startable():
                     job.done.set()
-
-
-__all__ = ["FairPool", "Piece", "default_threads"]

@@ -1,17 +1,9 @@
 """Joint prefixes of hybrid identities: where every state group is complete at once.
 
-A hybrid identity's blocks are the lookup index (hash blocks of `block_tokens`); its state lives in
-part records hung on those blocks (prefixd.schema.state):
-
-  * a paged group's page covers `page_blocks` blocks and hangs on the page's first block;
-  * a checkpoint hangs on the block that ends at its boundary.
-
-A boundary b (in blocks) is reusable when the chain is stored up to b, every paged group has the
-pages that cover blocks 0..b-1, and every stored checkpoint group has a checkpoint at b. The answer
-is the largest such b: never a boundary at which any group is missing or damaged. A put is checked
-here, before any transaction, so an open page or an unclosed boundary is refused with nothing
-written.
-"""
+A paged group's page hangs on its first block, a checkpoint on the block ending at its boundary. A
+boundary is reusable when the chain is stored up to it, every paged group covers it and every stored
+checkpoint group has a checkpoint there; the answer is the largest. A put is checked here before any
+transaction, so nothing is written for a refused one."""
 
 from __future__ import annotations
 
@@ -27,10 +19,10 @@ from prefixd.schema.records import PartRecord, part_key
 from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec
 from prefixd.store.codec import payload_view
 from prefixd.store.results import JointMatch, PartRef
+from prefixd.store.tables import decoded_part, prefixed
 
 
 def require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
-    """The identity's state spec; IdentityError naming `plain_method` if it has none."""
     if identity.state is None:
         raise IdentityError(
             "state", f"is not set: an identity without state groups uses {plain_method}"
@@ -39,16 +31,14 @@ def require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
 
 
 def require_plain(identity: Identity, hybrid_method: str) -> None:
-    """A hybrid identity's blocks carry no payload of their own; the plain calls would report a
-    prefix that no state group backs (a partial hit), so they refuse it."""
+    """The plain calls would report a prefix no state group backs (a partial hit), so they refuse a
+    hybrid identity."""
     if identity.state is not None:
         raise IdentityError("state", f"is set: an identity with state groups uses {hybrid_method}")
 
 
 @dataclass(frozen=True)
 class PlannedPart:
-    """A payload a put will store: group index, the block index it hangs on, its bytes."""
-
     group: int
     block_index: int
     view: memoryview
@@ -56,15 +46,16 @@ class PlannedPart:
 
 def joint_match(
     txn: lmdb.Transaction,
-    parts_db: lmdb._Database,
+    parts_db: lmdb._Database | None,
     spec: StateSpec,
-    identity_digest: bytes,
-    block_tokens: int,
+    identity: Identity,
     hashes: Sequence[bytes],
     damaged: list[bytes],
 ) -> JointMatch:
-    """Find the joint boundary over the stored chain `hashes` (block 0 first). Part records that
-    fail verification are appended to `damaged` (by block) and count as missing."""
+    """The joint boundary over the stored chain `hashes`; parts that fail verification go to
+    `damaged` (by block) and count as missing."""
+    assert parts_db is not None  # a store whose identities have state has the parts table
+    identity_digest, block_tokens = identity.digest, identity.block_tokens
     get = txn.cursor(db=parts_db).get
     found: dict[tuple[int, int], PartRecord] = {}
 
@@ -100,33 +91,18 @@ def joint_match(
     replay = max((g.replay_tokens for g in spec if not g.stored), default=0)
     replay_from = max(0, reusable * block_tokens - replay) // block_tokens * block_tokens
     parts: list[PartRef] = []
+
+    def add(group: StateGroup, gi: int, block: int, first_token: int, tokens: int) -> None:
+        size = found[gi, block].payload_size
+        parts.append(PartRef(group.name, hashes[block], block, size, first_token, tokens))
+
     for gi, group in enumerate(spec):
         if group.kind == PAGED:
             span = group.page_blocks * block_tokens
             for start in range(0, reusable, group.page_blocks):
-                record = found[gi, start]
-                parts.append(
-                    PartRef(
-                        group.name,
-                        hashes[start],
-                        start,
-                        record.payload_size,
-                        start * block_tokens,
-                        span,
-                    )
-                )
+                add(group, gi, start, start * block_tokens, span)
         elif group.stored and reusable:
-            record = found[gi, reusable - 1]
-            parts.append(
-                PartRef(
-                    group.name,
-                    hashes[reusable - 1],
-                    reusable - 1,
-                    record.payload_size,
-                    reusable * block_tokens,
-                    0,
-                )
-            )
+            add(group, gi, reusable - 1, reusable * block_tokens, 0)
     return JointMatch(
         identity_digest,
         block_tokens,
@@ -147,10 +123,8 @@ def plan_put(
     paged: Mapping[str, Sequence[Any]],
     checkpoints: Mapping[str, Mapping[int, Any]],
 ) -> list[PlannedPart]:
-    """Check a put of blocks [first_block, end_block) with these payloads against the spec and
-    return the parts it stores. Raises OpenTailError for state that is not closed (a page that
-    does not end within the put, a checkpoint off a block boundary) and PayloadError for any
-    other mismatch; nothing has been written when either is raised."""
+    """The parts a put of blocks [first_block, end_block) stores, checked against the spec:
+    OpenTailError for state that is not closed, PayloadError for any other mismatch."""
     groups = {g.name: (gi, g) for gi, g in enumerate(spec)}
     for name in (*paged, *checkpoints):
         if name not in groups:
@@ -192,12 +166,7 @@ def _plan_pages(
 
 
 def _plan_checkpoints(
-    gi: int,
-    group: StateGroup,
-    block_tokens: int,
-    first: int,
-    end: int,
-    given: Mapping[int, Any],
+    gi: int, group: StateGroup, block_tokens: int, first: int, end: int, given: Mapping[int, Any]
 ) -> list[PlannedPart]:
     if not isinstance(given, Mapping):
         raise PayloadError(f"state group {group.name!r}: checkpoints must map boundary -> payload")
@@ -212,8 +181,7 @@ def _plan_checkpoints(
                 f"state group {group.name!r}: a checkpoint at token {boundary} is past the last "
                 f"closed block boundary; only state at a multiple of {block_tokens} is stored"
             )
-        if not 0 < boundary <= end * block_tokens:
-            last = end * block_tokens
+        if not 0 < boundary <= (last := end * block_tokens):
             raise PayloadError(
                 f"state group {group.name!r}: boundary {boundary} is outside 1..{last}"
             )
@@ -222,14 +190,8 @@ def _plan_checkpoints(
                 f"state group {group.name!r}: policy 'periodic' stores only multiples of "
                 f"{group.period_tokens} tokens, not {boundary}"
             )
-        block = boundary // block_tokens - 1
-        planned.append(
-            PlannedPart(
-                gi,
-                block,
-                payload_view(payload, f"state group {group.name!r}: checkpoint at {boundary}"),
-            )
-        )
+        what = f"state group {group.name!r}: checkpoint at {boundary}"
+        planned.append(PlannedPart(gi, boundary // block_tokens - 1, payload_view(payload, what)))
     required = _required_boundaries(group, block_tokens, first, end)
     missing = sorted(required - set(given))
     if missing:
@@ -241,7 +203,6 @@ def _plan_checkpoints(
 
 
 def _required_boundaries(group: StateGroup, block_tokens: int, first: int, end: int) -> set[int]:
-    """Boundaries of the new blocks at which the group's policy promises a checkpoint."""
     new = range((first + 1) * block_tokens, end * block_tokens + 1, block_tokens)
     if group.policy == "full":
         return set(new)
@@ -255,18 +216,7 @@ def _boundary_sort(value: object) -> int:
 
 
 def part_bytes(txn: lmdb.Transaction, parts_db: lmdb._Database | None, block: bytes) -> int:
-    """Stored bytes of every part hung on `block` (0 for a block of a plain identity)."""
     if parts_db is None:
         return 0
-    cursor = txn.cursor(db=parts_db)
-    total = 0
-    if not cursor.set_range(block):
-        return 0
-    for key, raw in cursor:
-        if bytes(key[: len(block)]) != block:
-            break
-        try:
-            total += PartRecord.decode(raw).stored_size
-        except CorruptRecordError:
-            continue
-    return total
+    parts = (decoded_part(raw) for _, raw in prefixed(txn.cursor(db=parts_db), block))
+    return sum(part.stored_size for part in parts if part is not None)

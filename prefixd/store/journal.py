@@ -1,13 +1,9 @@
 """What each write transaction stored and removed, told to the store's observer once it commits.
 
-KV events for routers must name exactly the blocks the store holds, whatever removed them
-(eviction, quota, TTL expiry, quarantine, purge, retirement, repair, delete). So a block counts as
-stored or removed when its transaction commits, never before and never when it aborts: every
-write path opens its transaction through `Journals.writing` (or `Journaled` where it commits by
-hand), and the two places that change blocks, the put path and `removal.remove_subtree`, note each
-change in the journal of the transaction this thread has open. Without an observer nothing is
-noted: the store pays nothing for events nobody publishes.
-"""
+KV events for routers must name exactly the blocks the store holds, so a change counts only when its
+transaction commits: every write path opens its transaction through `Journals.writing` (or `open`
+and `close`), and the put path and `remove_subtree` note changes in this thread's journal. Without
+an observer nothing is noted."""
 
 from __future__ import annotations
 
@@ -32,8 +28,6 @@ STORED = "stored"
 
 @dataclass(frozen=True, slots=True)
 class BlockChange:
-    """One block stored or removed by a committed transaction."""
-
     reason: str  # STORED, or why it went: evicted, quarantined, expired, purged, retired, deleted
     block: bytes  # its chain hash
     parent: bytes  # its parent's chain hash (ROOT_PARENT for a prompt's first block)
@@ -47,14 +41,10 @@ class BlockChange:
 
 
 class BlockObserver(Protocol):
-    """Told, after each commit, what that transaction stored and removed, in order."""
-
     def committed(self, changes: Sequence[BlockChange]) -> None: ...
 
 
 class Journal:
-    """The changes of one open write transaction."""
-
     def __init__(self, tables: Tables) -> None:
         self._tables = tables
         self.changes: list[BlockChange] = []
@@ -80,8 +70,7 @@ class Journal:
 def keyed_parent(
     tables: Tables, txn: lmdb.Transaction, record: BlockRecord, identity: Identity | None
 ) -> bytes:
-    """The key of an engine-keyed block's parent (what the engine names it by); b"" for a
-    prompt's first block and for blocks under token ids (their parent is its chain hash)."""
+    """The key of an engine-keyed block's parent (what the engine names it by); b"" otherwise."""
     if identity is None or identity.key_bytes is None or record.parent == ROOT_PARENT:
         return b""
     parent = stored_record(txn, tables, record.parent)
@@ -89,8 +78,8 @@ def keyed_parent(
 
 
 class Journals:
-    """The journal of the write transaction each thread has open (LMDB allows one per thread),
-    and the observer told what each commit changed (None: nothing is noted)."""
+    """The journal of each thread's open write transaction (LMDB allows one per thread), and the
+    observer."""
 
     def __init__(self, tables: Tables) -> None:
         self._tables = tables
@@ -98,7 +87,6 @@ class Journals:
         self.observer: BlockObserver | None = None
 
     def current(self) -> Journal | None:
-        """The journal this thread's open write transaction notes its changes in (None: none)."""
         if self.observer is None:
             return None
         journal: Journal | None = getattr(self._open, "journal", None)
@@ -110,8 +98,8 @@ class Journals:
         return journal
 
     def close(self, journal: Journal | None, *, committed: bool) -> None:
-        """Forget the thread's journal; after a commit, tell the observer what it changed (an
-        observer's failure is logged: the transaction is committed either way)."""
+        """Forget the thread's journal; after a commit, tell the observer (whose failure is only
+        logged: the transaction is committed either way)."""
         self._open.journal = None
         observer = self.observer
         if not committed or journal is None or not journal.changes or observer is None:
@@ -123,8 +111,7 @@ class Journals:
 
     @contextmanager
     def writing(self, env: lmdb.Environment) -> Iterator[lmdb.Transaction]:
-        """`env.begin(write=True)` whose changes reach the observer once, and only if, it
-        commits."""
+        """A write transaction whose changes reach the observer once, and only if, it commits."""
         journal = self.open()
         try:
             with env.begin(write=True) as txn:
@@ -135,22 +122,10 @@ class Journals:
         self.close(journal, committed=True)
 
 
-class Journaled:
-    """For a write path that commits or aborts its transaction by hand (the put path)."""
-
-    def __init__(self, journals: Journals) -> None:
-        self._journals = journals
-        self._journal = journals.open()
-
-    def done(self, *, committed: bool) -> None:
-        self._journals.close(self._journal, committed=committed)
-
-
 def inventory(env: lmdb.Environment, tables: Tables, after: bytes, limit: int) -> list[BlockChange]:
-    """Up to `limit` stored blocks whose hashes follow `after` (b"": from the first), as STORED
-    changes, in hash order; each call is a read transaction of its own, so walking a store of
-    millions of blocks never holds one snapshot open (a block removed meanwhile is told as
-    removed by its own commit)."""
+    """Up to `limit` stored blocks after `after` (b"": from the first) as STORED changes, each call
+    in a read transaction of its own, so walking millions of blocks never holds one snapshot open.
+    """
     found: list[BlockChange] = []
     identities: dict[bytes, Identity | None] = {}
     with env.begin() as txn:
@@ -165,14 +140,3 @@ def inventory(env: lmdb.Environment, tables: Tables, after: bytes, limit: int) -
             if len(found) >= limit:
                 break
     return found
-
-
-__all__ = [
-    "STORED",
-    "BlockChange",
-    "BlockObserver",
-    "Journal",
-    "Journaled",
-    "Journals",
-    "inventory",
-]

@@ -1,11 +1,8 @@
-"""A tenant's stored blocks, page by page: what an engine that asks "which keys do you hold?"
-(LMCache's `list_l2_keys`) or an operator's inventory reads.
+"""A tenant's stored blocks, page by page (LMCache's `list_l2_keys`, an operator's inventory).
 
-Pages follow the `blocks` table's order (block hashes), so a cursor is the last hash a page
-examined and a listing never repeats a block; blocks put or removed while it runs may or may not
-appear. A page reads at most `SCAN_LIMIT` records, so a tenant that holds few of a large store's
-blocks gets short (even empty) pages with a cursor, never one page that reads the whole store.
-"""
+Pages follow hash order, so the cursor is the last hash examined and nothing repeats. A page reads
+at most SCAN_LIMIT records, so a tenant with few of a large store's blocks gets short pages, never
+one that reads the whole store."""
 
 from __future__ import annotations
 
@@ -25,9 +22,8 @@ SCAN_LIMIT = 65536
 def list_blocks(
     ctx: StoreContext, tenant: str, stored_as: str, after: bytes | None, limit: int
 ) -> tuple[list[ListedBlock], bytes | None]:
-    """Up to `limit` of the tenant's blocks (stored under `stored_as`: its share group's name,
-    in one) whose hashes follow `after`, and the cursor of the next page (None: the listing is
-    complete)."""
+    """Up to `limit` of the tenant's blocks (stored under `stored_as`) after `after`, and the next
+    cursor (None: complete)."""
     found: list[ListedBlock] = []
     with ctx.env.begin(buffers=True) as txn:
         owned = ctx.tenants.digests_of(txn, stored_as)
@@ -51,6 +47,3 @@ def list_blocks(
                 )
             last = key
     return found, None
-
-
-__all__ = ["SCAN_LIMIT", "list_blocks"]

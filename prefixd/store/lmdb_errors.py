@@ -1,16 +1,7 @@
-"""The one translation of LMDB's exceptions into prefixd's, for every path out of the store.
-
-A caller can act on a prefixd error (StoreFullError: evict or grow the map; DiskFullError: free
-space; CorruptStoreError: `prefixd verify`, or delete the store), not on an lmdb one. Code inside
-the store still catches lmdb.MapFullError where it can do something about it (a put settles and
-evicts, then tries again) and lmdb.Error where a failure is only a hint lost (access times, a
-quarantine retried on the next read); whatever leaves the store goes through `translate`: each
-public method of `Store` runs under it, and `lmdb_errors` applies it to a block of code that
-writes somewhere else (a compacted copy).
-
-Opening a store tells "not a store", "another version" and "damaged" apart before any of this
-(prefixd.store.environment): an open that fails has no store to translate for.
-"""
+"""The one translation of LMDB's exceptions into prefixd's, for every path out of the store: a
+caller can act on StoreFullError, DiskFullError or CorruptStoreError, not on an lmdb error. Inside,
+the store still catches lmdb.MapFullError where it can act (a put makes room) and lmdb.Error where
+only a hint is lost (access times, a quarantine retried on the next read)."""
 
 from __future__ import annotations
 
@@ -39,10 +30,9 @@ DISK_FULL_BYTES = 16 << 20
 def translate(
     exc: lmdb.Error, path: Path, map_size: int, doing: str, *, writing: bool = True
 ) -> PrefixdError:
-    """The prefixd error that `exc`, raised while `doing` ("the put") on the store at `path`,
-    means for the caller. LMDB reports a file system without room as an I/O error at commit, so
-    the free space under `path` tells a full disk from another I/O error. A read (`writing`
-    False) fails otherwise only for a reason the store did not foresee: InternalError."""
+    """The prefixd error `exc`, raised while `doing` on the store at `path`, means. LMDB reports a
+    full file system as an I/O error at commit, so the free space tells them apart; a read fails
+    otherwise only for an unforeseen reason (InternalError)."""
     if isinstance(exc, DAMAGE):
         return CorruptStoreError(f"{path} has damaged pages: {exc}")
     if isinstance(exc, lmdb.MapFullError):
@@ -60,7 +50,6 @@ def translate(
 
 @contextlib.contextmanager
 def lmdb_errors(path: Path, map_size: int, doing: str, *, writing: bool = True) -> Iterator[None]:
-    """Raise what `translate` makes of an lmdb.Error from the block (never the lmdb error)."""
     try:
         yield
     except lmdb.Error as exc:
@@ -68,12 +57,9 @@ def lmdb_errors(path: Path, map_size: int, doing: str, *, writing: bool = True) 
 
 
 def free_bytes(path: Path) -> int:
-    """Bytes free to an unprivileged writer under `path` (-1 if that cannot be told)."""
+    """Bytes free to an unprivileged writer under `path` (-1 if unknown)."""
     try:
         vfs = os.statvfs(path)
     except OSError:
         return -1
     return vfs.f_bavail * vfs.f_frsize
-
-
-__all__ = ["DAMAGE", "DISK_FULL_BYTES", "free_bytes", "lmdb_errors", "translate"]

@@ -1,20 +1,15 @@
-"""The lookup memo: prefixes a walk has verified, kept in memory so a repeated lookup skips
-re-reading them (a cache of the read path, unrelated to `prefixd verify`).
+"""The lookup memo: prefixes a walk verified, so a repeated lookup skips re-reading them.
 
-An engine looks up the same long prompts again and again. A walk that verified blocks 0..n-1 of a
-chain (identity, parent links and token ids, record by record) is remembered under its last block's
-hash with a copy of those token ids. A later query is served from it only if its identity is the
-same, its token ids start with exactly those bytes (one memcmp), and no block has been removed from
-the store since: every removal, in any process, bumps the store's removal epoch in the same
-transaction. Blocks are immutable while they exist (one owner), so nothing else can invalidate it.
-The walk then continues from block n as usual, so blocks added since are found too.
-"""
+An entry is served only if its identity matches, the query's token ids start with its bytes, and no
+block was removed since (every removal bumps the removal epoch in its own transaction). Blocks are
+immutable while they exist, so nothing else can invalidate it."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,14 +30,13 @@ class VerifiedPrefix:
     oldest_created_ns: int  # entries of a tenant with a time to live expire with their oldest block
 
     def walk(self) -> Walk:
-        """A walk that found this prefix, for `walk_chain` to go on from."""
         return Walk(
             list(self.hashes), list(self.payload_sizes), oldest_created_ns=self.oldest_created_ns
         )
 
 
 class VerifiedPrefixes:
-    """A bounded LRU of verified prefixes (bounded by the bytes of token ids it holds)."""
+    """A bounded LRU of verified prefixes (bounded by the memory they take)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -57,68 +51,64 @@ class VerifiedPrefixes:
     def find(
         self, chain: BlockChain, epoch: int, limit: int, min_created_ns: int = 0
     ) -> VerifiedPrefix | None:
-        """The longest remembered prefix of `chain` (at most `limit` blocks) still valid at `epoch`."""
+        """The longest remembered prefix of `chain`, at most `limit` blocks, valid at `epoch`."""
         if not self.max_bytes or not self._entries:
             return None
         digest = chain.identity.digest
         closed = memoryview(chain.token_bytes)[: limit * chain.block_tokens * 4]
         content = _content_key(digest, closed)
+
+        def fits(entry: VerifiedPrefix) -> bool:
+            return len(entry.hashes) <= limit and chain.token_bytes.startswith(entry.tokens)
+
+        # the exact entry, else a shorter remembered prefix (a shared system prompt, say) under
+        # its last block's hash, the longest first
+        shorter = (chain.hash(index) for index in range(limit - 1, -1, -1))
         with self._lock:
-            exact = self._by_content.get(content)
-            if exact is not None:
-                entry = self._valid(exact, chain, epoch, limit, min_created_ns)
-                if entry is not None:
-                    return entry
-            # a shorter remembered prefix (a shared system prompt, say): its last block's hash
-            for index in range(limit - 1, -1, -1):  # the longest first
-                entry = self._valid(chain.hash(index), chain, epoch, limit, min_created_ns)
+            for key in itertools.chain([self._by_content.get(content)], shorter):
+                entry = self._valid(key, digest, epoch, min_created_ns, fits)
                 if entry is not None:
                     return entry
         return None
 
     def _valid(
-        self, key: bytes, chain: BlockChain, epoch: int, limit: int, min_created_ns: int
+        self,
+        key: bytes | None,
+        digest: bytes,
+        epoch: int,
+        min_created_ns: int,
+        fits: Callable[[VerifiedPrefix], bool],
     ) -> VerifiedPrefix | None:
-        """The entry under `key` if it is a verified prefix of `chain` (call under the lock)."""
-        entry = self._entries.get(key)
+        """The entry under `key` if it is still valid and `fits` the query (call under the lock)."""
+        entry = self._entries.get(key) if key is not None else None
         if (
             entry is None
             or entry.epoch != epoch
             or entry.oldest_created_ns < min_created_ns
-            or entry.identity != chain.identity.digest
-            or len(entry.hashes) > limit
-            or not chain.token_bytes.startswith(entry.tokens)
+            or entry.identity != digest
+            or not fits(entry)
         ):
             return None
-        self._entries.move_to_end(key)
+        self._entries.move_to_end(entry.hashes[-1])
         self.hits += 1
         return entry
 
     def find_whole(
         self, identity_digest: bytes, closed: np.ndarray, epoch: int, min_created_ns: int = 0
     ) -> VerifiedPrefix | None:
-        """The remembered prefix that is exactly these closed blocks' token ids (a '<u4' array,
-        possibly a view of memory a client shares: it is read, never kept), still valid."""
+        """The entry that is exactly these closed blocks' token ids, still valid; `closed` may be a
+        client's shared memory, read, never kept."""
         if not self.max_bytes or not self._entries:
             return None
         raw = closed.data.cast("B")
         content = _content_key(identity_digest, raw)
+
+        def fits(entry: VerifiedPrefix) -> bool:  # one memcmp (equal lengths: equal bytes)
+            return len(entry.tokens) == closed.nbytes and entry.tokens.startswith(raw)
+
         with self._lock:
             key = self._by_content.get(content)
-            entry = self._entries.get(key) if key is not None else None
-            if (
-                key is None
-                or entry is None
-                or entry.epoch != epoch
-                or entry.oldest_created_ns < min_created_ns
-                or entry.identity != identity_digest
-                or len(entry.tokens) != closed.nbytes
-                or not entry.tokens.startswith(raw)  # one memcmp (equal lengths: equal bytes)
-            ):
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return entry
+            return self._valid(key, identity_digest, epoch, min_created_ns, fits)
 
     def remember(
         self,
@@ -129,16 +119,13 @@ class VerifiedPrefixes:
         oldest_created_ns: int,
         replacing: bytes | None = None,
     ) -> None:
-        """Keep a prefix a walk verified (blocks 0..len(hashes)-1 of `chain`). `replacing`: the
-        last hash of the shorter prefix it grew from (a put that extended it), dropped so that a
-        prompt growing block by block holds one entry, not one per length."""
+        """Keep a prefix a walk verified. `replacing`: the last hash of the prefix it grew from,
+        dropped so a prompt growing block by block holds one entry."""
         if not self.max_bytes or not hashes:
             return
         if replacing is not None and replacing != hashes[-1]:
             with self._lock:
-                grown = self._entries.pop(replacing, None)
-                if grown is not None:
-                    self._forget(grown)
+                self._forget(replacing)
         tokens = chain.token_bytes[: len(hashes) * chain.block_tokens * 4]
         if _cost(tokens, hashes) > self.max_bytes:
             return
@@ -148,20 +135,20 @@ class VerifiedPrefixes:
             epoch, digest, tokens, tuple(hashes), tuple(payload_sizes), content, oldest_created_ns
         )
         with self._lock:
-            old = self._entries.pop(hashes[-1], None)
-            if old is not None:
-                self._forget(old)
+            self._forget(hashes[-1])
             self._entries[hashes[-1]] = entry
             self._by_content[content] = hashes[-1]
             self._bytes += _cost(tokens, entry.hashes)
             while self._bytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self._forget(dropped)
+                self._forget(next(iter(self._entries)))  # the least recently used
 
-    def _forget(self, entry: VerifiedPrefix) -> None:
-        self._bytes -= _cost(entry.tokens, entry.hashes)
-        if self._by_content.get(entry.content) == entry.hashes[-1]:
-            del self._by_content[entry.content]
+    def _forget(self, key: bytes) -> None:
+        """Drop the entry under `key`, if any (call under the lock)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= _cost(entry.tokens, entry.hashes)
+            if self._by_content.get(entry.content) == key:
+                del self._by_content[entry.content]
 
 
 # What an entry costs beyond its token bytes, measured with sys.getsizeof: per block a 16-byte
@@ -172,7 +159,6 @@ _ENTRY_COST = 512
 
 
 def _cost(tokens: bytes | memoryview, hashes: Sequence[bytes]) -> int:
-    """The memory an entry really takes, so `max_bytes` bounds the process's memory."""
     return len(tokens) + _BLOCK_COST * len(hashes) + _ENTRY_COST
 
 

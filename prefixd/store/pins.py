@@ -1,13 +1,8 @@
-"""Blocks held from eviction while a caller is between finding them and reading them.
+"""Blocks held from eviction between a lookup and its load (LMCache's lookup-and-lock, then load).
 
-An engine that looks a prefix up and loads it a moment later (LMCache's lookup-and-lock, then
-load) must not see the daemon's eviction take the blocks in between. A pin is a count per block
-hash, in memory only: eviction never chooses a pinned block, and a round that chose a block
-which got pinned while it ran rolls back and starts again (prefixd.store.eviction). Pins only
-hold eviction off: a purge, a retirement, expiry or quarantine still removes a pinned block
-(a damaged block is never served, pinned or not). They belong to the process that holds the
-store; the daemon releases a connection's pins when the connection ends.
-"""
+A pin is an in-memory count per block: eviction never chooses a pinned block, and a round that chose
+one pinned meanwhile rolls back. Pins hold off only eviction: purges, expiry and quarantine still
+remove a pinned block."""
 
 from __future__ import annotations
 
@@ -17,9 +12,8 @@ from collections.abc import Iterable
 
 
 class Pins:
-    """How many holders each pinned block has. `lock` orders pinning against the commit of an
-    eviction round: a pin taken after the check cannot be undone by that round's commit, since
-    the pinner reads the block again after pinning (Store.pin)."""
+    """How many holders each pinned block has. `lock` orders pinning against an eviction round's
+    commit (the pinner reads the block again after pinning)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -33,18 +27,15 @@ class Pins:
         with self.lock:
             held = self._held
             for h in hashes:
-                left = held.get(h, 0) - 1
-                if left > 0:
-                    held[h] = left
-                else:
-                    held.pop(h, None)
+                held[h] -= 1
+                if held[h] <= 0:
+                    del held[h]
 
     def held(self, block: bytes) -> bool:
-        """Whether `block` is pinned now (one dict read: eviction asks for every leaf)."""
         return block in self._held
 
     def any_held(self, blocks: Iterable[bytes]) -> bool:
-        """Whether any of `blocks` is pinned; call with `lock` held to act on the answer."""
+        """Call with `lock` held to act on the answer."""
         held = self._held
         return any(b in held for b in blocks)
 

@@ -1,16 +1,12 @@
-"""Which entries a purge removes: a tenant, retired model versions, idle blocks, or everything.
-
-Removing an identity's blocks makes them unreachable at once (one write transaction) and frees
-their pages; reads already in flight finish on their own snapshot with the old, verified bytes
-(LMDB's MVCC), so nothing torn is ever returned.
-"""
+"""Which entries a purge removes, and the purge: one write transaction, so they are unreachable at
+once while reads in flight finish on their own snapshot."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import lmdb
@@ -34,12 +30,9 @@ VERSIONED_FIELDS = ("weights", "tokenizer", "template", "adapter", "mm", "rope",
 
 @dataclass(frozen=True)
 class PurgeSelector:
-    """What to remove. Criteria combine with AND; `everything` alone selects the whole store.
-
-    `model` with `keep={"weights": "v7"}` retires every version of the model but weights v7 (the
-    same for the other versioned fields). `older_than_s` limits the purge to blocks not read for
-    that long (a block's lookups touch all its ancestors, so idle blocks form whole subtrees).
-    """
+    """What to remove; criteria combine with AND, `everything` alone selects all. `keep={"weights":
+    "v7"}` with `model` retires every version but that one. `older_than_s`: only blocks not read for
+    that long (lookups touch all ancestors, so idle blocks form whole subtrees)."""
 
     tenant: str | None = None
     model: str | None = None
@@ -64,7 +57,6 @@ class PurgeSelector:
             )
 
     def selects(self, identity: Identity) -> bool:
-        """Whether blocks of `identity` fall under this purge (before any age criterion)."""
         if self.everything:
             return True
         if self.tenant is not None and identity.tenant != self.tenant:
@@ -74,21 +66,11 @@ class PurgeSelector:
         return not any(getattr(identity, name) == kept for name, kept in self.keep.items())
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "tenant": self.tenant,
-            "model": self.model,
-            "keep": dict(self.keep),
-            "older_than_s": self.older_than_s,
-            "everything": self.everything,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"keep": dict(self.keep)}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> PurgeSelector:
-        """From the wire form (describe()'s keys); raises ConfigError naming a bad field."""
-        known = {"tenant", "model", "keep", "older_than_s", "everything"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"purge: unknown field {unknown[0]!r}")
+        """From the wire form (describe()'s keys); ConfigError naming a bad field."""
         checks = {
             "tenant": (str, type(None)),
             "model": (str, type(None)),
@@ -96,6 +78,9 @@ class PurgeSelector:
             "older_than_s": (int, float, type(None)),
             "everything": (bool,),
         }
+        unknown = sorted(set(values) - set(checks))
+        if unknown:
+            raise ConfigError(f"purge: unknown field {unknown[0]!r}")
         for name, kinds in checks.items():
             value = values.get(name)
             if name in values and (
@@ -105,19 +90,11 @@ class PurgeSelector:
         keep = values.get("keep") or {}
         if not all(isinstance(v, (str, type(None))) for v in keep.values()):
             raise ConfigError("purge: kept versions must be strings")
-        return cls(
-            tenant=values.get("tenant"),
-            model=values.get("model"),
-            keep=dict(keep),
-            older_than_s=values.get("older_than_s"),
-            everything=bool(values.get("everything", False)),
-        )
+        return cls(**{**values, "keep": dict(keep)})
 
 
 @dataclass(frozen=True)
 class PurgeReport:
-    """What a purge removed (or, for a dry run, would remove)."""
-
     identities: int
     blocks: int
     payload_bytes: int
@@ -145,8 +122,8 @@ def purge(
     dry_run: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> PurgeReport:
-    """Remove what `selector` names in one write transaction (a dry run only counts, in a read
-    transaction). `progress` is told how many root blocks each step handled."""
+    """Remove what `selector` names in one write transaction (a dry run only counts). `progress` is
+    told how many root blocks each step handled."""
     started = time.perf_counter()
     if selector.older_than_s is not None and not dry_run:
         access.sync()  # access times still in memory count
@@ -202,20 +179,15 @@ def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelecto
 
 
 def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> tuple[str, ...]:
-    """Which of the selector's tenant and model the store holds no identity of: ("tenant",) when
-    no identity has the tenant, else ("model",) when none (of that tenant, when one is named) has
-    the model."""
-    if selector.tenant is None and selector.model is None:
-        return ()
-    tenant_known = model_known = False
-    for _digest, identity in readable_identities(txn, t):
-        if identity.tenant == selector.tenant:
-            tenant_known = True
-        if identity.model == selector.model and selector.tenant in (None, identity.tenant):
-            model_known = True
-    if selector.tenant is not None and not tenant_known:
+    """Which of the selector's tenant and model the store holds no identity of, so a typo is
+    reported instead of zeros."""
+    found = [identity for _, identity in readable_identities(txn, t)]
+    tenant, model = selector.tenant, selector.model
+    if tenant is not None and all(identity.tenant != tenant for identity in found):
         return ("tenant",)  # a model of a tenant that is not there is not worth naming
-    if selector.model is not None and not model_known:
+    if model is not None and not any(
+        identity.model == model and tenant in (None, identity.tenant) for identity in found
+    ):
         return ("model",)
     return ()
 
@@ -230,7 +202,6 @@ def children_of(txn: lmdb.Transaction, t: Tables, key: bytes) -> list[bytes]:
 def idle_blocks(
     txn: lmdb.Transaction, t: Tables, digests: set[bytes], cutoff_ns: int
 ) -> list[bytes]:
-    """Blocks of the chosen identities last read before `cutoff_ns`."""
     idle = []
     for key, value in txn.cursor(db=t.access):
         if AccessRecord.read(bytes(value), 0).last_ns >= cutoff_ns:
@@ -242,7 +213,6 @@ def idle_blocks(
 
 
 def subtree_totals(txn: lmdb.Transaction, t: Tables, roots: list[bytes]) -> tuple[int, int, int]:
-    """(blocks, payload bytes, stored bytes) below and including `roots`, each counted once."""
     seen: set[bytes] = set()
     blocks = payload = stored = 0
     stack = list(roots)

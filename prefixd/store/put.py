@@ -1,26 +1,17 @@
 """The write path: `put` and `put_state` publish blocks (and state-group parts) atomically.
 
-Every put is one write transaction that keeps the store's invariants:
-  * ancestry: a put from block k > 0 is refused unless blocks 0..k-1 are stored, match the
-    writer's tokens and are within their tenant's time to live (`_check_ancestry`), so a stored
-    block is reachable exactly when its prefix is (there are no orphans). A prefix verified
-    earlier (by a lookup's walk or an earlier put: the lookup memo, prefixd.store.lookup_memo)
-    and not invalidated since (the removal epoch, read in the put's own transaction) is not read
-    again, and its hashes are not recomputed, so a put that extends a long chain costs what its
-    own blocks cost, not what the chain does;
-  * claims: a block is written once and never modified; a hash already stored for other tokens
-    refuses the put (a collision), a damaged or expired one is removed with its subtree and
-    written afresh (`_claim_block`);
-  * records, chunks, the children index and the counters change in that same transaction;
-  * checksums hold at rest: each payload's checksum, taken when it was encoded, is compared with
-    the crc32c of the bytes LMDB holds once they are written (read back from its pages in the
-    same transaction), so a client that rewrites its payload in its region while the put runs
-    gets the put refused, never a block stored under a checksum its bytes do not match.
+Each put is one write transaction (shared by puts that arrive together: prefixd.store.commits):
+  * ancestry: blocks 0..first_block-1 must be stored, match and be within their time to live,
+    so there are no orphans; a prefix the lookup memo verified at the current removal epoch is
+    not read or hashed again, so extending a long chain costs only the new blocks;
+  * claims: a block is written once; a hash stored for other tokens refuses the put, a damaged
+    or expired one is removed with its subtree and written afresh;
+  * checksums hold at rest: each payload's checksum is compared with the crc32c of the bytes
+    LMDB holds once written, so a client rewriting its payload during the put gets it refused,
+    never a block stored under a checksum its bytes do not match.
 
-A refused put aborts its transaction and raises the refusal's error; nothing was written. A full
-map makes room (a settling commit, then an eviction) and tries once more. After a put, the store
-is kept within its capacity and the tenant within its quota by evicting (prefixd.store.eviction).
-"""
+A refused put aborts its transaction; nothing was written. A full map makes room (a settling
+commit, then an eviction) and tries once more."""
 
 from __future__ import annotations
 
@@ -54,7 +45,7 @@ from prefixd.store import counters, quarantine
 from prefixd.store.codec import EncodedPayload, payload_view
 from prefixd.store.commits import CommitQueue
 from prefixd.store.eviction import capacity_bytes, evict
-from prefixd.store.joint import PlannedPart, plan_put, require_hybrid, require_plain
+from prefixd.store.joint import plan_put, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import Damaged
 from prefixd.store.removal import remove_subtree
@@ -74,8 +65,7 @@ _NO_PAYLOAD = EncodedPayload(Compression.NONE, [], 0, 0, 0, 0)
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a put's transaction was aborted: the error for the caller, whether a collision is to
-    be counted, and a damaged block met on the way (quarantined once the transaction is over)."""
+    """Why a put's transaction was aborted; a damaged block it met is quarantined after it."""
 
     error: PutRefusedError
     collided: bool = False
@@ -83,9 +73,8 @@ class Refusal:
 
 
 class Verified(NamedTuple):
-    """Blocks 0..end-1 of a put's chain as its transaction left them (its ancestry and its own
-    blocks), at the removal epoch the transaction read: what the lookup memo keeps after the
-    commit, so the next put or lookup of this prompt starts after them."""
+    """The chain prefix the put's transaction verified, at the removal epoch it read: what the
+    lookup memo keeps after the commit."""
 
     epoch: int
     walk: Walk
@@ -93,8 +82,8 @@ class Verified(NamedTuple):
 
 
 class Written(NamedTuple):
-    """What a committed put did, how many damaged records it replaced, and the store's stored
-    bytes as its transaction left them (what its eviction check compares with the capacity)."""
+    """What a committed put did, the damaged records it replaced, and the stored bytes it left (what
+    its eviction check compares with the capacity)."""
 
     result: PutResult
     replaced: int
@@ -106,9 +95,6 @@ Outcome = Written | Refusal
 
 
 class Blocks(NamedTuple):
-    """What writing a put's blocks did: the payloads written afresh (in order), how many blocks
-    were stored already, how many damaged records were replaced, and blocks 0..end-1 verified."""
-
     written: list[EncodedPayload]
     existed: int
     replaced: int
@@ -116,20 +102,15 @@ class Blocks(NamedTuple):
 
 
 class Writer:
-    """`put` and `put_state` of one store."""
-
     def __init__(self, ctx: StoreContext, tenancy: Tenancy, access: AccessTimes) -> None:
         self._ctx = ctx
         self._tenancy = tenancy
         self._access = access  # for the evictions a put sets off
         self._commits: CommitQueue[Outcome] = CommitQueue(ctx, _refused)
 
-    # --- plain identities -----------------------------------------------------------------------
-
     def put(
         self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], first_block: int
     ) -> PutResult:
-        """See `Store.put`."""
         check_first_block(first_block)
         identity, _ = self._tenancy.namespace(identity, None)
         require_plain(identity, "put_state")
@@ -167,41 +148,18 @@ class Writer:
             )
         )
 
+        def payload_of(index: int) -> EncodedPayload:
+            return encoded.get(index) or ctx.codec.encode(views[index - first_block])
+
         def body(txn: lmdb.Transaction) -> Outcome:
             remembered = known if compressed else self._remembered(txn, chain, first_block)
-            return self._put_txn(txn, chain, first_block, views, encoded, remembered)
+            now = ctx.clock.time_ns()
+            blocks = self._write_blocks(txn, chain, first_block, end, payload_of, now, remembered)
+            if isinstance(blocks, Refusal):
+                return blocks
+            return self._written(txn, chain, range(first_block, end), blocks, remembered, [])
 
         return self._publish(body, identity.tenant, chain)
-
-    def _put_txn(
-        self,
-        txn: lmdb.Transaction,
-        chain: BlockChain,
-        first_block: int,
-        views: list[memoryview],
-        encoded: dict[int, EncodedPayload],
-        known: VerifiedPrefix | None,
-    ) -> Outcome:
-        t = self._ctx.tables
-        digest = chain.identity.digest
-        end = first_block + len(views)
-
-        def payload_of(index: int) -> EncodedPayload:
-            return encoded.get(index) or self._ctx.codec.encode(views[index - first_block])
-
-        blocks = self._write_blocks(
-            txn, chain, first_block, end, payload_of, self._ctx.clock.time_ns(), known
-        )
-        if isinstance(blocks, Refusal):
-            return blocks
-        payload_bytes = sum(p.payload_size for p in blocks.written)
-        stored_bytes = sum(p.stored_size for p in blocks.written)
-        total = _count(txn, t, digest, len(blocks.written), 0, payload_bytes, stored_bytes)
-        hashes = tuple(chain.hash(i) for i in range(first_block, end))
-        result = PutResult(len(blocks.written), blocks.existed, hashes)
-        return Written(result, blocks.replaced, self._verified(txn, blocks, known), total)
-
-    # --- hybrid identities: state groups --------------------------------------------------------
 
     def put_state(
         self,
@@ -212,21 +170,15 @@ class Writer:
         upto_tokens: int | None,
         first_block: int,
     ) -> PutResult:
-        """See `Store.put_state`."""
         check_first_block(first_block)
         identity, _ = self._tenancy.namespace(identity, None)
         spec = require_hybrid(identity, "put")
         chain = BlockChain(identity, token_ids)
         bt = chain.block_tokens
-        upto = len(chain.tokens) if upto_tokens is None else upto_tokens
-        if (
-            isinstance(upto, bool)
-            or not isinstance(upto, int)
-            or not 0 <= upto <= len(chain.tokens)
-        ):
-            raise PayloadError(
-                f"upto_tokens must be an int in 0..{len(chain.tokens)}, got {upto!r}"
-            )
+        n_tokens = len(chain.tokens)
+        upto = n_tokens if upto_tokens is None else upto_tokens
+        if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= n_tokens:
+            raise PayloadError(f"upto_tokens must be an int in 0..{n_tokens}, got {upto!r}")
         if upto % bt:
             raise OpenTailError(
                 f"{upto} tokens end inside block {upto // bt} ({upto % bt} of {bt} tokens): only "
@@ -240,66 +192,46 @@ class Writer:
         encoded = ctx.codec.encode_many([part.view for part in planned], ctx.pool)
         with ctx.env.begin(buffers=True) as txn:
             known = self._remembered(txn, chain, first_block)
-        return self._publish(
-            lambda txn: self._put_state_txn(txn, chain, first_block, end, planned, encoded, known),
-            identity.tenant,
-            chain,
-        )
 
-    def _put_state_txn(
-        self,
-        txn: lmdb.Transaction,
-        chain: BlockChain,
-        first_block: int,
-        end: int,
-        planned: list[PlannedPart],
-        encoded: list[EncodedPayload],
-        known: VerifiedPrefix | None,
-    ) -> Outcome:
-        t = self._ctx.tables
-        assert t.parts is not None
-        digest = chain.identity.digest
-        now = self._ctx.clock.time_ns()
-        # a block of a hybrid identity has no payload of its own: its state is in parts
-        blocks = self._write_blocks(txn, chain, first_block, end, lambda index: None, now, known)
-        if isinstance(blocks, Refusal):
-            return blocks
-        parts = payload_bytes = stored_bytes = 0
-        for part, payload in zip(planned, encoded):
-            key = part_key(chain.hash(part.block_index), part.group)
-            if txn.get(key, db=t.parts) is not None:
-                continue  # a part is written once, like a block
-            record = PartRecord(
-                payload.compression,
-                part.group,
-                part.block_index,
-                payload.chunk_bytes,
-                len(payload.chunks),
-                payload.checksum,
-                payload.payload_size,
-                payload.stored_size,
-                now,
+        def body(txn: lmdb.Transaction) -> Outcome:
+            t = ctx.tables
+            assert t.parts is not None
+            now = ctx.clock.time_ns()
+            # a block of a hybrid identity has no payload of its own: its state is in parts
+            blocks = self._write_blocks(
+                txn, chain, first_block, end, lambda index: None, now, known
             )
-            txn.put(key, record.encode(), db=t.parts)
-            if _put_chunks(txn, t, key, payload.chunks) != payload.checksum:
-                return _changed(f"the part of block {part.block_index}")
-            parts += 1
-            payload_bytes += payload.payload_size
-            stored_bytes += payload.stored_size
-        stored = len(blocks.written)
-        total = _count(txn, t, digest, stored, parts, payload_bytes, stored_bytes)
-        hashes = tuple(chain.hash(i) for i in range(first_block, end))
-        result = PutResult(stored, blocks.existed, hashes, parts)
-        return Written(result, blocks.replaced, self._verified(txn, blocks, known), total)
+            if isinstance(blocks, Refusal):
+                return blocks
+            parts: list[EncodedPayload] = []
+            for part, payload in zip(planned, encoded):
+                key = part_key(chain.hash(part.block_index), part.group)
+                if txn.get(key, db=t.parts) is not None:
+                    continue  # a part is written once, like a block
+                record = PartRecord(
+                    payload.compression,
+                    part.group,
+                    part.block_index,
+                    payload.chunk_bytes,
+                    len(payload.chunks),
+                    payload.checksum,
+                    payload.payload_size,
+                    payload.stored_size,
+                    now,
+                )
+                txn.put(key, record.encode(), db=t.parts)
+                if _put_chunks(txn, t, key, payload.chunks) != payload.checksum:
+                    return _changed(f"the part of block {part.block_index}")
+                parts.append(payload)
+            return self._written(txn, chain, range(first_block, end), blocks, known, parts)
 
-    # --- one put's transaction ------------------------------------------------------------------
+        return self._publish(body, identity.tenant, chain)
 
     def _publish(
         self, body: Callable[[lmdb.Transaction], Outcome], tenant: str, chain: BlockChain
     ) -> PutResult:
-        """Run a put's write transaction (making room on a full map), remember the chain it
-        verified, then keep the store within its capacity and the tenant within its quota;
-        raise a refusal's error."""
+        """Run a put's transaction (making room on a full map), remember the verified chain, then
+        keep the store within capacity and the tenant within quota; raise a refusal's error."""
         outcome = self._with_room(lambda: self._commits.run(body))
         if isinstance(outcome, Refusal):
             if outcome.collided:
@@ -333,9 +265,8 @@ class Writer:
     def _with_room(self, write: Callable[[], Outcome]) -> Outcome:
         """Run the put; on a full map, make room and try again.
 
-        LMDB reuses the pages a transaction frees only once a later transaction has committed, so
-        right after a delete the map can look full although the space is there: first one small
-        settling commit, then eviction (to the low watermark) and a settling commit."""
+        LMDB reuses the pages a transaction frees only after a later commit, so right after a delete
+        the map can look full: first a small settling commit, then an eviction and another."""
         try:
             return write()
         except lmdb.MapFullError:
@@ -349,8 +280,6 @@ class Writer:
         return write()
 
     def _keep_within_limits(self, tenant: str, stored: int) -> None:
-        """Evict past the high watermark of the capacity (`stored` bytes, as the put left them),
-        or of the tenant's quota."""
         config = self._ctx.config
         high = config.high_watermark
         if stored > capacity_bytes(config) * high:
@@ -366,8 +295,6 @@ class Writer:
         with self._ctx.env.begin(write=True) as txn:
             counters.add(txn, self._ctx.tables.counters, counters.SETTLES, 1)
 
-    # --- ancestry and claims --------------------------------------------------------------------
-
     def _write_blocks(
         self,
         txn: lmdb.Transaction,
@@ -378,8 +305,7 @@ class Writer:
         now: int,
         known: VerifiedPrefix | None,
     ) -> Blocks | Refusal:
-        """Blocks first_block..end-1 of `chain` in `txn`: the ancestry checked, the identity
-        recorded, each block claimed, and those not stored yet written with `payload_of(index)`
+        """Check the ancestry, record the identity, claim each block and write those not stored yet
         (refused if a payload's stored bytes do not match its checksum)."""
         min_created = self._tenancy.min_created_ns(chain.identity)
         ancestry = self._check_ancestry(txn, chain, first_block, min_created, known)
@@ -414,8 +340,8 @@ class Writer:
     def _remembered(
         self, txn: lmdb.Transaction, chain: BlockChain, first_block: int
     ) -> VerifiedPrefix | None:
-        """The lookup memo's longest verified prefix of blocks 0..first_block-1, if any; the
-        chain takes its hashes, so only the put's own blocks are hashed."""
+        """The memo's longest verified prefix of blocks 0..first_block-1; the chain adopts its
+        hashes, so only the put's own blocks are hashed."""
         if not first_block:
             return None
         ctx = self._ctx
@@ -426,11 +352,35 @@ class Writer:
             chain.adopt(known.hashes)
         return known
 
-    def _verified(
-        self, txn: lmdb.Transaction, blocks: Blocks, known: VerifiedPrefix | None
-    ) -> Verified:
-        epoch = counters.read(txn, self._ctx.tables.counters, counters.REMOVALS)
-        return Verified(epoch, blocks.verified, known.hashes[-1] if known is not None else None)
+    def _written(
+        self,
+        txn: lmdb.Transaction,
+        chain: BlockChain,
+        indexes: range,
+        blocks: Blocks,
+        known: VerifiedPrefix | None,
+        parts: list[EncodedPayload],
+    ) -> Written:
+        """Add the put's blocks and parts to the counters in its own transaction; what it did."""
+        t = self._ctx.tables
+        digest = chain.identity.digest
+        payloads = blocks.written + parts
+        stored_bytes = sum(p.stored_size for p in payloads)
+        for name, delta in (
+            (counters.BLOCKS, len(blocks.written)),
+            (counters.PARTS, len(parts)),
+            (counters.PAYLOAD_BYTES, sum(p.payload_size for p in payloads)),
+            (counters.STORED_BYTES, stored_bytes),
+            (counters.identity_stored(digest), stored_bytes),
+            (counters.identity_blocks(digest), len(blocks.written)),
+        ):
+            counters.add(txn, t.counters, name, delta)
+        hashes = tuple(chain.hash(i) for i in indexes)
+        result = PutResult(len(blocks.written), blocks.existed, hashes, len(parts))
+        epoch = counters.read(txn, t.counters, counters.REMOVALS)
+        verified = Verified(epoch, blocks.verified, known.hashes[-1] if known else None)
+        total = counters.read(txn, t.counters, counters.STORED_BYTES)
+        return Written(result, blocks.replaced, verified, total)
 
     def _check_ancestry(
         self,
@@ -440,10 +390,8 @@ class Writer:
         min_created: int,
         known: VerifiedPrefix | None,
     ) -> Walk | Refusal:
-        """Blocks 0..first_block-1 of `chain`, stored and fresh, or the put's refusal. A prefix
-        the memo verified is trusted only if no block was removed since (the removal epoch is
-        read in this transaction) and it is still within its tenant's time to live; the walk
-        reads the rest, record by record."""
+        """Blocks 0..first_block-1, stored and fresh, or the put's refusal. A memo prefix is trusted
+        only at the removal epoch this transaction reads and within its time to live."""
         start = None
         if (
             known is not None
@@ -472,10 +420,10 @@ class Writer:
     def _claim_block(
         self, txn: lmdb.Transaction, chain: BlockChain, index: int, min_created: int
     ) -> tuple[BlockRecord | None, int] | Refusal:
-        """(block `index`'s record if it is stored already and matches, damaged records dropped).
+        """Block `index`'s record if stored and matching, and how many damaged records were dropped.
 
-        A damaged record, or one past its tenant's time to live, is removed with everything
-        below it so the block is written afresh; a hash owned by other tokens refuses the put."""
+        A damaged or expired record is removed with its subtree so the block is written afresh; a
+        hash owned by other tokens refuses the put."""
         ctx = self._ctx
         digest = chain.identity.digest
         h = chain.hash(index)
@@ -510,9 +458,8 @@ class Writer:
         payload: EncodedPayload,
         now: int,
     ) -> bool:
-        """Write block `index`'s record, chunks, index entry and access record (no counters);
-        False if the payload's stored bytes do not match its checksum (it changed while it was
-        written). A block of a hybrid identity has no payload of its own: its state is in parts."""
+        """Write the record, chunks, index entry and access record (not counters); False if the
+        stored bytes do not match the checksum (the payload changed while written)."""
         t = self._ctx.tables
         h = chain.hash(index)
         record = BlockRecord(
@@ -538,35 +485,13 @@ class Writer:
 
 
 def check_first_block(first_block: object) -> None:
-    """Refuse a `first_block` that is not a non-negative int (a bool is not one)."""
     if isinstance(first_block, bool) or not isinstance(first_block, int) or first_block < 0:
         raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
 
 
-def _count(
-    txn: lmdb.Transaction,
-    t: Tables,
-    digest: bytes,
-    blocks: int,
-    parts: int,
-    payload_bytes: int,
-    stored_bytes: int,
-) -> int:
-    """Add a put's blocks and bytes to the counters, in its own transaction; the store's stored
-    bytes now."""
-    counters.add(txn, t.counters, counters.BLOCKS, blocks)
-    counters.add(txn, t.counters, counters.PARTS, parts)
-    counters.add(txn, t.counters, counters.PAYLOAD_BYTES, payload_bytes)
-    counters.add(txn, t.counters, counters.STORED_BYTES, stored_bytes)
-    counters.add(txn, t.counters, counters.identity_stored(digest), stored_bytes)
-    counters.add(txn, t.counters, counters.identity_blocks(digest), blocks)
-    return counters.read(txn, t.counters, counters.STORED_BYTES)
-
-
 def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> int:
-    """Write a payload's chunks under its owner's key (a block hash or a part key); return the
-    crc32c of the bytes LMDB holds now, each chunk read back right after it is written (while
-    it is in cache), which is what the payload's checksum must match."""
+    """Write a payload's chunks; return the crc32c of the bytes LMDB now holds (each chunk read back
+    while in cache), which must match the payload's checksum."""
     value = 0
     for n, chunk in enumerate(chunks):
         key = chunk_key(owner, n)

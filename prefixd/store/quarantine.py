@@ -1,10 +1,5 @@
-"""Quarantine: a stored block that fails verification is dropped, with everything below it.
-
-A read that meets a damaged record, payload or part never serves it; it names the block here and,
-once its read transaction is over, the block goes in a write transaction of its own and is noted
-in the quarantine table (hash -> when and why). A put that meets a damaged record replaces it in
-its own transaction (prefixd.store.put), and `repair` quarantines what a check condemns.
-"""
+"""Quarantine: a stored block that fails verification is dropped, with everything below it, once the
+read that met it is over, and noted in the quarantine table."""
 
 from __future__ import annotations
 
@@ -17,6 +12,7 @@ import msgpack
 
 from prefixd.schema.chain import BlockChain
 from prefixd.store import counters
+from prefixd.store.derived import rebuild_derived
 from prefixd.store.removal import remove_subtree
 from prefixd.store.walk import Walk
 
@@ -31,8 +27,8 @@ BAD_PART = "state-group payload fails verification"
 
 
 class Damaged(NamedTuple):
-    """A block that failed verification, the children-index key it hangs under, the identity it
-    was read for, and why (its record may be too damaged to tell the first two)."""
+    """A block that failed verification, where it hangs, the identity it was read for, and why (its
+    record may be too damaged to tell)."""
 
     block: bytes
     parent_key: bytes
@@ -41,8 +37,8 @@ class Damaged(NamedTuple):
 
 
 def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
-    """Drop blocks that failed verification, and everything below them, in one transaction.
-    If the disk refuses the write, they stay: they fail verification on every read anyway."""
+    """Drop these blocks and their subtrees in one transaction; if the disk refuses, they stay (they
+    fail verification on every read anyway)."""
     if not bad:
         return
     try:
@@ -58,8 +54,19 @@ def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
         log.warning("could not quarantine %d damaged block(s) now: %s", len(bad), exc)
 
 
+def condemn(ctx: StoreContext, txn: lmdb.Transaction, reasons: dict[bytes, str]) -> tuple[int, int]:
+    """Quarantine each block of `reasons` with its subtree in `txn`, then rebuild what derives from
+    the records left; (blocks removed, derived entries changed)."""
+    removed = 0
+    for block, reason in reasons.items():
+        if txn.get(block, db=ctx.tables.blocks) is None:
+            continue  # gone below another, or a part hung on no block: the rebuild drops it
+        removed += remove_subtree(ctx, txn, block, reason="quarantined")
+        note(ctx, txn, block, reason)
+    return removed, rebuild_derived(txn, ctx.tables, ctx.clock.time_ns())
+
+
 def note(ctx: StoreContext, txn: lmdb.Transaction, h: bytes, reason: str) -> None:
-    """Record in `txn` that block `h` was quarantined, and why."""
     t = ctx.tables
     entry = msgpack.packb({"at_ns": ctx.clock.time_ns(), "reason": reason})
     txn.put(h, entry, db=t.quarantine)
@@ -67,7 +74,6 @@ def note(ctx: StoreContext, txn: lmdb.Transaction, h: bytes, reason: str) -> Non
 
 
 def met_by_walk(walk: Walk, chain: BlockChain) -> Damaged | None:
-    """The block whose damaged record ended `walk`, if one did."""
     if walk.corrupt is None:
         return None
     parent = walk.hashes[-1] if walk.hashes else chain.identity.digest
@@ -77,13 +83,6 @@ def met_by_walk(walk: Walk, chain: BlockChain) -> Damaged | None:
 def damaged_parts(
     damaged: Sequence[bytes], chain: BlockChain, found: Sequence[bytes]
 ) -> list[Damaged]:
-    """The blocks whose parts failed verification: dropping a block drops everything below it,
-    so the joint entry is unreachable from that boundary on."""
-    index = {h: i for i, h in enumerate(found)}
     digest = chain.identity.digest
-    out = []
-    for h in dict.fromkeys(damaged):
-        i = index[h]
-        parent = found[i - 1] if i else digest
-        out.append(Damaged(h, parent, digest, BAD_PART))
-    return out
+    parents = dict(zip(found, [digest, *found]))
+    return [Damaged(h, parents[h], digest, BAD_PART) for h in dict.fromkeys(damaged)]

@@ -1,16 +1,8 @@
-"""The read path: lookups walk the chain, loads gather verified payloads into caller buffers.
-
-  * a lookup (`longest_prefix`, `lookup_state`) walks the blocks table from block 0
-    (prefixd.store.walk), starting after the longest prefix the lookup memo remembers
-    (prefixd.store.lookup_memo); it reads records, not payloads;
-  * a load (`read_into`, `load`, `load_state`, `export_block`) gathers each block's record and
-    chunk views in one read transaction (`_gather`) and has the codec verify and copy them into
-    the destinations; the first block that fails ends the answer, its destination bytes are zeroed,
-    and it is quarantined (prefixd.store.quarantine) once the transaction is over.
-
-Every read notes the blocks it touched (prefixd.store.access) and counts itself (tallies); a block
-past its tenant's time to live is a miss (prefixd.store.tenancy).
-"""
+"""The read path: lookups walk the chain (prefixd.store.walk, after what the lookup memo
+remembers) reading records only; loads gather each block's record and chunk views in one read
+transaction and have the codec verify and copy them. The first block that fails ends the answer,
+its destination bytes are zeroed, and a block damaged where it is stored is quarantined once the
+transaction is over."""
 
 from __future__ import annotations
 
@@ -25,17 +17,11 @@ import numpy as np
 from prefixd.errors import CorruptRecordError, DestinationError, TokenError
 from prefixd.schema.chain import HASH_BYTES, BlockChain
 from prefixd.schema.identity import Identity
-from prefixd.schema.records import (
-    AccessRecord,
-    BlockRecord,
-    PartRecord,
-    chunk_key,
-    part_key,
-)
+from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord, chunk_key, part_key
 from prefixd.schema.state import StateSpec
 from prefixd.schema.tokens import TokenIds, as_token_array
 from prefixd.store import counters
-from prefixd.store.codec import Deadline, StoredPayload, chunks_present
+from prefixd.store.codec import Deadline, StoredPayload, byte_view
 from prefixd.store.joint import joint_match, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import (
@@ -56,7 +42,7 @@ from prefixd.store.results import (
     ReadResult,
     StateLoad,
 )
-from prefixd.store.tables import decoded, parent_key
+from prefixd.store.tables import decoded, decoded_part, parent_key, payload_chunks, prefixed
 from prefixd.store.walk import Walk, walk_chain
 
 if TYPE_CHECKING:
@@ -68,20 +54,15 @@ log = logging.getLogger(__name__)
 
 
 class Reader:
-    """The lookups and loads of one store, with its lookup memo."""
-
     def __init__(self, ctx: StoreContext, tenancy: Tenancy, access: AccessTimes) -> None:
         self._ctx = ctx
         self._tenancy = tenancy
         self._access = access
         self.memo = ctx.memo
 
-    # --- plain identities -----------------------------------------------------------------------
-
     def longest_prefix(
         self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
     ) -> PrefixMatch:
-        """See `Store.longest_prefix`."""
         identity, hashes = self._tenancy.namespace(identity, hashes)
         require_plain(identity, "lookup_state")
         chain = BlockChain(identity, token_ids, hashes)
@@ -96,8 +77,8 @@ class Reader:
     def cached_prefixes(
         self, identity: Identity, queries: Sequence[tuple[TokenIds, bytes | None]]
     ) -> list[PrefixMatch] | None:
-        """See `Store.cached_prefixes`: the memo's answers, reading only the removal epoch; a
-        query memory cannot answer makes it None and counts nothing (the caller asks again)."""
+        """The memo's answers, reading only the removal epoch; None (counting nothing) unless it
+        answers every query."""
         found = [self._remembered(identity, tokens, hashes) for tokens, hashes in queries]
         if any(known is None for known in found):
             return None
@@ -136,7 +117,6 @@ class Reader:
         )
 
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
-        """See `Store.read_into`."""
         hashes, sizes = match.hashes, match.payload_sizes
         if len(dests) != len(hashes):
             raise DestinationError(f"{len(hashes)} blocks but {len(dests)} destinations")
@@ -173,7 +153,6 @@ class Reader:
         first_block: int,
         deadline: float | None = None,
     ) -> LoadResult:
-        """See `Store.load`."""
         identity, hashes = self._tenancy.namespace(identity, hashes)
         require_plain(identity, "load_state")
         chain = BlockChain(identity, token_ids, hashes)
@@ -235,19 +214,16 @@ class Reader:
             next_size,
         )
 
-    # --- hybrid identities: state groups --------------------------------------------------------
-
     def lookup_state(
         self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
     ) -> JointMatch:
-        """See `Store.lookup_state`."""
         identity, hashes = self._tenancy.namespace(identity, hashes)
         spec = require_hybrid(identity, "longest_prefix")
         chain = BlockChain(identity, token_ids, hashes)
         damaged: list[bytes] = []
         with self._ctx.env.begin(buffers=True) as txn:
             walk = self._walk(txn, chain, chain.n_blocks)
-            match = self._joint(txn, spec, chain, walk.hashes, damaged)
+            match = joint_match(txn, self._ctx.tables.parts, spec, identity, walk.hashes, damaged)
         self._after_walk(walk, chain)
         quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes))
         self._ctx.tallies.count(lookups=1, hit_blocks=len(match.hashes))
@@ -261,18 +237,17 @@ class Reader:
         hashes: bytes | None,
         deadline: float | None = None,
     ) -> StateLoad:
-        """See `Store.load_state`: a part that fails is quarantined and the answer worked out
-        again, so what comes back is always a consistent boundary."""
         identity, hashes = self._tenancy.namespace(identity, hashes)
         spec = require_hybrid(identity, "load")
         chain = BlockChain(identity, token_ids, hashes)
         buffer = dest_view(out, 0, None)
         cut = None if deadline is None else Deadline(self._ctx.clock.monotonic, deadline)
+        parts = self._ctx.tables.parts
         while True:
             damaged: list[bytes] = []
             with self._ctx.env.begin(buffers=True) as txn:
                 walk = self._walk(txn, chain, chain.n_blocks)
-                match = self._joint(txn, spec, chain, walk.hashes, damaged)
+                match = joint_match(txn, parts, spec, identity, walk.hashes, damaged)
                 if not damaged:
                     offsets = self._read_parts(txn, spec, match, buffer, damaged, cut)
             self._after_walk(walk, chain)
@@ -287,19 +262,6 @@ class Reader:
         )
         return StateLoad(match, offsets)
 
-    def _joint(
-        self,
-        txn: lmdb.Transaction,
-        spec: StateSpec,
-        chain: BlockChain,
-        found: Sequence[bytes],
-        damaged: list[bytes],
-    ) -> JointMatch:
-        parts = self._ctx.tables.parts
-        assert parts is not None
-        identity = chain.identity
-        return joint_match(txn, parts, spec, identity.digest, identity.block_tokens, found, damaged)
-
     def _read_parts(
         self,
         txn: lmdb.Transaction[memoryview],
@@ -309,9 +271,8 @@ class Reader:
         damaged: list[bytes],
         cut: Deadline | None = None,
     ) -> tuple[int, ...] | None:
-        """Verify and copy every part of `match` into `buffer`; blocks whose part fails go to
-        `damaged` (and the destination bytes from the failure on are zeroed). None if `cut`
-        stopped the reading first (slow storage)."""
+        """Verify and copy every part of `match` into `buffer`; a block whose part fails goes to
+        `damaged`. None if `cut` stopped the reading first."""
         ctx = self._ctx
         t = ctx.tables
         assert t.parts is not None
@@ -326,24 +287,11 @@ class Reader:
         offset = 0
         for part in match.parts:
             key = part_key(part.block, groups[part.group])
-            raw = txn.get(key, db=t.parts)
-            record: PartRecord | None = None
-            chunks: list[memoryview | None] | None = None
-            if raw is not None:
-                try:
-                    record = PartRecord.decode(raw)
-                except CorruptRecordError:
-                    record = None
-                if record is not None and record.payload_size == part.payload_size:
-                    chunks = [
-                        txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)
-                    ]
-            if (
-                record is None
-                or chunks is None
-                or not chunks_present(chunks)
-                or (sum(c.nbytes for c in chunks) != record.stored_size)
-            ):
+            record = decoded_part(txn.get(key, db=t.parts))
+            chunks = None
+            if record is not None and record.payload_size == part.payload_size:
+                chunks = payload_chunks(txn, t, key, record)
+            if record is None or chunks is None:
                 damaged.append(part.block)
                 return ()
             end = offset + part.payload_size
@@ -363,10 +311,7 @@ class Reader:
         items.clear()
         return tuple(offsets)
 
-    # --- single blocks --------------------------------------------------------------------------
-
     def export_block(self, block: bytes) -> ExportedBlock | None:
-        """See `Store.export_block`."""
         ctx = self._ctx
         bad: list[Damaged] = []
         with ctx.env.begin(buffers=True) as txn:
@@ -391,32 +336,22 @@ class Reader:
     def _export_parts(
         self, txn: lmdb.Transaction[memoryview], block: bytes
     ) -> tuple[tuple[tuple[int, bytes | bytearray], ...] | None, bool]:
-        """The verified state-group payloads hung on `block` (none for a plain identity's
-        block), or None if one fails; and whether that one is damaged where it is stored."""
+        """The verified parts hung on `block` (none for a plain identity), or None if one fails; and
+        whether it is damaged where it is stored."""
         ctx = self._ctx
         t = ctx.tables
         if t.parts is None:
             return (), False
         found: list[tuple[int, bytearray, StoredPayload]] = []
-        cursor = txn.cursor(db=t.parts)
-        if cursor.set_range(block):
-            for stored_key, raw in cursor:
-                key = bytes(stored_key)
-                if key[: len(block)] != block:
-                    break
-                try:
-                    record = PartRecord.decode(raw)
-                except CorruptRecordError:
-                    return None, True
-                if len(key) != len(block) + 1 or record.group != key[-1]:
-                    return None, True
-                chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)]
-                if not chunks_present(chunks) or (
-                    sum(c.nbytes for c in chunks) != record.stored_size
-                ):
-                    return None, True
-                out = bytearray(record.payload_size)
-                found.append((record.group, out, self._payload(record, chunks, memoryview(out))))
+        for key, raw in prefixed(txn.cursor(db=t.parts), block):
+            record = decoded_part(raw)
+            if record is None or len(key) != len(block) + 1 or record.group != key[-1]:
+                return None, True
+            chunks = payload_chunks(txn, t, key, record)
+            if chunks is None:
+                return None, True
+            out = bytearray(record.payload_size)
+            found.append((record.group, out, self._payload(record, chunks, memoryview(out))))
         items = [item for _, _, item in found]
         n_ok = ctx.codec.decode_verified(items, ctx.copier)
         if n_ok < len(items):
@@ -424,7 +359,7 @@ class Reader:
         return tuple((group, out) for group, out, _ in found), False
 
     def block_info(self, block: bytes) -> BlockInfo | None:
-        """See `Store.block_info`: the access fields include reads not yet synced."""
+        """The access fields include reads not yet synced."""
         t = self._ctx.tables
         with self._ctx.env.begin() as txn:
             raw = txn.get(block, db=t.blocks)
@@ -446,10 +381,8 @@ class Reader:
             stored.hits + pending_hits,
         )
 
-    # --- walking and gathering ------------------------------------------------------------------
-
     def _walk(self, txn: lmdb.Transaction, chain: BlockChain, limit: int) -> Walk:
-        """`walk_chain`, starting after the longest prefix verified earlier (and still valid)."""
+        """`walk_chain`, starting after the longest prefix verified earlier and still valid."""
         epoch = counters.read(txn, self._ctx.tables.counters, counters.REMOVALS)
         min_created = self._tenancy.min_created_ns(chain.identity)
         known = self.memo.find(chain, epoch, limit, min_created)
@@ -462,7 +395,6 @@ class Reader:
         return walk
 
     def _after_walk(self, walk: Walk, chain: BlockChain) -> None:
-        """Count a collision the walk met, quarantine a damaged record, note the reads."""
         if walk.collided:
             self._ctx.tallies.collided()
         damaged = met_by_walk(walk, chain)
@@ -481,9 +413,8 @@ class Reader:
         bad: list[Damaged],
         min_created_ns: int = 0,
     ) -> StoredPayload | None:
-        """The record and chunk views of block `h` (checked against each other, not yet against
-        the checksum: the codec does that as it copies), or None if it cannot be read; a
-        damaged block goes to `bad`."""
+        """Block `h`'s record and chunk views (checked against each other; the codec checks the
+        checksum as it copies), or None; a damaged block goes to `bad`."""
         raw = txn.get(h, db=self._ctx.tables.blocks)
         if raw is None:
             return None
@@ -512,17 +443,16 @@ class Reader:
     def _payload(
         self, record: BlockRecord | PartRecord, chunks: list[memoryview], dest: memoryview
     ) -> StoredPayload:
-        """What the codec decodes: with the chunks' place in data.mdb when they are to be read
-        from the file (prefixd.store.direct), not copied from the map."""
+        """What the codec decodes, with the chunks' place in data.mdb when they are to be read from
+        the file (prefixd.store.direct)."""
         data_file = self._ctx.data_file
         source = data_file.spans(record, chunks) if data_file is not None else None
         return StoredPayload(record, chunks, dest, source)
 
     def _stored_damage(self, failed: StoredPayload) -> bool:
-        """Whether a payload that failed verification is damaged where it is stored (then it is
-        quarantined), not only in its destination: a client that writes into its own region
-        during a load fails its own load and never makes the store delete a healthy block; a
-        data file that cannot be read there is a miss, not quarantined either."""
+        """Whether a failed payload is damaged where it is stored (then it is quarantined): a client
+        writing into its own region during a load fails only its own load, and an unreadable data
+        file is a miss; neither makes the store delete a healthy block."""
         failure = self._ctx.codec.failure(failed)
         if failure == "destination":
             log.info("a load's destination changed while it was written: that load stops there")
@@ -535,37 +465,21 @@ class Reader:
 
     def _damaged_record(self, txn: lmdb.Transaction, h: bytes) -> bool:
         raw = txn.get(h, db=self._ctx.tables.blocks)
-        if raw is None:
-            return False
-        try:
-            BlockRecord.decode(raw)
-        except CorruptRecordError:
-            return True
-        return False
+        return raw is not None and decoded(raw) is None
 
 
 def _nothing(match: JointMatch) -> JointMatch:
-    """A joint miss in place of `match`: every group is needed at one boundary, so a state whose
-    reading was cut off serves no prefix (the engine prefills; nothing was reported)."""
+    """A joint miss in place of `match`: a state whose reading was cut off serves no prefix."""
     return dataclasses.replace(
         match, reusable_tokens=0, replay_from=0, paged_tokens=0, hashes=(), parts=()
     )
 
 
 def dest_view(buffer: Any, size: int, index: int | None) -> memoryview:
-    """`buffer` as a writable flat byte view of at least `size` bytes (the whole of it for the
-    output buffer, `index` None; the first `size` bytes for block `index`'s destination)."""
+    """`buffer` as a writable flat byte view of at least `size` bytes (`index` None: the whole
+    output buffer; else block `index`'s destination, cut to `size`)."""
     what = "output buffer" if index is None else f"destination of block {index}"
-    try:
-        view = memoryview(buffer)
-    except TypeError:
-        raise DestinationError(f"{what} is a {type(buffer).__name__}, not a byte buffer") from None
-    if view.readonly:
-        raise DestinationError(f"{what} is read-only")
-    if not view.c_contiguous:
-        raise DestinationError(f"{what} is not contiguous")
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
+    view = byte_view(buffer, what, DestinationError, writable=True)
     if view.nbytes < size:
         raise DestinationError(f"{what} holds {view.nbytes} bytes, the payload needs {size}")
     return view if index is None else view[:size]

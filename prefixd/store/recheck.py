@@ -1,18 +1,10 @@
 """After a failed fsync: the next open checks the blocks written since the last good sync.
 
-A failed sync (prefixd.store.sync_state) leaves every block and part created since the last good
-sync unsure: the disk may lack their pages. `recheck` reads every block record (they are small,
-and a damaged one is condemned whatever its age) and, for the blocks and parts created since then
-(less RECHECK_SLACK_NS, for a clock stepped back), checks what `verify` checks of a block: its
-payload chunks present, their size and checksum, its parent and identity stored. In one write
-transaction it quarantines each failing block with everything below it and, when it quarantined
-any, rebuilds the indexes and counters from the records left (as `verify --fix` does); it logs
-what it checked (counts and reasons, never a key).
-
-It reads what the kernel serves now: after a reboot that is the disk; after a restart without one,
-pages the disk lost may still sit in the page cache, and show later as payloads that fail their
-checksum on a read (quarantined then) or damaged pages (`prefixd verify`).
-"""
+They may lack pages on disk, so each block and part created since then (less RECHECK_SLACK_NS, for a
+clock stepped back) is checked as `verify` would, and every damaged record whatever its age; failing
+blocks are quarantined with their subtrees and the derived tables rebuilt, in one transaction. After
+a restart without a reboot, lost pages may still sit in the page cache: they show later as failed
+checksums or damaged pages."""
 
 from __future__ import annotations
 
@@ -25,14 +17,12 @@ import lmdb
 
 from prefixd.errors import CorruptRecordError, CorruptStoreError
 from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT
-from prefixd.schema.records import BlockRecord, PartRecord, chunk_key
+from prefixd.schema.records import BlockRecord, PartRecord
 from prefixd.store import quarantine
-from prefixd.store.codec import checksum, chunks_present
-from prefixd.store.derived import rebuild_derived
+from prefixd.store.codec import checksum
 from prefixd.store.lmdb_errors import DAMAGE
-from prefixd.store.removal import remove_subtree
 from prefixd.store.sync_state import SyncFailure
-from prefixd.store.tables import Tables
+from prefixd.store.tables import Tables, decoded_part, payload_chunks
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -49,9 +39,8 @@ BAD_IDENTITY = "identity is not registered"
 
 @dataclass(frozen=True)
 class RecheckReport:
-    """What an open checked after a failed sync: blocks and parts created since `since_ns`, the
-    blocks that failed (hash -> why), how many blocks went with them, and whether that
-    quarantine was written (`complete`: False when the disk refused it)."""
+    """What an open checked after a failed sync, what failed (hash -> why), how many blocks went,
+    and whether that quarantine was written."""
 
     since_ns: int
     blocks: int
@@ -62,8 +51,8 @@ class RecheckReport:
 
 
 def recheck(ctx: StoreContext, failure: SyncFailure) -> RecheckReport:
-    """Check the blocks `failure` left unsure and quarantine the ones that fail. Damaged pages
-    met on the way raise CorruptStoreError (a repair cannot mend those)."""
+    """Check the blocks `failure` left unsure and quarantine those that fail; damaged pages raise
+    CorruptStoreError (a repair cannot mend those)."""
     since = max(0, failure.last_good_ns - RECHECK_SLACK_NS) if failure.last_good_ns else 0
     try:
         with ctx.env.begin(buffers=True) as txn:
@@ -95,8 +84,8 @@ def recheck(ctx: StoreContext, failure: SyncFailure) -> RecheckReport:
 def _failing(
     txn: lmdb.Transaction[memoryview], t: Tables, since_ns: int
 ) -> tuple[dict[bytes, str], int, int]:
-    """The blocks that fail (hash -> why): every damaged record, and the unsound blocks and parts
-    created at `since_ns` or later; and how many blocks and parts were that recent."""
+    """The blocks that fail (hash -> why), and how many blocks and parts were recent enough to
+    check."""
     condemned: dict[bytes, str] = {}
     blocks = parts = 0
     for key, raw in txn.cursor(db=t.blocks):
@@ -118,47 +107,30 @@ def _failing(
     if t.parts is not None:
         for key, raw in txn.cursor(db=t.parts):
             part_key = bytes(key)
-            block = part_key[:HASH_BYTES]
-            try:
-                part = PartRecord.decode(raw)
-            except CorruptRecordError:
-                condemned.setdefault(block, quarantine.BAD_PART)
+            part = decoded_part(raw)
+            if part is not None and part.created_ns < since_ns:
                 continue
-            if part.created_ns < since_ns:
-                continue
-            parts += 1
-            if not _payload_sound(txn, t, part_key, part):
-                condemned.setdefault(block, quarantine.BAD_PART)
+            parts += part is not None
+            if part is None or not _payload_sound(txn, t, part_key, part):
+                condemned.setdefault(part_key[:HASH_BYTES], quarantine.BAD_PART)
     return condemned, blocks, parts
 
 
 def _payload_sound(
     txn: lmdb.Transaction[memoryview], t: Tables, key: bytes, record: BlockRecord | PartRecord
 ) -> bool:
-    """Whether the payload stored under `key` is whole and matches its record's checksum."""
-    chunks = [txn.get(chunk_key(key, n), db=t.chunks) for n in range(record.n_chunks)]
-    if not chunks_present(chunks) or sum(len(c) for c in chunks) != record.stored_size:
-        return False
-    return checksum(chunks) == record.checksum
+    chunks = payload_chunks(txn, t, key, record)
+    return chunks is not None and checksum(chunks) == record.checksum
 
 
 def _quarantine(ctx: StoreContext, condemned: dict[bytes, str]) -> tuple[int, bool]:
-    """Remove the condemned blocks with their subtrees and rebuild what derives from the
-    records, in one transaction; (blocks removed, whether it committed)."""
-    t = ctx.tables
-    removed = 0
+    """Remove the condemned subtrees and rebuild what derives from the records, in one transaction;
+    (blocks removed, whether it committed)."""
+    reasons = {block: f"after a failed sync: {why}" for block, why in condemned.items()}
     try:
         with ctx.writing() as txn:
-            for block, why in condemned.items():
-                if txn.get(block, db=t.blocks) is None:
-                    continue  # gone already, below another condemned block
-                removed += remove_subtree(ctx, txn, block, reason="quarantined")
-                quarantine.note(ctx, txn, block, f"after a failed sync: {why}")
-            rebuild_derived(txn, t, ctx.clock.time_ns())
+            removed, _ = quarantine.condemn(ctx, txn, reasons)
     except lmdb.Error as exc:
         log.error("%s: could not quarantine the blocks that failed: %s", ctx.path, exc)
         return 0, False
     return removed, True
-
-
-__all__ = ["RECHECK_SLACK_NS", "RecheckReport", "recheck"]

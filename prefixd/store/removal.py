@@ -1,11 +1,6 @@
-"""Removing a block and everything below it: the one way blocks leave the store.
-
-Eviction, purges, retirements, expiry, quarantine, `delete` and a put replacing a damaged or
-expired block all come here, inside their own write transaction. A block is removed with its
-subtree so no stored block is ever left without its parent; its record, chunks, parts, index
-entries, access record and counters go in that same transaction, and the removal epoch
-(counters.REMOVALS, what the lookup memo checks) is bumped with them.
-"""
+"""Removing a block and everything below it: the one way blocks leave the store, so no stored block
+is ever left without its parent. Everything of the block goes in the caller's transaction, which
+also bumps the removal epoch the lookup memo checks."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ import lmdb
 from prefixd.errors import CorruptRecordError
 from prefixd.schema.records import PartRecord
 from prefixd.store import counters
-from prefixd.store.tables import Tables, children_key, decoded
+from prefixd.store.tables import Tables, children_key, decoded, prefixed
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -33,11 +28,9 @@ def remove_subtree(
     *,
     reason: str,
 ) -> int:
-    """Delete `root` and its descendants (records, chunks, index entries, counters), count them
-    per tenant under `reason` (see `Store.removals`), and return how many blocks went.
-
-    `root_parent_key` and `root_identity` stand in for what the root's record says when it
-    is too damaged to say it (its place in the children index, its identity's byte count)."""
+    """Delete `root` and its descendants, count them per tenant under `reason`, and return how many
+    went. `root_parent_key` and `root_identity` stand in for a root record too damaged to say them.
+    """
     t = ctx.tables
     removed = payload_bytes = stored_bytes = parts_removed = 0
     by_identity: dict[bytes, int] = {}
@@ -91,7 +84,6 @@ def remove_subtree(
 
 
 def delete(ctx: StoreContext, hashes: Iterable[bytes]) -> int:
-    """Remove the given blocks and every block below them, in one transaction."""
     removed = 0
     with ctx.writing() as txn:
         for h in hashes:
@@ -100,15 +92,7 @@ def delete(ctx: StoreContext, hashes: Iterable[bytes]) -> int:
 
 
 def _chunk_bytes(txn: lmdb.Transaction, t: Tables, prefix: bytes) -> int:
-    """Bytes of the chunks whose keys start with `prefix`."""
-    cursor = txn.cursor(db=t.chunks)
-    total = 0
-    if cursor.set_range(prefix):
-        for key, value in cursor:
-            if bytes(key[: len(prefix)]) != prefix:
-                break
-            total += len(value)
-    return total
+    return sum(len(value) for _, value in prefixed(txn.cursor(db=t.chunks), prefix))
 
 
 def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:
@@ -128,8 +112,7 @@ def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:
 
 
 def _delete_parts(txn: lmdb.Transaction, t: Tables, h: bytes) -> tuple[int, int]:
-    """Delete the part records hung on block `h` (their chunks go with the block's, by prefix);
-    return their payload bytes and how many there were."""
+    """Delete the parts hung on `h`; return their payload bytes and how many there were."""
     if t.parts is None:
         return 0, 0
     cursor = txn.cursor(db=t.parts)

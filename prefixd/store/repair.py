@@ -1,9 +1,5 @@
-"""Putting a store's indexes and counters back in line with its block records (`verify --fix`).
-
-`repair` checks the store, then in one write transaction quarantines the blocks whose record,
-payload, parts, parent or identity fail the check (each with everything below it, as a failed
-read would) and rebuilds what is derived from the records that are left (prefixd.store.derived).
-"""
+"""`repair` (`verify --fix`): quarantine in one write transaction the blocks a check condemns, each
+with its subtree, and rebuild what derives from the records left."""
 
 from __future__ import annotations
 
@@ -13,8 +9,6 @@ from typing import TYPE_CHECKING
 
 from prefixd.store import quarantine
 from prefixd.store.check import check
-from prefixd.store.derived import rebuild_derived
-from prefixd.store.removal import remove_subtree
 from prefixd.store.results import Problem, RepairReport
 
 if TYPE_CHECKING:
@@ -32,25 +26,19 @@ def repair(
     *,
     progress: Callable[[int], None] | None = None,
 ) -> RepairReport:
-    """Check (unless given the `problems` a check found), quarantine every block a problem
-    condemns and rebuild what is derived, in one write transaction; then check again."""
     if problems is None:
         problems = check(ctx, progress=progress)
     condemned = {
-        p.block: p.kind for p in problems if p.kind in BLOCK_PROBLEMS and p.block is not None
+        p.block: f"verify: {p.kind} problem"
+        for p in problems
+        if p.kind in BLOCK_PROBLEMS and p.block is not None
     }
-    quarantined = 0
     with ctx.writing() as txn:
-        for block, kind in condemned.items():
-            if txn.get(block, db=ctx.tables.blocks) is None:
-                continue  # e.g. a part hung on no block: the rebuild drops it
-            quarantined += remove_subtree(ctx, txn, block, reason="quarantined")
-            quarantine.note(ctx, txn, block, f"verify: {kind} problem")
-        rebuilt = rebuild_derived(txn, ctx.tables, ctx.clock.time_ns())
-    if quarantined or rebuilt.total:
+        quarantined, rebuilt = quarantine.condemn(ctx, txn, condemned)
+    if quarantined or rebuilt:
         log.warning(
             "repair quarantined %d block(s) and fixed %d index or counter entries",
             quarantined,
-            rebuilt.total,
+            rebuilt,
         )
-    return RepairReport(tuple(problems), quarantined, rebuilt.total, tuple(check(ctx)))
+    return RepairReport(tuple(problems), quarantined, rebuilt, tuple(check(ctx)))

@@ -1,4 +1,4 @@
-"""What store operations return. Plain frozen values: no memoryview into the map escapes."""
+"""What store operations return: plain frozen values, so no memoryview into the map escapes."""
 
 from __future__ import annotations
 
@@ -17,10 +17,8 @@ class BlockRef(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The longest stored prefix of a query: `n_blocks` whole blocks, `n_tokens` tokens.
-
-    Kept as two parallel tuples (a long prompt has hundreds of blocks); `blocks` gives them as
-    `BlockRef`s."""
+    """The longest stored prefix of a query, as two parallel tuples (a long prompt has hundreds of
+    blocks)."""
 
     identity_digest: bytes
     block_tokens: int
@@ -48,10 +46,8 @@ class PrefixMatch:
 
 @dataclass(frozen=True, slots=True)
 class PartRef:
-    """One payload of a joint match: which group, the block it hangs on, and what it covers.
-
-    A page covers tokens [first_token, first_token + tokens); a checkpoint is the state at
-    first_token (tokens is 0)."""
+    """One payload of a joint match. A page covers tokens [first_token, first_token + tokens); a
+    checkpoint is the state at first_token (tokens 0)."""
 
     group: str
     block: bytes
@@ -63,13 +59,10 @@ class PartRef:
 
 @dataclass(frozen=True)
 class JointMatch:
-    """The answer of a hybrid lookup.
-
-    `reusable_tokens` R: the longest boundary where every group is complete; `replay_from`: where
-    the engine recomputes from (R, or earlier for groups whose policy stores nothing);
-    `paged_tokens`: the longest run of complete paged groups (what sparse checkpoints cost is
-    paged_tokens - R); `matched_tokens`: the stored chain, by token ids; `parts`: the payloads to
-    load, group by group in spec order (pages in order, then the checkpoint at R)."""
+    """The answer of a hybrid lookup. `reusable_tokens` R: the longest boundary where every group is
+    complete; `replay_from`: where the engine recomputes from (earlier than R for groups that store
+    nothing); `paged_tokens`: the longest run of complete paged groups; `parts`: the payloads to
+    load, in spec order."""
 
     identity_digest: bytes
     block_tokens: int
@@ -87,9 +80,6 @@ class JointMatch:
 
 @dataclass(frozen=True, slots=True)
 class PutResult:
-    """`stored` blocks were written, `existed` were already there (the put left them untouched);
-    `parts` state-group payloads were written (hybrid identities only)."""
-
     stored: int
     existed: int
     hashes: tuple[bytes, ...]
@@ -98,8 +88,7 @@ class PutResult:
 
 @dataclass(frozen=True, slots=True)
 class StateLoad:
-    """A hybrid load: the joint match, and where each of its parts was written in the output
-    (`offsets[i]` for `match.parts[i]`, back to back)."""
+    """A hybrid load: `offsets[i]` is where `match.parts[i]` was written in the output."""
 
     match: JointMatch
     offsets: tuple[int, ...]
@@ -107,9 +96,6 @@ class StateLoad:
 
 @dataclass(frozen=True, slots=True)
 class ReadResult:
-    """The first `n_blocks` blocks were verified and written to their destinations; the rest are a
-    miss. `sizes` gives each verified payload's length."""
-
     n_blocks: int
     sizes: tuple[int, ...]
 
@@ -120,10 +106,9 @@ class ReadResult:
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
-    """Verified payloads of `n_blocks` blocks from `first_block` on, back to back at `offsets`
-    in the buffer; the prefix is usable up to `n_tokens` (the end of the last verified block).
-    `next_size` is the payload size of the next stored block when the buffer had no room for it
-    (0 when the load stopped for another reason): a caller with more room may ask again."""
+    """Verified payloads of `n_blocks` blocks from `first_block` on, at `offsets`. `next_size`: the
+    next block's payload size when the buffer had no room for it (0 otherwise), so a caller with
+    more room may ask again."""
 
     n_blocks: int
     n_tokens: int
@@ -135,8 +120,6 @@ class LoadResult:
 
 @dataclass(frozen=True, slots=True)
 class BlockInfo:
-    """What the store keeps about one block besides its payload."""
-
     hash: bytes
     parent: bytes
     identity_digest: bytes
@@ -151,8 +134,6 @@ class BlockInfo:
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One inconsistency found by `Store.check`. `block` is the affected block hash, if any."""
-
     kind: str
     detail: str
     block: bytes | None = field(default=None, repr=False)
@@ -194,8 +175,6 @@ class StoreStats:
 
 @dataclass(frozen=True, slots=True)
 class EvictionReport:
-    """What an eviction round removed."""
-
     blocks: int
     stored_bytes: int
     seconds: float
@@ -203,9 +182,6 @@ class EvictionReport:
 
 @dataclass(frozen=True, slots=True)
 class RepairReport:
-    """What `Store.repair` found and did: `problems` found, `quarantined` blocks removed (with
-    their subtrees), `fixed` index and counter entries rebuilt, and what `remaining` still fails."""
-
     problems: tuple[Problem, ...]
     quarantined: int
     fixed: int
@@ -214,10 +190,9 @@ class RepairReport:
 
 @dataclass(frozen=True, slots=True)
 class ExportedBlock:
-    """A block as another tier receives it: its record (with token ids, parent and identity),
-    its verified payload and, for a hybrid identity's block, the verified state-group payloads
-    hung on it as (group index, payload), by group index. The payloads are the buffers they
-    were verified into, not copies."""
+    """A block as another tier receives it: its record, its verified payload and, for a hybrid
+    identity, its verified parts as (group index, payload). The payloads are the buffers they were
+    verified into."""
 
     record: bytes
     payload: bytes | bytearray

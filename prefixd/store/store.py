@@ -1,31 +1,11 @@
 """The store: one LMDB environment over the prefix chain, behind one thin facade.
 
-`Store` opens the environment, builds the shared handles (prefixd.store.context) and hands each
-call to the part of the store that owns it:
-
-  put.py         the write path: put, put_state, ancestry checks, block claims, room on a full map
-  read.py        the read path: walks, lookups, gathering verified payloads into destinations
-  tenancy.py     share groups, quotas, times to live; tenants.py the tenant of each identity
-  access.py      read times, batched in memory and written by `sync`
-  sync_state.py  every fsync, and the sticky state after one fails (writes refused, reads go on)
-  recheck.py     at the open after a failed fsync: the blocks written since the last good sync
-  quarantine.py  dropping blocks that fail verification
-  removal.py     removing a block with its subtree (every removal), and `delete`
-  eviction.py    capacity and which leaves go first; an eviction round; reclaiming expired
-  listing.py     a tenant's stored blocks, page by page (`list_blocks`)
-  pins.py        blocks held from eviction between a lookup and its load (`pin`, `unpin`)
-  purge.py       what a purge selects, and the purge
-  repair.py      `repair`: quarantine what a check condemns; derived.py rebuilds indexes, counters
-  check.py       the consistency check; tallies.py this process's counts
-  tables.py      the tables and their keys; journal.py what each commit changed, for the observer
-  lmdb_errors.py the one translation of LMDB's errors into prefixd's, around every public method
-
-Invariants every write transaction keeps:
-  * a block is stored only if its whole ancestry is stored and matches the writer's tokens, so a
-    stored block is reachable exactly when its prefix is (there are no orphans);
-  * a block is written once and never modified (one owner); removing a block removes its subtree;
-  * records, chunks, the children index and the counters change in the same transaction.
-"""
+`Store` builds the shared handles (prefixd.store.context) and hands each call to the module
+that owns it (docs/architecture.md lists them). Invariants every write transaction keeps:
+  * a block is stored only if its whole ancestry is stored and matches the writer's tokens,
+    so a stored block is reachable exactly when its prefix is (there are no orphans);
+  * a block is written once and never modified; removing a block removes its subtree;
+  * records, chunks, the children index and the counters change in the same transaction."""
 
 from __future__ import annotations
 
@@ -35,7 +15,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, Self, TypeVar
 
 from prefixd.clock import Clock, SystemClock
 from prefixd.errors import StoreClosedError
@@ -98,15 +78,21 @@ _R = TypeVar("_R")
 
 
 def _translated(
-    doing: str, *, writing: bool = True
+    doing: str, *, writing: bool = True, check: Literal["writable", "usable", "none"] | None = None
 ) -> Callable[[Callable[Concatenate[Store, _P], _R]], Callable[Concatenate[Store, _P], _R]]:
-    """Run a public method under `translate`: an lmdb.Error raised while `doing` it leaves the
-    store as the prefixd error a caller can act on (prefixd.store.lmdb_errors)."""
+    """Run a public method under `lmdb_errors`, so an lmdb.Error leaves the store as the prefixd
+    error a caller can act on, after `check` (by default: writable for a write, usable for a read).
+    """
+    check = check or ("writable" if writing else "usable")
 
     def wrap(method: Callable[Concatenate[Store, _P], _R]) -> Callable[Concatenate[Store, _P], _R]:
         @functools.wraps(method)
         def run(self: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
             with lmdb_errors(self.config.path, self.config.map_size, doing, writing=writing):
+                if check == "writable":
+                    self._check_writable()
+                elif check == "usable":
+                    self._check_usable()
                 return method(self, *args, **kwargs)
 
         return run
@@ -118,19 +104,17 @@ class Store:
     """A persistent prefix store in one LMDB environment.
 
     Open it in the process that uses it (after any fork). Methods are thread-safe; the store must
-    not be closed while other threads still call it.
-    """
+    not be closed while other threads still call it."""
 
     def __init__(
         self, config: StoreConfig, *, exclusive: bool = False, clock: Clock | None = None
     ) -> None:
-        """`exclusive`: hold the store's owner lock (a daemon does) so that offline tools refuse
-        to run beside this process; StoreBusyError if another process holds it. `clock`: what
-        entry ages and time to live are read from (tests pass a ManualClock)."""
+        """`exclusive`: hold the owner lock (a daemon does) so offline tools refuse to run beside
+        this process; StoreBusyError if another holds it. `clock`: what ages and times to live are
+        read from."""
         self.config = config
         clock = clock or SystemClock()
         env, tables, self.meta = open_environment(config, now_ns=clock.time_ns)
-        """The meta record read (or written) when the store was opened."""
         try:
             self._owner = OwnerLock(config.path) if exclusive else None
             data_file = DataFile(config.path / DATA_FILE, config.read_path)
@@ -138,6 +122,8 @@ class Store:
             env.close()
             raise
         self._pid = os.getpid()
+        threads = config.verify_threads
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="prefixd-verify") if threads else None
         self._ctx = StoreContext(
             config=config,
             env=env,
@@ -150,20 +136,12 @@ class Store:
                 min_gain=config.min_compression_gain,
                 chunk_bytes=config.chunk_bytes,
             ),
-            pool=(
-                ThreadPoolExecutor(config.verify_threads, thread_name_prefix="prefixd-verify")
-                if config.verify_threads
-                else None
-            ),
+            pool=pool,
             tenants=TenantIndex(tables.identities),
             tallies=Tallies(),
             syncs=SyncState(config.path, clock),
             data_file=data_file,
-            copier=(
-                FairPool(config.verify_threads, name="prefixd-verify")
-                if config.verify_threads
-                else None
-            ),
+            copier=FairPool(threads, name="prefixd-verify") if threads else None,
         )
         self._tenancy = Tenancy(self._ctx)
         self._access = AccessTimes(self._ctx)
@@ -171,8 +149,8 @@ class Store:
         self._reader = Reader(self._ctx, self._tenancy, self._access)
         self._closed = False
         try:
+            # what this open checked after an earlier run's failed fsync (None: nothing)
             self.rechecked = self._settle(may_recheck=exclusive or not is_held(config.path))
-            """What this open checked after an earlier run's failed fsync (None: nothing)."""
         except BaseException:
             self._closed = True
             self._release()
@@ -207,16 +185,11 @@ class Store:
         *,
         first_block: int = 0,
     ) -> PutResult:
-        """Publish blocks `first_block .. first_block + len(payloads) - 1` of `token_ids` atomically.
-
-        `token_ids` holds the whole prefix from the first token (the chain needs it); tokens past
-        the last payload's block are ignored. Refused whole, with nothing written: a block with
-        fewer than `block_tokens` tokens (OpenTailError), a first block whose parent chain is not
-        stored (OrphanBlockError), a hash owned by other tokens (BlockCollisionError), an empty or
-        non-contiguous payload (PayloadError); a full map raises StoreFullError; after a failed
-        fsync, every put raises SyncFailedError (see `sync_failure`).
-        """
-        self._check_writable()
+        """Publish blocks `first_block ..` of `token_ids` (the whole prefix from its first token),
+        one per payload, atomically. Refused whole, with nothing written: an open block
+        (OpenTailError), a missing parent chain (OrphanBlockError), a hash owned by other tokens
+        (BlockCollisionError), a bad payload (PayloadError); a full map raises StoreFullError, and
+        after a failed fsync every put SyncFailedError."""
         return self._writer.put(identity, token_ids, payloads, first_block)
 
     @_translated("the put")
@@ -230,24 +203,17 @@ class Store:
         upto_tokens: int | None = None,
         first_block: int = 0,
     ) -> PutResult:
-        """Publish the state of a hybrid identity's prefix, every group in one transaction.
-
-        Publishes blocks `first_block .. upto_tokens / block_tokens - 1` (`upto_tokens` defaults
-        to every token given) with `paged[group]`: one payload per page starting in that range;
-        and `checkpoints[group]`: boundary (a token count) -> payload, at boundaries of this put's
-        blocks or of blocks already stored (a checkpoint attaches only to a stored boundary of the
-        same chain). Refused whole, with nothing written: state that is not closed (OpenTailError),
-        payloads that do not match the spec or its policies (PayloadError), and everything `put`
-        refuses."""
-        self._check_writable()
+        """Publish a hybrid identity's state up to `upto_tokens` in one transaction: `paged[group]`
+        (one payload per page starting in the put's blocks) and `checkpoints[group]` (boundary ->
+        payload, at a stored or put boundary). Refused whole like `put`, and for state not closed
+        (OpenTailError) or not matching the spec (PayloadError)."""
         return self._writer.put_state(
             identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
         )
 
     @_translated("the delete")
     def delete(self, hashes: Iterable[bytes]) -> int:
-        """Remove the given blocks and every block below them; return how many blocks went."""
-        self._check_writable()
+        """Remove the given blocks and every block below them; return how many went."""
         return removal.delete(self._ctx, hashes)
 
     # --- reading -------------------------------------------------------------------------------
@@ -256,24 +222,19 @@ class Store:
     def longest_prefix(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch:
-        """The longest run of stored blocks from the first, compared token by token.
-
-        Stops at the first missing block, even if later blocks exist; a stored block whose tokens,
-        parent or identity differ from the query's (a hash collision) is a miss and is counted.
-        Payloads are not read: `load`/`read_into` verify them. `hashes` are the blocks' chain
-        hashes packed back to back, when the caller already has them (see `BlockChain`).
-        """
-        self._check_usable()
+        """The longest run of stored blocks from the first, compared token by token: it stops at the
+        first missing block, and a hash collision is a counted miss. Payloads are not read:
+        `load`/`read_into` verify them. `hashes`: the chain hashes packed back to back, when the
+        caller has them."""
         return self._reader.longest_prefix(identity, token_ids, hashes)
 
     @_translated("the lookup", writing=False)
     def pin(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch:
-        """`longest_prefix`, with the blocks of the answer pinned: eviction leaves them alone
-        until `unpin` (prefixd.store.pins). The prefix is read again after pinning, so a block
-        an eviction round took meanwhile is not in the answer (and not left pinned)."""
-        self._check_usable()
+        """`longest_prefix`, with the answer's blocks held from eviction until `unpin`. The prefix
+        is read again after pinning, so a block an eviction round took meanwhile is neither answered
+        nor left pinned."""
         found = self._reader.longest_prefix(identity, token_ids, hashes)
         pins = self._ctx.pins
         pins.hold(found.hashes)
@@ -289,11 +250,10 @@ class Store:
         )
 
     def unpin(self, hashes: Iterable[bytes]) -> None:
-        """Release one pin of each block (see `pin`)."""
         self._ctx.pins.release(hashes)
 
     def chain_of(self, identity: Identity, token_ids: TokenIds) -> list[bytes]:
-        """The hashes the closed blocks of `token_ids` are stored under (in a share group's
+        """The hashes the closed blocks of `token_ids` are stored under (in the share group's
         namespace when the tenant is in one): what `pin` pinned, what `delete` takes."""
         stored_as, _ = self._tenancy.namespace(identity, None)
         return chain_hashes(stored_as, token_ids)
@@ -302,10 +262,9 @@ class Store:
     def cached_prefix(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> PrefixMatch | None:
-        """`longest_prefix`'s answer when memory alone gives it: every closed block of the query
-        lies in a prefix verified earlier (by a lookup's walk or a put) that no removal has
-        touched since. Reads no record (only the removal epoch, on a page every write touches),
-        so an event loop may call it; None means: ask `longest_prefix`."""
+        """`longest_prefix`'s answer when memory alone gives it (a prefix verified earlier that no
+        removal has touched since); reads only the removal epoch, so an event loop may call it.
+        None: ask `longest_prefix`."""
         matches = self.cached_prefixes(identity, [(token_ids, hashes)])
         return None if matches is None else matches[0]
 
@@ -313,23 +272,18 @@ class Store:
     def cached_prefixes(
         self, identity: Identity, queries: Sequence[tuple[TokenIds, bytes | None]]
     ) -> list[PrefixMatch] | None:
-        """`cached_prefix` of each (token ids, hashes) query, all or none: None (and nothing
-        counted as a lookup) unless memory answers every one of them."""
-        self._check_usable()
+        """`cached_prefix` of each query, all or none: None (and nothing counted) unless memory
+        answers every one."""
         return self._reader.cached_prefixes(identity, queries)
 
     @_translated("the read", writing=False)
     def read_into(self, match: PrefixMatch, dests: Sequence[Any]) -> ReadResult:
-        """Verify block i's payload and write it into `dests[i]`, in order, copying once.
-
-        Only the first `n_blocks` of the result were verified; the block after them is a miss (it
-        vanished, or failed verification and was quarantined with everything below it). Destination
-        bytes of a failed block are zeroed, never left half-written with unverified data.
+        """Verify block i's payload and write it into `dests[i]`, in order, copying once. Only the
+        first `n_blocks` verified; a failed block's destination is zeroed, never left half-written.
         """
-        self._check_usable()
         return self._reader.read_into(match, dests)
 
-    @_translated("the load", writing=False)
+    @_translated("the load", writing=False, check="none")
     def load(
         self,
         identity: Identity,
@@ -341,14 +295,10 @@ class Store:
         first_block: int = 0,
         deadline: float | None = None,
     ) -> LoadResult:
-        """Find the longest prefix and write its verified payloads back to back into `out`.
-
-        Loads as many blocks from `first_block` on as fit in `out` (and at most `max_blocks`), in
-        one read transaction; the result says how many tokens the caller may skip. A caller that
-        streams a long prefix through a small buffer asks for it piece by piece with `first_block`.
-        Past `deadline` (the store clock's monotonic seconds) it stops reading and answers the
-        verified blocks it has: a shorter hit, counted in `deadline_cutoffs`.
-        """
+        """Find the longest prefix and write its verified payloads from `first_block` on, back to
+        back, into `out` (as many as fit, at most `max_blocks`), in one read transaction: a long
+        prefix streams through a small buffer piece by piece. Past `deadline` (store clock,
+        monotonic s) the blocks verified so far answer: a shorter hit."""
         check_first_block(first_block)
         self._check_usable()
         return self._reader.load(
@@ -357,19 +307,17 @@ class Store:
 
     @_translated("the warm-up ranking", writing=False)
     def hottest(self, budget_bytes: int, *, tenant: str, limit: int = 64) -> list[HotPrefix[bytes]]:
-        """The tenant's most valuable stored prefixes, by eviction score, whose payloads fit in
-        `budget_bytes` (see prefixd.store.warmup): what to bring back first after a restart. A
-        tenant of a share group gets the group's prefixes, named with its own identity."""
-        self._check_usable()
+        """The tenant's most valuable prefixes whose payloads fit in `budget_bytes`: what to bring
+        back first after a restart (prefixd.store.warmup); a share group's tenant gets the group's.
+        """
         return warmup.hottest(self._ctx, self._tenancy, self._access, budget_bytes, tenant, limit)
 
     @_translated("the listing", writing=False)
     def list_blocks(
         self, *, tenant: str, after: bytes | None = None, limit: int = 1024
     ) -> tuple[list[ListedBlock], bytes | None]:
-        """A page of the tenant's stored blocks after the cursor `after`, and the next page's
-        cursor (None when none follows); see prefixd.store.listing."""
-        self._check_usable()
+        """A page of the tenant's stored blocks after the cursor `after`, and the next page's cursor
+        (None when none follows)."""
         stored_as = self._tenancy.stored_as(tenant)
         return listing.list_blocks(self._ctx, tenant, stored_as, after, limit)
 
@@ -377,10 +325,8 @@ class Store:
     def lookup_state(
         self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
     ) -> JointMatch:
-        """The longest boundary at which every state group of a hybrid identity is complete,
-        with where to replay from and the payloads to load (see prefixd.store.joint). Reads part
-        records, not payloads: `load_state` verifies those."""
-        self._check_usable()
+        """The longest boundary at which every state group of a hybrid identity is complete
+        (prefixd.store.joint). Reads part records, not payloads: `load_state` verifies those."""
         return self._reader.lookup_state(identity, token_ids, hashes)
 
     @_translated("the load", writing=False)
@@ -393,44 +339,37 @@ class Store:
         hashes: bytes | None = None,
         deadline: float | None = None,
     ) -> StateLoad:
-        """Find the joint prefix and write every payload it needs, verified, back to back into
-        `out` (in `match.parts` order), in one read transaction. A payload that fails
-        verification is quarantined with its block and everything below it, and the answer is
-        worked out again: what comes back is always a consistent boundary, possibly an earlier
-        one. Past `deadline` (the store clock's monotonic seconds) reading stops and the answer
-        is a miss: a state needs every group, so there is no shorter prefix to give.
-        DestinationError if `out` cannot hold the payloads."""
-        self._check_usable()
+        """Find the joint prefix and write every payload it needs, verified, back to back into `out`
+        (DestinationError if it is too small). A failing payload is quarantined and the answer
+        worked out again, so it is always a consistent boundary; past `deadline` it is a miss (a
+        state needs every group)."""
         return self._reader.load_state(identity, token_ids, out, hashes, deadline)
 
     @_translated("the export", writing=False)
     def export_block(self, block: bytes) -> ExportedBlock | None:
-        """A stored block's record and verified payload, as bytes, to publish it elsewhere;
-        None if it is not stored (or fails verification, and is quarantined)."""
-        self._check_usable()
+        """A stored block's record and verified payload, to publish it elsewhere; None if it is not
+        stored (or fails verification, and is quarantined)."""
         return self._reader.export_block(block)
 
     @_translated("the block lookup", writing=False)
     def block_info(self, block: bytes) -> BlockInfo | None:
-        """What the store keeps about one block, or None if it is not stored (or damaged)."""
-        self._check_usable()
+        """What the store keeps about one block; None if it is not stored (or damaged)."""
         return self._reader.block_info(block)
 
     # --- tenants --------------------------------------------------------------------------------
 
-    @_translated("the count", writing=False)
+    @_translated("the count", writing=False, check="none")
     def tenant_bytes(self, tenant: str) -> int:
         """Stored bytes of every identity of `tenant` (what its quota limits)."""
         return self._tenancy.tenant_bytes(tenant)
 
-    @_translated("the count", writing=False)
+    @_translated("the count", writing=False, check="none")
     def tenant_totals(self) -> dict[str, dict[str, int]]:
-        """Stored blocks and bytes per tenant (from the per-identity counters)."""
         return self._tenancy.tenant_totals()
 
     def removals(self) -> dict[str, dict[str, int]]:
-        """Blocks removed since the store was opened, per tenant and reason: evicted,
-        quarantined, retired (a model version purged), purged, expired, deleted, replaced."""
+        """Blocks removed since the store was opened, per tenant and reason (evicted, quarantined,
+        retired, purged, expired, deleted, replaced)."""
         return self._ctx.tallies.removals()
 
     # --- maintenance ---------------------------------------------------------------------------
@@ -439,23 +378,19 @@ class Store:
     def evict(
         self, target_bytes: int | None = None, *, tenant: str | None = None
     ) -> EvictionReport:
-        """Evict leaves, lowest value per byte first (see prefixd.store.eviction), until the
-        stored bytes are at most `target_bytes` (default: the low watermark of the capacity).
-        With `tenant`, only that tenant's blocks are candidates and its bytes are what counts."""
-        self._check_writable()
+        """Evict leaves, lowest value per byte first, down to `target_bytes` (default: the
+        capacity's low watermark); with `tenant`, only its blocks and bytes count."""
         return eviction.evict(self._ctx, self._tenancy, self._access, target_bytes, tenant)
 
-    @_translated("the reclaim")
+    @_translated("the reclaim", check="usable")
     def reclaim_expired(self) -> int:
-        """Remove the blocks past their tenant's time to live (already unreachable: lookups and
-        loads skip them); return how many went. None go after a failed fsync (nothing more is
-        written then), and nothing a caller sees changes: they are unreachable all the same."""
-        self._check_usable()
+        """Remove the blocks past their tenant's time to live (lookups already skip them). None go
+        after a failed fsync: nothing more is written then, and no caller sees a difference."""
         if self._ctx.syncs.failure is not None:
             return 0
         return eviction.reclaim_expired(self._ctx, self._tenancy)
 
-    @_translated("the purge")
+    @_translated("the purge", check="none")
     def purge(
         self,
         selector: PurgeSelector,
@@ -463,9 +398,8 @@ class Store:
         dry_run: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> PurgeReport:
-        """Remove what `selector` names, in one transaction: unreachable at once, pages freed
-        once in-flight reads (which keep their snapshot) are done. A dry run counts only.
-        `progress` is told how many root blocks each step handled."""
+        """Remove what `selector` names in one transaction; in-flight reads keep their snapshot. A
+        dry run counts only; `progress` is told how many root blocks each step handled."""
         if dry_run:
             self._check_usable()
         else:
@@ -473,13 +407,13 @@ class Store:
         return purge.purge(self._ctx, self._access, selector, dry_run=dry_run, progress=progress)
 
     def observe(self, observer: BlockObserver | None) -> None:
-        """Tell `observer`, after each commit, which blocks that transaction stored and removed,
-        whatever removed them (prefixd.store.journal); None stops telling."""
+        """Tell `observer`, after each commit, which blocks it stored and removed
+        (prefixd.store.journal); None stops telling."""
         self._ctx.journals.observer = observer
 
     def inventory(self, batch: int = 1024) -> Iterator[list[BlockChange]]:
-        """Every stored block, in batches of `batch` (each read in a transaction of its own), as
-        STORED changes: what a restarted daemon announces it holds."""
+        """Every stored block as STORED changes, in batches each read in a transaction of its own:
+        what a restarted daemon announces."""
         self._check_usable()
         after = b""
         while found := journal.inventory(self._ctx.env, self._ctx.tables, after, batch):
@@ -487,35 +421,30 @@ class Store:
             after = found[-1].block
 
     def sync(self) -> None:
-        """Write pending access times and counters, then fsync the environment; SyncFailedError
-        if that fsync fails, or one did before (it is never retried as if it could succeed)."""
+        """Write pending access times and counters, then fsync; SyncFailedError if that fsync fails,
+        or one did before (it is never retried as if it could succeed)."""
         self._check_usable()
         if not self._access.sync():
             self._ctx.syncs.check_writable()
 
     @property
     def sync_failure(self) -> SyncFailure | None:
-        """The failed fsync that made this store refuse writes (reads go on), or None while every
-        fsync has succeeded (prefixd.store.sync_state)."""
+        """The failed fsync that made this store refuse writes, or None."""
         return self._ctx.syncs.failure
 
     @property
     def last_sync_ns(self) -> int:
-        """When (store clock, ns) the last fsync that succeeded began; 0 if none did."""
+        """When (store clock, ns) the last good fsync began; 0 if none did."""
         return self._ctx.syncs.last_good_ns
 
-    @_translated("the compaction")
+    @_translated("the compaction", check="usable")
     def compact_to(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
-        """Write a compacted copy of the store (free pages dropped) into an empty `directory`.
-        The copy is a consistent snapshot; the store itself is not changed."""
-        self._check_usable()
+        """Write a compacted, consistent copy of the store into an empty `directory`."""
         self._access.sync()
         return copy_compacted(self._ctx.env, self.path, Path(directory), self.config.map_size)
 
     @_translated("the stats", writing=False)
     def stats(self) -> StoreStats:
-        """Persisted totals plus this process's activity and codec speeds."""
-        self._check_usable()
         ctx = self._ctx
         with ctx.env.begin() as txn:
             totals = counters.read_all(txn, ctx.tables.counters)
@@ -554,14 +483,10 @@ class Store:
 
     @_translated("the check", writing=False)
     def check(
-        self,
-        *,
-        verify_payloads: bool = True,
-        progress: Callable[[int], None] | None = None,
+        self, *, verify_payloads: bool = True, progress: Callable[[int], None] | None = None
     ) -> list[Problem]:
-        """Every inconsistency in the store (not just the first); an empty list means healthy.
-        Runs in one read transaction: writers go on meanwhile (LMDB readers see a snapshot)."""
-        self._check_usable()
+        """Every inconsistency in the store; empty means healthy. One read transaction: writers go
+        on."""
         return check.check(self._ctx, verify_payloads=verify_payloads, progress=progress)
 
     @_translated("the repair")
@@ -571,29 +496,24 @@ class Store:
         *,
         progress: Callable[[int], None] | None = None,
     ) -> RepairReport:
-        """Check (unless given the `problems` a check found), then quarantine every block a
-        problem condemns (with everything below it) and rebuild the indexes and counters from
-        the remaining records, in one transaction; report what was found, what was done, and
-        whatever still fails a check afterwards."""
-        self._check_writable()
+        """Quarantine every block a problem condemns (checking first unless given `problems`) and
+        rebuild indexes and counters, in one transaction; report what remains."""
         return repair.repair(self._ctx, problems, progress=progress)
 
     def apply_tenancy(self, config: StoreConfig) -> None:
-        """Take the share groups, quotas and times to live of `config` while open (a daemon's
-        reload); its other settings are the open store's own and stay as they are."""
+        """Take `config`'s share groups, quotas and times to live while open (a daemon's reload);
+        its other settings are ignored."""
         self._check_usable()
         self._tenancy.apply(config)
 
     def record_socket(self, socket: Path) -> None:
-        """Note, in the owner lock of an exclusive store, the socket its daemon serves on (a
-        store opened shared has no owner lock, and no daemon)."""
+        """Note the daemon's socket in the owner lock (a shared store has none)."""
         if self._owner is not None:
             self._owner.record(socket)
 
     def close(self) -> None:
-        """Flush, fsync and close; idempotent. Only the opening process may close the environment.
-        SyncFailedError (once closed) if this last fsync is the first to fail; a failure found
-        before was reported then, and its marker stays for the next open either way."""
+        """Flush, fsync and close; idempotent, and only in the opening process. SyncFailedError
+        (once closed) if this last fsync is the first to fail."""
         if self._closed:
             return
         if os.getpid() != self._pid:
@@ -611,7 +531,6 @@ class Store:
             syncs.check_writable()
 
     def _release(self) -> None:
-        """Close what the open built: threads, environment, data file, owner lock."""
         if self._ctx.pool is not None:
             self._ctx.pool.shutdown(wait=True)
         if self._ctx.copier is not None:
@@ -623,10 +542,9 @@ class Store:
             self._owner.release()
 
     def _settle(self, *, may_recheck: bool) -> RecheckReport | None:
-        """At open: check the blocks an earlier run's failed fsync left unsure (if this process
-        may: it holds the store, or none does), then fsync, so that the last good sync is known
-        from the start; clear the marker once both went well. An open that may not check them
-        starts in the failed state."""
+        """At open: recheck the blocks an earlier run's failed fsync left unsure (if this process
+        holds the store, or none does), then fsync so the last good sync is known; clear the marker
+        once both went well. An open that may not recheck starts in the failed state."""
         syncs = self._ctx.syncs
         inherited = syncs.inherited
         report = None
@@ -648,8 +566,7 @@ class Store:
         self.close()
 
     def _check_writable(self) -> None:
-        """`_check_usable`, and SyncFailedError once an fsync failed: nothing a caller is told
-        was written could be promised to stay so."""
+        """Also SyncFailedError once an fsync failed: no write could be promised to stay."""
         self._check_usable()
         self._ctx.syncs.check_writable()
 

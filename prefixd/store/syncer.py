@@ -1,8 +1,4 @@
-"""The background thread of the periodic durability mode: flush access times, then fsync.
-
-A failed fsync is no exception here: the store's sync state records it (prefixd.store.sync_state)
-and the store refuses writes from then on, so nothing is swallowed but a bug's traceback, logged.
-"""
+"""The periodic sync thread; a failed fsync is recorded by the sync state, not raised here."""
 
 from __future__ import annotations
 
@@ -33,7 +29,6 @@ class PeriodicSyncer:
                 log.exception("periodic store sync failed")
 
     def stop(self) -> None:
-        """Stop the thread and wait for a flush in progress to finish."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()

@@ -1,10 +1,5 @@
-"""What this process counted since it opened the store.
-
-Lookups, hits and loads are rates for the daemon's metrics; hash collisions wait here until the
-next sync writes them to the counters table (a lookup does not write); removals are counted per
-tenant and reason. All of it lives in memory under one lock: none of it is inventory (the
-counters table, kept in the data's own transactions, is).
-"""
+"""What this process counted since it opened the store: activity for metrics, collisions until the
+next sync writes them (a lookup does not write), removals per tenant and reason."""
 
 from __future__ import annotations
 
@@ -15,8 +10,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Activity:
-    """Lookups and loads since the store was opened."""
-
     lookups: int = 0
     hit_blocks: int = 0
     loaded_blocks: int = 0
@@ -24,37 +17,22 @@ class Activity:
 
 
 class Tallies:
-    """This process's counts; thread-safe."""
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._lookups = self._hit_blocks = self._loaded_blocks = self._loaded_bytes = 0
+        self._activity: Counter[str] = Counter()  # by Activity's field names
         self._collisions = 0
         self._removals: Counter[tuple[str, str]] = Counter()
 
-    def count(
-        self,
-        *,
-        lookups: int = 0,
-        hit_blocks: int = 0,
-        loaded_blocks: int = 0,
-        loaded_bytes: int = 0,
-    ) -> None:
-        """Add to the activity counts (one call per operation, so one lock round)."""
+    def count(self, **activity: int) -> None:
+        """Add to the named `Activity` counts (one lock round per operation)."""
         with self._lock:
-            self._lookups += lookups
-            self._hit_blocks += hit_blocks
-            self._loaded_blocks += loaded_blocks
-            self._loaded_bytes += loaded_bytes
+            self._activity.update(activity)
 
     def activity(self) -> Activity:
         with self._lock:
-            return Activity(
-                self._lookups, self._hit_blocks, self._loaded_blocks, self._loaded_bytes
-            )
+            return Activity(**self._activity)
 
     def collided(self) -> None:
-        """A stored block's hash turned out to be owned by other tokens (counted, then synced)."""
         with self._lock:
             self._collisions += 1
 
@@ -63,19 +41,16 @@ class Tallies:
             return self._collisions
 
     def take_collisions(self) -> int:
-        """The collisions not yet written to the counters table, now handed to the caller."""
         with self._lock:
             taken, self._collisions = self._collisions, 0
             return taken
 
     def removed(self, tenant: str, reason: str, blocks: int) -> None:
-        """Count removed blocks (after the write commits the count may run ahead of a
-        transaction that aborted: it is a rate, not an inventory)."""
+        """Count removed blocks (a rate, not an inventory: an aborted round's may stay counted)."""
         with self._lock:
             self._removals[tenant, reason] += blocks
 
     def removals(self) -> dict[str, dict[str, int]]:
-        """Blocks removed, per tenant and reason."""
         with self._lock:
             tally = dict(self._removals)
         out: dict[str, dict[str, int]] = {}

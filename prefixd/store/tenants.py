@@ -1,8 +1,5 @@
-"""digest -> tenant over one store's identities table.
-
-An identity's digest is a hash over all of it, tenant included, so the tenant of a digest can
-never change: once decoded it is remembered (which digests are live is read each time).
-"""
+"""digest -> tenant over one store's identities table. A digest covers the tenant, so once decoded
+it is remembered; which digests are live is read each time."""
 
 from __future__ import annotations
 
@@ -17,15 +14,12 @@ MEMO_LIMIT = 1 << 16  # digests remembered; past it the memo starts again (rows 
 
 
 class TenantIndex:
-    """digest -> tenant over one store's identities table."""
-
     def __init__(self, identities: Any) -> None:
         self._identities = identities  # the LMDB database handle of the identities table
         self._memo: dict[bytes, str] = {}
 
     def tenant_of(self, txn: lmdb.Transaction, digest: bytes) -> str | None:
-        """The tenant of the identity `digest` names, or None when the table holds no such
-        identity (it was purged or never written)."""
+        """The tenant of the identity `digest` names; None when the table holds none."""
         tenant = self._memo.get(digest)
         if tenant is not None:
             return tenant
@@ -39,7 +33,6 @@ class TenantIndex:
         return tenant
 
     def digests_of(self, txn: lmdb.Transaction, tenant: str) -> set[bytes]:
-        """The digests of the tenant's live identities, as this transaction sees them."""
         cursor = txn.cursor(db=self._identities)
         found = set()
         for key in cursor.iternext(keys=True, values=False):
@@ -50,7 +43,7 @@ class TenantIndex:
 
 
 def owner(encoded: bytes | memoryview) -> str:
-    """The tenant of an encoded identity ("" when it is unreadable: `check` reports that row)."""
+    """The tenant of an encoded identity ("" when unreadable: `check` reports it)."""
     try:
         return Identity.decode(bytes(encoded)).tenant
     except IdentityError:

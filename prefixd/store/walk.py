@@ -1,16 +1,10 @@
 """Following a prefix chain through the blocks table, comparing records in bulk.
 
-The walk is the lookup hot path: a 131072-token prompt is 256 blocks of 512 tokens. Per-block Python
-work dominates, so records are fetched in batches and each record's identity digest, parent hash
-and token ids are compared against the query with one vectorised comparison per batch. The first
-batch is small, so a cold miss costs little; later ones grow 8x (hashes not yet computed) or take
-the rest at once (hashes already known, so only record reads are at stake). The walk stops at the first missing or
-mismatching block, exactly as a one-block-at-a-time walk would.
-
-The walk reads no payload and hands out no bytes, so it does not verify record checksums; a
-mismatching record is decoded with its checksum to tell damage (quarantine) from a hash collision
-(a counted miss), and `load` verifies every record and payload it returns.
-"""
+Per-block Python work dominates the lookup hot path, so records are fetched in batches (small first,
+so a cold miss costs little) and compared against the query with one vectorised comparison per
+batch. The walk stops at the first missing or mismatching block, as a block-by-block walk would. It
+reads no payload, so it skips record checksums; a mismatching record is decoded in full to tell
+damage (quarantine) from a collision (a counted miss)."""
 
 from __future__ import annotations
 
@@ -49,8 +43,6 @@ _TOKENS = TOKENS_AT // 4
 
 @dataclass
 class Walk:
-    """Blocks found from block 0, and why the walk ended early if it did."""
-
     hashes: list[bytes] = field(default_factory=list)
     payload_sizes: list[int] = field(default_factory=list)
     corrupt: bytes | None = None
@@ -67,16 +59,10 @@ def walk_chain(
     verified: Walk | None = None,
     min_created_ns: int = 0,
 ) -> Walk:
-    """Follow `chain` from block 0 for at most `limit` blocks; `verified`, when given, holds
-    blocks 0..k-1 already verified (see prefixd.store.lookup_memo), and the walk goes on from k.
-    A block created before `min_created_ns` (past its tenant's time to live) counts as missing."""
-    walk = Walk()
-    if verified is not None:
-        walk = Walk(
-            list(verified.hashes),
-            list(verified.payload_sizes),
-            oldest_created_ns=verified.oldest_created_ns,
-        )
+    """Follow `chain` from block 0 for at most `limit` blocks, extending in place the walk
+    `verified` when given (blocks already verified). A block created before `min_created_ns` (past
+    its time to live) counts as missing."""
+    walk = Walk() if verified is None else verified
     get = txn.cursor(db=blocks_db).get
     size = record_bytes(chain.block_tokens)
     digest = np.frombuffer(chain.identity.digest, dtype="<u4")
@@ -121,11 +107,9 @@ def _matching_rows(
     tokens: np.ndarray,
     min_created_ns: int,
 ) -> tuple[list[int], int, bool]:
-    """Payload sizes of the leading records that match the query exactly and are not expired,
-    the oldest creation time among them, and whether an expired record ended the run.
-
-    Records of one identity all have the same length (a multiple of 4), so a batch is one
-    (n, size/4) uint32 array and each field a column range of it."""
+    """Payload sizes of the leading records that match the query and are not expired, the oldest
+    creation time among them, and whether an expired record ended the run. Records of one identity
+    share one length, so a batch is one uint32 array."""
     n = len(values)
     if not n:
         return [], 1 << 63, False
@@ -149,11 +133,9 @@ def _matching_rows(
 
 
 def _plausible_sizes(rows: np.ndarray) -> np.ndarray:
-    """Whether each record's sizes agree with each other, without its checksum (too dear for
-    the walk): a payload fills its chunks but the last exactly, and one stored raw is as large
-    as its stored form. A record failing this ends the walk and is then checked in full, so a
-    damaged size is quarantined instead of reported; a damaged size that still agrees (a
-    compressed payload's, within its last chunk) is caught by the checksum when it is read."""
+    """Whether each record's sizes agree with each other (the checksum is too dear for the walk). A
+    record failing this ends the walk and is checked in full, so a damaged size is quarantined
+    instead of reported."""
     payload = rows[:, _PAYLOAD_SIZE : _PAYLOAD_SIZE + 2].copy().view("<u8").ravel()
     stored = rows[:, _STORED_SIZE : _STORED_SIZE + 2].copy().view("<u8").ravel()
     chunk = rows[:, _CHUNK_BYTES].astype(np.uint64)
@@ -169,7 +151,6 @@ def _plausible_sizes(rows: np.ndarray) -> np.ndarray:
 
 
 def _classify(walk: Walk, key: bytes, value: bytes | memoryview) -> None:
-    """A record that did not match: damaged (quarantine it) or a genuine collision (count it)."""
     try:
         BlockRecord.decode(value)
     except CorruptRecordError:

@@ -1,12 +1,6 @@
-"""Which prefixes to bring back first after a restart: the most valuable ones, by eviction score.
-
-Eviction removes the leaves worth least per byte (prefixd.store.eviction); warm-up does the
-opposite with the same estimate. Blocks are taken by value per byte, highest first; a block is
-only useful with its ancestors, so each one taken brings its missing ancestors along, and all of
-them count against the budget (each block once). The answer lists the tips of what was taken
-(taken blocks none of whose children were taken) as whole prefixes, from the first token: that is
-what an engine loads. Hybrid identities are left out: their state is loaded by groups.
-"""
+"""Which prefixes to bring back first after a restart: blocks by eviction value, highest first, each
+taking its missing ancestors along within the budget; the answer is the tips of what was taken, as
+whole prefixes. Hybrid identities are left out."""
 
 from __future__ import annotations
 
@@ -37,8 +31,8 @@ def hottest(
     tenant: str,
     limit: int,
 ) -> list[HotPrefix[bytes]]:
-    """`hottest_prefixes` of the store, after writing the pending read times (they weigh too);
-    a tenant of a share group gets the group's prefixes, named with its own identity."""
+    """`hottest_prefixes` after writing pending read times; a share group's tenant gets the group's
+    prefixes, named with its own identity."""
     stored_as = tenancy.stored_as(tenant)
     access.sync()
     with ctx.env.begin() as txn:
@@ -56,8 +50,8 @@ def hottest(
 def hottest_prefixes(
     txn: lmdb.Transaction, t: Tables, now_ns: int, budget_bytes: int, limit: int, tenant: str
 ) -> list[HotPrefix[bytes]]:
-    """At most `limit` of `tenant`'s prefixes whose blocks together hold at most
-    `budget_bytes` of payload (a tenant never learns another's prompts)."""
+    """At most `limit` of `tenant`'s prefixes within `budget_bytes` of payload (a tenant never
+    learns another's prompts)."""
     records: dict[bytes, BlockRecord] = {}
     ranked: list[tuple[float, bytes]] = []
     plain = _plain_identities(txn, t, tenant)
@@ -100,7 +94,7 @@ def _plain_identities(txn: lmdb.Transaction, t: Tables, tenant: str) -> dict[byt
 def _missing_ancestry(
     block: bytes, records: dict[bytes, BlockRecord], taken: dict[bytes, float]
 ) -> list[bytes] | None:
-    """`block` and those of its ancestors not yet taken, or None if an ancestor is missing."""
+    """`block` and its ancestors not yet taken, or None if one is missing."""
     chain = []
     current = block
     while current not in taken:
