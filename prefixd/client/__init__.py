@@ -19,11 +19,11 @@ from prefixd.client.results import (
     Routed,
     StateLoaded,
     StateLookup,
-    StatePart,
     Stored,
 )
 from prefixd.errors import DaemonUnavailableError, RemoteError, RequestTimeoutError
 from prefixd.schema.stored import HotPrefix, ListedBlock
+from prefixd.wire.messages import StatePart
 
 __all__ = [
     "AsyncClient",

@@ -13,14 +13,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 from prefixd.client.core import ClientCore
 from prefixd.client.operations import Operations
 from prefixd.client.polling import DEFAULT_POLL_US, ReplyPolling
-from prefixd.client.results import Stored
-from prefixd.client.steps import Call, Reserve, Steps, Synchronize
+from prefixd.client.steps import Call, Publish, Reserve, Steps, Synchronize
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import (
     BadFrameError,
@@ -29,8 +27,6 @@ from prefixd.errors import (
     PrefixdError,
     RequestTimeoutError,
 )
-from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TokenIds
 from prefixd.trust import check_peer, check_socket_path, unreachable
 from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import FrameReader, decode_body
@@ -87,41 +83,13 @@ class Client(Operations, TensorOperations):
         self._lock = threading.RLock()  # one round trip at a time on the connection
         self._frames = FrameReader()
         self._polling = ReplyPolling(poll_us * 1e-6, clock, crowded)
-        self._publisher: Publisher | None = None
-        self._publisher_lock = threading.Lock()
+        self._publishers = Publishers(self._core)
         try:
             with self._lock:
                 self._connect(wait_s=0.0)
         except BaseException:
             self._core.close()
             raise
-
-    # --- the operations (prefixd.client.operations and .tensors), and storing from tensors ------
-
-    def store_from(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        sources: Sequence[Any],
-        *,
-        first_block: int = 0,
-        ready: Any = None,
-        region_bytes: int = 256 << 20,
-    ) -> Future[Stored]:
-        """Publish blocks from device tensors in the background (a connection and region of
-        their own, of at least `region_bytes`); the future resolves when they are stored."""
-        return self._publisher_for(region_bytes).store_from(
-            identity, token_ids, sources, first_block=first_block, ready=ready
-        )
-
-    def _publisher_for(self, region_bytes: int) -> Publisher:
-        with self._publisher_lock:
-            if self._publisher is not None and self._publisher.region_bytes < region_bytes:
-                self._publisher.close()  # waits for the stores under way, then makes room
-                self._publisher = None
-            if self._publisher is None:
-                self._publisher = open_publisher(self._core, region_bytes)
-            return self._publisher
 
     @property
     def reply_waits(self) -> dict[str, int]:
@@ -131,10 +99,7 @@ class Client(Operations, TensorOperations):
         return {"polled": polling.polled, "slept": polling.slept}
 
     def close(self) -> None:
-        with self._publisher_lock:
-            if self._publisher is not None:
-                self._publisher.close()
-                self._publisher = None
+        self._publishers.close()
         with self._lock:
             self._drop()
             self._polling.close()
@@ -172,12 +137,13 @@ class Client(Operations, TensorOperations):
             except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
-    def _perform(self, step: Reserve | Synchronize) -> Any:
+    def _perform(self, step: Reserve | Synchronize | Publish) -> Any:
         if isinstance(step, Reserve):
             return step.allocator.acquire(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
             )
-        assert isinstance(step, Synchronize)
+        if isinstance(step, Publish):
+            return self._publishers.get(step.region_bytes)
         step.event.synchronize()
         return None
 
@@ -347,18 +313,39 @@ class Client(Operations, TensorOperations):
         return body
 
 
-def open_publisher(core: ClientCore, region_bytes: int) -> Publisher:
-    """A publisher of stores from tensors for the client of `core`, through a connection and a
-    region of `region_bytes` of its own (prefixd.client.transfer, which needs torch)."""
-    from prefixd.client.transfer import Publisher
+class Publishers:
+    """A client's publisher of stores from tensors (prefixd.client.transfer, which needs torch):
+    opened on first use, with a connection and region of its own, and opened again larger when a
+    store needs more. Thread-safe: AsyncClient calls it from executor threads."""
 
-    client = Client(
-        core.socket_path,
-        region_bytes=region_bytes,
-        timeout=core.timeout,
-        name=f"{core.name}-publisher",
-    )
-    return Publisher(client, region_bytes)
+    def __init__(self, core: ClientCore) -> None:
+        self._core = core
+        self._lock = threading.Lock()
+        self._publisher: Publisher | None = None
+
+    def get(self, region_bytes: int) -> Publisher:
+        from prefixd.client.transfer import Publisher
+
+        with self._lock:
+            if self._publisher is not None and self._publisher.region_bytes < region_bytes:
+                self._publisher.close()  # waits for the stores under way, then makes room
+                self._publisher = None
+            if self._publisher is None:
+                core = self._core
+                client = Client(
+                    core.socket_path,
+                    region_bytes=region_bytes,
+                    timeout=core.timeout,
+                    name=f"{core.name}-publisher",
+                )
+                self._publisher = Publisher(client, region_bytes)
+            return self._publisher
+
+    def close(self) -> None:
+        with self._lock:
+            if self._publisher is not None:
+                self._publisher.close()
+                self._publisher = None
 
 
 def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
@@ -382,4 +369,4 @@ def _error_of(body: memoryview) -> PrefixdError:
     return BadFrameError(ErrorCode.BAD_FRAME, "a reply with no id that is no error")
 
 
-__all__ = ["Client", "open_publisher"]
+__all__ = ["Client", "Publishers"]

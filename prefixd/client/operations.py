@@ -10,9 +10,12 @@ and here its steps and one line in `Operations`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import os
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 import msgspec
@@ -76,6 +79,35 @@ class Operation(Generic[P, R]):
         if client is None:
             return self
         return functools.partial(client.run, self.steps_of)
+
+
+class Background(Generic[P, R]):
+    """An operation whose result is a future the work resolves in the background (a
+    concurrent.futures one on Client, an asyncio one on AsyncClient)."""
+
+    def __init__(self, steps_of: Callable[Concatenate[ClientCore, P], Steps[Future[R]]]) -> None:
+        self.steps_of = steps_of
+        self.__doc__ = steps_of.__doc__
+
+    @overload
+    def __get__(self, client: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, client: Drives, owner: type[Any]) -> Callable[P, Future[R]]: ...
+    @overload
+    def __get__(
+        self, client: Awaits, owner: type[Any]
+    ) -> Callable[P, Coroutine[Any, Any, asyncio.Future[R]]]: ...
+    def __get__(self, client: Drives | Awaits | None, owner: type[Any]) -> Any:
+        if client is None:
+            return self
+        run: Callable[..., Any] = functools.partial(client.run, self.steps_of)
+        if not inspect.iscoroutinefunction(client.run):
+            return run
+
+        async def awaited(*args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R]:
+            return asyncio.wrap_future(await run(*args, **kwargs))
+
+        return awaited
 
 
 # --- the operations -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
 from prefixd.client.leases import Lease
+from prefixd.wire.messages import StatePart
 
 if TYPE_CHECKING:
     import torch  # the loads into tensors only (prefixd.client.tensors)
@@ -89,20 +90,6 @@ class Loaded(_Releasable):
 
     def __enter__(self) -> Self:
         return self
-
-
-@dataclass(frozen=True, slots=True)
-class StatePart:
-    """One state-group payload of a hybrid hit: a page covering tokens [first_token,
-    first_token + tokens), or the checkpoint at first_token (tokens 0). After a load, `view` is
-    its verified bytes in the client's region."""
-
-    group: str
-    first_token: int
-    tokens: int
-    size: int
-    offset: int = -1
-    view: memoryview | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Lease, Span
-from prefixd.client.results import StateLoaded, StateLookup, StatePart, Stored
+from prefixd.client.results import StateLoaded, StateLookup, Stored
 from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
@@ -76,7 +78,7 @@ def lookup_state(
             r.replay_from,
             r.paged_tokens,
             r.matched_tokens,
-            tuple(_part(p, None, 0) for p in r.parts),
+            tuple(r.parts),
             r.est_load_s,
             r.est_prefill_s,
         )
@@ -118,10 +120,12 @@ def load_state(
         lease.release()
         raise
     try:
-        parts = result.parts
-        ends = ((p.offset or 0) + p.size - lease.offset for p in parts)
-        lease.trim(max(ends, default=0))
-        loaded = tuple(_part(p, lease, lease.offset) for p in parts)
+        starts = [(p.offset or 0) - lease.offset for p in result.parts]
+        lease.trim(max((at + p.size for at, p in zip(starts, result.parts)), default=0))
+        loaded = tuple(
+            msgspec.structs.replace(p, view=lease.slice(at, at + p.size))
+            for at, p in zip(starts, result.parts)
+        )
     except BaseException:
         lease.release()
         raise
@@ -158,12 +162,3 @@ def _load_state_span(
     finally:
         release_all(held)
     return reply
-
-
-def _part(entry: wire.StatePart, lease: Lease | None, base: int) -> StatePart:
-    """A reply's part, with a view of its bytes when they were loaded into `lease`."""
-    offset = -1 if entry.offset is None else entry.offset
-    view = None
-    if lease is not None:
-        view = lease.slice(offset - base, offset - base + entry.size)
-    return StatePart(entry.group, entry.first_token, entry.tokens, entry.size, offset, view)

@@ -1,15 +1,7 @@
-"""The steps a client call yields to the shell that drives it (in the manner of h11's sans-I/O
-core), and the lease bookkeeping every call shares:
-
-- `Reserve(allocator, nbytes)`: the shell waits for region space (a thread blocks, a task
-  awaits) and sends back the `Lease`;
-- `Call(message, spans)`: the shell sends one request and sends back its reply (an error reply is
-  raised into the generator as its exception class); `spans` are the leased region spans the
-  request names, kept out of use until its reply arrives;
-- `Synchronize(event)`: the shell waits for a CUDA event (copies to or from a device).
-
-A generator releases what it leased in `finally` blocks, so an error, a timeout or a cancelled
-task never leaks space, and never frees space a request in flight still names (see leases.py).
+"""The steps a client call yields to the shell that drives it (sans-I/O, as in h11), and the
+lease bookkeeping every call shares. A call releases what it leased in `finally` blocks, so an
+error, a timeout or a cancelled task never leaks space, nor frees space a request in flight still
+names (see leases.py).
 """
 
 from __future__ import annotations
@@ -52,7 +44,14 @@ class Synchronize(NamedTuple):
     event: Any
 
 
-Step = Call | Reserve | Synchronize
+class Publish(NamedTuple):
+    """The client's publisher of stores from tensors, with a region of at least `region_bytes`
+    (opened on first use; see prefixd.client.blocking.Publishers)."""
+
+    region_bytes: int
+
+
+Step = Call | Reserve | Synchronize | Publish
 Steps = Generator[Step, Any, T]
 
 

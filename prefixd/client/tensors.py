@@ -7,16 +7,17 @@ the [gpu] extra): it is imported when one of these runs, never when the clients 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from prefixd.client import state_steps
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Lease
-from prefixd.client.operations import Operation, hot, lookup
-from prefixd.client.results import Installed, InstalledState, WarmUp
-from prefixd.client.steps import Reserve, Steps, Synchronize, unpacked
+from prefixd.client.operations import Background, Operation, hot, lookup
+from prefixd.client.results import Installed, InstalledState, Stored, WarmUp
+from prefixd.client.steps import Publish, Reserve, Steps, Synchronize, unpacked
 from prefixd.errors import DestinationError, PrefixdError, TransferError
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.identity import Identity
@@ -25,6 +26,8 @@ from prefixd.schema.tokens import TokenIds
 
 if TYPE_CHECKING:
     import torch
+
+    from prefixd.client.transfer import Publisher
 
 DEFAULT_SLOTS = 3
 
@@ -146,7 +149,7 @@ def load_state_into(
                         f"state group {group!r}: a destination holds {nbytes(dest)} bytes, "
                         f"the payload needs {part.size}"
                     )
-                copier.to_device(part.offset - lease.offset, part.size, dest)
+                copier.to_device((part.offset or 0) - lease.offset, part.size, dest)
                 n_bytes += part.size
     except BaseException:
         copier.drain()
@@ -188,6 +191,23 @@ def warm_up(
     return WarmUp(prefixes, blocks, tokens, n_bytes)
 
 
+def store_from(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    sources: Sequence[Any],
+    *,
+    first_block: int = 0,
+    ready: Any = None,
+    region_bytes: int = 256 << 20,
+) -> Steps[Future[Stored]]:
+    """Publish blocks from device tensors in the background (see Publisher.store_from), through
+    a connection and region of their own, of at least `region_bytes`; the future resolves when
+    they are stored."""
+    publisher: Publisher = yield Publish(region_bytes)
+    return publisher.store_from(identity, token_ids, sources, first_block=first_block, ready=ready)
+
+
 def _slot_bytes(sizes: Sequence[int], region_bytes: int, slots: int) -> int:
     """A staging slot's size: the whole hit when it fits in one slot's share of the region, else
     that share (so a small load leases little of a shared region)."""
@@ -220,3 +240,4 @@ class TensorOperations:
     load_into = Operation(load_into)
     load_state_into = Operation(load_state_into)
     warm_up = Operation(warm_up)
+    store_from = Background(store_from)

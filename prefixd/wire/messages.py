@@ -439,14 +439,18 @@ class LoadReply(Reply, kw_only=True):
     next_size: int = 0
 
 
-class StatePart(Struct, kw_only=True, omit_defaults=True):
-    """One payload of a joint match; `offset` (where it was loaded) in load_state replies only."""
+class StatePart(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One state-group payload of a joint match: a page covering tokens [first_token,
+    first_token + tokens), or the checkpoint at first_token (tokens 0). `offset`: where it was
+    loaded (load_state replies only). `view`: its verified bytes there, set by the client that
+    loaded it and never sent (left out at its default), so the reply's part is the result's."""
 
     group: str
     first_token: int
     tokens: int
     size: int
     offset: int | None = None
+    view: memoryview | None = None
 
 
 class JointResult(Struct, kw_only=True):
