@@ -1,9 +1,6 @@
-"""`AsyncClient`: the asyncio shell around the client core.
-
-Any number of tasks may share one `AsyncClient`: many requests are in flight on one connection,
-their replies matched by id. A task that is cancelled, or stops waiting at its timeout, leaves
-its request's region spans to the request: they are given back when its reply arrives, never
-while the daemon may still read or write them.
+"""`AsyncClient`: the asyncio shell around the client core. Many requests are in flight on one
+connection, matched by id. A cancelled or timed-out task leaves its spans to its request: they
+are given back when the reply arrives, never while the daemon may still use them.
 """
 
 from __future__ import annotations

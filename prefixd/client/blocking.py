@@ -1,8 +1,6 @@
 """`Client`: the blocking shell around the client core, for an engine's hot path and its threads.
-
-Any number of threads may share one `Client`. Requests go over one connection one at a time (a
-lock around each round trip, tens of microseconds); region space is leased per operation, so
-threads never see each other's bytes, and a thread waiting for space holds no lock.
+Threads share one connection, one round trip at a time under a lock (tens of microseconds); region
+space is leased per operation, so threads never see each other's bytes.
 """
 
 from __future__ import annotations
@@ -57,18 +55,14 @@ class Client(Operations, TensorOperations):
         clock: Callable[[], float] = time.perf_counter,
         crowded: Callable[[], bool] | None = None,
     ) -> None:
-        """`region_bytes`: the shared region payloads are staged in and loaded into (0: none,
-        for lookups only). `token_region_bytes`: where long prompts' token ids are staged.
-        `serves`: (model, weights) pairs this engine serves; on connecting, the daemon retires
-        the other stored versions of those models. `reconnect_wait_s`: how long a call waits
-        for a restarting daemon to come back (with backoff) before DaemonUnavailableError.
-        `daemon_uid`: the user the daemon runs as (default: this process's own, or root); a
-        socket, socket directory or serving process of another user is refused before anything
-        is sent (UntrustedDaemonError, prefixd.trust). `poll_us`: how long a thread polls for a
-        reply before it sleeps in recv, for the kinds of request whose last reply came that
-        fast, while no other thread waits for a CPU (0: always sleep; see prefixd.client.polling);
-        `clock` times it and `crowded` says when other threads wait (default: the kernel's run
-        queue)."""
+        """`region_bytes`: the shared region payloads are staged in and loaded into (0: lookups
+        only); `token_region_bytes`: where long prompts' token ids are staged. `serves`: (model,
+        weights) pairs this engine serves, whose other stored versions the daemon retires.
+        `reconnect_wait_s`: how long a call waits for a restarting daemon. `daemon_uid`: the
+        daemon's user (default: this process's own, or root); another user's socket or process
+        is refused before anything is sent (prefixd.trust). `poll_us`: how long to poll for a
+        reply before sleeping in recv (0: never; prefixd.client.polling), timed by `clock`,
+        while `crowded` (default: the kernel's run queue) says no."""
         self._core = ClientCore(
             socket_path,
             region_bytes=region_bytes,
@@ -93,8 +87,7 @@ class Client(Operations, TensorOperations):
 
     @property
     def reply_waits(self) -> dict[str, int]:
-        """How this client's replies were waited for: picked up by polling, or asleep in recv
-        (see `poll_us`)."""
+        """How this client's replies were waited for: by polling, or asleep in recv."""
         polling = self._polling
         return {"polled": polling.polled, "slept": polling.slept}
 
@@ -120,9 +113,8 @@ class Client(Operations, TensorOperations):
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> T:
-        """Run one operation, given as the function that makes its steps on this client's core
-        (prefixd.client.operations), to its result. An error of a step is raised inside the
-        steps, so they release what they leased on their way out."""
+        """Run one operation's steps on this client's core to its result. A step's error is
+        raised inside the steps, so they release what they leased on their way out."""
         steps = steps_of(self._core, *args, **kwargs)
         value: Any = None
         error: BaseException | None = None
@@ -169,8 +161,8 @@ class Client(Operations, TensorOperations):
                 return self._request(step)  # nothing in the region at risk: retry once
 
     def _request(self, step: Call) -> Any:
-        """One round trip on the current connection; the spans the request names are in flight
-        until its reply arrives (a lost one leaves them quarantined)."""
+        """One round trip; the request's spans are in flight until its reply (a lost one leaves
+        them quarantined)."""
         sock = self._sock
         assert sock is not None
         rid, frame = self._core.frame(step.message)
@@ -295,8 +287,8 @@ class Client(Operations, TensorOperations):
             self._sock = None
 
     def _receive(self, sock: socket.socket, kind: type) -> memoryview:
-        """The next reply's body (valid until the next receive): usually one recv brings it,
-        polled for first where a reply to a request of `kind` is likely to come at once."""
+        """The next reply's body (valid until the next receive), polled for first where a reply
+        to a request of `kind` is likely to come at once."""
         frames = self._frames
         try:
             body = frames.next_body()
@@ -349,9 +341,8 @@ class Publishers:
 
 
 def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
-    """Bound each send and recv by `seconds` in the kernel (SO_SNDTIMEO, SO_RCVTIMEO; a call
-    that waits longer fails with EAGAIN), on a blocking socket: Python's own socket timeout
-    polls before every send and recv, two more syscalls a round trip."""
+    """Bound each send and recv in the kernel (SO_SNDTIMEO, SO_RCVTIMEO: EAGAIN past it), on a
+    blocking socket: Python's own timeout polls before each, two more syscalls a round trip."""
     micros = max(1, round(seconds * 1e6))
     timeval = struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)

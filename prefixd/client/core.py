@@ -1,7 +1,5 @@
-"""The client's protocol core, without I/O: its regions, request ids and the daemon's greeting,
-and the pieces every request is made of (identities, prompts, staged payloads, a load into a
-span). The operations are built on it as steps (prefixd.client.operations), which `Client` and
-`AsyncClient` drive over a socket.
+"""The client's protocol core, without I/O: its regions, request ids, the daemon's greeting, and
+the pieces requests are made of. The operations are steps on it (prefixd.client.operations).
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not
 
 
 class ClientCore:
-    """A client's state apart from its socket: regions and their allocators, request ids, the
-    daemon's greeting, and every call as steps."""
+    """A client's state apart from its socket: regions, request ids, the daemon's greeting."""
 
     def __init__(
         self,
@@ -119,8 +116,8 @@ class ClientCore:
     def reply_if_for(
         message: wire.RequestMessage | dict[str, Any], rid: int, body: memoryview
     ) -> tuple[bool, Any]:
-        """(True, the reply) when `body` answers request `rid`, else (False, None): one decode on
-        the usual path (a typed reply whose id matches), the head only otherwise."""
+        """(True, the reply) when `body` answers request `rid`, else (False, None); one decode
+        on the usual path."""
         if not isinstance(message, dict):
             try:
                 reply = decoding.decode_reply(body, wire.REPLY_OF[type(message)])

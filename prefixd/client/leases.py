@@ -1,29 +1,19 @@
 """Who owns which bytes of a client's shared region: an allocator of leased spans.
 
-Every operation that puts bytes in the region (a put's staged payloads, a long prompt's token ids)
-or has the daemon write there (a load's output) first leases the span it names, and the daemon
-only ever reads or writes spans the client leased for that request. A span returns to the free
-list only when all of these are over:
-
-- its `Lease` was released (or garbage collected),
-- no Python buffer made from it is alive (a `memoryview`, numpy array or tensor of its bytes:
-  each keeps the span's ctypes buffer, and so the span, alive),
-- no request that names it is in flight (a request whose caller gave up, an asyncio task that was
-  cancelled, still owns its spans until its reply arrives),
-- the request was not lost: when a connection breaks with a request in flight, the daemon may
-  still be working on it, so its spans stay quarantined until a reconnect finds another instance
-  of the daemon (the old one, and its threads, are gone).
-
-So an overlap of two live uses of the same bytes cannot happen, and a released view raises on use
-instead of reading someone else's bytes.
-
-The allocator is shared by threads and asyncio tasks: its state is guarded by a lock, and waiters
-(FIFO, so a large request is not starved by small ones) are woken by whoever frees space.
+The daemon only reads or writes spans the client leased for that request, and a span is free
+again only when all of its holders are gone: its `Lease` (released or collected), every buffer
+made from it (a memoryview, array or tensor keeps its ctypes buffer alive), and every request
+that names it (a cancelled task's request still owns its spans until the reply). A request lost
+with its connection may still be running in the daemon, so its spans stay quarantined until a
+reconnect finds another daemon instance. So two live uses never overlap, and a released view
+raises instead of showing someone else's bytes. Shared by threads and tasks under one lock;
+waiters are served FIFO, so a large request is not starved by small ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import ctypes
 import threading
@@ -89,10 +79,8 @@ class Span:
 
 
 class Lease:
-    """`size` bytes of the region from `offset`, owned by one operation or caller.
-
-    `view` is the span's bytes; `release()` gives the span back and makes every view handed out
-    by this lease raise on use. The space is reused only once nothing refers to it any more."""
+    """`size` bytes of the region from `offset`, owned by one operation or caller; `release()`
+    makes every view it handed out raise (the space is reused once nothing refers to it)."""
 
     __slots__ = ("_buffer", "_released", "_span", "_views", "allocator", "offset", "size")
 
@@ -127,9 +115,8 @@ class Lease:
         return view
 
     def write(self, data: np.ndarray, at: int = 0) -> None:
-        """Copy `data` (a contiguous array) into the span from `at`, through the region's own
-        mapping: no view is made, so nothing is left to outlive the lease (the client's staging
-        of puts and token ids, on its hot path)."""
+        """Copy `data` (a contiguous array) into the span from `at` through the region's own
+        mapping: no view is made that could outlive the lease."""
         if self._released or not 0 <= at <= at + data.nbytes <= self.size:
             raise RegionError(f"{data.nbytes} bytes at {at} do not fit a held lease of {self.size}")
         self._span.write(data, at)
@@ -143,9 +130,8 @@ class Lease:
         self.allocator.shrink(self._span, max(self.size, 1))
 
     def release(self) -> None:
-        """Give the span back: the views this lease handed out raise from now on (a view that
-        something else still exports, a numpy array made from it say, stays readable, and keeps
-        the span out of use until it is gone). Releasing twice is harmless."""
+        """Give the span back: its views raise from now on (one that something else still
+        exports stays readable and keeps the span out of use). Harmless twice."""
         if self._released:
             return
         self._released = True
@@ -178,9 +164,8 @@ class Lease:
         self.release()
 
     def __del__(self) -> None:
-        """Garbage collected without release: give the handle back, but leave the views made
-        from it valid (`client.load(...).views` outlives its result); their buffer holds the span
-        until the last of them is gone."""
+        """Collected without release: the views stay valid (`client.load(...).views` may
+        outlive its result); their buffer holds the span until the last of them is gone."""
         if getattr(self, "_released", True):
             return
         self._released = True
@@ -325,8 +310,7 @@ class RegionAllocator:
             return waiter
 
     def _wait_slice(self, left: float) -> float:
-        """How long to sleep: poll while copies that hold space may finish without anyone
-        freeing it (release_after)."""
+        """Poll while copies that hold space may finish with no one to free it (release_after)."""
         return min(left, 0.005) if self._deferred else left
 
     def _outcome(self, waiter: _Waiter, expired: bool, timeout: float) -> Lease | None:
@@ -440,9 +424,8 @@ class RegionAllocator:
         """A request naming `span` got its reply, or (`lost`) its connection broke first."""
         with self._lock:
             span.inflight -= 1
-            if lost and not span.lost:
-                span.lost = True
-                self._lost.append(span)
+            if lost:
+                self.lose(span)
             self._maybe_free(span)
 
     def daemon_restarted(self) -> int:
@@ -496,13 +479,7 @@ class RegionAllocator:
     def _insert(self, offset: int, size: int) -> None:
         """Put [offset, offset + size) back in the free list, merged with its neighbours."""
         free = self._free
-        lo, hi = 0, len(free)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if free[mid][0] < offset:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = bisect.bisect_left(free, offset, key=lambda extent: extent[0])
         free.insert(lo, [offset, size])
         if lo + 1 < len(free) and offset + size == free[lo + 1][0]:
             free[lo][1] += free[lo + 1][1]

@@ -1,11 +1,8 @@
-"""Every operation of the clients, declared once: a function of the client core that makes its
-steps (prefixd.client.steps), with the signature callers see. `Operations` binds each one to
-both clients through the `Operation` descriptor: `Client.load(...)` drives the steps to the
-result, `AsyncClient.load(...)` returns a coroutine of it, and mypy checks both calls against the
-function's own parameters (a misspelt keyword is an error).
-
-Adding an operation: its message and reply (prefixd.wire.messages), its handler in the daemon,
-and here its steps and one line in `Operations`.
+"""Every operation of the clients, declared once as a function of the core that makes its steps
+(prefixd.client.steps). The `Operation` descriptor binds it to both clients: `Client.load(...)`
+drives the steps to the result, `AsyncClient.load(...)` returns a coroutine of it, and mypy checks
+both calls against the function's own parameters. Adding an operation: its message and reply
+(prefixd.wire.messages), its daemon handler, and here its steps and one line in `Operations`.
 """
 
 from __future__ import annotations
@@ -278,10 +275,9 @@ def load(
     deadline_s: float | None = None,
 ) -> Steps[Loaded]:
     """Load the longest stored prefix of `token_ids` (from `first_block` on, at most `length`
-    bytes) into leased region space. The result's views stay valid until it is released
-    (`release()`, `with`, or when it and its views are gone). `warm` counts the load as restart
-    warm-up in the daemon's stats. Past `deadline_s` seconds (default: the daemon's
-    load_deadline_s) the daemon stops reading and answers the verified prefix it has."""
+    bytes) into leased region space, valid until the result is released. `warm` counts it as
+    restart warm-up. Past `deadline_s` (default: the daemon's load_deadline_s) the daemon
+    answers the verified prefix it has."""
     allocator = core.require_payloads()
     options: dict[str, Any] = {
         "max_blocks": max_blocks,
@@ -290,10 +286,8 @@ def load(
         "warm": warm,
         "deadline_s": deadline_s,
     }
-    # Into as much of the region as is free (all of it when nothing else is leased). When
-    # others held space and the hit did not fit, ask again once with a lease of the hit's
-    # size, holding nothing while waiting for it: a load never comes back short for lack of
-    # room that it could have had.
+    # Into all the free space; when others held space and the hit did not fit, once more with a
+    # lease of the hit's size: a load never comes back short for room it could have had.
     if length is not None:
         lease = yield Reserve(allocator, max(length, 1))
     else:
@@ -376,8 +370,8 @@ def verify(core: ClientCore, *, fix: bool = False, payloads: bool = True) -> Ste
 
 
 class Operations:
-    """What `Client` and `AsyncClient` share apart from how they drive steps: every operation,
-    and the views of the core a caller reads."""
+    """What `Client` and `AsyncClient` share: every operation, and the core's state a caller
+    reads."""
 
     _core: ClientCore
 

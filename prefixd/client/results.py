@@ -1,6 +1,6 @@
-"""What the clients' calls return. A loaded result owns the region span its bytes lie in: its views
-stay valid until it is released (explicitly, with `with`, or when it and every view made from it
-are gone), and raise on use after release instead of showing another request's bytes."""
+"""What the clients' calls return. A loaded result owns its region span: its views raise once it
+is released (explicitly, by `with`, or when it and its views are gone), never showing another
+request's bytes."""
 
 from __future__ import annotations
 
@@ -52,8 +52,7 @@ class Stored:
 
 
 class _Releasable:
-    """A result whose views are slices of its lease (Lease.slice), so releasing the lease
-    releases them."""
+    """A result whose views are slices of its lease: releasing the lease releases them."""
 
     __slots__ = ()
     lease: Lease | None
@@ -76,9 +75,8 @@ class _Releasable:
 
 @dataclass(frozen=True, slots=True)
 class Loaded(_Releasable):
-    """Verified payloads of `n_blocks` blocks from `first_block` on, in the client's region; the
-    prefix is usable up to `n_tokens`. `views[i]` is block first_block + i's payload, at region
-    offset `offsets[i]`."""
+    """Verified payloads of `n_blocks` blocks from `first_block` on (usable up to `n_tokens`):
+    `views[i]` is block first_block + i's, at region offset `offsets[i]`."""
 
     n_blocks: int
     n_tokens: int
@@ -134,9 +132,8 @@ class StateLoaded(_Releasable):
 
 @dataclass(frozen=True)
 class Installed:
-    """What a load installed: `n_blocks` blocks, `n_tokens` tokens (the caller skips these).
-    `event` is recorded after the last copy (None on CPU, or when the call waited); `complete`
-    says whether every destination was filled (False: the stored prefix was shorter)."""
+    """What a load installed (the caller skips `n_tokens`). `event`: after the last copy (None
+    on CPU, or when the call waited); `complete`: every destination was filled."""
 
     n_blocks: int
     n_tokens: int

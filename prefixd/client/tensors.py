@@ -1,7 +1,6 @@
-"""The operations into and out of device memory: steps of the client core that stream a load
-through leased staging slots into tensors (`load_into`, `load_state_into`, `warm_up`), bound to
-both clients by `TensorOperations`. The copies themselves need torch (prefixd.client.transfer,
-the [gpu] extra): it is imported when one of these runs, never when the clients are.
+"""The operations into device memory (`load_into`, `load_state_into`, `warm_up`, `store_from`):
+steps of the client core, bound to both clients by `TensorOperations`. The copies need torch
+(prefixd.client.transfer, the [gpu] extra), imported only when one of these runs.
 """
 
 from __future__ import annotations
@@ -43,10 +42,9 @@ def load_into(
     hashes: bytes | None = None,
     warm: bool = False,
 ) -> Steps[Installed]:
-    """Stream the verified payloads of the stored prefix of `token_ids` into `destinations`
-    (block i into destinations[i], any device, contiguous, at least the payload's size), as many
-    blocks as there are destinations and the store holds, through `slots` leased staging slots.
-    `warm` counts the loads as restart warm-up."""
+    """Stream the stored prefix of `token_ids` into `destinations` (block i into the contiguous
+    destinations[i], on any device) through `slots` staging slots. `warm` counts it as restart
+    warm-up."""
     from prefixd.client.transfer import Copier, device_of, nbytes
 
     allocator = core.payloads
@@ -172,10 +170,8 @@ def warm_up(
     limit: int = 64,
     slots: int = DEFAULT_SLOTS,
 ) -> Steps[WarmUp]:
-    """After a restart, stream the tenant's most valuable stored prefixes (by eviction score) into
-    destinations until `budget_bytes` of payload: `destinations_factory(prefix)` allocates one
-    destination per block of `prefix` (or returns None to skip it). The daemon counts what was
-    warmed (`prefixd stats`: warmed_blocks, warmed_bytes)."""
+    """After a restart, stream the tenant's most valuable prefixes (by eviction score), up to
+    `budget_bytes`, into what `destinations_factory(prefix)` allocates (None skips it)."""
     prefixes = blocks = tokens = n_bytes = 0
     for prefix in (yield from hot(core, budget_bytes, tenant=tenant, limit=limit)):
         destinations = destinations_factory(prefix)
@@ -209,8 +205,8 @@ def store_from(
 
 
 def _slot_bytes(sizes: Sequence[int], region_bytes: int, slots: int) -> int:
-    """A staging slot's size: the whole hit when it fits in one slot's share of the region, else
-    that share (so a small load leases little of a shared region)."""
+    """The whole hit when it fits one slot's share of the region, else that share (a small load
+    leases little)."""
     share = region_bytes // max(slots, 1)
     return max(1, min(share, max(sum(sizes), 1)))
 

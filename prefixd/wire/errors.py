@@ -1,8 +1,5 @@
-"""Error codes on the wire, and the exception class each one is, in both directions.
-
-The daemon replies to a failed request with `{"code": ..., "message": ...}`; `code_of` names the
-code for whatever it raised, and a client turns the reply back into the same class with
-`error_for`. One table, so the two directions cannot disagree.
+"""Error codes on the wire and the exception class of each, in one table for both directions:
+the daemon names the code of what it raised (`code_of`), a client raises the class (`error_for`).
 """
 
 from __future__ import annotations
