@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from prefixd.client.leases import Lease, RegionAllocator, Span
-from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of
+from prefixd.client.steps import Call, Reserve, Steps, holding, spans_of
 from prefixd.errors import PrefixdError, RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
@@ -209,17 +209,6 @@ class ClientCore:
             offset += source.nbytes
         return lease, spans
 
-    def prompt_entries(
-        self,
-        prompts: Sequence[TokenIds],
-        hashes: Sequence[bytes | None] | None,
-        held: list[Span],
-    ) -> list[wire.Prompt]:
-        keep = held.append
-        if hashes is None:
-            return [self._entry(prompt, None, keep) for prompt in prompts]
-        return [self._entry(prompt, hashes[i], keep) for i, prompt in enumerate(prompts)]
-
     def prompts_call(
         self,
         build: Callable[[list[wire.Prompt]], wire.RequestMessage],
@@ -228,11 +217,13 @@ class ClientCore:
     ) -> Steps[Any]:
         """Send the request `build` makes of the prompts' entries and return its reply, holding
         the token-region spans the entries were staged in until the reply is in."""
-        held: list[Span] = []
-        try:
-            reply = yield Call(build(self.prompt_entries(prompts, hashes, held)), tuple(held))
-        finally:
-            release_all(held)
+        with holding() as held:
+            keep = held.append
+            entries = [
+                self._entry(prompt, None if hashes is None else hashes[i], keep)
+                for i, prompt in enumerate(prompts)
+            ]
+            reply = yield Call(build(entries), spans_of(held))
         return reply
 
     # --- the load every load is made of ----------------------------------------------------------
@@ -256,8 +247,7 @@ class ClientCore:
         if not 0 <= start <= start + length <= lease.size or lease.released:
             raise RegionError(f"[{start}, {start + length}) is not inside a held lease")
         allocator = self.require_payloads()
-        held: list[Lease | Span] = []
-        try:
+        with holding() as held:
             message = wire.Load(
                 id=self.next_id(),
                 identity=self.wire_identity(identity),
@@ -272,6 +262,4 @@ class ClientCore:
                 deadline_s=deadline_s,
             )
             reply: wire.LoadReply = yield Call(message, (lease.span, *spans_of(held)))
-        finally:
-            release_all(held)
         return reply

@@ -22,7 +22,15 @@ from prefixd.client import state_steps
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Lease, RegionUsage, Span
 from prefixd.client.results import Loaded, Lookup, Routed, Stored
-from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of, unpacked
+from prefixd.client.steps import (
+    Call,
+    Reserve,
+    Steps,
+    holding,
+    released_on_error,
+    spans_of,
+    unpacked,
+)
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.stored import HotPrefix, ListedBlock
@@ -125,8 +133,7 @@ def put(
     first_block: int = 0,
 ) -> Steps[Stored]:
     """Stage `payloads` in the region and publish blocks first_block.. of `token_ids`."""
-    held: list[Lease | Span] = []
-    try:
+    with holding() as held:
         lease, spans = yield from core.stage(payloads)
         if lease is not None:
             held.append(lease)
@@ -138,8 +145,6 @@ def put(
             blocks=spans,
         )
         reply: wire.PutReply = yield Call(message, spans_of(held))
-    finally:
-        release_all(held)
     return Stored(reply.stored, reply.existed)
 
 
@@ -165,8 +170,7 @@ def put_spans(
             )
         if span not in named:
             named.append(span)
-    held: list[Lease | Span] = []
-    try:
+    with holding() as held:
         message = wire.Put(
             id=core.next_id(),
             identity=core.wire_identity(identity),
@@ -175,8 +179,6 @@ def put_spans(
             blocks=[(region_id, o, n) for o, n in spans],
         )
         reply: wire.PutReply = yield Call(message, (*named, *spans_of(held)), owned=False)
-    finally:
-        release_all(held)
     return Stored(reply.stored, reply.existed)
 
 
@@ -247,8 +249,7 @@ def route(
     core: ClientCore, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
 ) -> Steps[Routed]:
     """What this node would serve the prompt and its routing score (no payload is read)."""
-    held: list[Lease | Span] = []
-    try:
+    with holding() as held:
         message = wire.Route(
             id=core.next_id(),
             identity=core.wire_identity(identity),
@@ -256,8 +257,6 @@ def route(
             hashes=hashes,
         )
         reply: wire.RouteReply = yield Call(message, tuple(spans_of(held)))
-    finally:
-        release_all(held)
     fields = msgspec.structs.asdict(reply)
     return Routed(**{name: fields[name] for name in Routed.__slots__})
 
@@ -288,15 +287,9 @@ def load(
     }
     # Into all the free space; when others held space and the hit did not fit, once more with a
     # lease of the hit's size: a load never comes back short for room it could have had.
-    if length is not None:
-        lease = yield Reserve(allocator, max(length, 1))
-    else:
-        lease = yield Reserve(allocator, 1, largest=True)
-    try:
+    lease = yield Reserve.up_to(allocator, length)
+    with released_on_error(lease):
         reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
-    except BaseException:
-        lease.release()
-        raise
     if length is None and reply.next_size and lease.size < allocator.size:
         lease.release()
         [hit] = yield from lookup(
@@ -306,19 +299,13 @@ def load(
         if max_blocks is not None:
             wanted = wanted[:max_blocks]
         lease = yield Reserve(allocator, min(max(sum(wanted), 1), allocator.size))
-        try:
+        with released_on_error(lease):
             reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
-        except BaseException:
-            lease.release()
-            raise
-    try:
+    with released_on_error(lease):
         base = lease.offset
         offsets, sizes = unpacked(reply.offsets), unpacked(reply.sizes)
         lease.trim(max((o + n - base for o, n in zip(offsets, sizes)), default=0))
         views = tuple(lease.slice(o - base, o - base + n) for o, n in zip(offsets, sizes))
-    except BaseException:
-        lease.release()
-        raise
     return Loaded(reply.n_blocks, reply.n_tokens, offsets, sizes, views, reply.first_block, lease)
 
 

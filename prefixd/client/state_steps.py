@@ -9,9 +9,9 @@ from typing import Any
 import msgspec
 
 from prefixd.client.core import ClientCore
-from prefixd.client.leases import Lease, Span
+from prefixd.client.leases import Lease
 from prefixd.client.results import StateLoaded, StateLookup, Stored
-from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of
+from prefixd.client.steps import Call, Reserve, Steps, holding, released_on_error, spans_of
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
@@ -33,8 +33,7 @@ def put_state(
     paged, checkpoints = paged or {}, checkpoints or {}
     payloads = [p for name in paged for p in paged[name]]
     payloads += [p for name in checkpoints for p in checkpoints[name].values()]
-    held: list[Lease | Span] = []
-    try:
+    with holding() as held:
         lease, staged = yield from core.stage(payloads)
         if lease is not None:
             held.append(lease)
@@ -52,8 +51,6 @@ def put_state(
             },
         )
         reply: wire.PutStateReply = yield Call(message, spans_of(held))
-    finally:
-        release_all(held)
     return Stored(reply.stored, reply.existed, reply.parts)
 
 
@@ -98,10 +95,7 @@ def load_state(
     each part's `view` holds its bytes until the result is released. Past `deadline_s` seconds
     (default: the daemon's load_deadline_s) the daemon stops reading and answers a miss."""
     allocator = core.require_payloads()
-    if length is not None:
-        lease = yield Reserve(allocator, max(length, 1))
-    else:
-        lease = yield Reserve(allocator, 1, largest=True)
+    lease = yield Reserve.up_to(allocator, length)
     try:
         result = yield from _load_state_span(core, identity, token_ids, lease, deadline_s)
     except RegionError:
@@ -111,24 +105,18 @@ def load_state(
         # others held space and the hit did not fit: once more with a lease of its size
         [hit] = yield from lookup_state(core, identity, [token_ids])
         lease = yield Reserve(allocator, min(max(hit.payload_bytes, 1), allocator.size))
-        try:
+        with released_on_error(lease):
             result = yield from _load_state_span(core, identity, token_ids, lease, deadline_s)
-        except BaseException:
-            lease.release()
-            raise
     except BaseException:
         lease.release()
         raise
-    try:
+    with released_on_error(lease):
         starts = [(p.offset or 0) - lease.offset for p in result.parts]
         lease.trim(max((at + p.size for at, p in zip(starts, result.parts)), default=0))
         loaded = tuple(
             msgspec.structs.replace(p, view=lease.slice(at, at + p.size))
             for at, p in zip(starts, result.parts)
         )
-    except BaseException:
-        lease.release()
-        raise
     return StateLoaded(
         result.reusable_tokens,
         result.replay_from,
@@ -147,8 +135,7 @@ def _load_state_span(
     deadline_s: float | None,
 ) -> Steps[wire.LoadStateReply]:
     allocator = core.require_payloads()
-    held: list[Lease | Span] = []
-    try:
+    with holding() as held:
         message = wire.LoadState(
             id=core.next_id(),
             identity=core.wire_identity(identity),
@@ -159,6 +146,4 @@ def _load_state_span(
             deadline_s=deadline_s,
         )
         reply: wire.LoadStateReply = yield Call(message, (lease.span, *spans_of(held)))
-    finally:
-        release_all(held)
     return reply

@@ -6,7 +6,8 @@ names (see leases.py).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+import contextlib
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -37,6 +38,11 @@ class Reserve(NamedTuple):
     nbytes: int
     largest: bool = False
 
+    @classmethod
+    def up_to(cls, allocator: RegionAllocator, length: int | None) -> Reserve:
+        """`length` bytes, or with None all the free space there is (the largest span)."""
+        return cls(allocator, 1, largest=True) if length is None else cls(allocator, max(length, 1))
+
 
 class Synchronize(NamedTuple):
     """Wait until a CUDA event has completed."""
@@ -60,10 +66,25 @@ def spans_of(leases: Sequence[Lease | Span]) -> tuple[Span, ...]:
     return tuple(lease.span for lease in leases)
 
 
-def release_all(leases: Sequence[Lease | Span]) -> None:
-    """Give back what a call held, once its reply is in (or it failed)."""
-    for lease in leases:
+@contextlib.contextmanager
+def holding() -> Iterator[list[Lease | Span]]:
+    """What a call holds until its reply is in (or it failed), released on the way out."""
+    held: list[Lease | Span] = []
+    try:
+        yield held
+    finally:
+        for lease in held:
+            lease.release()
+
+
+@contextlib.contextmanager
+def released_on_error(lease: Lease) -> Iterator[Lease]:
+    """`lease`, released when the block fails (else its caller keeps it)."""
+    try:
+        yield lease
+    except BaseException:
         lease.release()
+        raise
 
 
 def unpacked(packed: bytes) -> tuple[int, ...]:
