@@ -255,17 +255,11 @@ def _trust(state: _State) -> Check:
 
 def _accept(state: _State) -> Check:
     """The daemon takes this user: hello, with no region yet."""
-    from prefixd.client import Client
     from prefixd.errors import ForbiddenError
     from prefixd.trust import group_name, user_name
 
     try:
-        state.client = Client(
-            state.socket,
-            timeout=state.timeout_s,
-            name="prefixd-doctor",
-            daemon_uid=state.daemon_user,
-        )
+        state.client = _client(state, 0)
     except ForbiddenError as exc:
         refusal = exc
     else:
@@ -314,18 +308,10 @@ def _round_trip(state: _State) -> Check:
     """Put a throwaway block, find it, load it (the same bytes), delete it."""
     import time
 
-    from prefixd.client import Client
-
     identity, tokens = _throwaway(state.tenant)
     payloads = [os.urandom(PAYLOAD_BYTES) for _ in range(2)]
     times: dict[str, float] = {}
-    with Client(
-        state.socket,
-        region_bytes=4 * PAYLOAD_BYTES,
-        timeout=state.timeout_s,
-        name="prefixd-doctor",
-        daemon_uid=state.daemon_user,
-    ) as client:
+    with _client(state, 4 * PAYLOAD_BYTES) as client:
         started = time.perf_counter()
         stored = client.put(identity, tokens, payloads)
         times["put_ms"] = _ms(started)
@@ -369,8 +355,6 @@ def _region(state: _State) -> Check:
     bytes, touched in full (so N bytes of memory per engine process), attached by the daemon."""
     import time
 
-    from prefixd.client import Client
-
     size = state.region_bytes
     available = _available_memory()
     if available is not None and size > available:
@@ -390,13 +374,7 @@ def _region(state: _State) -> Check:
             "lower the adapter's region_bytes, or raise the daemon's max_region_bytes",
         )
     started = time.perf_counter()
-    with Client(
-        state.socket,
-        region_bytes=size,
-        timeout=state.timeout_s,
-        name="prefixd-doctor",
-        daemon_uid=state.daemon_user,
-    ):
+    with _client(state, size):
         seconds = time.perf_counter() - started
     return Check(
         "region",
@@ -404,6 +382,19 @@ def _region(state: _State) -> Check:
         f"a region of {_human(size)} took {seconds:.2f} s to make and attach, and holds "
         f"{_human(size)} of memory in each engine process for as long as it is connected",
         measured={"region_bytes": size, "seconds": round(seconds, 4)},
+    )
+
+
+def _client(state: _State, region_bytes: int) -> Any:
+    """A client as an engine's adapter makes one, with a region of `region_bytes` (0: none)."""
+    from prefixd.client import Client
+
+    return Client(
+        state.socket,
+        region_bytes=region_bytes,
+        timeout=state.timeout_s,
+        name="prefixd-doctor",
+        daemon_uid=state.daemon_user,
     )
 
 

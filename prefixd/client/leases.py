@@ -191,18 +191,16 @@ class RegionUsage:
     waiters: int
 
 
+@dataclass(slots=True, eq=False)
 class _Waiter:
     """One operation waiting for space: `nbytes` exactly, or (largest) any span of at least
     `nbytes`. `lease` is set under the allocator's lock when it is served."""
 
-    __slots__ = ("error", "largest", "lease", "nbytes", "wake")
-
-    def __init__(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> None:
-        self.nbytes = nbytes
-        self.largest = largest
-        self.lease: Lease | None = None
-        self.error: BaseException | None = None  # set instead when the wait is interrupted
-        self.wake = wake
+    nbytes: int
+    largest: bool
+    wake: Callable[[], None]
+    lease: Lease | None = None
+    error: BaseException | None = None  # set instead when the wait is interrupted
 
 
 class RegionAllocator:
@@ -254,18 +252,16 @@ class RegionAllocator:
         if isinstance(waiter, Lease):
             return waiter
         deadline = time.monotonic() + timeout
-        served = False
         try:
             while True:
                 left = deadline - time.monotonic()
                 ready.wait(max(0.0, self._wait_slice(left)))
                 lease = self._outcome(waiter, time.monotonic() >= deadline, timeout)
                 if lease is not None:
-                    served = True
                     return lease
-        finally:
-            if not served:
-                self._abandon(waiter)
+        except BaseException:
+            self._abandon(waiter)
+            raise
 
     async def acquire_async(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
         """A lease, waiting up to `timeout` seconds for space (asyncio; never blocks the loop)."""
@@ -280,7 +276,6 @@ class RegionAllocator:
         if isinstance(waiter, Lease):
             return waiter
         deadline = loop.time() + timeout
-        served = False
         try:
             while True:
                 left = max(0.0, deadline - loop.time())
@@ -291,11 +286,10 @@ class RegionAllocator:
                 ready.clear()
                 lease = self._outcome(waiter, loop.time() >= deadline, timeout)
                 if lease is not None:
-                    served = True
                     return lease
-        finally:
-            if not served:  # timed out or cancelled: served meanwhile, or still queued
-                self._abandon(waiter)
+        except BaseException:  # timed out or cancelled: served meanwhile, or still queued
+            self._abandon(waiter)
+            raise
 
     def _enqueue(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> Lease | _Waiter:
         """A lease at once when no one waits ahead and there is room, else a queued waiter."""

@@ -86,9 +86,6 @@ class Loaded(_Releasable):
     first_block: int = 0
     lease: Lease | None = field(default=None, repr=False, compare=False)
 
-    def __enter__(self) -> Self:
-        return self
-
 
 @dataclass(frozen=True, slots=True)
 class StateLookup:
@@ -105,7 +102,10 @@ class StateLookup:
 
     def by_group(self) -> dict[str, list[StatePart]]:
         """The parts of each group, in order (a paged group's pages, or one checkpoint)."""
-        return _by_group(self.parts)
+        groups: dict[str, list[StatePart]] = {}
+        for part in self.parts:
+            groups.setdefault(part.group, []).append(part)
+        return groups
 
     @property
     def payload_bytes(self) -> int:
@@ -113,21 +113,10 @@ class StateLookup:
 
 
 @dataclass(frozen=True, slots=True)
-class StateLoaded(_Releasable):
+class StateLoaded(_Releasable, StateLookup):
     """A joint hit loaded into the region: the lookup's fields, each part with its `view`."""
 
-    reusable_tokens: int
-    replay_from: int
-    paged_tokens: int
-    matched_tokens: int
-    parts: tuple[StatePart, ...]
     lease: Lease | None = field(default=None, repr=False, compare=False)
-
-    def by_group(self) -> dict[str, list[StatePart]]:
-        return _by_group(self.parts)
-
-    def __enter__(self) -> Self:
-        return self
 
 
 @dataclass(frozen=True)
@@ -161,10 +150,3 @@ class WarmUp:
     blocks: int
     tokens: int
     bytes: int
-
-
-def _by_group(parts: tuple[StatePart, ...]) -> dict[str, list[StatePart]]:
-    groups: dict[str, list[StatePart]] = {}
-    for part in parts:
-        groups.setdefault(part.group, []).append(part)
-    return groups

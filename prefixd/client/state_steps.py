@@ -123,7 +123,7 @@ def load_state(
         result.paged_tokens,
         result.matched_tokens,
         loaded,
-        lease,
+        lease=lease,
     )
 
 
