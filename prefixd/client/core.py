@@ -211,19 +211,46 @@ class ClientCore:
 
     def prompts_call(
         self,
-        build: Callable[[list[wire.Prompt]], wire.RequestMessage],
+        kind: type[wire.Prompts],
+        identity: Identity,
         prompts: Sequence[TokenIds],
-        hashes: Sequence[bytes | None] | None,
+        hashes: Sequence[bytes | None] | None = None,
+        **fields: Any,
     ) -> Steps[Any]:
-        """Send the request `build` makes of the prompts' entries and return its reply, holding
-        the token-region spans the entries were staged in until the reply is in."""
+        """Send a request of `kind` about `prompts` (and its other `fields`) and return its
+        reply, holding the token-region spans the prompts were staged in until it is in."""
         with holding() as held:
             keep = held.append
             entries = [
                 self._entry(prompt, None if hashes is None else hashes[i], keep)
                 for i, prompt in enumerate(prompts)
             ]
-            reply = yield Call(build(entries), spans_of(held))
+            message = kind(
+                id=self.next_id(), identity=self.wire_identity(identity), prompts=entries, **fields
+            )
+            reply = yield Call(message, spans_of(held))
+        return reply
+
+    def prompted_call(
+        self,
+        kind: type[wire.Prompted],
+        identity: Identity,
+        token_ids: TokenIds,
+        spans: Sequence[Span] = (),
+        *,
+        owned: bool = True,
+        **fields: Any,
+    ) -> Steps[Any]:
+        """Send a request of `kind` about one prompt (and its other `fields`), naming `spans`
+        (see Call), and return its reply; a token-region span is held until it is in."""
+        with holding() as held:
+            message = kind(
+                id=self.next_id(),
+                identity=self.wire_identity(identity),
+                **self.prompt_fields(token_ids, held),
+                **fields,
+            )
+            reply = yield Call(message, (*spans, *spans_of(held)), owned=owned)
         return reply
 
     # --- the load every load is made of ----------------------------------------------------------
@@ -246,20 +273,18 @@ class ClientCore:
         the loaded blocks' region offsets and sizes (`unpacked`)."""
         if not 0 <= start <= start + length <= lease.size or lease.released:
             raise RegionError(f"[{start}, {start + length}) is not inside a held lease")
-        allocator = self.require_payloads()
-        with holding() as held:
-            message = wire.Load(
-                id=self.next_id(),
-                identity=self.wire_identity(identity),
-                **self.prompt_fields(token_ids, held),
-                hashes=hashes,
-                region=self.region_id(allocator),
-                offset=lease.offset + start,
-                length=length,
-                max_blocks=max_blocks,
-                first_block=first_block or None,
-                warm=warm or None,
-                deadline_s=deadline_s,
-            )
-            reply: wire.LoadReply = yield Call(message, (lease.span, *spans_of(held)))
+        reply: wire.LoadReply = yield from self.prompted_call(
+            wire.Load,
+            identity,
+            token_ids,
+            (lease.span,),
+            hashes=hashes,
+            region=self.region_id(self.require_payloads()),
+            offset=lease.offset + start,
+            length=length,
+            max_blocks=max_blocks,
+            first_block=first_block or None,
+            warm=warm or None,
+            deadline_s=deadline_s,
+        )
         return reply

@@ -137,14 +137,9 @@ def put(
         lease, spans = yield from core.stage(payloads)
         if lease is not None:
             held.append(lease)
-        message = wire.Put(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
-            first_block=first_block,
-            blocks=spans,
+        reply: wire.PutReply = yield from core.prompted_call(
+            wire.Put, identity, token_ids, spans_of(held), first_block=first_block, blocks=spans
         )
-        reply: wire.PutReply = yield Call(message, spans_of(held))
     return Stored(reply.stored, reply.existed)
 
 
@@ -170,15 +165,15 @@ def put_spans(
             )
         if span not in named:
             named.append(span)
-    with holding() as held:
-        message = wire.Put(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
-            first_block=first_block,
-            blocks=[(region_id, o, n) for o, n in spans],
-        )
-        reply: wire.PutReply = yield Call(message, (*named, *spans_of(held)), owned=False)
+    reply: wire.PutReply = yield from core.prompted_call(
+        wire.Put,
+        identity,
+        token_ids,
+        named,
+        owned=False,
+        first_block=first_block,
+        blocks=[(region_id, o, n) for o, n in spans],
+    )
     return Stored(reply.stored, reply.existed)
 
 
@@ -192,14 +187,7 @@ def lookup(
 ) -> Steps[list[Lookup]]:
     """The stored prefix of each prompt (one round trip for the whole batch)."""
     reply: wire.LookupReply = yield from core.prompts_call(
-        lambda entries: wire.Lookup(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            prompts=entries,
-            pin=pin or None,
-        ),
-        prompts,
-        hashes,
+        wire.Lookup, identity, prompts, hashes, pin=pin or None
     )
     return [
         Lookup(r.n_blocks, r.n_tokens, unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
@@ -210,26 +198,14 @@ def lookup(
 def unpin(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
     """Release one of this connection's pins of each closed block of `prompts` (pinned by
     `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
-    reply: wire.UnpinReply = yield from core.prompts_call(
-        lambda entries: wire.Unpin(
-            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
-        ),
-        prompts,
-        None,
-    )
+    reply: wire.UnpinReply = yield from core.prompts_call(wire.Unpin, identity, prompts)
     return reply.released
 
 
 def delete(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
     """Remove the last closed block of each prompt and every block below it; how many
     blocks went."""
-    reply: wire.DeleteReply = yield from core.prompts_call(
-        lambda entries: wire.Delete(
-            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
-        ),
-        prompts,
-        None,
-    )
+    reply: wire.DeleteReply = yield from core.prompts_call(wire.Delete, identity, prompts)
     return reply.blocks
 
 
@@ -249,14 +225,9 @@ def route(
     core: ClientCore, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
 ) -> Steps[Routed]:
     """What this node would serve the prompt and its routing score (no payload is read)."""
-    with holding() as held:
-        message = wire.Route(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
-            hashes=hashes,
-        )
-        reply: wire.RouteReply = yield Call(message, tuple(spans_of(held)))
+    reply: wire.RouteReply = yield from core.prompted_call(
+        wire.Route, identity, token_ids, hashes=hashes
+    )
     fields = msgspec.structs.asdict(reply)
     return Routed(**{name: fields[name] for name in Routed.__slots__})
 

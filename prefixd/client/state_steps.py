@@ -11,7 +11,7 @@ import msgspec
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Lease
 from prefixd.client.results import StateLoaded, StateLookup, Stored
-from prefixd.client.steps import Call, Reserve, Steps, holding, released_on_error, spans_of
+from prefixd.client.steps import Reserve, Steps, holding, released_on_error, spans_of
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
@@ -38,10 +38,11 @@ def put_state(
         if lease is not None:
             held.append(lease)
         spans = iter(staged)
-        message = wire.PutState(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
+        reply: wire.PutStateReply = yield from core.prompted_call(
+            wire.PutState,
+            identity,
+            token_ids,
+            spans_of(held),
             first_block=first_block,
             upto_tokens=upto_tokens,
             paged={name: [next(spans) for _ in paged[name]] for name in paged},
@@ -50,7 +51,6 @@ def put_state(
                 for name, placed in checkpoints.items()
             },
         )
-        reply: wire.PutStateReply = yield Call(message, spans_of(held))
     return Stored(reply.stored, reply.existed, reply.parts)
 
 
@@ -63,11 +63,7 @@ def lookup_state(
 ) -> Steps[list[StateLookup]]:
     """The joint hit of each prompt for a hybrid identity (one round trip)."""
     reply: wire.LookupStateReply = yield from core.prompts_call(
-        lambda entries: wire.LookupState(
-            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
-        ),
-        prompts,
-        hashes,
+        wire.LookupState, identity, prompts, hashes
     )
     return [
         StateLookup(
@@ -134,16 +130,14 @@ def _load_state_span(
     lease: Lease,
     deadline_s: float | None,
 ) -> Steps[wire.LoadStateReply]:
-    allocator = core.require_payloads()
-    with holding() as held:
-        message = wire.LoadState(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
-            region=core.region_id(allocator),
-            offset=lease.offset,
-            length=lease.size,
-            deadline_s=deadline_s,
-        )
-        reply: wire.LoadStateReply = yield Call(message, (lease.span, *spans_of(held)))
+    reply: wire.LoadStateReply = yield from core.prompted_call(
+        wire.LoadState,
+        identity,
+        token_ids,
+        (lease.span,),
+        region=core.region_id(core.require_payloads()),
+        offset=lease.offset,
+        length=lease.size,
+        deadline_s=deadline_s,
+    )
     return reply
