@@ -1,8 +1,6 @@
-"""What each `prefixd` command does, given its parsed flags and where its output goes.
-
-Every command reads one Config (flags, PREFIXD_*, `--config`) the way `serve` does
-(`endpoints.target`); online work goes through the daemon that holds the store, offline work opens
-the store itself. Commands return an exit code and raise PrefixdError; only `main` exits.
+"""What each `prefixd` command does, given its parsed flags and where its output goes. Online
+work goes through the daemon that holds the store, offline work opens the store itself; commands
+return an exit code and raise PrefixdError, and only `main` exits.
 """
 
 from __future__ import annotations
@@ -291,8 +289,8 @@ def _target(args: argparse.Namespace, *, offline: bool = True) -> Target:
 
 
 def _opened(where: Target) -> Store:
-    """The store, opened offline (exclusively) with the settings `serve` would open it with (map
-    size, durability, readers, threads, ...), never created."""
+    """The store, opened offline (exclusively) with the settings `serve` would use, never
+    created."""
     from prefixd.store import Store
 
     settings = where.config.store_config()

@@ -1,5 +1,5 @@
-"""One line for an OS error a command meets on a path: the path, what is wrong with it, and what
-to do, instead of Python's `[Errno N] ...: 'PATH'` (which names neither the setting nor the fix).
+"""One line for an OS error a command meets on a path: what is wrong and what to do, naming the
+setting, instead of Python's `[Errno N] ...: 'PATH'`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""What a command prints: JSON for scripts (`--json`), tables for people, progress on a terminal.
-
-One library (rich) draws tables and progress. Progress goes to stderr, only when stderr is a
-terminal and `--quiet` is not given, so a script's output holds its result alone. Piped, a table
-keeps its full width instead of the 80 columns rich assumes without a terminal.
+"""What a command prints: JSON for scripts (`--json`), rich tables for people, and progress on
+stderr only when it is a terminal (and not `--quiet`), so a script's output is its result alone.
+Piped, a table keeps its full width instead of rich's 80 columns.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""What makes two pieces of prompt state interchangeable, and its canonical digest.
-
-Two identities that differ in any field never share an entry: the digest of the canonical encoding is
-mixed into every block hash. The encoding is a msgpack array of the fields in a fixed order behind a
-format tag and version. msgpack is length-prefixed, so ("ab", "c") and ("a", "bc") cannot collide,
-an absent optional field (nil) differs from any string, and every field keeps its own position, so an
-adapter name can never be read as a tenant name. Nothing depends on Python's `hash()`.
+"""What makes two pieces of prompt state interchangeable, and its canonical digest, mixed into
+every block hash. The encoding is a msgpack array of the fields in a fixed order behind a format
+tag and version: length-prefixed and positional, so no two field values can be confused.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The store's one meta record: magic, on-disk schema version, settings and a checksum.
-
-Layout: MAGIC (8 bytes) | schema version (u32 LE) | settings length (u32 LE) | settings (msgpack map)
-| crc32c of all the preceding bytes (u32 LE). The magic and the version sit at fixed offsets in every
-version, so any future prefixd can tell "not a store", "another version" and "corrupt" apart.
+"""The store's one meta record: MAGIC (8 bytes) | schema version (u32 LE) | settings length
+(u32 LE) | settings (msgpack map) | crc32c (u32 LE). Magic and version sit at fixed offsets in
+every version, so any prefixd tells "not a store", "another version" and "corrupt" apart.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The byte layout of a stored block's record (everything about a block except its payload).
-
-A record is a fixed little-endian header, the block's token ids (the collision defence), and a
-crc32c of everything before it, so a damaged record is told apart from a hash collision.
+"""The byte layout of a stored block's record: a fixed little-endian header, the block's token
+ids (the collision defence) and a crc32c, so a damaged record is told apart from a collision.
 """
 
 from __future__ import annotations
