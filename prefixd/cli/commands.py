@@ -225,8 +225,7 @@ def purge(args: argparse.Namespace, out: Output) -> int:
 
 
 def _duration(flag: str, text: str) -> float:
-    """A duration an operator typed: a number and its unit. A bare number is refused: 5 meant
-    as days must not purge what has been idle for 5 seconds."""
+    """A number and its unit; a bare 5 meant as days must not purge what idled 5 seconds."""
     from prefixd.store.config import parse_seconds
 
     try:

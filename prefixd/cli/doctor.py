@@ -152,14 +152,7 @@ def run_checks(
     socket: Path, *, daemon_user: str | None, tenant: str, region_bytes: int, timeout_s: float
 ) -> list[Check]:
     """Every check in order, as this process's user; after a failure the rest are skipped."""
-    steps: list[tuple[str, Callable[[_State], Check]]] = [
-        ("reach", _reach),
-        ("trust", _trust),
-        ("accept", _accept),
-        ("tenant", _tenant),
-        ("round_trip", _round_trip),
-        ("region", _region),
-    ]
+    steps = zip(CHECKS, (_reach, _trust, _accept, _tenant, _round_trip, _region), strict=True)
     state = _State(socket, daemon_user, tenant, region_bytes, timeout_s)
     results: list[Check] = []
     try:

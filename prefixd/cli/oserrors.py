@@ -17,8 +17,8 @@ _NOT_ALLOWED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def explain(exc: OSError, env: Mapping[str, str], flags: Mapping[Path, str] | None = None) -> str:
-    """What `exc` means for its path. `flags` maps the paths a command was given (its data
-    directory, its socket) to the flag that sets each, so the fix can name the flag."""
+    """What `exc` means for its path; `flags` maps the paths a command was given to their flags,
+    so the fix can name one."""
     if exc.filename is None:
         return str(exc)
     path = Path(os.fsdecode(exc.filename))

@@ -260,8 +260,7 @@ class AsyncClient(Operations, TensorOperations):
                 )
 
     async def _disconnect(self, reason: DaemonUnavailableError) -> None:
-        """Close the connection; every request still in flight is lost with it (its spans stay
-        quarantined until a reconnect finds another daemon instance)."""
+        """Close the connection; every request in flight is lost with it (its spans quarantined)."""
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()

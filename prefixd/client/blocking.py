@@ -306,9 +306,8 @@ class Client(Operations, TensorOperations):
 
 
 class Publishers:
-    """A client's publisher of stores from tensors (prefixd.client.transfer, which needs torch):
-    opened on first use, with a connection and region of its own, and opened again larger when a
-    store needs more. Thread-safe: AsyncClient calls it from executor threads."""
+    """A client's publisher of stores from tensors: opened on first use, with a connection and
+    region of its own, and again larger when a store needs more (thread-safe)."""
 
     def __init__(self, core: ClientCore) -> None:
         self._core = core
@@ -351,8 +350,7 @@ def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
 
 
 def _error_of(body: memoryview) -> PrefixdError:
-    """The error of a reply addressed to no request (or BadFrameError for a reply that is no
-    error either: the connection is out of step)."""
+    """The error of a reply addressed to no request (BadFrameError when it is no error)."""
     try:
         ClientCore.check(decode_body(body))
     except PrefixdError as exc:

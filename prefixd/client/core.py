@@ -106,8 +106,7 @@ class ClientCore:
 
     @staticmethod
     def reply(message: wire.RequestMessage | dict[str, Any], body: memoryview) -> Any:
-        """The reply to `message` a frame body holds: its typed reply, or for a raw message its
-        map; an error reply raises as its code's class."""
+        """The reply to `message` in `body` (a map for a raw message); an error reply raises."""
         if isinstance(message, dict):
             return ClientCore.check(decode_body(body))
         return decoding.decode_reply(body, wire.REPLY_OF[type(message)])
@@ -269,8 +268,7 @@ class ClientCore:
         warm: bool = False,
         deadline_s: float | None = None,
     ) -> Steps[wire.LoadReply]:
-        """Load into bytes [start, start + length) of a lease the caller holds; the reply packs
-        the loaded blocks' region offsets and sizes (`unpacked`)."""
+        """Load into bytes [start, start + length) of a lease the caller holds."""
         if not 0 <= start <= start + length <= lease.size or lease.released:
             raise RegionError(f"[{start}, {start + length}) is not inside a held lease")
         reply: wire.LoadReply = yield from self.prompted_call(

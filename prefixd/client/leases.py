@@ -145,8 +145,7 @@ class Lease:
         self.allocator.drop(self._span)
 
     def release_after(self, event: Event | None) -> None:
-        """Release once `event` has completed (an asynchronous copy still reads or writes the
-        span); at once when there is no event."""
+        """Release once `event` (an asynchronous copy of the span) has completed."""
         if event is None or event.query():
             self.release()
         else:
@@ -220,8 +219,7 @@ class RegionAllocator:
     # --- taking space ---------------------------------------------------------------------------
 
     def try_acquire(self, nbytes: int, *, largest: bool = False) -> Lease | None:
-        """A lease of `nbytes` (with `largest`: the largest free span, if it holds at least
-        `nbytes`), or None when there is no such span now or others wait ahead."""
+        """A lease like `acquire`'s, or None when there is no room now or others wait ahead."""
         self._check_fits(nbytes)
         with self._lock:
             self._poll_deferred()
@@ -308,8 +306,7 @@ class RegionAllocator:
         return min(left, 0.005) if self._deferred else left
 
     def _outcome(self, waiter: _Waiter, expired: bool, timeout: float) -> Lease | None:
-        """After a wake-up: the lease the waiter was served, its error, the timeout, or None
-        to wait on."""
+        """After a wake-up: the waiter's lease, its error, the timeout, or None to wait on."""
         with self._lock:
             self._poll_deferred()
             if waiter.lease is not None:
@@ -354,8 +351,7 @@ class RegionAllocator:
         return Lease(self, span, span.size if largest else nbytes)
 
     def _carve(self, nbytes: int, largest: bool) -> Span | None:
-        """Under the lock: a span carved out of the free list (first fit, or the largest), or
-        None."""
+        """Under the lock: a span carved out of the free list (first fit, or the largest)."""
         want = _aligned(nbytes)
         best = -1
         for i, (start, free) in enumerate(self._free):
@@ -423,8 +419,7 @@ class RegionAllocator:
             self._maybe_free(span)
 
     def daemon_restarted(self) -> int:
-        """A reconnect found another daemon instance: the old one can no longer touch the spans
-        of requests lost with it. Returns the bytes given back."""
+        """A reconnect found another daemon instance: free the lost spans; the bytes freed."""
         with self._lock:
             lost, self._lost = self._lost, []
             freed = 0

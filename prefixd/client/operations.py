@@ -203,8 +203,7 @@ def unpin(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> 
 
 
 def delete(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
-    """Remove the last closed block of each prompt and every block below it; how many
-    blocks went."""
+    """Remove the last closed block of each prompt and every block below it; how many went."""
     reply: wire.DeleteReply = yield from core.prompts_call(wire.Delete, identity, prompts)
     return reply.blocks
 
@@ -283,8 +282,7 @@ def load(
 def hot(
     core: ClientCore, budget_bytes: int, *, tenant: str, limit: int = 64
 ) -> Steps[list[HotPrefix[np.ndarray]]]:
-    """The tenant's most valuable stored prefixes (by the eviction score) within
-    `budget_bytes`."""
+    """The tenant's most valuable stored prefixes (by eviction score) within `budget_bytes`."""
     message = wire.Hot(id=core.next_id(), budget_bytes=budget_bytes, tenant=tenant, limit=limit)
     reply: wire.HotReply = yield Call(message)
     return [
@@ -328,8 +326,7 @@ def verify(core: ClientCore, *, fix: bool = False, payloads: bool = True) -> Ste
 
 
 class Operations:
-    """What `Client` and `AsyncClient` share: every operation, and the core's state a caller
-    reads."""
+    """What `Client` and `AsyncClient` share: every operation, and the core's state."""
 
     _core: ClientCore
 

@@ -51,8 +51,7 @@ class Synchronize(NamedTuple):
 
 
 class Publish(NamedTuple):
-    """The client's publisher of stores from tensors, with a region of at least `region_bytes`
-    (opened on first use; see prefixd.client.blocking.Publishers)."""
+    """The client's publisher of stores from tensors, of at least `region_bytes` (Publishers)."""
 
     region_bytes: int
 

@@ -197,16 +197,14 @@ def store_from(
     ready: Any = None,
     region_bytes: int = 256 << 20,
 ) -> Steps[Future[Stored]]:
-    """Publish blocks from device tensors in the background (see Publisher.store_from), through
-    a connection and region of their own, of at least `region_bytes`; the future resolves when
-    they are stored."""
+    """Publish blocks from device tensors in the background (Publisher.store_from), through a
+    connection and region of their own, of at least `region_bytes`."""
     publisher: Publisher = yield Publish(region_bytes)
     return publisher.store_from(identity, token_ids, sources, first_block=first_block, ready=ready)
 
 
 def _slot_bytes(sizes: Sequence[int], region_bytes: int, slots: int) -> int:
-    """The whole hit when it fits one slot's share of the region, else that share (a small load
-    leases little)."""
+    """The whole hit when it fits one slot's share of the region, else that share."""
     share = region_bytes // max(slots, 1)
     return max(1, min(share, max(sum(sizes), 1)))
 
