@@ -192,11 +192,8 @@ class Migrator:
                     if cursor is None:  # the step's last batch carries the version stamp
                         meta = with_version(meta, step.version, migrating=None)
                     else:
-                        meta = with_version(
-                            meta,
-                            meta.schema_version,
-                            migrating={"to": step.version, "cursor": cursor},
-                        )
+                        resume = {"to": step.version, "cursor": cursor}
+                        meta = with_version(meta, meta.schema_version, migrating=resume)
                     txn.put(META_KEY, meta.encode(), db=tables.meta)
                 entry.changed += changed
                 if progress is not None:
