@@ -21,6 +21,7 @@ from prefixd.client.steps import Call, Publish, Reserve, Steps, Synchronize
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.trust import check_peer, check_socket_path, unreachable
+from prefixd.wire.decoding import reply_id
 from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
 
@@ -243,7 +244,7 @@ class AsyncClient(Operations, TensorOperations):
                     frames.filled(got)
                     continue
                 body = memoryview(bytes(view))  # its task decodes it after the buffer moves on
-                rid = ClientCore.reply_id(body)
+                rid = reply_id(body)
                 if rid is None:
                     continue  # a connection-level error addressed to no request of ours
                 pending = self._pending.pop(rid, None)

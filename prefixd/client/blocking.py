@@ -26,6 +26,7 @@ from prefixd.errors import (
     RequestTimeoutError,
 )
 from prefixd.trust import check_peer, check_socket_path, unreachable
+from prefixd.wire.decoding import reply_id
 from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import FrameReader, decode_body
 from prefixd.wire.region import send_with_fds
@@ -199,7 +200,7 @@ class Client(Operations, TensorOperations):
                     lost = False  # the daemon is done with the request once it replied
                     polling.took(kind, polling.clock() - sent)
                     return reply
-                if ClientCore.reply_id(body) is None:  # an error addressed to no request
+                if reply_id(body) is None:  # an error addressed to no request
                     refused = _error_of(body)
                     break
                 # else a reply to an earlier request of this connection: not ours
@@ -277,7 +278,7 @@ class Client(Operations, TensorOperations):
                 frames.filled(got)
         except OSError:
             return None
-        if ClientCore.reply_id(body) is not None:
+        if reply_id(body) is not None:
             return None
         return _error_of(body)
 

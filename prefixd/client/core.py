@@ -47,7 +47,7 @@ class ClientCore:
         self.daemon_uids = daemon_uids(daemon_uid)  # who may serve the socket (prefixd.trust)
         self.timeout = timeout
         self.name = name
-        self.serves = [{"model": m, "weights": w} for m, w in serves]
+        self.serves = [wire.Served(model=m, weights=w) for m, w in serves]
         self.reconnect_wait_s = reconnect_wait_s
         self.server: dict[str, Any] = {}
         self.instance: str | None = None
@@ -80,9 +80,11 @@ class ClientCore:
 
     def greeting(self) -> Steps[None]:
         """What a fresh connection sends first: hello, then one attach per region."""
-        serves = [wire.Served(model=m["model"], weights=m["weights"]) for m in self.serves]
         hello = wire.Hello(
-            id=self.next_id(), protocol=PROTOCOL_VERSION, client=self.name, serves=serves or None
+            id=self.next_id(),
+            protocol=PROTOCOL_VERSION,
+            client=self.name,
+            serves=self.serves or None,
         )
         server: wire.HelloReply = yield Call(hello)
         instance = server.instance or None
@@ -128,10 +130,6 @@ class ClientCore:
         if decoding.reply_id(body) != rid:
             return False, None
         return True, ClientCore.check(decode_body(body))
-
-    @staticmethod
-    def reply_id(body: memoryview) -> int | None:
-        return decoding.reply_id(body)
 
     @staticmethod
     def check(reply: dict[str, Any]) -> dict[str, Any]:

@@ -136,10 +136,8 @@ class Lease:
             return
         self._released = True
         for view in self._views:
-            try:
+            with contextlib.suppress(BufferError):  # exported elsewhere: that keeps the span alive
                 view.release()
-            except BufferError:  # exported elsewhere: that export keeps the span alive
-                pass
         self._views.clear()
         self._buffer = None  # the span's buffer dies with its last export
         self.allocator.drop(self._span)
