@@ -416,9 +416,7 @@ class LoadStateReply(Reply, kw_only=True):
     parts: list[StatePart]
 
 
-class PutStateReply(Reply, kw_only=True):
-    stored: int
-    existed: int
+class PutStateReply(PutReply, kw_only=True):
     parts: int
 
 
