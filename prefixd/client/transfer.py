@@ -83,26 +83,23 @@ class Copier:
 
     def to_device(self, offset: int, size: int, dest: torch.Tensor) -> None:
         """Queue a copy of region bytes [offset, offset + size) into the start of `dest`."""
-        target = _byte_view(dest, size)
-        source = self.host(offset, size)
+        self._copy(_byte_view(dest, size), self.host(offset, size), dest)
+
+    def from_device(self, source: torch.Tensor, offset: int) -> int:
+        """Queue a copy of `source`'s bytes into the region at `offset`; returns its size."""
+        data = _byte_view(source, None)
+        self._copy(self.host(offset, data.numel()), data, source)
+        return data.numel()
+
+    def _copy(self, target: torch.Tensor, source: torch.Tensor, device: torch.Tensor) -> None:
+        """`target.copy_(source)`, queued on the copy stream on CUDA, where the caller's
+        `device` tensor is kept from reuse until the copy ran."""
         if self.stream is None:
             target.copy_(source)
             return
         with torch.cuda.stream(self.stream):
             target.copy_(source, non_blocking=True)
-            dest.record_stream(self.stream)
-
-    def from_device(self, source: torch.Tensor, offset: int) -> int:
-        """Queue a copy of `source`'s bytes into the region at `offset`; returns its size."""
-        data = _byte_view(source, None)
-        target = self.host(offset, data.numel())
-        if self.stream is None:
-            target.copy_(data)
-        else:
-            with torch.cuda.stream(self.stream):
-                target.copy_(data, non_blocking=True)
-                source.record_stream(self.stream)
-        return data.numel()
+            device.record_stream(self.stream)
 
     def finish(self, slot: int) -> None:
         """Mark the end of the copies that use `slot`."""
