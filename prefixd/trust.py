@@ -131,8 +131,7 @@ def check_socket_path(path: Path, uids: Collection[int]) -> None:
 
 
 def check_peer(sock: socket.socket, uids: Collection[int]) -> tuple[int, int, int]:
-    """After connecting: the process on the other end runs as one of `uids`; its (pid, uid,
-    gid)."""
+    """After connecting: the peer process runs as one of `uids`; its (pid, uid, gid)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
     if uid not in uids:

@@ -91,8 +91,7 @@ class Migrator:
     def __init__(
         self, path: Path, *, batch: int = DEFAULT_BATCH, settings: StoreConfig | None = None
     ) -> None:
-        """`settings`: what `serve` opens the store with (map size, readers, ...); the
-        defaults when None."""
+        """`settings`: what `serve` opens the store with (None: the defaults)."""
         if batch < 1:
             raise MigrationError(f"batch must be at least 1, got {batch}")
         self.path = Path(path)

@@ -48,16 +48,12 @@ _ALL_FIELDS = (*_ENCODING_ORDER, "state", "key_bytes")
 class Identity:
     """Everything that makes cached prompt state compatible with a request.
 
-    `kv_layout` names the KV dtype, quantisation and layout schema including tensor/pipeline
-    sharding and the rank: each rank's shard is its own entry. `adapter` and `mm` are None when no
-    LoRA adapter or multimodal preprocessing is involved. `state` is the state spec of a hybrid
-    model (prefixd.schema.state); None stores one opaque payload per block.
-
-    `key_bytes` makes the identity engine-keyed: its blocks are named by the engine's own block
-    keys of exactly that many bytes (vLLM's 32-byte block hash and 4-byte group index, say), not
-    by token ids. The store then chains keys as it chains token blocks (each key in the place of
-    one block's tokens, compared on every hit), and `block_tokens` still says how many tokens one
-    block holds (what a hit saves). None: keyed by token ids.
+    `kv_layout` names the KV dtype, quantisation and layout, sharding and rank included (each
+    rank's shard is its own entry). `adapter` and `mm` are None without a LoRA adapter or
+    multimodal preprocessing. `state` is a hybrid model's state spec (None: one opaque payload
+    per block). `key_bytes` makes the identity engine-keyed: its blocks are named by the engine's
+    own keys of that many bytes (prefixd.schema.keys), while `block_tokens` still says how many
+    tokens a block holds.
     """
 
     model: str

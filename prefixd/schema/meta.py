@@ -44,9 +44,8 @@ class StoreMeta:
 
     @classmethod
     def decode(cls, data: bytes, *, supported: int | None = SCHEMA_VERSION) -> StoreMeta:
-        """Parse a meta record; raises NotAStoreError, CorruptMetaError or SchemaVersionError.
-
-        `supported=None` accepts any version up to this code's (for migrations)."""
+        """Parse a meta record (`supported=None`: any version up to this code's, to migrate);
+        raises NotAStoreError, CorruptMetaError or SchemaVersionError."""
         if len(data) < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
             raise NotAStoreError("meta record does not start with the prefixd magic")
         if len(data) < _HEAD.size + _CRC.size:

@@ -10,8 +10,7 @@ from prefixd import errors
 
 
 class ErrorCode(str, Enum):
-    """Machine-readable error codes; the message says what exactly was wrong. Codes are never
-    renumbered or reused (docs/protocol.md)."""
+    """Machine-readable error codes, never renumbered or reused (docs/protocol.md)."""
 
     BAD_FRAME = "bad_frame"  # body is not a msgpack map with an int id and a str op
     FRAME_TOO_LARGE = "frame_too_large"
