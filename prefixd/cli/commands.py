@@ -100,17 +100,13 @@ def _watch_stats(client: Any, every: float, out: Output) -> int:
 
     if out.as_json:
         while True:
-            out.stdout.write(_one_line(_stats_of(client)))
+            out.stdout.write(json.dumps(_stats_of(client), sort_keys=True) + "\n")
             out.stdout.flush()
             time.sleep(every)
     with Live(render(_stats_of(client)), console=out.console, refresh_per_second=4) as live:
         while True:
             time.sleep(every)
             live.update(render(_stats_of(client)))
-
-
-def _one_line(value: Any) -> str:
-    return json.dumps(value, sort_keys=True) + "\n"
 
 
 def health(args: argparse.Namespace, out: Output) -> int:

@@ -64,7 +64,7 @@ class Output:
     def progress(self, description: str, total: float | None = None) -> Iterator[Advance]:
         """A bar (or, without a total, a spinner) while the block runs; yields `advance(n)`."""
         if not self.show_progress:
-            yield _ignore
+            yield lambda n: None
             return
         columns = (
             (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
@@ -79,10 +79,6 @@ class Output:
         with Progress(*columns, console=self.progress_console, transient=True) as bar:
             task = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task, n)
-
-
-def _ignore(n: int) -> None:
-    return None
 
 
 def report_table(report: Mapping[str, Any], title: str) -> Table:

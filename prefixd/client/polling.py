@@ -64,7 +64,7 @@ class ReplyPolling:
         self.budget_s = budget_s
         self.clock = clock
         self._run_queue = RunQueue() if crowded is None and budget_s else None
-        self.crowded = crowded or self._run_queue or _always
+        self.crowded = crowded or self._run_queue or (lambda: True)
         self._took: dict[type, float] = {}  # kind of request -> seconds its last reply took
         self.polled = 0  # replies picked up by polling
         self.slept = 0  # replies waited for asleep in recv
@@ -115,10 +115,6 @@ class ReplyPolling:
             if body is not None:
                 self.polled += 1
                 return body
-
-
-def _always() -> bool:
-    return True
 
 
 __all__ = ["DEFAULT_POLL_US", "ReplyPolling", "RunQueue"]
