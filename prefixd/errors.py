@@ -55,8 +55,6 @@ class UntrustedDaemonError(DaemonUnavailableError):
     """The socket, its directory or the process serving it belongs to another user than the
     daemon's: nothing was sent (prefixd.trust)."""
 
-    code = "unavailable"  # never sent: a client-side condition
-
 
 class ShuttingDownError(DaemonUnavailableError):
     """The daemon is shutting down and takes no new requests; a restarted one will."""

@@ -166,12 +166,11 @@ def migrate_up(args: argparse.Namespace, out: Output) -> int:
     where = _target(args)
     migrator = Migrator(where.data_dir, batch=args.batch, settings=where.config.store_config())
     with out.progress("migrating") as advance:
-
-        def progress(step: Any, examined: int) -> None:
-            advance(examined)
-
         report = migrator.upgrade(
-            to=args.to, dry_run=args.dry_run, backup=args.backup, progress=progress
+            to=args.to,
+            dry_run=args.dry_run,
+            backup=args.backup,
+            progress=lambda step, examined: advance(examined),
         )
     out.result(report.describe(), "prefixd migrate up")
     return 0

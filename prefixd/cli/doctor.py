@@ -498,8 +498,7 @@ def _print(report: dict[str, Any], out: Output) -> None:
         lines.append(f"  {mark}  {check['name']:<10}  {check['detail']}")
         if check["fix"]:
             lines.append(f"        {'':<10}  fix: {check['fix']}")
-    verdict = "every check passed" if report["ok"] else "a check failed"
-    lines.append(f"{verdict}")
+    lines.append("every check passed" if report["ok"] else "a check failed")
     out.stdout.write("\n".join(lines) + "\n")
     out.stdout.flush()
 
