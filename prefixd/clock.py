@@ -1,10 +1,7 @@
-"""Time as the store and the daemon read it: one object, handed to both, so that tests advance it
-instead of sleeping (an entry's age, a tenant's time to live, a deadline).
-
-`SystemClock` is the real one. `ManualClock` moves only when told to (`advance`), and wakes the
-threads that wait on it (`wait_until`) when it does: a test steps through an hour of TTLs in no
-time, and on a busy machine it cannot be late. Durations measured for reports (how long a put
-took) are not read through the clock: they are measurements, not decisions.
+"""Time as the store and the daemon read it: one object handed to both, so tests advance it
+instead of sleeping (`ManualClock`), stepping through an hour of TTLs in no time and never late
+on a busy machine. Durations measured for reports are not read through it: they are
+measurements, not decisions.
 """
 
 from __future__ import annotations
@@ -66,8 +63,8 @@ class ManualClock:
             self._changed.notify_all()
 
     def wait_until(self, monotonic: float, timeout: float | None = None) -> bool:
-        """Block until the clock reads at least `monotonic` (True), or until `timeout` real
-        seconds pass (False): for a test's helper thread that must not miss an advance."""
+        """Block until the clock reads at least `monotonic` (True), or `timeout` real seconds
+        pass (False)."""
         with self._changed:
             return self._changed.wait_for(lambda: self._monotonic >= monotonic, timeout)
 

@@ -1,14 +1,9 @@
 """The exceptions prefixd raises on purpose, arranged so a caller can act on the class alone.
 
-Every error derives from `PrefixdError`. Errors caused by a caller's bad value also derive from
-`ValueError`, so generic validation handlers keep working. One exception is no `PrefixdError` on
-purpose: `CorruptRecordError` never leaves the store (which quarantines the block), so one that
-escapes is a bug, not an error a caller handles.
-
-The classes survive the socket: each names the wire error code (`code`, see
-prefixd.wire.errors) that the daemon replies with when it raises one, and a client that receives
-that code raises the same class again (`from_wire`). Codes are the protocol's; classes are this
-package's way of saying them.
+Every error derives from `PrefixdError`; a caller's bad value also derives from `ValueError`.
+`CorruptRecordError` is no `PrefixdError` on purpose: it never leaves the store, so one that
+escapes is a bug. Each class names its wire error code (`code`, prefixd.wire.errors): the daemon
+replies with it and the client raises the same class again (`from_wire`).
 """
 
 from __future__ import annotations
@@ -24,8 +19,8 @@ class PrefixdError(Exception):
 
     @classmethod
     def from_wire(cls, message: str) -> Self:
-        """The error a client raises for an error reply with this class's code: built without
-        the class's own constructor (whose arguments the reply does not carry)."""
+        """The error for an error reply of this class's code, built without the constructor
+        (whose arguments the reply does not carry)."""
         error = cls.__new__(cls)
         Exception.__init__(error, f"{cls.code}: {message}")
         error.message = message
@@ -33,8 +28,7 @@ class PrefixdError(Exception):
 
 
 class InternalError(PrefixdError):
-    """The daemon failed in a way it did not expect; its log says more (never the client's
-    keys or prompts)."""
+    """The daemon failed in a way it did not expect; its log says more."""
 
     code = "internal"
 
@@ -61,8 +55,6 @@ class UntrustedDaemonError(DaemonUnavailableError):
     """The socket, its directory or the process serving it belongs to another user than the
     daemon's: nothing was sent (prefixd.trust)."""
 
-    code = "unavailable"  # never sent: a client-side condition
-
 
 class ShuttingDownError(DaemonUnavailableError):
     """The daemon is shutting down and takes no new requests; a restarted one will."""
@@ -71,15 +63,14 @@ class ShuttingDownError(DaemonUnavailableError):
 
 
 class RequestTimeoutError(PrefixdError, TimeoutError):
-    """No reply within the client's timeout. The request may still run in the daemon: the
-    region spans it named stay out of use until a restarted daemon shows the old one is gone."""
+    """No reply within the client's timeout; the request may still run in the daemon, so its
+    spans stay quarantined."""
 
     code = "timeout"  # never sent: a client-side condition
 
 
 class ProtocolError(PrefixdError):
-    """A request the daemon could not take as a request (frame, operation or field); `code` is
-    an ErrorCode."""
+    """A request the daemon could not take (frame, operation or field); `code`: an ErrorCode."""
 
     code = "bad_request"
 
@@ -126,8 +117,7 @@ class BadRequestError(ProtocolError, ValueError):
 
 
 class RequestError(ProtocolError):
-    """A frame body refused as a request: `code` (an ErrorCode), the request's `id` when it
-    could be read (None: the reply's id is nil) and its `op` when it names a known one."""
+    """A frame body refused as a request, with its `rid` and `op` when they could be read."""
 
     def __init__(
         self, code: str, message: str, *, rid: int | None = None, op: str | None = None
@@ -150,15 +140,14 @@ class ForbiddenError(PrefixdError, PermissionError):
 
 
 class RegionError(PrefixdError, ValueError):
-    """A shared region or a span of one is unusable: not a sealed memfd, out of bounds, not
-    leased, or too small for what it must hold."""
+    """A shared region or span is unusable: not a sealed memfd, out of bounds, not leased, or
+    too small."""
 
     code = "bad_region"
 
 
 class RegionFullError(RegionError):
-    """The client's region has no free span of the size an operation needs (client-side: the
-    message names the region's size and what is leased)."""
+    """The client's region has no free span of the size an operation needs."""
 
 
 class ConfigError(PrefixdError, ValueError):
@@ -248,8 +237,7 @@ class StoreFullError(PrefixdError):
 
 
 class DiskFullError(StoreFullError):
-    """The file system under the store has no room left; the write was rolled back whole and
-    reads go on. Writes succeed again once space is freed."""
+    """The file system under the store is full; the write was rolled back, reads go on."""
 
 
 class StoreWriteError(PrefixdError, OSError):
@@ -296,8 +284,8 @@ class DestinationError(RegionError):
 
 
 class TransferError(PrefixdError):
-    """A load into destinations failed part way; `installed_tokens` tokens' state was installed
-    (and finished copying) before it failed."""
+    """A load into destinations failed part way, after `installed_tokens` tokens were installed
+    (a retry is harmless: loads write the same bytes)."""
 
     def __init__(self, message: str, installed_tokens: int) -> None:
         super().__init__(f"{message} ({installed_tokens} tokens were installed)")
@@ -334,17 +322,13 @@ class TierError(PrefixdError):
 
     def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
-        # Mooncake's code, on the instance; the class keeps PrefixdError's wire code, which is what
-        # prefixd.wire reads (`type(exc).code`). mypy cannot express an instance attribute
-        # shadowing a ClassVar of another type.
+        # Mooncake's code, on the instance; prefixd.wire reads the class's (`type(exc).code`).
         self.code = code  # type: ignore[misc, assignment]
 
 
 class TierUnavailableError(TierError):
-    """The shared tier cannot be reached now (master down or hung, package missing, timeout).
-
-    Serve from the local store and try again later; `SharedTier` itself refuses calls for
-    `cooldown_s` after one of these, so a dead master does not cost every request a timeout."""
+    """The shared tier cannot be reached now (master down or hung, package missing, timeout);
+    `SharedTier` refuses calls for `cooldown_s` after one, so a dead master costs no timeouts."""
 
 
 class TierValueError(TierError, ValueError):
@@ -360,8 +344,7 @@ class TierBusyError(TierError):
 
 
 class SyncFailedError(StoreWriteError):
-    """An fsync of the store failed: what it acknowledged since its last good sync may not be on
-    disk (the kernel may have dropped those pages), so it refuses writes from then on; reads go
-    on. A restart checks the blocks written since the last good sync (prefixd.store.sync_state)."""
+    """An fsync of the store failed: what was acknowledged since the last good sync may be lost,
+    so writes are refused from then on (reads go on); a restart checks those blocks."""
 
     code = "sync_failed"

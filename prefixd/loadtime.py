@@ -1,9 +1,5 @@
-"""How long moving `n` bytes takes, fitted to the recent moves: the cost side of the benefit
-model (a hit pays when loading it beats prefilling its tokens).
-
-The daemon fits one to the store's loads (prefixd.daemon.metrics), the cluster bridge one to its
-fetches from the shared tier (prefixd.cluster.bridge); neither layer owns it.
-"""
+"""How long moving `n` bytes takes, fitted to recent moves: the cost side of the benefit model.
+The daemon fits one to its loads, the cluster bridge one to its shared-tier fetches."""
 
 from __future__ import annotations
 

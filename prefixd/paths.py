@@ -1,11 +1,7 @@
-"""Where a node's stores and sockets live unless told: one daemon per node, or several instances.
-
-A daemon run by systemd gets its directories from StateDirectory= and RuntimeDirectory=. Without
-them, root's daemon uses the FHS places (/var/lib/prefixd, /run/prefixd/prefixd.sock) and another
-user's the XDG ones. A node with one daemon per GPU or NUMA node names each an instance
-(prefixd@NAME.service): its store and socket are prefixd-NAME in the same places, so instances
-never share a directory. Clients of the node's daemon (an engine running as its own user) use
-`node_socket`, the path the shipped units listen on.
+"""Where a node's stores and sockets live unless told. Under systemd: StateDirectory= and
+RuntimeDirectory=; else root's daemon uses the FHS places (/var/lib/prefixd, /run/prefixd) and
+other users the XDG ones. A named instance (prefixd@NAME, one per GPU or NUMA node) uses
+prefixd-NAME in the same places, so instances never share a directory.
 """
 
 from __future__ import annotations

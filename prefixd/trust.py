@@ -1,18 +1,13 @@
 """Which paths and peers prefixd trusts: the daemon's directories, and the daemon a client talks to.
 
-Another local user must not be able to stand in for the daemon. A socket directory that user owns
-or may write lets them replace the socket with their own and receive a client's identity, token
-ids and payloads; a data directory they may write lets them replace the store. So the daemon
-serves only from directories owned by its own user (or root) that no one else may write, and a
-client, before it sends anything, checks that the socket and its directory belong to a user it
-trusts to be the daemon's and, once connected, that the process on the other end runs as one of
-them (SO_PEERCRED).
-
-Which users a client trusts: root, and the daemon's user when named (`PREFIXD_DAEMON_USER`, or a
-client's `daemon_uid=`, a user name or uid); when none is named, also the client's own user and
-the service user the shipped units run the daemon as (`prefixd`, when that account exists). Only
-root can create an account or chown a file to one, so a socket that another ordinary user made or
-could replace still fails the checks.
+Another local user must not stand in for the daemon: one who may write the socket's directory
+could swap in their own socket and receive a client's identity, tokens and payloads; one who may
+write the data directory could replace the store. So the daemon serves only from directories
+owned by its user (or root) that no one else may write, and a client checks, before it sends
+anything, that the socket, its directory and the process serving it (SO_PEERCRED) belong to a
+user it trusts: root and the daemon's user when named (`PREFIXD_DAEMON_USER`, `daemon_uid=`),
+else also its own user and the shipped units' `prefixd` service user. Only root can make an
+account or chown a file to one, so another ordinary user's socket still fails.
 """
 
 from __future__ import annotations
@@ -42,9 +37,7 @@ SERVICE_USER = "prefixd"  # the account systemd/prefixd.service runs the daemon 
 def daemon_uids(
     expected: int | str | None = None, env: Mapping[str, str] | None = None
 ) -> frozenset[int]:
-    """The users a client accepts as the daemon's: root and `expected` (a uid or user name) when
-    given, else root and PREFIXD_DAEMON_USER when set, else root, this process's own user and the
-    `prefixd` service user (when the account exists)."""
+    """The users a client accepts as the daemon's (see the module docstring)."""
     named = (
         expected
         if expected is not None
@@ -138,8 +131,7 @@ def check_socket_path(path: Path, uids: Collection[int]) -> None:
 
 
 def check_peer(sock: socket.socket, uids: Collection[int]) -> tuple[int, int, int]:
-    """After connecting: the process on the other end runs as one of `uids`; its (pid, uid,
-    gid)."""
+    """After connecting: the peer process runs as one of `uids`; its (pid, uid, gid)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
     if uid not in uids:

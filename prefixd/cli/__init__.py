@@ -195,8 +195,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _common(*, online: bool) -> argparse.ArgumentParser:
-    """The flags every maintenance command shares: which store and daemon (as `serve` reads
-    them), and how to print."""
+    """The flags every maintenance command shares: which store and daemon, and how to print."""
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_argument_group("which store and daemon (as serve: flags, PREFIXD_*, TOML)")
     add_daemon_arguments(where, data_dir=True)

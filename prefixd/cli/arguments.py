@@ -1,6 +1,5 @@
-"""Flags the commands share, parsed the same way everywhere: which store and daemon a command
-means, and positive quantities (durations, sizes) refused at the command line with the unit named.
-"""
+"""Flags the commands share: which store and daemon, and positive quantities refused at the
+command line with their unit named."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ T = TypeVar("T", int, float)
 
 
 def add_daemon_arguments(where: Any, *, data_dir: bool) -> None:
-    """The flags that say which store and daemon a command means, as `serve` has them (each also
-    a PREFIXD_* variable and a TOML key): every command that talks to a daemon has them."""
+    """The flags that say which store and daemon a command means, as `serve` has them."""
     from prefixd.config.sources import add_config_flag, add_setting_flags
 
     add_config_flag(where)
@@ -21,8 +19,7 @@ def add_daemon_arguments(where: Any, *, data_dir: bool) -> None:
 
 
 def positive(parse: Callable[[str], T], what: str, unit: str) -> Callable[[str], T]:
-    """An argparse type: `parse(text)`, refused unless it is more than 0 (`what` names what was
-    expected, `unit` the unit of the value)."""
+    """An argparse type: `parse(text)`, refused unless it is more than 0 `unit`."""
 
     def convert(text: str) -> T:
         try:

@@ -1,8 +1,6 @@
-"""What each `prefixd` command does, given its parsed flags and where its output goes.
-
-Every command reads one Config (flags, PREFIXD_*, `--config`) the way `serve` does
-(`endpoints.target`); online work goes through the daemon that holds the store, offline work opens
-the store itself. Commands return an exit code and raise PrefixdError; only `main` exits.
+"""What each `prefixd` command does, given its parsed flags and where its output goes. Online
+work goes through the daemon that holds the store, offline work opens the store itself; commands
+return an exit code and raise PrefixdError, and only `main` exits.
 """
 
 from __future__ import annotations
@@ -110,17 +108,13 @@ def _watch_stats(client: Any, every: float, out: Output) -> int:
 
     if out.as_json:
         while True:
-            out.stdout.write(_one_line(_stats_of(client)))
+            out.stdout.write(json.dumps(_stats_of(client), sort_keys=True) + "\n")
             out.stdout.flush()
             time.sleep(every)
     with Live(render(_stats_of(client)), console=out.console, refresh_per_second=4) as live:
         while True:
             time.sleep(every)
             live.update(render(_stats_of(client)))
-
-
-def _one_line(value: Any) -> str:
-    return json.dumps(value, sort_keys=True) + "\n"
 
 
 def health(args: argparse.Namespace, out: Output) -> int:
@@ -180,12 +174,11 @@ def migrate_up(args: argparse.Namespace, out: Output) -> int:
     where = _target(args)
     migrator = Migrator(where.data_dir, batch=args.batch, settings=where.config.store_config())
     with out.progress("migrating") as advance:
-
-        def progress(step: Any, examined: int) -> None:
-            advance(examined)
-
         report = migrator.upgrade(
-            to=args.to, dry_run=args.dry_run, backup=args.backup, progress=progress
+            to=args.to,
+            dry_run=args.dry_run,
+            backup=args.backup,
+            progress=lambda step, examined: advance(examined),
         )
     out.result(report.describe(), "prefixd migrate up")
     return 0
@@ -235,8 +228,7 @@ def purge(args: argparse.Namespace, out: Output) -> int:
 
 
 def _duration(flag: str, text: str) -> float:
-    """A duration an operator typed: a number and its unit. A bare number is refused: 5 meant
-    as days must not purge what has been idle for 5 seconds."""
+    """A number and its unit; a bare 5 meant as days must not purge what idled 5 seconds."""
     from prefixd.store.config import parse_seconds
 
     try:
@@ -299,8 +291,8 @@ def _target(args: argparse.Namespace, *, offline: bool = True) -> Target:
 
 
 def _opened(where: Target) -> Store:
-    """The store, opened offline (exclusively) with the settings `serve` would open it with (map
-    size, durability, readers, threads, ...), never created."""
+    """The store, opened offline (exclusively) with the settings `serve` would use, never
+    created."""
     from prefixd.store import Store
 
     settings = where.config.store_config()

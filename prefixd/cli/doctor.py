@@ -152,14 +152,7 @@ def run_checks(
     socket: Path, *, daemon_user: str | None, tenant: str, region_bytes: int, timeout_s: float
 ) -> list[Check]:
     """Every check in order, as this process's user; after a failure the rest are skipped."""
-    steps: list[tuple[str, Callable[[_State], Check]]] = [
-        ("reach", _reach),
-        ("trust", _trust),
-        ("accept", _accept),
-        ("tenant", _tenant),
-        ("round_trip", _round_trip),
-        ("region", _region),
-    ]
+    steps = zip(CHECKS, (_reach, _trust, _accept, _tenant, _round_trip, _region), strict=True)
     state = _State(socket, daemon_user, tenant, region_bytes, timeout_s)
     results: list[Check] = []
     try:
@@ -255,17 +248,11 @@ def _trust(state: _State) -> Check:
 
 def _accept(state: _State) -> Check:
     """The daemon takes this user: hello, with no region yet."""
-    from prefixd.client import Client
     from prefixd.errors import ForbiddenError
     from prefixd.trust import group_name, user_name
 
     try:
-        state.client = Client(
-            state.socket,
-            timeout=state.timeout_s,
-            name="prefixd-doctor",
-            daemon_uid=state.daemon_user,
-        )
+        state.client = _client(state, 0)
     except ForbiddenError as exc:
         refusal = exc
     else:
@@ -314,18 +301,10 @@ def _round_trip(state: _State) -> Check:
     """Put a throwaway block, find it, load it (the same bytes), delete it."""
     import time
 
-    from prefixd.client import Client
-
     identity, tokens = _throwaway(state.tenant)
     payloads = [os.urandom(PAYLOAD_BYTES) for _ in range(2)]
     times: dict[str, float] = {}
-    with Client(
-        state.socket,
-        region_bytes=4 * PAYLOAD_BYTES,
-        timeout=state.timeout_s,
-        name="prefixd-doctor",
-        daemon_uid=state.daemon_user,
-    ) as client:
+    with _client(state, 4 * PAYLOAD_BYTES) as client:
         started = time.perf_counter()
         stored = client.put(identity, tokens, payloads)
         times["put_ms"] = _ms(started)
@@ -369,8 +348,6 @@ def _region(state: _State) -> Check:
     bytes, touched in full (so N bytes of memory per engine process), attached by the daemon."""
     import time
 
-    from prefixd.client import Client
-
     size = state.region_bytes
     available = _available_memory()
     if available is not None and size > available:
@@ -390,13 +367,7 @@ def _region(state: _State) -> Check:
             "lower the adapter's region_bytes, or raise the daemon's max_region_bytes",
         )
     started = time.perf_counter()
-    with Client(
-        state.socket,
-        region_bytes=size,
-        timeout=state.timeout_s,
-        name="prefixd-doctor",
-        daemon_uid=state.daemon_user,
-    ):
+    with _client(state, size):
         seconds = time.perf_counter() - started
     return Check(
         "region",
@@ -404,6 +375,19 @@ def _region(state: _State) -> Check:
         f"a region of {_human(size)} took {seconds:.2f} s to make and attach, and holds "
         f"{_human(size)} of memory in each engine process for as long as it is connected",
         measured={"region_bytes": size, "seconds": round(seconds, 4)},
+    )
+
+
+def _client(state: _State, region_bytes: int) -> Any:
+    """A client as an engine's adapter makes one, with a region of `region_bytes` (0: none)."""
+    from prefixd.client import Client
+
+    return Client(
+        state.socket,
+        region_bytes=region_bytes,
+        timeout=state.timeout_s,
+        name="prefixd-doctor",
+        daemon_uid=state.daemon_user,
     )
 
 
@@ -514,8 +498,7 @@ def _print(report: dict[str, Any], out: Output) -> None:
         lines.append(f"  {mark}  {check['name']:<10}  {check['detail']}")
         if check["fix"]:
             lines.append(f"        {'':<10}  fix: {check['fix']}")
-    verdict = "every check passed" if report["ok"] else "a check failed"
-    lines.append(f"{verdict}")
+    lines.append("every check passed" if report["ok"] else "a check failed")
     out.stdout.write("\n".join(lines) + "\n")
     out.stdout.flush()
 

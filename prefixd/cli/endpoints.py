@@ -1,12 +1,10 @@
 """Which store and which daemon a command means, from the same Config `serve` reads.
 
-Flags, PREFIXD_* variables and the `--config` TOML file give `data_dir` and `socket` exactly as they
-do to `serve`. The two are then kept together, so they can never name different stores: a store
-that a daemon holds records the socket it serves on (its owner lock), and a daemon tells the store
-it serves (`health`). A command told only one of them finds the other; told both, it refuses a
-pair that does not belong together. A socket told alone names a store only through the daemon
-that answers on it: where none does, a command that could work offline refuses rather than fall
-back on the default store (a typo must not verify, purge or migrate another store).
+`data_dir` and `socket` are kept together so they never name different stores: a held store
+records its socket (its owner lock) and a daemon tells its store (`health`). Told one, a command
+finds the other; told both, it refuses a pair that does not match. A socket alone names a store
+only through the daemon answering there, never the default store: a typo must not verify, purge
+or migrate another store.
 """
 
 from __future__ import annotations
@@ -50,12 +48,9 @@ class Target:
 def target(
     args: argparse.Namespace, env: Mapping[str, str], *, timeout: float, offline: bool = True
 ) -> Target:
-    """The Target of a command's --data-dir, --socket and --config (and PREFIXD_*).
-
-    `offline`: the command can work on the store itself (verify, purge, compact, migrate); told
-    a socket alone where no daemon answers, it then refuses (DaemonUnavailableError). A command
-    that only talks to a daemon gets the socket as told, and the client's own error.
-    """
+    """The Target of a command's --data-dir, --socket and --config (and PREFIXD_*). `offline`:
+    the command can work on the store itself, so a socket alone where no daemon answers is
+    refused; otherwise the socket is taken as told, and the client's error follows."""
     cli = {name: getattr(args, name, None) for name in ("data_dir", "socket", *NAMING)}
     config, given = config_and_given(cli, env, getattr(args, "config", None))
     data_dir, socket = config.store.data_dir, config.socket.path
@@ -112,9 +107,8 @@ def _present(path: Path) -> bool:
 
 
 def _served_dir(socket: Path, timeout: float, daemon_user: str | None) -> Path | None:
-    """The store the daemon on `socket` serves (None when it does not say); the client's
-    DaemonUnavailableError when none answers there (UntrustedDaemonError: one answers, or a path
-    lies there, that is not to be trusted)."""
+    """The store the daemon on `socket` serves (None when it does not say); the client's error
+    when none answers there, or one that is not to be trusted."""
     from prefixd.client import Client
 
     with Client(socket, timeout=timeout, daemon_uid=daemon_user) as client:

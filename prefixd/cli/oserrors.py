@@ -1,5 +1,5 @@
-"""One line for an OS error a command meets on a path: the path, what is wrong with it, and what
-to do, instead of Python's `[Errno N] ...: 'PATH'` (which names neither the setting nor the fix).
+"""One line for an OS error a command meets on a path: what is wrong and what to do, naming the
+setting, instead of Python's `[Errno N] ...: 'PATH'`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ _NOT_ALLOWED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def explain(exc: OSError, env: Mapping[str, str], flags: Mapping[Path, str] | None = None) -> str:
-    """What `exc` means for its path. `flags` maps the paths a command was given (its data
-    directory, its socket) to the flag that sets each, so the fix can name the flag."""
+    """What `exc` means for its path; `flags` maps the paths a command was given to their flags,
+    so the fix can name one."""
     if exc.filename is None:
         return str(exc)
     path = Path(os.fsdecode(exc.filename))

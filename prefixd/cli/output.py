@@ -1,8 +1,6 @@
-"""What a command prints: JSON for scripts (`--json`), tables for people, progress on a terminal.
-
-One library (rich) draws tables and progress. Progress goes to stderr, only when stderr is a
-terminal and `--quiet` is not given, so a script's output holds its result alone. Piped, a table
-keeps its full width instead of the 80 columns rich assumes without a terminal.
+"""What a command prints: JSON for scripts (`--json`), rich tables for people, and progress on
+stderr only when it is a terminal (and not `--quiet`), so a script's output is its result alone.
+Piped, a table keeps its full width instead of rich's 80 columns.
 """
 
 from __future__ import annotations
@@ -66,7 +64,7 @@ class Output:
     def progress(self, description: str, total: float | None = None) -> Iterator[Advance]:
         """A bar (or, without a total, a spinner) while the block runs; yields `advance(n)`."""
         if not self.show_progress:
-            yield _ignore
+            yield lambda n: None
             return
         columns = (
             (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
@@ -81,10 +79,6 @@ class Output:
         with Progress(*columns, console=self.progress_console, transient=True) as bar:
             task = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task, n)
-
-
-def _ignore(n: int) -> None:
-    return None
 
 
 def report_table(report: Mapping[str, Any], title: str) -> Table:

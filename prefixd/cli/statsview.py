@@ -1,8 +1,5 @@
-"""`prefixd stats` for people: the daemon's stats reply as tables (rich), for a terminal.
-
-What an operator asks first: does the cache save anything (hit rates at three levels, prefill
-seconds saved), how fast is it (operation latencies, the load model), what does it hold and lose
-(per tenant: stored bytes and blocks, evictions, quarantines, retirements).
+"""`prefixd stats` for people: the stats reply as tables, answering what an operator asks first:
+does the cache save anything, how fast is it, what does it hold and lose (per tenant).
 """
 
 from __future__ import annotations

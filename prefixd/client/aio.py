@@ -1,9 +1,6 @@
-"""`AsyncClient`: the asyncio shell around the client core.
-
-Any number of tasks may share one `AsyncClient`: many requests are in flight on one connection,
-their replies matched by id. A task that is cancelled, or stops waiting at its timeout, leaves
-its request's region spans to the request: they are given back when its reply arrives, never
-while the daemon may still read or write them.
+"""`AsyncClient`: the asyncio shell around the client core. Many requests are in flight on one
+connection, matched by id. A cancelled or timed-out task leaves its spans to its request: they
+are given back when the reply arrives, never while the daemon may still use them.
 """
 
 from __future__ import annotations
@@ -14,24 +11,19 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
-from prefixd.client.blocking import open_publisher
+from prefixd.client.blocking import Publishers
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Span
 from prefixd.client.operations import Operations
-from prefixd.client.results import Stored
-from prefixd.client.steps import Call, Reserve, Steps, Synchronize
+from prefixd.client.steps import Call, Publish, Reserve, Steps, Synchronize
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
-from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TokenIds
 from prefixd.trust import check_peer, check_socket_path, unreachable
+from prefixd.wire.decoding import reply_id
 from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
-
-if TYPE_CHECKING:
-    from prefixd.client.transfer import Publisher
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -77,7 +69,7 @@ class AsyncClient(Operations, TensorOperations):
         self._pending: dict[int, _Pending] = {}
         self._write_lock = asyncio.Lock()
         self._connect_lock = asyncio.Lock()
-        self._publisher: Publisher | None = None
+        self._publishers = Publishers(self._core)  # opened and closed off the event loop
         self._closed = False
 
     @classmethod
@@ -90,36 +82,9 @@ class AsyncClient(Operations, TensorOperations):
             raise
         return client
 
-    # --- the operations (prefixd.client.operations and .tensors), and storing from tensors ------
-
-    async def store_from(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        sources: Sequence[Any],
-        *,
-        first_block: int = 0,
-        ready: Any = None,
-        region_bytes: int = 256 << 20,
-    ) -> asyncio.Future[Stored]:
-        """Like Client.store_from; the returned future is an asyncio one."""
-        if self._publisher is not None and self._publisher.region_bytes < region_bytes:
-            publisher, self._publisher = self._publisher, None
-            await asyncio.get_running_loop().run_in_executor(None, publisher.close)
-        if self._publisher is None:
-            self._publisher = await asyncio.get_running_loop().run_in_executor(
-                None, open_publisher, self._core, region_bytes
-            )
-        future = self._publisher.store_from(
-            identity, token_ids, sources, first_block=first_block, ready=ready
-        )
-        return asyncio.wrap_future(future)
-
     async def close(self) -> None:
         self._closed = True
-        if self._publisher is not None:
-            publisher, self._publisher = self._publisher, None
-            await asyncio.get_running_loop().run_in_executor(None, publisher.close)
+        await asyncio.get_running_loop().run_in_executor(None, self._publishers.close)
         await self._disconnect(DaemonUnavailableError("the client was closed"))
         self._core.close()
 
@@ -154,7 +119,7 @@ class AsyncClient(Operations, TensorOperations):
             except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
-    async def _perform(self, step: Call | Reserve | Synchronize) -> Any:
+    async def _perform(self, step: Call | Reserve | Synchronize | Publish) -> Any:
         if isinstance(step, Reserve):
             return await step.allocator.acquire_async(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
@@ -162,6 +127,9 @@ class AsyncClient(Operations, TensorOperations):
         if isinstance(step, Synchronize):
             await asyncio.get_running_loop().run_in_executor(None, step.event.synchronize)
             return None
+        if isinstance(step, Publish):
+            get = self._publishers.get
+            return await asyncio.get_running_loop().run_in_executor(None, get, step.region_bytes)
         await self._ensure_connected(wait_s=self._core.reconnect_wait_s)
         instance = self._core.instance
         try:
@@ -276,7 +244,7 @@ class AsyncClient(Operations, TensorOperations):
                     frames.filled(got)
                     continue
                 body = memoryview(bytes(view))  # its task decodes it after the buffer moves on
-                rid = ClientCore.reply_id(body)
+                rid = reply_id(body)
                 if rid is None:
                     continue  # a connection-level error addressed to no request of ours
                 pending = self._pending.pop(rid, None)
@@ -293,8 +261,7 @@ class AsyncClient(Operations, TensorOperations):
                 )
 
     async def _disconnect(self, reason: DaemonUnavailableError) -> None:
-        """Close the connection; every request still in flight is lost with it (its spans stay
-        quarantined until a reconnect finds another daemon instance)."""
+        """Close the connection; every request in flight is lost with it (its spans quarantined)."""
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()

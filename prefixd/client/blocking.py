@@ -1,8 +1,6 @@
 """`Client`: the blocking shell around the client core, for an engine's hot path and its threads.
-
-Any number of threads may share one `Client`. Requests go over one connection one at a time (a
-lock around each round trip, tens of microseconds); region space is leased per operation, so
-threads never see each other's bytes, and a thread waiting for space holds no lock.
+Threads share one connection, one round trip at a time under a lock (tens of microseconds); region
+space is leased per operation, so threads never see each other's bytes.
 """
 
 from __future__ import annotations
@@ -13,14 +11,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 from prefixd.client.core import ClientCore
 from prefixd.client.operations import Operations
 from prefixd.client.polling import DEFAULT_POLL_US, ReplyPolling
-from prefixd.client.results import Stored
-from prefixd.client.steps import Call, Reserve, Steps, Synchronize
+from prefixd.client.steps import Call, Publish, Reserve, Steps, Synchronize
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import (
     BadFrameError,
@@ -29,9 +25,8 @@ from prefixd.errors import (
     PrefixdError,
     RequestTimeoutError,
 )
-from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TokenIds
 from prefixd.trust import check_peer, check_socket_path, unreachable
+from prefixd.wire.decoding import reply_id
 from prefixd.wire.errors import ErrorCode
 from prefixd.wire.frames import FrameReader, decode_body
 from prefixd.wire.region import send_with_fds
@@ -61,18 +56,14 @@ class Client(Operations, TensorOperations):
         clock: Callable[[], float] = time.perf_counter,
         crowded: Callable[[], bool] | None = None,
     ) -> None:
-        """`region_bytes`: the shared region payloads are staged in and loaded into (0: none,
-        for lookups only). `token_region_bytes`: where long prompts' token ids are staged.
-        `serves`: (model, weights) pairs this engine serves; on connecting, the daemon retires
-        the other stored versions of those models. `reconnect_wait_s`: how long a call waits
-        for a restarting daemon to come back (with backoff) before DaemonUnavailableError.
-        `daemon_uid`: the user the daemon runs as (default: this process's own, or root); a
-        socket, socket directory or serving process of another user is refused before anything
-        is sent (UntrustedDaemonError, prefixd.trust). `poll_us`: how long a thread polls for a
-        reply before it sleeps in recv, for the kinds of request whose last reply came that
-        fast, while no other thread waits for a CPU (0: always sleep; see prefixd.client.polling);
-        `clock` times it and `crowded` says when other threads wait (default: the kernel's run
-        queue)."""
+        """`region_bytes`: the shared region payloads are staged in and loaded into (0: lookups
+        only); `token_region_bytes`: where long prompts' token ids are staged. `serves`: (model,
+        weights) pairs this engine serves, whose other stored versions the daemon retires.
+        `reconnect_wait_s`: how long a call waits for a restarting daemon. `daemon_uid`: the
+        daemon's user (default: this process's own, or root); another user's socket or process
+        is refused before anything is sent (prefixd.trust). `poll_us`: how long to poll for a
+        reply before sleeping in recv (0: never; prefixd.client.polling), timed by `clock`,
+        while `crowded` (default: the kernel's run queue) says no."""
         self._core = ClientCore(
             socket_path,
             region_bytes=region_bytes,
@@ -87,8 +78,7 @@ class Client(Operations, TensorOperations):
         self._lock = threading.RLock()  # one round trip at a time on the connection
         self._frames = FrameReader()
         self._polling = ReplyPolling(poll_us * 1e-6, clock, crowded)
-        self._publisher: Publisher | None = None
-        self._publisher_lock = threading.Lock()
+        self._publishers = Publishers(self._core)
         try:
             with self._lock:
                 self._connect(wait_s=0.0)
@@ -96,45 +86,14 @@ class Client(Operations, TensorOperations):
             self._core.close()
             raise
 
-    # --- the operations (prefixd.client.operations and .tensors), and storing from tensors ------
-
-    def store_from(
-        self,
-        identity: Identity,
-        token_ids: TokenIds,
-        sources: Sequence[Any],
-        *,
-        first_block: int = 0,
-        ready: Any = None,
-        region_bytes: int = 256 << 20,
-    ) -> Future[Stored]:
-        """Publish blocks from device tensors in the background (a connection and region of
-        their own, of at least `region_bytes`); the future resolves when they are stored."""
-        return self._publisher_for(region_bytes).store_from(
-            identity, token_ids, sources, first_block=first_block, ready=ready
-        )
-
-    def _publisher_for(self, region_bytes: int) -> Publisher:
-        with self._publisher_lock:
-            if self._publisher is not None and self._publisher.region_bytes < region_bytes:
-                self._publisher.close()  # waits for the stores under way, then makes room
-                self._publisher = None
-            if self._publisher is None:
-                self._publisher = open_publisher(self._core, region_bytes)
-            return self._publisher
-
     @property
     def reply_waits(self) -> dict[str, int]:
-        """How this client's replies were waited for: picked up by polling, or asleep in recv
-        (see `poll_us`)."""
+        """How this client's replies were waited for: by polling, or asleep in recv."""
         polling = self._polling
         return {"polled": polling.polled, "slept": polling.slept}
 
     def close(self) -> None:
-        with self._publisher_lock:
-            if self._publisher is not None:
-                self._publisher.close()
-                self._publisher = None
+        self._publishers.close()
         with self._lock:
             self._drop()
             self._polling.close()
@@ -155,9 +114,8 @@ class Client(Operations, TensorOperations):
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> T:
-        """Run one operation, given as the function that makes its steps on this client's core
-        (prefixd.client.operations), to its result. An error of a step is raised inside the
-        steps, so they release what they leased on their way out."""
+        """Run one operation's steps on this client's core to its result. A step's error is
+        raised inside the steps, so they release what they leased on their way out."""
         steps = steps_of(self._core, *args, **kwargs)
         value: Any = None
         error: BaseException | None = None
@@ -172,12 +130,13 @@ class Client(Operations, TensorOperations):
             except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
-    def _perform(self, step: Reserve | Synchronize) -> Any:
+    def _perform(self, step: Reserve | Synchronize | Publish) -> Any:
         if isinstance(step, Reserve):
             return step.allocator.acquire(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
             )
-        assert isinstance(step, Synchronize)
+        if isinstance(step, Publish):
+            return self._publishers.get(step.region_bytes)
         step.event.synchronize()
         return None
 
@@ -203,8 +162,8 @@ class Client(Operations, TensorOperations):
                 return self._request(step)  # nothing in the region at risk: retry once
 
     def _request(self, step: Call) -> Any:
-        """One round trip on the current connection; the spans the request names are in flight
-        until its reply arrives (a lost one leaves them quarantined)."""
+        """One round trip; the request's spans are in flight until its reply (a lost one leaves
+        them quarantined)."""
         sock = self._sock
         assert sock is not None
         rid, frame = self._core.frame(step.message)
@@ -241,7 +200,7 @@ class Client(Operations, TensorOperations):
                     lost = False  # the daemon is done with the request once it replied
                     polling.took(kind, polling.clock() - sent)
                     return reply
-                if ClientCore.reply_id(body) is None:  # an error addressed to no request
+                if reply_id(body) is None:  # an error addressed to no request
                     refused = _error_of(body)
                     break
                 # else a reply to an earlier request of this connection: not ours
@@ -319,7 +278,7 @@ class Client(Operations, TensorOperations):
                 frames.filled(got)
         except OSError:
             return None
-        if ClientCore.reply_id(body) is not None:
+        if reply_id(body) is not None:
             return None
         return _error_of(body)
 
@@ -329,8 +288,8 @@ class Client(Operations, TensorOperations):
             self._sock = None
 
     def _receive(self, sock: socket.socket, kind: type) -> memoryview:
-        """The next reply's body (valid until the next receive): usually one recv brings it,
-        polled for first where a reply to a request of `kind` is likely to come at once."""
+        """The next reply's body (valid until the next receive), polled for first where a reply
+        to a request of `kind` is likely to come at once."""
         frames = self._frames
         try:
             body = frames.next_body()
@@ -347,24 +306,43 @@ class Client(Operations, TensorOperations):
         return body
 
 
-def open_publisher(core: ClientCore, region_bytes: int) -> Publisher:
-    """A publisher of stores from tensors for the client of `core`, through a connection and a
-    region of `region_bytes` of its own (prefixd.client.transfer, which needs torch)."""
-    from prefixd.client.transfer import Publisher
+class Publishers:
+    """A client's publisher of stores from tensors: opened on first use, with a connection and
+    region of its own, and again larger when a store needs more (thread-safe)."""
 
-    client = Client(
-        core.socket_path,
-        region_bytes=region_bytes,
-        timeout=core.timeout,
-        name=f"{core.name}-publisher",
-    )
-    return Publisher(client, region_bytes)
+    def __init__(self, core: ClientCore) -> None:
+        self._core = core
+        self._lock = threading.Lock()
+        self._publisher: Publisher | None = None
+
+    def get(self, region_bytes: int) -> Publisher:
+        from prefixd.client.transfer import Publisher
+
+        with self._lock:
+            if self._publisher is not None and self._publisher.region_bytes < region_bytes:
+                self._publisher.close()  # waits for the stores under way, then makes room
+                self._publisher = None
+            if self._publisher is None:
+                core = self._core
+                client = Client(
+                    core.socket_path,
+                    region_bytes=region_bytes,
+                    timeout=core.timeout,
+                    name=f"{core.name}-publisher",
+                )
+                self._publisher = Publisher(client, region_bytes)
+            return self._publisher
+
+    def close(self) -> None:
+        with self._lock:
+            if self._publisher is not None:
+                self._publisher.close()
+                self._publisher = None
 
 
 def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
-    """Bound each send and recv by `seconds` in the kernel (SO_SNDTIMEO, SO_RCVTIMEO; a call
-    that waits longer fails with EAGAIN), on a blocking socket: Python's own socket timeout
-    polls before every send and recv, two more syscalls a round trip."""
+    """Bound each send and recv in the kernel (SO_SNDTIMEO, SO_RCVTIMEO: EAGAIN past it), on a
+    blocking socket: Python's own timeout polls before each, two more syscalls a round trip."""
     micros = max(1, round(seconds * 1e6))
     timeval = struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
@@ -373,8 +351,7 @@ def _kernel_timeouts(sock: socket.socket, seconds: float) -> None:
 
 
 def _error_of(body: memoryview) -> PrefixdError:
-    """The error of a reply addressed to no request (or BadFrameError for a reply that is no
-    error either: the connection is out of step)."""
+    """The error of a reply addressed to no request (BadFrameError when it is no error)."""
     try:
         ClientCore.check(decode_body(body))
     except PrefixdError as exc:
@@ -382,4 +359,4 @@ def _error_of(body: memoryview) -> PrefixdError:
     return BadFrameError(ErrorCode.BAD_FRAME, "a reply with no id that is no error")
 
 
-__all__ = ["Client", "open_publisher"]
+__all__ = ["Client", "Publishers"]

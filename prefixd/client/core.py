@@ -1,7 +1,5 @@
-"""The client's protocol core, without I/O: its regions, request ids and the daemon's greeting,
-and the pieces every request is made of (identities, prompts, staged payloads, a load into a
-span). The operations are built on it as steps (prefixd.client.operations), which `Client` and
-`AsyncClient` drive over a socket.
+"""The client's protocol core, without I/O: its regions, request ids, the daemon's greeting, and
+the pieces requests are made of. The operations are steps on it (prefixd.client.operations).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import msgspec
 import numpy as np
 
 from prefixd.client.leases import Lease, RegionAllocator, Span
-from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of
+from prefixd.client.steps import Call, Reserve, Steps, holding, spans_of
 from prefixd.errors import PrefixdError, RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds, as_token_array
@@ -31,8 +29,7 @@ INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not
 
 
 class ClientCore:
-    """A client's state apart from its socket: regions and their allocators, request ids, the
-    daemon's greeting, and every call as steps."""
+    """A client's state apart from its socket: regions, request ids, the daemon's greeting."""
 
     def __init__(
         self,
@@ -50,7 +47,7 @@ class ClientCore:
         self.daemon_uids = daemon_uids(daemon_uid)  # who may serve the socket (prefixd.trust)
         self.timeout = timeout
         self.name = name
-        self.serves = [{"model": m, "weights": w} for m, w in serves]
+        self.serves = [wire.Served(model=m, weights=w) for m, w in serves]
         self.reconnect_wait_s = reconnect_wait_s
         self.server: dict[str, Any] = {}
         self.instance: str | None = None
@@ -83,9 +80,11 @@ class ClientCore:
 
     def greeting(self) -> Steps[None]:
         """What a fresh connection sends first: hello, then one attach per region."""
-        serves = [wire.Served(model=m["model"], weights=m["weights"]) for m in self.serves]
         hello = wire.Hello(
-            id=self.next_id(), protocol=PROTOCOL_VERSION, client=self.name, serves=serves or None
+            id=self.next_id(),
+            protocol=PROTOCOL_VERSION,
+            client=self.name,
+            serves=self.serves or None,
         )
         server: wire.HelloReply = yield Call(hello)
         instance = server.instance or None
@@ -109,8 +108,7 @@ class ClientCore:
 
     @staticmethod
     def reply(message: wire.RequestMessage | dict[str, Any], body: memoryview) -> Any:
-        """The reply to `message` a frame body holds: its typed reply, or for a raw message its
-        map; an error reply raises as its code's class."""
+        """The reply to `message` in `body` (a map for a raw message); an error reply raises."""
         if isinstance(message, dict):
             return ClientCore.check(decode_body(body))
         return decoding.decode_reply(body, wire.REPLY_OF[type(message)])
@@ -119,8 +117,8 @@ class ClientCore:
     def reply_if_for(
         message: wire.RequestMessage | dict[str, Any], rid: int, body: memoryview
     ) -> tuple[bool, Any]:
-        """(True, the reply) when `body` answers request `rid`, else (False, None): one decode on
-        the usual path (a typed reply whose id matches), the head only otherwise."""
+        """(True, the reply) when `body` answers request `rid`, else (False, None); one decode
+        on the usual path."""
         if not isinstance(message, dict):
             try:
                 reply = decoding.decode_reply(body, wire.REPLY_OF[type(message)])
@@ -132,10 +130,6 @@ class ClientCore:
         if decoding.reply_id(body) != rid:
             return False, None
         return True, ClientCore.check(decode_body(body))
-
-    @staticmethod
-    def reply_id(body: memoryview) -> int | None:
-        return decoding.reply_id(body)
 
     @staticmethod
     def check(reply: dict[str, Any]) -> dict[str, Any]:
@@ -212,30 +206,48 @@ class ClientCore:
             offset += source.nbytes
         return lease, spans
 
-    def prompt_entries(
-        self,
-        prompts: Sequence[TokenIds],
-        hashes: Sequence[bytes | None] | None,
-        held: list[Span],
-    ) -> list[wire.Prompt]:
-        keep = held.append
-        if hashes is None:
-            return [self._entry(prompt, None, keep) for prompt in prompts]
-        return [self._entry(prompt, hashes[i], keep) for i, prompt in enumerate(prompts)]
-
     def prompts_call(
         self,
-        build: Callable[[list[wire.Prompt]], wire.RequestMessage],
+        kind: type[wire.Prompts],
+        identity: Identity,
         prompts: Sequence[TokenIds],
-        hashes: Sequence[bytes | None] | None,
+        hashes: Sequence[bytes | None] | None = None,
+        **fields: Any,
     ) -> Steps[Any]:
-        """Send the request `build` makes of the prompts' entries and return its reply, holding
-        the token-region spans the entries were staged in until the reply is in."""
-        held: list[Span] = []
-        try:
-            reply = yield Call(build(self.prompt_entries(prompts, hashes, held)), tuple(held))
-        finally:
-            release_all(held)
+        """Send a request of `kind` about `prompts` (and its other `fields`) and return its
+        reply, holding the token-region spans the prompts were staged in until it is in."""
+        with holding() as held:
+            keep = held.append
+            entries = [
+                self._entry(prompt, None if hashes is None else hashes[i], keep)
+                for i, prompt in enumerate(prompts)
+            ]
+            message = kind(
+                id=self.next_id(), identity=self.wire_identity(identity), prompts=entries, **fields
+            )
+            reply = yield Call(message, spans_of(held))
+        return reply
+
+    def prompted_call(
+        self,
+        kind: type[wire.Prompted],
+        identity: Identity,
+        token_ids: TokenIds,
+        spans: Sequence[Span] = (),
+        *,
+        owned: bool = True,
+        **fields: Any,
+    ) -> Steps[Any]:
+        """Send a request of `kind` about one prompt (and its other `fields`), naming `spans`
+        (see Call), and return its reply; a token-region span is held until it is in."""
+        with holding() as held:
+            message = kind(
+                id=self.next_id(),
+                identity=self.wire_identity(identity),
+                **self.prompt_fields(token_ids, held),
+                **fields,
+            )
+            reply = yield Call(message, (*spans, *spans_of(held)), owned=owned)
         return reply
 
     # --- the load every load is made of ----------------------------------------------------------
@@ -254,27 +266,21 @@ class ClientCore:
         warm: bool = False,
         deadline_s: float | None = None,
     ) -> Steps[wire.LoadReply]:
-        """Load into bytes [start, start + length) of a lease the caller holds; the reply packs
-        the loaded blocks' region offsets and sizes (`unpacked`)."""
+        """Load into bytes [start, start + length) of a lease the caller holds."""
         if not 0 <= start <= start + length <= lease.size or lease.released:
             raise RegionError(f"[{start}, {start + length}) is not inside a held lease")
-        allocator = self.require_payloads()
-        held: list[Lease | Span] = []
-        try:
-            message = wire.Load(
-                id=self.next_id(),
-                identity=self.wire_identity(identity),
-                **self.prompt_fields(token_ids, held),
-                hashes=hashes,
-                region=self.region_id(allocator),
-                offset=lease.offset + start,
-                length=length,
-                max_blocks=max_blocks,
-                first_block=first_block or None,
-                warm=warm or None,
-                deadline_s=deadline_s,
-            )
-            reply: wire.LoadReply = yield Call(message, (lease.span, *spans_of(held)))
-        finally:
-            release_all(held)
+        reply: wire.LoadReply = yield from self.prompted_call(
+            wire.Load,
+            identity,
+            token_ids,
+            (lease.span,),
+            hashes=hashes,
+            region=self.region_id(self.require_payloads()),
+            offset=lease.offset + start,
+            length=length,
+            max_blocks=max_blocks,
+            first_block=first_block or None,
+            warm=warm or None,
+            deadline_s=deadline_s,
+        )
         return reply

@@ -1,29 +1,19 @@
 """Who owns which bytes of a client's shared region: an allocator of leased spans.
 
-Every operation that puts bytes in the region (a put's staged payloads, a long prompt's token ids)
-or has the daemon write there (a load's output) first leases the span it names, and the daemon
-only ever reads or writes spans the client leased for that request. A span returns to the free
-list only when all of these are over:
-
-- its `Lease` was released (or garbage collected),
-- no Python buffer made from it is alive (a `memoryview`, numpy array or tensor of its bytes:
-  each keeps the span's ctypes buffer, and so the span, alive),
-- no request that names it is in flight (a request whose caller gave up, an asyncio task that was
-  cancelled, still owns its spans until its reply arrives),
-- the request was not lost: when a connection breaks with a request in flight, the daemon may
-  still be working on it, so its spans stay quarantined until a reconnect finds another instance
-  of the daemon (the old one, and its threads, are gone).
-
-So an overlap of two live uses of the same bytes cannot happen, and a released view raises on use
-instead of reading someone else's bytes.
-
-The allocator is shared by threads and asyncio tasks: its state is guarded by a lock, and waiters
-(FIFO, so a large request is not starved by small ones) are woken by whoever frees space.
+The daemon only reads or writes spans the client leased for that request, and a span is free
+again only when all of its holders are gone: its `Lease` (released or collected), every buffer
+made from it (a memoryview, array or tensor keeps its ctypes buffer alive), and every request
+that names it (a cancelled task's request still owns its spans until the reply). A request lost
+with its connection may still be running in the daemon, so its spans stay quarantined until a
+reconnect finds another daemon instance. So two live uses never overlap, and a released view
+raises instead of showing someone else's bytes. Shared by threads and tasks under one lock;
+waiters are served FIFO, so a large request is not starved by small ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import ctypes
 import threading
@@ -89,10 +79,8 @@ class Span:
 
 
 class Lease:
-    """`size` bytes of the region from `offset`, owned by one operation or caller.
-
-    `view` is the span's bytes; `release()` gives the span back and makes every view handed out
-    by this lease raise on use. The space is reused only once nothing refers to it any more."""
+    """`size` bytes of the region from `offset`, owned by one operation or caller; `release()`
+    makes every view it handed out raise (the space is reused once nothing refers to it)."""
 
     __slots__ = ("_buffer", "_released", "_span", "_views", "allocator", "offset", "size")
 
@@ -127,9 +115,8 @@ class Lease:
         return view
 
     def write(self, data: np.ndarray, at: int = 0) -> None:
-        """Copy `data` (a contiguous array) into the span from `at`, through the region's own
-        mapping: no view is made, so nothing is left to outlive the lease (the client's staging
-        of puts and token ids, on its hot path)."""
+        """Copy `data` (a contiguous array) into the span from `at` through the region's own
+        mapping: no view is made that could outlive the lease."""
         if self._released or not 0 <= at <= at + data.nbytes <= self.size:
             raise RegionError(f"{data.nbytes} bytes at {at} do not fit a held lease of {self.size}")
         self._span.write(data, at)
@@ -143,24 +130,20 @@ class Lease:
         self.allocator.shrink(self._span, max(self.size, 1))
 
     def release(self) -> None:
-        """Give the span back: the views this lease handed out raise from now on (a view that
-        something else still exports, a numpy array made from it say, stays readable, and keeps
-        the span out of use until it is gone). Releasing twice is harmless."""
+        """Give the span back: its views raise from now on (one that something else still
+        exports stays readable and keeps the span out of use). Harmless twice."""
         if self._released:
             return
         self._released = True
         for view in self._views:
-            try:
+            with contextlib.suppress(BufferError):  # exported elsewhere: that keeps the span alive
                 view.release()
-            except BufferError:  # exported elsewhere: that export keeps the span alive
-                pass
         self._views.clear()
         self._buffer = None  # the span's buffer dies with its last export
         self.allocator.drop(self._span)
 
     def release_after(self, event: Event | None) -> None:
-        """Release once `event` has completed (an asynchronous copy still reads or writes the
-        span); at once when there is no event."""
+        """Release once `event` (an asynchronous copy of the span) has completed."""
         if event is None or event.query():
             self.release()
         else:
@@ -178,9 +161,8 @@ class Lease:
         self.release()
 
     def __del__(self) -> None:
-        """Garbage collected without release: give the handle back, but leave the views made
-        from it valid (`client.load(...).views` outlives its result); their buffer holds the span
-        until the last of them is gone."""
+        """Collected without release: the views stay valid (`client.load(...).views` may
+        outlive its result); their buffer holds the span until the last of them is gone."""
         if getattr(self, "_released", True):
             return
         self._released = True
@@ -206,18 +188,16 @@ class RegionUsage:
     waiters: int
 
 
+@dataclass(slots=True, eq=False)
 class _Waiter:
     """One operation waiting for space: `nbytes` exactly, or (largest) any span of at least
     `nbytes`. `lease` is set under the allocator's lock when it is served."""
 
-    __slots__ = ("error", "largest", "lease", "nbytes", "wake")
-
-    def __init__(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> None:
-        self.nbytes = nbytes
-        self.largest = largest
-        self.lease: Lease | None = None
-        self.error: BaseException | None = None  # set instead when the wait is interrupted
-        self.wake = wake
+    nbytes: int
+    largest: bool
+    wake: Callable[[], None]
+    lease: Lease | None = None
+    error: BaseException | None = None  # set instead when the wait is interrupted
 
 
 class RegionAllocator:
@@ -237,8 +217,7 @@ class RegionAllocator:
     # --- taking space ---------------------------------------------------------------------------
 
     def try_acquire(self, nbytes: int, *, largest: bool = False) -> Lease | None:
-        """A lease of `nbytes` (with `largest`: the largest free span, if it holds at least
-        `nbytes`), or None when there is no such span now or others wait ahead."""
+        """A lease like `acquire`'s, or None when there is no room now or others wait ahead."""
         self._check_fits(nbytes)
         with self._lock:
             self._poll_deferred()
@@ -269,18 +248,16 @@ class RegionAllocator:
         if isinstance(waiter, Lease):
             return waiter
         deadline = time.monotonic() + timeout
-        served = False
         try:
             while True:
                 left = deadline - time.monotonic()
                 ready.wait(max(0.0, self._wait_slice(left)))
                 lease = self._outcome(waiter, time.monotonic() >= deadline, timeout)
                 if lease is not None:
-                    served = True
                     return lease
-        finally:
-            if not served:
-                self._abandon(waiter)
+        except BaseException:
+            self._abandon(waiter)
+            raise
 
     async def acquire_async(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
         """A lease, waiting up to `timeout` seconds for space (asyncio; never blocks the loop)."""
@@ -295,7 +272,6 @@ class RegionAllocator:
         if isinstance(waiter, Lease):
             return waiter
         deadline = loop.time() + timeout
-        served = False
         try:
             while True:
                 left = max(0.0, deadline - loop.time())
@@ -306,11 +282,10 @@ class RegionAllocator:
                 ready.clear()
                 lease = self._outcome(waiter, loop.time() >= deadline, timeout)
                 if lease is not None:
-                    served = True
                     return lease
-        finally:
-            if not served:  # timed out or cancelled: served meanwhile, or still queued
-                self._abandon(waiter)
+        except BaseException:  # timed out or cancelled: served meanwhile, or still queued
+            self._abandon(waiter)
+            raise
 
     def _enqueue(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> Lease | _Waiter:
         """A lease at once when no one waits ahead and there is room, else a queued waiter."""
@@ -325,13 +300,11 @@ class RegionAllocator:
             return waiter
 
     def _wait_slice(self, left: float) -> float:
-        """How long to sleep: poll while copies that hold space may finish without anyone
-        freeing it (release_after)."""
+        """Poll while copies that hold space may finish with no one to free it (release_after)."""
         return min(left, 0.005) if self._deferred else left
 
     def _outcome(self, waiter: _Waiter, expired: bool, timeout: float) -> Lease | None:
-        """After a wake-up: the lease the waiter was served, its error, the timeout, or None
-        to wait on."""
+        """After a wake-up: the waiter's lease, its error, the timeout, or None to wait on."""
         with self._lock:
             self._poll_deferred()
             if waiter.lease is not None:
@@ -376,8 +349,7 @@ class RegionAllocator:
         return Lease(self, span, span.size if largest else nbytes)
 
     def _carve(self, nbytes: int, largest: bool) -> Span | None:
-        """Under the lock: a span carved out of the free list (first fit, or the largest), or
-        None."""
+        """Under the lock: a span carved out of the free list (first fit, or the largest)."""
         want = _aligned(nbytes)
         best = -1
         for i, (start, free) in enumerate(self._free):
@@ -440,14 +412,12 @@ class RegionAllocator:
         """A request naming `span` got its reply, or (`lost`) its connection broke first."""
         with self._lock:
             span.inflight -= 1
-            if lost and not span.lost:
-                span.lost = True
-                self._lost.append(span)
+            if lost:
+                self.lose(span)
             self._maybe_free(span)
 
     def daemon_restarted(self) -> int:
-        """A reconnect found another daemon instance: the old one can no longer touch the spans
-        of requests lost with it. Returns the bytes given back."""
+        """A reconnect found another daemon instance: free the lost spans; the bytes freed."""
         with self._lock:
             lost, self._lost = self._lost, []
             freed = 0
@@ -496,13 +466,7 @@ class RegionAllocator:
     def _insert(self, offset: int, size: int) -> None:
         """Put [offset, offset + size) back in the free list, merged with its neighbours."""
         free = self._free
-        lo, hi = 0, len(free)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if free[mid][0] < offset:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = bisect.bisect_left(free, offset, key=lambda extent: extent[0])
         free.insert(lo, [offset, size])
         if lo + 1 < len(free) and offset + size == free[lo + 1][0]:
             free[lo][1] += free[lo + 1][1]

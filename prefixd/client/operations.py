@@ -1,18 +1,18 @@
-"""Every operation of the clients, declared once: a function of the client core that makes its
-steps (prefixd.client.steps), with the signature callers see. `Operations` binds each one to
-both clients through the `Operation` descriptor: `Client.load(...)` drives the steps to the
-result, `AsyncClient.load(...)` returns a coroutine of it, and mypy checks both calls against the
-function's own parameters (a misspelt keyword is an error).
-
-Adding an operation: its message and reply (prefixd.wire.messages), its handler in the daemon,
-and here its steps and one line in `Operations`.
+"""Every operation of the clients, declared once as a function of the core that makes its steps
+(prefixd.client.steps). The `Operation` descriptor binds it to both clients: `Client.load(...)`
+drives the steps to the result, `AsyncClient.load(...)` returns a coroutine of it, and mypy checks
+both calls against the function's own parameters. Adding an operation: its message and reply
+(prefixd.wire.messages), its daemon handler, and here its steps and one line in `Operations`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import os
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 import msgspec
@@ -22,7 +22,15 @@ from prefixd.client import state_steps
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Lease, RegionUsage, Span
 from prefixd.client.results import Loaded, Lookup, Routed, Stored
-from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of, unpacked
+from prefixd.client.steps import (
+    Call,
+    Reserve,
+    Steps,
+    holding,
+    released_on_error,
+    spans_of,
+    unpacked,
+)
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.stored import HotPrefix, ListedBlock
@@ -78,6 +86,35 @@ class Operation(Generic[P, R]):
         return functools.partial(client.run, self.steps_of)
 
 
+class Background(Generic[P, R]):
+    """An operation whose result is a future the work resolves in the background (a
+    concurrent.futures one on Client, an asyncio one on AsyncClient)."""
+
+    def __init__(self, steps_of: Callable[Concatenate[ClientCore, P], Steps[Future[R]]]) -> None:
+        self.steps_of = steps_of
+        self.__doc__ = steps_of.__doc__
+
+    @overload
+    def __get__(self, client: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, client: Drives, owner: type[Any]) -> Callable[P, Future[R]]: ...
+    @overload
+    def __get__(
+        self, client: Awaits, owner: type[Any]
+    ) -> Callable[P, Coroutine[Any, Any, asyncio.Future[R]]]: ...
+    def __get__(self, client: Drives | Awaits | None, owner: type[Any]) -> Any:
+        if client is None:
+            return self
+        run: Callable[..., Any] = functools.partial(client.run, self.steps_of)
+        if not inspect.iscoroutinefunction(client.run):
+            return run
+
+        async def awaited(*args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R]:
+            return asyncio.wrap_future(await run(*args, **kwargs))
+
+        return awaited
+
+
 # --- the operations -----------------------------------------------------------------------------
 
 
@@ -96,21 +133,13 @@ def put(
     first_block: int = 0,
 ) -> Steps[Stored]:
     """Stage `payloads` in the region and publish blocks first_block.. of `token_ids`."""
-    held: list[Lease | Span] = []
-    try:
+    with holding() as held:
         lease, spans = yield from core.stage(payloads)
         if lease is not None:
             held.append(lease)
-        message = wire.Put(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
-            first_block=first_block,
-            blocks=spans,
+        reply: wire.PutReply = yield from core.prompted_call(
+            wire.Put, identity, token_ids, spans_of(held), first_block=first_block, blocks=spans
         )
-        reply: wire.PutReply = yield Call(message, spans_of(held))
-    finally:
-        release_all(held)
     return Stored(reply.stored, reply.existed)
 
 
@@ -136,18 +165,15 @@ def put_spans(
             )
         if span not in named:
             named.append(span)
-    held: list[Lease | Span] = []
-    try:
-        message = wire.Put(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
-            first_block=first_block,
-            blocks=[(region_id, o, n) for o, n in spans],
-        )
-        reply: wire.PutReply = yield Call(message, (*named, *spans_of(held)), owned=False)
-    finally:
-        release_all(held)
+    reply: wire.PutReply = yield from core.prompted_call(
+        wire.Put,
+        identity,
+        token_ids,
+        named,
+        owned=False,
+        first_block=first_block,
+        blocks=[(region_id, o, n) for o, n in spans],
+    )
     return Stored(reply.stored, reply.existed)
 
 
@@ -161,14 +187,7 @@ def lookup(
 ) -> Steps[list[Lookup]]:
     """The stored prefix of each prompt (one round trip for the whole batch)."""
     reply: wire.LookupReply = yield from core.prompts_call(
-        lambda entries: wire.Lookup(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            prompts=entries,
-            pin=pin or None,
-        ),
-        prompts,
-        hashes,
+        wire.Lookup, identity, prompts, hashes, pin=pin or None
     )
     return [
         Lookup(r.n_blocks, r.n_tokens, unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
@@ -179,26 +198,13 @@ def lookup(
 def unpin(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
     """Release one of this connection's pins of each closed block of `prompts` (pinned by
     `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
-    reply: wire.UnpinReply = yield from core.prompts_call(
-        lambda entries: wire.Unpin(
-            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
-        ),
-        prompts,
-        None,
-    )
+    reply: wire.UnpinReply = yield from core.prompts_call(wire.Unpin, identity, prompts)
     return reply.released
 
 
 def delete(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
-    """Remove the last closed block of each prompt and every block below it; how many
-    blocks went."""
-    reply: wire.DeleteReply = yield from core.prompts_call(
-        lambda entries: wire.Delete(
-            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
-        ),
-        prompts,
-        None,
-    )
+    """Remove the last closed block of each prompt and every block below it; how many went."""
+    reply: wire.DeleteReply = yield from core.prompts_call(wire.Delete, identity, prompts)
     return reply.blocks
 
 
@@ -218,17 +224,9 @@ def route(
     core: ClientCore, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
 ) -> Steps[Routed]:
     """What this node would serve the prompt and its routing score (no payload is read)."""
-    held: list[Lease | Span] = []
-    try:
-        message = wire.Route(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
-            hashes=hashes,
-        )
-        reply: wire.RouteReply = yield Call(message, tuple(spans_of(held)))
-    finally:
-        release_all(held)
+    reply: wire.RouteReply = yield from core.prompted_call(
+        wire.Route, identity, token_ids, hashes=hashes
+    )
     fields = msgspec.structs.asdict(reply)
     return Routed(**{name: fields[name] for name in Routed.__slots__})
 
@@ -246,10 +244,9 @@ def load(
     deadline_s: float | None = None,
 ) -> Steps[Loaded]:
     """Load the longest stored prefix of `token_ids` (from `first_block` on, at most `length`
-    bytes) into leased region space. The result's views stay valid until it is released
-    (`release()`, `with`, or when it and its views are gone). `warm` counts the load as restart
-    warm-up in the daemon's stats. Past `deadline_s` seconds (default: the daemon's
-    load_deadline_s) the daemon stops reading and answers the verified prefix it has."""
+    bytes) into leased region space, valid until the result is released. `warm` counts it as
+    restart warm-up. Past `deadline_s` (default: the daemon's load_deadline_s) the daemon
+    answers the verified prefix it has."""
     allocator = core.require_payloads()
     options: dict[str, Any] = {
         "max_blocks": max_blocks,
@@ -258,19 +255,11 @@ def load(
         "warm": warm,
         "deadline_s": deadline_s,
     }
-    # Into as much of the region as is free (all of it when nothing else is leased). When
-    # others held space and the hit did not fit, ask again once with a lease of the hit's
-    # size, holding nothing while waiting for it: a load never comes back short for lack of
-    # room that it could have had.
-    if length is not None:
-        lease = yield Reserve(allocator, max(length, 1))
-    else:
-        lease = yield Reserve(allocator, 1, largest=True)
-    try:
+    # Into all the free space; when others held space and the hit did not fit, once more with a
+    # lease of the hit's size: a load never comes back short for room it could have had.
+    lease = yield Reserve.up_to(allocator, length)
+    with released_on_error(lease):
         reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
-    except BaseException:
-        lease.release()
-        raise
     if length is None and reply.next_size and lease.size < allocator.size:
         lease.release()
         [hit] = yield from lookup(
@@ -280,27 +269,20 @@ def load(
         if max_blocks is not None:
             wanted = wanted[:max_blocks]
         lease = yield Reserve(allocator, min(max(sum(wanted), 1), allocator.size))
-        try:
+        with released_on_error(lease):
             reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
-        except BaseException:
-            lease.release()
-            raise
-    try:
+    with released_on_error(lease):
         base = lease.offset
         offsets, sizes = unpacked(reply.offsets), unpacked(reply.sizes)
         lease.trim(max((o + n - base for o, n in zip(offsets, sizes)), default=0))
         views = tuple(lease.slice(o - base, o - base + n) for o, n in zip(offsets, sizes))
-    except BaseException:
-        lease.release()
-        raise
     return Loaded(reply.n_blocks, reply.n_tokens, offsets, sizes, views, reply.first_block, lease)
 
 
 def hot(
     core: ClientCore, budget_bytes: int, *, tenant: str, limit: int = 64
 ) -> Steps[list[HotPrefix[np.ndarray]]]:
-    """The tenant's most valuable stored prefixes (by the eviction score) within
-    `budget_bytes`."""
+    """The tenant's most valuable stored prefixes (by eviction score) within `budget_bytes`."""
     message = wire.Hot(id=core.next_id(), budget_bytes=budget_bytes, tenant=tenant, limit=limit)
     reply: wire.HotReply = yield Call(message)
     return [
@@ -344,8 +326,7 @@ def verify(core: ClientCore, *, fix: bool = False, payloads: bool = True) -> Ste
 
 
 class Operations:
-    """What `Client` and `AsyncClient` share apart from how they drive steps: every operation,
-    and the views of the core a caller reads."""
+    """What `Client` and `AsyncClient` share: every operation, and the core's state."""
 
     _core: ClientCore
 

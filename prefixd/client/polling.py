@@ -1,21 +1,12 @@
-"""How the blocking client waits for a reply: polling the socket for a short while before it
-sleeps in recv, for the requests whose replies come that fast.
+"""How the blocking client waits for a reply: polling the socket briefly before it sleeps in recv.
 
-A thread asleep in recv is woken by the kernel when its reply lands, and where idle cores halt
-(a VM with guest halt-polling off, a server core in a deep C-state) that wake-up is most of a
-short request's time. On the 2-vCPU VM of the README a blocking echo round trip takes about
-10-14 us with both ends on one vCPU and 51-65 us across the two, and a 131,072-token lookup
-through the daemon falls from 183-200 us to 111-150 us when the client polls for its reply.
-
-Polling costs the client's CPU, so it is bounded twice: by a budget per reply, after which the
-thread sleeps in recv as before, and by kind of request, the way haltpoll adapts its window: a
-request polls only while the last reply of its kind came within the budget. A load that takes
-milliseconds polls once, learns, and then sleeps; a lookup or hello that comes back in tens of
-microseconds keeps polling. And it polls only while the kernel has no more runnable threads
-than CPUs, looking again every few polls: a poller takes no CPU another thread (the daemon,
-another client) is waiting for. Giving way by sched_yield instead was measured and is worse: on
-a crowded machine the poller waits a whole time slice to come back, its reply long since there
-(4 client processes on 2 CPUs: lookup p99 3.7 ms against 0.5 ms asleep).
+Where idle cores halt (a VM without guest halt-polling, a deep C-state), the wake-up from recv is
+most of a short request's time: polling took a 131,072-token lookup on the README's 2-vCPU VM from
+183-200 us to 111-150 us. Polling costs CPU, so it is bounded by a budget per reply, by kind of
+request (as haltpoll adapts its window: only while the last reply of that kind came within the
+budget, so a load polls once and then sleeps), and by the run queue: it polls only while no
+thread waits for a CPU. sched_yield instead was measured worse (4 client processes on 2 CPUs:
+lookup p99 3.7 ms against 0.5 ms asleep).
 """
 
 from __future__ import annotations
@@ -33,9 +24,8 @@ CROWD_CHECK_EVERY = 8  # empty polls (a few microseconds each) between looks at 
 
 
 class RunQueue:
-    """Whether the kernel has more runnable threads than CPUs: the fourth field of
-    /proc/loadavg (runnable/all), read with one pread of a descriptor kept open (about 2 us).
-    Where it cannot be read, the machine counts as crowded and nobody polls."""
+    """Whether the kernel has more runnable threads than CPUs (/proc/loadavg's runnable count,
+    one pread of a descriptor kept open, about 2 us); unreadable counts as crowded."""
 
     def __init__(self, path: str = "/proc/loadavg") -> None:
         self._cpus = os.cpu_count() or 1
@@ -69,14 +59,12 @@ class ReplyPolling:
         clock: Callable[[], float],
         crowded: Callable[[], bool] | None = None,
     ) -> None:
-        """`crowded` says when another thread waits for a CPU (default: a RunQueue of its own,
-        when there is a budget)."""
         if not budget_s >= 0:  # NaN too
             raise ConfigError(f"poll_us must be >= 0, got {budget_s * 1e6!r}")
         self.budget_s = budget_s
         self.clock = clock
         self._run_queue = RunQueue() if crowded is None and budget_s else None
-        self.crowded = crowded or self._run_queue or _always
+        self.crowded = crowded or self._run_queue or (lambda: True)
         self._took: dict[type, float] = {}  # kind of request -> seconds its last reply took
         self.polled = 0  # replies picked up by polling
         self.slept = 0  # replies waited for asleep in recv
@@ -96,17 +84,15 @@ class ReplyPolling:
     def before_sleeping(
         self, sock: socket.socket, frames: FrameReader, kind: type
     ) -> memoryview | None:
-        """The reply to a request of `kind`, polled for when that is worth it; None (counted in
-        `slept`) when the caller is to wait for it asleep in recv."""
+        """The reply, polled for when that is worth it; None when the caller is to sleep in recv."""
         body = self.poll(sock, frames) if self.worth(kind) else None
         if body is None:
             self.slept += 1
         return body
 
     def poll(self, sock: socket.socket, frames: FrameReader) -> memoryview | None:
-        """The next reply's body if it comes within the budget, read without sleeping (counted
-        in `polled`); None once the budget is spent or another thread waits for a CPU
-        (whatever part of a frame came is kept in `frames`)."""
+        """The next reply's body if it comes within the budget; None once the budget is spent or
+        another thread waits for a CPU (a partial frame stays in `frames`)."""
         if self.crowded():
             return None  # another thread wants a CPU: leave it to them
         clock = self.clock
@@ -129,10 +115,6 @@ class ReplyPolling:
             if body is not None:
                 self.polled += 1
                 return body
-
-
-def _always() -> bool:
-    return True
 
 
 __all__ = ["DEFAULT_POLL_US", "ReplyPolling", "RunQueue"]

@@ -1,6 +1,6 @@
-"""What the clients' calls return. A loaded result owns the region span its bytes lie in: its views
-stay valid until it is released (explicitly, with `with`, or when it and every view made from it
-are gone), and raise on use after release instead of showing another request's bytes."""
+"""What the clients' calls return. A loaded result owns its region span: its views raise once it
+is released (explicitly, by `with`, or when it and its views are gone), never showing another
+request's bytes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
 from prefixd.client.leases import Lease
+from prefixd.wire.messages import StatePart
 
 if TYPE_CHECKING:
     import torch  # the loads into tensors only (prefixd.client.tensors)
@@ -51,8 +52,7 @@ class Stored:
 
 
 class _Releasable:
-    """A result whose views are slices of its lease (Lease.slice), so releasing the lease
-    releases them."""
+    """A result whose views are slices of its lease: releasing the lease releases them."""
 
     __slots__ = ()
     lease: Lease | None
@@ -75,9 +75,8 @@ class _Releasable:
 
 @dataclass(frozen=True, slots=True)
 class Loaded(_Releasable):
-    """Verified payloads of `n_blocks` blocks from `first_block` on, in the client's region; the
-    prefix is usable up to `n_tokens`. `views[i]` is block first_block + i's payload, at region
-    offset `offsets[i]`."""
+    """Verified payloads of `n_blocks` blocks from `first_block` on (usable up to `n_tokens`):
+    `views[i]` is block first_block + i's, at region offset `offsets[i]`."""
 
     n_blocks: int
     n_tokens: int
@@ -86,23 +85,6 @@ class Loaded(_Releasable):
     views: tuple[memoryview, ...]
     first_block: int = 0
     lease: Lease | None = field(default=None, repr=False, compare=False)
-
-    def __enter__(self) -> Self:
-        return self
-
-
-@dataclass(frozen=True, slots=True)
-class StatePart:
-    """One state-group payload of a hybrid hit: a page covering tokens [first_token,
-    first_token + tokens), or the checkpoint at first_token (tokens 0). After a load, `view` is
-    its verified bytes in the client's region."""
-
-    group: str
-    first_token: int
-    tokens: int
-    size: int
-    offset: int = -1
-    view: memoryview | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +102,10 @@ class StateLookup:
 
     def by_group(self) -> dict[str, list[StatePart]]:
         """The parts of each group, in order (a paged group's pages, or one checkpoint)."""
-        return _by_group(self.parts)
+        groups: dict[str, list[StatePart]] = {}
+        for part in self.parts:
+            groups.setdefault(part.group, []).append(part)
+        return groups
 
     @property
     def payload_bytes(self) -> int:
@@ -128,28 +113,16 @@ class StateLookup:
 
 
 @dataclass(frozen=True, slots=True)
-class StateLoaded(_Releasable):
+class StateLoaded(_Releasable, StateLookup):
     """A joint hit loaded into the region: the lookup's fields, each part with its `view`."""
 
-    reusable_tokens: int
-    replay_from: int
-    paged_tokens: int
-    matched_tokens: int
-    parts: tuple[StatePart, ...]
     lease: Lease | None = field(default=None, repr=False, compare=False)
-
-    def by_group(self) -> dict[str, list[StatePart]]:
-        return _by_group(self.parts)
-
-    def __enter__(self) -> Self:
-        return self
 
 
 @dataclass(frozen=True)
 class Installed:
-    """What a load installed: `n_blocks` blocks, `n_tokens` tokens (the caller skips these).
-    `event` is recorded after the last copy (None on CPU, or when the call waited); `complete`
-    says whether every destination was filled (False: the stored prefix was shorter)."""
+    """What a load installed (the caller skips `n_tokens`). `event`: after the last copy (None
+    on CPU, or when the call waited); `complete`: every destination was filled."""
 
     n_blocks: int
     n_tokens: int
@@ -177,10 +150,3 @@ class WarmUp:
     blocks: int
     tokens: int
     bytes: int
-
-
-def _by_group(parts: tuple[StatePart, ...]) -> dict[str, list[StatePart]]:
-    groups: dict[str, list[StatePart]] = {}
-    for part in parts:
-        groups.setdefault(part.group, []).append(part)
-    return groups

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from prefixd.client.core import ClientCore
-from prefixd.client.leases import Lease, Span
-from prefixd.client.results import StateLoaded, StateLookup, StatePart, Stored
-from prefixd.client.steps import Call, Reserve, Steps, release_all, spans_of
+from prefixd.client.leases import Lease
+from prefixd.client.results import StateLoaded, StateLookup, Stored
+from prefixd.client.steps import Reserve, Steps, holding, released_on_error, spans_of
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import TokenIds
@@ -31,16 +33,16 @@ def put_state(
     paged, checkpoints = paged or {}, checkpoints or {}
     payloads = [p for name in paged for p in paged[name]]
     payloads += [p for name in checkpoints for p in checkpoints[name].values()]
-    held: list[Lease | Span] = []
-    try:
+    with holding() as held:
         lease, staged = yield from core.stage(payloads)
         if lease is not None:
             held.append(lease)
         spans = iter(staged)
-        message = wire.PutState(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
+        reply: wire.PutStateReply = yield from core.prompted_call(
+            wire.PutState,
+            identity,
+            token_ids,
+            spans_of(held),
             first_block=first_block,
             upto_tokens=upto_tokens,
             paged={name: [next(spans) for _ in paged[name]] for name in paged},
@@ -49,9 +51,6 @@ def put_state(
                 for name, placed in checkpoints.items()
             },
         )
-        reply: wire.PutStateReply = yield Call(message, spans_of(held))
-    finally:
-        release_all(held)
     return Stored(reply.stored, reply.existed, reply.parts)
 
 
@@ -64,11 +63,7 @@ def lookup_state(
 ) -> Steps[list[StateLookup]]:
     """The joint hit of each prompt for a hybrid identity (one round trip)."""
     reply: wire.LookupStateReply = yield from core.prompts_call(
-        lambda entries: wire.LookupState(
-            id=core.next_id(), identity=core.wire_identity(identity), prompts=entries
-        ),
-        prompts,
-        hashes,
+        wire.LookupState, identity, prompts, hashes
     )
     return [
         StateLookup(
@@ -76,7 +71,7 @@ def lookup_state(
             r.replay_from,
             r.paged_tokens,
             r.matched_tokens,
-            tuple(_part(p, None, 0) for p in r.parts),
+            tuple(r.parts),
             r.est_load_s,
             r.est_prefill_s,
         )
@@ -96,10 +91,7 @@ def load_state(
     each part's `view` holds its bytes until the result is released. Past `deadline_s` seconds
     (default: the daemon's load_deadline_s) the daemon stops reading and answers a miss."""
     allocator = core.require_payloads()
-    if length is not None:
-        lease = yield Reserve(allocator, max(length, 1))
-    else:
-        lease = yield Reserve(allocator, 1, largest=True)
+    lease = yield Reserve.up_to(allocator, length)
     try:
         result = yield from _load_state_span(core, identity, token_ids, lease, deadline_s)
     except RegionError:
@@ -109,29 +101,25 @@ def load_state(
         # others held space and the hit did not fit: once more with a lease of its size
         [hit] = yield from lookup_state(core, identity, [token_ids])
         lease = yield Reserve(allocator, min(max(hit.payload_bytes, 1), allocator.size))
-        try:
+        with released_on_error(lease):
             result = yield from _load_state_span(core, identity, token_ids, lease, deadline_s)
-        except BaseException:
-            lease.release()
-            raise
     except BaseException:
         lease.release()
         raise
-    try:
-        parts = result.parts
-        ends = ((p.offset or 0) + p.size - lease.offset for p in parts)
-        lease.trim(max(ends, default=0))
-        loaded = tuple(_part(p, lease, lease.offset) for p in parts)
-    except BaseException:
-        lease.release()
-        raise
+    with released_on_error(lease):
+        starts = [(p.offset or 0) - lease.offset for p in result.parts]
+        lease.trim(max((at + p.size for at, p in zip(starts, result.parts)), default=0))
+        loaded = tuple(
+            msgspec.structs.replace(p, view=lease.slice(at, at + p.size))
+            for at, p in zip(starts, result.parts)
+        )
     return StateLoaded(
         result.reusable_tokens,
         result.replay_from,
         result.paged_tokens,
         result.matched_tokens,
         loaded,
-        lease,
+        lease=lease,
     )
 
 
@@ -142,28 +130,14 @@ def _load_state_span(
     lease: Lease,
     deadline_s: float | None,
 ) -> Steps[wire.LoadStateReply]:
-    allocator = core.require_payloads()
-    held: list[Lease | Span] = []
-    try:
-        message = wire.LoadState(
-            id=core.next_id(),
-            identity=core.wire_identity(identity),
-            **core.prompt_fields(token_ids, held),
-            region=core.region_id(allocator),
-            offset=lease.offset,
-            length=lease.size,
-            deadline_s=deadline_s,
-        )
-        reply: wire.LoadStateReply = yield Call(message, (lease.span, *spans_of(held)))
-    finally:
-        release_all(held)
+    reply: wire.LoadStateReply = yield from core.prompted_call(
+        wire.LoadState,
+        identity,
+        token_ids,
+        (lease.span,),
+        region=core.region_id(core.require_payloads()),
+        offset=lease.offset,
+        length=lease.size,
+        deadline_s=deadline_s,
+    )
     return reply
-
-
-def _part(entry: wire.StatePart, lease: Lease | None, base: int) -> StatePart:
-    """A reply's part, with a view of its bytes when they were loaded into `lease`."""
-    offset = -1 if entry.offset is None else entry.offset
-    view = None
-    if lease is not None:
-        view = lease.slice(offset - base, offset - base + entry.size)
-    return StatePart(entry.group, entry.first_token, entry.tokens, entry.size, offset, view)

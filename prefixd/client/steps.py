@@ -1,20 +1,13 @@
-"""The steps a client call yields to the shell that drives it (in the manner of h11's sans-I/O
-core), and the lease bookkeeping every call shares:
-
-- `Reserve(allocator, nbytes)`: the shell waits for region space (a thread blocks, a task
-  awaits) and sends back the `Lease`;
-- `Call(message, spans)`: the shell sends one request and sends back its reply (an error reply is
-  raised into the generator as its exception class); `spans` are the leased region spans the
-  request names, kept out of use until its reply arrives;
-- `Synchronize(event)`: the shell waits for a CUDA event (copies to or from a device).
-
-A generator releases what it leased in `finally` blocks, so an error, a timeout or a cancelled
-task never leaks space, and never frees space a request in flight still names (see leases.py).
+"""The steps a client call yields to the shell that drives it (sans-I/O, as in h11), and the
+lease bookkeeping every call shares. A call releases what it leased in `finally` blocks, so an
+error, a timeout or a cancelled task never leaks space, nor frees space a request in flight still
+names (see leases.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+import contextlib
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -45,6 +38,11 @@ class Reserve(NamedTuple):
     nbytes: int
     largest: bool = False
 
+    @classmethod
+    def up_to(cls, allocator: RegionAllocator, length: int | None) -> Reserve:
+        """`length` bytes, or with None all the free space there is (the largest span)."""
+        return cls(allocator, 1, largest=True) if length is None else cls(allocator, max(length, 1))
+
 
 class Synchronize(NamedTuple):
     """Wait until a CUDA event has completed."""
@@ -52,7 +50,13 @@ class Synchronize(NamedTuple):
     event: Any
 
 
-Step = Call | Reserve | Synchronize
+class Publish(NamedTuple):
+    """The client's publisher of stores from tensors, of at least `region_bytes` (Publishers)."""
+
+    region_bytes: int
+
+
+Step = Call | Reserve | Synchronize | Publish
 Steps = Generator[Step, Any, T]
 
 
@@ -61,10 +65,25 @@ def spans_of(leases: Sequence[Lease | Span]) -> tuple[Span, ...]:
     return tuple(lease.span for lease in leases)
 
 
-def release_all(leases: Sequence[Lease | Span]) -> None:
-    """Give back what a call held, once its reply is in (or it failed)."""
-    for lease in leases:
+@contextlib.contextmanager
+def holding() -> Iterator[list[Lease | Span]]:
+    """What a call holds until its reply is in (or it failed), released on the way out."""
+    held: list[Lease | Span] = []
+    try:
+        yield held
+    finally:
+        for lease in held:
+            lease.release()
+
+
+@contextlib.contextmanager
+def released_on_error(lease: Lease) -> Iterator[Lease]:
+    """`lease`, released when the block fails (else its caller keeps it)."""
+    try:
+        yield lease
+    except BaseException:
         lease.release()
+        raise
 
 
 def unpacked(packed: bytes) -> tuple[int, ...]:

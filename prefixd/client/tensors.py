@@ -1,22 +1,22 @@
-"""The operations into and out of device memory: steps of the client core that stream a load
-through leased staging slots into tensors (`load_into`, `load_state_into`, `warm_up`), bound to
-both clients by `TensorOperations`. The copies themselves need torch (prefixd.client.transfer,
-the [gpu] extra): it is imported when one of these runs, never when the clients are.
+"""The operations into device memory (`load_into`, `load_state_into`, `warm_up`, `store_from`):
+steps of the client core, bound to both clients by `TensorOperations`. The copies need torch
+(prefixd.client.transfer, the [gpu] extra), imported only when one of these runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from prefixd.client import state_steps
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Lease
-from prefixd.client.operations import Operation, hot, lookup
-from prefixd.client.results import Installed, InstalledState, WarmUp
-from prefixd.client.steps import Reserve, Steps, Synchronize, unpacked
+from prefixd.client.operations import Background, Operation, hot, lookup
+from prefixd.client.results import Installed, InstalledState, Stored, WarmUp
+from prefixd.client.steps import Publish, Reserve, Steps, Synchronize, unpacked
 from prefixd.errors import DestinationError, PrefixdError, TransferError
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.identity import Identity
@@ -25,6 +25,8 @@ from prefixd.schema.tokens import TokenIds
 
 if TYPE_CHECKING:
     import torch
+
+    from prefixd.client.transfer import Publisher
 
 DEFAULT_SLOTS = 3
 
@@ -40,10 +42,9 @@ def load_into(
     hashes: bytes | None = None,
     warm: bool = False,
 ) -> Steps[Installed]:
-    """Stream the verified payloads of the stored prefix of `token_ids` into `destinations`
-    (block i into destinations[i], any device, contiguous, at least the payload's size), as many
-    blocks as there are destinations and the store holds, through `slots` leased staging slots.
-    `warm` counts the loads as restart warm-up."""
+    """Stream the stored prefix of `token_ids` into `destinations` (block i into the contiguous
+    destinations[i], on any device) through `slots` staging slots. `warm` counts it as restart
+    warm-up."""
     from prefixd.client.transfer import Copier, device_of, nbytes
 
     allocator = core.payloads
@@ -146,7 +147,7 @@ def load_state_into(
                         f"state group {group!r}: a destination holds {nbytes(dest)} bytes, "
                         f"the payload needs {part.size}"
                     )
-                copier.to_device(part.offset - lease.offset, part.size, dest)
+                copier.to_device((part.offset or 0) - lease.offset, part.size, dest)
                 n_bytes += part.size
     except BaseException:
         copier.drain()
@@ -169,10 +170,8 @@ def warm_up(
     limit: int = 64,
     slots: int = DEFAULT_SLOTS,
 ) -> Steps[WarmUp]:
-    """After a restart, stream the tenant's most valuable stored prefixes (by eviction score) into
-    destinations until `budget_bytes` of payload: `destinations_factory(prefix)` allocates one
-    destination per block of `prefix` (or returns None to skip it). The daemon counts what was
-    warmed (`prefixd stats`: warmed_blocks, warmed_bytes)."""
+    """After a restart, stream the tenant's most valuable prefixes (by eviction score), up to
+    `budget_bytes`, into what `destinations_factory(prefix)` allocates (None skips it)."""
     prefixes = blocks = tokens = n_bytes = 0
     for prefix in (yield from hot(core, budget_bytes, tenant=tenant, limit=limit)):
         destinations = destinations_factory(prefix)
@@ -188,9 +187,24 @@ def warm_up(
     return WarmUp(prefixes, blocks, tokens, n_bytes)
 
 
+def store_from(
+    core: ClientCore,
+    identity: Identity,
+    token_ids: TokenIds,
+    sources: Sequence[Any],
+    *,
+    first_block: int = 0,
+    ready: Any = None,
+    region_bytes: int = 256 << 20,
+) -> Steps[Future[Stored]]:
+    """Publish blocks from device tensors in the background (Publisher.store_from), through a
+    connection and region of their own, of at least `region_bytes`."""
+    publisher: Publisher = yield Publish(region_bytes)
+    return publisher.store_from(identity, token_ids, sources, first_block=first_block, ready=ready)
+
+
 def _slot_bytes(sizes: Sequence[int], region_bytes: int, slots: int) -> int:
-    """A staging slot's size: the whole hit when it fits in one slot's share of the region, else
-    that share (so a small load leases little of a shared region)."""
+    """The whole hit when it fits one slot's share of the region, else that share."""
     share = region_bytes // max(slots, 1)
     return max(1, min(share, max(sum(sizes), 1)))
 
@@ -220,3 +234,4 @@ class TensorOperations:
     load_into = Operation(load_into)
     load_state_into = Operation(load_state_into)
     warm_up = Operation(warm_up)
+    store_from = Background(store_from)

@@ -1,24 +1,11 @@
-"""The last hop: verified payloads from the shared region into destination tensors, and back.
+"""The torch side of the loads into tensors (prefixd.client.tensors) and of `store_from`.
 
-A load streams through the client's region cut into `slots` staging slots (double or triple
-buffering). The daemon verifies batch k into slot k % slots while batch k-1 is copied to the
-device, so verification (and decompression) overlaps the copies. On CUDA the region is registered
-as pinned memory and the copies run with `non_blocking=True` on a dedicated stream; an event per
-slot tells when the slot may be written again, and the engine's compute stream never waits: the
-caller gets an event to make it wait on, or asks the call to wait. Without CUDA (the CPU build of
-torch cannot pin memory) the same pipeline runs, the copies being synchronous, so every test runs
-everywhere.
-
-Every byte of the region these calls use is leased (prefixd.client.leases): a load's slots, a
-store's staging space. The lease is held until the copies that read or write it have completed,
-so concurrent calls on one client never overlap.
-
-The loads are steps of the client core (prefixd.client.tensors), so `Client` and `AsyncClient`
-run the same code; this module is their torch side: the copies, and the publisher of stores.
-
-Nothing reaches a destination before the daemon verified it: a slot is copied only after the reply
-that says its bytes passed their checksums. A load that fails part way raises TransferError with the
-number of tokens installed; loads write the same bytes every time, so a retry is harmless.
+A load streams through `slots` staging slots of the region: the daemon verifies batch k into slot
+k % slots while batch k-1 is copied out, so verification overlaps the copies. On CUDA the region
+is pinned and the copies run on a dedicated stream, one event per slot saying when it may be
+written again, so the engine's stream never waits; without CUDA the same pipeline runs with
+synchronous copies, so every test runs everywhere. A slot is copied only after the reply that
+says its bytes passed their checksums.
 """
 
 from __future__ import annotations
@@ -59,8 +46,8 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class Copier:
-    """Copies between a lease's slots and tensors: on a dedicated CUDA stream with one event per
-    slot when the device is CUDA, synchronously otherwise."""
+    """Copies between a lease's slots and tensors (on CUDA: a dedicated stream, an event per
+    slot)."""
 
     def __init__(self, lease: Lease, slots: int, slot_bytes: int, device: torch.device) -> None:
         if slots < 1:
@@ -86,8 +73,7 @@ class Copier:
         return slot * self.slot_bytes
 
     def reuse(self, slot: int) -> torch.cuda.Event | None:
-        """The event to wait for before the daemon may write `slot` again (its copies out are
-        done then), or None."""
+        """The event to wait for before the daemon may write `slot` again, or None."""
         event, self._events[slot] = self._events[slot], None
         return event
 
@@ -97,26 +83,23 @@ class Copier:
 
     def to_device(self, offset: int, size: int, dest: torch.Tensor) -> None:
         """Queue a copy of region bytes [offset, offset + size) into the start of `dest`."""
-        target = _byte_view(dest, size)
-        source = self.host(offset, size)
+        self._copy(_byte_view(dest, size), self.host(offset, size), dest)
+
+    def from_device(self, source: torch.Tensor, offset: int) -> int:
+        """Queue a copy of `source`'s bytes into the region at `offset`; returns its size."""
+        data = _byte_view(source, None)
+        self._copy(self.host(offset, data.numel()), data, source)
+        return data.numel()
+
+    def _copy(self, target: torch.Tensor, source: torch.Tensor, device: torch.Tensor) -> None:
+        """`target.copy_(source)`, queued on the copy stream on CUDA, where the caller's
+        `device` tensor is kept from reuse until the copy ran."""
         if self.stream is None:
             target.copy_(source)
             return
         with torch.cuda.stream(self.stream):
             target.copy_(source, non_blocking=True)
-            dest.record_stream(self.stream)
-
-    def from_device(self, source: torch.Tensor, offset: int) -> int:
-        """Queue a copy of `source`'s bytes into the region at `offset`; returns its size."""
-        data = _byte_view(source, None)
-        target = self.host(offset, data.numel())
-        if self.stream is None:
-            target.copy_(data)
-        else:
-            with torch.cuda.stream(self.stream):
-                target.copy_(data, non_blocking=True)
-                source.record_stream(self.stream)
-        return data.numel()
+            device.record_stream(self.stream)
 
     def finish(self, slot: int) -> None:
         """Mark the end of the copies that use `slot`."""
@@ -149,10 +132,9 @@ class PublishingClient(Drives, Protocol):
 
 class Publisher:
     """Stores from device tensors without making the engine wait: the copies to the host and the
-    put run on a thread of their own, through a connection and a region of their own."""
+    put run on a thread of their own, through `client` (its own, of `region_bytes`)."""
 
     def __init__(self, client: PublishingClient, region_bytes: int) -> None:
-        """`client`: a blocking client of the publisher's own, with a region of `region_bytes`."""
         self.region_bytes = region_bytes
         self._client = client
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixd-publish")

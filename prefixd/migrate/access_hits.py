@@ -1,9 +1,6 @@
-"""Version 2: access records gain a hit count.
-
-Version 1 kept one u64 per block, the time of its last read. Eviction by value per byte (see the
-design notes' V = p C_saved / (M T)) needs how often a block is reused, so version 2 keeps
-(last access ns u64, hits u32, reserved u32). Existing blocks start at 0 hits with their last
-access time kept. Records, payloads and keys are untouched, so every entry reads back bit-identical.
+"""Version 2: access records gain a hit count, which eviction by value per byte needs
+(V = p C_saved / (M T)): (last access ns u64, hits u32, reserved u32). Existing blocks keep their
+last access and start at 0 hits; nothing else changes.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Versions 3 and 5: running counts of each identity's stored bytes and blocks.
-
-Per-tenant quotas add up the stored bytes of a tenant's identities on every put, and the daemon
-reports stored entries per tenant; older versions kept only store-wide totals. Version 3 keeps
-`identity_stored:<digest>` counters, version 5 `identity_blocks:<digest>`, both maintained in the
-same transactions as the blocks. Each step computes them from the block records in resumable
-batches: a step that starts clears the counters it computes, so a rerun never counts twice.
+"""Versions 3 and 5: running counts of each identity's stored bytes and blocks, for per-tenant
+quotas and reports (`identity_stored:<digest>`, `identity_blocks:<digest>`). A step recomputes
+them from the block records in resumable batches, clearing them first so a rerun never counts
+twice.
 """
 
 from __future__ import annotations

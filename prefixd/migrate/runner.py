@@ -91,8 +91,7 @@ class Migrator:
     def __init__(
         self, path: Path, *, batch: int = DEFAULT_BATCH, settings: StoreConfig | None = None
     ) -> None:
-        """`settings`: what `serve` opens the store with (map size, readers, ...); the
-        defaults when None."""
+        """`settings`: what `serve` opens the store with (None: the defaults)."""
         if batch < 1:
             raise MigrationError(f"batch must be at least 1, got {batch}")
         self.path = Path(path)
@@ -192,11 +191,8 @@ class Migrator:
                     if cursor is None:  # the step's last batch carries the version stamp
                         meta = with_version(meta, step.version, migrating=None)
                     else:
-                        meta = with_version(
-                            meta,
-                            meta.schema_version,
-                            migrating={"to": step.version, "cursor": cursor},
-                        )
+                        resume = {"to": step.version, "cursor": cursor}
+                        meta = with_version(meta, meta.schema_version, migrating=resume)
                     txn.put(META_KEY, meta.encode(), db=tables.meta)
                 entry.changed += changed
                 if progress is not None:

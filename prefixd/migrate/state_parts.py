@@ -1,8 +1,5 @@
-"""Version 4: a `parts` table for the state-group payloads of hybrid identities.
-
-Hybrid models keep several kinds of prefix state (prefixd.schema.state); each payload is a part
-record hung on a block. Older stores have no hybrid entries, so the step has nothing to convert:
-the table is created, empty, when the migration opens the store, and the step stamps the version.
+"""Version 4: a `parts` table for hybrid identities' state-group payloads. Older stores hold no
+hybrid entries, so the table is created empty and the step only stamps the version.
 """
 
 from __future__ import annotations

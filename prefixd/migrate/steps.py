@@ -1,10 +1,6 @@
-"""What a migration step is, and the ordered list of them.
-
-Like alembic's revisions: step N turns a version N-1 store into a version N store. A step works in
-batches so a large store never needs one huge transaction; each batch commits together with the
-step's resume cursor in the meta record, and the last batch commits the new version stamp. A
-killed migration therefore resumes where it stopped, and a store is always at exactly one version.
-The steps themselves are listed in prefixd.migrate.runner.
+"""What a migration step is. Like alembic's revisions, step N turns a version N-1 store into
+version N, in batches that each commit with the step's resume cursor; the last commits the new
+version, so a killed migration resumes and a store is always at exactly one version.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The prefix chain: block i is named by a hash of (identity digest, parent hash, block i's tokens).
-
-An engine-keyed identity (`Identity.key_bytes`) chains the engine's block keys the same way: each
-key takes the place of one block's tokens, so its blocks get every guarantee the chain gives.
-All three inputs have fixed widths (16 + 16 + 4 * block_words bytes), so the concatenation is
-unambiguous. xxh3-128 gives 128 bits against accidental collisions at ~10 GB/s; the store also keeps
-each block's tokens, parent and identity and compares them on every hit, so a collision, accidental
-or crafted, is a miss and never a wrong answer.
+"""The prefix chain: block i is named by a hash of (identity digest, parent hash, its tokens),
+or of its engine key for an engine-keyed identity. The inputs have fixed widths, so the join is
+unambiguous; xxh3-128 gives 128 bits against accidental collisions at ~10 GB/s, and the store
+compares tokens, parent and identity on every hit, so any collision is a miss, never wrong data.
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ class BlockChain:
     def __init__(
         self, identity: Identity, token_ids: TokenIds, hashes: bytes | None = None
     ) -> None:
-        """`hashes`, when given, are the closed blocks' hashes packed back to back, as a client
-        that already computed them sends them. They only choose which records a walk reads: the
-        walk still compares every record's tokens and parent link, so a wrong hash is a miss."""
+        """`hashes`: the closed blocks' hashes, packed, as a client sends them. They only choose
+        which records a walk reads (it compares tokens and parents), so a wrong one is a miss."""
         self.identity = identity
         tokens = as_token_array(token_ids)
         # A private snapshot (bytes input is immutable already): tokens read from memory a client
@@ -80,9 +75,8 @@ class BlockChain:
         return self._bytes
 
     def adopt(self, hashes: tuple[bytes, ...] | list[bytes]) -> None:
-        """Take blocks 0..len(hashes)-1's hashes from a prefix verified earlier for these very
-        tokens (the lookup memo compares them byte for byte), so a put that extends a long chain
-        hashes only its own blocks. Only extends what is known; supplied hashes are kept."""
+        """Take the first hashes from a prefix verified earlier for these very tokens, so a put
+        that extends a long chain hashes only its own blocks (supplied hashes are kept)."""
         if self._supplied or len(hashes) <= len(self._hashes):
             return
         if len(hashes) > self.n_blocks:

@@ -1,9 +1,5 @@
-"""A model's weights fingerprint: what an identity's `weights` holds when it is taken from files.
-
-The daemon (`--model-manifests`) and an engine integration fingerprint the same files the same
-way, so the version an engine stores under is the version the daemon keeps when it retires the
-others.
-"""
+"""A model's weights fingerprint from its files, taken the same way by the daemon
+(`--model-manifests`) and the engine integrations, so both name the same version."""
 
 from __future__ import annotations
 

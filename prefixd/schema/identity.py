@@ -1,10 +1,6 @@
-"""What makes two pieces of prompt state interchangeable, and its canonical digest.
-
-Two identities that differ in any field never share an entry: the digest of the canonical encoding is
-mixed into every block hash. The encoding is a msgpack array of the fields in a fixed order behind a
-format tag and version. msgpack is length-prefixed, so ("ab", "c") and ("a", "bc") cannot collide,
-an absent optional field (nil) differs from any string, and every field keeps its own position, so an
-adapter name can never be read as a tenant name. Nothing depends on Python's `hash()`.
+"""What makes two pieces of prompt state interchangeable, and its canonical digest, mixed into
+every block hash. The encoding is a msgpack array of the fields in a fixed order behind a format
+tag and version: length-prefixed and positional, so no two field values can be confused.
 """
 
 from __future__ import annotations
@@ -52,16 +48,12 @@ _ALL_FIELDS = (*_ENCODING_ORDER, "state", "key_bytes")
 class Identity:
     """Everything that makes cached prompt state compatible with a request.
 
-    `kv_layout` names the KV dtype, quantisation and layout schema including tensor/pipeline
-    sharding and the rank: each rank's shard is its own entry. `adapter` and `mm` are None when no
-    LoRA adapter or multimodal preprocessing is involved. `state` is the state spec of a hybrid
-    model (prefixd.schema.state); None stores one opaque payload per block.
-
-    `key_bytes` makes the identity engine-keyed: its blocks are named by the engine's own block
-    keys of exactly that many bytes (vLLM's 32-byte block hash and 4-byte group index, say), not
-    by token ids. The store then chains keys as it chains token blocks (each key in the place of
-    one block's tokens, compared on every hit), and `block_tokens` still says how many tokens one
-    block holds (what a hit saves). None: keyed by token ids.
+    `kv_layout` names the KV dtype, quantisation and layout, sharding and rank included (each
+    rank's shard is its own entry). `adapter` and `mm` are None without a LoRA adapter or
+    multimodal preprocessing. `state` is a hybrid model's state spec (None: one opaque payload
+    per block). `key_bytes` makes the identity engine-keyed: its blocks are named by the engine's
+    own keys of that many bytes (prefixd.schema.keys), while `block_tokens` still says how many
+    tokens a block holds.
     """
 
     model: str

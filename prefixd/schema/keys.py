@@ -1,11 +1,7 @@
-"""Engine block keys as the chain's words: what an engine-keyed identity puts and looks up.
-
-An engine that names its blocks itself (vLLM's 32-byte block hash and 4-byte group index, an
-LMCache chunk hash, an SGLang page hash) hands prefixd those keys instead of token ids. Packed back
-to back in prefix order, they are the `token_ids` of a put, lookup or load under an identity whose
-`key_bytes` is their length: each key takes one block's place in the chain, is stored in its
-record and compared on every hit, so a key is only ever found under its own identity, after its
-own parents, and a hit never reaches past a missing block.
+"""Engine block keys as the chain's words: an engine that names its blocks itself (vLLM's block
+hash and group index, an LMCache or SGLang hash) packs its keys, in prefix order, as the
+`token_ids` of an identity whose `key_bytes` is their length. Each key takes one block's place in
+the chain and is compared on every hit, so it is found only under its identity and parents.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The store's one meta record: magic, on-disk schema version, settings and a checksum.
-
-Layout: MAGIC (8 bytes) | schema version (u32 LE) | settings length (u32 LE) | settings (msgpack map)
-| crc32c of all the preceding bytes (u32 LE). The magic and the version sit at fixed offsets in every
-version, so any future prefixd can tell "not a store", "another version" and "corrupt" apart.
+"""The store's one meta record: MAGIC (8 bytes) | schema version (u32 LE) | settings length
+(u32 LE) | settings (msgpack map) | crc32c (u32 LE). Magic and version sit at fixed offsets in
+every version, so any prefixd tells "not a store", "another version" and "corrupt" apart.
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ class StoreMeta:
 
     @classmethod
     def decode(cls, data: bytes, *, supported: int | None = SCHEMA_VERSION) -> StoreMeta:
-        """Parse a meta record; raises NotAStoreError, CorruptMetaError or SchemaVersionError.
-
-        `supported=None` accepts any version up to this code's (for migrations)."""
+        """Parse a meta record (`supported=None`: any version up to this code's, to migrate);
+        raises NotAStoreError, CorruptMetaError or SchemaVersionError."""
         if len(data) < len(MAGIC) or data[: len(MAGIC)] != MAGIC:
             raise NotAStoreError("meta record does not start with the prefixd magic")
         if len(data) < _HEAD.size + _CRC.size:

@@ -1,7 +1,5 @@
-"""The byte layout of a stored block's record (everything about a block except its payload).
-
-A record is a fixed little-endian header, the block's token ids (the collision defence), and a
-crc32c of everything before it, so a damaged record is told apart from a hash collision.
+"""The byte layout of a stored block's record: a fixed little-endian header, the block's token
+ids (the collision defence) and a crc32c, so a damaged record is told apart from a collision.
 """
 
 from __future__ import annotations
@@ -54,9 +52,8 @@ _COMPRESSIONS = tuple(Compression)  # indexable by code, cheaper than Compressio
 
 
 class BlockRecord(NamedTuple):
-    """Metadata of one stored block. `tokens` are the block's packed '<u4' token ids.
-
-    A NamedTuple: the lookup path decodes one per block, and tuple construction is the cheapest."""
+    """Metadata of one stored block; `tokens` are its packed '<u4' token ids. A NamedTuple: the
+    lookup path decodes one per block, and tuple construction is the cheapest."""
 
     compression: Compression
     chunk_bytes: int
@@ -74,24 +71,11 @@ class BlockRecord(NamedTuple):
         return len(self.tokens) // TOKEN_BYTES
 
     def encode(self) -> bytes:
-        body = (
-            _HEADER.pack(
-                RECORD_MAGIC,
-                RECORD_VERSION,
-                int(self.compression),
-                0,
-                self.chunk_bytes,
-                self.n_chunks,
-                self.checksum,
-                self.payload_size,
-                self.stored_size,
-                self.created_ns,
-                self.identity,
-                self.parent,
-                self.n_tokens,
-            )
-            + self.tokens
+        # the fields from chunk_bytes to parent lie in the header in their own order
+        header = _HEADER.pack(
+            RECORD_MAGIC, RECORD_VERSION, int(self.compression), 0, *self[1:9], self.n_tokens
         )
+        body = header + self.tokens
         return body + _TRAILER.pack(crc32c.crc32c(body))
 
     @classmethod
@@ -103,41 +87,14 @@ class BlockRecord(NamedTuple):
         body = memoryview(data)[: size - _TRAILER.size]
         if crc32c.crc32c(body) != _TRAILER.unpack_from(data, size - _TRAILER.size)[0]:
             raise CorruptRecordError("record fails its checksum")
-        fields = _HEADER.unpack_from(data, 0)
-        (
-            magic,
-            version,
-            compression,
-            _reserved,
-            chunk_bytes,
-            n_chunks,
-            checksum,
-            payload_size,
-            stored_size,
-            created_ns,
-            identity,
-            parent,
-            n_tokens,
-        ) = fields
+        magic, version, compression, _reserved, *fields, n_tokens = _HEADER.unpack_from(data, 0)
         if magic != RECORD_MAGIC or version != RECORD_VERSION:
             raise CorruptRecordError("record has an unknown magic or version")
         if HEADER_BYTES + n_tokens * TOKEN_BYTES != len(body):
             raise CorruptRecordError("record length does not match its token count")
         if compression >= len(_COMPRESSIONS):
             raise CorruptRecordError(f"record has unknown compression {compression}")
-        tokens = bytes(body[HEADER_BYTES:])
-        return cls(
-            _COMPRESSIONS[compression],
-            chunk_bytes,
-            n_chunks,
-            checksum,
-            payload_size,
-            stored_size,
-            created_ns,
-            identity,
-            parent,
-            tokens,
-        )
+        return cls._make((_COMPRESSIONS[compression], *fields, bytes(body[HEADER_BYTES:])))
 
 
 class AccessRecord(NamedTuple):
@@ -181,10 +138,9 @@ _PART = struct.Struct("<4sBBBBIIIIQQQ")
 
 
 class PartRecord(NamedTuple):
-    """Metadata of one state-group payload hung on a block of a hybrid identity: a paged group's
-    page (on the page's first block) or a checkpoint (on the block that ends at its boundary).
-
-    Field names match BlockRecord's payload fields, so the codec reads either."""
+    """Metadata of one state-group payload hung on a block of a hybrid identity: a page (on its
+    first block) or a checkpoint (on the block ending at its boundary). Its field names match
+    BlockRecord's payload fields, so the codec reads either."""
 
     compression: Compression
     group: int
@@ -197,20 +153,8 @@ class PartRecord(NamedTuple):
     created_ns: int
 
     def encode(self) -> bytes:
-        body = _PART.pack(
-            PART_MAGIC,
-            PART_VERSION,
-            int(self.compression),
-            self.group,
-            0,
-            self.block_index,
-            self.chunk_bytes,
-            self.n_chunks,
-            self.checksum,
-            self.payload_size,
-            self.stored_size,
-            self.created_ns,
-        )
+        # the fields from block_index on lie in the record in their own order
+        body = _PART.pack(PART_MAGIC, PART_VERSION, int(self.compression), self.group, 0, *self[2:])
         return body + _TRAILER.pack(crc32c.crc32c(body))
 
     @classmethod

@@ -1,6 +1,5 @@
-"""What the store holds, as it is shown outside the store: a listing's blocks and warm-up's
-prefixes. The store makes them, the daemon sends them, the clients return them (one class each
-for all three)."""
+"""What the store holds as shown outside it: one class each for a listing's blocks and
+warm-up's prefixes, made by the store, sent by the daemon, returned by the clients."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ Tokens = TypeVar("Tokens")
 
 @dataclass(frozen=True, slots=True)
 class ListedBlock:
-    """One stored block of a listing (Store.list_blocks, Client.list_blocks): its identity
-    (named with the tenant asked for), its token ids or engine key (packed), and its payload's
-    size."""
+    """One stored block of a listing: its identity, its packed token ids or engine key, and its
+    payload's size."""
 
     identity: Identity
     tokens: bytes
@@ -29,9 +27,8 @@ class ListedBlock:
 
 @dataclass(frozen=True, slots=True)
 class HotPrefix(Generic[Tokens]):
-    """A prefix to warm (Store.hottest, Client.hot): its identity, its token ids from token 0
-    (whole blocks: packed '<u4' bytes in the store, a uint32 array from a client), its blocks'
-    payload sizes, and the best value per byte among the blocks that put it here."""
+    """A prefix to warm (Store.hottest, Client.hot): its token ids from token 0 (packed in the
+    store, a uint32 array from a client), its blocks' sizes and its best value per byte."""
 
     identity: Identity
     tokens: Tokens

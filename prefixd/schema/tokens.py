@@ -16,11 +16,8 @@ TokenIds = Sequence[int] | np.ndarray | bytes | bytearray | memoryview
 
 
 def as_token_array(token_ids: TokenIds) -> np.ndarray:
-    """Return `token_ids` as a C-contiguous '<u4' array, refusing anything ambiguous.
-
-    Bytes-like input is taken as packed little-endian uint32 (the wire form, no copy). Integer arrays
-    and sequences are range-checked: a negative or too-large id is an error, never wrapped.
-    """
+    """`token_ids` as a C-contiguous '<u4' array: bytes-like input as packed ids (the wire form,
+    no copy), integers range-checked (a negative or too-large id is an error, never wrapped)."""
     if isinstance(token_ids, (bytes, bytearray, memoryview)):
         view = memoryview(token_ids)
         if view.ndim != 1 or view.itemsize != 1:

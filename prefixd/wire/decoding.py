@@ -1,7 +1,6 @@
-"""Frames in and out of the typed messages (prefixd.wire.messages): `encode`, the daemon's one
-entry point `decode_request` (every limit is in the schema; a refused body names the field and the
-reason, never a value), and the client's `reply_id` and `decode_reply`, which raises an error
-reply as its code's class."""
+"""Frames in and out of the typed messages: `encode`, the daemon's one entry point
+`decode_request` (a refused body names the field and the reason, never a value; nesting past the
+schema ends in a bad_frame), and the client's `reply_id` and `decode_reply`."""
 
 import re
 from typing import Annotated, Any, TypeVar, Union, get_args
@@ -51,9 +50,8 @@ class _Envelope(Struct):
 
 
 class _PutStateFrame(Prompted, tag="put_state", kw_only=True):
-    """put_state as a frame is read: its groups' arrays left unbuilt, so their lengths can be
-    summed from the arrays' headers before any entry exists (32 groups of 65,536 checkpoints
-    are 12 MiB of msgpack that built would be 270 MiB of tuples, on the event loop)."""
+    """put_state with its groups' arrays unbuilt, their lengths summed from the headers first
+    (32 groups of 65,536 checkpoints: 12 MiB of msgpack, 270 MiB of tuples once built)."""
 
     first_block: Count | None = None
     upto_tokens: Count | None = None
@@ -110,8 +108,7 @@ def decode_request(body: bytes | bytearray | memoryview) -> AnyRequest:
 
 
 def _put_state(frame: _PutStateFrame) -> PutState:
-    """The put_state a frame holds once its payloads in all are within MAX_BLOCKS_PER_PUT; a
-    group's entries are built only then (msgspec's errors name `paged[...]` as they would)."""
+    """The put_state a frame holds, its groups built only once within MAX_BLOCKS_PER_PUT."""
     paged, checkpoints = frame.paged or {}, frame.checkpoints or {}
     if sum(map(_array_length, [*paged.values(), *checkpoints.values()])) > MAX_BLOCKS_PER_PUT:
         reason = f"put_state: at most {MAX_BLOCKS_PER_PUT} payloads per put (all groups together)"
@@ -136,8 +133,7 @@ def _groups(
 
 
 def _array_length(raw: msgspec.Raw) -> int:
-    """The element count in a msgpack array's header (fixarray, array 16, array 32); 0 for
-    anything else, which the typed decode refuses."""
+    """The element count in a msgpack array's header; 0 for anything else (refused later)."""
     head = memoryview(raw)
     if not head:
         return 0
@@ -149,8 +145,7 @@ def _array_length(raw: msgspec.Raw) -> int:
 
 
 def _refusal(body: bytes | bytearray | memoryview, reason: str) -> RequestError:
-    """Why a body that is msgpack is no request: read its id and op (bad_frame without an int
-    id or a str op, unknown_op), then name the field at fault."""
+    """Why a msgpack body is no request: its id and op, then the field at fault."""
     try:
         envelope = _ENVELOPE_DECODER.decode(body)
     except msgspec.ValidationError:
@@ -226,14 +221,13 @@ _HEAD_DECODER = msgspec.msgpack.Decoder(_ReplyHead)
 
 
 def reply_id(body: bytes | bytearray | memoryview) -> int | None:
-    """A reply's id (None for the reply to a frame whose id the daemon could not read), to match
-    it to its request before decoding it as that request's reply type."""
+    """A reply's id (None: the daemon could not read the request's), to match its request."""
     return _head(body).id
 
 
 def decode_reply(body: bytes | bytearray | memoryview, kind: type[R]) -> R:
-    """The reply of type `kind` a frame body holds. An error reply raises the error class of its
-    code (prefixd.wire.errors.error_for); a body that is neither raises BadFrameError."""
+    """The reply of type `kind` a body holds; an error reply raises its code's class, anything
+    else BadFrameError."""
     decoder = _REPLY_DECODERS.get(kind)
     if decoder is None:
         decoder = _REPLY_DECODERS[kind] = msgspec.msgpack.Decoder(kind)

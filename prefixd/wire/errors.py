@@ -1,8 +1,5 @@
-"""Error codes on the wire, and the exception class each one is, in both directions.
-
-The daemon replies to a failed request with `{"code": ..., "message": ...}`; `code_of` names the
-code for whatever it raised, and a client turns the reply back into the same class with
-`error_for`. One table, so the two directions cannot disagree.
+"""Error codes on the wire and the exception class of each, in one table for both directions:
+the daemon names the code of what it raised (`code_of`), a client raises the class (`error_for`).
 """
 
 from __future__ import annotations
@@ -13,8 +10,7 @@ from prefixd import errors
 
 
 class ErrorCode(str, Enum):
-    """Machine-readable error codes; the message says what exactly was wrong. Codes are never
-    renumbered or reused (docs/protocol.md)."""
+    """Machine-readable error codes, never renumbered or reused (docs/protocol.md)."""
 
     BAD_FRAME = "bad_frame"  # body is not a msgpack map with an int id and a str op
     FRAME_TOO_LARGE = "frame_too_large"

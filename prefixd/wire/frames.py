@@ -1,9 +1,4 @@
-"""Frames: a 4-byte big-endian body length followed by a msgpack map.
-
-The messages a frame holds are typed structs (prefixd.wire.messages), decoded in one place with
-their limits. See docs/protocol.md for every operation and the evolution rules (new fields get
-defaults; nothing is renumbered or reused).
-"""
+"""Frames: a 4-byte big-endian body length followed by a msgpack map (docs/protocol.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ READ_AHEAD_BYTES = 64 << 10
 
 
 def _enc_hook(value: Any) -> Any:
-    """What msgpack-python packs and msgspec does not: subclasses of float (numpy's float64)
-    and integers that only implement __index__ (numpy's integers)."""
+    """What msgpack-python packs and msgspec does not: numpy's floats and integers."""
     if isinstance(value, float):
         return float(value)
     index = getattr(value, "__index__", None)
@@ -62,15 +56,11 @@ def decode_body(body: bytes | memoryview) -> dict[str, Any]:
 
 class FrameReader:
     """Cuts a byte stream into frame bodies, without I/O: a shell reads into `space()`, reports
-    `filled(n)`, and takes whole bodies from `next_body()`. Reading ahead into one buffer brings a
-    reply's header and body (and a frame right behind it) in with one recv, where reading the
-    header and then the body takes two.
-
-    A body is a view into the buffer, valid until the next `space()`; a body too long for the
-    buffer gets one of its own. A length over `max_body` raises FrameTooLargeError, unless the
-    shell looks at `claimed()` first and `skip()`s the frame (the daemon's prefixd.daemon.inbox).
-    `offset` is the stream offset of the next frame, so a shell can tell which bytes a body
-    came in (and with them, which descriptors)."""
+    `filled(n)` and takes bodies from `next_body()`. Reading ahead brings a header and its body
+    in with one recv, not two. A body is a view valid until the next `space()` (one too long for
+    the buffer gets its own). A length over `max_body` raises FrameTooLargeError unless the
+    shell `skip()`s it after `claimed()`; `offset`, the stream offset of the next frame, tells
+    which bytes (and so which descriptors) a body came in."""
 
     def __init__(self, *, max_body: int = MAX_REPLY_BYTES, size: int = READ_AHEAD_BYTES) -> None:
         self.max_body = max_body
@@ -114,8 +104,7 @@ class FrameReader:
                 self._drop()
 
     def claimed(self) -> int | None:
-        """The body length the next frame's header claims, once the header is in (None while
-        a body of its own or a skipped frame is still being read)."""
+        """The body length the next frame's header claims, once the header is in."""
         if self._large is not None or self._skip or self._end - self._start < HEADER.size:
             return None
         (length,) = HEADER.unpack_from(self._buffer, self._start)

@@ -1,26 +1,13 @@
-"""Every message on the wire as a typed struct, and the one place a request is decoded.
+"""Every message on the wire as a typed msgspec struct: requests tagged by `op`, replies untagged.
 
-Requests are msgspec Structs tagged by `op` (`{"id": 7, "op": "lookup", ...}` on the wire); replies
-are untagged Structs (`{"id": 7, "ok": true, ...}`). msgpack stays the format and the field names
-and types are today's, so a peer that builds plain msgpack maps (an older client or daemon) is
-understood and understands these: optional fields have defaults (nil counts as absent), fields a
-receiver does not know are ignored (docs/protocol.md, "Evolution rules"); only an identity refuses
-fields it does not know, since every identity field is part of the cache key.
-
-`decode_request` (prefixd.wire.decoding) is the daemon's one entry point for a frame body. Its limits live in the schema:
-the frame size is bounded by the header check before the body is read; arrays, maps and strings
-carry length bounds (`MAX_*` below); no field is typed `Any`, so the nesting depth is the schema's
-(at most five levels; deeper input in an ignored field ends in msgspec's recursion limit, a
-`bad_frame`). A refused body raises `RequestError`, whose code comes from one table (`_CODES`) and
-whose message names the field and the reason, never a value (no token ids, hashes or prompt
-bytes; an unknown field's or op's name is cut to 64 characters).
-
-The client builds requests with these structs and sends `encode(request)` (a whole frame), then
-reads `reply_id(body)` to match the reply and `decode_reply(body, ReplyType)` to take it, which
-raises the error class of an error reply's code (prefixd.wire.errors.error_for).
+msgpack stays the format, so a peer that builds plain maps is understood: optional fields have
+defaults (nil counts as absent) and unknown fields are ignored (docs/protocol.md, "Evolution
+rules"), except in an identity, whose every field is part of the cache key. Every array, map and
+string carries a length bound (`MAX_*`) and no field is typed `Any`, so the schema bounds what a
+request can make the daemon build (prefixd.wire.decoding reads it).
 """
 
-from typing import Annotated, Any, Protocol, TypeAlias
+from typing import Annotated, Any, Protocol, TypeAlias, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -98,54 +85,25 @@ class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True, omit_default
 
     @classmethod
     def of(cls, identity: Identity) -> "WireIdentity":
-        state = None
+        fields = _fields(identity, cls)
         if identity.state is not None:
-            state = tuple(
-                WireStateGroup(
-                    g.name, g.kind, g.page_blocks, g.policy, g.period_tokens, g.replay_tokens
-                )
-                for g in identity.state
+            fields["state"] = tuple(
+                WireStateGroup(**_fields(g, WireStateGroup)) for g in identity.state
             )
-        return cls(
-            identity.model,
-            identity.weights,
-            identity.tokenizer,
-            identity.template,
-            identity.rope,
-            identity.kv_layout,
-            identity.block_tokens,
-            identity.tenant,
-            identity.adapter,
-            identity.mm,
-            state,
-            identity.key_bytes,
-        )
+        return cls(**fields)
 
     def to_identity(self) -> Identity:
         """The identity; raises IdentityError for what the schema cannot say (a string's bytes,
         a state spec that does not fit the block size, ...)."""
-        state = None
+        fields = _fields(self, WireIdentity)
         if self.state is not None:
-            state = tuple(
-                StateGroup(
-                    g.name, g.kind, g.page_blocks, g.policy, g.period_tokens, g.replay_tokens
-                )
-                for g in self.state
-            )
-        return Identity(
-            model=self.model,
-            weights=self.weights,
-            tokenizer=self.tokenizer,
-            template=self.template,
-            rope=self.rope,
-            kv_layout=self.kv_layout,
-            block_tokens=self.block_tokens,
-            tenant=self.tenant,
-            adapter=self.adapter,
-            mm=self.mm,
-            state=state,
-            key_bytes=self.key_bytes,
-        )
+            fields["state"] = tuple(StateGroup(**_fields(g, WireStateGroup)) for g in self.state)
+        return Identity(**fields)
+
+
+def _fields(source: object, kind: type[Struct]) -> dict[str, Any]:
+    """`source`'s values of the fields `kind` has (an identity's or a state group's)."""
+    return {name: getattr(source, name) for name in kind.__struct_fields__}
 
 
 # --- requests -----------------------------------------------------------------------------------
@@ -336,28 +294,9 @@ AnyRequest: TypeAlias = (
     | Delete
     | ListBlocks
 )
-REQUESTS: dict[str, type[RequestMessage]] = {}  # by op
-for _kind in (
-    Hello,
-    Attach,
-    Put,
-    Lookup,
-    Load,
-    Stats,
-    Health,
-    Purge,
-    PutState,
-    LookupState,
-    LoadState,
-    Hot,
-    Verify,
-    Route,
-    Unpin,
-    Delete,
-    ListBlocks,
-):
-    assert isinstance(_kind.__struct_config__.tag, str)
-    REQUESTS[_kind.__struct_config__.tag] = _kind
+REQUESTS: dict[str, type[RequestMessage]] = {  # by op
+    str(kind.__struct_config__.tag): kind for kind in get_args(AnyRequest)
+}
 _OPS: dict[type[Struct], str] = {t: op for op, t in REQUESTS.items()}
 
 
@@ -439,14 +378,18 @@ class LoadReply(Reply, kw_only=True):
     next_size: int = 0
 
 
-class StatePart(Struct, kw_only=True, omit_defaults=True):
-    """One payload of a joint match; `offset` (where it was loaded) in load_state replies only."""
+class StatePart(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One state-group payload of a joint match: a page covering tokens [first_token,
+    first_token + tokens), or the checkpoint at first_token (tokens 0). `offset`: where it was
+    loaded (load_state replies only). `view`: its verified bytes there, set by the client that
+    loaded it and never sent (left out at its default), so the reply's part is the result's."""
 
     group: str
     first_token: int
     tokens: int
     size: int
     offset: int | None = None
+    view: memoryview | None = None
 
 
 class JointResult(Struct, kw_only=True):
@@ -473,9 +416,7 @@ class LoadStateReply(Reply, kw_only=True):
     parts: list[StatePart]
 
 
-class PutStateReply(Reply, kw_only=True):
-    stored: int
-    existed: int
+class PutStateReply(PutReply, kw_only=True):
     parts: int
 
 
@@ -575,26 +516,6 @@ class HealthReply(Reply, kw_only=True):
     data_dir: str | None = None
 
 
-REPLIES: tuple[type[Reply], ...] = (
-    ErrorReply,
-    HelloReply,
-    AttachReply,
-    PutReply,
-    LookupReply,
-    LoadReply,
-    LookupStateReply,
-    LoadStateReply,
-    PutStateReply,
-    HotReply,
-    PurgeReply,
-    RouteReply,
-    VerifyReply,
-    StatsReply,
-    HealthReply,
-    UnpinReply,
-    DeleteReply,
-    ListReply,
-)
 REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
     Hello: HelloReply,
     Attach: AttachReply,
@@ -616,72 +537,8 @@ REPLY_OF: dict[type[RequestMessage], type[Reply]] = {
 }
 
 
+REPLIES: tuple[type[Reply], ...] = (ErrorReply, *REPLY_OF.values())
+
+
 def error_reply(rid: int | None, code: ErrorCode, message: str) -> ErrorReply:
     return ErrorReply(id=rid, error=ErrorInfo(code=code.value, message=message))
-
-
-__all__ = [
-    "MAX_BLOCKS_PER_PUT",
-    "MAX_HOT_PREFIXES",
-    "MAX_ID",
-    "MAX_INT",
-    "MAX_KEPT",
-    "MAX_PROMPTS_PER_LOOKUP",
-    "MAX_SERVES",
-    "MAX_TEXT",
-    "REPLIES",
-    "REPLY_OF",
-    "REQUESTS",
-    "AnyRequest",
-    "Attach",
-    "AttachReply",
-    "Delete",
-    "DeleteReply",
-    "ErrorInfo",
-    "ErrorReply",
-    "Health",
-    "HealthReply",
-    "Hello",
-    "HelloReply",
-    "Hot",
-    "HotEntry",
-    "HotReply",
-    "JointResult",
-    "ListBlocks",
-    "ListReply",
-    "ListedEntry",
-    "Load",
-    "LoadReply",
-    "LoadState",
-    "LoadStateReply",
-    "Lookup",
-    "LookupReply",
-    "LookupResult",
-    "LookupState",
-    "LookupStateReply",
-    "Prompt",
-    "Purge",
-    "PurgeReply",
-    "Put",
-    "PutReply",
-    "PutState",
-    "PutStateReply",
-    "Reply",
-    "RequestMessage",
-    "Route",
-    "RouteReply",
-    "Served",
-    "Span",
-    "StatePart",
-    "Stats",
-    "StatsReply",
-    "TokenFields",
-    "Unpin",
-    "UnpinReply",
-    "Verify",
-    "VerifyReply",
-    "WireIdentity",
-    "WireStateGroup",
-    "error_reply",
-    "op_of",
-]

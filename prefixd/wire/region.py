@@ -1,9 +1,9 @@
 """Shared memory between a client and the daemon: a sealed memfd passed over the socket.
 
-Bulk data never crosses the socket. The client creates a memfd, sizes it, seals it against
-shrinking and growing (so the daemon can never fault on a page the client took away), touches every
-page once, and sends the descriptor with SCM_RIGHTS. The daemon maps it and copies verified
-payloads straight into it; replies name offsets and lengths.
+The client sizes the memfd, seals it against shrinking and growing (so the daemon can never fault
+on a page taken away), touches every page and sends it with SCM_RIGHTS; the daemon maps it and
+copies verified payloads straight in. Replies name offsets and lengths, so bulk data never
+crosses the socket.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class SharedRegion:
         return self._mmap
 
     def pin(self) -> bool:
-        """Register the region as page-locked with CUDA (when torch and a GPU are present) so a
-        copy to the GPU is one DMA. Returns whether it is pinned."""
+        """Register the region as page-locked with CUDA (with torch and a GPU), so a copy to the
+        GPU is one DMA; whether it is pinned."""
         if self.pinned:
             return True
         try:
@@ -126,10 +126,8 @@ class MappedRegion:
         self.view = memoryview(self._mmap)
 
     def populate(self) -> int:
-        """Map in the pages the client allocated (`allocated`), so that the first load into the
-        region takes no page faults; returns the bytes populated. Never allocates: a hole the
-        client left stays one (a hole it punches after attaching is filled, as a load into it
-        would fill it). Tenths of a second per GiB: run it off the event loop."""
+        """Map in the pages the client allocated, so the first load takes no page faults (never
+        allocating a hole); the bytes populated. Tenths of a second per GiB: off the loop."""
         done = 0
         for start, end in self.allocated:
             try:
@@ -160,9 +158,8 @@ MAX_POPULATED_RANGES = 4096
 
 
 def allocated_ranges(fd: int, size: int) -> tuple[tuple[int, int], ...]:
-    """The [start, end) byte ranges of memfd `fd` that hold pages (page aligned), found with
-    SEEK_DATA and SEEK_HOLE: one range when the memfd is fully allocated, as `SharedRegion`
-    leaves it; none when it is fragmented past MAX_POPULATED_RANGES or cannot be asked."""
+    """The page-aligned [start, end) ranges of memfd `fd` that hold pages (SEEK_DATA and
+    SEEK_HOLE); none when fragmented past MAX_POPULATED_RANGES or it cannot be asked."""
     if os.fstat(fd).st_blocks * 512 >= size:
         return ((0, size),)
     ranges: list[tuple[int, int]] = []
@@ -180,8 +177,7 @@ def allocated_ranges(fd: int, size: int) -> tuple[tuple[int, int], ...]:
 
 
 def _unmap(view: memoryview, mapping: mmap.mmap) -> None:
-    """Unmap now, or, while views of it are still alive (a caller's `Loaded.views`, a copy still
-    running on a pool thread), leave the mapping to be freed with the last of them."""
+    """Unmap now, or while views of it live (a caller's, a copy's), with the last of them."""
     try:
         view.release()
         mapping.close()
