@@ -13,12 +13,12 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixd.config.kinds import KINDS, type_name
 from prefixd.config.settings import (
     CONFIG_ENV,
     DEFAULTS,
     DEPRECATED,
     ENV_PREFIX,
-    KINDS,
     META,
     SETTINGS,
     TABLES,
@@ -29,7 +29,6 @@ from prefixd.config.settings import (
     toml_key,
     toml_name,
     toml_value,
-    type_name,
     validated,
 )
 from prefixd.errors import ConfigError
