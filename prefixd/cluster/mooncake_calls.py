@@ -1,6 +1,6 @@
-"""Calls into Mooncake's client (prefixd.cluster.mooncake): its error codes and the exceptions
-they become, the checks of keys and buffers handed to it, the threads its calls run on (a call
-may hang for good), and the clients that could not be closed safely."""
+"""Calls into Mooncake's client: its error codes and the exceptions they become, the checks of keys
+and buffers, the threads its calls run on, and the clients that could not be closed.
+"""
 
 from __future__ import annotations
 
@@ -75,7 +75,6 @@ def code_name(code: int) -> str:
 
 
 def failure(what: str, code: int) -> TierError:
-    """The exception for Mooncake's negative return `code` of operation `what`."""
     message = f"{what} failed: {code_name(code)}"
     if code in _UNAVAILABLE_CODES:
         return TierUnavailableError(message, code)
@@ -106,7 +105,7 @@ def check_key(key: str) -> str:
 
 
 def bytes_view(value: Any, *, writable: bool) -> tuple[np.ndarray, int, int]:
-    """(an array keeping the memory alive, its address, its length) for a contiguous buffer."""
+    """(an array keeping the memory alive, its address, its length)"""
     try:
         view = memoryview(value)
     except TypeError:
@@ -126,7 +125,7 @@ def bytes_view(value: Any, *, writable: bool) -> tuple[np.ndarray, int, int]:
 
 
 def escape_regex(text: str) -> str:
-    """`text` as a literal for Mooncake's (C++ std::regex, ECMAScript) patterns."""
+    """`text` as a literal for Mooncake's (ECMAScript, unanchored) patterns."""
     return "".join(
         "\\" + c if c.isascii() and c.isprintable() and not c.isalnum() and c != "_" else c
         for c in text
@@ -141,8 +140,8 @@ def is_loopback(host: str) -> bool:
 
 
 def tag(key: str) -> str:
-    """A key as log lines and errors name it: a short hash, never the key (prefixd's keys hold
-    identity digests and block hashes, which logs must not carry)."""
+    """A key as logs and errors name it: a short hash (keys hold identity digests and block hashes,
+    which logs must not carry)."""
     return f"key #{xxhash.xxh32_hexdigest(key.encode('utf-8', 'replace'))}"
 
 
@@ -168,10 +167,9 @@ def abandon(client: Any, in_flight: Callable[[], int]) -> None:
 
 
 def close_abandoned() -> int:
-    """Close the Mooncake clients `SharedTier` abandoned (see prefixd.cluster.mooncake) whose calls
-    have all returned; the number closed. Call it when the master answers again, or before the
-    process exits while it does: Mooncake closes every client left at exit, which takes seconds
-    per client when the master is gone. Each close holds the GIL for 1-2 s."""
+    """Close the abandoned clients whose calls have all returned; the number closed. Call it once
+    the master answers again: Mooncake closes every client left at exit, seconds each when the
+    master is gone."""
     with _ABANDONED_LOCK:
         ready = [entry for entry in _ABANDONED if entry[1]() == 0]
         for entry in ready:
@@ -185,8 +183,8 @@ def close_abandoned() -> int:
 
 
 class Workers:
-    """Daemon threads running Mooncake calls. Unlike ThreadPoolExecutor's threads they never
-    keep the interpreter from exiting, even when a call hangs for good."""
+    """Daemon threads running Mooncake calls: unlike ThreadPoolExecutor's they never keep the
+    interpreter from exiting when a call hangs for good."""
 
     def __init__(self, n: int, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]

@@ -1,15 +1,8 @@
-"""The shared tier's client in a process of its own: `python -m prefixd.cluster.tier_child FD`.
-
-Run by prefixd.cluster.child.ChildTier, never by hand. FD is its end of a SOCK_SEQPACKET socket
-pair. The first message names the function that opens the tier (`module:function`, called with
-the settings as keywords: prefixd.cluster.mooncake.open_tier); every other one is
-a call (`id`, `op`, arguments), answered by a reply with the same id, from a thread of its own so
-that calls overlap. Bulk bytes never cross the socket: the parent sends memfds (`map`) that both
-map, and calls name a buffer, an offset and a length in them.
-
-Mooncake's client holds the GIL while it connects to a master that dies during the connection,
-and while it closes: here that stalls only this process, which the parent kills when a call is
-late. The process ends when the parent does (PR_SET_PDEATHSIG, and the socket's end of file).
+"""The shared tier's client in a process of its own: `python -m prefixd.cluster.tier_child FD`, run
+by prefixd.cluster.child.ChildTier on its end of a SOCK_SEQPACKET pair. The first message names the
+function that opens the tier; every other is a call, answered from a thread of its own (calls
+overlap). Buffers are memfds both processes map (`map`). A stall here (Mooncake holding the GIL)
+stalls only this process, which ends with its parent (PR_SET_PDEATHSIG, end of file).
 """
 
 from __future__ import annotations
@@ -34,8 +27,6 @@ _PR_SET_PDEATHSIG = 1
 
 
 class _Child:
-    """Serves one parent: the tier, the mapped buffers, the reply lock."""
-
     def __init__(self, sock: socket.socket, tier: Any) -> None:
         self.sock = sock
         self.tier = tier

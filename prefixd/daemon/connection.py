@@ -1,10 +1,6 @@
-"""One client connection: reading frames (with backpressure and timeouts), decoding them,
-starting each request's handler (looked up by its type in prefixd.daemon.operations) and sending
-the replies. It names no request type: what a handler takes (descriptors, a request before hello
-or while the daemon stops, an answer on the event loop) the handler's table entry says.
-
-The server that accepted the connection (prefixd.daemon.server) owns what connections share: its
-settings, counters and the stopping flag (a `Host`).
+"""One client connection: reading frames (with backpressure and timeouts), decoding them, starting
+each request's handler and sending the replies. It names no request type: what a handler takes is
+its table entry's business (prefixd.daemon.context.Handler).
 """
 
 from __future__ import annotations
@@ -59,8 +55,8 @@ class Host(Protocol):
 
 
 class Connection:
-    """One client: reads frames, runs requests concurrently; its Peer holds the client's
-    regions and pins."""
+    """One client: reads frames, runs requests concurrently; its Peer holds the client's regions and
+    pins."""
 
     def __init__(
         self,
@@ -163,11 +159,8 @@ class Connection:
             inbox.skip(frame.length)
 
     async def _fill(self) -> bool:
-        """Read more of the stream into the inbox; False on EOF (clean at a frame boundary).
-
-        Raises TimeoutError (the connection is closed) when a new connection has not said hello
-        within handshake_timeout_s, a frame once begun has not arrived within frame_timeout_s,
-        or no request has come for idle_timeout_s: a peer cannot hold a connection with half a
+        """Read more of the stream into the inbox; False on EOF. TimeoutError when hello, a begun
+        frame or the next request does not come in time: a peer cannot hold a connection with half a
         frame (or nothing) for ever."""
         inbox = self._inbox
         at_boundary = inbox.empty
@@ -206,7 +199,6 @@ class Connection:
         self._inbox.filled(got, fds, bool(flags & socket.MSG_CTRUNC))
 
     def _inline_ready(self) -> bool:
-        """Whether the reader callback may read and answer requests itself."""
         return (
             self.peer.greeted
             and not self._draining
@@ -251,7 +243,6 @@ class Connection:
         self._spawn(self._handle(handler, request, work))
 
     def _answered(self, op: str, answered: Answered, received: float) -> None:
-        """Send a reply a handler computed on the loop, without a task."""
         self.server.stats[f"requests.{op}"] += 1
         self._reply_now(answered.reply)
         sent = time.perf_counter()
@@ -265,8 +256,7 @@ class Connection:
         self._spawn(self._send(error_reply(rid, ErrorCode.BUSY, text)))
 
     def _refusal(self, handler: Handler) -> ProtocolError | None:
-        """Why a request of `handler` is not taken now, whatever its fields: before hello, or
-        while the daemon drains."""
+        """Why a request of `handler` is not taken now: before hello, or while the daemon drains."""
         if not (handler.before_hello or self.peer.greeted):
             return ProtocolError(ErrorCode.HELLO_REQUIRED, "send hello first")
         if self.server.stopping.is_set() and not handler.while_stopping:
@@ -274,8 +264,8 @@ class Connection:
         return None
 
     async def _refuse(self, exc: RequestError) -> None:
-        """Reply to a frame that decoded to no request (as a request task: in order with the
-        requests before it). A known op's hello_required or shutting_down comes first."""
+        """Reply to a frame that decoded to no request (as a task: in order with the requests before
+        it)."""
         refused: ProtocolError = exc
         if exc.op is not None:
             refused = self._refusal(self.operations.by_op[exc.op]) or exc
@@ -284,8 +274,8 @@ class Connection:
         await self._send(error_reply(exc.rid, code, refused.message))
 
     def _reply_now(self, reply: Struct) -> None:
-        """Send a reply computed on the loop without a task; one the socket does not take at
-        once is waited for by a task, which counts as a request in flight (backpressure)."""
+        """A reply the socket does not take at once is waited for by a task, which counts as a
+        request in flight (backpressure)."""
         sending = self._outbox.send(encode_frame(reply))
         if sending is not None:
             self._spawn(_sent(sending))
@@ -328,17 +318,15 @@ class Connection:
     # --- socket I/O ------------------------------------------------------------------------------
 
     async def _send(self, message: Struct | dict[str, Any]) -> None:
-        """Send a reply after those before it; return once it is out (the usual case: at once,
-        the whole reply fitting the socket), so a client that does not read holds its requests
-        in flight and the reader stops taking more."""
+        """Send a reply after those before it; return once it is out, so a client that does not read
+        holds its requests in flight and the reader stops taking more."""
         sending = self._outbox.send(encode_frame(message))
         if sending is not None:
             await _sent(sending)
 
     async def _readable(self, deadline: float | None = None) -> None:
-        """Wait until the socket is readable (TimeoutError past `deadline`, monotonic). The
-        reader stays registered while frames are read (one epoll registration per connection,
-        not two syscalls per frame)."""
+        """Wait until the socket is readable (TimeoutError past `deadline`). The reader stays
+        registered while frames are read: one epoll registration per connection."""
         loop = self._loop
         waiter = loop.create_future()
         self._waiter = waiter
@@ -362,8 +350,7 @@ class Connection:
             waiter.set_exception(TimeoutError("the peer sent nothing in time"))
 
     def _wake(self) -> None:
-        """The socket is readable: answer what can be answered here (the reader task waits at a
-        frame boundary), else wake the reader task."""
+        """The socket is readable: answer what can be answered here, else wake the reader task."""
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
@@ -371,9 +358,8 @@ class Connection:
             waiter.set_result(None)
 
     def _read_inline(self) -> bool:
-        """One read, and the whole frames it brought started (those memory answers, answered);
-        False leaves the rest to the reader task: descriptors, a partial or oversized frame,
-        backpressure, EOF or an error, or more frames than READ_STRETCH_S allows."""
+        """One read, and the whole frames it brought started; False leaves the rest to the reader
+        task (descriptors, a partial frame, EOF, an error, backpressure)."""
         inbox = self._inbox
         try:
             got, ancillary, flags, _ = self.sock.recvmsg_into([inbox.space()], _ANCILLARY_BYTES)
@@ -404,7 +390,6 @@ class Connection:
         return True
 
     def _unwatch(self) -> None:
-        """Stop watching the socket (level-triggered: an unread socket would wake us again)."""
         if self._watching:
             self._watching = False
             self._loop.remove_reader(self.sock.fileno())
@@ -423,8 +408,7 @@ class Connection:
 
 
 async def _sent(sending: asyncio.Future[None]) -> None:
-    """Wait until the outbox has sent a frame; a cancelled wait leaves the frame to it (the
-    stream stays whole)."""
+    """A cancelled wait leaves the frame to the outbox: the stream stays whole."""
     await asyncio.shield(sending)
 
 
@@ -437,6 +421,5 @@ async def reply_and_close(sock: socket.socket, code: ErrorCode, message: str) ->
 
 
 def _code(exc: ProtocolError) -> ErrorCode:
-    """The wire code of a protocol error (`internal` for a code that is none of the protocol's,
-    which would be a bug)."""
+    """The wire code of a protocol error (`internal` for none of the protocol's: a bug)."""
     return code_of(exc) or ErrorCode.INTERNAL
