@@ -1,19 +1,11 @@
 """KV events: what this node's store holds, published for cache-aware routers in vLLM's format.
 
-The store tells its observer (prefixd.store.journal) every block each committed transaction
-stored or removed, whatever removed it; `EventPublisher` turns those changes into vLLM's
-`KVEventBatch` of `BlockStored` / `BlockRemoved` / `AllBlocksCleared` (vllm 0.32.0,
-`vllm/distributed/kv_events.py`; docs/events.md says what each field carries) and publishes them
-on a ZeroMQ PUB socket as frames `[topic, seq, payload]`, with the ROUTER replay endpoint of
-vLLM's own publisher. A restarted daemon first says `AllBlocksCleared`, then announces its
-inventory at a bounded rate; every batch carries this start's incarnation after vLLM's fields
-(vLLM's decoder ignores it), so a consumer can drop a previous run's view.
-
-Publishing never delays a write: changes go into a bounded queue that the publisher's thread
-drains; past its bound they are dropped and counted (a subscriber learns of the gap from the
-sequence numbers, and heals it through the replay endpoint). Only the tenants named in
-`kv_events_tenants` are published (token ids are prompt content), or none of their token ids in
-hash-only mode. Nothing here logs token ids or hashes.
+The store tells its observer every block a commit stored or removed; `EventPublisher` publishes
+vLLM's `KVEventBatch` (vllm 0.32.0; docs/events.md) on a ZeroMQ PUB socket, with vLLM's ROUTER
+replay endpoint. A start says `AllBlocksCleared`, then announces the inventory at a bounded rate;
+batches carry this start's incarnation. Publishing never delays a write: past a bounded queue events
+are dropped and counted (subscribers see the sequence gap). Only `kv_events_tenants` are published
+(token ids are prompt content); nothing here logs token ids or hashes.
 """
 
 from __future__ import annotations
@@ -83,7 +75,7 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, array_like=True, gc=False):
-    """vLLM's KVEventBatch, and after its fields the incarnation of this daemon's start."""
+    """vLLM's KVEventBatch, then the incarnation of this daemon's start."""
 
     ts: float
     events: list[Event]
@@ -95,8 +87,8 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 def event_of(change: BlockChange, hash_only: bool) -> Event:
-    """The vLLM event of one change. A block's hash is prefixd's chain hash, or the engine's own
-    key for a block stored under one (so a router matches it against the engine's events)."""
+    """A block's hash is prefixd's chain hash, or the engine's own key for a block stored under one
+    (so a router matches it against the engine's events)."""
     identity = change.identity
     keyed = identity is not None and identity.key_bytes is not None
     block = change.tokens if keyed else change.block
@@ -126,8 +118,8 @@ def event_of(change: BlockChange, hash_only: bool) -> Event:
 
 
 class EventPublisher:
-    """The store's observer when events are on: a bounded queue, one thread that owns the ZeroMQ
-    sockets (PUB, and ROUTER for replays), and one that announces the inventory after a start."""
+    """The store's observer: a bounded queue, a thread owning the ZeroMQ sockets, and one announcing
+    the inventory after a start."""
 
     def __init__(self, settings: EventSettings, inventory: Iterator[list[BlockChange]]) -> None:
         try:
@@ -165,7 +157,7 @@ class EventPublisher:
     # --- the observer ------------------------------------------------------------------------
 
     def committed(self, changes: Sequence[BlockChange]) -> None:
-        """Called by the store's writers after each commit: queue, never wait on a subscriber."""
+        """Called by the store's writers after each commit: never waits."""
         settings = self.settings
         events = [event_of(c, settings.hash_only) for c in changes if settings.publishes(c)]
         if events:
@@ -185,7 +177,7 @@ class EventPublisher:
     # --- lifetime ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Bind (raising what binding raised), say AllBlocksCleared, then announce the store."""
+        """Bind (raising what binding raised), say AllBlocksCleared, announce."""
         self._thread.start()
         self._bound.wait()
         if self._failed is not None:
@@ -194,7 +186,6 @@ class EventPublisher:
         self._announcer.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop announcing, publish what is queued (for up to `timeout_s`), close the sockets."""
         self._stop.set()
         with self._ready:
             self._ready.notify_all()
@@ -210,8 +201,8 @@ class EventPublisher:
     # --- the threads -------------------------------------------------------------------------
 
     def _announce(self) -> None:
-        """The inventory, at most `inventory_rate` blocks a second: read and queued under the
-        order lock, so a block removed meanwhile is told removed after it was told stored."""
+        """At most `inventory_rate` blocks a second, under the order lock: a block removed meanwhile
+        is told removed after it was told stored."""
         started, announced = time.monotonic(), 0
         while not self._stop.is_set():
             with self._order:
@@ -275,7 +266,7 @@ class EventPublisher:
                 self.counts["published_events"] += len(batch)
 
     def _replay(self, replay: Any, buffer: deque[tuple[int, bytes]], topic: bytes) -> None:
-        """Answer one replay request, `[identity, b"", start seq]`, as vLLM's publisher does."""
+        """Answer one replay request, `[identity, b"", start seq]`, as vLLM does."""
         frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             return
@@ -289,7 +280,6 @@ class EventPublisher:
 
 
 def _batches(queued: list[list[Event]]) -> Iterator[list[Event]]:
-    """The queued events in order, EVENTS_PER_BATCH at most per batch."""
     batch: list[Event] = []
     for events in queued:
         for event in events:
