@@ -147,8 +147,6 @@ class SharedTierBridge:
         self._installer.shutdown(wait=True)
         self.tier.close()
 
-    # --- write-behind -----------------------------------------------------------------------------
-
     def published(self, identity: Identity, hashes: Sequence[bytes]) -> None:
         """Queue blocks a put stored or hung new parts on (a full queue drops and counts). A hybrid
         block replaces its published value: it may carry a new checkpoint."""
@@ -194,8 +192,6 @@ class SharedTierBridge:
             self.tier.put(key, room, overwrite=replace)
         finally:
             self.tier.release(room)
-
-    # --- read-through ----------------------------------------------------------------------------
 
     def read_through(
         self, identity: Identity, token_ids: TokenIds, local_blocks: int, *, staged: bool = False
@@ -529,8 +525,6 @@ class SharedTierBridge:
         batch.clear()
         return n, new
 
-    # --- purges ----------------------------------------------------------------------------------
-
     def purged(self, digests: Iterable[bytes]) -> int:
         removed = 0
         for digest in digests:
@@ -541,8 +535,6 @@ class SharedTierBridge:
                 log.warning("removing purged objects from the shared tier failed: %s", exc)
         self._count("remote_purged_objects", removed)
         return removed
-
-    # --- counts ---------------------------------------------------------------------------------
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

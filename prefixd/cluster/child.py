@@ -112,8 +112,6 @@ class ChildTier:
             fresh_after_s=max(5.0, 5 * settings.timeout_s),
         )
 
-    # --- lifecycle --------------------------------------------------------------------------
-
     def start(self) -> None:
         """Start the child now (it also starts on the first call), without waiting."""
         with self._lock:
@@ -161,8 +159,6 @@ class ChildTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # --- buffers ----------------------------------------------------------------------------
 
     def buffer(self, size: int) -> memoryview:
         """A buffer the child writes into directly; give it back with `release`."""
@@ -219,8 +215,6 @@ class ChildTier:
         if not 0 <= offset <= buffer.size - view.nbytes:
             return None
         return buffer, offset, view.nbytes
-
-    # --- operations -------------------------------------------------------------------------
 
     def put(self, key: str, value: Any, *, overwrite: bool = False) -> None:
         """Read by the child where it lies when in one of our buffers, else copied into one."""
@@ -280,8 +274,6 @@ class ChildTier:
 
     def remove_prefix(self, prefix: str, *, force: bool = True) -> int:
         return int(self._call("remove_prefix", keys=[prefix], flag=force))
-
-    # --- machinery --------------------------------------------------------------------------
 
     def _call(
         self,

@@ -43,8 +43,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# --- the tier ----------------------------------------------------------------------------------
-
 
 class SharedTier:
     """One Mooncake client for a daemon process, thread-safe. Connects lazily; every call finishes
@@ -64,8 +62,6 @@ class SharedTier:
         self._down_reason = ""
         self._registered: dict[int, tuple[int, np.ndarray]] = {}  # address -> (length, keepalive)
         self._registered_lock = threading.Lock()
-
-    # --- lifecycle --------------------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
@@ -177,8 +173,6 @@ class SharedTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # --- operations -------------------------------------------------------------------------
 
     def put(
         self, key: str, value: bytes | bytearray | memoryview, *, overwrite: bool = False
@@ -384,8 +378,6 @@ class SharedTier:
             raise failure(f"register ({n} bytes)", rc)
         with self._registered_lock:
             self._registered[address] = (n, array)
-
-    # --- machinery --------------------------------------------------------------------------
 
     def _direct(self, address: int, n: int) -> bool:
         if self.settings.protocol == "tcp":

@@ -67,9 +67,6 @@ _ABANDONED: list[tuple[Any, Callable[[], int]]] = []
 _ABANDONED_LOCK = threading.Lock()
 
 
-# --- errors ------------------------------------------------------------------------------------
-
-
 def code_name(code: int) -> str:
     return f"{_CODE_NAMES.get(code, 'UNKNOWN')} ({code})"
 
@@ -83,9 +80,6 @@ def failure(what: str, code: int) -> TierError:
     if code == -200:
         message += " (pool full, or no segment mounted yet after a master restart)"
     return TierError(message, code)
-
-
-# --- helpers -----------------------------------------------------------------------------------
 
 
 def check_key(key: str) -> str:

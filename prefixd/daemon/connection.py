@@ -93,8 +93,6 @@ class Connection:
         self._frame_timeout_s = config.frame_timeout_s
         self._idle_timeout_s = config.idle_timeout_s
 
-    # --- lifecycle -------------------------------------------------------------------------------
-
     def stop_reading(self) -> None:
         """Shutdown: take no new requests; the ones in flight finish and get their replies."""
         self._draining = True
@@ -314,8 +312,6 @@ class Connection:
             log.exception("operation %s failed", op)
             reply = error_reply(rid, ErrorCode.INTERNAL, "internal error (see the daemon log)")
         await self._send(reply)
-
-    # --- socket I/O ------------------------------------------------------------------------------
 
     async def _send(self, message: Struct | dict[str, Any]) -> None:
         """Send a reply after those before it; return once it is out, so a client that does not read

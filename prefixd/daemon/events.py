@@ -37,8 +37,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay, as vLLM's publi
 # thread woken at every commit would take the interpreter from the writers each time.
 POLL_S = 0.02
 
-# --- vLLM's wire format (vllm/distributed/kv_events.py, 0.32.0), written from its source -------
-
 BlockHash = bytes | int
 
 
@@ -83,9 +81,6 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     incarnation: str = ""
 
 
-# --- what is published ---------------------------------------------------------------------------
-
-
 def event_of(change: BlockChange, hash_only: bool) -> Event:
     """A block's hash is prefixd's chain hash, or the engine's own key for a block stored under one
     (so a router matches it against the engine's events)."""
@@ -112,9 +107,6 @@ def event_of(change: BlockChange, hash_only: bool) -> Event:
         locality=LOCALITY,
         ownership=OWNERSHIP,
     )
-
-
-# --- the publisher ---------------------------------------------------------------------------------
 
 
 class EventPublisher:
@@ -154,8 +146,6 @@ class EventPublisher:
             target=self._announce, name="prefixd-inventory", daemon=True
         )
 
-    # --- the observer ------------------------------------------------------------------------
-
     def committed(self, changes: Sequence[BlockChange]) -> None:
         """Called by the store's writers after each commit: never waits."""
         settings = self.settings
@@ -173,8 +163,6 @@ class EventPublisher:
             self._pending_events += len(events)
             if self._pending_events >= EVENTS_PER_BATCH:
                 self._ready.notify()
-
-    # --- lifetime ----------------------------------------------------------------------------
 
     def start(self) -> None:
         """Bind (raising what binding raised), say AllBlocksCleared, announce."""
@@ -197,8 +185,6 @@ class EventPublisher:
     def snapshot(self) -> dict[str, int]:
         with self._ready:
             return {**self.counts, "queued_events": self._pending_events}
-
-    # --- the threads -------------------------------------------------------------------------
 
     def _announce(self) -> None:
         """At most `inventory_rate` blocks a second, under the order lock: a block removed meanwhile

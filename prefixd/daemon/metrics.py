@@ -107,8 +107,6 @@ class Metrics:
         self.registry.register(_StoreCollector(store, self.tenant_labels))
         ProcessCollector(registry=self.registry)  # registers itself: on this registry only
 
-    # --- recording -------------------------------------------------------------------------------
-
     def observe_op(self, op: str, seconds: float) -> None:
         with self._lock:
             histogram = self._ops.get(op)
@@ -215,13 +213,9 @@ class Metrics:
             _SnapshotCollector(publisher, "prefixd_kv_events", "KV events", gauges)
         )
 
-    # --- the benefit model --------------------------------------------------------------------
-
     def benefit(self, hit_tokens: int, hit_bytes: int) -> tuple[float, float]:
         """The estimated seconds to load the hit, and the prefill seconds it saves."""
         return self.load_time.estimate(hit_bytes), hit_tokens / self.prefill_tokens_per_s
-
-    # --- reading -----------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """The summary `prefixd stats` prints. The store's per-tenant totals are every tenant's,

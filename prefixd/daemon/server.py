@@ -383,8 +383,6 @@ class Server:
         self._grace_ends = time.monotonic() + self.config.shutdown_grace_s
         self.stopping.set()
 
-    # --- listening ------------------------------------------------------------------------------
-
     def _bind(self) -> socket.socket:
         activated = systemd.listen_sockets(self.env if isinstance(self.env, dict) else None)
         if activated:
