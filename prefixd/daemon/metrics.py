@@ -284,6 +284,40 @@ class _BuildInfo(_Lazy):
         yield info
 
 
+# The store's totals (prefixd.store.results.StoreStats): name, field, scale, help
+_STORE_GAUGES = (
+    ("store_payload_bytes", "payload_bytes", 1, "Payload bytes before compression"),
+    ("store_map_used_bytes", "map_used_bytes", 1, "Bytes of the LMDB map in use"),
+    ("store_map_size_bytes", "map_size", 1, "LMDB map size"),
+    ("store_parts", "parts", 1, "State-group payloads of hybrid identities"),
+    ("compression_ratio", "compression_ratio", 1, "Payload over stored bytes"),
+    ("compress_bytes_per_second", "compress_gbps", 1e9, "Compression speed (payload bytes in)"),
+    (
+        "decompress_bytes_per_second",
+        "decompress_gbps",
+        1e9,
+        "Decompression speed (payload bytes out)",
+    ),
+    (
+        "verify_copy_bytes_per_second",
+        "copy_verify_gbps",
+        1e9,
+        "Speed of verified copies (payloads stored raw)",
+    ),
+)
+_STORE_COUNTS = (
+    ("quarantined_blocks", "quarantined", 1, "Blocks that failed verification"),
+    ("hash_collisions", "collisions", 1, "Hash collisions seen (counted misses)"),
+    ("verify_failures", "verify_failures", 1, "Payloads that failed checksums"),
+    (
+        "load_deadline_cutoffs",
+        "deadline_cutoffs",
+        1,
+        "Loads that stopped reading at their deadline (a shorter hit)",
+    ),
+)
+
+
 class _StoreCollector(_Lazy):
     """The store's totals, under the daemon's (capped) tenant labels."""
 
@@ -316,44 +350,10 @@ class _StoreCollector(_Lazy):
         for (label, reason), count in sorted(removed.items()):
             removed_family.add_metric([label, reason], count)
         yield removed_family
-        for name, value, doc in (
-            (
-                "prefixd_store_payload_bytes",
-                stats.payload_bytes,
-                "Payload bytes before compression",
-            ),
-            ("prefixd_store_map_used_bytes", stats.map_used_bytes, "Bytes of the LMDB map in use"),
-            ("prefixd_store_map_size_bytes", stats.map_size, "LMDB map size"),
-            ("prefixd_store_parts", stats.parts, "State-group payloads of hybrid identities"),
-            ("prefixd_compression_ratio", stats.compression_ratio, "Payload over stored bytes"),
-            (
-                "prefixd_compress_bytes_per_second",
-                stats.compress_gbps * 1e9,
-                "Compression speed (payload bytes in)",
-            ),
-            (
-                "prefixd_decompress_bytes_per_second",
-                stats.decompress_gbps * 1e9,
-                "Decompression speed (payload bytes out)",
-            ),
-            (
-                "prefixd_verify_copy_bytes_per_second",
-                stats.copy_verify_gbps * 1e9,
-                "Speed of verified copies (payloads stored raw)",
-            ),
-        ):
-            yield GaugeMetricFamily(name, doc, value=value)
-        for name, value, doc in (
-            ("prefixd_quarantined_blocks", stats.quarantined, "Blocks that failed verification"),
-            ("prefixd_hash_collisions", stats.collisions, "Hash collisions seen (counted misses)"),
-            ("prefixd_verify_failures", stats.verify_failures, "Payloads that failed checksums"),
-            (
-                "prefixd_load_deadline_cutoffs",
-                stats.deadline_cutoffs,
-                "Loads that stopped reading at their deadline (a shorter hit)",
-            ),
-        ):
-            yield CounterMetricFamily(name, doc, value=value)
+        for name, field, scale, doc in _STORE_GAUGES:
+            yield GaugeMetricFamily(f"prefixd_{name}", doc, value=getattr(stats, field) * scale)
+        for name, field, scale, doc in _STORE_COUNTS:
+            yield CounterMetricFamily(f"prefixd_{name}", doc, value=getattr(stats, field) * scale)
         sync = _sync_state(store)
         yield GaugeMetricFamily(
             "prefixd_store_sync_failed",
