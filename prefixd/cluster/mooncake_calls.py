@@ -60,9 +60,8 @@ INVALID_PARAMS = -600
 # Codes that mean "the cluster cannot be reached right now", not "this request is wrong".
 _UNAVAILABLE_CODES = frozenset({-103, -900, -1010, -1011})
 
-# Clients whose `close` could not be called safely (see prefixd.cluster.mooncake), kept alive on
-# purpose: destroying one runs Mooncake's close, which would hold the GIL for seconds. Each with
-# a function telling how many calls of its tier still run (it may be closed once that is 0).
+# Clients kept alive (their destructor would run Mooncake's close, GIL held), each with its
+# tier's count of calls still running (closed once that is 0)
 _ABANDONED: list[tuple[Any, Callable[[], int]]] = []
 _ABANDONED_LOCK = threading.Lock()
 

@@ -26,8 +26,7 @@ from prefixd.wire.messages import (
     RouteReply,
 )
 
-# The most token bytes a lookup may hold to be answered from memory on the event loop: comparing
-# them costs tens of microseconds; anything longer goes to a worker like every other request.
+# The most token bytes a lookup answered on the event loop may hold (tens of microseconds)
 LOOP_TOKEN_BYTES = 512 << 10
 
 

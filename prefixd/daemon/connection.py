@@ -33,11 +33,9 @@ from prefixd.wire.region import fds_from_ancillary
 log = logging.getLogger(__name__)
 
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * 4)
-# An oversized frame's body is read and dropped (keeping the stream in sync) up to this many times
-# the frame limit; beyond that the connection is closed.
+# Oversized frames up to this many times the limit are skipped; larger ones close the connection
 _DISCARD_FACTOR = 64
-# A connection's reader yields to the event loop after reading frames for this long without
-# waiting, so that a client whose frames keep arriving cannot hold off signals and other clients.
+# The reader yields after this long without waiting: a busy client must not hold off the others
 READ_STRETCH_S = 0.005
 
 

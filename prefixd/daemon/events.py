@@ -33,8 +33,7 @@ LOCALITY = "LOCAL"
 OWNERSHIP = "prefixd"
 EVENTS_PER_BATCH = 1024
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay, as vLLM's publisher does
-# The publisher wakes this often to send what is queued, or at once when a whole batch waits: a
-# thread woken at every commit would take the interpreter from the writers each time.
+# The publisher wakes this often (or for a whole batch), not at every commit: that costs the writers
 POLL_S = 0.02
 
 BlockHash = bytes | int

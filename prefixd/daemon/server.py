@@ -51,13 +51,11 @@ _PEERCRED = struct.Struct("3i")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux; not exported by every Python
 _PEERGROUPS_BYTES = 1024  # the most socket.getsockopt accepts (256 groups; more: ERANGE)
 RECLAIM_INTERVAL_S = 60.0
-# After the grace period, with no store work left running: how long the last steps (the metrics
-# textfile's last write, the store's last sync and close) may take before they are abandoned too.
+# The last steps (the metrics textfile, the store's sync and close) before they are abandoned too
 CLOSE_TIMEOUT_S = 5.0
 # How often the loop looks whether the store's fsync failed (a flag read: nearly free).
 SYNC_WATCH_S = 1.0
-# The shared tier's bridge stops within its own bounds (a publish queue drained for up to 5 s, a
-# thread joined for up to 5 s, ...); past this the daemon stops waiting for it.
+# The bridge stops within its own bounds (5 s drains and joins); past this it is not waited for
 BRIDGE_STOP_TIMEOUT_S = 20.0
 
 

@@ -22,8 +22,7 @@ log = logging.getLogger(__name__)
 LISTEN_FDS_START = 3
 # The variables socket activation sets; removed after use so children do not claim the fds.
 LISTEN_VARS = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
-# A send blocks only when systemd's notify queue is full; bound it so a watchdog ping sent from
-# the event loop can never stall the loop for long.
+# A send blocks when systemd's queue is full: a watchdog ping must not stall the loop long
 NOTIFY_SEND_TIMEOUT_S = 0.5
 # libsystemd parses these as plain unsigned decimals; int() alone would also take "+1", " 1", "1_0".
 _UNSIGNED = re.compile(r"[0-9]+")
