@@ -49,7 +49,7 @@ class _Child:
                     self.buffers.pop(call.buffer, None)
                     continue
                 pool.submit(self._answer, call)
-        self._close()
+        self.tier.close()
 
     def _map(self, call: TierCall, fds: list[int]) -> None:
         [fd] = fds
@@ -73,32 +73,22 @@ class _Child:
         return array[call.offset : call.offset + call.length]
 
     def _run(self, call: TierCall) -> Any:
-        tier, op = self.tier, call.op
-        if op == "put":
-            tier.put(call.keys[0], self._view(call), overwrite=call.flag)
-            return None
-        if op == "get_into":
-            return tier.get_into(call.keys[0], self._view(call))
-        if op == "get_many_into":
-            return tier.get_many_into(call.keys, self._view(call), call.capacity)
-        if op == "size":
-            return tier.size(call.keys[0])
-        if op == "exists_many":
-            return tier.exists_many(call.keys)
-        if op == "remove":
-            return tier.remove(call.keys[0], force=call.flag)
-        if op == "remove_prefix":
-            return tier.remove_prefix(call.keys[0], force=call.flag)
-        if op == "connect":
-            tier.connect()
-            return None
-        if op == "close":
-            self._close()
-            return None
-        raise ValueError(f"unknown tier call {op!r}")
-
-    def _close(self) -> None:
-        self.tier.close()
+        tier, view = self.tier, self._view
+        key = call.keys[0] if call.keys else ""
+        run = {
+            "put": lambda: tier.put(key, view(call), overwrite=call.flag),
+            "get_into": lambda: tier.get_into(key, view(call)),
+            "get_many_into": lambda: tier.get_many_into(call.keys, view(call), call.capacity),
+            "size": lambda: tier.size(key),
+            "exists_many": lambda: tier.exists_many(call.keys),
+            "remove": lambda: tier.remove(key, force=call.flag),
+            "remove_prefix": lambda: tier.remove_prefix(key, force=call.flag),
+            "connect": tier.connect,
+            "close": tier.close,
+        }.get(call.op)
+        if run is None:
+            raise ValueError(f"unknown tier call {call.op!r}")
+        return run()
 
 
 def main(fd: int) -> None:
