@@ -36,7 +36,7 @@ from prefixd.cluster.blocks import (
     encoded_size,
     identity_prefix,
 )
-from prefixd.cluster.staging import FetchRooms, Staging, staged_load
+from prefixd.cluster.staging import FetchRooms, Staging, TierBuffers, staged_load
 from prefixd.errors import PrefixdError, RemoteBlockError, TierUnavailableError
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
@@ -67,7 +67,7 @@ _SETTLE_S = 60.0  # a delete or purge waits this long at most for the installs q
 Fetched: TypeAlias = tuple[list[memoryview | None], memoryview]
 
 
-class TierClient(Protocol):
+class TierClient(TierBuffers, Protocol):
     """What the bridge needs of a shared tier (prefixd.cluster.mooncake.SharedTier has it)."""
 
     def put(self, key: str, value: bytes | memoryview, *, overwrite: bool = False) -> None: ...
@@ -75,10 +75,6 @@ class TierClient(Protocol):
     def size(self, key: str) -> int | None: ...
 
     def get_into(self, key: str, buffer: bytearray) -> int | None: ...
-
-    def buffer(self, size: int) -> memoryview: ...
-
-    def release(self, view: memoryview) -> None: ...
 
     def get_many_into(
         self, keys: Sequence[str], buffer: memoryview, capacity: int
@@ -107,14 +103,12 @@ class SharedTierBridge:
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
-        # proven blocks of plain identities served from their fetch buffers until installed
         self.staging = Staging()
         self.staging_bytes = staging_bytes
         self._now = now
         # hybrid read-throughs that brought nothing: (first block, end) -> when to ask again
         self._fruitless: dict[tuple[bytes, int], float] = {}
         self.tier = tier
-        # whether a fetch beats the prefill it saves
         self.benefit = FetchBenefit(prefill_tokens_per_s, now)
         self.max_fetch_blocks = max_fetch_blocks
         self.counts: Counter[str] = Counter()
@@ -152,10 +146,13 @@ class SharedTierBridge:
         block replaces its published value: it may carry a new checkpoint."""
         hybrid = identity.state is not None
         for block in hashes:
-            try:
-                self._queue.put_nowait((identity.digest, block, hybrid, 0))
-            except queue.Full:
-                self._count("publish_dropped")
+            self._enqueue((identity.digest, block, hybrid, 0))
+
+    def _enqueue(self, item: tuple[bytes, bytes, bool, int]) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self._count("publish_dropped")
 
     def _publish_loop(self) -> None:
         while True:
@@ -174,10 +171,7 @@ class SharedTierBridge:
                 self._count("publish_errors")
                 log.warning("publishing to the shared tier failed: %s", exc)
                 if isinstance(exc, TierUnavailableError) and tries + 1 < _PUBLISH_TRIES:
-                    try:  # the tier may be back for its next turn (a master restarting)
-                        self._queue.put_nowait((digest, block, replace, tries + 1))
-                    except queue.Full:
-                        self._count("publish_dropped")
+                    self._enqueue((digest, block, replace, tries + 1))  # a master restarting?
                 self._stopping.wait(_BACKOFF_S)
             else:
                 self._count("published_blocks")
