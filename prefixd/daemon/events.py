@@ -131,13 +131,8 @@ class EventPublisher:
         self._pending_events = 0
         self._stop = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
-        self.counts = {
-            "published_events": 0,
-            "published_batches": 0,
-            "dropped_events": 0,
-            "inventory_blocks": 0,
-            "replays": 0,
-        }
+        counted = ("published_events", "published_batches", "dropped_events", "inventory_blocks")
+        self.counts = dict.fromkeys((*counted, "replays"), 0)
         self._bound = threading.Event()
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._publish, name="prefixd-events", daemon=True)

@@ -99,6 +99,7 @@ class Server:
         return self._watcher
 
     def counters(self) -> dict[str, int]:
+        events = self._events.snapshot() if self._events else {}
         return {
             **self.stats,
             "open_connections": len(self.connections),
@@ -106,10 +107,7 @@ class Server:
             "manifest_checks": self._watcher.checks if self._watcher is not None else 0,
             "reloads": self.reloader.reloads if self.reloader else 0,
             "reloads_refused": self.reloader.refused if self.reloader else 0,
-            **{
-                f"events.{name}": value
-                for name, value in (self._events.snapshot() if self._events else {}).items()
-            },
+            **{f"events.{name}": value for name, value in events.items()},
         }
 
     async def serve(self, *, install_signal_handlers: bool = True) -> int:
