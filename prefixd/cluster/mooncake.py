@@ -282,7 +282,6 @@ class SharedTier:
         if not names:
             return []
         addresses = [address + i * capacity for i in range(len(names))]
-
         sizes = [capacity] * len(names)
 
         def call(client: Any, _pin: np.ndarray = array) -> list[int]:  # _pin: memory stays alive
@@ -292,34 +291,21 @@ class SharedTier:
         codes = self._call(what, call)
         if len(codes) != len(names):
             raise TierError(f"{what}: {len(codes)} answers for {len(names)} keys")
-        out: list[int | None] = []
         for code in codes:
-            if code >= 0:
-                out.append(code)
-            elif code == NOT_FOUND:
-                out.append(None)
-            elif code == INVALID_PARAMS:
-                out.append(-1)  # longer than `capacity`
-            else:
+            if code < 0 and code not in (NOT_FOUND, INVALID_PARAMS):
                 raise failure(what, code)
-        return out
+        # INVALID_PARAMS: longer than `capacity`
+        return [c if c >= 0 else None if c == NOT_FOUND else -1 for c in codes]
 
     def size(self, key: str) -> int | None:
         check_key(key)
-        rc = self._call(f"size {tag(key)}", lambda client: int(client.get_size(key)))
-        if rc == NOT_FOUND:
-            return None
-        if rc < 0:
-            raise failure(f"size {tag(key)}", rc)
-        return rc
+        rc = self._code(f"size {tag(key)}", lambda client: int(client.get_size(key)), NOT_FOUND)
+        return None if rc == NOT_FOUND else rc
 
     def exists(self, key: str) -> bool:
         """Whether `key` has a value (this grants the key a read lease)."""
         check_key(key)
-        rc = self._call(f"exists {tag(key)}", lambda client: int(client.is_exist(key)))
-        if rc < 0:
-            raise failure(f"exists {tag(key)}", rc)
-        return rc == 1
+        return self._code(f"exists {tag(key)}", lambda client: int(client.is_exist(key))) == 1
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         names = [check_key(k) for k in keys]
@@ -353,13 +339,8 @@ class SharedTier:
         removed. The master scans all its keys: for purges, not a hot path."""
         check_key(prefix)
         pattern = "^" + escape_regex(prefix)
-        rc = self._call(
-            f"remove_prefix {tag(prefix)}",
-            lambda client: int(client.remove_by_regex(pattern, force)),
-        )
-        if rc < 0:
-            raise failure(f"remove_prefix {tag(prefix)}", rc)
-        return rc
+        what = f"remove_prefix {tag(prefix)}"
+        return self._code(what, lambda client: int(client.remove_by_regex(pattern, force)))
 
     def buffer(self, size: int) -> memoryview:
         """Plain memory, which this client writes into directly on TCP (ChildTier gives shared
@@ -402,6 +383,13 @@ class SharedTier:
         except TierUnavailableError as e:
             self._trip(str(e))
             raise
+
+    def _code(self, what: str, fn: Callable[[Any], int], allowed: int = 0) -> int:
+        """A call's return code; its failure when negative (but `allowed`)."""
+        rc = self._call(what, fn)
+        if rc < 0 and rc != allowed:
+            raise failure(what, rc)
+        return rc
 
     def _submit(self, what: str, fn: Callable[[], T], deadline: float) -> T:
         """Run `fn` on a worker; a TierError instead of a hang or of Mooncake's exception."""
