@@ -177,7 +177,7 @@ class Connection:
                 return True
         while True:
             try:
-                got, ancillary, flags, _ = self.sock.recvmsg_into([inbox.space()], _ANCILLARY_BYTES)
+                got = self._recv()
             except (BlockingIOError, InterruptedError):
                 await self._readable(deadline)
                 if not inbox.empty and at_boundary:
@@ -187,12 +187,15 @@ class Connection:
                 if not inbox.empty:
                     log.debug("connection from pid %d closed mid-frame", self.pid)
                 return False
-            self._filled(got, ancillary, flags)
             return True
 
-    def _filled(self, got: int, ancillary: list[tuple[int, int, bytes]], flags: int) -> None:
-        fds = fds_from_ancillary(ancillary) if ancillary else []
-        self._inbox.filled(got, fds, bool(flags & socket.MSG_CTRUNC))
+    def _recv(self) -> int:
+        """One read into the inbox, with its descriptors; the bytes read (0: end of file)."""
+        got, ancillary, flags, _ = self.sock.recvmsg_into([self._inbox.space()], _ANCILLARY_BYTES)
+        if got:
+            fds = fds_from_ancillary(ancillary) if ancillary else []
+            self._inbox.filled(got, fds, bool(flags & socket.MSG_CTRUNC))
+        return got
 
     def _inline_ready(self) -> bool:
         return (
@@ -356,16 +359,12 @@ class Connection:
         task (descriptors, a partial frame, EOF, an error, backpressure)."""
         inbox = self._inbox
         try:
-            got, ancillary, flags, _ = self.sock.recvmsg_into([inbox.space()], _ANCILLARY_BYTES)
+            if not self._recv() or inbox.fds_pending:
+                return False  # end of file, or descriptors: the reader task's
         except (BlockingIOError, InterruptedError):
             return True
         except OSError:
             return False  # the reader task meets it too
-        if got == 0:
-            return False
-        self._filled(got, ancillary, flags)
-        if inbox.fds_pending:
-            return False
         limit = self.server.config.max_frame_bytes
         began = time.monotonic()
         while self._inline_ready() and time.monotonic() - began <= READ_STRETCH_S:
