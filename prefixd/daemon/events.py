@@ -260,22 +260,6 @@ class EventPublisher:
 
 
 def _batches(queued: list[list[Event]]) -> Iterator[list[Event]]:
-    batch: list[Event] = []
-    for events in queued:
-        for event in events:
-            batch.append(event)
-            if len(batch) == EVENTS_PER_BATCH:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
-
-
-__all__ = [
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "EventBatch",
-    "EventPublisher",
-    "event_of",
-]
+    events = [event for batch in queued for event in batch]
+    for start in range(0, len(events), EVENTS_PER_BATCH):
+        yield events[start : start + EVENTS_PER_BATCH]

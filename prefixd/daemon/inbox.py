@@ -108,6 +108,3 @@ class Inbox:
             else:
                 close_fds(batch)
         return taken
-
-
-__all__ = ["READ_AHEAD_BYTES", "Frame", "Inbox", "Oversized", "close_fds"]

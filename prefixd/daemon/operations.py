@@ -45,6 +45,3 @@ class Operations:
         if peer.pins:
             self.services.store.unpin(peer.pins.elements())
             peer.pins.clear()
-
-
-__all__ = ["HANDLERS", "Operations"]

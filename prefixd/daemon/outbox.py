@@ -75,6 +75,3 @@ class Outbox:
         if self._watching:
             self._watching = False
             self._loop.remove_writer(self._fd)
-
-
-__all__ = ["Outbox"]

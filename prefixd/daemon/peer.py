@@ -42,6 +42,3 @@ class Peer:
         for region in self.regions.values():
             region.close()  # a copy still running on a pool thread keeps the mapping alive
         self.regions.clear()
-
-
-__all__ = ["Peer"]

@@ -65,6 +65,3 @@ def answer(
         queue_s=queue_s,
         score_s=saved_s - queue_s - load_s,
     )
-
-
-__all__ = ["LoadQueue", "answer"]

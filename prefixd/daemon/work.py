@@ -49,6 +49,3 @@ class WorkPool(ThreadPoolExecutor):
     def running(self) -> int:
         with self._lock:
             return self._running
-
-
-__all__ = ["WorkPool"]
