@@ -234,15 +234,15 @@ class ChildTier:
     def get_into(self, key: str, buffer: Any) -> int | None:
         if self._locate(buffer) is not None:
             result = self._call("get_into", keys=[key], data=buffer)
-            return None if result is None else int(result)
-        out = memoryview(buffer).cast("B")
-        staging = self.buffer(out.nbytes)
-        try:
-            result = self._call("get_into", keys=[key], data=staging)
-            if result is not None:
-                out[:result] = staging[:result]
-        finally:
-            self.release(staging)
+        else:  # into one of ours, then copied
+            out = memoryview(buffer).cast("B")
+            staging = self.buffer(out.nbytes)
+            try:
+                result = self._call("get_into", keys=[key], data=staging)
+                if result is not None:
+                    out[:result] = staging[:result]
+            finally:
+                self.release(staging)
         return None if result is None else int(result)
 
     def get_many_into(self, keys: Any, buffer: Any, capacity: int) -> list[int | None]:
@@ -275,15 +275,8 @@ class ChildTier:
     def remove_prefix(self, prefix: str, *, force: bool = True) -> int:
         return int(self._call("remove_prefix", keys=[prefix], flag=force))
 
-    def _call(
-        self,
-        op: str,
-        *,
-        keys: list[str] | None = None,
-        data: Any = None,
-        capacity: int = 0,
-        flag: bool = False,
-    ) -> Any:
+    def _call(self, op: str, *, data: Any = None, **fields: Any) -> Any:
+        """`fields`: the call's keys, capacity and flag (TierCall)."""
         deadline = time.monotonic() + self.call_timeout_s
         process = self._ready(op, deadline)
         located = None if data is None else self._locate(data)
@@ -293,16 +286,8 @@ class ChildTier:
         with self._lock:
             call_id = self._next_id
             self._next_id += 1
-        call = TierCall(
-            id=call_id,
-            op=op,
-            keys=keys or [],
-            buffer=0 if buffer is None else buffer.id,
-            offset=offset,
-            length=length,
-            capacity=capacity,
-            flag=flag,
-        )
+        buffer_id = 0 if buffer is None else buffer.id
+        call = TierCall(call_id, op, buffer=buffer_id, offset=offset, length=length, **fields)
         future: Future[TierReply] = Future()
         process.pending[call_id] = future
         clean = False
