@@ -53,6 +53,11 @@ class _Buffer:
     busy: bool = False
     tainted: bool = False  # used by a call that did not end cleanly
 
+    def close(self) -> None:
+        os.close(self.fd)
+        with contextlib.suppress(BufferError):  # a view still held: unmapped with it
+            self.mapping.close()
+
 
 @dataclass(eq=False)
 class _Process:
@@ -149,9 +154,7 @@ class ChildTier:
         if process is not None:
             self._end(process, kill=False)
         for buffer in self._buffers.values():
-            os.close(buffer.fd)
-            with contextlib.suppress(BufferError):  # a view still held: unmapped with it
-                buffer.mapping.close()
+            buffer.close()
         self._buffers.clear()
 
     def __enter__(self) -> Self:
@@ -190,9 +193,7 @@ class ChildTier:
             with contextlib.suppress(OSError), process.send_lock:
                 forget = TierCall(id=0, op="unmap", buffer=found.id)
                 process.sock.sendall(self._encoder.encode(forget))
-        os.close(found.fd)
-        with contextlib.suppress(BufferError):  # a view still held: unmapped with it
-            found.mapping.close()
+        found.close()
 
     def _new_buffer(self, size: int) -> _Buffer:
         fd = os.memfd_create("prefixd-tier", os.MFD_CLOEXEC)
