@@ -131,8 +131,8 @@ class EventPublisher:
         self._pending_events = 0
         self._stop = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
-        counted = ("published_events", "published_batches", "dropped_events", "inventory_blocks")
-        self.counts = dict.fromkeys((*counted, "replays"), 0)
+        published = ("published_events", "published_batches", "dropped_events")
+        self.counts = dict.fromkeys((*published, "inventory_blocks", "replays"), 0)
         self._bound = threading.Event()
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._publish, name="prefixd-events", daemon=True)
