@@ -146,10 +146,9 @@ class Connection:
             if isinstance(frame, Frame):
                 self._start(frame.body, frame.fds)
                 continue
-            self.server.stats["errors.frame_too_large"] += 1
             limit = config.max_frame_bytes
             message = f"frame of {frame.length} bytes exceeds the limit of {limit}"
-            await self._send(error_reply(None, ErrorCode.FRAME_TOO_LARGE, message))
+            await self._send(self._error(None, ErrorCode.FRAME_TOO_LARGE, message))
             if frame.length > limit * _DISCARD_FACTOR:
                 return  # cannot resynchronise cheaply: close
             inbox.skip(frame.length)
@@ -250,9 +249,8 @@ class Connection:
         self.operations.services.metrics.observe_op(op, sent - received)
 
     def _busy(self, rid: int) -> None:
-        self.server.stats["errors.busy"] += 1
         text = f"at most {self.max_inflight} requests in flight per connection"
-        self._spawn(self._send(error_reply(rid, ErrorCode.BUSY, text)))
+        self._spawn(self._send(self._error(rid, ErrorCode.BUSY, text)))
 
     def _refusal(self, handler: Handler) -> ProtocolError | None:
         """Why a request of `handler` is not taken now: before hello, or while the daemon drains."""
@@ -268,9 +266,13 @@ class Connection:
         refused: ProtocolError = exc
         if exc.op is not None:
             refused = self._refusal(self.operations.by_op[exc.op]) or exc
-        code = _code(refused)
+        await self._send(self._error(exc.rid, code_of(refused), refused.message))
+
+    def _error(self, rid: int | None, code: ErrorCode | None, message: str) -> Struct:
+        """An error reply, counted by its code (None: no code of the protocol's, a bug: internal)."""
+        code = code or ErrorCode.INTERNAL
         self.server.stats[f"errors.{code.value}"] += 1
-        await self._send(error_reply(exc.rid, code, refused.message))
+        return error_reply(rid, code, message)
 
     def _reply_now(self, reply: Struct) -> None:
         """A reply the socket does not take at once is waited for by a task, which counts as a
@@ -291,7 +293,6 @@ class Connection:
 
     async def _handle(self, handler: Handler, request: Request[Any], work: Later) -> None:
         rid, op = request.id, op_of(request.message)
-        stats = self.server.stats
         reply: AnyReply
         try:
             refused = self._refusal(handler)
@@ -301,17 +302,14 @@ class Connection:
             started = time.perf_counter()
             reply = await work()
             self.operations.services.metrics.observe_op(op, time.perf_counter() - started)
-            stats[f"requests.{op}"] += 1
+            self.server.stats[f"requests.{op}"] += 1
         except ProtocolError as exc:
-            code = _code(exc)
-            stats[f"errors.{code.value}"] += 1
-            reply = error_reply(rid, code, exc.message)
+            reply = self._error(rid, code_of(exc), exc.message)
         except asyncio.CancelledError:
             raise
         except Exception:
-            stats["errors.internal"] += 1
             log.exception("operation %s failed", op)
-            reply = error_reply(rid, ErrorCode.INTERNAL, "internal error (see the daemon log)")
+            reply = self._error(rid, ErrorCode.INTERNAL, "internal error (see the daemon log)")
         await self._send(reply)
 
     async def _send(self, message: Struct | dict[str, Any]) -> None:
@@ -411,8 +409,3 @@ async def reply_and_close(sock: socket.socket, code: ErrorCode, message: str) ->
     with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
         await asyncio.wait_for(loop.sock_sendall(sock, frame), 1.0)
     sock.close()
-
-
-def _code(exc: ProtocolError) -> ErrorCode:
-    """The wire code of a protocol error (`internal` for none of the protocol's: a bug)."""
-    return code_of(exc) or ErrorCode.INTERNAL
