@@ -142,11 +142,14 @@ class EventPublisher:
 
     def committed(self, changes: Sequence[BlockChange]) -> None:
         """Called by the store's writers after each commit: never waits."""
-        settings = self.settings
-        events = [event_of(c, settings.hash_only) for c in changes if settings.publishes(c)]
+        events = self._published(changes)
         if events:
             with self._order:
                 self._enqueue(events)
+
+    def _published(self, changes: Sequence[BlockChange]) -> list[Event]:
+        settings = self.settings
+        return [event_of(c, settings.hash_only) for c in changes if settings.publishes(c)]
 
     def _enqueue(self, events: list[Event]) -> None:
         with self._ready:
@@ -189,11 +192,7 @@ class EventPublisher:
                 batch = next(self._inventory, None)
                 if batch is None:
                     return
-                events = [
-                    event_of(c, self.settings.hash_only)
-                    for c in batch
-                    if self.settings.publishes(c)
-                ]
+                events = self._published(batch)
                 if events:
                     self._enqueue(events)
             announced += len(batch)
@@ -235,9 +234,8 @@ class EventPublisher:
                 payload = self._encoder.encode(
                     EventBatch(time.time(), batch, None, self.incarnation)
                 )
-                seq_bytes = seq.to_bytes(8, "big")
                 try:
-                    pub.send_multipart((topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+                    pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     self.counts["dropped_events"] += len(batch)
                 buffer.append((seq, payload))
