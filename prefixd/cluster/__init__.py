@@ -1,14 +1,11 @@
-"""Tiers shared by the nodes of a cluster, behind each node's local store.
-
-`SharedTier` (on Mooncake Store, see `prefixd.cluster.mooncake`) holds prefix objects in a memory
-pool that every daemon of the cluster can read: a local miss may still be a cluster hit. It is
-optional (`pip install prefixd[cluster]`); importing this package does not import Mooncake, whose
-client is loaded on the first connection.
-"""
+"""A tier shared by the nodes of a cluster behind each node's local store (Mooncake Store): a
+local miss may still be a cluster hit. Optional (`prefixd[cluster]`): Mooncake is imported on the
+first connection, not with this package."""
 
 from __future__ import annotations
 
-from prefixd.cluster.mooncake import MAX_KEY_BYTES, MooncakeSettings, SharedTier, close_abandoned
+from prefixd.cluster.mooncake import MooncakeSettings, SharedTier
+from prefixd.cluster.mooncake_calls import MAX_KEY_BYTES, close_abandoned
 from prefixd.errors import TierBusyError, TierError, TierUnavailableError, TierValueError
 
 __all__ = [

@@ -1,23 +1,12 @@
 """A block as it travels through the shared tier, and how a fetched one is proven before use.
 
-Value layout: magic `PXSB`, format version (u8), number of parts (u8), 2 reserved bytes, record
-length (u32 LE), payload length (u32 LE), crc32c of the payload (u32 LE); for each part its group
-index (u8), 3 reserved bytes, length (u32 LE) and crc32c (u32 LE); then the block's record
-(prefixd.schema.records: identity digest, parent hash, token ids and their own crc32c), the raw
-payload and the parts' payloads in order. Every crc32c is computed at the origin, from bytes the
-origin verified; the receiver recomputes them, so a payload damaged anywhere on the way (memory,
-network, the remote tier) is caught end to end.
-
-Parts are a hybrid identity's state-group payloads hung on the block (prefixd.store.joint: a page
-on its first block, a checkpoint on the block ending at its boundary). A value without parts is
-format 1, which every node reads; a value with parts is format 2. Where a part may hang is the
-identity's state spec's business: `decode_block` checks it, so a value whose parts could not have
-been stored by an honest origin is refused like a damaged one.
-
-Keys are derived from the identity digest and the block hash, `prefixd-<name of the identity>-
-<name of the block>` (blake2b names in URL-safe base64: neither the tier nor its logs see a raw
-cache key). A tenant's or a model version's objects share their identity's key prefix, which is
-how they are found when they are purged.
+Value: a header (`_HEAD`: magic, version, part count, record and payload lengths, the payload's
+crc32c), a `_PART` entry per part (group, length, crc32c), then the record (prefixd.schema.records),
+the payload and the parts. The checksums are computed at the origin from bytes it verified and
+checked again here: damage anywhere on the way is caught end to end. Parts are a hybrid identity's
+pages and checkpoints; a value with parts is format 2, without format 1. Keys are blake2b names of
+the identity digest and block hash: the tier and its logs never see a raw cache key; an identity's
+keys share a prefix, which purges remove.
 """
 
 from __future__ import annotations
@@ -45,8 +34,7 @@ KEY_PREFIX = "prefixd-"
 
 @dataclass(frozen=True, slots=True)
 class RemoteBlock:
-    """A fetched value, proven: the block's payload and its parts by group index (views into
-    the fetched buffer)."""
+    """A proven value: payload and parts by group index (views into the fetch buffer)."""
 
     payload: memoryview
     parts: dict[int, memoryview]
@@ -57,19 +45,15 @@ def block_key(identity_digest: bytes, block: bytes) -> str:
 
 
 def identity_prefix(identity_digest: bytes) -> str:
-    """The start of every key of one identity's blocks."""
     return f"{KEY_PREFIX}{_name(identity_digest, 9)}-"
 
 
 def _name(data: bytes, size: int) -> str:
-    """A hash of `data` in URL-safe base64: the tier (and its logs) never sees a raw cache key
-    or identity digest, only names derived from them the same way on every node."""
     digest = hashlib.blake2b(data, digest_size=size, person=b"prefixd-tier").digest()
     return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
 def encoded_size(record: Buffer, payload: Buffer, parts: Sequence[tuple[int, Buffer]] = ()) -> int:
-    """The length of the value `encode_block_into` writes."""
     pieces = (record, payload, *(p for _, p in parts))
     return _HEAD.size + len(parts) * _PART.size + sum(memoryview(p).nbytes for p in pieces)
 
@@ -77,8 +61,7 @@ def encoded_size(record: Buffer, payload: Buffer, parts: Sequence[tuple[int, Buf
 def encode_block_into(
     out: memoryview, record: Buffer, payload: Buffer, parts: Sequence[tuple[int, Buffer]] = ()
 ) -> None:
-    """Write the value of a block into `out` (exactly `encoded_size` bytes): where the tier
-    reads it from, with no copy of the payload in between."""
+    """Write a block's value into `out` (exactly `encoded_size` bytes)."""
     version = PARTS_VERSION if parts else VERSION
     record_len, payload_len = memoryview(record).nbytes, memoryview(payload).nbytes
     _HEAD.pack_into(
@@ -112,9 +95,8 @@ def decode_block(
     block_index: int = 0,
     block_tokens: int = 0,
 ) -> RemoteBlock:
-    """The payload and parts of a fetched value, once it is proven to be the block of these
-    token ids, parent and identity, undamaged, with parts only where the identity's state spec
-    (`spec`, for block `block_index` of `block_tokens` tokens) lets them hang; RemoteBlockError
+    """The payload and parts of a fetched value, once proven to be the block of these token ids,
+    parent and identity, undamaged, with parts only where `spec` lets them hang; RemoteBlockError
     otherwise."""
     view = memoryview(value)
     if len(view) < _HEAD.size:
@@ -156,9 +138,8 @@ def decode_block(
 
 
 def _may_hang(spec: StateSpec | None, group: int, block_index: int, block_tokens: int) -> bool:
-    """Whether an origin could have stored a part of `group` on block `block_index`: a page on
-    the first block of a page, a checkpoint of a group that stores any, at a boundary its
-    policy allows."""
+    """Whether an honest origin could have stored a part of `group` on this block: a page on a
+    page's first block, a stored checkpoint at a boundary its policy allows."""
     if spec is None or group >= len(spec):
         return False
     state = spec[group]

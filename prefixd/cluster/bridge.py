@@ -1,32 +1,15 @@
 """Between the local store and a shared tier: write-behind, read-through, purges, and counts.
 
-* Write-behind: a published block is queued and offered to the shared tier by a thread of its own;
-  the engine never waits for the network. A full queue drops (and counts) what does not fit; a
-  block the tier could not be reached for goes back in the queue (three tries in all).
-* Read-through: a local miss asks the shared tier for the blocks after the local prefix, along
-  the chain, a batch of them per round trip straight into one buffer (Mooncake's batch get);
-  each fetched value is proven (prefixd.cluster.blocks: the right identity, parent and token ids,
-  the payload's origin checksum) and installed in the local store (which verifies it again on
-  every read). The stages overlap: batch k+1 is fetched while batch k is proven, and batch k-1
-  installed. For a plain identity the daemon's lookups and loads do not wait for the install:
-  proven blocks are served from their fetch buffers until it ends (prefixd.cluster.staging).
-  A value that fails is never installed nor served, nor is anything after it, and it is
-  counted. The benefit model decides first: blocks are fetched only when the estimated fetch
-  time beats the prefill they save.
-* Hybrid identities: a block's value carries the state-group parts hung on it (pages, checkpoints;
-  prefixd.cluster.blocks), proven with it. A block is published again, replacing its value, when
-  a later put hangs a checkpoint on it. A read-through starts at the local joint boundary and
-  installs a batch up to the last boundary where every page is closed and every checkpoint its
-  group's policy promises is there, all groups in one transaction (`Store.put_state`): the local
-  joint rules then decide what is reusable, as for a local put. A part that fails its proof takes
-  its block and everything after it away. A hybrid prompt whose blocks the tier had without
-  extending it is not asked again for `_RECHECK_S` (its blocks past the boundary may be stored
-  already, waiting for a checkpoint; every lookup would fetch them again).
-* Purges: removing a tenant or retiring a model version removes its objects from the tier too.
-* The tier being down or slow never reaches the engine: every failure is counted and the local
-  store answers alone.
-* Where a read-through's time goes is counted too, in microseconds: fetching, proving and
-  installing (the three overlap), and the read-through in all (`remote_*_us`).
+Write-behind: a published block is queued and offered by a thread of its own, so the engine never
+waits for the network; a full queue drops and counts, a block the tier could not be reached for is
+queued again (`_PUBLISH_TRIES` in all). Read-through: a local miss fetches the blocks after the
+local prefix in batches (one round trip each), proves every value (prefixd.cluster.blocks) and
+installs it; fetch, proof and install overlap. Plain identities are served from the fetch buffers
+until installed (prefixd.cluster.staging). A value that fails is never installed nor served, nor is
+anything after it. Blocks are fetched only when the benefit model says the fetch beats the prefill
+it saves. Hybrid identities install up to the last boundary where every page and promised checkpoint
+is there (`runs.closed_run`). The tier being down or slow never reaches the engine: every failure is
+counted and the local store answers alone.
 """
 
 from __future__ import annotations
@@ -53,7 +36,7 @@ from prefixd.cluster.blocks import (
     encoded_size,
     identity_prefix,
 )
-from prefixd.cluster.staging import FetchRooms, Staging, staged_load
+from prefixd.cluster.staging import FetchRooms, Staging, TierBuffers, staged_load
 from prefixd.errors import PrefixdError, RemoteBlockError, TierUnavailableError
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
@@ -65,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 class _Stop(Enum):
-    """The publish queue's end marker (an Enum member, so `item is _STOP` narrows the item)."""
+    """The publish queue's end marker (an Enum member, so `item is _STOP` narrows)."""
 
     STOP = 0
 
@@ -84,20 +67,14 @@ _SETTLE_S = 60.0  # a delete or purge waits this long at most for the installs q
 Fetched: TypeAlias = tuple[list[memoryview | None], memoryview]
 
 
-class TierClient(Protocol):
+class TierClient(TierBuffers, Protocol):
     """What the bridge needs of a shared tier (prefixd.cluster.mooncake.SharedTier has it)."""
 
     def put(self, key: str, value: bytes | memoryview, *, overwrite: bool = False) -> None: ...
 
-    def get(self, key: str) -> bytes | None: ...
-
     def size(self, key: str) -> int | None: ...
 
     def get_into(self, key: str, buffer: bytearray) -> int | None: ...
-
-    def buffer(self, size: int) -> memoryview: ...
-
-    def release(self, view: memoryview) -> None: ...
 
     def get_many_into(
         self, keys: Sequence[str], buffer: memoryview, capacity: int
@@ -126,14 +103,12 @@ class SharedTierBridge:
         now: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
-        # proven blocks of plain identities served from their fetch buffers until installed
         self.staging = Staging()
         self.staging_bytes = staging_bytes
         self._now = now
         # hybrid read-throughs that brought nothing: (first block, end) -> when to ask again
         self._fruitless: dict[tuple[bytes, int], float] = {}
         self.tier = tier
-        # whether a fetch beats the prefill it saves
         self.benefit = FetchBenefit(prefill_tokens_per_s, now)
         self.max_fetch_blocks = max_fetch_blocks
         self.counts: Counter[str] = Counter()
@@ -152,7 +127,7 @@ class SharedTierBridge:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop publishing (what is still queued after `timeout_s` is dropped), then close."""
+        """Stop publishing (what is queued after `timeout_s` is dropped), then close."""
         deadline = time.monotonic() + timeout_s
         while not self._queue.empty() and time.monotonic() < deadline:
             time.sleep(0.01)  # let the queue drain while the tier answers
@@ -166,18 +141,18 @@ class SharedTierBridge:
         self._installer.shutdown(wait=True)
         self.tier.close()
 
-    # --- write-behind -----------------------------------------------------------------------------
-
     def published(self, identity: Identity, hashes: Sequence[bytes]) -> None:
-        """Queue blocks a put stored, or hung new parts on (never blocks: a full queue drops and
-        counts). A hybrid block's value replaces the one published before: it may carry a
-        checkpoint the earlier one did not."""
+        """Queue blocks a put stored or hung new parts on (a full queue drops and counts). A hybrid
+        block replaces its published value: it may carry a new checkpoint."""
         hybrid = identity.state is not None
         for block in hashes:
-            try:
-                self._queue.put_nowait((identity.digest, block, hybrid, 0))
-            except queue.Full:
-                self._count("publish_dropped")
+            self._enqueue((identity.digest, block, hybrid, 0))
+
+    def _enqueue(self, item: tuple[bytes, bytes, bool, int]) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self._count("publish_dropped")
 
     def _publish_loop(self) -> None:
         while True:
@@ -196,17 +171,14 @@ class SharedTierBridge:
                 self._count("publish_errors")
                 log.warning("publishing to the shared tier failed: %s", exc)
                 if isinstance(exc, TierUnavailableError) and tries + 1 < _PUBLISH_TRIES:
-                    try:  # the tier may be back for its next turn (a master restarting)
-                        self._queue.put_nowait((digest, block, replace, tries + 1))
-                    except queue.Full:
-                        self._count("publish_dropped")
+                    self._enqueue((digest, block, replace, tries + 1))  # a master restarting?
                 self._stopping.wait(_BACKOFF_S)
             else:
                 self._count("published_blocks")
 
     def _offer(self, key: str, exported: ExportedBlock, replace: bool) -> None:
-        """Put a block's value, encoded straight into a buffer of the tier's (which the tier
-        reads from where it lies: no copy of the payload between the store and the tier)."""
+        """Put a block's value, encoded straight into a buffer of the tier's (no copy of the payload
+        between the store and the tier)."""
         parts = exported.parts
         room = self.tier.buffer(encoded_size(exported.record, exported.payload, parts))
         try:
@@ -215,19 +187,13 @@ class SharedTierBridge:
         finally:
             self.tier.release(room)
 
-    # --- read-through ----------------------------------------------------------------------------
-
     def read_through(
         self, identity: Identity, token_ids: TokenIds, local_blocks: int, *, staged: bool = False
     ) -> int:
-        """Fetch, prove and install the blocks after the first `local_blocks` from the shared
-        tier, while they are there and worth it; return how many were installed (blocks the
-        local store did not hold, or held without parts that came with them). For a hybrid
-        identity `local_blocks` is the local joint boundary (in blocks).
-
-        `staged` (plain identities): return once the blocks are proven, with their installs
-        queued, and how many were staged (`prefixd.cluster.staging`; blocks another
-        read-through staged count as local): `with_staged` and `load` serve them meanwhile."""
+        """Fetch, prove and install the blocks after the first `local_blocks` (for a hybrid
+        identity, the local joint boundary); return how many were installed. `staged` (plain
+        identities): return once they are proven, installs queued, with how many were staged;
+        `with_staged` and `load` serve them meanwhile."""
         chain = BlockChain(identity, token_ids)
         hybrid = identity.state is not None
         staged = staged and not hybrid
@@ -263,8 +229,7 @@ class SharedTierBridge:
     def with_staged(
         self, identity: Identity, token_ids: TokenIds, match: PrefixMatch
     ) -> PrefixMatch:
-        """A plain identity's local `match` extended by the blocks staged after it (named by
-        this chain's hashes: a share group's stored ones are the group's)."""
+        """A plain identity's local `match` extended by the blocks staged after it."""
         if identity.state is not None or not len(self.staging):
             return match
         chain = BlockChain(identity, token_ids)
@@ -279,13 +244,12 @@ class SharedTierBridge:
         )
 
     def load(self, identity: Identity, token_ids: TokenIds, out: Any, **options: Any) -> LoadResult:
-        """`Store.load` (same options), continued from the blocks staged after what the store
-        has: see `staging.staged_load`."""
+        """`Store.load`, continued from the staged blocks (`staging.staged_load`)."""
         return staged_load(self.store, self.staging, identity, token_ids, out, **options)
 
     def settle(self, timeout_s: float = _SETTLE_S) -> None:
         """Wait for the installs queued so far: a delete or purge after this removes what they
-        install (one that ran before them would see it come back)."""
+        install (one before them would see it come back)."""
         try:
             self._installer.submit(lambda: None).result(timeout_s)
         except RuntimeError:  # stopped: `stop` waited for the installs
@@ -299,10 +263,9 @@ class SharedTierBridge:
             return self._fruitless.get(asked, 0.0) > self._now()
 
     def _remember_fruitless(self, asked: tuple[bytes, int]) -> None:
-        """A hybrid prompt whose blocks the tier had without moving its joint boundary is not
-        asked again for `_RECHECK_S`: its blocks after the boundary may all be stored, waiting
-        for a checkpoint the tier does not have either, and every lookup would fetch them
-        again. (A miss costs one size call, and is asked again at once, as for a plain one.)"""
+        """A hybrid prompt whose blocks the tier had without moving its joint boundary is not asked
+        again for `_RECHECK_S`: its blocks may all be stored, waiting for a checkpoint the tier
+        lacks too, and every lookup would fetch them again."""
         now = self._now()
         with self._lock:
             if len(self._fruitless) >= _FRUITLESS_KEPT:
@@ -315,8 +278,7 @@ class SharedTierBridge:
     def _read_through(
         self, identity: Identity, chain: BlockChain, local_blocks: int, end: int, staged: bool
     ) -> int | None:
-        """`read_through` once it is worth asking; None when the tier does not have the first
-        block asked for (or cannot be reached)."""
+        """None when the tier lacks the first block asked for (or cannot be reached)."""
         align = runs.page_span(identity)
         # sized by a block that starts every group's page (the largest), else by the first
         sized = -(-local_blocks // align) * align
@@ -396,8 +358,8 @@ class SharedTierBridge:
         broken: threading.Event,
         on_end: Callable[[], None],
     ) -> tuple[int, int]:
-        """`_install` on the installer thread, in the order the batches were proven, unless
-        one before fell short (nothing after it can go in); `on_end` runs either way."""
+        """`_install` in the order the batches were proven, unless one before fell short; `on_end`
+        runs either way."""
         try:
             if broken.is_set():
                 return 0, 0
@@ -411,9 +373,9 @@ class SharedTierBridge:
             on_end()
 
     def _capacity(self, key: str) -> int | None:
-        """Room for one value of a batch: this one's size, with some slack (the values of one
-        identity are about the same size; a longer one is fetched alone); 0 when the tier does
-        not have it, None when the tier fails."""
+        """Room for one value of a batch: this one's size with some slack (one identity's values are
+        about the same size; a longer one is fetched alone); 0 when missing, None when the tier
+        fails."""
         try:
             size = self.tier.size(key)
         except PrefixdError as exc:
@@ -431,8 +393,8 @@ class SharedTierBridge:
         capacity: int,
         buffer: memoryview,
     ) -> Fetched:
-        """The values of blocks [start, stop) in one round trip into `buffer`, up to the first
-        one missing (then None); [] when the tier fails. Runs on the fetcher thread."""
+        """Blocks [start, stop) in one round trip into `buffer`, up to the first missing one (None);
+        [] when the tier fails."""
         keys = [block_key(identity.digest, chain.hash(i)) for i in range(start, stop)]
         started = time.perf_counter()
         try:
@@ -467,8 +429,7 @@ class SharedTierBridge:
     def _proven(
         self, identity: Identity, chain: BlockChain, start: int, values: list[memoryview | None]
     ) -> list[RemoteBlock]:
-        """`values` (blocks from `start`) proven to be these blocks, up to the first that is
-        absent or fails."""
+        """`values` proven to be these blocks, up to the first that is absent or fails."""
         started = time.perf_counter()
         proven: list[RemoteBlock] = []
         for index, value in enumerate(values, start):
@@ -494,9 +455,9 @@ class SharedTierBridge:
         return proven
 
     def _get(self, key: str) -> memoryview | None:
-        """The value under `key`, sized first, then fetched straight into a buffer of its own
-        (the tier's plain get goes through a staging copy). A buffer whose fetch failed is kept
-        until the tier lets go of it: a call that timed out may still write into it."""
+        """The value under `key`, fetched into a buffer of its own (the tier's plain get copies
+        through a staging buffer). A buffer whose fetch failed is held until the tier lets go of it:
+        a call that timed out may still write into it."""
         size = self.tier.size(key)
         if size is None:
             return None
@@ -522,11 +483,9 @@ class SharedTierBridge:
     def _install(
         self, identity: Identity, chain: BlockChain, first: int, batch: list[RemoteBlock]
     ) -> tuple[int, int]:
-        """Put a run of proven blocks in the local store in one transaction; empties `batch`
-        on success. Returns how many were put (for a hybrid identity, up to the last boundary
-        the run closes: see `runs.closed_run`), and how many of those the store did not have: a
-        hybrid read-through starts at the joint boundary, and the blocks after it may be there
-        already (waiting for a checkpoint the tier may not have either)."""
+        """Put proven blocks in the local store in one transaction; empties `batch` on success.
+        Returns how many were put (for a hybrid identity, up to the last boundary the run closes)
+        and how many of those are new: blocks after the joint boundary may be stored already."""
         spec = identity.state
         started = time.perf_counter()
         try:
@@ -560,10 +519,7 @@ class SharedTierBridge:
         batch.clear()
         return n, new
 
-    # --- purges ----------------------------------------------------------------------------------
-
     def purged(self, digests: Iterable[bytes]) -> int:
-        """Remove the tier's objects of identities removed whole from the local store."""
         removed = 0
         for digest in digests:
             try:
@@ -573,8 +529,6 @@ class SharedTierBridge:
                 log.warning("removing purged objects from the shared tier failed: %s", exc)
         self._count("remote_purged_objects", removed)
         return removed
-
-    # --- counts ---------------------------------------------------------------------------------
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

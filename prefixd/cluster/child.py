@@ -1,24 +1,14 @@
 """The shared tier's client in a child process, so that nothing Mooncake does can stall the daemon.
 
-Mooncake's client holds Python's GIL in two calls that can block for many seconds: `setup`
-against a master that dies while it connects, and `close` (prefixd.cluster.mooncake). In the
-daemon's process that stops every thread, the event loop included. `ChildTier` runs the client in
-a process of its own (prefixd.cluster.tier_child) and waits for each call's reply on a socket, the
-GIL released; a reply later than the call's bound kills that process, fails the calls in flight,
-and starts another for the calls after `cooldown_s`. So does a child whose every worker is stuck
-in a Mooncake call that never returns (its replies say how many are), as a client can be after
-its master died mid-call: a fresh client connects to the master anew. Killing is always safe:
-the client's segment leaves the pool with it, and the master forgets the client after its
-`--client_ttl`. A child none of whose calls succeeded for `fresh_after_s` while the tier was
-unavailable is replaced too: a client that lost its master mid-call may fail every call after
-the master is back, where a fresh one connects (while the master stays down, that costs one
-process start every `fresh_after_s`).
+Mooncake's client holds the GIL in `setup` against a master that dies while it connects, and in
+`close`: in the daemon's process that stops the event loop. `ChildTier` runs the client in a process
+of its own (prefixd.cluster.tier_child) and waits for replies on a socket, the GIL released. A late
+reply, a child whose every worker is stuck, or one none of whose calls succeeded for `fresh_after_s`
+while the tier was unavailable (a client that lost its master mid-call may fail every call after it
+is back) is killed and replaced: its segment leaves the pool with it.
 
-Bulk bytes never cross the socket. Buffers are memfds mapped by both processes (`buffer`), sent
-once to each child with the first call that names them; a batch get writes straight into one, and
-a put copies its value into one first (one memcpy, which the background publisher pays). A buffer
-whose call did not end cleanly is kept out of the pool until no call that could still touch it is
-running in the child (its replies say how many run) or the child is gone.
+Bulk bytes never cross the socket: buffers are memfds both processes map (`buffer`). A buffer whose
+call did not end cleanly is kept out of the pool while a call that could touch it runs.
 """
 
 from __future__ import annotations
@@ -63,11 +53,14 @@ class _Buffer:
     busy: bool = False
     tainted: bool = False  # used by a call that did not end cleanly
 
+    def close(self) -> None:
+        os.close(self.fd)
+        with contextlib.suppress(BufferError):  # a view still held: unmapped with it
+            self.mapping.close()
+
 
 @dataclass(eq=False)
 class _Process:
-    """One child: the process, our end of its socket, its pending calls, and when it is ready."""
-
     generation: int
     popen: subprocess.Popen[bytes]
     sock: socket.socket
@@ -78,11 +71,9 @@ class _Process:
 
 
 class ChildTier:
-    """A tier (by default prefixd.cluster.mooncake.SharedTier) run in a child process.
-
-    `factory` is the `module:function` the child calls with `settings` as keywords to open its
-    tier. Every call returns or raises a TierError within `call_timeout_s` (the child's own
-    bound on a call plus a margin); a call that does not is the child's end."""
+    """A tier (by default SharedTier) run in a child process: `factory` (`module:function`) opens it
+    with `settings` as keywords. Every call returns or raises a TierError within `call_timeout_s`; a
+    call that does not is the child's end."""
 
     def __init__(
         self,
@@ -116,9 +107,8 @@ class ChildTier:
 
     @classmethod
     def for_mooncake(cls, settings: MooncakeSettings) -> ChildTier:
-        """Mooncake's client (prefixd.cluster.mooncake.SharedTier) in a child: a call later than
-        the longest one SharedTier makes is stuck, and a child none of whose calls succeeded
-        for five of its timeouts (at least 5 s) is replaced."""
+        """Mooncake's client in a child: a call later than SharedTier's longest is stuck; a child
+        with no call succeeding for five timeouts (at least 5 s) is replaced."""
         return cls(
             dataclasses.asdict(settings),
             call_timeout_s=settings.longest_call_s + 1.0,
@@ -127,10 +117,8 @@ class ChildTier:
             fresh_after_s=max(5.0, 5 * settings.timeout_s),
         )
 
-    # --- lifecycle --------------------------------------------------------------------------
-
     def start(self) -> None:
-        """Start the child now (it also starts on the first call); does not wait for it."""
+        """Start the child now (it also starts on the first call), without waiting."""
         with self._lock:
             if self._process is None and not self._closed:
                 self._spawn_locked()
@@ -142,7 +130,7 @@ class ChildTier:
 
     @property
     def in_flight(self) -> int:
-        """Calls that may still touch a buffer: ours waiting, and the child's still running."""
+        """Calls that may still touch a buffer: ours waiting, and the child's."""
         process = self._process
         return (len(process.pending) if process else 0) + self._child_in_flight
 
@@ -166,9 +154,7 @@ class ChildTier:
         if process is not None:
             self._end(process, kill=False)
         for buffer in self._buffers.values():
-            os.close(buffer.fd)
-            with contextlib.suppress(BufferError):  # a view still held: unmapped with it
-                buffer.mapping.close()
+            buffer.close()
         self._buffers.clear()
 
     def __enter__(self) -> Self:
@@ -177,12 +163,8 @@ class ChildTier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- buffers ----------------------------------------------------------------------------
-
     def buffer(self, size: int) -> memoryview:
-        """A writable buffer of `size` bytes the child writes into directly; give it back with
-        `release` (a buffer of another origin costs a copy in `get_into`, and is refused by
-        `get_many_into`)."""
+        """A buffer the child writes into directly; give it back with `release`."""
         with self._lock:
             free = [
                 b for b in self._buffers.values() if not b.busy and not b.tainted and b.size >= size
@@ -195,9 +177,8 @@ class ChildTier:
         return memoryview(chosen.mapping)[:size]
 
     def release(self, view: memoryview) -> None:
-        """Give back a buffer from `buffer` (anything else is ignored). Past `pool_bytes` of
-        idle buffers, it is unmapped instead of kept: a burst of large fetches does not leave
-        its memory behind."""
+        """Past `pool_bytes` of idle buffers it is unmapped, not kept: a burst of large fetches does
+        not leave its memory behind."""
         found = self._buffers.get(id(view.obj))
         if found is None:
             return
@@ -212,9 +193,7 @@ class ChildTier:
             with contextlib.suppress(OSError), process.send_lock:
                 forget = TierCall(id=0, op="unmap", buffer=found.id)
                 process.sock.sendall(self._encoder.encode(forget))
-        os.close(found.fd)
-        with contextlib.suppress(BufferError):  # a view still held: unmapped with it
-            found.mapping.close()
+        found.close()
 
     def _new_buffer(self, size: int) -> _Buffer:
         fd = os.memfd_create("prefixd-tier", os.MFD_CLOEXEC)
@@ -227,7 +206,7 @@ class ChildTier:
         return buffer
 
     def _locate(self, data: Any) -> tuple[_Buffer, int, int] | None:
-        """The pooled buffer `data` lies in, its offset there and its length; None if none."""
+        """The pooled buffer `data` lies in, its offset and length; None if none."""
         view = memoryview(data)
         buffer = self._buffers.get(id(view.obj))
         if buffer is None or not view.contiguous:
@@ -238,11 +217,8 @@ class ChildTier:
             return None
         return buffer, offset, view.nbytes
 
-    # --- operations -------------------------------------------------------------------------
-
     def put(self, key: str, value: Any, *, overwrite: bool = False) -> None:
-        """Put `value`: read by the child where it lies when it is in one of this tier's
-        buffers (see `buffer`), else copied into one first."""
+        """Read by the child where it lies when in one of our buffers, else copied into one."""
         size = memoryview(value).nbytes
         if size == 0:
             raise TierValueError("the value is empty (Mooncake refuses empty objects)")
@@ -259,15 +235,15 @@ class ChildTier:
     def get_into(self, key: str, buffer: Any) -> int | None:
         if self._locate(buffer) is not None:
             result = self._call("get_into", keys=[key], data=buffer)
-            return None if result is None else int(result)
-        out = memoryview(buffer).cast("B")
-        staging = self.buffer(out.nbytes)
-        try:
-            result = self._call("get_into", keys=[key], data=staging)
-            if result is not None:
-                out[:result] = staging[:result]
-        finally:
-            self.release(staging)
+        else:  # into one of ours, then copied
+            out = memoryview(buffer).cast("B")
+            staging = self.buffer(out.nbytes)
+            try:
+                result = self._call("get_into", keys=[key], data=staging)
+                if result is not None:
+                    out[:result] = staging[:result]
+            finally:
+                self.release(staging)
         return None if result is None else int(result)
 
     def get_many_into(self, keys: Any, buffer: Any, capacity: int) -> list[int | None]:
@@ -300,17 +276,8 @@ class ChildTier:
     def remove_prefix(self, prefix: str, *, force: bool = True) -> int:
         return int(self._call("remove_prefix", keys=[prefix], flag=force))
 
-    # --- machinery --------------------------------------------------------------------------
-
-    def _call(
-        self,
-        op: str,
-        *,
-        keys: list[str] | None = None,
-        data: Any = None,
-        capacity: int = 0,
-        flag: bool = False,
-    ) -> Any:
+    def _call(self, op: str, *, data: Any = None, **fields: Any) -> Any:
+        """`fields`: the call's keys, capacity and flag (TierCall)."""
         deadline = time.monotonic() + self.call_timeout_s
         process = self._ready(op, deadline)
         located = None if data is None else self._locate(data)
@@ -320,16 +287,8 @@ class ChildTier:
         with self._lock:
             call_id = self._next_id
             self._next_id += 1
-        call = TierCall(
-            id=call_id,
-            op=op,
-            keys=keys or [],
-            buffer=0 if buffer is None else buffer.id,
-            offset=offset,
-            length=length,
-            capacity=capacity,
-            flag=flag,
-        )
+        buffer_id = 0 if buffer is None else buffer.id
+        call = TierCall(call_id, op, buffer=buffer_id, offset=offset, length=length, **fields)
         future: Future[TierReply] = Future()
         process.pending[call_id] = future
         clean = False
@@ -365,8 +324,8 @@ class ChildTier:
             self._untaint()
 
     def _ready(self, op: str, deadline: float) -> _Process:
-        """A started child, waited for until `deadline`; TierUnavailableError when there is none
-        to be had (cooling down after a failure, or not started in time)."""
+        """A started child, waited for until `deadline`; TierUnavailableError when there is none to
+        be had (cooling down, or not started in time)."""
         with self._lock:
             if self._closed:
                 raise TierError(f"{op}: the shared tier is closed")
@@ -392,7 +351,6 @@ class ChildTier:
             process.sock.sendall(self._encoder.encode(call))
 
     def _untaint(self) -> None:
-        """Back to the pool: tainted buffers, once no call that could touch them runs."""
         if self.in_flight == 0:
             with self._lock:
                 for buffer in self._buffers.values():
@@ -447,8 +405,8 @@ class ChildTier:
             self._kill(process, "it exited" if process.popen.poll() is not None else "its socket")
 
     def _kill(self, process: _Process, reason: str) -> None:
-        """End a child that failed (its calls fail), and start the next one at once: it is
-        ready, or nearly, when the cooldown ends."""
+        """End a failed child (its calls fail) and start the next at once: it is ready, or nearly,
+        when the cooldown ends."""
         with self._lock:
             if self._process is not process:
                 return  # already replaced

@@ -1,73 +1,9 @@
 """A shared tier on Mooncake Store behind the local store, hidden behind a small typed adapter.
 
-Mooncake Store (github.com/kvcache-ai/Mooncake) is a distributed in-memory key-value store built
-for LLM KV caches. A `mooncake_master` process keeps only metadata (which key lives where); the
-bytes live in *segments*, memory that each client process contributes to a cluster-wide pool, and
-move between processes through Mooncake's transfer engine (TCP here; RDMA where there is a NIC).
-A prefix that one node computed and published can then be fetched by every other node of the
-cluster, which is why prefixd can put a shared tier behind its local, on-disk store: a local miss
-may still be a cluster hit, much cheaper than a prefill.
-
-`SharedTier` is what the daemon uses; it never exposes Mooncake's API, its integer return codes or
-its blocking behaviour (`prefixd.cluster.mooncake_calls` names the codes and runs the calls;
-`prefixd.cluster.mooncake_settings` holds `MooncakeSettings`). Facts this module relies on,
-measured with the PyPI package `mooncake-transfer-engine-non-cuda==0.3.13.post1`:
-
-* Packaging: the wheel ships `mooncake_master` and the Python client `mooncake.store`. Both link
-  Debian's `libibverbs1` even when only TCP is used; without it `import mooncake` fails.
-* Master on loopback, with its built-in HTTP metadata server (no etcd):
-  `mooncake_master --rpc_address=127.0.0.1 --rpc_port=50051 --enable_http_metadata_server=true
-  --http_metadata_server_host=127.0.0.1 --http_metadata_server_port=8080
-  --metrics_host=127.0.0.1 --metrics_port=9003 --default_kv_lease_ttl=...`. It is ready when
-  `GET http://<metrics>/health` answers `"service_ready": true` (about 1 s after start).
-  Clients set `MC_TCP_BIND_ADDRESS=127.0.0.1` on loopback so the transfer engine binds there.
-* Client: `MooncakeDistributedStore().setup(local_hostname, metadata_server_url,
-  global_segment_size, local_buffer_size, "tcp", rdma_devices="", master_server_addr)` returns 0.
-  `global_segment_size` is what this process lends to the pool (0, or at least 16 MiB: 8 MiB is
-  rejected); `local_buffer_size` is a staging buffer that `put(bytes)`/`get()` copy through, so
-  those two calls fail for values larger than it. `put_from`/`get_into` with a raw pointer skip the
-  staging and have no such limit; on TCP they work on unregistered memory (RDMA needs
-  `register_buffer`). This adapter therefore puts and gets through pointers on TCP.
-* `put` is insert-if-absent: a second put of an existing key returns 0 and keeps the old value
-  (`upsert` replaces). Empty values are refused (-600). `get` returns `b""` both for a missing key
-  and on failure (master down, value larger than the staging buffer), so `b""` is disambiguated
-  with `get_size` (-704 missing, -900 master unreachable).
-* Leases: a read (`get`, `get_into`, `is_exist`, `get_size`) grants the key a lease of
-  `--default_kv_lease_ttl` (default 10 s). While it lasts a plain `remove` fails with -706
-  (OBJECT_HAS_LEASE) and `remove_by_regex` silently skips the key (Mooncake's design also keeps
-  eviction off it); `force=True` removes regardless, and this adapter forces by default. A put
-  grants no lease. An unread object does *not* disappear when the TTL passes (checked with a 1 s
-  TTL after 3 s and with the 10 s default after 12 s), so a long TTL is not needed to keep
-  objects: they go only by removal, by eviction once the pool passes
-  `--eviction_high_watermark_ratio` (0.9; `--eviction_ratio` 0.05 at a time, the oldest went
-  first when we overfilled a pool), when the client whose segment holds them closes or dies
-  (`--client_ttl`, 10 s without heartbeats), or when the master restarts (its metadata is in
-  memory only: a restarted master starts empty, and clients remount their segments by themselves
-  about 1 s later; until then puts fail with -200).
-* Keys: any `str` Mooncake accepts, including spaces, newlines and non-ASCII text; 1 MiB keys were
-  accepted; the empty key is refused (-600). This adapter allows 1 to `MAX_KEY_BYTES` UTF-8 bytes
-  without NUL. `remove_by_regex` uses ECMAScript regex *search* semantics (unanchored), so a
-  prefix becomes `^` plus the prefix with every ASCII punctuation character backslash-escaped.
-* Failure behaviour, the reason for the worker threads and timeouts below: with the master killed,
-  calls return -900 (RPC_FAIL) after up to ~4.5 s each (the client reconnects first) and `get`
-  returns `b""`; with the master hung (stopped, or a network that drops packets), calls block
-  indefinitely. Both release the GIL, so a worker thread plus `Future.result(timeout)` bounds them.
-  Two calls hold the GIL while they block and cannot be bounded that way: `setup` against an
-  unreachable master (90 s when nothing listens, forever when the master is hung) and `close`
-  (1-2 s when all is well, about 17 s with the master gone). `connect` therefore probes the
-  master's port and the HTTP metadata server first, and `close` does not call Mooncake's `close`
-  when that probe fails: it abandons the client object (kept alive; its heartbeat thread keeps
-  logging to stderr; `close_abandoned` closes it once the master is back). Mooncake also closes
-  every client still open when the process exits, seconds each if the master is gone then.
-  The daemon therefore runs this client in a child process (prefixd.cluster.child), where a
-  call that holds the GIL stalls nothing of the daemon's, and a stuck one ends with the child.
-* Throughput on loopback (a noisy 2-core box, one object after another, 1 MiB and 64 MiB
-  objects held in another process's segment): `SharedTier.put` (put_from) 0.6-1.9 GB/s,
-  `get_into` 1.1-1.9 GB/s, `get` 0.6-0.8 GB/s (it returns a new `bytes`: prefer `get_into`);
-  Mooncake's own `put(bytes)` 0.5-0.6 and `get` 0.7-1.1 GB/s. Registering buffers changed
-  nothing on TCP. With the segment in the same process, 1.5 to 7 GB/s. A small RPC (`is_exist`,
-  a miss) takes 25-45 us. When a client dies, puts and gets that land on its segment fail with
-  TRANSFER_FAIL (-800, a TierError) until the master drops it (`--client_ttl`).
+Mooncake (github.com/kvcache-ai/Mooncake) pools memory that clients lend, with a master holding only
+metadata: a block one node published can be fetched by every other node. `SharedTier` never exposes
+Mooncake's API, its return codes or its blocking behaviour; docs/mooncake.md lists the measured
+facts it relies on (codes, leases, what hangs and what holds the GIL).
 """
 
 from __future__ import annotations
@@ -88,13 +24,11 @@ import numpy as np
 
 from prefixd.cluster.mooncake_calls import (
     INVALID_PARAMS,
-    MAX_KEY_BYTES,
     NOT_FOUND,
     Workers,
     abandon,
     bytes_view,
     check_key,
-    close_abandoned,
     code_name,
     escape_regex,
     failure,
@@ -103,28 +37,17 @@ from prefixd.cluster.mooncake_calls import (
     tag,
 )
 from prefixd.cluster.mooncake_settings import MooncakeSettings
-from prefixd.errors import (
-    TierBusyError,
-    TierError,
-    TierUnavailableError,
-    TierValueError,
-)
+from prefixd.errors import TierError, TierUnavailableError, TierValueError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# --- the tier ----------------------------------------------------------------------------------
-
 
 class SharedTier:
-    """One Mooncake client for a daemon process: put, get, exists and remove shared objects.
-
-    Thread-safe. Connects lazily (on the first call, or `connect()`, each bounded by about
-    `settings.timeout_s` plus a 1 s probe); every call then finishes within `settings.timeout_s`
-    or raises `TierUnavailableError`; every failure is a `TierError`.
-    Objects are immutable once put: `put` keeps an existing key's value unless `overwrite=True`.
-    """
+    """One Mooncake client for a daemon process, thread-safe. Connects lazily; every call finishes
+    within `settings.timeout_s` or raises TierUnavailableError; every failure is a TierError. `put`
+    keeps an existing key's value unless `overwrite=True`."""
 
     def __init__(self, settings: MooncakeSettings) -> None:
         self.settings = settings
@@ -140,18 +63,15 @@ class SharedTier:
         self._registered: dict[int, tuple[int, np.ndarray]] = {}  # address -> (length, keepalive)
         self._registered_lock = threading.Lock()
 
-    # --- lifecycle --------------------------------------------------------------------------
-
     @property
     def in_flight(self) -> int:
-        """Mooncake calls still running, those that timed out included. A buffer given to a
-        `get_into` (or `put`) that raised TierUnavailableError may still be written (read) by
-        Mooncake until this count drops: do not reuse it before, or use a fresh one."""
+        """Mooncake calls still running, timed-out ones included: a buffer given to a call that
+        raised TierUnavailableError may still be touched until this drops."""
         return self._in_flight
 
     def connect(self) -> None:
-        """Connect now (idempotent). Raises TierUnavailableError when the master or the
-        metadata server does not answer, or Mooncake's setup fails or times out."""
+        """Connect now (idempotent); TierUnavailableError when the master or the metadata server
+        does not answer, or setup fails or times out."""
         with self._connect_lock:
             if self._closed:
                 raise TierError("the shared tier is closed")
@@ -205,11 +125,9 @@ class SharedTier:
         log.info("connected to Mooncake master %s as %s", s.master, s.local_hostname)
 
     def close(self) -> None:
-        """Disconnect (idempotent). Objects held in this process's segment leave the pool.
-
-        Mooncake's close holds the GIL for 1-2 s even when all is well, and for much longer when
-        the master is gone; then (or with calls still hanging) the client is abandoned instead,
-        which returns within `timeout_s` (see `close_abandoned`)."""
+        """Disconnect (idempotent). Mooncake's close holds the GIL for seconds when the master is
+        gone: then, or with calls still hanging, the client is abandoned instead
+        (`close_abandoned`)."""
         with self._connect_lock:
             if self._closed:
                 return
@@ -256,13 +174,11 @@ class SharedTier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- operations -------------------------------------------------------------------------
-
     def put(
         self, key: str, value: bytes | bytearray | memoryview, *, overwrite: bool = False
     ) -> None:
-        """Store `value` (any non-empty C-contiguous buffer) under `key`. Without `overwrite`
-        an existing key keeps its value (objects are content-addressed; no transfer happens)."""
+        """Store `value` (non-empty, C-contiguous) under `key`; without `overwrite` an existing key
+        keeps its value (objects are content-addressed)."""
         check_key(key)
         array, address, n = bytes_view(value, writable=False)
         if n == 0:
@@ -293,7 +209,6 @@ class SharedTier:
             raise failure(f"put {tag(key)} ({n} bytes)", rc)
 
     def get(self, key: str) -> bytes | None:
-        """The value under `key`, or None when there is none."""
         check_key(key)
         direct = self.settings.protocol == "tcp"
 
@@ -321,9 +236,7 @@ class SharedTier:
         return self._call(f"get {tag(key)}", call)
 
     def get_into(self, key: str, buffer: bytearray | memoryview | Any) -> int | None:
-        """Copy the value under `key` into the start of `buffer` (any writable C-contiguous
-        buffer, e.g. a bytearray or a numpy array); the number of bytes, or None when missing.
-        Zero-copy on TCP and for registered buffers; otherwise through the staging buffer.
+        """Copy the value under `key` into the start of `buffer`; its length, or None when missing.
         After a TierUnavailableError the buffer may still be written: see `in_flight`."""
         check_key(key)
         array, address, n = bytes_view(buffer, writable=True)
@@ -357,10 +270,9 @@ class SharedTier:
     def get_many_into(
         self, keys: Sequence[str], buffer: bytearray | memoryview | Any, capacity: int
     ) -> list[int | None]:
-        """`get_into` for many keys in one round trip (Mooncake's batch_get_into): key i's
-        value goes to `buffer[i * capacity:]`. Per key: its length; None when it has no value;
-        -1 when it is longer than `capacity` (fetch that one alone). Direct (TCP, or a
-        registered buffer) only; after a TierUnavailableError the buffer may still be written."""
+        """`get_into` for many keys in one round trip: key i's value goes to `buffer[i *
+        capacity:]`. Per key its length, None when missing, -1 when longer than `capacity` (fetch
+        that one alone). Direct (TCP, or a registered buffer) only."""
         names = [check_key(k) for k in keys]
         array, address, n = bytes_view(buffer, writable=True)
         if capacity <= 0 or len(names) * capacity > n:
@@ -370,7 +282,6 @@ class SharedTier:
         if not names:
             return []
         addresses = [address + i * capacity for i in range(len(names))]
-
         sizes = [capacity] * len(names)
 
         def call(client: Any, _pin: np.ndarray = array) -> list[int]:  # _pin: memory stays alive
@@ -380,38 +291,23 @@ class SharedTier:
         codes = self._call(what, call)
         if len(codes) != len(names):
             raise TierError(f"{what}: {len(codes)} answers for {len(names)} keys")
-        out: list[int | None] = []
         for code in codes:
-            if code >= 0:
-                out.append(code)
-            elif code == NOT_FOUND:
-                out.append(None)
-            elif code == INVALID_PARAMS:
-                out.append(-1)  # longer than `capacity`
-            else:
+            if code < 0 and code not in (NOT_FOUND, INVALID_PARAMS):
                 raise failure(what, code)
-        return out
+        # INVALID_PARAMS: longer than `capacity`
+        return [c if c >= 0 else None if c == NOT_FOUND else -1 for c in codes]
 
     def size(self, key: str) -> int | None:
-        """The value's length in bytes, or None when `key` has no value."""
         check_key(key)
-        rc = self._call(f"size {tag(key)}", lambda client: int(client.get_size(key)))
-        if rc == NOT_FOUND:
-            return None
-        if rc < 0:
-            raise failure(f"size {tag(key)}", rc)
-        return rc
+        rc = self._code(f"size {tag(key)}", lambda client: int(client.get_size(key)), NOT_FOUND)
+        return None if rc == NOT_FOUND else rc
 
     def exists(self, key: str) -> bool:
-        """Whether `key` has a value (this grants the key a read lease, see TierBusyError)."""
+        """Whether `key` has a value (this grants the key a read lease)."""
         check_key(key)
-        rc = self._call(f"exists {tag(key)}", lambda client: int(client.is_exist(key)))
-        if rc < 0:
-            raise failure(f"exists {tag(key)}", rc)
-        return rc == 1
+        return self._code(f"exists {tag(key)}", lambda client: int(client.is_exist(key))) == 1
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """`exists` for many keys in one round trip."""
         names = [check_key(k) for k in keys]
         if not names:
             return []
@@ -427,12 +323,9 @@ class SharedTier:
         return [c == 1 for c in codes]
 
     def remove(self, key: str, *, force: bool = True) -> bool:
-        """Remove `key`; False when it was not there.
-
-        Forced by default: Mooncake would otherwise refuse a key read in the last
-        `--default_kv_lease_ttl` (TierBusyError), because a reader may be mid-transfer; that
-        reader can then get torn bytes, which prefixd's end-to-end checksums
-        (prefixd.cluster.blocks) reject. `force=False` respects the lease."""
+        """Remove `key`; False when it was not there. Forced by default: a reader mid-transfer may
+        then get torn bytes, which prefixd's end-to-end checksums reject, where an unforced remove
+        fails on a key read in the last lease TTL (TierBusyError)."""
         check_key(key)
         rc = self._call(f"remove {tag(key)}", lambda client: int(client.remove(key, force)))
         if rc == 0:
@@ -442,32 +335,24 @@ class SharedTier:
         raise failure(f"remove {tag(key)}", rc)
 
     def remove_prefix(self, prefix: str, *, force: bool = True) -> int:
-        """Remove every key starting with `prefix` (non-empty: the pool is shared), through
-        Mooncake's remove_by_regex; the number removed. Forced by default, as `remove`; with
-        `force=False` keys under a read lease are skipped silently (and not counted). The master
-        scans all its keys: an occasional call (purges), not a hot one."""
+        """Remove every key starting with `prefix` (non-empty: the pool is shared); the number
+        removed. The master scans all its keys: for purges, not a hot path."""
         check_key(prefix)
         pattern = "^" + escape_regex(prefix)
-        rc = self._call(
-            f"remove_prefix {tag(prefix)}",
-            lambda client: int(client.remove_by_regex(pattern, force)),
-        )
-        if rc < 0:
-            raise failure(f"remove_prefix {tag(prefix)}", rc)
-        return rc
+        what = f"remove_prefix {tag(prefix)}"
+        return self._code(what, lambda client: int(client.remove_by_regex(pattern, force)))
 
     def buffer(self, size: int) -> memoryview:
-        """A buffer for `get_into` and `get_many_into`: plain memory, which this client writes
-        into directly on TCP (prefixd.cluster.child.ChildTier gives shared memory instead)."""
+        """Plain memory, which this client writes into directly on TCP (ChildTier gives shared
+        memory instead)."""
         return memoryview(bytearray(size))
 
     def release(self, view: memoryview) -> None:
         """Nothing to give back: see `buffer`."""
 
     def register(self, buffer: bytearray | memoryview | Any) -> None:
-        """Register `buffer` with the transfer engine for zero-copy `put`/`get_into` (needed for
-        RDMA; TCP reads and writes any memory). It stays registered, and alive, until the tier
-        closes."""
+        """Register `buffer` for zero-copy calls (needed for RDMA); it stays registered, and alive,
+        until the tier closes."""
         array, address, n = bytes_view(buffer, writable=True)
         rc = self._call("register", lambda client: int(client.register_buffer(address, n)))
         if rc != 0:
@@ -475,10 +360,7 @@ class SharedTier:
         with self._registered_lock:
             self._registered[address] = (n, array)
 
-    # --- machinery --------------------------------------------------------------------------
-
     def _direct(self, address: int, n: int) -> bool:
-        """Whether Mooncake may read/write [address, address+n) itself (no staging copy)."""
         if self.settings.protocol == "tcp":
             return True
         with self._registered_lock:
@@ -502,8 +384,15 @@ class SharedTier:
             self._trip(str(e))
             raise
 
+    def _code(self, what: str, fn: Callable[[Any], int], allowed: int = 0) -> int:
+        """A call's return code; its failure when negative (but `allowed`)."""
+        rc = self._call(what, fn)
+        if rc < 0 and rc != allowed:
+            raise failure(what, rc)
+        return rc
+
     def _submit(self, what: str, fn: Callable[[], T], deadline: float) -> T:
-        """Run `fn` on a worker; a TierError instead of a hang, of an exception from Mooncake."""
+        """Run `fn` on a worker; a TierError instead of a hang or of Mooncake's exception."""
         workers = self._workers
         assert workers is not None
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -536,7 +425,8 @@ class SharedTier:
             self._in_flight -= 1
 
     def _probe(self) -> str:
-        """Why the master or the HTTP metadata server cannot be reached ('' when both answer)."""
+        """Why the master or the HTTP metadata server cannot be reached ('' when both answer):
+        Mooncake's setup against an unreachable master holds the GIL."""
         s = self.settings
         limit = min(1.0, s.timeout_s)
         try:
@@ -566,18 +456,8 @@ class SharedTier:
 
 
 def open_tier(**settings: Any) -> SharedTier:
-    """The tier prefixd.cluster.tier_child runs: a SharedTier with these MooncakeSettings."""
+    """The tier prefixd.cluster.tier_child runs."""
     return SharedTier(MooncakeSettings(**settings))
 
 
-__all__ = [
-    "MAX_KEY_BYTES",
-    "MooncakeSettings",
-    "SharedTier",
-    "TierBusyError",
-    "TierError",
-    "TierUnavailableError",
-    "TierValueError",
-    "close_abandoned",
-    "open_tier",
-]
+__all__ = ["MooncakeSettings", "SharedTier", "open_tier"]

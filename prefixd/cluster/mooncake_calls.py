@@ -1,6 +1,6 @@
-"""Calls into Mooncake's client (prefixd.cluster.mooncake): its error codes and the exceptions
-they become, the checks of keys and buffers handed to it, the threads its calls run on (a call
-may hang for good), and the clients that could not be closed safely."""
+"""Calls into Mooncake's client: its error codes and the exceptions they become, the checks of keys
+and buffers, the threads its calls run on, and the clients that could not be closed.
+"""
 
 from __future__ import annotations
 
@@ -60,14 +60,10 @@ INVALID_PARAMS = -600
 # Codes that mean "the cluster cannot be reached right now", not "this request is wrong".
 _UNAVAILABLE_CODES = frozenset({-103, -900, -1010, -1011})
 
-# Clients whose `close` could not be called safely (see prefixd.cluster.mooncake), kept alive on
-# purpose: destroying one runs Mooncake's close, which would hold the GIL for seconds. Each with
-# a function telling how many calls of its tier still run (it may be closed once that is 0).
+# Clients kept alive (their destructor would run Mooncake's close, GIL held), each with its
+# tier's count of calls still running (closed once that is 0)
 _ABANDONED: list[tuple[Any, Callable[[], int]]] = []
 _ABANDONED_LOCK = threading.Lock()
-
-
-# --- errors ------------------------------------------------------------------------------------
 
 
 def code_name(code: int) -> str:
@@ -75,7 +71,6 @@ def code_name(code: int) -> str:
 
 
 def failure(what: str, code: int) -> TierError:
-    """The exception for Mooncake's negative return `code` of operation `what`."""
     message = f"{what} failed: {code_name(code)}"
     if code in _UNAVAILABLE_CODES:
         return TierUnavailableError(message, code)
@@ -84,9 +79,6 @@ def failure(what: str, code: int) -> TierError:
     if code == -200:
         message += " (pool full, or no segment mounted yet after a master restart)"
     return TierError(message, code)
-
-
-# --- helpers -----------------------------------------------------------------------------------
 
 
 def check_key(key: str) -> str:
@@ -106,7 +98,7 @@ def check_key(key: str) -> str:
 
 
 def bytes_view(value: Any, *, writable: bool) -> tuple[np.ndarray, int, int]:
-    """(an array keeping the memory alive, its address, its length) for a contiguous buffer."""
+    """(an array keeping the memory alive, its address, its length)"""
     try:
         view = memoryview(value)
     except TypeError:
@@ -126,7 +118,7 @@ def bytes_view(value: Any, *, writable: bool) -> tuple[np.ndarray, int, int]:
 
 
 def escape_regex(text: str) -> str:
-    """`text` as a literal for Mooncake's (C++ std::regex, ECMAScript) patterns."""
+    """`text` as a literal for Mooncake's (ECMAScript, unanchored) patterns."""
     return "".join(
         "\\" + c if c.isascii() and c.isprintable() and not c.isalnum() and c != "_" else c
         for c in text
@@ -141,8 +133,8 @@ def is_loopback(host: str) -> bool:
 
 
 def tag(key: str) -> str:
-    """A key as log lines and errors name it: a short hash, never the key (prefixd's keys hold
-    identity digests and block hashes, which logs must not carry)."""
+    """A key as logs and errors name it: a short hash (keys hold identity digests and block hashes,
+    which logs must not carry)."""
     return f"key #{xxhash.xxh32_hexdigest(key.encode('utf-8', 'replace'))}"
 
 
@@ -168,10 +160,9 @@ def abandon(client: Any, in_flight: Callable[[], int]) -> None:
 
 
 def close_abandoned() -> int:
-    """Close the Mooncake clients `SharedTier` abandoned (see prefixd.cluster.mooncake) whose calls
-    have all returned; the number closed. Call it when the master answers again, or before the
-    process exits while it does: Mooncake closes every client left at exit, which takes seconds
-    per client when the master is gone. Each close holds the GIL for 1-2 s."""
+    """Close the abandoned clients whose calls have all returned; the number closed. Call it once
+    the master answers again: Mooncake closes every client left at exit, seconds each when the
+    master is gone."""
     with _ABANDONED_LOCK:
         ready = [entry for entry in _ABANDONED if entry[1]() == 0]
         for entry in ready:
@@ -185,8 +176,8 @@ def close_abandoned() -> int:
 
 
 class Workers:
-    """Daemon threads running Mooncake calls. Unlike ThreadPoolExecutor's threads they never
-    keep the interpreter from exiting, even when a call hangs for good."""
+    """Daemon threads running Mooncake calls: unlike ThreadPoolExecutor's they never keep the
+    interpreter from exiting when a call hangs for good."""
 
     def __init__(self, n: int, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]

@@ -1,5 +1,4 @@
-"""Where a Mooncake cluster is and what a daemon lends to it: the shared tier's settings,
-checked when they are made (prefixd.cluster.mooncake)."""
+"""The shared tier's settings, checked when they are made (prefixd.cluster.mooncake)."""
 
 from __future__ import annotations
 
@@ -13,15 +12,11 @@ MIN_SEGMENT_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class MooncakeSettings:
-    """Where the Mooncake cluster is and what this process lends to it.
-
-    `master` is the master's RPC address (host:port); `metadata` the transfer engine's metadata
-    server, here the master's built-in HTTP one (`http://host:port/metadata`). `segment_bytes` is
-    the memory this process adds to the shared pool (0: use the pool, lend nothing; else at least
-    16 MiB); `buffer_bytes` the client's staging buffer (bounds values on non-TCP protocols).
-    Every call gives up after `timeout_s`; after the tier was found unavailable, calls fail at once
-    for `cooldown_s`. `workers` threads run Mooncake calls (bounding how many can hang at once).
-    """
+    """Where the Mooncake cluster is and what this process lends to it: `master` (host:port),
+    `metadata` (the master's HTTP metadata server), `segment_bytes` lent to the pool (0, or at least
+    16 MiB), `buffer_bytes` of staging (bounds values on non-TCP protocols). Calls give up after
+    `timeout_s`; after an unavailable tier they fail at once for `cooldown_s`; `workers` bounds how
+    many can hang at once."""
 
     master: str = "127.0.0.1:50051"
     metadata: str = "http://127.0.0.1:8080/metadata"
@@ -61,7 +56,7 @@ class MooncakeSettings:
     @property
     def longest_call_s(self) -> float:
         """The longest one SharedTier call takes: a connect (two probes of at most 1 s, then
-        `setup`, bounded by `timeout_s`) and the call itself (`timeout_s`)."""
+        `setup`) and the call itself."""
         return 2 * min(1.0, self.timeout_s) + 2 * self.timeout_s
 
     @property

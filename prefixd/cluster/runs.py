@@ -11,14 +11,14 @@ from prefixd.schema.state import PAGED, StateSpec
 
 
 def page_span(identity: Identity) -> int:
-    """Blocks after which every paged group of a hybrid identity closes a page at once (1 for
-    a plain identity): batches end on multiples of it, so each can be installed alone."""
+    """Blocks after which every paged group closes a page at once: batches end on its multiples, so
+    each can be installed alone."""
     return math.lcm(1, *(g.page_blocks for g in identity.state or () if g.kind == PAGED))
 
 
 def batches(start: int, end: int, per_batch: int, align: int) -> list[tuple[int, int]]:
-    """Blocks [start, end) in runs of about `per_batch`, each ending on a multiple of `align`
-    (but the last)."""
+    """Blocks [start, end) in runs of about `per_batch`, each ending on a multiple of `align` (but
+    the last)."""
     runs = []
     while start < end:
         stop = (start + per_batch) // align * align
@@ -30,9 +30,8 @@ def batches(start: int, end: int, per_batch: int, align: int) -> list[tuple[int,
 
 
 def closed_run(spec: StateSpec, block_tokens: int, first: int, blocks: list[RemoteBlock]) -> int:
-    """How many of `blocks` (from block `first`) can be installed: the longest run that ends
-    where every paged group closes a page and, up to it, carries every page and every
-    checkpoint its group's policy promises (what `Store.put_state` asks of a put)."""
+    """How many of `blocks` can be installed: the longest run ending where every paged group closes
+    a page, carrying every page and checkpoint its group promises (as `put_state` asks)."""
     closed = 0
     for index, block in enumerate(blocks, first):
         boundary = (index + 1) * block_tokens
@@ -53,8 +52,7 @@ def closed_run(spec: StateSpec, block_tokens: int, first: int, blocks: list[Remo
 def state_of(
     spec: StateSpec, block_tokens: int, first: int, blocks: list[RemoteBlock]
 ) -> tuple[dict[str, list[memoryview]], dict[str, dict[int, memoryview]]]:
-    """The pages and checkpoints of `blocks` (from block `first`), as `Store.put_state` takes
-    them."""
+    """The pages and checkpoints of `blocks`, as `Store.put_state` takes them."""
     paged: dict[str, list[memoryview]] = {g.name: [] for g in spec if g.kind == PAGED}
     checkpoints: dict[str, dict[int, memoryview]] = {}
     for index, block in enumerate(blocks, first):

@@ -1,13 +1,10 @@
 """Proven remote blocks between their fetch and their install, and the buffers they lie in.
 
-A read-through of a plain identity does not wait for the local store's install: once a batch is
-proven (prefixd.cluster.blocks: identity, parent, token ids and the payload's origin checksum),
-its blocks are *staged*, and lookups and loads are answered from the fetch buffer while the
-install runs behind them. Writing into pages the store never had is what bounds a first fill on
-a VM whose host takes freed memory back; this takes it off the hit's path. A staged block leaves
-the staging when its install ends: installed, the local store answers for it; failed, it (and
-every block after it, whose install is skipped) is no longer offered, a shorter hit as after an
-eviction. A buffer goes back to the read-through's pool only when no load copies from it.
+A plain identity's read-through does not wait for the install: proven blocks are staged, and lookups
+and loads are served from the fetch buffer meanwhile (writing pages the store never had is what
+bounds a first fill on a VM whose host takes freed memory back). A staged block leaves when its
+install ends: installed, the store answers for it; failed, it (and every block after it) is no
+longer offered. A buffer goes back to the pool only when no load copies from it.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from prefixd.store.results import LoadResult
 
 
 class TierBuffers(Protocol):
-    """The fetch buffers a shared tier lends (the bridge's TierClient has them)."""
-
     def buffer(self, size: int) -> memoryview: ...
 
     def release(self, view: memoryview) -> None: ...
@@ -47,8 +42,8 @@ class StagedRun:
 
 @dataclass
 class Copied:
-    """Staged payloads a load copied, back to back from the start of its buffer; `next_size`
-    is the size of the next staged block when the buffer had no room for it (else 0)."""
+    """Staged payloads a load copied back to back; `next_size`: the next staged block's size when
+    the buffer had no room for it (else 0)."""
 
     offsets: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
@@ -56,8 +51,7 @@ class Copied:
 
 
 class Staging:
-    """The staged blocks of every read-through in flight, by chain hash (which names the identity
-    too); thread-safe: read-throughs stage, the installer ends runs, loads copy."""
+    """The staged blocks of every read-through in flight, by chain hash; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -71,8 +65,8 @@ class Staging:
     def stage(
         self, hashes: list[bytes], payloads: list[memoryview], on_free: Callable[[], None]
     ) -> StagedRun:
-        """Offer a proven batch until `end` is called for it (a block staged already by another
-        read-through of the same prompt keeps its first run)."""
+        """Offer a proven batch until `end` (a block another read-through staged already keeps its
+        first run)."""
         run = StagedRun(hashes, payloads, on_free)
         with self._lock:
             for index, block in enumerate(hashes):
@@ -80,8 +74,8 @@ class Staging:
         return run
 
     def end(self, run: StagedRun) -> None:
-        """The run's install ended (either way): no longer offered, and its buffer given back as
-        soon as no load copies from it."""
+        """The run's install ended: no longer offered, its buffer given back once no load copies
+        from it."""
         with self._lock:
             for block in run.hashes:
                 if self._blocks.get(block, (None, 0))[0] is run:
@@ -92,14 +86,13 @@ class Staging:
             self._free(run)
 
     def sizes_from(self, chain: BlockChain, first: int, limit: int) -> list[int]:
-        """The payload sizes of the staged blocks from block `first` on, up to the first block
-        (or `limit`) that is not staged."""
+        """The payload sizes of the staged blocks from block `first` on, up to the first one (or
+        `limit`) not staged."""
         with self._lock:
             return [run.payloads[at].nbytes for run, at in self._run_from(chain, first, limit)]
 
     def _run_from(self, chain: BlockChain, first: int, limit: int) -> list[tuple[StagedRun, int]]:
-        """The staged blocks from block `first` on, in order, up to the first one that is not
-        (or `limit`); called under the lock."""
+        """(called under the lock)"""
         found: list[tuple[StagedRun, int]] = []
         if self._blocks:
             for index in range(first, limit):
@@ -110,8 +103,8 @@ class Staging:
         return found
 
     def copy_into(self, chain: BlockChain, first: int, limit: int, out: memoryview) -> Copied:
-        """Copy the staged payloads of blocks `first`... (before `limit`) back to back into
-        `out`, as many as fit; the runs read from are held meanwhile (not under the lock)."""
+        """Copy the staged payloads from block `first` back to back into `out`, as many as fit; the
+        runs are held meanwhile (not under the lock)."""
         taken: list[tuple[StagedRun, int]] = []
         copied = Copied()
         with self._lock:
@@ -156,9 +149,8 @@ class Staging:
 
 
 class FetchRooms:
-    """The fetch buffers of one read-through, of one size, from the tier (which may write into
-    them without a copy: prefixd.cluster.child): at most `most` at once; `take` waits for one to
-    come back when all are out. What comes back after `close` is given back to the tier."""
+    """One read-through's fetch buffers from the tier, at most `most` out at once (`take` waits);
+    what comes back after `close` goes back to the tier."""
 
     def __init__(self, tier: TierBuffers, size: int, most: int) -> None:
         self._tier = tier
@@ -179,7 +171,6 @@ class FetchRooms:
         return self._tier.buffer(self._size)
 
     def back(self, room: memoryview) -> None:
-        """A room nothing reads from nor writes into any more."""
         with self._cond:
             self._out -= 1
             self._cond.notify()
@@ -189,15 +180,14 @@ class FetchRooms:
         self._tier.release(room)
 
     def forget(self) -> None:
-        """A room a failed fetch may still write into: the bridge holds it until the tier lets
-        go of it (`SharedTierBridge._held`); it no longer counts here."""
+        """A room a failed fetch may still write into: the bridge holds it until the tier lets go
+        (`SharedTierBridge._held`)."""
         with self._cond:
             self._out -= 1
             self._cond.notify()
 
     def close(self) -> None:
-        """The read-through is over: give back the free rooms now, the others when they come
-        back."""
+        """Give back the free rooms now, the others when they come back."""
         with self._cond:
             self._closed = True
             free, self._free = self._free, []
@@ -217,10 +207,9 @@ def staged_load(
     first_block: int = 0,
     deadline: float | None = None,
 ) -> LoadResult:
-    """`Store.load`, continued from the staged blocks that follow what the store has, and from
-    the store again where a staged run's install ended meanwhile (it left the staging after its
-    commit, so the store has it); back to back in `out` as the store lays them. A staged copy is
-    a copy in memory of bytes proven already: the deadline bounds the store's reads alone."""
+    """`Store.load`, continued from the staged blocks after what the store has, and from the store
+    again where a staged run's install ended meanwhile. The deadline bounds the store's reads alone
+    (a staged copy is a memory copy of bytes proven already)."""
     staged = len(staging)  # before the store is asked: an install may end while it is
     read = partial(store.load, identity, token_ids, hashes=hashes, deadline=deadline)
     result = read(out, max_blocks=max_blocks, first_block=first_block)

@@ -1,15 +1,8 @@
-"""The shared tier's client in a process of its own: `python -m prefixd.cluster.tier_child FD`.
-
-Run by prefixd.cluster.child.ChildTier, never by hand. FD is its end of a SOCK_SEQPACKET socket
-pair. The first message names the function that opens the tier (`module:function`, called with
-the settings as keywords: prefixd.cluster.mooncake.open_tier); every other one is
-a call (`id`, `op`, arguments), answered by a reply with the same id, from a thread of its own so
-that calls overlap. Bulk bytes never cross the socket: the parent sends memfds (`map`) that both
-map, and calls name a buffer, an offset and a length in them.
-
-Mooncake's client holds the GIL while it connects to a master that dies during the connection,
-and while it closes: here that stalls only this process, which the parent kills when a call is
-late. The process ends when the parent does (PR_SET_PDEATHSIG, and the socket's end of file).
+"""The shared tier's client in a process of its own: `python -m prefixd.cluster.tier_child FD`, run
+by prefixd.cluster.child.ChildTier on its end of a SOCK_SEQPACKET pair. The first message names the
+function that opens the tier; every other is a call, answered from a thread of its own (calls
+overlap). Buffers are memfds both processes map (`map`). A stall here (Mooncake holding the GIL)
+stalls only this process, which ends with its parent (PR_SET_PDEATHSIG, end of file).
 """
 
 from __future__ import annotations
@@ -34,8 +27,6 @@ _PR_SET_PDEATHSIG = 1
 
 
 class _Child:
-    """Serves one parent: the tier, the mapped buffers, the reply lock."""
-
     def __init__(self, sock: socket.socket, tier: Any) -> None:
         self.sock = sock
         self.tier = tier
@@ -58,7 +49,7 @@ class _Child:
                     self.buffers.pop(call.buffer, None)
                     continue
                 pool.submit(self._answer, call)
-        self._close()
+        self.tier.close()
 
     def _map(self, call: TierCall, fds: list[int]) -> None:
         [fd] = fds
@@ -82,32 +73,22 @@ class _Child:
         return array[call.offset : call.offset + call.length]
 
     def _run(self, call: TierCall) -> Any:
-        tier, op = self.tier, call.op
-        if op == "put":
-            tier.put(call.keys[0], self._view(call), overwrite=call.flag)
-            return None
-        if op == "get_into":
-            return tier.get_into(call.keys[0], self._view(call))
-        if op == "get_many_into":
-            return tier.get_many_into(call.keys, self._view(call), call.capacity)
-        if op == "size":
-            return tier.size(call.keys[0])
-        if op == "exists_many":
-            return tier.exists_many(call.keys)
-        if op == "remove":
-            return tier.remove(call.keys[0], force=call.flag)
-        if op == "remove_prefix":
-            return tier.remove_prefix(call.keys[0], force=call.flag)
-        if op == "connect":
-            tier.connect()
-            return None
-        if op == "close":
-            self._close()
-            return None
-        raise ValueError(f"unknown tier call {op!r}")
-
-    def _close(self) -> None:
-        self.tier.close()
+        tier, view = self.tier, self._view
+        key = call.keys[0] if call.keys else ""
+        run = {
+            "put": lambda: tier.put(key, view(call), overwrite=call.flag),
+            "get_into": lambda: tier.get_into(key, view(call)),
+            "get_many_into": lambda: tier.get_many_into(call.keys, view(call), call.capacity),
+            "size": lambda: tier.size(key),
+            "exists_many": lambda: tier.exists_many(call.keys),
+            "remove": lambda: tier.remove(key, force=call.flag),
+            "remove_prefix": lambda: tier.remove_prefix(key, force=call.flag),
+            "connect": tier.connect,
+            "close": tier.close,
+        }.get(call.op)
+        if run is None:
+            raise ValueError(f"unknown tier call {call.op!r}")
+        return run()
 
 
 def main(fd: int) -> None:

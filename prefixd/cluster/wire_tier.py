@@ -1,9 +1,6 @@
-"""The messages between the daemon and its tier process (prefixd.cluster.child, .tier_child).
-
-msgpack over a SOCK_SEQPACKET socket pair, one message per call or reply, typed here and decoded
-in one place on each side. A reply that failed carries the error's class name (one of the tier
-errors of prefixd.errors), its message and Mooncake's code, and is raised again as that class on
-the parent's side.
+"""The messages between the daemon and its tier process: msgpack over a SOCK_SEQPACKET pair, one
+message per call or reply. A failed reply carries the error's class name, message and Mooncake's
+code, raised again as that class on the parent's side.
 """
 
 from __future__ import annotations
@@ -36,9 +33,9 @@ class TierStart(Struct, frozen=True):
 
 
 class TierCall(Struct, frozen=True):
-    """One call. `map` sends a buffer (a memfd, with the message) before any call names it, and
-    `unmap` retires it after the last; `put`, `get_into` and `get_many_into` name `buffer`,
-    `offset` and `length` in it. Neither `map` nor `unmap` is answered."""
+    """`map` sends a buffer (a memfd) before any call names it, `unmap` retires it after the last
+    (neither is answered); `put`, `get_into` and `get_many_into` name `buffer`, `offset` and
+    `length` in it."""
 
     id: int
     op: str
@@ -51,9 +48,8 @@ class TierCall(Struct, frozen=True):
 
 
 class TierReply(Struct, frozen=True):
-    """A call's result, or the error it raised (`error`: the class name); `in_flight`: the
-    tier's calls still running in the child after this one (a call that timed out there may
-    still write into its buffer)."""
+    """`error`: the class name; `in_flight`: the child's calls still running (one that timed out
+    there may still write into its buffer)."""
 
     id: int
     result: Any = None
@@ -73,6 +69,5 @@ def error_reply(call_id: int, exc: Exception, in_flight: int) -> TierReply:
 
 
 def raise_error(reply: TierReply) -> None:
-    """Raise the error a failed reply carries."""
     if reply.error:
         raise _ERRORS.get(reply.error, TierError)(reply.message, reply.code)

@@ -1,7 +1,6 @@
-"""The operations that look after the store rather than serve a prompt: `stats`, `health`,
-`purge`, `verify`, and `hot` (a tenant's most valuable prefixes, to warm after a restart). Those
-the tenant policy names as administrative (prefixd.config.policy) are checked against the
-peer's grant."""
+"""The operations that look after the store rather than serve a prompt: `stats`, `health`, `purge`,
+`verify` and `hot`; the administrative ones are checked against the peer's grant.
+"""
 
 from __future__ import annotations
 
@@ -94,9 +93,7 @@ async def purge(ctx: RequestContext, request: Request[Purge]) -> PurgeReply:
 
 
 async def verify(ctx: RequestContext, request: Request[Verify]) -> dict[str, Any]:
-    """Check the store while serving (a read snapshot; writers go on), or repair it (one
-    write transaction: other writes wait for it, reads do not). The reply is the report
-    `prefixd verify` prints, as a map (its two forms: prefixd.wire.messages.VerifyReply)."""
+    """Check the store while serving (a read snapshot), or repair it (one write transaction)."""
     msg, services = request.message, ctx.services
     ctx.require_op("verify")
     run = partial(
@@ -114,8 +111,8 @@ async def verify(ctx: RequestContext, request: Request[Verify]) -> dict[str, Any
 
 
 async def hot(ctx: RequestContext, request: Request[Hot]) -> HotReply:
-    """A tenant's most valuable prefixes to warm after a restart, whole, within a byte
-    budget; the reply holds at most half a frame of token ids (the rest are left out)."""
+    """A tenant's most valuable prefixes to warm after a restart, within a byte budget and half a
+    frame of token ids."""
     msg, services = request.message, ctx.services
     ctx.require_op("hot")
     ctx.require_tenant(msg.tenant)

@@ -1,8 +1,7 @@
-"""The operations on blocks an engine runs for every prompt: `put`, `lookup`, `load`, and
-`route` (what this node would serve, prefixd.daemon.routing). Requests arrive decoded and
-type-checked against their schema (prefixd.wire.messages); handlers check what the schema cannot
-say (a span inside its region, token ids agreeing with `n_tokens`, ...), then run store work on
-the bounded thread pool so the event loop never blocks on disk, checksums or zstd."""
+"""The operations an engine runs for every prompt: `put`, `lookup`, `load` and `route`. Handlers
+check what the schema cannot say, then run store work on the pool so the loop never blocks on disk,
+checksums or zstd.
+"""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ from prefixd.wire.messages import (
     RouteReply,
 )
 
-# The most token bytes a lookup may hold to be answered from memory on the event loop: comparing
-# them costs tens of microseconds; anything longer goes to a worker like every other request.
+# The most token bytes a lookup answered on the event loop may hold (tens of microseconds)
 LOOP_TOKEN_BYTES = 512 << 10
 
 
@@ -54,9 +52,8 @@ async def put(ctx: RequestContext, request: Request[Put]) -> PutReply:
 
 
 def lookup_now(ctx: RequestContext, request: Request[Lookup]) -> Answered | Later:
-    """The lookup's reply if memory alone answers every prompt (see Store.cached_prefixes),
-    computed at once on the event loop, with the counting to do once it is sent; else the
-    lookup's work for a task, its prompts read once (a lookup that pins always goes that way)."""
+    """The reply when memory alone answers every prompt, computed on the loop (with the counting to
+    do once it is sent); else the lookup's work for a task."""
     queries = ctx.queries(request.message)
     if request.message.pin:
         return partial(engine_ops.pinned_lookup, ctx, request.id, queries)
@@ -80,8 +77,7 @@ async def lookup(ctx: RequestContext, request: Request[Lookup]) -> LookupReply:
 
 
 async def lookup_queries(ctx: RequestContext, rid: int, queries: Queries) -> LookupReply:
-    """An unpinned lookup's prompts answered: those whose whole prefix was verified recently
-    here, without a thread hop (the store reads no record for them), the rest on the pool."""
+    """Prompts verified recently are answered without a thread hop, the rest on the pool."""
     services = ctx.services
     identity, prompts = queries
     cached_prefix = services.store.cached_prefix
@@ -149,7 +145,6 @@ async def load(ctx: RequestContext, request: Request[Load]) -> LoadReply:
 
 
 async def route(ctx: RequestContext, request: Request[Route]) -> RouteReply:
-    """What this node would serve the prompt, and its score (prefixd.daemon.routing)."""
     msg, services = request.message, ctx.services
     identity = ctx.identity(msg.identity)
     tokens = ctx.prompt(msg)

@@ -1,10 +1,6 @@
-"""One client connection: reading frames (with backpressure and timeouts), decoding them,
-starting each request's handler (looked up by its type in prefixd.daemon.operations) and sending
-the replies. It names no request type: what a handler takes (descriptors, a request before hello
-or while the daemon stops, an answer on the event loop) the handler's table entry says.
-
-The server that accepted the connection (prefixd.daemon.server) owns what connections share: its
-settings, counters and the stopping flag (a `Host`).
+"""One client connection: reading frames (with backpressure and timeouts), decoding them, starting
+each request's handler and sending the replies. It names no request type: what a handler takes is
+its table entry's business (prefixd.daemon.context.Handler).
 """
 
 from __future__ import annotations
@@ -37,11 +33,9 @@ from prefixd.wire.region import fds_from_ancillary
 log = logging.getLogger(__name__)
 
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_FRAME * 4)
-# An oversized frame's body is read and dropped (keeping the stream in sync) up to this many times
-# the frame limit; beyond that the connection is closed.
+# Oversized frames up to this many times the limit are skipped; larger ones close the connection
 _DISCARD_FACTOR = 64
-# A connection's reader yields to the event loop after reading frames for this long without
-# waiting, so that a client whose frames keep arriving cannot hold off signals and other clients.
+# The reader yields after this long without waiting: a busy client must not hold off the others
 READ_STRETCH_S = 0.005
 
 
@@ -59,8 +53,8 @@ class Host(Protocol):
 
 
 class Connection:
-    """One client: reads frames, runs requests concurrently; its Peer holds the client's
-    regions and pins."""
+    """One client: reads frames, runs requests concurrently; its Peer holds the client's regions and
+    pins."""
 
     def __init__(
         self,
@@ -96,8 +90,6 @@ class Connection:
         self._handshake_ends = time.monotonic() + config.limits.handshake_timeout_s
         self._frame_timeout_s = config.limits.frame_timeout_s
         self._idle_timeout_s = config.limits.idle_timeout_s
-
-    # --- lifecycle -------------------------------------------------------------------------------
 
     def stop_reading(self) -> None:
         """Shutdown: take no new requests; the ones in flight finish and get their replies."""
@@ -154,20 +146,16 @@ class Connection:
             if isinstance(frame, Frame):
                 self._start(frame.body, frame.fds)
                 continue
-            self.server.stats["errors.frame_too_large"] += 1
             limit = config.limits.max_frame_bytes
             message = f"frame of {frame.length} bytes exceeds the limit of {limit}"
-            await self._send(error_reply(None, ErrorCode.FRAME_TOO_LARGE, message))
+            await self._send(self._error(None, ErrorCode.FRAME_TOO_LARGE, message))
             if frame.length > limit * _DISCARD_FACTOR:
                 return  # cannot resynchronise cheaply: close
             inbox.skip(frame.length)
 
     async def _fill(self) -> bool:
-        """Read more of the stream into the inbox; False on EOF (clean at a frame boundary).
-
-        Raises TimeoutError (the connection is closed) when a new connection has not said hello
-        within handshake_timeout_s, a frame once begun has not arrived within frame_timeout_s,
-        or no request has come for idle_timeout_s: a peer cannot hold a connection with half a
+        """Read more of the stream into the inbox; False on EOF. TimeoutError when hello, a begun
+        frame or the next request does not come in time: a peer cannot hold a connection with half a
         frame (or nothing) for ever."""
         inbox = self._inbox
         at_boundary = inbox.empty
@@ -188,7 +176,7 @@ class Connection:
                 return True
         while True:
             try:
-                got, ancillary, flags, _ = self.sock.recvmsg_into([inbox.space()], _ANCILLARY_BYTES)
+                got = self._recv()
             except (BlockingIOError, InterruptedError):
                 await self._readable(deadline)
                 if not inbox.empty and at_boundary:
@@ -198,15 +186,17 @@ class Connection:
                 if not inbox.empty:
                     log.debug("connection from pid %d closed mid-frame", self.pid)
                 return False
-            self._filled(got, ancillary, flags)
             return True
 
-    def _filled(self, got: int, ancillary: list[tuple[int, int, bytes]], flags: int) -> None:
-        fds = fds_from_ancillary(ancillary) if ancillary else []
-        self._inbox.filled(got, fds, bool(flags & socket.MSG_CTRUNC))
+    def _recv(self) -> int:
+        """One read into the inbox, with its descriptors; the bytes read (0: end of file)."""
+        got, ancillary, flags, _ = self.sock.recvmsg_into([self._inbox.space()], _ANCILLARY_BYTES)
+        if got:
+            fds = fds_from_ancillary(ancillary) if ancillary else []
+            self._inbox.filled(got, fds, bool(flags & socket.MSG_CTRUNC))
+        return got
 
     def _inline_ready(self) -> bool:
-        """Whether the reader callback may read and answer requests itself."""
         return (
             self.peer.greeted
             and not self._draining
@@ -251,7 +241,6 @@ class Connection:
         self._spawn(self._handle(handler, request, work))
 
     def _answered(self, op: str, answered: Answered, received: float) -> None:
-        """Send a reply a handler computed on the loop, without a task."""
         self.server.stats[f"requests.{op}"] += 1
         self._reply_now(answered.reply)
         sent = time.perf_counter()
@@ -260,13 +249,11 @@ class Connection:
         self.operations.services.metrics.observe_op(op, sent - received)
 
     def _busy(self, rid: int) -> None:
-        self.server.stats["errors.busy"] += 1
         text = f"at most {self.max_inflight} requests in flight per connection"
-        self._spawn(self._send(error_reply(rid, ErrorCode.BUSY, text)))
+        self._spawn(self._send(self._error(rid, ErrorCode.BUSY, text)))
 
     def _refusal(self, handler: Handler) -> ProtocolError | None:
-        """Why a request of `handler` is not taken now, whatever its fields: before hello, or
-        while the daemon drains."""
+        """Why a request of `handler` is not taken now: before hello, or while the daemon drains."""
         if not (handler.before_hello or self.peer.greeted):
             return ProtocolError(ErrorCode.HELLO_REQUIRED, "send hello first")
         if self.server.stopping.is_set() and not handler.while_stopping:
@@ -274,18 +261,22 @@ class Connection:
         return None
 
     async def _refuse(self, exc: RequestError) -> None:
-        """Reply to a frame that decoded to no request (as a request task: in order with the
-        requests before it). A known op's hello_required or shutting_down comes first."""
+        """Reply to a frame that decoded to no request (as a task: in order with the requests before
+        it)."""
         refused: ProtocolError = exc
         if exc.op is not None:
             refused = self._refusal(self.operations.by_op[exc.op]) or exc
-        code = _code(refused)
+        await self._send(self._error(exc.rid, code_of(refused), refused.message))
+
+    def _error(self, rid: int | None, code: ErrorCode | None, message: str) -> Struct:
+        """An error reply, counted by its code (None: no code of the protocol's, a bug: internal)."""
+        code = code or ErrorCode.INTERNAL
         self.server.stats[f"errors.{code.value}"] += 1
-        await self._send(error_reply(exc.rid, code, refused.message))
+        return error_reply(rid, code, message)
 
     def _reply_now(self, reply: Struct) -> None:
-        """Send a reply computed on the loop without a task; one the socket does not take at
-        once is waited for by a task, which counts as a request in flight (backpressure)."""
+        """A reply the socket does not take at once is waited for by a task, which counts as a
+        request in flight (backpressure)."""
         sending = self._outbox.send(encode_frame(reply))
         if sending is not None:
             self._spawn(_sent(sending))
@@ -302,7 +293,6 @@ class Connection:
 
     async def _handle(self, handler: Handler, request: Request[Any], work: Later) -> None:
         rid, op = request.id, op_of(request.message)
-        stats = self.server.stats
         reply: AnyReply
         try:
             refused = self._refusal(handler)
@@ -312,33 +302,26 @@ class Connection:
             started = time.perf_counter()
             reply = await work()
             self.operations.services.metrics.observe_op(op, time.perf_counter() - started)
-            stats[f"requests.{op}"] += 1
+            self.server.stats[f"requests.{op}"] += 1
         except ProtocolError as exc:
-            code = _code(exc)
-            stats[f"errors.{code.value}"] += 1
-            reply = error_reply(rid, code, exc.message)
+            reply = self._error(rid, code_of(exc), exc.message)
         except asyncio.CancelledError:
             raise
         except Exception:
-            stats["errors.internal"] += 1
             log.exception("operation %s failed", op)
-            reply = error_reply(rid, ErrorCode.INTERNAL, "internal error (see the daemon log)")
+            reply = self._error(rid, ErrorCode.INTERNAL, "internal error (see the daemon log)")
         await self._send(reply)
 
-    # --- socket I/O ------------------------------------------------------------------------------
-
     async def _send(self, message: Struct | dict[str, Any]) -> None:
-        """Send a reply after those before it; return once it is out (the usual case: at once,
-        the whole reply fitting the socket), so a client that does not read holds its requests
-        in flight and the reader stops taking more."""
+        """Send a reply after those before it; return once it is out, so a client that does not read
+        holds its requests in flight and the reader stops taking more."""
         sending = self._outbox.send(encode_frame(message))
         if sending is not None:
             await _sent(sending)
 
     async def _readable(self, deadline: float | None = None) -> None:
-        """Wait until the socket is readable (TimeoutError past `deadline`, monotonic). The
-        reader stays registered while frames are read (one epoll registration per connection,
-        not two syscalls per frame)."""
+        """Wait until the socket is readable (TimeoutError past `deadline`). The reader stays
+        registered while frames are read: one epoll registration per connection."""
         loop = self._loop
         waiter = loop.create_future()
         self._waiter = waiter
@@ -362,8 +345,7 @@ class Connection:
             waiter.set_exception(TimeoutError("the peer sent nothing in time"))
 
     def _wake(self) -> None:
-        """The socket is readable: answer what can be answered here (the reader task waits at a
-        frame boundary), else wake the reader task."""
+        """The socket is readable: answer what can be answered here, else wake the reader task."""
         waiter = self._waiter
         if waiter is None or waiter.done():
             return
@@ -371,21 +353,16 @@ class Connection:
             waiter.set_result(None)
 
     def _read_inline(self) -> bool:
-        """One read, and the whole frames it brought started (those memory answers, answered);
-        False leaves the rest to the reader task: descriptors, a partial or oversized frame,
-        backpressure, EOF or an error, or more frames than READ_STRETCH_S allows."""
+        """One read, and the whole frames it brought started; False leaves the rest to the reader
+        task (descriptors, a partial frame, EOF, an error, backpressure)."""
         inbox = self._inbox
         try:
-            got, ancillary, flags, _ = self.sock.recvmsg_into([inbox.space()], _ANCILLARY_BYTES)
+            if not self._recv() or inbox.fds_pending:
+                return False  # end of file, or descriptors: the reader task's
         except (BlockingIOError, InterruptedError):
             return True
         except OSError:
             return False  # the reader task meets it too
-        if got == 0:
-            return False
-        self._filled(got, ancillary, flags)
-        if inbox.fds_pending:
-            return False
         limit = self.server.config.limits.max_frame_bytes
         began = time.monotonic()
         while self._inline_ready() and time.monotonic() - began <= READ_STRETCH_S:
@@ -404,7 +381,6 @@ class Connection:
         return True
 
     def _unwatch(self) -> None:
-        """Stop watching the socket (level-triggered: an unread socket would wake us again)."""
         if self._watching:
             self._watching = False
             self._loop.remove_reader(self.sock.fileno())
@@ -423,8 +399,7 @@ class Connection:
 
 
 async def _sent(sending: asyncio.Future[None]) -> None:
-    """Wait until the outbox has sent a frame; a cancelled wait leaves the frame to it (the
-    stream stays whole)."""
+    """A cancelled wait leaves the frame to the outbox: the stream stays whole."""
     await asyncio.shield(sending)
 
 
@@ -434,9 +409,3 @@ async def reply_and_close(sock: socket.socket, code: ErrorCode, message: str) ->
     with contextlib.suppress(ConnectionError, OSError, asyncio.TimeoutError):
         await asyncio.wait_for(loop.sock_sendall(sock, frame), 1.0)
     sock.close()
-
-
-def _code(exc: ProtocolError) -> ErrorCode:
-    """The wire code of a protocol error (`internal` for a code that is none of the protocol's,
-    which would be a bug)."""
-    return code_of(exc) or ErrorCode.INTERNAL

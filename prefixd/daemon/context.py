@@ -1,6 +1,6 @@
-"""What a request's handler is given, a RequestContext: the daemon's Services and the Peer
-that asked, with the checks every request's fields go through; and what a handler is, as the
-table of prefixd.daemon.operations holds it."""
+"""What a request's handler is given (a RequestContext: the daemon's Services, the Peer that asked,
+the checks of a request's fields) and what a handler is.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ AnyReply = Struct | dict[str, Any]
 
 
 class Request(NamedTuple, Generic[M_co]):
-    """One decoded request and the descriptors (SCM_RIGHTS) that arrived with its frame."""
+    """A decoded request and the descriptors that arrived with its frame."""
 
     id: int
     message: M_co
@@ -32,7 +32,7 @@ class Request(NamedTuple, Generic[M_co]):
 
 
 class Queries(NamedTuple):
-    """A request's prompts, read once: the identity they name and each one's tokens and hashes."""
+    """A request's prompts, read once: their identity, and each one's tokens and hashes."""
 
     identity: Identity
     prompts: list[Query]
@@ -50,10 +50,9 @@ Later = Callable[[], Awaitable[AnyReply]]  # the work of a request a task runs
 
 @dataclass(frozen=True)
 class Handler:
-    """One request type's handler. `now` answers on the loop what needs no worker, else returns
-    the work to run as a task (what it read passed on); `takes_fds`: descriptors with the frame
-    are the request's (others are closed); `before_hello`, `while_stopping`: taken before the
-    peer said hello, and while the daemon shuts down."""
+    """`now` answers on the loop what needs no worker, else returns the work for a task;
+    `takes_fds`: the frame's descriptors are the request's (else closed); `before_hello`,
+    `while_stopping`: taken before hello, and while the daemon shuts down."""
 
     run: Callable[[RequestContext, Request[Any]], Awaitable[AnyReply]]
     now: Callable[[RequestContext, Request[Any]], Answered | Later] | None = None
@@ -64,39 +63,34 @@ class Handler:
 
 @dataclass(frozen=True)
 class RequestContext:
-    """A handler's view of the daemon and of the client that asked."""
-
     services: Services
     peer: Peer
 
     def require_tenant(self, tenant: str) -> None:
-        """Refuse a tenant the peer's grant (prefixd.config.policy) does not name."""
         if not self.peer.grant.may_use(tenant):
             raise ProtocolError(
                 ErrorCode.FORBIDDEN, f"uid {self.peer.uid} may not use tenant {tenant!r}"
             )
 
     def require_op(self, op: str, *, every_tenant: bool = False) -> None:
-        """Refuse an administrative operation the peer's grant does not name (and, when it
-        reaches every tenant, a peer that may not use every tenant)."""
+        """Refuse an administrative operation the grant does not name (or one reaching every tenant,
+        for a peer limited to some)."""
         grant = self.peer.grant
         if not grant.may_run(op) or (every_tenant and grant.tenants is not None):
             scope = " for every tenant" if every_tenant else ""
             raise ProtocolError(ErrorCode.FORBIDDEN, f"uid {self.peer.uid} may not run {op}{scope}")
 
     def identity(self, wire: WireIdentity) -> Identity:
-        """The identity a request names, if the peer may use its tenant (the tenant policy)."""
+        """The identity a request names, if the peer may use its tenant."""
         self.require_tenant(wire.tenant)
         return self.services.identity(wire)
 
     def prompt(self, fields: TokenFields) -> bytes | memoryview:
-        """One prompt's packed token ids, within max_prompt_tokens."""
         token_count(fields, self.services.max_prompt_tokens)
         return request_tokens(self.peer, fields)
 
     def queries(self, msg: Prompts) -> Queries:
-        """The prompts of a request that names several, within max_prompt_tokens each and
-        max_request_tokens together."""
+        """A request's prompts, within max_prompt_tokens each and max_request_tokens together."""
         identity = self.identity(msg.identity)
         most, total_most = self.services.max_prompt_tokens, self.services.max_request_tokens
         total = sum(

@@ -1,6 +1,6 @@
-"""The operations an engine that holds blocks between a lookup and a load needs (LMCache's
-lookup-and-lock, then load, unlock, delete and listing): a lookup that pins its hits, `unpin`,
-`delete` and `list`."""
+"""What an engine that holds blocks between a lookup and a load needs (LMCache's lookup-and-lock): a
+pinning lookup, `unpin`, `delete` and `list`.
+"""
 
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ DEFAULT_LIST_LIMIT = 1024
 
 
 async def pinned_lookup(ctx: RequestContext, rid: int, queries: Queries) -> LookupReply:
-    """A lookup whose hits stay pinned (kept from eviction) for this connection until it unpins
-    them or ends (prefixd.store.pins); hits too short to offer are not pinned."""
+    """A lookup whose offered hits stay pinned for this connection until it unpins them or ends."""
     services = ctx.services
     store, least = services.store, services.min_reusable_tokens
     identity, prompts = queries
@@ -62,8 +61,8 @@ async def pinned_lookup(ctx: RequestContext, rid: int, queries: Queries) -> Look
 
 
 async def unpin(ctx: RequestContext, request: Request[Unpin]) -> UnpinReply:
-    """Release one of this connection's pins of each closed block of each prompt; blocks it
-    holds no pin of are left alone (another client's pins are never touched)."""
+    """Release one of this connection's pins of each closed block of each prompt (never another
+    client's)."""
     services, pins = ctx.services, ctx.peer.pins
     identity, prompts = ctx.queries(request.message)
     store = services.store
@@ -81,8 +80,7 @@ async def unpin(ctx: RequestContext, request: Request[Unpin]) -> UnpinReply:
 
 
 async def delete(ctx: RequestContext, request: Request[Delete]) -> DeleteReply:
-    """Remove the last closed block of each prompt and every block below it (an engine that
-    evicts by its own policy). Pinned or not: a pin only holds prefixd's eviction off."""
+    """Remove the last closed block of each prompt and every block below it, pinned or not."""
     services = ctx.services
     identity, prompts = ctx.queries(request.message)
 
@@ -100,8 +98,7 @@ async def delete(ctx: RequestContext, request: Request[Delete]) -> DeleteReply:
 
 
 async def list_blocks(ctx: RequestContext, request: Request[ListBlocks]) -> ListReply:
-    """A page of a tenant's stored blocks (prefixd.store.listing): keys the peer may see, since
-    it may use the tenant."""
+    """A page of a tenant's stored blocks (the peer may use the tenant)."""
     msg, services = request.message, ctx.services
     ctx.require_tenant(msg.tenant)
     limit = DEFAULT_LIST_LIMIT if msg.limit is None else msg.limit

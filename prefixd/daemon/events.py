@@ -1,19 +1,11 @@
 """KV events: what this node's store holds, published for cache-aware routers in vLLM's format.
 
-The store tells its observer (prefixd.store.journal) every block each committed transaction
-stored or removed, whatever removed it; `EventPublisher` turns those changes into vLLM's
-`KVEventBatch` of `BlockStored` / `BlockRemoved` / `AllBlocksCleared` (vllm 0.32.0,
-`vllm/distributed/kv_events.py`; docs/events.md says what each field carries) and publishes them
-on a ZeroMQ PUB socket as frames `[topic, seq, payload]`, with the ROUTER replay endpoint of
-vLLM's own publisher. A restarted daemon first says `AllBlocksCleared`, then announces its
-inventory at a bounded rate; every batch carries this start's incarnation after vLLM's fields
-(vLLM's decoder ignores it), so a consumer can drop a previous run's view.
-
-Publishing never delays a write: changes go into a bounded queue that the publisher's thread
-drains; past its bound they are dropped and counted (a subscriber learns of the gap from the
-sequence numbers, and heals it through the replay endpoint). Only the tenants named in
-`kv_events_tenants` are published (token ids are prompt content), or none of their token ids in
-hash-only mode. Nothing here logs token ids or hashes.
+The store tells its observer every block a commit stored or removed; `EventPublisher` publishes
+vLLM's `KVEventBatch` (vllm 0.32.0; docs/events.md) on a ZeroMQ PUB socket, with vLLM's ROUTER
+replay endpoint. A start says `AllBlocksCleared`, then announces the inventory at a bounded rate;
+batches carry this start's incarnation. Publishing never delays a write: past a bounded queue events
+are dropped and counted (subscribers see the sequence gap). Only `kv_events_tenants` are published
+(token ids are prompt content); nothing here logs token ids or hashes.
 """
 
 from __future__ import annotations
@@ -41,11 +33,8 @@ LOCALITY = "LOCAL"
 OWNERSHIP = "prefixd"
 EVENTS_PER_BATCH = 1024
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay, as vLLM's publisher does
-# The publisher wakes this often to send what is queued, or at once when a whole batch waits: a
-# thread woken at every commit would take the interpreter from the writers each time.
+# The publisher wakes this often (or for a whole batch), not at every commit: that costs the writers
 POLL_S = 0.02
-
-# --- vLLM's wire format (vllm/distributed/kv_events.py, 0.32.0), written from its source -------
 
 BlockHash = bytes | int
 
@@ -83,7 +72,7 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, array_like=True, gc=False):
-    """vLLM's KVEventBatch, and after its fields the incarnation of this daemon's start."""
+    """vLLM's KVEventBatch, then the incarnation of this daemon's start."""
 
     ts: float
     events: list[Event]
@@ -91,12 +80,9 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     incarnation: str = ""
 
 
-# --- what is published ---------------------------------------------------------------------------
-
-
 def event_of(change: BlockChange, hash_only: bool) -> Event:
-    """The vLLM event of one change. A block's hash is prefixd's chain hash, or the engine's own
-    key for a block stored under one (so a router matches it against the engine's events)."""
+    """A block's hash is prefixd's chain hash, or the engine's own key for a block stored under one
+    (so a router matches it against the engine's events)."""
     identity = change.identity
     keyed = identity is not None and identity.key_bytes is not None
     block = change.tokens if keyed else change.block
@@ -122,12 +108,9 @@ def event_of(change: BlockChange, hash_only: bool) -> Event:
     )
 
 
-# --- the publisher ---------------------------------------------------------------------------------
-
-
 class EventPublisher:
-    """The store's observer when events are on: a bounded queue, one thread that owns the ZeroMQ
-    sockets (PUB, and ROUTER for replays), and one that announces the inventory after a start."""
+    """The store's observer: a bounded queue, a thread owning the ZeroMQ sockets, and one announcing
+    the inventory after a start."""
 
     def __init__(self, settings: EventSettings, inventory: Iterator[list[BlockChange]]) -> None:
         try:
@@ -148,13 +131,8 @@ class EventPublisher:
         self._pending_events = 0
         self._stop = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
-        self.counts = {
-            "published_events": 0,
-            "published_batches": 0,
-            "dropped_events": 0,
-            "inventory_blocks": 0,
-            "replays": 0,
-        }
+        published = ("published_events", "published_batches", "dropped_events")
+        self.counts = dict.fromkeys((*published, "inventory_blocks", "replays"), 0)
         self._bound = threading.Event()
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._publish, name="prefixd-events", daemon=True)
@@ -162,15 +140,16 @@ class EventPublisher:
             target=self._announce, name="prefixd-inventory", daemon=True
         )
 
-    # --- the observer ------------------------------------------------------------------------
-
     def committed(self, changes: Sequence[BlockChange]) -> None:
-        """Called by the store's writers after each commit: queue, never wait on a subscriber."""
-        settings = self.settings
-        events = [event_of(c, settings.hash_only) for c in changes if settings.publishes(c)]
+        """Called by the store's writers after each commit: never waits."""
+        events = self._published(changes)
         if events:
             with self._order:
                 self._enqueue(events)
+
+    def _published(self, changes: Sequence[BlockChange]) -> list[Event]:
+        settings = self.settings
+        return [event_of(c, settings.hash_only) for c in changes if settings.publishes(c)]
 
     def _enqueue(self, events: list[Event]) -> None:
         with self._ready:
@@ -182,10 +161,8 @@ class EventPublisher:
             if self._pending_events >= EVENTS_PER_BATCH:
                 self._ready.notify()
 
-    # --- lifetime ----------------------------------------------------------------------------
-
     def start(self) -> None:
-        """Bind (raising what binding raised), say AllBlocksCleared, then announce the store."""
+        """Bind (raising what binding raised), say AllBlocksCleared, announce."""
         self._thread.start()
         self._bound.wait()
         if self._failed is not None:
@@ -194,7 +171,6 @@ class EventPublisher:
         self._announcer.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
-        """Stop announcing, publish what is queued (for up to `timeout_s`), close the sockets."""
         self._stop.set()
         with self._ready:
             self._ready.notify_all()
@@ -207,22 +183,16 @@ class EventPublisher:
         with self._ready:
             return {**self.counts, "queued_events": self._pending_events}
 
-    # --- the threads -------------------------------------------------------------------------
-
     def _announce(self) -> None:
-        """The inventory, at most `inventory_rate` blocks a second: read and queued under the
-        order lock, so a block removed meanwhile is told removed after it was told stored."""
+        """At most `inventory_rate` blocks a second, under the order lock: a block removed meanwhile
+        is told removed after it was told stored."""
         started, announced = time.monotonic(), 0
         while not self._stop.is_set():
             with self._order:
                 batch = next(self._inventory, None)
                 if batch is None:
                     return
-                events = [
-                    event_of(c, self.settings.hash_only)
-                    for c in batch
-                    if self.settings.publishes(c)
-                ]
+                events = self._published(batch)
                 if events:
                     self._enqueue(events)
             announced += len(batch)
@@ -264,9 +234,8 @@ class EventPublisher:
                 payload = self._encoder.encode(
                     EventBatch(time.time(), batch, None, self.incarnation)
                 )
-                seq_bytes = seq.to_bytes(8, "big")
                 try:
-                    pub.send_multipart((topic, seq_bytes, payload), flags=zmq.NOBLOCK)
+                    pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     self.counts["dropped_events"] += len(batch)
                 buffer.append((seq, payload))
@@ -275,7 +244,7 @@ class EventPublisher:
                 self.counts["published_events"] += len(batch)
 
     def _replay(self, replay: Any, buffer: deque[tuple[int, bytes]], topic: bytes) -> None:
-        """Answer one replay request, `[identity, b"", start seq]`, as vLLM's publisher does."""
+        """Answer one replay request, `[identity, b"", start seq]`, as vLLM does."""
         frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             return
@@ -289,23 +258,6 @@ class EventPublisher:
 
 
 def _batches(queued: list[list[Event]]) -> Iterator[list[Event]]:
-    """The queued events in order, EVENTS_PER_BATCH at most per batch."""
-    batch: list[Event] = []
-    for events in queued:
-        for event in events:
-            batch.append(event)
-            if len(batch) == EVENTS_PER_BATCH:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
-
-
-__all__ = [
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "EventBatch",
-    "EventPublisher",
-    "event_of",
-]
+    events = [event for batch in queued for event in batch]
+    for start in range(0, len(events), EVENTS_PER_BATCH):
+        yield events[start : start + EVENTS_PER_BATCH]

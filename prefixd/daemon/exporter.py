@@ -1,10 +1,6 @@
-"""Prometheus exposition of the daemon's metrics: off unless configured.
-
-Two ways, either or both: an HTTP endpoint on a loopback port (`metrics_port`, scraped by
-Prometheus) and a file rewritten every `metrics_interval_s` for node_exporter's textfile collector
-(`metrics_textfile`; written to a temporary name and renamed, so a scrape never reads half a
-file). The textfile leaves out the process collector's `process_*`: node_exporter serves its own
-process's under the same names and labels, and refuses the duplicates.
+"""Prometheus exposition of the daemon's metrics: a loopback HTTP port and/or a textfile for
+node_exporter (renamed into place; without `process_*`, which node_exporter serves itself and
+refuses as duplicates).
 """
 
 from __future__ import annotations
@@ -26,8 +22,6 @@ log = logging.getLogger(__name__)
 
 
 class MetricsExporter:
-    """Serves or writes `registry` as configured; `stop()` ends both."""
-
     def __init__(
         self,
         registry: CollectorRegistry,
@@ -62,7 +56,7 @@ class MetricsExporter:
 
     @property
     def http_port(self) -> int:
-        """The port actually bound (the configured one, or the one chosen for port 0)."""
+        """The port bound (the one chosen, for port 0)."""
         return int(self._http.server_address[1]) if self._http is not None else 0
 
     async def _write_every(self, pool: Executor) -> None:
@@ -75,8 +69,8 @@ class MetricsExporter:
             await asyncio.sleep(self.interval_s)
 
     def write(self) -> None:
-        """Write the metrics to a temporary file made with `textfile_mode` from the start (they
-        name tenants: never readable by everyone, not even for a moment), then rename it."""
+        """Written to a temporary file with `textfile_mode` from the start (the metrics name
+        tenants), then renamed."""
         assert self.textfile is not None
         data = generate_latest(_WithoutProcess(self.registry))
         temporary = self.textfile.with_name(f".{self.textfile.name}.{os.getpid()}.tmp")
@@ -100,8 +94,6 @@ class MetricsExporter:
 
 
 class _WithoutProcess:
-    """`registry` less the process collector's families, for the textfile (see the module)."""
-
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
 

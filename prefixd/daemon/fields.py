@@ -1,6 +1,6 @@
-"""What handlers read from a request's fields beside the store: a prompt's token ids (inline or
-in a shared region), how many of them lie in closed blocks, where a load writes, and the packed
-integers replies carry."""
+"""What handlers read from a request's fields beside the store: token ids, closed tokens, where a
+load writes, and the packed integers replies carry.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from prefixd.wire.messages import Load, LoadState, Span, TokenFields
 
 
 def token_count(fields: TokenFields, most: int, where: str = "") -> int:
-    """How many token ids a prompt names, refused past `most` (max_prompt_tokens) before any of
-    them is read, mapped or hashed."""
+    """How many token ids a prompt names, refused past `most` before any is read."""
     span: Span | None = fields.tokens_span
     count = span[2] if span is not None else len(fields.tokens or b"") // TOKEN_BYTES
     if count > most:
@@ -30,9 +29,8 @@ def token_count(fields: TokenFields, most: int, where: str = "") -> int:
 
 
 def request_tokens(peer: Peer, fields: TokenFields, where: str = "") -> bytes | memoryview:
-    """Packed token ids: inline (`tokens`, a bin) or in a shared region (`tokens_span`,
-    [region, offset, n_tokens]), which keeps a long prompt's ids off the socket; exactly one of
-    them, agreeing with `n_tokens` when that is given."""
+    """Packed token ids, inline (`tokens`) or in a shared region (`tokens_span`, which keeps a long
+    prompt off the socket): exactly one, agreeing with `n_tokens` if given."""
     span: Span | None = fields.tokens_span
     tokens: bytes | memoryview | None = fields.tokens
     if span is not None:
@@ -56,14 +54,13 @@ def request_tokens(peer: Peer, fields: TokenFields, where: str = "") -> bytes | 
 
 
 def closed_tokens(tokens: bytes | memoryview, identity: Identity) -> int:
-    """How many of a prompt's tokens lie in closed blocks (the part a lookup can hit); for an
-    engine-keyed identity, the tokens its closed keys stand for."""
+    """A prompt's tokens in closed blocks (for an engine-keyed identity, those its closed keys stand
+    for)."""
     return len(tokens) // TOKEN_BYTES // identity.block_words * identity.block_tokens
 
 
 def region_output(peer: Peer, msg: Load | LoadState) -> tuple[int, memoryview]:
-    """Where a load writes: `region` from `offset` (default 0) for `length` bytes (default: to
-    the region's end)."""
+    """Where a load writes: `region` from `offset` (0) for `length` (to its end)."""
     region = peer.region(msg.region)
     offset = msg.offset or 0
     length = max(0, region.size - offset) if msg.length is None else msg.length
@@ -71,7 +68,7 @@ def region_output(peer: Peer, msg: Load | LoadState) -> tuple[int, memoryview]:
 
 
 def packed(values: Sequence[int]) -> bytes:
-    """Little-endian uint64s (array.array packs a lookup's sizes three times quicker than numpy)."""
+    """Little-endian uint64s (array.array packs three times quicker than numpy)."""
     out = array.array("Q", values)
     if sys.byteorder != "little":
         out.byteswap()

@@ -1,14 +1,10 @@
 """What the daemon measures, and the benefit model that tells an engine whether a hit pays.
 
-Hit rate alone is not success: a long hit can save much and a short one can cost more to load
-than to recompute. The daemon counts hits at three levels (requests, tokens, bytes), the hit
-lengths, the time of every operation, what was loaded and what that saved in prefill-seconds,
-and reads the store's own totals (per tenant) when asked. Everything lives in one
-prometheus_client registry owned by the daemon (no globals), exposed over a loopback HTTP port or
-a textfile for node_exporter when configured, and as a JSON snapshot in the `stats` operation.
-Labels carry tenants and operation names only: never prompts, token ids or keys. Names follow
-Prometheus' conventions (base units, `_total` counters, `prefixd_build_info`, the process
-collector's `process_*`), and every per-tenant series is capped at MAX_TENANT_LABELS tenants.
+Hit rate alone is not success: a long hit saves much, a short one can cost more to load than to
+recompute. So hits are counted in requests, tokens and bytes, with hit lengths, operation times,
+loads and the prefill they saved. One prometheus_client registry owned by the daemon (no globals).
+Labels carry tenants and operation names only, never prompts, token ids or keys; every per-tenant
+series is capped at MAX_TENANT_LABELS tenants.
 """
 
 from __future__ import annotations
@@ -69,8 +65,8 @@ _TALLIES = (
 
 
 class _Histogram:
-    """Counts per bucket and a sum: what a Prometheus histogram exposes, kept as plain numbers
-    (the lookup path records into it, and prometheus_client's own costs a lock per call)."""
+    """Counts per bucket and a sum, kept as plain numbers (the lookup path records into it;
+    prometheus_client's own costs a lock per call)."""
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
@@ -92,9 +88,7 @@ class _Histogram:
 
 
 class Metrics:
-    """The daemon's counts and histograms, plus the store's totals read at collection time.
-
-    Recording is a few additions under one lock; the registry reads them when it is scraped."""
+    """The daemon's counts and histograms, plus the store's totals read when scraped."""
 
     def __init__(self, store: Store, *, prefill_tokens_per_s: float) -> None:
         self.store = store
@@ -113,8 +107,6 @@ class Metrics:
         self.registry.register(_StoreCollector(store, self.tenant_labels))
         ProcessCollector(registry=self.registry)  # registers itself: on this registry only
 
-    # --- recording -------------------------------------------------------------------------------
-
     def observe_op(self, op: str, seconds: float) -> None:
         with self._lock:
             histogram = self._ops.get(op)
@@ -132,9 +124,9 @@ class Metrics:
         *,
         block_tokens: int,
     ) -> None:
-        """One prompt looked up; `hit_tokens` is what was offered (0 for a miss). The first
-        lookup's `block_tokens` fixes the hit-length buckets for the daemon's life (a histogram's
-        buckets never change): one block, two, four, ..., so a one-block hit shows as one."""
+        """One prompt looked up; `hit_tokens` is what was offered (0: a miss). The first lookup's
+        `block_tokens` fixes the hit-length buckets (they never change) so that a one-block hit
+        shows as one."""
         with self._lock:
             rate = self._rate(digest, hit_bytes, hit_tokens)
             t = self._of(tenant)
@@ -166,7 +158,7 @@ class Metrics:
             self._rate(digest, n_bytes, tokens)
 
     def _of(self, tenant: str) -> list[float]:
-        """The tallies of the tenant's label (call under the lock)."""
+        """The tallies of the tenant's label (under the lock)."""
         label = self._label(tenant)
         found = self._tenants.get(label)
         if found is None:
@@ -174,9 +166,8 @@ class Metrics:
         return found
 
     def _label(self, tenant: str) -> str:
-        """The tenant's label in every per-tenant series (call under the lock): its own name for
-        the first MAX_TENANT_LABELS tenants seen, in traffic or in the store, OTHER_TENANTS for
-        the rest. A label never changes while the daemon runs, so a counter summed under
+        """The tenant's own name for the first MAX_TENANT_LABELS tenants seen, else OTHER_TENANTS
+        (under the lock). A label never changes while the daemon runs, so a counter summed under
         OTHER_TENANTS only grows."""
         if tenant in self._labeled:
             return tenant
@@ -186,13 +177,12 @@ class Metrics:
         return tenant
 
     def tenant_labels(self, tenants: Iterable[str]) -> dict[str, str]:
-        """Each tenant's label (see _label); the store's tenants are labeled in name order."""
+        """Each tenant's label; the store's tenants are labeled in name order."""
         with self._lock:
             return {tenant: self._label(tenant) for tenant in sorted(tenants)}
 
     def _rate(self, digest: bytes, n_bytes: int, tokens: int) -> float:
-        """The identity's payload bytes per token, updated with this observation if it has any
-        (call under the lock)."""
+        """The identity's payload bytes per token, updated with this observation (under the lock)."""
         rate = self._bytes_per_token.get(digest, 0.0)
         if tokens and n_bytes:
             rate = n_bytes / tokens if not rate else 0.9 * rate + 0.1 * n_bytes / tokens
@@ -205,8 +195,8 @@ class Metrics:
     def tallies(
         self,
     ) -> tuple[dict[str, list[float]], _Histogram | None, dict[str, _Histogram]]:
-        """A consistent copy: per-tenant tallies, the hit lengths (None before the first lookup),
-        the op histograms."""
+        """A consistent copy: per-tenant tallies, hit lengths (None before the first lookup), op
+        histograms."""
         with self._lock:
             tenants = {t: list(v) for t, v in self._tenants.items()}
             lengths = _copy_histogram(self.hit_length) if self.hit_length is not None else None
@@ -214,30 +204,22 @@ class Metrics:
         return tenants, lengths, ops
 
     def track_cluster(self, bridge: Any) -> None:
-        """Expose the shared tier's counts (prefixd.cluster.bridge) as metrics too."""
         gauges = {"publish_queued": "Blocks waiting to be published"}
         self.registry.register(_SnapshotCollector(bridge, "prefixd_cluster", "Shared tier", gauges))
 
     def track_events(self, publisher: Any) -> None:
-        """Expose the KV event publisher's counts (prefixd.daemon.events) as metrics too."""
         gauges = {"queued_events": "KV events: queued events"}
         self.registry.register(
             _SnapshotCollector(publisher, "prefixd_kv_events", "KV events", gauges)
         )
 
-    # --- the benefit model --------------------------------------------------------------------
-
     def benefit(self, hit_tokens: int, hit_bytes: int) -> tuple[float, float]:
-        """What the engine compares: the estimated seconds to load the hit, and the prefill
-        seconds it saves at the configured throughput."""
+        """The estimated seconds to load the hit, and the prefill seconds it saves."""
         return self.load_time.estimate(hit_bytes), hit_tokens / self.prefill_tokens_per_s
 
-    # --- reading -----------------------------------------------------------------------------
-
     def snapshot(self) -> dict[str, Any]:
-        """The readable summary `prefixd stats` prints (rates, histograms, per tenant). The
-        store's per-tenant totals are every tenant's, uncapped (this is no time series, and the
-        lmcache adapter lists tenants from it); the counters are per label, as exported."""
+        """The summary `prefixd stats` prints. The store's per-tenant totals are every tenant's,
+        uncapped (no time series; the lmcache adapter lists tenants from it)."""
         tallies, lengths, ops = self.tallies()
         tenants: dict[str, dict[str, float]] = {
             label: {name: values[i] for i, (name, _) in enumerate(_TALLIES)}
@@ -277,16 +259,13 @@ _SUMMED = (*(name for name, _ in _TALLIES), "stored_bytes", "stored_blocks")  # 
 
 
 class _Lazy:
-    """A collector whose families are read only when collected (`describe` says nothing): the
-    store may be busy when the registry is built."""
+    """A collector read only when collected: the store may be busy when the registry is built."""
 
     def describe(self) -> list[Metric]:
         return []
 
 
 class _BuildInfo(_Lazy):
-    """`prefixd_build_info` 1, labeled with what a dashboard shows beside a node's numbers."""
-
     def __init__(self) -> None:
         self.labels = {
             "version": __version__,
@@ -305,9 +284,42 @@ class _BuildInfo(_Lazy):
         yield info
 
 
+# The store's totals (prefixd.store.results.StoreStats): name, field, scale, help
+_STORE_GAUGES = (
+    ("store_payload_bytes", "payload_bytes", 1, "Payload bytes before compression"),
+    ("store_map_used_bytes", "map_used_bytes", 1, "Bytes of the LMDB map in use"),
+    ("store_map_size_bytes", "map_size", 1, "LMDB map size"),
+    ("store_parts", "parts", 1, "State-group payloads of hybrid identities"),
+    ("compression_ratio", "compression_ratio", 1, "Payload over stored bytes"),
+    ("compress_bytes_per_second", "compress_gbps", 1e9, "Compression speed (payload bytes in)"),
+    (
+        "decompress_bytes_per_second",
+        "decompress_gbps",
+        1e9,
+        "Decompression speed (payload bytes out)",
+    ),
+    (
+        "verify_copy_bytes_per_second",
+        "copy_verify_gbps",
+        1e9,
+        "Speed of verified copies (payloads stored raw)",
+    ),
+)
+_STORE_COUNTS = (
+    ("quarantined_blocks", "quarantined", 1, "Blocks that failed verification"),
+    ("hash_collisions", "collisions", 1, "Hash collisions seen (counted misses)"),
+    ("verify_failures", "verify_failures", 1, "Payloads that failed checksums"),
+    (
+        "load_deadline_cutoffs",
+        "deadline_cutoffs",
+        1,
+        "Loads that stopped reading at their deadline (a shorter hit)",
+    ),
+)
+
+
 class _StoreCollector(_Lazy):
-    """The store's totals, read when metrics are collected (they live in the store, persisted);
-    per-tenant series under the labels `label` gives (capped like the daemon's counters)."""
+    """The store's totals, under the daemon's (capped) tenant labels."""
 
     def __init__(self, store: Store, label: Callable[[Iterable[str]], dict[str, str]]) -> None:
         self.store = store
@@ -338,44 +350,10 @@ class _StoreCollector(_Lazy):
         for (label, reason), count in sorted(removed.items()):
             removed_family.add_metric([label, reason], count)
         yield removed_family
-        for name, value, doc in (
-            (
-                "prefixd_store_payload_bytes",
-                stats.payload_bytes,
-                "Payload bytes before compression",
-            ),
-            ("prefixd_store_map_used_bytes", stats.map_used_bytes, "Bytes of the LMDB map in use"),
-            ("prefixd_store_map_size_bytes", stats.map_size, "LMDB map size"),
-            ("prefixd_store_parts", stats.parts, "State-group payloads of hybrid identities"),
-            ("prefixd_compression_ratio", stats.compression_ratio, "Payload over stored bytes"),
-            (
-                "prefixd_compress_bytes_per_second",
-                stats.compress_gbps * 1e9,
-                "Compression speed (payload bytes in)",
-            ),
-            (
-                "prefixd_decompress_bytes_per_second",
-                stats.decompress_gbps * 1e9,
-                "Decompression speed (payload bytes out)",
-            ),
-            (
-                "prefixd_verify_copy_bytes_per_second",
-                stats.copy_verify_gbps * 1e9,
-                "Speed of verified copies (payloads stored raw)",
-            ),
-        ):
-            yield GaugeMetricFamily(name, doc, value=value)
-        for name, value, doc in (
-            ("prefixd_quarantined_blocks", stats.quarantined, "Blocks that failed verification"),
-            ("prefixd_hash_collisions", stats.collisions, "Hash collisions seen (counted misses)"),
-            ("prefixd_verify_failures", stats.verify_failures, "Payloads that failed checksums"),
-            (
-                "prefixd_load_deadline_cutoffs",
-                stats.deadline_cutoffs,
-                "Loads that stopped reading at their deadline (a shorter hit)",
-            ),
-        ):
-            yield CounterMetricFamily(name, doc, value=value)
+        for name, field, scale, doc in _STORE_GAUGES:
+            yield GaugeMetricFamily(f"prefixd_{name}", doc, value=getattr(stats, field) * scale)
+        for name, field, scale, doc in _STORE_COUNTS:
+            yield CounterMetricFamily(f"prefixd_{name}", doc, value=getattr(stats, field) * scale)
         sync = _sync_state(store)
         yield GaugeMetricFamily(
             "prefixd_store_sync_failed",
@@ -391,8 +369,6 @@ class _StoreCollector(_Lazy):
 
 
 def _sync_state(store: Store) -> dict[str, Any]:
-    """Whether the store's fsync failed (a sticky state: prefixd.store.sync_state), when the
-    last good one began, and what happened."""
     failure = store.sync_failure
     return {
         "failed": failure is not None,
@@ -402,8 +378,6 @@ def _sync_state(store: Store) -> dict[str, Any]:
 
 
 class _TallyCollector(_Lazy):
-    """The daemon's own counts as Prometheus families, read when scraped."""
-
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
@@ -430,8 +404,7 @@ class _TallyCollector(_Lazy):
 
 
 class _SnapshotCollector(_Lazy):
-    """The counts of a part's `snapshot()` (the shared tier's, prefixd.cluster.bridge; the KV
-    event publisher's, prefixd.daemon.events) as `prefix`_NAME counters, `gauges` as gauges."""
+    """A part's `snapshot()` counts as `prefix`_NAME counters, `gauges` as gauges."""
 
     def __init__(self, source: Any, prefix: str, what: str, gauges: dict[str, str]) -> None:
         self.source, self.prefix, self.what, self.gauges = source, prefix, what, gauges
@@ -447,8 +420,8 @@ class _SnapshotCollector(_Lazy):
 
 
 def hit_token_bounds(block_tokens: int) -> tuple[int, ...]:
-    """The hit-length bucket bounds: 0 (the misses), then one block, two, four, ... up to
-    HIT_TOKENS_TOP tokens, so that hits of a few blocks are told apart at any block size."""
+    """0 (the misses), then one block, two, four, ... up to HIT_TOKENS_TOP tokens, so hits of a few
+    blocks are told apart at any block size."""
     bounds = [0]
     bound = max(1, block_tokens)
     while True:
@@ -476,7 +449,6 @@ def _copy_histogram(histogram: _Histogram) -> _Histogram:
 
 
 def _per_bucket(histogram: _Histogram) -> dict[str, int]:
-    """Per-bucket counts (not cumulative) keyed by the bucket's upper bound."""
     bounds = [repr(float(b)) for b in histogram.bounds] + ["+Inf"]
     return dict(zip(bounds, histogram.counts, strict=True))
 

@@ -1,6 +1,6 @@
-"""The daemon's operations: one table of handlers keyed by request type (prefixd.daemon.session,
-blocks, engine_ops, state_ops, admin), and the services they share. A connection asks it for its
-peer's RequestContext and for the handler of each request it decodes."""
+"""The daemon's operations: one table of handlers keyed by request type, and the services they
+share.
+"""
 
 from __future__ import annotations
 
@@ -35,11 +35,7 @@ class Operations:
         return RequestContext(self.services, peer)
 
     def disconnected(self, peer: Peer) -> None:
-        """A connection ended: its peer's regions close, its pins are released."""
         peer.close_regions()
         if peer.pins:
             self.services.store.unpin(peer.pins.elements())
             peer.pins.clear()
-
-
-__all__ = ["HANDLERS", "Operations"]

@@ -1,11 +1,6 @@
-"""The frames a connection still has to send, in the order they were given.
-
-A reply goes out at once when nothing is waiting before it and the socket takes it whole. What the
-socket does not take (the rest of a frame, and every frame given after it) waits here, in order,
-and is sent as the socket has room (the loop watches the socket for writing only then). So two
-replies can never interleave their bytes, as two senders that each send "whatever fits now" would
-as soon as one frame was cut short: a reply answered in the reader callback and one sent by a
-request task, say. Used on the event loop only.
+"""The frames a connection still has to send, in order: what the socket does not take at once waits
+here and is sent as it has room, so two replies (one answered in the reader callback, one by a
+request task) never interleave their bytes. Event loop only.
 """
 
 from __future__ import annotations
@@ -16,8 +11,6 @@ from collections import deque
 
 
 class Outbox:
-    """One connection's frames not yet sent."""
-
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         self._sock = sock
         self._fd = sock.fileno()
@@ -28,8 +21,8 @@ class Outbox:
         self._closed = False
 
     def send(self, frame: bytes) -> asyncio.Future[None] | None:
-        """Send `frame` after everything given before it: None if it went out whole now, else
-        a future done once it has (or once the connection is gone and it is dropped)."""
+        """None if `frame` went out whole now, else a future done once it has (or was dropped with
+        the connection)."""
         if self._closed:
             return None
         view = memoryview(frame)
@@ -52,8 +45,7 @@ class Outbox:
         return done
 
     def close(self) -> None:
-        """Drop what waits (the connection is gone or closing); its senders stop waiting, and
-        nothing is sent after this."""
+        """Drop what waits; its senders stop waiting."""
         self._closed = True
         self._unwatch()
         while self._waiting:
@@ -62,7 +54,6 @@ class Outbox:
                 done.set_result(None)
 
     def _drain(self) -> None:
-        """The socket has room: send what waits, in order, as far as it goes."""
         while self._waiting:
             view, done = self._waiting[0]
             try:
@@ -84,6 +75,3 @@ class Outbox:
         if self._watching:
             self._watching = False
             self._loop.remove_writer(self._fd)
-
-
-__all__ = ["Outbox"]

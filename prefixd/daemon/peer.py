@@ -1,6 +1,6 @@
-"""The client at the other end of one connection, as request handlers see it: who it is (its uid
-and what the tenant policy grants it), whether it said hello, the memory regions it shared and the
-blocks it pinned."""
+"""The client at the other end of one connection, as handlers see it: its uid and grant, whether it
+said hello, its regions and pins.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from prefixd.wire.region import MappedRegion
 
 
 class Peer:
-    """One connection's client; its regions and pins end with the connection."""
-
     def __init__(self, uid: int, grant: Grant = EVERYTHING, *, max_inflight: int) -> None:
         self.uid = uid
         self.grant = grant  # what the tenant policy lets this peer do
@@ -44,6 +42,3 @@ class Peer:
         for region in self.regions.values():
             region.close()  # a copy still running on a pool thread keeps the mapping alive
         self.regions.clear()
-
-
-__all__ = ["Peer"]

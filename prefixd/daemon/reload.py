@@ -1,11 +1,7 @@
-"""Reloading settings without a restart: SIGHUP, which `systemctl reload` sends.
-
-The daemon reads its settings again from the sources it started from (the `--config` file, the
-environment, its flags) and takes what can change while it serves: who may connect and as which
-tenants, the tenants' quotas, times to live and share groups, the watched model manifests and the
-log level. Connections made before the reload keep the grant they were given; everything else
-applies at once. Every other changed setting is logged as waiting for the next restart. Settings
-that do not parse are refused whole: the ones in force stay, and the refusal is logged.
+"""Reloading settings on SIGHUP (`systemctl reload`): re-read from the sources the daemon started
+from, apply what can change while serving (RELOADABLE: peers, tenancy, manifests, log level;
+connections keep the grant they were given), log what waits for a restart. Settings that do not
+parse are refused whole.
 """
 
 from __future__ import annotations
@@ -33,8 +29,6 @@ RELOADABLE = frozenset((*TENANCY, *PEERS, "model_manifests", "log_level"))
 
 @dataclass(frozen=True)
 class Changes:
-    """The settings a reload found changed: those it applied, and those that need a restart."""
-
     applied: tuple[str, ...]
     at_restart: tuple[str, ...]
 
@@ -48,8 +42,6 @@ def changes(old: Config, new: Config) -> Changes:
 
 
 class Reloadable(Protocol):
-    """What a reload reads and replaces of the server."""
-
     config: Config
     policy: TenantPolicy
 
@@ -62,7 +54,7 @@ class Reloadable(Protocol):
 
 
 class Reloader:
-    """Runs one reload at a time; a SIGHUP during a reload runs another after it."""
+    """One reload at a time; a SIGHUP during a reload runs another after it."""
 
     def __init__(self, server: Reloadable, reread: Callable[[], Config]) -> None:
         self._server = server
@@ -73,7 +65,6 @@ class Reloader:
         self.refused = 0  # reloads whose settings did not parse
 
     def request(self) -> None:
-        """The signal handler (on the event loop)."""
         if self._task is not None and not self._task.done():
             self._again = True
             return
@@ -87,7 +78,7 @@ class Reloader:
                 return
 
     async def reload(self) -> Changes | None:
-        """Read the settings again and apply what may change; None when they were refused."""
+        """Apply what may change; None when the settings were refused."""
         server = self._server
         systemd.notify(f"RELOADING=1\nMONOTONIC_USEC={systemd.monotonic_usec()}", server.env)
         try:

@@ -1,10 +1,5 @@
-"""Routing answers: what this node would serve a prompt, and what that is worth in seconds.
-
-A cache-aware router weighs nodes by the design's score,
-`score = T_prefill_saved - T_queue - T_transfer - T_cold`: the prefill the hit saves (at the
-configured prefill throughput), less the loads already queued on this node and the load of the hit
-itself (both at the node's measured load bandwidth). T_cold is left to the router: it is about the
-engine, which prefixd does not see. `route` reads no payload: it walks the index as a lookup does.
+"""Routing answers: what this node would serve a prompt, scored `T_prefill_saved - T_queue -
+T_transfer` (T_cold, the engine's, is left to the router).
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ _MEAN_WEIGHT = 0.1  # of a finished load in the running mean of a load's bytes
 
 
 class LoadQueue:
-    """The loads under way on this node. Their bytes are known only once each is done, so the
-    queue's bytes are the loads in flight times the running mean of a load's bytes."""
+    """The loads under way: their bytes are known once each is done, so the queue's are the loads in
+    flight times the mean of a load's bytes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -54,8 +49,6 @@ def answer(
     prefill_tokens_per_s: float,
     queue: LoadQueue,
 ) -> RouteReply:
-    """The reply to request `rid` for a hit of `hit_blocks` blocks (`hit_tokens`, `hit_bytes`),
-    given this node's load model and queue."""
     in_flight, queue_bytes = queue.queued()
     load_s = load_time.estimate(hit_bytes)
     saved_s = hit_tokens / prefill_tokens_per_s
@@ -72,6 +65,3 @@ def answer(
         queue_s=queue_s,
         score_s=saved_s - queue_s - load_s,
     )
-
-
-__all__ = ["LoadQueue", "answer"]

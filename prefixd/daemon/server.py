@@ -1,15 +1,9 @@
 """The asyncio server on a Unix stream socket: binding, accepting, serving and shutting down.
 
-One task per connection (prefixd.daemon.connection) reads frames with recvmsg (memfds for shared
-regions arrive as SCM_RIGHTS ancillary data with their frame) and starts one task per request, so
-several requests are in flight per connection. Store work runs on a bounded thread pool.
 Shutdown follows uvicorn: stop accepting, let in-flight requests finish within the grace period,
-then cancel; a second signal cancels at once. The grace period also bounds the wait for store
-work still running on threads (a cancelled request cannot stop its thread): work that outlives it
-is abandoned, and the store is left as a kill would leave it (every committed transaction kept,
-the running ones never commit) instead of closed under it. `serve` returns an exit code and says
-whether it abandoned work (`Server.abandoned`): only the CLI exits the process, at once in that
-case.
+then cancel; a second signal cancels at once. Store work still running on a thread after the grace
+period (a cancelled request cannot stop its thread) is abandoned, and the store left as a kill would
+leave it rather than closed under it: `Server.abandoned` tells the CLI to exit at once.
 """
 
 from __future__ import annotations
@@ -57,13 +51,11 @@ _PEERCRED = struct.Struct("3i")
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux; not exported by every Python
 _PEERGROUPS_BYTES = 1024  # the most socket.getsockopt accepts (256 groups; more: ERANGE)
 RECLAIM_INTERVAL_S = 60.0
-# After the grace period, with no store work left running: how long the last steps (the metrics
-# textfile's last write, the store's last sync and close) may take before they are abandoned too.
+# The last steps (the metrics textfile, the store's sync and close) before they are abandoned too
 CLOSE_TIMEOUT_S = 5.0
 # How often the loop looks whether the store's fsync failed (a flag read: nearly free).
 SYNC_WATCH_S = 1.0
-# The shared tier's bridge stops within its own bounds (a publish queue drained for up to 5 s, a
-# thread joined for up to 5 s, ...); past this the daemon stops waiting for it.
+# The bridge stops within its own bounds (5 s drains and joins); past this it is not waited for
 BRIDGE_STOP_TIMEOUT_S = 20.0
 
 
@@ -78,9 +70,8 @@ class Server:
         clock: Clock | None = None,
         reread: Callable[[], Config] | None = None,
     ) -> None:
-        """`clock`: what the store and the operations read time from (entry ages, TTLs,
-        uptime); the shutdown's waits run on the event loop's own clock. `reread`: the settings
-        read again from the sources `config` came from, for a reload (SIGHUP); None: no reload."""
+        """`clock`: what the store and the operations read time from; `reread`: the settings read
+        again from their sources, for a reload (SIGHUP; None: no reload)."""
         self.config = config
         self.policy = TenantPolicy(config.tenants.policy, os.geteuid())
         self.env = os.environ if env is None else env
@@ -108,6 +99,7 @@ class Server:
         return self._watcher
 
     def counters(self) -> dict[str, int]:
+        events = self._events.snapshot() if self._events else {}
         return {
             **self.stats,
             "open_connections": len(self.connections),
@@ -115,15 +107,11 @@ class Server:
             "manifest_checks": self._watcher.checks if self._watcher is not None else 0,
             "reloads": self.reloader.reloads if self.reloader else 0,
             "reloads_refused": self.reloader.refused if self.reloader else 0,
-            **{
-                f"events.{name}": value
-                for name, value in (self._events.snapshot() if self._events else {}).items()
-            },
+            **{f"events.{name}": value for name, value in events.items()},
         }
 
     async def serve(self, *, install_signal_handlers: bool = True) -> int:
-        """Open the store, bind, serve until SIGTERM/SIGINT (or `stop()`), shut down; return 0
-        after a graceful stop, 1 after a forced one."""
+        """Serve until SIGTERM/SIGINT or `stop()`; 0 after a graceful stop, 1 after a forced one."""
         loop = asyncio.get_running_loop()
         config = self.config
         if config.socket.daemon_user and resolve_user(config.socket.daemon_user) != os.geteuid():
@@ -246,8 +234,8 @@ class Server:
         bridge: SharedTierBridge | None,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        """Stop everything within the grace period (a second stop() ends every wait), then close
-        the store if no work of ours still runs on a thread; else leave it unclosed (abandoned)."""
+        """Stop everything within the grace period, then close the store unless work of ours still
+        runs on a thread (then it is abandoned)."""
         assert self.store is not None and self._grace_ends is not None
         grace_ends = self._grace_ends
         for task in tasks:
@@ -296,8 +284,8 @@ class Server:
     async def _within(
         self, deadline: float, waiting: Iterable[asyncio.Future[Any]], *, forced: bool = True
     ) -> bool:
-        """Wait for `waiting` until `deadline` (time.monotonic()) or, with `forced`, a second
-        stop(); True when all finished (none is cancelled either way)."""
+        """Wait for `waiting` until `deadline` or, with `forced`, a second stop(); whether all
+        finished."""
         left = set(waiting)
         force = asyncio.ensure_future(self._force.wait())
         try:
@@ -315,7 +303,6 @@ class Server:
             force.cancel()
 
     async def _work_done(self, deadline: float) -> bool:
-        """Wait until no pool runs work of ours (until `deadline`, or a second stop())."""
         while True:
             unfinished = [f for pool in self._pools for f in pool.unfinished()]
             if not unfinished:
@@ -335,7 +322,6 @@ class Server:
                 log.exception("reclaiming expired entries failed")
 
     def _retirer(self, pool: Executor) -> Retire:
-        """Purge a model's entries of other weights than `keep`, on the pool."""
 
         async def retire(model: str, keep: str) -> int:
             assert self._operations is not None
@@ -348,15 +334,14 @@ class Server:
         return retire
 
     def _event_publisher(self) -> EventPublisher | None:
-        """The KV event publisher when `kv_events_endpoint` names one (prefixd.daemon.events)."""
         if not self.config.events.endpoint:
             return None
         assert self.store is not None
         return EventPublisher(self.config.events, self.store.inventory())
 
     def _shared_tier(self) -> SharedTierBridge | None:
-        """The bridge to the shared tier when `cluster_master` names one (connected lazily: a
-        tier that is down at start only costs counted errors)."""
+        """The bridge to the shared tier, connected lazily: a tier down at start only costs counted
+        errors."""
         config = self.config
         if not config.cluster.master:
             return None
@@ -397,8 +382,6 @@ class Server:
         self._grace_ends = time.monotonic() + self.config.limits.shutdown_grace_s
         self.stopping.set()
 
-    # --- listening ------------------------------------------------------------------------------
-
     def _bind(self) -> socket.socket:
         activated = systemd.listen_sockets(self.env if isinstance(self.env, dict) else None)
         if activated:
@@ -411,7 +394,7 @@ class Server:
         return listener
 
     def _served_path(self, listener: socket.socket) -> Path:
-        """The path clients connect to: the bound one (systemd's, when it passed the socket)."""
+        """The path clients connect to (systemd's, when it passed the socket)."""
         name = listener.getsockname()
         if isinstance(name, (str, bytes)) and name:
             return Path(os.fsdecode(name))
@@ -520,7 +503,6 @@ class Server:
         return None
 
     async def _drain(self, grace_ends: float) -> None:
-        """Let connections finish their in-flight requests within the grace period, then cancel."""
         conns = list(self.connections)
         for conn in conns:
             conn.stop_reading()
@@ -536,12 +518,9 @@ class Server:
         await self._within(time.monotonic() + CLOSE_TIMEOUT_S, waiting, forced=False)
 
     async def _report_sync_failure(self) -> None:
-        """Once the store's fsync fails, say so in systemd's STATUS= (health and the metrics read
-        the store's state themselves) and go on serving reads, writes refused. The daemon does
-        not exit, nor withhold its watchdog pings (which would have systemd restart it): a
-        restart is for the operator to make after a look at the disk, since it checks the
-        blocks the failure left unsure through a page cache that may still hold what the disk
-        lost (prefixd.store.sync_state says why at length)."""
+        """Once the store's fsync fails, say so in STATUS= and go on serving reads. Neither exit nor
+        withhold watchdog pings: a restart is the operator's to make after a look at the disk
+        (prefixd.store.sync_state says why)."""
         assert self.store is not None
         while (failure := self.store.sync_failure) is None:
             await asyncio.sleep(SYNC_WATCH_S)
@@ -562,7 +541,7 @@ class Server:
 
 
 def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
-    """The peer's supplementary groups as the kernel recorded them at connect (SO_PEERGROUPS)."""
+    """The peer's supplementary groups as the kernel recorded them at connect."""
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _PEERGROUPS_BYTES)
     except OSError:  # kernels before 4.13: primary group only
@@ -583,8 +562,8 @@ def _socket_answers(path: os.PathLike[str]) -> bool:
 
 
 def _refuse_taken(path: Path) -> bool:
-    """Refuse a socket path that is not a socket, or one another daemon answers on; whether a
-    stale socket lies there."""
+    """Refuse a path that is not a socket, or one another daemon answers on; whether a stale socket
+    lies there."""
     if not (path.exists() or path.is_symlink()):
         return False
     if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -595,9 +574,8 @@ def _refuse_taken(path: Path) -> bool:
 
 
 def run_server(server: Server) -> int:
-    """Run `server.serve` on a fresh event loop (uvloop where installed); return the exit code.
-    When `server.abandoned` is then true, threads still run store work: the caller must end the
-    process without waiting for them (an interpreter's exit joins pool threads)."""
+    """Run `server.serve` (on uvloop where installed); when `server.abandoned`, the caller must end
+    the process without joining the threads still running store work."""
     try:
         import uvloop
     except ImportError:

@@ -1,5 +1,6 @@
-"""What every request's handler shares: the store (extended by the shared tier when one is
-set), the pools store work runs on, the limits, the metrics and the daemon's counters."""
+"""What every handler shares: the store (extended by the shared tier when set), the pools, the
+limits, the metrics and the daemon's counters.
+"""
 
 from __future__ import annotations
 
@@ -34,8 +35,7 @@ _IDENTITY_CACHE = 1024
 
 @dataclass(kw_only=True, eq=False)
 class Services:
-    """The daemon's part of every handler's context; verify and purge run on `admin_pool`, one
-    at a time, apart from the pool of lookups and loads."""
+    """verify and purge run on `admin_pool`, one at a time, apart from lookups and loads."""
 
     store: Store
     pool: Executor
@@ -72,8 +72,7 @@ class Services:
         self.started = self.clock.monotonic()
 
     async def run(self, call: Callable[[], T], pool: Executor | None = None) -> T:
-        """Run blocking store work on the pool (or `pool`); store errors become protocol
-        errors."""
+        """Run blocking store work on the pool; store errors become protocol errors."""
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(pool or self.pool, call)
@@ -81,8 +80,8 @@ class Services:
             raise protocol_error(exc) from None
 
     def identity(self, wire: WireIdentity) -> Identity:
-        """The identity of a wire form; parsed ones are cached by their (frozen, type-checked)
-        wire form, so 4.0 or True can never pass for block_tokens 4 or 1."""
+        """Parsed identities cached by their (frozen, type-checked) wire form, so 4.0 or True never
+        pass for 4 or 1."""
         cached = self._identities.get(wire)
         if cached is not None:
             return cached
@@ -96,15 +95,15 @@ class Services:
         return identity
 
     def deadline(self, asked_s: float | None) -> float | None:
-        """When a load that arrives now stops reading (the client's limit, else the daemon's
-        load_deadline_s), on the store's clock; None: never."""
+        """When a load arriving now stops reading (the client's limit, else load_deadline_s); None:
+        never."""
         limit_s = asked_s or self.load_deadline_s
         return self.clock.monotonic() + limit_s if limit_s else None
 
     def longest_prefix(
         self, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
     ) -> PrefixMatch:
-        """The local prefix, extended from the shared tier first when one is configured."""
+        """The local prefix, extended from the shared tier first when set."""
         match = self.store.longest_prefix(identity, tokens, hashes=hashes)
         if self.bridge is None:
             return match
@@ -118,8 +117,7 @@ class Services:
     def load(
         self, identity: Identity, tokens: bytes | memoryview, out: memoryview, **options: Any
     ) -> LoadResult:
-        """`Store.load`, after the prefix is extended from the shared tier when one is set, and
-        continued from the blocks it staged (served while their install runs)."""
+        """`Store.load` after a read-through, continued from the staged blocks."""
         if self.bridge is None:
             return self.store.load(identity, tokens, out, **options)
         if not options.get("first_block"):
@@ -127,7 +125,7 @@ class Services:
         return self.bridge.load(identity, tokens, out, **options)
 
     def purge_everywhere(self, selector: PurgeSelector) -> PurgeReport:
-        """Purge the store, then the shared tier's copies of the identities removed whole."""
+        """Purge the store, then the tier's copies of identities removed whole."""
         if self.bridge is not None:
             self.bridge.settle()  # what read-throughs are installing goes too
         report = self.store.purge(selector)
@@ -141,9 +139,8 @@ class Services:
         queries: Sequence[Query],
         matches: Sequence[PrefixMatch | None],
     ) -> tuple[list[LookupResult], list[tuple[int, int, int]]]:
-        """The replies of a lookup's prompts, and what to count for each (prompt tokens, hit
-        tokens, hit bytes): hits shorter than `min_reusable_tokens` are not offered; each comes
-        with the benefit model's estimates."""
+        """A lookup's replies and what to count per prompt (prompt tokens, hit tokens, hit bytes);
+        hits shorter than `min_reusable_tokens` are not offered."""
         results, observed = [], []
         benefit = self.metrics.benefit
         for (tokens, _), match in zip(queries, matches, strict=True):
@@ -165,7 +162,6 @@ class Services:
         return results, observed
 
     def count(self, identity: Identity, observed: list[tuple[int, int, int]]) -> None:
-        """Count a lookup's prompts (as lookup_results gave them) in the metrics."""
         for prompt_tokens, hit_tokens, hit_bytes in observed:
             self.metrics.observe_lookup(
                 identity.tenant,
@@ -178,8 +174,7 @@ class Services:
 
 
 def on_loop(call: Callable[[], T]) -> T:
-    """Store work that memory answers, run on the event loop; its errors mapped as `run` maps
-    those of the pool."""
+    """Store work memory answers, on the event loop, its errors mapped as `run` maps them."""
     try:
         return call()
     except Exception as exc:  # noqa: BLE001 - as in Services.run
@@ -187,8 +182,8 @@ def on_loop(call: Callable[[], T]) -> T:
 
 
 def protocol_error(exc: Exception) -> Exception:
-    """A store error as the protocol error a client gets (prefixd.wire.errors.code_of); anything
-    else, or an error of prefixd's that says `internal`, unchanged (the server logs it)."""
+    """A store error as the client's protocol error; anything else, or one that says `internal`,
+    unchanged (the server logs it)."""
     if isinstance(exc, ProtocolError):
         return exc
     code = code_of(exc)

@@ -1,5 +1,6 @@
-"""What a client does first on a connection: `hello` (the protocol, the daemon's limits, and the
-retiring of model versions an engine no longer serves) and `attach` (a shared memory region)."""
+"""What a client does first: `hello` (the protocol, the daemon's limits, retiring model versions the
+engine no longer serves) and `attach` (a shared memory region).
+"""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ async def hello(ctx: RequestContext, request: Request[Hello]) -> HelloReply:
 
 
 def hello_now(ctx: RequestContext, request: Request[Hello]) -> Answered | Later:
-    """A hello that serves no models (so retires nothing) is answered on the event loop."""
+    """A hello that retires nothing is answered on the loop."""
     if request.message.serves:
         return partial(hello, ctx, request)
     _check_protocol(request.message)

@@ -1,6 +1,6 @@
-"""The operations of hybrid identities (prefixd.schema.state): `put_state`, `lookup_state` and
-`load_state`, with the shared tier's part in them (a put publishes the blocks it stored or hung
-parts on; a lookup or load reads through from the local joint boundary)."""
+"""The operations of hybrid identities: `put_state`, `lookup_state` and `load_state`, with the
+shared tier's part (a put publishes; a lookup or load reads through from the joint boundary).
+"""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ async def lookup_state(ctx: RequestContext, request: Request[LookupState]) -> Lo
 def joint_match(
     services: Services, identity: Identity, tokens: bytes | memoryview, hashes: bytes | None
 ) -> JointMatch:
-    """The local joint match, extended from the shared tier first when one is set."""
+    """The local joint match, extended from the shared tier first when set."""
     store, bridge = services.store, services.bridge
     match = store.lookup_state(identity, tokens, hashes=hashes)
     if bridge is None:
@@ -112,7 +112,7 @@ def joint_match(
 
 
 def offered(services: Services, match: JointMatch) -> JointMatch:
-    """`match`, or no hit when it is shorter than `min_reusable_tokens`."""
+    """`match`, or no hit when shorter than `min_reusable_tokens`."""
     if match.reusable_tokens >= services.min_reusable_tokens:
         return match
     return dataclasses.replace(match, reusable_tokens=0, replay_from=0, hashes=(), parts=())
@@ -152,7 +152,7 @@ async def load_state(ctx: RequestContext, request: Request[LoadState]) -> LoadSt
 
 
 def state_parts(match: JointMatch, offsets: Sequence[int] | None = None) -> list[StatePart]:
-    """A joint match's parts on the wire; with `offsets`, where each was loaded in the region."""
+    """A joint match's parts on the wire; with `offsets`, where each was loaded."""
     return [
         StatePart(
             group=part.group,

@@ -1,9 +1,6 @@
-"""The three systemd protocols the daemon speaks: sd_notify, the watchdog, socket activation.
-
-They are implemented here with the socket module alone, so prefixd needs neither libsystemd nor the
-`systemd` Python package. Each function reads os.environ unless given a mapping, which keeps them
-testable without systemd. Semantics follow libsystemd's sd_notify(3), sd_watchdog_enabled(3) and
-sd_listen_fds(3) unless a docstring says otherwise.
+"""The systemd protocols the daemon speaks (sd_notify, the watchdog, socket activation) with the
+socket module alone: neither libsystemd nor the `systemd` package is needed. Semantics follow
+sd_notify(3), sd_watchdog_enabled(3) and sd_listen_fds(3); `env` defaults to os.environ.
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ log = logging.getLogger(__name__)
 LISTEN_FDS_START = 3
 # The variables socket activation sets; removed after use so children do not claim the fds.
 LISTEN_VARS = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
-# A send blocks only when systemd's notify queue is full; bound it so a watchdog ping sent from
-# the event loop can never stall the loop for long.
+# A send blocks when systemd's queue is full: a watchdog ping must not stall the loop long
 NOTIFY_SEND_TIMEOUT_S = 0.5
 # libsystemd parses these as plain unsigned decimals; int() alone would also take "+1", " 1", "1_0".
 _UNSIGNED = re.compile(r"[0-9]+")
@@ -37,25 +33,19 @@ def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
 
 
 def _unsigned(text: str | None) -> int | None:
-    """Parse a plain unsigned decimal, or None: systemd never writes anything else."""
     if text is None or not _UNSIGNED.fullmatch(text):
         return None
     return int(text)
 
 
 def monotonic_usec() -> int:
-    """CLOCK_MONOTONIC in microseconds, as RELOADING=1 carries it (sd_notify(3))."""
+    """CLOCK_MONOTONIC in microseconds, as RELOADING=1 carries it."""
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
 
 
 def notify(state: str, env: Mapping[str, str] | None = None) -> bool:
-    """Send `state` (e.g. "READY=1\\nSTATUS=serving", "WATCHDOG=1", "STOPPING=1") to $NOTIFY_SOCKET.
-
-    One AF_UNIX SOCK_DGRAM datagram; a leading '@' names the abstract namespace. Returns False,
-    doing nothing, when NOTIFY_SOCKET is unset (not run by systemd, or Type= is not notify). A
-    failed send is logged at debug and returns False instead of raising: losing a status line must
-    never take the daemon down, and a lost READY=1 or WATCHDOG=1 is reported by systemd anyway.
-    """
+    """Send `state` to $NOTIFY_SOCKET; False when unset or when the send fails (logged at debug): a
+    lost status line must never take the daemon down."""
     if not state:
         raise ValueError("notify: state must not be empty")
     address = _env(env).get("NOTIFY_SOCKET")
@@ -79,16 +69,13 @@ def notify(state: str, env: Mapping[str, str] | None = None) -> bool:
 
 
 def status(text: str) -> str:
-    """A STATUS= line carrying `text` on one line (a newline would start another assignment)."""
+    """A STATUS= line on one line (a newline would start another assignment)."""
     return "STATUS=" + " ".join(text.split())
 
 
 def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
-    """Seconds between WATCHDOG=1 pings: half of $WATCHDOG_USEC, as sd_watchdog_enabled(3) advises.
-
-    None when the watchdog is off: WATCHDOG_USEC unset, zero or unparsable, or WATCHDOG_PID set to
-    anything but this process (the variables were inherited from a parent that is supervised).
-    """
+    """Half of $WATCHDOG_USEC in seconds; None when the watchdog is off or WATCHDOG_PID names
+    another process (variables inherited from a supervised parent)."""
     values = _env(env)
     usec = _unsigned(values.get("WATCHDOG_USEC"))
     if not usec:
@@ -99,8 +86,7 @@ def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
 
 
 def activated(env: Mapping[str, str] | None = None) -> bool:
-    """Whether systemd passed this process its sockets (LISTEN_PID is ours), without taking
-    them."""
+    """Whether systemd passed this process its sockets, without taking them."""
     values = os.environ if env is None else env
     return _unsigned(values.get("LISTEN_PID")) == os.getpid()
 
@@ -108,18 +94,10 @@ def activated(env: Mapping[str, str] | None = None) -> bool:
 def listen_sockets(
     env: MutableMapping[str, str] | None = None, *, unset: bool = True
 ) -> list[socket.socket]:
-    """The sockets passed by socket activation, in the order of the socket unit's Listen* lines.
-
-    Like sd_listen_fds(3), this requires $LISTEN_PID to be present and equal to this process: an
-    absent or foreign LISTEN_PID means the variables were inherited, not meant for us, and the fds
-    3.. may be anything, so they are left untouched and the result is empty. Each fd is marked
-    close-on-exec (children must not hold the listening socket open) and wrapped in
-    socket.socket(fileno=fd), which reads family and type from the fd itself. With unset=True the
-    LISTEN_* variables are removed from `env` whatever the outcome, so no child acts on them.
-
-    Raises ConfigError when LISTEN_PID is ours but LISTEN_FDS is unparsable or names an fd that is
-    not an open socket: systemd says we were activated, so silently binding elsewhere would hide it.
-    """
+    """The sockets passed by socket activation, close-on-exec. Foreign or absent LISTEN_PID:
+    inherited variables, the fds are left alone. ConfigError when LISTEN_PID is ours but the fds are
+    not usable sockets: binding elsewhere would hide it. `unset` removes LISTEN_* so no child acts
+    on them."""
     values: MutableMapping[str, str] = os.environ if env is None else env
     try:
         if _unsigned(values.get("LISTEN_PID")) != os.getpid():
@@ -144,15 +122,9 @@ def listen_sockets(
 
 
 class Watchdog:
-    """Pings WATCHDOG=1 every interval from the asyncio loop while a health check passes.
-
-    Running on the loop itself is the point: a wedged loop stops the pings and systemd restarts
-    the daemon. The health check covers what a live loop does not prove (e.g. the store still
-    answers); it gets one interval to answer, and a check that fails, raises or overruns skips that
-    ping, so systemd (WatchdogSec = two intervals) acts after about two bad checks in a row.
-    A store whose fsync failed still passes: it serves reads, and the daemon reports the failure
-    in STATUS= instead of being restarted (see Server._report_sync_failure).
-    """
+    """Pings WATCHDOG=1 from the event loop while a health check passes: a wedged loop stops the
+    pings and systemd restarts the daemon. A check that fails, raises or overruns an interval skips
+    its ping. A failed fsync still passes (Server._report_sync_failure says why)."""
 
     def __init__(
         self,
@@ -170,7 +142,6 @@ class Watchdog:
         self.skipped = 0  # withheld because the health check did not pass
 
     async def run(self) -> None:
-        """Until cancelled: check health, ping if it passed, sleep out the rest of the interval."""
         loop = asyncio.get_running_loop()
         was_healthy = True
         while True:
@@ -189,7 +160,7 @@ class Watchdog:
             await asyncio.sleep(max(0.0, started + self._interval_s - loop.time()))
 
     async def _check(self) -> bool:
-        """True only when healthy() returns True within one interval; never raises but on cancel."""
+        """Whether healthy() returns True within one interval; raises only on cancel."""
         try:
             async with asyncio.timeout(self._interval_s):
                 return bool(await self._healthy())

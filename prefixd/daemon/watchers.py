@@ -1,11 +1,6 @@
-"""Retiring a model's old entries when its weights change on disk.
-
-Each served model is fingerprinted from its manifest files (say its config and weight index):
-`sha256:` over the files' names and bytes (prefixd.schema.fingerprint), read on a thread so the
-event loop never blocks on disk. An engine uses the fingerprint as the identity's `weights` (the
-daemon reports it in `hello` and `stats`). A watchdog observer notices when a manifest changes;
-after a short settling delay the fingerprint is recomputed and every entry of that model with
-other weights is purged, which makes it unreachable at once.
+"""Retiring a model's old entries when its weights change on disk: each served model is
+fingerprinted from its manifest files (on a thread), the fingerprint is the identity's `weights`,
+and after a manifest changes (and settles) every entry of the model with other weights is purged.
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ Retire = Callable[[str, str], Awaitable[int]]  # (model, fingerprint to keep) ->
 
 
 async def fingerprint(paths: tuple[Path, ...]) -> str:
-    """The model's weights fingerprint (prefixd.schema.fingerprint), computed on a thread."""
     return await asyncio.to_thread(fingerprint_files, paths)
 
 
@@ -45,7 +39,7 @@ class ManifestWatcher:
         self.checks = 0  # fingerprints recomputed after a change was seen (changed or not)
 
     async def start(self) -> None:
-        """Fingerprint every model, retire other versions already stored, then watch."""
+        """Fingerprint every model, retire other versions already stored, watch."""
         self._loop = asyncio.get_running_loop()
         for model, paths in self.models.items():
             self.fingerprints[model] = await fingerprint(paths)
@@ -60,8 +54,7 @@ class ManifestWatcher:
         self._observer.start()
 
     async def watch(self, models: Mapping[str, tuple[Path, ...]]) -> None:
-        """Watch `models` instead (a reload): stop, forget the models no longer listed, start
-        again, which fingerprints every model and retires other versions as a start does."""
+        """Watch `models` instead (a reload), as a start does."""
         await self.stop()
         self._observer = Observer()
         self._pending.clear()
@@ -81,7 +74,7 @@ class ManifestWatcher:
             await asyncio.get_running_loop().run_in_executor(None, self._observer.join)
 
     def _changed(self, model: str) -> None:
-        """Called on the observer's thread."""
+        """On the observer's thread."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._debounce, model)
 
@@ -117,8 +110,6 @@ class ManifestWatcher:
 
 
 class _Handler(FileSystemEventHandler):
-    """Maps events on watched file names to their model."""
-
     def __init__(self, names: Mapping[str, str], changed: Callable[[str], None]) -> None:
         self._names = dict(names)
         self._changed = changed

@@ -1,9 +1,5 @@
-"""Thread pools that know which of their work is still running, so that shutdown can wait for it
-within the grace period and then knows whether it may close the store or must leave it be.
-
-A future that was queued but never started is cancelled with its request; one that started runs to
-its end on its thread whatever happens on the event loop. `WorkPool.unfinished` lists those, and
-`WorkPool.running` counts the ones a thread has picked up.
+"""Thread pools that know which of their work still runs, so that shutdown can wait for it within
+the grace period and know whether it may close the store.
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ T = TypeVar("T")
 
 
 class WorkPool(ThreadPoolExecutor):
-    """A ThreadPoolExecutor that tracks its futures until they are done."""
-
     def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "") -> None:
         super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
         self._lock = threading.Lock()
@@ -47,15 +41,11 @@ class WorkPool(ThreadPoolExecutor):
             self._unfinished.discard(future)
 
     def unfinished(self) -> list[Future[Any]]:
-        """The futures not done yet: queued, or running on a thread."""
+        """Queued, or running on a thread."""
         with self._lock:
             return list(self._unfinished)
 
     @property
     def running(self) -> int:
-        """How many calls threads are running now."""
         with self._lock:
             return self._running
-
-
-__all__ = ["WorkPool"]
