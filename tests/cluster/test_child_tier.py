@@ -27,7 +27,12 @@ SLACK_S = 3.0  # a busy 2-core machine: the kill and the next child's start
 
 
 def make(**settings: object) -> ChildTier:
-    return ChildTier(settings, factory=FAKE, call_timeout_s=CALL_S, cooldown_s=0.2, workers=2)
+    """A tier whose child serves already, as the daemon's bridge starts it with the daemon: the
+    child's start (an interpreter's, slow on a busy machine) is in no call's bound."""
+    tier = ChildTier(settings, factory=FAKE, call_timeout_s=CALL_S, cooldown_s=0.2, workers=2)
+    tier.start()
+    wait_for(lambda: _answers(tier), "the child serving")
+    return tier
 
 
 @pytest.fixture
