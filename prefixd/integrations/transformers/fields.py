@@ -1,11 +1,9 @@
 """The groups, the tensors inside a group's payload, and the bytes they become.
 
 Paged rows have shapes that follow from the config, so a page is bare bytes. Checkpoint tensors do
-not always: a linear-attention layer's conv and recurrent states are sized by each mixer from
-attributes of its own (Mamba, Mamba-2, Gated DeltaNet, KDA, short convolutions all name them
-differently), and some families size a window's heads in their code. So a checkpoint payload
-describes its tensors in a small header (`pack_described` / `unpack_described`) instead of a table
-of families.
+not: each linear-attention mixer sizes its states from attributes of its own, and some families
+size a window's heads in their code. So a checkpoint payload describes its tensors in a header
+(`pack_described`) instead of a table of families.
 """
 
 from __future__ import annotations
@@ -45,11 +43,8 @@ Buffer = bytes | bytearray | memoryview | np.ndarray
 
 @dataclass(frozen=True)
 class Field:
-    """One tensor of one layer inside a paged group's records.
-
-    `shape` is the shape of one row, and a row covers `tokens_per_row` tokens (the compression
-    rate of a compressed entry, 1 otherwise).
-    """
+    """One tensor of one layer inside a paged group's records: `shape` is one row's, covering
+    `tokens_per_row` tokens (a compressed entry's compression rate, else 1)."""
 
     group: str
     layer: int

@@ -1,18 +1,15 @@
 """A model's state layout: what each of its cache layers is, and the bytes of every group.
 
-The layout is found from what the model's own `DynamicCache` is made of, layer by layer, not from
-the model's name: a `DummyLayer` keeps nothing, a `DynamicLayer` keeps per-token keys and values
-(MLA latents when the layer's config has `kv_lora_rank`, plus indexer keys for a
-`DynamicIndexedLayer`), a `DynamicSlidingWindowLayer` a window, a linear-attention layer its conv
-and recurrent states, a hybrid layer both, and a DeepSeek-V4 compressed layer its entries. Row
-shapes come from each layer's config attributes; export checks them against the cache, so a config
-whose attributes do not size its layers is refused, never stored wrong.
+The layout is found from the classes of the model's own `DynamicCache` layers, not from its name.
+Row shapes come from each layer's config attributes; export checks them against the cache, so a
+config whose attributes do not size its layers is refused, never stored wrong.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -60,8 +57,7 @@ _HCA = "heavily_compressed_attention"
 
 
 class StateLayout:
-    """The groups of one model and the bytes of each: paged rows from its config, checkpoint
-    tensors described in their payloads and checked against its layers."""
+    """The groups of one model and the bytes of each."""
 
     def __init__(self, layers: list[LayerState], block_tokens: int, dtype: torch.dtype) -> None:
         self.layers = layers
@@ -83,7 +79,7 @@ class StateLayout:
         return [f for layer in self.layers for f in layer.fields() if f.group == group]
 
     def block_nbytes(self, group: str) -> int:
-        """Bytes of one block's record in a paged group (a page is `page_blocks` of them)."""
+        """Bytes of one block's record in a paged group."""
         return sum(self._rows_per_block(f) * f.row_nbytes for f in self.fields(group))
 
     def _rows_per_block(self, f: Field) -> int:
@@ -94,8 +90,8 @@ class StateLayout:
     def read(
         self, cache: Cache, n_tokens: int, *, row: int = 0, checkpoints: bool = True
     ) -> tuple[Tensors, dict[str, Tensors]]:
-        """The tensors of batch row `row` in `cache`: the paged ones (checked against the
-        layout), and the checkpoint ones by group."""
+        """The tensors of batch row `row` in `cache`: the paged ones, and the checkpoint ones by
+        group."""
         if len(cache.layers) > len(self.layers):
             raise LayoutError(
                 f"the cache has {len(cache.layers)} layers, the config {len(self.layers)}: layers"
@@ -132,7 +128,6 @@ class StateLayout:
     def unpack_pages(
         self, group: str, pages: Iterable[Buffer], n_tokens: int, page_blocks: int
     ) -> dict[tuple[int, str], torch.Tensor]:
-        """The group's tensors for the first `n_tokens` tokens from the pages covering them."""
         if isinstance(pages, (bytes, bytearray, memoryview, np.ndarray, str)):
             raise LayoutError(f"group {group!r}: pages must be a list of buffers, not one buffer")
         record = self.block_nbytes(group)
@@ -168,7 +163,6 @@ class StateLayout:
     def unpack_checkpoint(
         self, group: str, payload: Buffer, n_tokens: int
     ) -> dict[tuple[int, str], torch.Tensor]:
-        """The group's tensors from its payload, each checked by the layer it belongs to."""
         what = f"group {group!r} checkpoint at {n_tokens} tokens"
         tensors = unpack_described(payload, what)
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -204,31 +198,25 @@ class StateLayout:
 def state_layout(
     config: PreTrainedConfig, *, block_tokens: int, dtype: torch.dtype = torch.float32
 ) -> StateLayout:
-    """The byte layout of `config`'s state for blocks of `block_tokens` tokens in `dtype`.
-
-    Refuses a block size that would cut a DeepSeek-V4 compressed block: a boundary inside one
-    leaves tokens in the compressor's open buffer, which no group stores.
-    """
+    """The byte layout of `config`'s state for blocks of `block_tokens` tokens in `dtype`;
+    refuses a block size that would cut a DeepSeek-V4 compressed block (its open buffer is never
+    stored)."""
     return layout_of(config, fresh_cache(config), block_tokens=block_tokens, dtype=dtype)
 
 
 def layout_of(
     config: PreTrainedConfig, cache: Cache, *, block_tokens: int, dtype: torch.dtype
 ) -> StateLayout:
-    """`state_layout`, found from `cache`, an empty cache built for `config` (`fresh_cache`)."""
+    """`state_layout`, found from `cache`, an empty cache built for `config`."""
     check_positive("block_tokens", block_tokens)
     text = config.get_text_config(decoder=True)
     if type(text) is type(config):
         # A decoder view of the same config (an encoder-decoder family's) may carry defaults
         # where the config has values: the model reads the config itself.
         text = config
-    try:
+    with _from_transformers("transformers cannot describe the layers"):
         layer_types, _ = get_layer_types_and_kwargs(text)
         layer_configs = list(text.per_layer_config)
-    except LayoutError:
-        raise
-    except Exception as error:
-        raise LayoutError(f"transformers cannot describe the layers: {error}") from error
     if not len(cache.layers) == len(layer_types) == len(layer_configs):
         raise LayoutError(
             f"the cache has {len(cache.layers)} layers, the config {len(layer_types)}"
@@ -243,23 +231,13 @@ def layout_of(
     for index, (kind, layer_config, cache_layer) in enumerate(
         zip(layer_types, layer_configs, cache.layers)
     ):
-        try:
-            layers.append(
-                _layer_state(
-                    text,
-                    layer_config,
-                    index,
-                    kind,
-                    cache_layer,
-                    dtype,
-                    shared_kv,
-                    positions=index == first_indexed,
-                )
+        positions = index == first_indexed
+        # a config attribute transformers refuses to give, say
+        with _from_transformers(f"layer {index}: transformers"):
+            state = _layer_state(
+                text, layer_config, index, kind, cache_layer, dtype, shared_kv, positions
             )
-        except LayoutError:
-            raise
-        except Exception as error:  # a config attribute transformers refuses to give, say
-            raise LayoutError(f"layer {index}: transformers: {error}") from error
+        layers.append(state)
     for state in layers:
         rate = state.rate if isinstance(state, CompressedAttention) else 1
         if block_tokens % rate:
@@ -279,11 +257,9 @@ def _layer_state(
     cache_layer: object,
     dtype: torch.dtype,
     shared_kv: bool,
-    *,
     positions: bool,
 ) -> LayerState:
-    """The state of one cache layer, by what the layer is; `positions` on the first indexed
-    layer, where a model keeps its indexers' position history if it keeps one."""
+    """The state of one cache layer, by what the layer is."""
     if isinstance(cache_layer, DummyLayer):
         return NoState(index)
     if index in (getattr(text, "cross_attention_layers", None) or ()):
@@ -381,12 +357,9 @@ def _attribute(layer: PreTrainedConfig, index: int, name: str) -> int:
 
 
 def fresh_cache(config: PreTrainedConfig) -> DynamicCache:
-    """An empty `DynamicCache` for `config`, with its model's own cache layer classes.
-
-    Errors raised by transformers while building it are a `LayoutError` with the original as
-    its cause, so callers catch one class.
-    """
-    try:
+    """An empty `DynamicCache` for `config`, with its model's own cache layer classes; what
+    transformers raises is a `LayoutError` caused by it, so callers catch one class."""
+    with _from_transformers("transformers cannot build a cache for this config"):
         text = config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text)
         if any(kind not in DYNAMIC_LAYER_TYPE_MAPPING for kind in layer_types):
@@ -394,19 +367,27 @@ def fresh_cache(config: PreTrainedConfig) -> DynamicCache:
             name = text.model_type
             importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         return DynamicCache(config=config)
+
+
+@contextlib.contextmanager
+def _from_transformers(what: str) -> Iterator[None]:
+    """What transformers raises, as a LayoutError `what: error` caused by it."""
+    try:
+        yield
+    except LayoutError:
+        raise
     except Exception as error:
-        raise LayoutError(f"transformers cannot build a cache for this config: {error}") from error
+        raise LayoutError(f"{what}: {error}") from error
 
 
 def check_positive(name: str, value: object) -> int:
-    """`value`, if it is a positive int (not a bool); LayoutError otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise LayoutError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
 def _checked(f: Field, tensor: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    shape = f.shape if KINDS[f.group] == CHECKPOINT else (n_tokens // f.tokens_per_row, *f.shape)
+    shape = (n_tokens // f.tokens_per_row, *f.shape)  # a field is paged: a row per token or entry
     if tuple(tensor.shape) != shape or tensor.dtype != f.dtype:
         raise LayoutError(
             f"{f}: the cache holds {tensor.dtype} {tuple(tensor.shape)}, the layout expects"
