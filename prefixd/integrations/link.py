@@ -371,11 +371,4 @@ class DaemonLink:
             self._unusable_calls += 1
 
 
-__all__ = [
-    "KINDS",
-    "START_FIX",
-    "DaemonLink",
-    "Problem",
-    "diagnose",
-    "forbidden_fix",
-]
+__all__ = ["KINDS", "START_FIX", "DaemonLink", "Problem", "diagnose", "forbidden_fix"]

@@ -34,7 +34,7 @@ from prefixd.errors import LayoutError
 from prefixd.schema.state import PAGED, StateGroup, StateSpec, check_spec
 
 from .fields import GROUP_ORDER, KINDS, RECURRENT, Buffer, Field, pack_described
-from .layout import StateLayout, check_positive, fresh_cache, layout_of, state_layout
+from .layout import StateLayout, Tensors, check_positive, fresh_cache, layout_of, state_layout
 
 __all__ = [
     "GROUP_ORDER",
@@ -194,7 +194,7 @@ def restore_state(
 def _pages(
     layout: StateLayout,
     group: str,
-    tensors: Mapping[tuple[int, str], torch.Tensor],
+    tensors: Tensors,
     first_block: int,
     n_blocks: int,
     page_blocks: int,

@@ -104,7 +104,7 @@ def unpack_described(payload: Buffer, what: str) -> dict[tuple[int, str], torch.
     data = byte_view(payload, what)
     if data.size < _HEAD.size:
         raise LayoutError(f"{what}: {data.size} bytes, shorter than its header")
-    magic, version, count = _HEAD.unpack(bytes(data[: _HEAD.size]))
+    magic, version, count = _HEAD.unpack_from(data.data)
     if magic != _MAGIC or version != _VERSION:
         raise LayoutError(f"{what}: not a described payload of version {_VERSION}")
     offset = _HEAD.size
@@ -112,20 +112,15 @@ def unpack_described(payload: Buffer, what: str) -> dict[tuple[int, str], torch.
     for _ in range(count):
         if offset + _ENTRY.size > data.size:
             raise LayoutError(f"{what}: the header is cut short")
-        layer, code, ndim, length = _ENTRY.unpack(bytes(data[offset : offset + _ENTRY.size]))
+        layer, code, ndim, length = _ENTRY.unpack_from(data.data, offset)
         offset += _ENTRY.size
         end = offset + length + ndim * _DIM.size
         if code >= len(_DTYPES) or ndim > MAX_NDIM or end > data.size:
             raise LayoutError(f"{what}: a malformed header entry")
         name = bytes(data[offset : offset + length]).decode("ascii", "replace")
-        offset += length
-        shape = tuple(
-            _DIM.unpack(bytes(data[offset + i * _DIM.size : offset + (i + 1) * _DIM.size]))[0]
-            for i in range(ndim)
-        )
+        shape = struct.unpack_from(f"<{ndim}I", data.data, offset + length)
         offset = end
-        key = (layer, name)
-        entries.append((key, _DTYPES[code], shape))
+        entries.append(((layer, name), _DTYPES[code], shape))
     out: dict[tuple[int, str], torch.Tensor] = {}
     for key, dtype, shape in entries:
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -112,9 +112,7 @@ class StateLayout:
                 by_group[state.group_of(name)][(state.layer, name)] = tensor
         return paged, by_group
 
-    def block_records(
-        self, group: str, tensors: Mapping[tuple[int, str], torch.Tensor], first: int, end: int
-    ) -> torch.Tensor:
+    def block_records(self, group: str, tensors: Tensors, first: int, end: int) -> torch.Tensor:
         """Blocks [first, end) of a paged group as a uint8 tensor [blocks, record bytes]."""
         parts = []
         for f in self.fields(group):
@@ -127,7 +125,7 @@ class StateLayout:
 
     def unpack_pages(
         self, group: str, pages: Iterable[Buffer], n_tokens: int, page_blocks: int
-    ) -> dict[tuple[int, str], torch.Tensor]:
+    ) -> Tensors:
         if isinstance(pages, (bytes, bytearray, memoryview, np.ndarray, str)):
             raise LayoutError(f"group {group!r}: pages must be a list of buffers, not one buffer")
         record = self.block_nbytes(group)
@@ -150,7 +148,7 @@ class StateLayout:
             needed = min(page_blocks, n_blocks - index * page_blocks)
             arrays.append(data[: needed * record])  # the last page may cover more than needed
         records = np.concatenate(arrays).reshape(n_blocks, record)
-        out: dict[tuple[int, str], torch.Tensor] = {}
+        out: Tensors = {}
         column = 0
         for f in self.fields(group):
             width = self._rows_per_block(f) * f.row_nbytes
@@ -160,9 +158,7 @@ class StateLayout:
             column += width
         return out
 
-    def unpack_checkpoint(
-        self, group: str, payload: Buffer, n_tokens: int
-    ) -> dict[tuple[int, str], torch.Tensor]:
+    def unpack_checkpoint(self, group: str, payload: Buffer, n_tokens: int) -> Tensors:
         what = f"group {group!r} checkpoint at {n_tokens} tokens"
         tensors = unpack_described(payload, what)
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -182,11 +178,7 @@ class StateLayout:
         return tensors
 
     def write(
-        self,
-        cache: Cache,
-        tensors: Mapping[tuple[int, str], torch.Tensor],
-        n_tokens: int,
-        device: torch.device | str,
+        self, cache: Cache, tensors: Tensors, n_tokens: int, device: torch.device | str
     ) -> None:
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
         for (layer, name), tensor in tensors.items():
