@@ -14,6 +14,7 @@ from prefixd.errors import LayoutError
 from .fields import COMPRESSED, COMPRESSOR, F32, INDEXER, RECURRENT, WINDOW, Field
 
 POSITION_DIMS = 3  # an indexed layer's position history: [3, batch, tokens] (transformers 5.24)
+Named = dict[str, torch.Tensor]  # a layer's tensors by name
 
 
 class LayerState:
@@ -38,9 +39,7 @@ class LayerState:
         if tensors:
             raise self.fail(f"keeps nothing in group {group!r}, the payload has {sorted(tensors)}")
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         """The layer's tensors by name for batch row `row`; without `checkpoints`, the paged
         ones only."""
         raise NotImplementedError
@@ -80,9 +79,7 @@ class LayerState:
 class NoState(LayerState):
     """A layer that caches nothing (a KV-sharing consumer, an MLP-only layer)."""
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         return {}
 
     def write(self, cache_layer: Any, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:
@@ -123,9 +120,7 @@ class FullAttention(LayerState):
             out.append(Field(INDEXER, self.layer, "positions", (POSITION_DIMS,), torch.int64))
         return out
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         keys = batch_row(self, cache_layer.keys, row)
         values = batch_row(self, cache_layer.values, row)
         held = keys.shape[-2]
@@ -211,9 +206,7 @@ class SlidingAttention(LayerState):
             lambda name, t: t.dtype == self.dtype and t.dim() == 3 and t.shape[1] == kept,
         )
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         if not checkpoints:
             return {}
         self.at_end(cache_layer.cumulative_length, n_tokens, "sliding window")
@@ -249,9 +242,7 @@ class LinearStates(LayerState):
     def group_of(self, name: str) -> str:
         return RECURRENT
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         if not checkpoints:
             return {}
         if getattr(cache_layer, "record_past", False):
@@ -332,10 +323,8 @@ class Joined(LayerState):
                 return part
         raise self.fail(f"keeps no checkpoint tensor {name!r}")
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
+        out: Named = {}
         for part in self.parts:
             out.update(part.read(cache_layer, n_tokens, row, checkpoints))
         return out
@@ -392,9 +381,7 @@ class CompressedAttention(LayerState):
             lambda name, t: (tuple(t.shape), t.dtype) == shapes[name],
         )
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         out = self.window.read(cache_layer, n_tokens, row, checkpoints)
         wanted = n_tokens // self.rate
         for name in self.dims:

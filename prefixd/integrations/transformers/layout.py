@@ -281,7 +281,7 @@ def _layer_state(
         shared = index < len(indexer_types) and indexer_types[index] == "shared"
         if isinstance(cache_layer, DynamicIndexedLayer) and not shared:
             # a layer of a "shared" indexer reuses an earlier layer's selection: no keys
-            indexer = _first(layer, ["index_head_dim", "indexer_head_dim"])
+            indexer = _first(layer, "index_head_dim", "indexer_head_dim")
             if not isinstance(indexer, int) or indexer <= 0:
                 raise LayoutError(f"layer {index}: its config does not size its indexer keys")
         key_row, value_row = _kv_rows(layer, index)
@@ -304,33 +304,29 @@ def _kv_rows(layer: PreTrainedConfig, index: int) -> tuple[tuple[int, int], tupl
     rank = getattr(layer, "kv_lora_rank", None)
     if rank:  # MLA: the compressed KV as keys, the rope key as values, one "head"
         return (1, rank), (1, _attribute(layer, index, "qk_rope_head_dim"))
-    decoder_heads = _first(layer, ["decoder_attention_heads"])
+    decoder_heads = _first(layer, "decoder_attention_heads")
     if decoder_heads:  # the decoder of an encoder-decoder family: multi-head attention
         row = (int(decoder_heads), int(layer.d_model) // int(decoder_heads))
         return row, row
     if getattr(layer, "new_decoder_architecture", False):
-        heads = _first(layer, ["num_kv_heads"])
+        heads = _first(layer, "num_kv_heads")
     elif getattr(layer, "multi_query", False):
         heads = 1
     else:
-        heads = _first(layer, ["num_key_value_heads"])
-    attention_heads = _first(layer, ["num_attention_heads"])
+        heads = _first(layer, "num_key_value_heads")
+    attention_heads = _first(layer, "num_attention_heads")
     if heads is None:
         heads = attention_heads
-    head_dim = _first(layer, list(_HEAD_DIM_NAMES))
+    head_dim = _first(layer, "head_dim", "dim_head", "attention_head_dim")
     if head_dim is None and attention_heads:
         head_dim = layer.hidden_size // attention_heads
-    value_dim = _first(layer, ["v_head_dim"]) or head_dim
+    value_dim = _first(layer, "v_head_dim") or head_dim
     if not heads or not head_dim or not value_dim:
         raise LayoutError(f"layer {index}: its config does not say its key/value heads and size")
     return (int(heads), int(head_dim)), (int(heads), int(value_dim))
 
 
-# What configs call the size of one attention head.
-_HEAD_DIM_NAMES = ("head_dim", "dim_head", "attention_head_dim")
-
-
-def _first(layer: PreTrainedConfig, names: list[str]) -> Any:
+def _first(layer: PreTrainedConfig, *names: str) -> Any:
     for name in names:
         try:
             value = getattr(layer, name, None)

@@ -116,9 +116,8 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             reconnect_s=reconnect_s,
             daemon_uid=daemon_uid,  # the daemon's user, if not this process's own or root
         )
-        self._events: list[OffloadingEvent] | None = None
-        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
-            self._events = []
+        kv_events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events: list[OffloadingEvent] | None = [] if kv_events else None
         self._events_lock = threading.Lock()
         # Keys reported stored, until a lookup or load finds them gone: then reported removed.
         self._reported: dict[bytes, None] = {}
