@@ -221,9 +221,8 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        """The longest prefix of `keys` every pool can restore, never more: the paged pools'
-        common chain boundary, then prefixd's joint rule over the trailing pools' checkpoints
-        on the chain cut there."""
+        """The longest prefix of `keys` every pool can restore: the paged pools' common boundary,
+        then prefixd's joint rule over the trailing pools' checkpoints on the chain cut there."""
         prefix, paged = _prefix(extra_info), self._paged_prefix(extra_info)
         transfers = list(pool_transfers or [])
         self._check(transfers)
@@ -266,8 +265,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         trailing: _PoolCall,
         paged: _PoolCall,
     ) -> dict[str, list[bool]]:
-        """A v2 get or set, pool by pool: trailing pools as checkpoints after the call's prefix,
-        paged pools as their chains (each page its own without v1's prefix keys)."""
+        """A v2 get or set, pool by pool: trailing pools as checkpoints, paged pools as chains."""
         self._check(transfers)
         prefix, paged_prefix = _prefix(extra_info), self._paged_prefix(extra_info)
         results = {}
@@ -379,8 +377,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         fill: Callable[[int, memoryview], None],
     ) -> int:
         """Store `keys`' pages, written by `fill(i, destination)` straight into leased region
-        space; pages the daemon holds already are not copied again. How many leading pages are
-        stored."""
+        space (not those the daemon holds already); how many leading pages are stored."""
         identity = self._identities()[0][name]
         have = self._found(name, keys, prefix) if prefix is not None else 0
         per_call = self._per_call(name)
@@ -413,8 +410,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         per_call: int,
         skip: int = 0,
     ) -> list[tuple[int, bytes, int, int]]:
-        """(index of the first key, packed chain, first block, count) per daemon call: one key
-        per chain without prefix keys, else runs of the chain `prefix + keys`."""
+        """(index of the first key, packed chain, first block, count) per daemon call."""
         if prefix is None:
             return [(i, pack_keys(identity, [page_key(k)]), 0, 1) for i, k in enumerate(keys)]
         chain = [page_key(k) for k in [*prefix, *keys]]
