@@ -1,13 +1,7 @@
-"""One engine plug-in's connection to the daemon: made on first use, dropped when lost, made again
-`reconnect_s` later. The engines' tiers (vLLM, LMCache, SGLang) treat a daemon that is away as a
-miss, never as an error in the engine's way.
-
-A miss must not be silent, though: an engine whose daemon it cannot reach, trust or use runs at
-0 % hits and nothing else would say why. So each problem is logged at ERROR with its fix, the
-first time and then at most once every `log_every_s` per distinct problem (with a count of the
-repeats held back), and `status()` says what the link is doing: connected or not, the last
-problem, failures by kind and how many calls were answered as misses because of them. The logs
-name paths, users and error classes, never prompts, token ids or keys.
+"""One engine plug-in's connection to the daemon: made on first use, made again `reconnect_s`
+after a loss. A daemon that is away is a miss, never an error in the engine's way; but an engine
+at 0 % hits must hear why, so each distinct problem is logged at ERROR with its fix (then at most
+once a LOG_EVERY_S) and `status()` reports it. Logs never name prompts, token ids or keys.
 """
 
 from __future__ import annotations
@@ -81,8 +75,8 @@ class Problem:
 def diagnose(
     exc: BaseException, *, socket: str | os.PathLike[str], region_bytes: int, timeout_s: float
 ) -> Problem:
-    """The Problem `exc` shows, raised by connecting a Client to `socket` (with a region of
-    `region_bytes`) or by a call on one (`prefixd doctor` reads errors the same way)."""
+    """The Problem `exc` shows, raised by connecting a Client to `socket` or by a call on one
+    (`prefixd doctor` reads errors the same way)."""
     name = type(exc).__name__
     path = Path(socket)
     if isinstance(exc, UntrustedDaemonError):
@@ -211,14 +205,12 @@ def _denied(name: str, path: Path, detail: str) -> Problem:
     return Problem(DENIED, name, found[0], found[1])
 
 
+@dataclass
 class _Reported:
     """When a distinct problem was last logged, and how many repeats were held back since."""
 
-    __slots__ = ("at", "held")
-
-    def __init__(self, at: float) -> None:
-        self.at = at
-        self.held = 0
+    at: float
+    held: int = 0
 
 
 class DaemonLink:
@@ -235,7 +227,6 @@ class DaemonLink:
         label: str,
         reconnect_s: float = 0.0,
         daemon_uid: int | str | None = None,
-        log_every_s: float = LOG_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._socket = socket
@@ -245,7 +236,6 @@ class DaemonLink:
         self._label = label
         self._reconnect_s = reconnect_s
         self._daemon_uid = daemon_uid
-        self._log_every_s = log_every_s
         self._clock = clock
         self._client: Client | None = None
         self._lock = threading.Lock()
@@ -263,8 +253,7 @@ class DaemonLink:
         return self._client is not None
 
     def client(self) -> Client | None:
-        """The connection, made now if there is none and the back-off has passed; None while
-        the daemon is away."""
+        """The connection, made now if there is none and the back-off has passed."""
         with self._lock:
             if self._client is not None:
                 return self._client
@@ -301,8 +290,7 @@ class DaemonLink:
             return None
 
     def failed(self, client: Client, exc: PrefixdError) -> Problem:
-        """Report a refused call (logged by its class and code, rate-limited); drop the
-        connection if it was lost. Returns what the failure was."""
+        """Report a refused call; drop the connection if it was lost."""
         problem = self._note(exc, connecting=False)
         if isinstance(exc, DaemonUnavailableError | RequestTimeoutError):
             with self._lock:
@@ -313,9 +301,8 @@ class DaemonLink:
         return problem
 
     def status(self) -> dict[str, Any]:
-        """What the link is doing, for the adapter's stats: `connected`; `unusable_calls`, the
-        calls answered as misses (or failed stores) because the daemon could not be used;
-        `failures` by kind; and `last_problem` (kind, error class, message, fix, age)."""
+        """For the adapter's stats; `unusable_calls` counts the calls answered as misses (or
+        failed stores) because the daemon could not be used."""
         with self._state_lock:
             last = None
             if self._last is not None:
@@ -355,7 +342,7 @@ class DaemonLink:
             self._last = (problem, now)
             self._failing = True
             reported = self._reported.get(key)
-            if reported is not None and now - reported.at < self._log_every_s:
+            if reported is not None and now - reported.at < LOG_EVERY_S:
                 reported.held += 1
                 return problem
             held, since = (0, 0.0) if reported is None else (reported.held, now - reported.at)
@@ -384,11 +371,4 @@ class DaemonLink:
             self._unusable_calls += 1
 
 
-__all__ = [
-    "KINDS",
-    "START_FIX",
-    "DaemonLink",
-    "Problem",
-    "diagnose",
-    "forbidden_fix",
-]
+__all__ = ["KINDS", "START_FIX", "DaemonLink", "Problem", "diagnose", "forbidden_fix"]

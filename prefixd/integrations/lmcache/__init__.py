@@ -1,16 +1,13 @@
 """prefixd behind LMCache: an L2 adapter of LMCache's node server (multiprocess mode).
 
-Tested against lmcache 0.5.6 (`pip install 'prefixd[lmcache]'` pins it; .ci/lmcache-venv adds it
-to the vLLM venv the tests run in). Load it into the node server with
+Tested against lmcache 0.5.6 (`pip install 'prefixd[lmcache]'` pins it). Load it with
 
     lmcache server ... --l2-adapter '{"type": "plugin",
         "module_path": "prefixd.integrations.lmcache", "class_name": "PrefixdL2Adapter",
         "adapter_params": {"socket": "/run/prefixd/prefixd.sock", "weights": "sha256:..."}}'
 
-`adapter_params` and the identity each stored object gets are in
-prefixd.integrations.lmcache.identity; the adapter itself (`PrefixdL2Adapter`, in
-prefixd.integrations.lmcache.adapter) imports LMCache, and this module imports it only when
-LMCache's plugin loader asks for the class, so the identity helpers work without LMCache.
+(`adapter_params`: identity.py). `PrefixdL2Adapter` (adapter.py) imports LMCache, so it is
+imported only when the plugin loader asks for it: the rest works without LMCache.
 """
 
 from __future__ import annotations

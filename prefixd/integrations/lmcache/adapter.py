@@ -1,25 +1,11 @@
 """`PrefixdL2Adapter`: the prefixd daemon as an L2 adapter of LMCache's node server (MP mode).
 
-LMCache's store and prefetch controllers call the adapter from two threads and expect every call
-to return at once. So each call only queues a task: stores run on one worker thread with a
-connection of their own, lookups, unlocks and loads on another (a pin belongs to the connection
-that took it, so a key is unpinned on the connection that locked it); completions are kept under
-a lock and signalled on the task kind's event fd.
-
-- Store: each key is a chain of one block (prefixd.integrations.lmcache.identity); the memory
-  object's bytes are staged into the client's shared region (one copy) and the daemon writes
-  them to LMDB with their checksum.
-- Lookup and lock: one lookup with `pin` per identity (up to 4096 keys a call); every hit is
-  pinned on the daemon, so prefixd's eviction cannot take it until `submit_unlock` (or the end of
-  the connection) releases it.
-- Load: the daemon verifies each payload into the region and the adapter copies it straight into
-  the memory object's bytes (one copy); a payload that fails its checksum is a miss (and is
-  quarantined by the daemon), never bytes LMCache would serve.
-- `delete`, `get_usage` and `list_l2_keys` ask the daemon: its own accounting per tenant (one
-  per cache salt), not a count kept in this process.
-
-When the daemon is away or slow (`timeout_s`), stores fail, lookups and loads are misses, and the
-adapter connects again after `reconnect_s`; nothing raises into LMCache's controllers.
+LMCache's controllers call from two threads and expect every call to return at once, so each call
+only queues a task: stores run on one worker with a connection of its own, lookups, unlocks and
+loads on another (a pin belongs to the connection that took it, so a key is unpinned where it was
+locked); completions are signalled on each kind's event fd. A lookup pins every hit until
+`submit_unlock`, so prefixd's eviction cannot take it; a payload that fails its checksum is a miss.
+A daemon that is away or slow fails stores and makes lookups misses: nothing raises into LMCache.
 """
 
 from __future__ import annotations
@@ -31,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
@@ -42,18 +28,12 @@ from lmcache.v1.platform import create_event_notifier
 
 from prefixd.client import Client
 from prefixd.integrations.link import DaemonLink
-from prefixd.integrations.lmcache.identity import (
-    Identities,
-    Settings,
-    key_of,
-    salt_of,
-)
+from prefixd.integrations.lmcache.identity import Identities, Settings, key_of, salt_of
 from prefixd.integrations.lmcache.listing import list_keys
 from prefixd.schema.identity import Identity
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 MAX_KEYS_PER_LOOKUP = 4096  # the daemon's limit of prompts per lookup
 
 
@@ -62,12 +42,11 @@ class _Task:
     kind: str  # "store", "lookup", "unlock", "load"
     task_id: L2TaskId
     keys: list[ObjectKey]
-    objects: list[MemoryObj] | None = None
+    objects: list[MemoryObj]
 
 
 def _link(settings: Settings, name: str) -> DaemonLink:
-    """One of the adapter's two connections (stores, prefetches), made again `reconnect_s` after
-    a loss."""
+    """One of the adapter's two connections (stores, prefetches)."""
     return DaemonLink(
         settings.socket,
         region_bytes=settings.region_bytes,
@@ -80,44 +59,30 @@ def _link(settings: Settings, name: str) -> DaemonLink:
 
 
 class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
-    """An LMCache L2 adapter backed by the prefixd daemon at `adapter_params["socket"]`.
-
-    Loaded by LMCache's node server with `--l2-adapter '{"type": "plugin", "module_path":
-    "prefixd.integrations.lmcache", "class_name": "PrefixdL2Adapter", "adapter_params":
-    {"socket": PATH, "weights": VERSION, ...}}'` (prefixd.integrations.lmcache.identity lists
-    the params). LMCache's own L2 eviction stays off (no capacity is declared): prefixd keeps
-    its store within its capacity itself, never evicting a locked key."""
+    """An LMCache L2 adapter backed by the prefixd daemon at `adapter_params["socket"]`. No
+    capacity is declared, so LMCache's own L2 eviction stays off: prefixd keeps its store within
+    its capacity itself, never evicting a locked key."""
 
     def __init__(self, adapter_params: dict[str, Any], **unused: Any) -> None:
         super().__init__(max_capacity_bytes=0)
         self._settings = Settings.from_params(adapter_params)
         self._identities = Identities(self._settings)
-        self._store_efd = create_event_notifier()
-        self._lookup_efd = create_event_notifier()
-        self._load_efd = create_event_notifier()
+        # per task kind that completes: its event fd, and its finished tasks' results
+        self._efds = {kind: create_event_notifier() for kind in ("store", "lookup", "load")}
+        self._done: dict[str, dict[L2TaskId, Any]] = {kind: {} for kind in self._efds}
         self._lock = threading.Lock()
         self._next_id: L2TaskId = 0
-        self._stored: dict[L2TaskId, L2StoreResult] = {}
-        self._looked_up: dict[L2TaskId, Bitmap] = {}
-        self._loaded: dict[L2TaskId, Bitmap] = {}
         self._usage: tuple[float, AdapterUsage] | None = None
         self._storer = _link(self._settings, "lmcache-l2-store")
         self._fetcher = _link(self._settings, "lmcache-l2-prefetch")
         self._store_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._fetch_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._workers = [
-            threading.Thread(
-                target=self._work,
-                args=(self._store_jobs, self._storer),
-                name="prefixd-l2-store",
-                daemon=True,
-            ),
-            threading.Thread(
-                target=self._work,
-                args=(self._fetch_jobs, self._fetcher),
-                name="prefixd-l2-fetch",
-                daemon=True,
-            ),
+            threading.Thread(target=self._work, args=work, name=f"prefixd-l2-{name}", daemon=True)
+            for name, work in (
+                ("store", (self._store_jobs, self._storer)),
+                ("fetch", (self._fetch_jobs, self._fetcher)),
+            )
         ]
         for worker in self._workers:
             worker.start()
@@ -125,13 +90,13 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # --- event fds ------------------------------------------------------------------------------
 
     def get_store_event_fd(self) -> int:
-        return int(self._store_efd.fileno())
+        return int(self._efds["store"].fileno())
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return int(self._lookup_efd.fileno())
+        return int(self._efds["lookup"].fileno())
 
     def get_load_event_fd(self) -> int:
-        return int(self._load_efd.fileno())
+        return int(self._efds["load"].fileno())
 
     # --- LMCache's calls (its controller threads; none waits for the daemon) -------------------
 
@@ -140,7 +105,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
-            done, self._stored = self._stored, {}
+            done, self._done["store"] = self._done["store"], {}
         return done
 
     def submit_lookup_and_lock_task(
@@ -150,7 +115,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
-            return self._looked_up.pop(task_id, None)
+            return self._done["lookup"].pop(task_id, None)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         self._submit(self._fetch_jobs, "unlock", keys)
@@ -160,10 +125,9 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
-            return self._loaded.pop(task_id, None)
+            return self._done["load"].pop(task_id, None)
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        """Remove `keys` from the daemon (LMCache's own eviction or an operator's delete)."""
         deleted, sizes = [], []
         for identity, batch in self._by_identity(keys).items():
             for key, words in batch:
@@ -176,8 +140,8 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._notify_keys_deleted(deleted, sizes)
 
     def get_usage(self) -> AdapterUsage:
-        """The daemon's own stored bytes of this adapter's tenants (one per cache salt), read
-        at most every `usage_refresh_s`; no capacity is declared (prefixd evicts by itself)."""
+        """The daemon's own stored bytes of this adapter's tenants, by cache salt, read at most
+        every `usage_refresh_s`."""
         now = time.monotonic()
         cached = self._usage
         if cached is not None and now - cached[0] < self._settings.usage_refresh_s:
@@ -198,7 +162,6 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def list_l2_keys(
         self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
     ) -> KeyListPage:
-        """A page of the keys the daemon holds for this adapter's tenants (see listing.py)."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive (got {page_size})")
         entries, next_cursor = list_keys(
@@ -230,7 +193,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             worker.join()
         self._storer.close()
         self._fetcher.close()  # the daemon releases this connection's pins
-        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+        for efd in self._efds.values():
             efd.close()
 
     # --- the workers ----------------------------------------------------------------------------
@@ -240,12 +203,12 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         jobs: queue.SimpleQueue[_Task | None],
         kind: str,
         keys: list[ObjectKey],
-        objects: list[MemoryObj] | None = None,
+        objects: Sequence[MemoryObj] = (),
     ) -> L2TaskId:
         with self._lock:
             task_id = self._next_id
             self._next_id += 1
-        jobs.put(_Task(kind, task_id, list(keys), None if objects is None else list(objects)))
+        jobs.put(_Task(kind, task_id, list(keys), list(objects)))
         return task_id
 
     def _work(self, jobs: queue.SimpleQueue[_Task | None], link: DaemonLink) -> None:
@@ -258,32 +221,24 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 self._finish(task, None)
 
     def _run(self, task: _Task) -> None:
-        if task.kind == "store":
-            assert task.objects is not None
-            self._finish(task, self._store(task.keys, task.objects))
+        if task.kind == "unlock":
+            self._unlock(task.keys)
         elif task.kind == "lookup":
             self._finish(task, self._lookup(task.keys))
-        elif task.kind == "load":
-            assert task.objects is not None
-            self._finish(task, self._load(task.keys, task.objects))
         else:
-            self._unlock(task.keys)
+            work = self._store if task.kind == "store" else self._load
+            self._finish(task, work(task.keys, task.objects))
 
     def _finish(self, task: _Task, result: Any) -> None:
-        """Record a task's result (a failure when `result` is None: a successful store of
-        nothing new is a 0, and falsy) and signal its event fd."""
-        if task.kind == "store":
-            with self._lock:
-                self._stored[task.task_id] = L2StoreResult(False, 0) if result is None else result
-            self._store_efd.notify()
-        elif task.kind == "lookup":
-            with self._lock:
-                self._looked_up[task.task_id] = Bitmap(len(task.keys)) if result is None else result
-            self._lookup_efd.notify()
-        elif task.kind == "load":
-            with self._lock:
-                self._loaded[task.task_id] = Bitmap(len(task.keys)) if result is None else result
-            self._load_efd.notify()
+        """Record a task's result (None: a failure; a store of nothing new is a 0, and falsy)
+        and signal its event fd."""
+        if task.kind == "unlock":
+            return
+        if result is None:
+            result = L2StoreResult(False, 0) if task.kind == "store" else Bitmap(len(task.keys))
+        with self._lock:
+            self._done[task.kind][task.task_id] = result
+        self._efds[task.kind].notify()
 
     def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
         written = 0
@@ -322,15 +277,13 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return found
 
     def _unlock(self, keys: list[ObjectKey]) -> None:
-        """Release one pin of each key. A connection lost since the lock took its pins with it,
-        so there is nothing to retry."""
+        """Release one pin of each key (a connection lost since took its pins with it)."""
         for identity, batch in self._by_identity(keys).items():
             for at in range(0, len(batch), MAX_KEYS_PER_LOOKUP):
                 part = [words for _, words in batch[at : at + MAX_KEYS_PER_LOOKUP]]
                 self._fetcher.call(lambda c: c.unpin(identity, part))  # noqa: B023
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
-        """Each key's verified payload copied straight into its memory object."""
         loaded = Bitmap(len(keys))
         accessed = []
         for place, (key, obj) in enumerate(zip(keys, objects)):
@@ -368,7 +321,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
 def _load_into(client: Client, identity: Identity, words: bytes, obj: MemoryObj, size: int) -> bool:
     """Load one key's verified payload into `obj`; False on a miss or a payload of another size
-    (stored by an engine with another layout)."""
+    (another engine layout's)."""
     with client.load(identity, words, max_blocks=1) as loaded:
         if loaded.n_blocks != 1 or len(loaded.views[0]) != size:
             return False

@@ -1,36 +1,24 @@
-"""The prefixd identity and key of an LMCache object, from what LMCache passes and what the
-operator configures.
+"""The prefixd identity and key of an LMCache object.
 
-LMCache names an object with an `ObjectKey`: a chunk hash (which already commits to every token of
-the prefix up to the chunk's end), the model name, the KV rank, the object group and a cache salt.
-It does not know which weights, tokenizer, chat template or RoPE setting made the KV, so the
-operator says so in the adapter's params, and the adapter refuses to start without a weights
-identity (`weights`, or `weights_from`: a local model directory fingerprinted like the daemon's
-`--model-manifests`) rather than share entries across versions of a model. Each field's source:
+LMCache's `ObjectKey` (a chunk hash committing to the whole prefix, the model name, KV rank, object
+group and cache salt) does not say which weights, tokenizer, template or RoPE made the KV, so the
+operator says it in `adapter_params`, and the adapter refuses to start without a weights identity
+rather than share entries across versions of a model. Each field's source:
 
-  model       ObjectKey.model_name
-  weights     adapter_params `weights` (a revision or digest), or the fingerprint of the files of
-              the model directory `weights_from` (config.json and the safetensors index, or the
-              weight files themselves); required
-  tokenizer   adapter_params `tokenizer` (default "lmcache-token-ids": the chunk hashes cover the
-              token ids, so only a tokenizer that maps the same ids to other text is invisible)
-  template    adapter_params `template` (default "none": the template shapes the token ids, which
-              the hash covers)
-  rope        adapter_params `rope` (default "model-config": set it when the engine overrides the
-              model's RoPE scaling; the model's own config is in the weights fingerprint)
-  kv_layout   "lmcache chunk_hash_bytes=N" plus adapter_params `kv_layout` (the KV dtype and
-              layout, say "bf16 tp2")
-  block_tokens adapter_params `chunk_tokens` (LMCache's chunk size, default 256: what a hit saves)
-  tenant      adapter_params `tenant` (default "lmcache"); a non-empty cache salt S makes it
-              "<tenant>/salt=S", so salts never share entries and each has its own stored bytes,
-              quota and purge (an LMCache salt never holds "/")
-  key         the chunk hash, then the KV rank and the object group id (u32 big-endian each): one
-              engine key (prefixd.schema.keys) of chunk-hash length + 8 bytes
+  model         ObjectKey.model_name
+  weights       `weights` (a revision or digest), or `weights_from`: a local model directory,
+                fingerprinted like the daemon's --model-manifests; required
+  tokenizer     `tokenizer` (default "lmcache-token-ids": the chunk hashes cover the token ids)
+  template      `template` (default "none": the template shapes the token ids, which are hashed)
+  rope          `rope` (default "model-config": set it when the engine overrides RoPE scaling)
+  kv_layout     "lmcache chunk_hash_bytes=N" plus `kv_layout` (the KV dtype and layout)
+  block_tokens  `chunk_tokens` (LMCache's chunk size, default 256: what a hit saves)
+  tenant        `tenant` (default "lmcache"); a cache salt S makes it "<tenant>/salt=S", so salts
+                never share entries and each has its own bytes, quota and purge
+  key           the chunk hash, then the KV rank and object group (u32 big-endian each)
 
-Each key is stored as a chain of one block: LMCache's chunk hashes carry no position but already
-commit to the whole prefix, and LMCache asks for keys one by one (its lookup returns a bitmap, not a
-prefix length), so a key depends on no other stored key and one lookup asks for up to 4096 keys at
-once as one-block prompts.
+Each key is a chain of one block: the chunk hash already commits to the prefix, and LMCache asks
+for keys one by one (a bitmap, not a prefix length).
 """
 
 from __future__ import annotations
@@ -41,13 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.schema.fingerprint import fingerprint_files
-from prefixd.schema.identity import Identity
+from prefixd.integrations.identity import identity_of, local_weights
+from prefixd.schema.identity import MAX_KEY_BYTES, MIN_KEY_BYTES, Identity
 
 SALT_MARK = "/salt="
 _WORD = 4  # kv_rank and object_group_id, u32 big-endian each
 _TRAILER = 2 * _WORD
-MIN_KEY_BYTES, MAX_KEY_BYTES = 16, 256  # prefixd's engine-key widths (whole 4-byte words)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +75,8 @@ class Settings:
 
 
 def weights_of(params: Mapping[str, Any]) -> str:
-    """The weights identity the operator gave: `weights` as is, or the fingerprint of the model
-    directory `weights_from`. Neither is a refusal, never a default."""
+    """`weights` as is, or the fingerprint of the model directory `weights_from`; neither is a
+    refusal, never a default."""
     weights, local = params.get("weights"), params.get("weights_from")
     if weights and local:
         raise ConfigError("prefixd L2 adapter: give `weights` or `weights_from`, not both")
@@ -104,9 +91,7 @@ def weights_of(params: Mapping[str, Any]) -> str:
     path = Path(str(local))
     if not (path / "config.json").is_file():
         raise ConfigError(f"prefixd L2 adapter: weights_from {path} holds no config.json")
-    indexes = sorted(path.glob("*.safetensors.index.json")) + sorted(path.glob("*.bin.index.json"))
-    files = indexes or sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-    return "local:" + fingerprint_files([path / "config.json", *files])
+    return local_weights(path)
 
 
 class Identities:
@@ -117,8 +102,7 @@ class Identities:
         self._known: dict[tuple[str, int, str], Identity] = {}
 
     def of(self, model_name: str, hash_bytes: int, cache_salt: str) -> Identity | None:
-        """The identity of an object; None when its chunk hash cannot be an engine key (its
-        length is not a whole number of 4-byte words, or the key would be outside 16..256)."""
+        """The identity of an object; None when its chunk hash cannot make an engine key."""
         known = self._known.get((model_name, hash_bytes, cache_salt))
         if known is not None:
             return known
@@ -129,12 +113,8 @@ class Identities:
         layout = f"lmcache chunk_hash_bytes={hash_bytes}" + (
             f" {s.kv_layout}" if s.kv_layout else ""
         )
-        identity = Identity(
-            model=model_name,
-            weights=s.weights,
-            tokenizer=s.tokenizer,
-            template=s.template,
-            rope=s.rope,
+        identity = identity_of(
+            {**dataclasses.asdict(s), "model": model_name},
             kv_layout=layout,
             block_tokens=s.chunk_tokens,
             tenant=tenant_of(s.tenant, cache_salt),
@@ -175,12 +155,4 @@ def split_key(key: bytes) -> tuple[bytes, int, int]:
     )
 
 
-__all__ = [
-    "Identities",
-    "Settings",
-    "key_of",
-    "salt_of",
-    "split_key",
-    "tenant_of",
-    "weights_of",
-]
+__all__ = ["Identities", "Settings", "key_of", "salt_of", "split_key", "tenant_of", "weights_of"]

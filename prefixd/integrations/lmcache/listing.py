@@ -1,9 +1,6 @@
-"""LMCache's `list_l2_keys` over the daemon's listing of stored blocks (prefixd.store.listing).
-
-The adapter's entries live under one tenant per cache salt (prefixd.integrations.lmcache
-.identity); the daemon's stats name the tenants that hold bytes, and each is listed in turn. The
-cursor LMCache hands back is the tenant (hex) and the daemon's cursor within it (hex): opaque to
-LMCache, and never a raw key in a log.
+"""LMCache's `list_l2_keys` over the daemon's listing of stored blocks, tenant (cache salt) by
+tenant. The cursor is the tenant and the daemon's cursor within it, in hex: opaque to LMCache, and
+never a raw key in a log.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from prefixd.integrations.lmcache.identity import salt_of, split_key
 def list_keys(
     link: Any, tenant: str, model_name: str | None, page_size: int, cursor: str | None
 ) -> tuple[list[tuple[ObjectKey, int]], str | None]:
-    """Up to `page_size` (ObjectKey, size) of the adapter's stored keys, and the next cursor.
+    """Up to `page_size` (ObjectKey, size) of the adapter's stored keys, and the next cursor;
     RuntimeError when the daemon cannot be asked (LMCache reports it to its caller)."""
     tenants = _tenants(link, tenant)
     at, after = _parse(cursor)

@@ -1,7 +1,7 @@
 """prefixd behind SGLang: an L3 storage backend of SGLang's HiCache (`HiCacheStorage`).
 
-Tested against sglang 0.5.23 (`pip install 'prefixd[sglang]'` pins it; .ci/sglang-venv builds the
-venv the tests run in). SGLang loads it as a dynamic backend:
+Tested against sglang 0.5.23 (`pip install 'prefixd[sglang]'` pins it). SGLang loads it as a
+dynamic backend:
 
     python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
@@ -9,10 +9,8 @@ venv the tests run in). SGLang loads it as a dynamic backend:
           "class_name": "PrefixdHiCache", "socket": "/run/prefixd/prefixd.sock",
           "weights": "rev=0123abc", "interface_v1": 1}'
 
-`extra_config(socket=..., weights=...)` builds that JSON's dict (README: "SGLang HiCache").
-
-The backend itself (`PrefixdHiCache`, in prefixd.integrations.sglang.backend) imports sglang;
-this module imports it only when the backend is loaded, so `extra_config` works without it.
+`extra_config(socket=..., weights=...)` builds that JSON's dict. `PrefixdHiCache` (backend.py)
+imports sglang, so it is imported only when loaded: `extra_config` works without it.
 """
 
 from __future__ import annotations
@@ -36,10 +34,8 @@ def extra_config(
     interface_v1: bool = True,
     **options: Any,
 ) -> dict[str, Any]:
-    """SGLang's `--hicache-storage-backend-extra-config` for prefixd (with `--hicache-storage-
-    backend dynamic`). `weights` names the weights (a revision or a fingerprint of the weight
-    files): the backend refuses to start without it. `options`: "model", "rope", "adapter",
-    "region_bytes", "timeout_s", "daemon_uid", "pools" ({pool name: hit policy})."""
+    """SGLang's `--hicache-storage-backend-extra-config` for prefixd. `options`: "model", "rope",
+    "adapter", "region_bytes", "timeout_s", "daemon_uid", "pools" ({pool name: hit policy})."""
     config: dict[str, Any] = {
         "backend_name": "prefixd",
         "module_path": MODULE_PATH,

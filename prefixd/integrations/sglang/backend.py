@@ -1,29 +1,19 @@
 """`PrefixdHiCache`: prefixd as an SGLang HiCache L3 storage backend (`HiCacheStorage`).
 
-SGLang names each page by a SHA-256 page hash chained over the whole prefix (64 hex
-characters). prefixd stores each paged pool (the KV pool, and any other pool needed for every
-page) under an engine-keyed identity of its own: a call's pages are the chain `prefix_keys +
-keys` (SGLang passes the page hashes before the call's in `HiCacheStorageExtraInfo.prefix_keys`),
-so a page is stored only after its parents, a hit never reaches past a missing page, and a page
-whose payload fails its checksum is a miss from there on (the daemon quarantines it). A call
-without prefix keys (v0's `batch_get` / `batch_set` carry none) stores each page as a chain of
-its own: SGLang's page hash already commits to the whole prefix, and the hit is still the count
-of consecutive pages found.
+Each paged pool (the KV pool, and any other pool needed for every page) is an engine-keyed identity
+whose chain is the call's `prefix_keys + keys` (SGLang's SHA-256 page hashes): a page is stored only
+after its parents and a hit never reaches past a missing or damaged page. v0's calls carry no
+prefix keys, so there each page is a chain of its own (its hash already commits to the prefix).
 
-Trailing pools (sliding windows, recurrent states: `PoolHitPolicy.TRAILING_PAGES`) are the
-checkpoint groups of one hybrid identity on the same chain of page hashes: a store of a pool's
-last N pages is a checkpoint at the boundary they end; `batch_exists_v2` is prefixd's joint rule
-(`lookup_state`) over the chain cut at the paged pools' common boundary, so the prefix it reports
-is one where every pool can be restored. `BLOCK_GROUPS` is refused (ConfigError).
-
-A paged pool's page crosses between the host pool and the client's shared region with one copy
-each way (prefixd.integrations.sglang.pages); a trailing pool's checkpoint is staged through one
-more on its way in (the state groups' put). The socket carries only requests. A daemon that is down or
-slow makes lookups misses and stores and loads fail: SGLang recomputes, nothing raises into it.
+Trailing pools (sliding windows, recurrent states) are the checkpoint groups of one hybrid identity
+on the same chain: `batch_exists_v2` applies prefixd's joint rule (`lookup_state`) at the paged
+pools' common boundary, so it reports only a prefix every pool can restore. A daemon that is down
+or slow makes lookups misses and stores and loads fail: SGLang recomputes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,7 +28,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from prefixd.client import Client
 from prefixd.errors import ConfigError, PrefixdError
 from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.sglang.identity import (
@@ -74,13 +63,8 @@ def page_key(key: str) -> bytes:
 
 
 class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
-    """An SGLang HiCache storage backend backed by the prefixd daemon at extra config "socket".
-
-    Loaded with `--hicache-storage-backend dynamic --hicache-storage-backend-extra-config
-    '{"backend_name": "prefixd", "module_path": "prefixd.integrations.sglang", "class_name":
-    "PrefixdHiCache", "socket": ..., "weights": ..., "interface_v1": 1}'` (see
-    prefixd.integrations.sglang.extra_config); SGLang constructs it as `cls(storage_config,
-    kwargs)`."""
+    """An SGLang HiCache storage backend backed by the prefixd daemon at extra config "socket"
+    (`extra_config` builds it); SGLang constructs it as `cls(storage_config, kwargs)`."""
 
     def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:
         extra: Mapping[str, Any] = storage_config.extra_config or {}
@@ -99,7 +83,6 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         self._pools: dict[str, Pool] = {}
         self._paged: dict[str, Identity] = {}
         self._trailing: Identity | None = None
-        # made again on the next call after a loss
         self._link = DaemonLink(
             str(extra["socket"]),
             region_bytes=self._region_bytes,
@@ -128,12 +111,8 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             self._policy(name)
         self._identities()
 
-    def policy_of(self, name: str) -> PoolHitPolicy:
-        """The hit policy prefixd serves pool `name` under (the extra config's "pools", else
-        trailing for SWA and Mamba pools, all pages for the others)."""
-        return self._policy(name)
-
     def _policy(self, name: str) -> PoolHitPolicy:
+        """The extra config's "pools", else trailing for SWA and Mamba pools."""
         if name == KV:
             return PoolHitPolicy.ALL_PAGES
         default = "trailing_pages" if name in TRAILING_BY_DEFAULT else "all_pages"
@@ -242,9 +221,8 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        """The longest prefix of `keys` every pool can restore, never more: the paged pools'
-        common chain boundary, then prefixd's joint rule over the trailing pools' checkpoints
-        on the chain cut there."""
+        """The longest prefix of `keys` every pool can restore: the paged pools' common boundary,
+        then prefixd's joint rule over the trailing pools' checkpoints on the chain cut there."""
         prefix, paged = _prefix(extra_info), self._paged_prefix(extra_info)
         transfers = list(pool_transfers or [])
         self._check(transfers)
@@ -287,8 +265,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         trailing: _PoolCall,
         paged: _PoolCall,
     ) -> dict[str, list[bool]]:
-        """A v2 get or set, pool by pool: trailing pools as checkpoints after the call's prefix,
-        paged pools as their chains (each page its own without v1's prefix keys)."""
+        """A v2 get or set, pool by pool: trailing pools as checkpoints, paged pools as chains."""
         self._check(transfers)
         prefix, paged_prefix = _prefix(extra_info), self._paged_prefix(extra_info)
         results = {}
@@ -339,10 +316,10 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         identity = self._identities()[0][name]
         if prefix is None:
             prompts = [pack_keys(identity, [page_key(k)]) for k in keys]
-            found = self._call(lambda c: c.lookup(identity, prompts))
-            return _leading(hit.n_blocks == 1 for hit in found or [])
+            found = self._link.call(lambda c: c.lookup(identity, prompts))
+            return sum(1 for _ in itertools.takewhile(lambda hit: hit.n_blocks == 1, found or []))
         words = pack_keys(identity, [page_key(k) for k in [*prefix, *keys]])
-        found = self._call(lambda c: c.lookup(identity, [words]))
+        found = self._link.call(lambda c: c.lookup(identity, [words]))
         return _clamp(found[0].n_blocks - len(prefix), len(keys)) if found else 0
 
     def _get_pages(
@@ -378,7 +355,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         usable); how many leading pages made it."""
         identity = self._identities()[0][name]
         for start, chain, first, count in self._runs(identity, keys, prefix, self._per_call(name)):
-            result = self._call(
+            result = self._link.call(
                 lambda c: c.load(identity, chain, first_block=first, max_blocks=count)  # noqa: B023
             )
             if result is None:
@@ -400,8 +377,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         fill: Callable[[int, memoryview], None],
     ) -> int:
         """Store `keys`' pages, written by `fill(i, destination)` straight into leased region
-        space; pages the daemon holds already are not copied again. How many leading pages are
-        stored."""
+        space (not those the daemon holds already); how many leading pages are stored."""
         identity = self._identities()[0][name]
         have = self._found(name, keys, prefix) if prefix is not None else 0
         per_call = self._per_call(name)
@@ -434,8 +410,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         per_call: int,
         skip: int = 0,
     ) -> list[tuple[int, bytes, int, int]]:
-        """(index of the first key, packed chain, first block, count) per daemon call: one key
-        per chain without prefix keys, else runs of the chain `prefix + keys`."""
+        """(index of the first key, packed chain, first block, count) per daemon call."""
         if prefix is None:
             return [(i, pack_keys(identity, [page_key(k)]), 0, 1) for i, k in enumerate(keys)]
         chain = [page_key(k) for k in [*prefix, *keys]]
@@ -456,7 +431,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         identity = self._trailing_identity()
         before = len(prefix or [])
         words = _words([*(prefix or []), *keys])
-        found = self._call(lambda c: c.lookup_state(identity, [words]))
+        found = self._link.call(lambda c: c.lookup_state(identity, [words]))
         if not found:
             return 0
         return _clamp(found[0].reusable_tokens // WORDS_PER_KEY - before, len(keys))
@@ -475,7 +450,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             copy_out(pool, int(indices[i * pool.page_size]), view[at : at + pool.page_bytes])
         chain = [*(prefix or []), *keys]
         boundary = len(chain) * WORDS_PER_KEY
-        put = self._call(
+        put = self._link.call(
             lambda c: c.put_state(identity, _words(chain), checkpoints={name: {boundary: view}})
         )
         return [put is not None] * len(keys)
@@ -488,15 +463,15 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             return []
         pool, identity = self._pools[name], self._trailing_identity()
         chain = [*(prefix or []), *keys]
-        result = self._call(lambda c: c.load_state(identity, _words(chain)))
+        result = self._link.call(lambda c: c.load_state(identity, _words(chain)))
         if result is None:
             return [False] * len(keys)
         with result:
-            parts = [p for p in result.parts if p.group == name and p.view is not None]
+            states = [p.view for p in result.parts if p.group == name and p.view is not None]
             at_end = result.reusable_tokens == len(chain) * WORDS_PER_KEY
-            if not at_end or not parts or len(parts[0].view) != len(keys) * pool.page_bytes:
+            if not at_end or not states or len(states[0]) != len(keys) * pool.page_bytes:
                 return [False] * len(keys)
-            state = parts[0].view
+            state = states[0]
             ok = [
                 copy_in(
                     pool,
@@ -515,15 +490,9 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
 
     # --- the daemon ---------------------------------------------------------------------------
 
-    def _call(self, operation: Callable[[Client], Any]) -> Any:
-        """`operation(client)`, or None when the daemon is away or refuses it (logged without
-        keys); a lost connection is dropped and made again on the next call."""
-        return self._link.call(operation)
-
     def status(self) -> dict[str, Any]:
-        """The link to the daemon, for an operator: connected, the last problem and its fix,
-        failures by kind, calls answered as misses because the daemon was unusable. (SGLang's
-        own `get_stats` wants its StorageMetrics, so this is a method of its own.)"""
+        """The link to the daemon, for an operator (DaemonLink.status); not `get_stats`, which
+        SGLang wants as its StorageMetrics."""
         return self._link.status()
 
     def clear(self) -> None:
@@ -547,15 +516,6 @@ def _prefix(extra_info: HiCacheStorageExtraInfo | None) -> list[str] | None:
 def _words(keys: Sequence[str]) -> bytes:
     """Page hashes as a hybrid chain's words (8 little-endian words each)."""
     return b"".join(page_key(k) for k in keys)
-
-
-def _leading(flags: Any) -> int:
-    count = 0
-    for flag in flags:
-        if not flag:
-            break
-        count += 1
-    return count
 
 
 def _clamp(value: int, most: int) -> int:

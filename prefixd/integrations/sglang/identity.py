@@ -1,38 +1,29 @@
 """The prefixd identities of an SGLang HiCache backend: SGLang's storage config and host pool, plus
-what only the operator knows.
+what only the operator knows (the extra config).
 
-SGLang's page hashes chain the page's token ids (and a request's LoRA id and extra key) into a
-SHA-256 over the whole prefix, but nothing else: its own file backend keys on the model name and
-parallelism only, so two engines with other weights, tokenizer, template or KV layout would share
-pages. prefixd's identity carries every one of them; each field's source:
+SGLang's page hashes chain the token ids (and a request's LoRA id and extra key) and nothing else,
+so engines with other weights, tokenizer, template or KV layout would share pages. Each field:
 
-  model       HiCacheStorageConfig.model_name (SGLang's served model, tagged with the host
-              pool's page format when it has one), or the extra config's "model"
-  weights     the extra config's "weights" (a revision or a fingerprint of the weight files:
-              `prefixd.schema.fingerprint.fingerprint_files`), or the fingerprint of a local
-              model directory's config.json and weight index; the backend refuses to start
-              without one
-  tokenizer   the extra config's "tokenizer" (default: the model and its weights)
-  template    the extra config's "template" (the chat template's fingerprint; default "none")
-  rope        the extra config's "rope" (default "default")
-  adapter     the extra config's "adapter" (None: no LoRA adapter)
-  kv_layout   what the host pool says (its dtype, layout, page size, layers, heads, head size,
-              bytes per token) and the storage config's parallel ranks: tp rank and size, pp,
-              attention-cp and dp rank; MLA KV, which every tp rank holds whole, leaves the tp
-              rank out so that every rank reads what the writer rank stored
-  tenant      the extra config's "tenant" (default "default")
+  model       HiCacheStorageConfig.model_name, or the extra config's "model"
+  weights     "weights" (a revision or fingerprint), or a local model directory's fingerprint;
+              the backend refuses to start without one
+  tokenizer   "tokenizer" (default: the model and its weights)
+  template    "template" (default "none"); rope: "rope" (default "default"); adapter: "adapter"
+  kv_layout   what the host pool says of a page (dtype, layout, page size, layers, heads, head
+              size, bytes per token) and the parallel ranks; MLA KV, whole on every tp rank,
+              leaves the tp rank out so that every rank reads what the writer rank stored
+  tenant      "tenant" (default "default")
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.schema.fingerprint import fingerprint_files
+from prefixd.integrations.identity import identity_of, local_weights
 from prefixd.schema.identity import Identity
 from prefixd.schema.state import StateGroup
 
@@ -50,7 +41,7 @@ def operator_fields(storage_config: Any) -> dict[str, str | None]:
     model = str(model)
     weights = extra.get("weights")
     if not weights and Path(model).is_dir():
-        weights = "local:" + _local_fingerprint(Path(model))
+        weights = local_weights(Path(model), indexes=("*.safetensors.index.json",))
     if not weights:
         raise ConfigError(
             "prefixd sglang backend: refusing to start without a weights identity: set extra "
@@ -67,13 +58,7 @@ def operator_fields(storage_config: Any) -> dict[str, str | None]:
     }
 
 
-def _local_fingerprint(local: Path) -> str:
-    indexes = sorted(local.glob("*.safetensors.index.json"))
-    weights = indexes or sorted(local.glob("*.safetensors")) or sorted(local.glob("*.bin"))
-    return fingerprint_files([local / "config.json", *weights])
-
-
-def pool_layout(host_pool: Any) -> dict[str, Any]:
+def _pool_layout(host_pool: Any) -> dict[str, Any]:
     """What a host pool says about the bytes of one of its pages."""
     layout = {
         "pool": type(host_pool).__name__,
@@ -91,7 +76,7 @@ def pool_layout(host_pool: Any) -> dict[str, Any]:
     return layout
 
 
-def ranks(storage_config: Any, *, replicated: bool) -> dict[str, Any]:
+def _ranks(storage_config: Any, *, replicated: bool) -> dict[str, Any]:
     """The storage config's parallel layout; a replicated (MLA) pool leaves the tp rank out."""
     return {
         "tp_rank": None if replicated else storage_config.tp_rank,
@@ -112,8 +97,8 @@ def paged_identity(
     replicated = bool(storage_config.is_mla_model) and name == KV
     layout = {
         "pool": name,
-        **pool_layout(host_pool),
-        **ranks(storage_config, replicated=replicated),
+        **_pool_layout(host_pool),
+        **_ranks(storage_config, replicated=replicated),
     }
     return _identity(fields, layout, block_tokens=int(host_pool.page_size), key_bytes=KEY_BYTES)
 
@@ -121,40 +106,23 @@ def paged_identity(
 def trailing_identity(
     fields: Mapping[str, str | None], storage_config: Any, pools: Mapping[str, Any]
 ) -> Identity:
-    """The identity of the trailing pools (sliding windows, recurrent states): one checkpoint
-    group per pool on the chain of page hashes, so prefixd's joint rule answers the longest
-    boundary where every one of them has its state. prefixd refuses a state spec on an
-    engine-keyed identity, so a page hash takes a block's place as its 8 little-endian words
-    (block_tokens 8); the record stores and compares them on every hit, as it does engine keys."""
+    """The trailing pools' identity: a checkpoint group per pool on the chain of page hashes.
+    prefixd refuses a state spec on an engine-keyed identity, so a page hash takes a block's place
+    as its 8 little-endian words (block_tokens 8), compared on every hit as engine keys are."""
     groups = tuple(StateGroup.checkpoint(name, policy="chosen") for name in sorted(pools))
     layout = {
-        "pools": {name: pool_layout(pool) for name, pool in sorted(pools.items())},
+        "pools": {name: _pool_layout(pool) for name, pool in sorted(pools.items())},
         "page_hash_words": WORDS_PER_KEY,
-        **ranks(storage_config, replicated=False),
+        **_ranks(storage_config, replicated=False),
     }
-    base = _identity(fields, layout, block_tokens=WORDS_PER_KEY, key_bytes=None)
-    return replace(base, state=groups)
+    return _identity(fields, layout, block_tokens=WORDS_PER_KEY, state=groups)
 
 
 def _identity(
-    fields: Mapping[str, str | None],
-    layout: Mapping[str, Any],
-    *,
-    block_tokens: int,
-    key_bytes: int | None,
+    fields: Mapping[str, str | None], layout: Mapping[str, Any], **given: Any
 ) -> Identity:
-    return Identity(
-        model=str(fields["model"]),
-        weights=str(fields["weights"]),
-        tokenizer=str(fields["tokenizer"]),
-        template=str(fields["template"]),
-        rope=str(fields["rope"]),
-        kv_layout="sglang-hicache " + json.dumps(layout, sort_keys=True, separators=(",", ":")),
-        block_tokens=block_tokens,
-        tenant=str(fields["tenant"]),
-        adapter=fields.get("adapter"),
-        key_bytes=key_bytes,
-    )
+    kv_layout = "sglang-hicache " + json.dumps(layout, sort_keys=True, separators=(",", ":"))
+    return identity_of(fields, kv_layout=kv_layout, tenant=str(fields["tenant"]), **given)
 
 
 __all__ = [
@@ -163,7 +131,5 @@ __all__ = [
     "WORDS_PER_KEY",
     "operator_fields",
     "paged_identity",
-    "pool_layout",
-    "ranks",
     "trailing_identity",
 ]

@@ -1,11 +1,8 @@
 """Pages between SGLang's host pools and prefixd's shared region, one copy each way.
 
-A stored page is exactly SGLang's flat page (`host_pool.get_data_page(index, flat=True)`), so
-v0 (flat tensors), v1 (host indices) and v2 read each other's pages. Where the pool hands out its
-page as a strided view (`flat=False`, the MHA and MLA pools in every layout), the view is copied
-straight into the region (the copy gathers it in flat order) and a loaded page is written back
-from the region with the pool's own `set_from_flat_data_page`; other pools go through their flat
-page (one more copy).
+A stored page is exactly SGLang's flat page, so v0 (flat tensors), v1 and v2 (host indices) read
+each other's pages: the pool's strided page view is gathered straight into the region in flat
+order, and a loaded page is written back with the pool's own `set_from_flat_data_page`.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ class Pool:
 
 
 def copy_out(pool: Pool, index: int, destination: memoryview) -> None:
-    """The page at host slot `index` into `destination` (its flat page's bytes)."""
+    """The page at host slot `index` into `destination`, as its flat page's bytes."""
     page = pool.host_pool.get_data_page(index, flat=False)
     region_tensor(destination).view(page.dtype).view(page.shape).copy_(page)
 

@@ -1,44 +1,13 @@
 """Save the prefix state of a `transformers` cache as prefixd state-group payloads, and restore it.
 
-After a prefill, a `transformers` `DynamicCache` holds one layer object per decoder layer. This
-package maps each layer by what it is (see `layout`), not by the model's name, onto the groups of
-`prefixd.schema.state` (see `state_spec`):
-
-  kv          paged       full-attention keys and values, one row per token
-  mla         paged       MLA latents (the compressed KV and the rope key) of layers whose config
-                          has `kv_lora_rank`
-  compressed  paged       DeepSeek-V4 CSA/HCA compressed entries, one row per closed compressed
-                          block
-  indexer     paged       DSA indexer keys (one row per token), the position history a model
-                          keeps on its first indexed layer (3 int64 a token, -1 where none is
-                          kept), and DeepSeek-V4 lightning-indexer keys (one row per closed CSA
-                          block)
-  window      checkpoint  sliding-window keys/values: exactly the last `sliding_window - 1` tokens
-  compressor  checkpoint  DeepSeek-V4 CSA overlap state (the last closed window's Ca slice)
-  recurrent   checkpoint  linear-attention conv and recurrent states (Mamba, Mamba-2, Gated
-                          DeltaNet, KDA, short convolutions, ...), every state of every such layer
-
-Byte layout. Nothing is pickled. Tensors are stored without their batch dimension (a prefix is one
-sequence) in row-major order, each in its own dtype.
-
-* A paged group's page is the concatenation of its `page_blocks` blocks' records. A block's record
-  holds, layer by layer and tensor by tensor (keys before values), that block's rows, so the first
-  blocks of a page are a byte prefix of it. Row shapes follow from the config and `block_tokens`.
-  Like the store, export refuses a page still open.
-* A checkpoint payload starts with a header naming each tensor's layer, name (`keys`, `values`,
-  `conv.<i>`, `recurrent.<i>`, ...), dtype and shape (`fields.pack_described`), then holds the
-  whole tensors at the boundary, layer by layer: each mixer sizes its states from attributes of
-  its own, and some families size a window's heads in their code. Restore checks the header
-  against the layers the config has.
-
-Restoring builds the cache layers directly instead of replaying them through `update()`: a sliding
-layer rebuilt through `update()` keeps the wrong keys and DeepSeek-V4 then gives wrong logits with
-no error, and a linear-attention layer needs `has_previous_state` set.
-
-Where state can be read. Paged groups can be exported at any closed boundary up to the cache's
-length. A sliding window, a recurrent state and the V4 compressor state exist only at the cache's
-end: to store one at an earlier boundary, prefill up to it, `capture_checkpoint`, go on, and export
-the pages later with `checkpoints=False`.
+Each layer of a `DynamicCache` is mapped by what it is (layout.py), never by the model's name, onto
+the groups of `prefixd.schema.state` (fields.py; the README's table lists them). Nothing is
+pickled: a paged group's page is its blocks' rows, bare bytes whose shapes follow from the config;
+a checkpoint payload describes its tensors in a header, since each mixer sizes its states its own
+way. Restore builds the cache layers directly, not through `update()`: a sliding layer rebuilt
+that way keeps the wrong keys (DeepSeek-V4 then gives wrong logits with no error), and a
+linear-attention layer needs `has_previous_state` set. A window, recurrent or compressor state
+exists only at the cache's end: for an earlier boundary, `capture_checkpoint` during the prefill.
 """
 
 from __future__ import annotations
@@ -65,7 +34,7 @@ from prefixd.errors import LayoutError
 from prefixd.schema.state import PAGED, StateGroup, StateSpec, check_spec
 
 from .fields import GROUP_ORDER, KINDS, RECURRENT, Buffer, Field, pack_described
-from .layout import StateLayout, check_positive, fresh_cache, layout_of, state_layout
+from .layout import StateLayout, Tensors, check_positive, fresh_cache, layout_of, state_layout
 
 __all__ = [
     "GROUP_ORDER",
@@ -83,11 +52,8 @@ __all__ = [
 
 @dataclass
 class StatePayloads:
-    """What `export_state` returns: pages per paged group, and payloads per checkpoint group.
-
-    `paged[group]` lists the pages starting in blocks [first_block, n_tokens // block_tokens);
-    `checkpoints[group]` maps a boundary (in tokens) to the payload at that boundary.
-    """
+    """What `export_state` returns: pages per paged group, payloads by boundary (in tokens) per
+    checkpoint group."""
 
     paged: dict[str, list[bytes]] = field(default_factory=dict)
     checkpoints: dict[str, dict[int, bytes]] = field(default_factory=dict)
@@ -103,11 +69,8 @@ def state_spec(
     period_tokens: int = 0,
 ) -> StateSpec:
     """The identity's state groups for `config`: only the groups the model has, in GROUP_ORDER.
-
-    `window_policy` applies to the sliding windows and the V4 compressor state, which are needed
-    at the same boundaries; `recurrent_policy` (default: the same) to linear-attention states.
-    Policy "none" is refused: `restore_state` rebuilds a boundary from its checkpoint only.
-    """
+    `window_policy` covers the windows and the V4 compressor state, needed at the same boundaries;
+    `recurrent_policy` (default: the same) the linear-attention states."""
     layout = state_layout(config, block_tokens=block_tokens)
     recurrent_policy = window_policy if recurrent_policy is None else recurrent_policy
     groups = []
@@ -140,16 +103,10 @@ def export_state(
     row: int = 0,
     checkpoints: bool = True,
 ) -> StatePayloads:
-    """The payloads of the prefix of `n_tokens` tokens held in batch row `row` of `cache`.
-
-    Pages are those a store put of blocks [first_block, n_tokens // block_tokens) carries: the
-    ones starting in that range; `n_tokens` may be any closed boundary up to the cache's length.
-    Like the store, this refuses a range that ends inside a page, as its last page would still be
-    open. With `checkpoints`, the checkpoint groups are taken at `n_tokens`, which must then be
-    the cache's length: a sliding window or recurrent state exists only there (see
-    `capture_checkpoint` for earlier boundaries). `dtype` is the model dtype, inferred from the
-    cache when None.
-    """
+    """The payloads of the prefix of `n_tokens` tokens held in batch row `row` of `cache`: the
+    pages a store put of blocks [first_block, n_tokens // block_tokens) carries (like the store,
+    refused if the last is still open), and with `checkpoints` the checkpoint groups, which exist
+    only at the cache's end. `dtype` is the model dtype, read from the cache when None."""
     _check_boundary("n_tokens", n_tokens, block_tokens)
     check_positive("page_blocks", page_blocks)
     _check_row(row)
@@ -185,12 +142,8 @@ def capture_checkpoint(
     dtype: torch.dtype | None = None,
     row: int = 0,
 ) -> dict[str, bytes]:
-    """The checkpoint payloads of `cache` now, at `n_tokens` tokens, e.g. between prefill chunks.
-
-    A sliding window or a recurrent state can only be read at the point it was reached, so an
-    engine that wants a checkpoint at an earlier boundary prefills up to it, captures, and goes
-    on. `block_tokens`, when given, must divide `n_tokens`.
-    """
+    """The checkpoint payloads of `cache` now, at `n_tokens` tokens, e.g. between prefill chunks
+    (a window or recurrent state can be read only where it was reached)."""
     if block_tokens is None:
         block_tokens = _smallest_block(config)
         check_positive("n_tokens", n_tokens)
@@ -214,13 +167,9 @@ def restore_state(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> DynamicCache:
-    """A fresh `DynamicCache` (batch 1) holding exactly the state of the first `reusable_tokens`.
-
-    `paged[group]` are the pages covering [0, reusable_tokens) (only the blocks needed are read
-    from the last one); `checkpoints[group]` is the payload at boundary `reusable_tokens`. Any
-    contiguous byte buffer is accepted, read-only ones too: the tensors are fresh copies. Feed the
-    next tokens with explicit `position_ids` starting at `reusable_tokens`.
-    """
+    """A fresh `DynamicCache` (batch 1) holding exactly the state of the first `reusable_tokens`,
+    from the pages covering them and the checkpoints at that boundary (any contiguous buffers:
+    the tensors are fresh copies). Feed the next tokens `position_ids` from `reusable_tokens`."""
     check_positive("page_blocks", page_blocks)
     if reusable_tokens != 0:
         _check_boundary("reusable_tokens", reusable_tokens, block_tokens)
@@ -245,12 +194,11 @@ def restore_state(
 def _pages(
     layout: StateLayout,
     group: str,
-    tensors: Mapping[tuple[int, str], torch.Tensor],
+    tensors: Tensors,
     first_block: int,
     n_blocks: int,
     page_blocks: int,
 ) -> list[bytes]:
-    """The group's pages starting in blocks [first_block, n_blocks), all closed."""
     start = -(-first_block // page_blocks) * page_blocks
     if start >= n_blocks:
         return []
@@ -294,8 +242,7 @@ def _check_groups(what: str, given: Mapping[str, object], expected: tuple[str, .
 
 
 def _check_cache(cache: object) -> None:
-    """Only a `DynamicCache` is mapped: a family with a cache class of its own (a subclass too)
-    keeps its state in ways its class alone knows."""
+    """A family's own cache class (a subclass too) keeps its state in ways it alone knows."""
     if type(cache) is not DynamicCache:
         raise LayoutError(
             f"{type(cache).__name__} is not a transformers DynamicCache: this family keeps its"
@@ -304,7 +251,6 @@ def _check_cache(cache: object) -> None:
 
 
 def _cache_dtype(cache: Cache) -> torch.dtype:
-    """The model dtype, read from the first key or conv state the cache holds."""
     for layer in cache.layers:
         keys = getattr(layer, "keys", None)
         if isinstance(keys, torch.Tensor) and keys.numel():

@@ -1,11 +1,9 @@
 """The groups, the tensors inside a group's payload, and the bytes they become.
 
 Paged rows have shapes that follow from the config, so a page is bare bytes. Checkpoint tensors do
-not always: a linear-attention layer's conv and recurrent states are sized by each mixer from
-attributes of its own (Mamba, Mamba-2, Gated DeltaNet, KDA, short convolutions all name them
-differently), and some families size a window's heads in their code. So a checkpoint payload
-describes its tensors in a small header (`pack_described` / `unpack_described`) instead of a table
-of families.
+not: each linear-attention mixer sizes its states from attributes of its own, and some families
+size a window's heads in their code. So a checkpoint payload describes its tensors in a header
+(`pack_described`) instead of a table of families.
 """
 
 from __future__ import annotations
@@ -45,11 +43,8 @@ Buffer = bytes | bytearray | memoryview | np.ndarray
 
 @dataclass(frozen=True)
 class Field:
-    """One tensor of one layer inside a paged group's records.
-
-    `shape` is the shape of one row, and a row covers `tokens_per_row` tokens (the compression
-    rate of a compressed entry, 1 otherwise).
-    """
+    """One tensor of one layer inside a paged group's records: `shape` is one row's, covering
+    `tokens_per_row` tokens (a compressed entry's compression rate, else 1)."""
 
     group: str
     layer: int
@@ -109,7 +104,7 @@ def unpack_described(payload: Buffer, what: str) -> dict[tuple[int, str], torch.
     data = byte_view(payload, what)
     if data.size < _HEAD.size:
         raise LayoutError(f"{what}: {data.size} bytes, shorter than its header")
-    magic, version, count = _HEAD.unpack(bytes(data[: _HEAD.size]))
+    magic, version, count = _HEAD.unpack_from(data.data)
     if magic != _MAGIC or version != _VERSION:
         raise LayoutError(f"{what}: not a described payload of version {_VERSION}")
     offset = _HEAD.size
@@ -117,20 +112,15 @@ def unpack_described(payload: Buffer, what: str) -> dict[tuple[int, str], torch.
     for _ in range(count):
         if offset + _ENTRY.size > data.size:
             raise LayoutError(f"{what}: the header is cut short")
-        layer, code, ndim, length = _ENTRY.unpack(bytes(data[offset : offset + _ENTRY.size]))
+        layer, code, ndim, length = _ENTRY.unpack_from(data.data, offset)
         offset += _ENTRY.size
         end = offset + length + ndim * _DIM.size
         if code >= len(_DTYPES) or ndim > MAX_NDIM or end > data.size:
             raise LayoutError(f"{what}: a malformed header entry")
         name = bytes(data[offset : offset + length]).decode("ascii", "replace")
-        offset += length
-        shape = tuple(
-            _DIM.unpack(bytes(data[offset + i * _DIM.size : offset + (i + 1) * _DIM.size]))[0]
-            for i in range(ndim)
-        )
+        shape = struct.unpack_from(f"<{ndim}I", data.data, offset + length)
         offset = end
-        key = (layer, name)
-        entries.append((key, _DTYPES[code], shape))
+        entries.append(((layer, name), _DTYPES[code], shape))
     out: dict[tuple[int, str], torch.Tensor] = {}
     for key, dtype, shape in entries:
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)

@@ -1,8 +1,5 @@
-"""How each kind of cache layer splits into fields, how to read it at a boundary, and rebuild it.
-
-One class per kind of state a `transformers` cache layer holds: per-token keys and values (full
-attention, MLA latents, DSA indexer keys), a sliding window, linear-attention conv and recurrent
-states, DeepSeek-V4 compressed entries. A hybrid layer holds several of them (`Joined`).
+"""One class per kind of state a `transformers` cache layer holds: how it splits into fields, how
+to read it at a boundary, and how to rebuild it. A hybrid layer holds several (`Joined`).
 """
 
 from __future__ import annotations
@@ -17,14 +14,12 @@ from prefixd.errors import LayoutError
 from .fields import COMPRESSED, COMPRESSOR, F32, INDEXER, RECURRENT, WINDOW, Field
 
 POSITION_DIMS = 3  # an indexed layer's position history: [3, batch, tokens] (transformers 5.24)
+Named = dict[str, torch.Tensor]  # a layer's tensors by name
 
 
 class LayerState:
-    """The state of one cache layer: its groups, its fields, and how to read and rebuild them.
-
-    Paged state has config-derived `fields`. Checkpoint state is read as named tensors whose
-    payload describes their shapes; `check` decides whether described tensors fit the layer.
-    """
+    """The state of one cache layer. Paged state has config-derived `fields`; checkpoint state
+    is read as named tensors whose payload describes them, and `check` decides if they fit."""
 
     def __init__(self, layer: int) -> None:
         self.layer = layer
@@ -33,11 +28,10 @@ class LayerState:
         return set()
 
     def fields(self) -> list[Field]:
-        """The paged fields, one row each (shapes from the config)."""
         return []
 
     def group_of(self, name: str) -> str:
-        """The checkpoint group of a tensor name `read` returns for a checkpoint."""
+        """The checkpoint group of a tensor `read` returns."""
         raise self.fail(f"keeps no checkpoint tensor {name!r}")
 
     def check(self, group: str, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:
@@ -45,11 +39,9 @@ class LayerState:
         if tensors:
             raise self.fail(f"keeps nothing in group {group!r}, the payload has {sorted(tensors)}")
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
-        """The layer's tensors by name for batch row `row` (paged: the first `n_tokens` tokens'
-        rows); without `checkpoints`, only the paged ones."""
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
+        """The layer's tensors by name for batch row `row`; without `checkpoints`, the paged
+        ones only."""
         raise NotImplementedError
 
     def write(self, cache_layer: Any, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:
@@ -60,7 +52,6 @@ class LayerState:
         return LayoutError(f"layer {self.layer}: {message}")
 
     def at_end(self, seen: int, n_tokens: int, what: str) -> None:
-        """Refuse a boundary other than the one the cache has reached: `what` exists only there."""
         if seen != n_tokens:
             raise self.fail(
                 f"its {what} exists only at the cache's end, which has seen {seen} tokens, not"
@@ -75,7 +66,6 @@ class LayerState:
         names: set[str],
         ok: Callable[[str, torch.Tensor], bool],
     ) -> None:
-        """Refuse unless `tensors` has exactly `names`, each passing `ok`."""
         if set(tensors) != names:
             raise self.fail(f"group {group!r} holds {sorted(tensors)}, the layer {sorted(names)}")
         for name, tensor in tensors.items():
@@ -89,9 +79,7 @@ class LayerState:
 class NoState(LayerState):
     """A layer that caches nothing (a KV-sharing consumer, an MLP-only layer)."""
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         return {}
 
     def write(self, cache_layer: Any, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:
@@ -99,14 +87,10 @@ class NoState(LayerState):
 
 
 class FullAttention(LayerState):
-    """Keys and values of every token (`DynamicLayer`): paged, one row per token.
-
-    `indexer` is the row width of a DSA layer's indexer keys (`DynamicIndexedLayer`), kept in
-    the `indexer` group, one row per token too. With `positions`, the layer also stores the
-    position history a model may keep on it ([3, batch, tokens], Qwen4-Exp's indexer ropes its
-    raw keys at every step), a row of 3 positions per token; a cache that keeps none stores rows
-    of -1, so one layout serves models that keep it and models that do not.
-    """
+    """Keys and values of every token (`DynamicLayer`), and a DSA layer's indexer keys of
+    width `indexer`: paged, one row per token. With `positions`, also the position history a
+    model may keep there (Qwen4-Exp's indexer ropes its raw keys with it at every step); a cache
+    that keeps none stores rows of -1, so one layout serves models with it and without."""
 
     def __init__(
         self,
@@ -136,9 +120,7 @@ class FullAttention(LayerState):
             out.append(Field(INDEXER, self.layer, "positions", (POSITION_DIMS,), torch.int64))
         return out
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         keys = batch_row(self, cache_layer.keys, row)
         values = batch_row(self, cache_layer.values, row)
         held = keys.shape[-2]
@@ -198,11 +180,8 @@ class FullAttention(LayerState):
 
 
 class SlidingAttention(LayerState):
-    """A sliding window (`DynamicSlidingWindowLayer`): the last `window - 1` tokens' keys/values,
-    [heads, tokens, dim] each, with the heads and sizes the layer has.
-
-    `shared_kv` is DeepSeek-V4's shared-KV MQA, where values are the keys: they are stored once.
-    """
+    """A sliding window: the last `window - 1` tokens' keys/values, [heads, tokens, dim] each.
+    With `shared_kv` (DeepSeek-V4's MQA) the values are the keys, stored once."""
 
     def __init__(self, layer: int, window: int, dtype: torch.dtype, *, shared_kv: bool) -> None:
         super().__init__(layer)
@@ -227,9 +206,7 @@ class SlidingAttention(LayerState):
             lambda name, t: t.dtype == self.dtype and t.dim() == 3 and t.shape[1] == kept,
         )
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         if not checkpoints:
             return {}
         self.at_end(cache_layer.cumulative_length, n_tokens, "sliding window")
@@ -252,12 +229,8 @@ class SlidingAttention(LayerState):
 
 
 class LinearStates(LayerState):
-    """A linear-attention layer's conv and recurrent states (`LinearAttentionCacheLayerMixin`).
-
-    A layer may keep several states (`number_of_states`), each with a conv state, a recurrent
-    state or both. Their shapes are the mixer's own, so the `recurrent` payload describes them:
-    fields are named `conv.<i>` and `recurrent.<i>` and carry their shape and dtype.
-    """
+    """A linear-attention layer's states, each a conv state, a recurrent state or both (named
+    `conv.<i>`, `recurrent.<i>`), of the mixer's own shapes."""
 
     def __init__(self, layer: int, states: int, dtype: torch.dtype) -> None:
         super().__init__(layer)
@@ -269,9 +242,7 @@ class LinearStates(LayerState):
     def group_of(self, name: str) -> str:
         return RECURRENT
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         if not checkpoints:
             return {}
         if getattr(cache_layer, "record_past", False):
@@ -291,8 +262,7 @@ class LinearStates(LayerState):
         return out
 
     def check(self, group: str, tensors: Mapping[str, torch.Tensor], n_tokens: int) -> None:
-        """Each of the layer's states has a conv state, a recurrent state or both; a conv state
-        is in the model dtype (a recurrent state may be kept in float32)."""
+        """A conv state is in the model dtype (a recurrent state may be kept in float32)."""
         names = set(tensors)
         allowed = {f"{kind}.{i}" for kind in ("conv", "recurrent") for i in range(self.states)}
         empty = [i for i in range(self.states) if not {f"conv.{i}", f"recurrent.{i}"} & names]
@@ -323,10 +293,8 @@ class LinearStates(LayerState):
 
 
 class Joined(LayerState):
-    """A hybrid layer (attention and linear attention in one layer): its parts' fields, joined.
-
-    The parts' field names do not collide (keys/values/indexer_keys against conv.i/recurrent.i).
-    """
+    """A hybrid layer (attention and linear attention in one): its parts, whose tensor names do
+    not collide."""
 
     def __init__(self, layer: int, parts: list[LayerState]) -> None:
         super().__init__(layer)
@@ -349,17 +317,14 @@ class Joined(LayerState):
         super().check(group, tensors, n_tokens)
 
     def _part(self, name: str) -> LayerState:
-        """The part whose checkpoint tensor `name` is: the linear states own conv.i/recurrent.i."""
         linear = name.startswith(("conv.", "recurrent."))
         for part in self.parts:
             if isinstance(part, LinearStates) == linear:
                 return part
         raise self.fail(f"keeps no checkpoint tensor {name!r}")
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
+        out: Named = {}
         for part in self.parts:
             out.update(part.read(cache_layer, n_tokens, row, checkpoints))
         return out
@@ -370,13 +335,10 @@ class Joined(LayerState):
 
 
 class CompressedAttention(LayerState):
-    """A DeepSeek-V4 CSA or HCA layer: a shared-KV sliding window plus compressed entries.
-
-    Each closed block of `rate` tokens has one compressed entry (paged). A CSA layer also keeps
-    lightning-indexer keys (paged) and, for both series, the last closed window's Ca slice, which
-    the next window's entry overlaps (the `compressor` checkpoint). The slice's gate is float32
-    because the position bias added to it is.
-    """
+    """A DeepSeek-V4 CSA or HCA layer: a shared-KV sliding window, and an entry per closed block
+    of `rate` tokens (paged). A CSA layer also keeps lightning-indexer keys (paged) and the last
+    closed window's Ca slice, which the next entry overlaps (the `compressor` checkpoint; its gate
+    is float32 because the position bias added to it is)."""
 
     def __init__(
         self,
@@ -419,9 +381,7 @@ class CompressedAttention(LayerState):
             lambda name, t: (tuple(t.shape), t.dtype) == shapes[name],
         )
 
-    def read(
-        self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool
-    ) -> dict[str, torch.Tensor]:
+    def read(self, cache_layer: Any, n_tokens: int, row: int, checkpoints: bool) -> Named:
         out = self.window.read(cache_layer, n_tokens, row, checkpoints)
         wanted = n_tokens // self.rate
         for name in self.dims:
@@ -454,7 +414,6 @@ class CompressedAttention(LayerState):
 
 
 def batch_row(state: LayerState, tensor: torch.Tensor | None, row: int) -> torch.Tensor:
-    """Row `row` of a batched tensor: a prefix is one sequence."""
     if tensor is None or tensor.dim() == 0 or tensor.numel() == 0 and tensor.dim() == 1:
         raise state.fail("holds no state yet")
     if not 0 <= row < tensor.shape[0]:

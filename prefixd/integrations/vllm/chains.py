@@ -1,8 +1,7 @@
 """A request's vLLM keys in prefix order, per KV group: the chains PrefixdTier stores and looks up.
 
-vLLM's scheduler records the end-token position of each of a request's keys in its ReqContext
-(for managers that need prefix order: store jobs come in any order). A group's chain is its keys
-sorted by position, from the first chunk to the first gap.
+Store jobs come in any order, so the order is the end-token position vLLM's scheduler records for
+each key in the ReqContext; a group's chain runs from its first chunk to the first gap.
 """
 
 from __future__ import annotations
@@ -29,17 +28,14 @@ NO_CHAIN = Chain([], {})
 
 
 def positions_of(req_context: Any) -> dict[bytes, int]:
-    """A snapshot of the end-token position vLLM's scheduler recorded for each of the request's
-    keys (ReqContext keeps them for managers that need prefix order); one C-level dict copy, so
-    the scheduler thread, which goes on adding keys, pays almost nothing for it."""
+    """A snapshot of the keys' end-token positions: one C-level dict copy, so the scheduler
+    thread, which goes on adding keys, pays almost nothing for it."""
     positions: dict[bytes, int] = getattr(req_context, "_offload_key_positions", {})
     return positions.copy()
 
 
 class Chains:
-    """A request's keys in prefix order, per KV group, from the end-token positions vLLM's
-    scheduler records in the request's context (every key of the request, from its first
-    chunk). A key whose chain has a gap before it has no chain: never stored or reported."""
+    """A request's chains by KV group; a key after a gap has none: never stored or reported."""
 
     def __init__(self, tokens_per_chunk: Mapping[int, int]) -> None:
         self._tokens_per_chunk = dict(tokens_per_chunk)

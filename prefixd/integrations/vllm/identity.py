@@ -1,29 +1,19 @@
 """The prefixd identity of a vLLM engine, taken from vLLM's own config (never typed by hand).
 
-vLLM's block keys already cover the tokens, the LoRA adapter a request uses, its multimodal
-inputs and its cache salt (they are chained into vLLM's block hashes). What they do not cover is
-everything that changes the KV those tokens produce; each field's source:
+vLLM's block hashes already chain the tokens, a request's LoRA adapter, multimodal inputs and cache
+salt; the identity adds what else changes the KV those tokens produce. Each field's source:
 
-  model       ModelConfig.model (a hub name or a local path)
-  weights     ModelConfig.revision, and for a local model the fingerprint of its files
-              (config.json and the safetensors index, or the weight files themselves; the same
-              function as the daemon's --model-manifests, prefixd.schema.fingerprint)
-  tokenizer   ModelConfig.tokenizer, tokenizer_revision and tokenizer_mode
-  template    the chat template: the fingerprint of the model's chat_template.jinja and
-              tokenizer_config.json where the model is local, else the hub revision
-  rope        the HF config's rope_scaling / rope_parameters, rope_theta, max_position_embeddings,
-              and ModelConfig.max_model_len when rope scaling is set (it then sets positions)
-  kv_layout   ModelConfig.dtype, CacheConfig.cache_dtype and prefix_caching_hash_algo (the keys'
-              hash) here; the tier adds what vLLM's
-              offloading config says: the KV dtype, bytes per block, block and chunk size,
-              tensor / pipeline / context parallel sizes and layout, and the KV group
-  adapter     LoRAConfig (max_loras, max_lora_rank, lora_dtype) when LoRA is enabled, else None
-  mm          the multimodal config (processor kwargs, limits) for a multimodal model, else None
-  tenant      the tier's `tenant` setting
+  model, weights  ModelConfig.model and revision; a local model's weight files' fingerprint
+  tokenizer       ModelConfig.tokenizer, tokenizer_revision and tokenizer_mode
+  template        a local model's chat_template.jinja and tokenizer_config.json, else the revision
+  rope            the HF config's RoPE settings, and max_model_len when scaling sets positions
+  kv_layout       ModelConfig.dtype, cache_dtype and the keys' hash; the tier adds what vLLM's
+                  offloading config says of the KV (tier.group_identities)
+  adapter, mm     the LoRA and multimodal configs, None without them
+  tenant          the tier's `tenant` setting
 
-`engine_fields(vllm_config)` computes them in the process that builds the engine, where the
-VllmConfig is at hand (vLLM hands a secondary tier only its offloading config);
-`prefixd.integrations.vllm.kv_transfer_config` passes them to the tier.
+`engine_fields` runs where the VllmConfig is at hand (`kv_transfer_config`): vLLM hands a secondary
+tier only its offloading config.
 """
 
 from __future__ import annotations
@@ -32,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prefixd.integrations.identity import local_weights
 from prefixd.schema.fingerprint import fingerprint_files
 
 # What engine_fields returns: the identity fields the tier cannot read from its offloading config.
@@ -45,7 +36,7 @@ def engine_fields(vllm_config: Any) -> dict[str, str | None]:
     model = str(model_config.model)
     local = Path(model) if Path(model).is_dir() else None
     revision = model_config.revision or "main"
-    weights = f"rev={revision}" if local is None else f"local:{_weights_fingerprint(local)}"
+    weights = f"rev={revision}" if local is None else local_weights(local)
     tokenizer_revision = model_config.tokenizer_revision or revision
     tokenizer = f"{model_config.tokenizer}@{tokenizer_revision} mode={model_config.tokenizer_mode}"
     return {
@@ -62,14 +53,6 @@ def engine_fields(vllm_config: Any) -> dict[str, str | None]:
         "adapter": _adapter(vllm_config.lora_config),
         "mm": _multimodal(model_config),
     }
-
-
-def _weights_fingerprint(local: Path) -> str:
-    indexes = sorted(local.glob("*.safetensors.index.json")) + sorted(
-        local.glob("*.bin.index.json")
-    )
-    weights = indexes or sorted(local.glob("*.safetensors")) or sorted(local.glob("*.bin"))
-    return fingerprint_files([local / "config.json", *weights])
 
 
 def _template(local: Path | None, revision: str) -> str:
@@ -89,8 +72,8 @@ def _rope(model_config: Any) -> str:
 
 
 def _scaled(parameters: object) -> bool:
-    """Whether rope parameters (rope_scaling, or transformers' rope_parameters, per layer type or
-    not) scale positions."""
+    """Whether rope parameters (per layer type or not) scale positions: max_model_len then
+    sets them."""
     if not isinstance(parameters, dict):
         return False
     layers = (

@@ -1,23 +1,15 @@
 """`PrefixdTier`: prefixd as a secondary tier of vLLM's tiering offloading manager.
 
-vLLM runs a secondary tier in its scheduler process and requires every call to return at once.
-So the tier only queues work: lookups go through vLLM's own AsyncLookupManager (answered on its
-thread, RETRY until then), stores and loads through one job thread of ours; finished jobs are
-reported by `get_finished_jobs()`. Both threads share one prefixd Client.
-
-Keys are vLLM's (a 32-byte block hash and a 4-byte group index). Each KV group is an engine-keyed
-identity of its own (prefixd.schema.keys), and a request's keys of that group, in prefix order (the
-end-token position the scheduler records for each key), are the chain: a block is stored only
-after its parents, a lookup hits a key only when every key before it is stored, and a load copies
-only verified payloads. A payload moves between vLLM's primary-tier row and prefixd's shared
-region with one copy each way; nothing goes through the socket but the request.
-
-When the daemon is down or slow, lookups are misses and jobs fail (vLLM recomputes); nothing
-raises into the scheduler, and the next job after `reconnect_s` tries to connect again.
+vLLM calls the tier on its scheduler thread and wants every call to return at once, so lookups go
+through vLLM's AsyncLookupManager (RETRY until answered) and stores and loads through a job thread.
+Each KV group is an engine-keyed identity whose chain is the request's keys in prefix order
+(chains.py): a block is stored only after its parents and a hit never reaches past a gap. A daemon
+that is down or slow makes lookups misses and jobs fail: vLLM recomputes.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -38,6 +30,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from prefixd.integrations.identity import identity_of
 from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.vllm.chains import (
     KEY_BYTES,
@@ -79,11 +72,8 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]
 
 
 class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
-    """A vLLM secondary tier backed by the prefixd daemon at `socket`.
-
-    Loaded by vLLM as `{"type": "PrefixdTier", "module_path": "prefixd.integrations.vllm",
-    "socket": PATH, "identity": {...}}` (`kv_transfer_config` builds it, with the identity fields
-    taken from the engine's config)."""
+    """A vLLM secondary tier backed by the prefixd daemon at `socket`, loaded from the settings
+    `kv_transfer_config` builds."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -115,22 +105,21 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         self._chains = Chains(
             {g.group_id: g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups}
         )
-        self._region_bytes = max(region_bytes, self._row_bytes)
+        region_bytes = max(region_bytes, self._row_bytes)
+        self._per_call = region_bytes // self._row_bytes  # blocks one put or load moves
         self._link = DaemonLink(
             socket,
-            region_bytes=self._region_bytes,
+            region_bytes=region_bytes,
             timeout_s=timeout_s,
             name="vllm-tier",
             label="prefixd tier",
             reconnect_s=reconnect_s,
             daemon_uid=daemon_uid,  # the daemon's user, if not this process's own or root
         )
-        self._events: list[OffloadingEvent] | None = None
-        if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
-            self._events = []
+        kv_events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events: list[OffloadingEvent] | None = [] if kv_events else None
         self._events_lock = threading.Lock()
-        # Keys reported stored, until a lookup or load finds them gone (evicted, purged, expired
-        # or quarantined in the daemon): then they are reported removed. Oldest forgotten first.
+        # Keys reported stored, until a lookup or load finds them gone: then reported removed.
         self._reported: dict[bytes, None] = {}
         self._jobs: queue.SimpleQueue[tuple[str, TransferJob, dict[bytes, int]] | None]
         self._jobs = queue.SimpleQueue()
@@ -168,19 +157,16 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
 
     @property
     def connected(self) -> bool:
-        """Whether the tier holds a connection to the daemon now."""
         return self._link.connected
 
     def status(self) -> dict[str, Any]:
-        """The link to the daemon, for an operator: connected, the last problem and its fix,
-        failures by kind, lookups answered as misses because the daemon was unusable."""
+        """The link to the daemon, for an operator (DaemonLink.status)."""
         return self._link.status()
 
     def has_pending_work(self) -> bool:
         return self._pending > 0
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """What the tier stored, and which of those blocks its lookups and loads found gone."""
         if self._events is None:
             return ()
         with self._events_lock:
@@ -216,7 +202,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             if identity is None or not wanted:
                 continue
             prefix = chain.keys[: max(wanted) + 1]
-            found = self._call(lambda c: c.lookup(identity, [pack_keys(identity, prefix)]))  # noqa: B023
+            found = self._link.call(lambda c: c.lookup(identity, [pack_keys(identity, prefix)]))  # noqa: B023
             hit_blocks[group] = found[0].n_blocks if found else 0
         hits = []
         for key in keys:
@@ -253,26 +239,25 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
     def _store(self, job: TransferJob, chains: dict[int, Chain]) -> JobResult:
         runs, unplaced = self._runs(job, chains)
         stored: list[bytes] = []
-        per_put = max(1, self._region_bytes // self._row_bytes)
         for run in runs:
             # blocks the daemon has already (a chunk stored again) are not copied again
-            found = self._call(
+            found = self._link.call(
                 lambda c: c.lookup(run.identity, [pack_keys(run.identity, run.chain)])  # noqa: B023
             )
             if found is None:
                 break
             have = min(len(run.keys), max(0, found[0].n_blocks - run.first))
             stored.extend(run.keys[:have])
-            for at in range(have, len(run.keys), per_put):
-                rows = run.rows[at : at + per_put]
+            for at in range(have, len(run.keys), self._per_call):
+                rows = run.rows[at : at + self._per_call]
                 payloads = [self._row(r) for r in rows]
                 first = run.first + at
                 chain = run.chain[: first + len(rows)]
                 identity, words = run.identity, pack_keys(run.identity, chain)
-                put = self._call(lambda c: c.put(identity, words, payloads, first_block=first))  # noqa: B023
+                put = self._link.call(lambda c: c.put(identity, words, payloads, first_block=first))  # noqa: B023
                 if put is None:
                     break  # refused (say, a parent not stored) or the daemon is away
-                stored.extend(run.keys[at : at + per_put])
+                stored.extend(run.keys[at : at + self._per_call])
         self._note(stored, removed=False)
         success = not unplaced and len(stored) == len(job.keys)
         return JobResult(job.job_id, success=success, transfer_bytes=len(stored) * self._row_bytes)
@@ -300,12 +285,11 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
     def _load_run(self, run: Run) -> int:
         """Copy run's verified payloads into their rows; how many leading blocks made it."""
         done = 0
-        per_load = max(1, self._region_bytes // self._row_bytes)
         while done < len(run.keys):
             first = run.first + done
-            count = min(per_load, len(run.keys) - done)
+            count = min(self._per_call, len(run.keys) - done)
             words = pack_keys(run.identity, run.chain[: first + count])
-            result = self._call(
+            result = self._link.call(
                 lambda c: c.load(run.identity, words, first_block=first, max_blocks=count)  # noqa: B023
             )
             if result is None:
@@ -336,23 +320,13 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             by_group.setdefault(group, []).append((place, key, int(row)))
         runs = []
         for group, entries in by_group.items():
-            entries.sort()
             chain, identity = chains[group].keys, self._identities[group]
-            start = 0
-            for i in range(1, len(entries) + 1):
-                if i == len(entries) or entries[i][0] != entries[i - 1][0] + 1:
-                    part = entries[start:i]
-                    first = part[0][0]
-                    runs.append(
-                        Run(
-                            identity,
-                            chain[: first + len(part)],
-                            first,
-                            [key for _, key, _ in part],
-                            [row for _, _, row in part],
-                        )
-                    )
-                    start = i
+            # consecutive places, less their index in the sorted entries, are equal
+            for _, run in itertools.groupby(enumerate(sorted(entries)), lambda e: e[1][0] - e[0]):
+                part = [entry for _, entry in run]
+                first = part[0][0]
+                keys, rows = [key for _, key, _ in part], [row for _, _, row in part]
+                runs.append(Run(identity, chain[: first + len(part)], first, keys, rows))
         return runs, unplaced
 
     def _note(self, keys: Sequence[bytes], *, removed: bool) -> None:
@@ -378,19 +352,12 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         at = chunk_id * self._row_bytes
         return self._rows[at : at + self._row_bytes]
 
-    # --- the daemon -----------------------------------------------------------------------------
-
-    def _call(self, operation: Any) -> Any:
-        """`operation(client)`, or None when the daemon is away or refuses it (logged without
-        keys); a lost connection is dropped and tried again after `reconnect_s`."""
-        return self._link.call(operation)
-
 
 def group_identities(
     config: Any, fields: Mapping[str, str | None], tenant: str, row_bytes: int
 ) -> dict[int, Identity]:
-    """One engine-keyed identity per KV group: the engine's fields (prefixd.integrations.vllm
-    .identity), with what vLLM's offloading config says about the KV added to `kv_layout`."""
+    """One engine-keyed identity per KV group: the engine's fields, with what vLLM's offloading
+    config says about the KV added to `kv_layout`."""
     parallel = config.parallel
     layout = (
         f"{fields['kv_layout']} kv={config.model.dtype} row={row_bytes} "
@@ -401,16 +368,11 @@ def group_identities(
         f" dcp={parallel.dcp_size} layout={config.kv_cache_layout}"
         f" canonical={config.canonical_layout} replicated={config.replicated_layout}"
     )
-    base = Identity(
-        model=str(fields["model"]),
-        weights=str(fields["weights"]),
-        tokenizer=str(fields["tokenizer"]),
-        template=str(fields["template"]),
-        rope=str(fields["rope"]),
+    base = identity_of(
+        fields,
         kv_layout=layout,
         block_tokens=1,
         tenant=tenant,
-        adapter=fields.get("adapter"),
         mm=fields.get("mm"),
         key_bytes=KEY_BYTES,
     )

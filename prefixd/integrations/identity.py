@@ -1,0 +1,32 @@
+"""What the engine adapters' identities share: the text fields, and a local model's weights
+fingerprinted from the files the daemon's `--model-manifests` reads (prefixd.schema.fingerprint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from prefixd.schema.fingerprint import fingerprint_files
+from prefixd.schema.identity import Identity
+
+TEXT_FIELDS = ("model", "weights", "tokenizer", "template", "rope")
+WEIGHT_INDEXES = ("*.safetensors.index.json", "*.bin.index.json")
+
+
+def identity_of(fields: Mapping[str, Any], **given: Any) -> Identity:
+    """An Identity of `fields` (the text ones as text, `adapter` as is) and `given`."""
+    text: dict[str, Any] = {name: str(fields[name]) for name in TEXT_FIELDS}
+    return Identity(**text, adapter=fields.get("adapter"), **given)
+
+
+def local_weights(model: Path, indexes: tuple[str, ...] = WEIGHT_INDEXES) -> str:
+    """`local:` and the fingerprint of the model's config.json and weight index (else its
+    weight files)."""
+    found = [path for pattern in indexes for path in sorted(model.glob(pattern))]
+    weights = found or sorted(model.glob("*.safetensors")) or sorted(model.glob("*.bin"))
+    return "local:" + fingerprint_files([model / "config.json", *weights])
+
+
+__all__ = ["identity_of", "local_weights"]
