@@ -67,6 +67,9 @@ class Settings:
         values = {k: v for k, v in params.items() if k != "weights_from"}
         values["weights"] = weights_of(params)
         settings = cls(**values)
+        for name in ("tenant", "tokenizer", "template", "rope", "kv_layout"):
+            if not isinstance(getattr(settings, name), str):
+                raise ConfigError(f"prefixd L2 adapter: {name} must be text")
         if SALT_MARK in settings.tenant or not settings.tenant:
             raise ConfigError(f"prefixd L2 adapter: tenant may not hold {SALT_MARK!r}")
         if settings.chunk_tokens < 1:

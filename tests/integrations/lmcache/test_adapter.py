@@ -112,6 +112,8 @@ def test_it_refuses_to_start_without_a_weights_identity(tmp_path: Path) -> None:
         PrefixdL2Adapter({"socket": str(tmp_path / "s")})
     with pytest.raises(ConfigError, match="unknown"):
         PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "weight": "w"})
+    with pytest.raises(ConfigError, match="tokenizer must be text"):
+        PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "tokenizer": 5})
     with pytest.raises(ConfigError, match="config.json"):
         PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights_from": str(tmp_path)})
     (tmp_path / "config.json").write_text("{}")
