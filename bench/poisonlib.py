@@ -1,0 +1,55 @@
+"""What the poison suite reports: for each silent-wrong-KV failure a peer has had, what prefixd
+served and what the peer's own storage served in the same scenario, judged against the bytes the
+scenario stored (or the output the engine computes without any cache).
+
+A scenario module (bench/poison_<engine>.py) has `rows() -> list[Row]` and, run as a script,
+prints them (`--json`: one JSON list); tests/poison/ asserts prefixd's column of every row.
+bench/poison.py runs every module in its engine's venv and prints one table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+
+# exact: served the right state (or the engine's output equals the output without a cache);
+# miss: served nothing (the engine recomputes); wrong: served other bytes, silently;
+# n/a: the peer has no storage that runs here for this scenario.
+Outcome = Literal["exact", "miss", "wrong", "n/a"]
+SAFE: frozenset[str] = frozenset({"exact", "miss"})
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: str  # what changed, in a few words
+    where: str  # the peer's issue or pull request that reported the failure
+    prefixd: Outcome
+    peer: Outcome
+    peer_storage: str  # which storage of the peer ran the same scenario ("" when n/a)
+
+
+def judge(expected: bytes | np.ndarray | None, served: bytes | np.ndarray | None) -> Outcome:
+    """`served` against the bytes a correct cache would give (`expected` None: any served bytes
+    are wrong, as when the scenario changed what the stored state means)."""
+    if served is None:
+        return "miss"
+    if expected is None:
+        return "wrong"
+    want = np.frombuffer(memoryview(expected).cast("B"), dtype=np.uint8)
+    got = np.frombuffer(memoryview(served).cast("B"), dtype=np.uint8)
+    return "exact" if want.shape == got.shape and bool((want == got).all()) else "wrong"
+
+
+def print_rows(rows: Sequence[Row], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([asdict(row) for row in rows]))
+        return
+    print("| scenario | reported in | prefixd | the peer's storage |")
+    print("|---|---|---|---|")
+    for row in rows:
+        peer = f"{row.peer} ({row.peer_storage})" if row.peer_storage else row.peer
+        print(f"| {row.scenario} | {row.where} | {row.prefixd} | {peer} |")
