@@ -16,8 +16,9 @@ import numpy as np
 from prefixd.client.leases import Lease, RegionAllocator, Span
 from prefixd.client.steps import Call, Reserve, Steps, holding, spans_of
 from prefixd.errors import PrefixdError, RegionError
+from prefixd.schema.content import chain_words
 from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TokenIds, as_token_array
+from prefixd.schema.tokens import PromptIds
 from prefixd.trust import daemon_uids
 from prefixd.wire import decoding
 from prefixd.wire import messages as wire
@@ -163,10 +164,12 @@ class ClientCore:
     def region_id(self, allocator: RegionAllocator) -> int:
         return self._region_ids[id(allocator)]
 
-    def prompt_fields(self, token_ids: TokenIds, held: list[Lease | Span]) -> dict[str, Any]:
+    def prompt_fields(
+        self, identity: Identity, token_ids: PromptIds, held: list[Lease | Span]
+    ) -> dict[str, Any]:
         """A prompt's token fields: staged in a span of the token region when long and there
         is room now (the span goes to `held`), else inline in the frame."""
-        entry = self._entry(token_ids, None, held.append)
+        entry = self._entry(identity, token_ids, None, held.append)
         return {
             "tokens": entry.tokens,
             "tokens_span": entry.tokens_span,
@@ -174,10 +177,15 @@ class ClientCore:
         }
 
     def _entry(
-        self, token_ids: TokenIds, hashes: bytes | None, keep: Callable[[Span], None]
+        self,
+        identity: Identity,
+        token_ids: PromptIds,
+        hashes: bytes | None,
+        keep: Callable[[Span], None],
     ) -> wire.Prompt:
-        """One prompt of a request; a token-region span it stages its ids in goes to `keep`."""
-        tokens = as_token_array(token_ids)
+        """One prompt of a request (its chain words); a token-region span it stages them in goes
+        to `keep`."""
+        tokens = chain_words(identity, token_ids)
         allocator = self.tokens
         span = None
         if allocator is not None and tokens.nbytes >= INLINE_TOKEN_BYTES:
@@ -210,7 +218,7 @@ class ClientCore:
         self,
         kind: type[wire.Prompts],
         identity: Identity,
-        prompts: Sequence[TokenIds],
+        prompts: Sequence[PromptIds],
         hashes: Sequence[bytes | None] | None = None,
         **fields: Any,
     ) -> Steps[Any]:
@@ -219,7 +227,7 @@ class ClientCore:
         with holding() as held:
             keep = held.append
             entries = [
-                self._entry(prompt, None if hashes is None else hashes[i], keep)
+                self._entry(identity, prompt, None if hashes is None else hashes[i], keep)
                 for i, prompt in enumerate(prompts)
             ]
             message = kind(
@@ -232,7 +240,7 @@ class ClientCore:
         self,
         kind: type[wire.Prompted],
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         spans: Sequence[Span] = (),
         *,
         owned: bool = True,
@@ -244,7 +252,7 @@ class ClientCore:
             message = kind(
                 id=self.next_id(),
                 identity=self.wire_identity(identity),
-                **self.prompt_fields(token_ids, held),
+                **self.prompt_fields(identity, token_ids, held),
                 **fields,
             )
             reply = yield Call(message, (*spans, *spans_of(held)), owned=owned)
@@ -255,7 +263,7 @@ class ClientCore:
     def load_span(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         lease: Lease,
         start: int,
         length: int,

@@ -34,7 +34,7 @@ from prefixd.client.steps import (
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.stored import HotPrefix, ListedBlock
-from prefixd.schema.tokens import TokenIds
+from prefixd.schema.tokens import PromptIds
 from prefixd.wire import messages as wire
 from prefixd.wire.region import SharedRegion
 
@@ -127,7 +127,7 @@ def reserve(core: ClientCore, nbytes: int) -> Steps[Lease]:
 def put(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     payloads: Sequence[Any],
     *,
     first_block: int = 0,
@@ -146,7 +146,7 @@ def put(
 def put_spans(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     spans: Sequence[tuple[int, int]],
     *,
     first_block: int = 0,
@@ -180,7 +180,7 @@ def put_spans(
 def lookup(
     core: ClientCore,
     identity: Identity,
-    prompts: Sequence[TokenIds],
+    prompts: Sequence[PromptIds],
     *,
     hashes: Sequence[bytes | None] | None = None,
     pin: bool = False,
@@ -195,14 +195,14 @@ def lookup(
     ]
 
 
-def unpin(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
+def unpin(core: ClientCore, identity: Identity, prompts: Sequence[PromptIds]) -> Steps[int]:
     """Release one of this connection's pins of each closed block of `prompts` (pinned by
     `lookup(..., pin=True)`); how many were released. A lost connection releases them all."""
     reply: wire.UnpinReply = yield from core.prompts_call(wire.Unpin, identity, prompts)
     return reply.released
 
 
-def delete(core: ClientCore, identity: Identity, prompts: Sequence[TokenIds]) -> Steps[int]:
+def delete(core: ClientCore, identity: Identity, prompts: Sequence[PromptIds]) -> Steps[int]:
     """Remove the last closed block of each prompt and every block below it; how many went."""
     reply: wire.DeleteReply = yield from core.prompts_call(wire.Delete, identity, prompts)
     return reply.blocks
@@ -221,7 +221,7 @@ def list_blocks(
 
 
 def route(
-    core: ClientCore, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+    core: ClientCore, identity: Identity, token_ids: PromptIds, *, hashes: bytes | None = None
 ) -> Steps[Routed]:
     """What this node would serve the prompt and its routing score (no payload is read)."""
     reply: wire.RouteReply = yield from core.prompted_call(
@@ -234,7 +234,7 @@ def route(
 def load(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     *,
     length: int | None = None,
     max_blocks: int | None = None,

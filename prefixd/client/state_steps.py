@@ -14,14 +14,14 @@ from prefixd.client.results import StateLoaded, StateLookup, Stored
 from prefixd.client.steps import Reserve, Steps, holding, released_on_error, spans_of
 from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TokenIds
+from prefixd.schema.tokens import PromptIds
 from prefixd.wire import messages as wire
 
 
 def put_state(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     *,
     paged: Mapping[str, Sequence[Any]] | None = None,
     checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
@@ -57,7 +57,7 @@ def put_state(
 def lookup_state(
     core: ClientCore,
     identity: Identity,
-    prompts: Sequence[TokenIds],
+    prompts: Sequence[PromptIds],
     *,
     hashes: Sequence[bytes | None] | None = None,
 ) -> Steps[list[StateLookup]]:
@@ -82,7 +82,7 @@ def lookup_state(
 def load_state(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     *,
     length: int | None = None,
     deadline_s: float | None = None,
@@ -126,7 +126,7 @@ def load_state(
 def _load_state_span(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     lease: Lease,
     deadline_s: float | None,
 ) -> Steps[wire.LoadStateReply]:

@@ -21,7 +21,7 @@ from prefixd.errors import DestinationError, PrefixdError, TransferError
 from prefixd.schema.chain import packed_hashes
 from prefixd.schema.identity import Identity
 from prefixd.schema.stored import HotPrefix
-from prefixd.schema.tokens import TokenIds
+from prefixd.schema.tokens import PromptIds
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,7 @@ DEFAULT_SLOTS = 3
 def load_into(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     destinations: Sequence[torch.Tensor],
     *,
     slots: int = DEFAULT_SLOTS,
@@ -114,7 +114,7 @@ def load_into(
 def load_state_into(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     destinations: Mapping[str, Sequence[torch.Tensor]],
     *,
     wait: bool = True,
@@ -190,7 +190,7 @@ def warm_up(
 def store_from(
     core: ClientCore,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     sources: Sequence[Any],
     *,
     first_block: int = 0,

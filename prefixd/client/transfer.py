@@ -29,8 +29,9 @@ except ModuleNotFoundError as missing:  # serving does not need torch: it is an 
 
 from prefixd.client.operations import Drives, put_spans, reserve
 from prefixd.errors import DestinationError
+from prefixd.schema.content import chain_words
 from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TokenIds, as_token_array
+from prefixd.schema.tokens import PromptIds
 
 if TYPE_CHECKING:
     from prefixd.client.leases import Lease
@@ -142,7 +143,7 @@ class Publisher:
     def store_from(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         sources: Sequence[torch.Tensor],
         *,
         first_block: int = 0,
@@ -152,7 +153,7 @@ class Publisher:
         device). On CUDA the copies wait for `ready` (recorded by the caller after it wrote the
         sources; default: everything queued on the current stream now). The sources must not be
         changed until the returned future is done."""
-        tokens = as_token_array(token_ids).copy()
+        tokens = chain_words(identity, token_ids).tobytes()  # a snapshot, as packed words
         sources = list(sources)
         if ready is None and sources and device_of(sources).type == "cuda":
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves these untyped

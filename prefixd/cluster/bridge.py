@@ -40,7 +40,7 @@ from prefixd.cluster.staging import FetchRooms, Staging, TierBuffers, staged_loa
 from prefixd.errors import PrefixdError, RemoteBlockError, TierUnavailableError
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TokenIds
+from prefixd.schema.tokens import PromptIds
 from prefixd.store import Store
 from prefixd.store.results import ExportedBlock, LoadResult, PrefixMatch
 
@@ -188,7 +188,7 @@ class SharedTierBridge:
             self.tier.release(room)
 
     def read_through(
-        self, identity: Identity, token_ids: TokenIds, local_blocks: int, *, staged: bool = False
+        self, identity: Identity, token_ids: PromptIds, local_blocks: int, *, staged: bool = False
     ) -> int:
         """Fetch, prove and install the blocks after the first `local_blocks` (for a hybrid
         identity, the local joint boundary); return how many were installed. `staged` (plain
@@ -227,7 +227,7 @@ class SharedTierBridge:
         return installed or 0
 
     def with_staged(
-        self, identity: Identity, token_ids: TokenIds, match: PrefixMatch
+        self, identity: Identity, token_ids: PromptIds, match: PrefixMatch
     ) -> PrefixMatch:
         """A plain identity's local `match` extended by the blocks staged after it."""
         if identity.state is not None or not len(self.staging):
@@ -243,7 +243,9 @@ class SharedTierBridge:
             payload_sizes=match.payload_sizes + tuple(sizes),
         )
 
-    def load(self, identity: Identity, token_ids: TokenIds, out: Any, **options: Any) -> LoadResult:
+    def load(
+        self, identity: Identity, token_ids: PromptIds, out: Any, **options: Any
+    ) -> LoadResult:
         """`Store.load`, continued from the staged blocks (`staging.staged_load`)."""
         return staged_load(self.store, self.staging, identity, token_ids, out, **options)
 

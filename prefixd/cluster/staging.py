@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TokenIds
+from prefixd.schema.tokens import PromptIds
 from prefixd.store import Store
 from prefixd.store.read import dest_view
 from prefixd.store.results import LoadResult
@@ -199,7 +199,7 @@ def staged_load(
     store: Store,
     staging: Staging,
     identity: Identity,
-    token_ids: TokenIds,
+    token_ids: PromptIds,
     out: Any,
     *,
     max_blocks: int | None = None,

@@ -24,6 +24,7 @@ import numpy as np
 from prefixd.config.settings import EventSettings
 from prefixd.errors import ConfigError
 from prefixd.schema.chain import ROOT_PARENT
+from prefixd.schema.content import token_part
 from prefixd.store.journal import BlockChange
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ def event_of(change: BlockChange, hash_only: bool) -> Event:
         tokens: list[int] = []
     else:
         parent = None if change.parent == ROOT_PARENT else change.parent
-        tokens = [] if hash_only else np.frombuffer(change.tokens, dtype="<u4").tolist()
+        words = b"" if hash_only else token_part(identity, change.tokens)
+        tokens = np.frombuffer(words, dtype="<u4").tolist()
     return BlockStored(
         block_hashes=[block],
         parent_block_hash=parent,

@@ -86,7 +86,7 @@ class Services:
         if cached is not None:
             return cached
         try:
-            identity = wire.to_identity()
+            identity = wire.to_identity().servable()
         except IdentityError as exc:
             raise ProtocolError(ErrorCode.BAD_IDENTITY, str(exc)) from None
         if len(self._identities) >= _IDENTITY_CACHE:

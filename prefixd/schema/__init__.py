@@ -4,7 +4,7 @@ from prefixd.schema.chain import HASH_BYTES, ROOT_PARENT, BlockChain, block_hash
 from prefixd.schema.identity import Identity
 from prefixd.schema.meta import SCHEMA_VERSION, StoreMeta
 from prefixd.schema.records import BlockRecord, Compression
-from prefixd.schema.tokens import TOKEN_DTYPE, as_token_array
+from prefixd.schema.tokens import TOKEN_DTYPE, MediaItem, Prompt, as_token_array
 
 __all__ = [
     "HASH_BYTES",
@@ -15,6 +15,8 @@ __all__ = [
     "BlockRecord",
     "Compression",
     "Identity",
+    "MediaItem",
+    "Prompt",
     "StoreMeta",
     "as_token_array",
     "block_hash",

@@ -12,8 +12,9 @@ import numpy as np
 import xxhash
 
 from prefixd.errors import TokenError
+from prefixd.schema.content import chain_words
 from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import TOKEN_BYTES, TOKEN_DTYPE, TokenIds, as_token_array
+from prefixd.schema.tokens import TOKEN_BYTES, TOKEN_DTYPE, PromptIds
 
 HASH_BYTES = 16
 ROOT_PARENT = bytes(HASH_BYTES)
@@ -29,19 +30,23 @@ class BlockChain:
     """The closed blocks of one token sequence under one identity, hashed lazily in order."""
 
     def __init__(
-        self, identity: Identity, token_ids: TokenIds, hashes: bytes | None = None
+        self, identity: Identity, token_ids: PromptIds, hashes: bytes | None = None
     ) -> None:
         """`hashes`: the closed blocks' hashes, packed, as a client sends them. They only choose
         which records a walk reads (it compares tokens and parents), so a wrong one is a miss."""
         self.identity = identity
-        tokens = as_token_array(token_ids)
+        tokens = chain_words(identity, token_ids)
         # A private snapshot (bytes input is immutable already): tokens read from memory a client
         # shares cannot change between hashing and comparing.
         self._bytes = token_ids if isinstance(token_ids, bytes) else tokens.tobytes()
         self.tokens = np.frombuffer(self._bytes, dtype=TOKEN_DTYPE)
-        # The words that name one block: its token ids, or an engine-keyed identity's key.
+        # The words that name one block: its token ids (then its content digest, for an identity
+        # with request_content), or an engine-keyed identity's key.
         self.block_tokens = identity.block_words
         self.n_blocks = len(self.tokens) // self.block_tokens
+        # the prompt's tokens: those its closed blocks stand for, then its open tail's
+        tail = len(self.tokens) - self.n_blocks * self.block_tokens
+        self.n_tokens = self.n_blocks * identity.block_tokens + tail
         self._span = self.block_tokens * TOKEN_BYTES
         self._hashes: list[bytes] = []
         self._supplied = b""
@@ -114,12 +119,12 @@ class BlockChain:
         return list(self.hashes_until(self.n_blocks))
 
 
-def packed_hashes(identity: Identity, token_ids: TokenIds) -> bytes:
+def packed_hashes(identity: Identity, token_ids: PromptIds) -> bytes:
     """Every closed block's hash packed back to back: the wire form a client sends."""
     return b"".join(BlockChain(identity, token_ids).hashes())
 
 
-def chain_hashes(identity: Identity, token_ids: TokenIds) -> list[bytes]:
+def chain_hashes(identity: Identity, token_ids: PromptIds) -> list[bytes]:
     """Hashes of every closed block of `token_ids`; an open tail contributes nothing."""
     return BlockChain(identity, token_ids).hashes()
 

@@ -23,6 +23,9 @@ MAX_FIELD_BYTES = 4096
 # whole 4-byte words (they travel as the chain's '<u4' words), and short enough to stay a key.
 MIN_KEY_BYTES = 16
 MAX_KEY_BYTES = 256
+# A request-content identity's block: its token ids, then these many '<u4' words of the digest of
+# the content its tokens stand for (prefixd.schema.content).
+CONTENT_WORDS = 4
 
 _REQUIRED_TEXT = ("model", "weights", "tokenizer", "template", "rope", "kv_layout", "tenant")
 _OPTIONAL_TEXT = ("adapter", "mm")
@@ -39,9 +42,11 @@ _ENCODING_ORDER = (
     "block_tokens",
     "tenant",
 )
-# `state` and then `key_bytes` follow the fields above in the encoding only when set (a nil for
-# `state` when only `key_bytes` is), so the digest of an identity without them is what it always was.
-_ALL_FIELDS = (*_ENCODING_ORDER, "state", "key_bytes")
+# `state`, `key_bytes` and `request_content` follow the fields above in the encoding up to the last
+# one set (a nil for each unset one before it), so the digest of an identity without them is what
+# it always was.
+_TRAILING = ("state", "key_bytes", "request_content")
+_ALL_FIELDS = (*_ENCODING_ORDER, *_TRAILING)
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,9 @@ class Identity:
     multimodal preprocessing. `state` is a hybrid model's state spec (None: one opaque payload
     per block). `key_bytes` makes the identity engine-keyed: its blocks are named by the engine's
     own keys of that many bytes (prefixd.schema.keys), while `block_tokens` still says how many
-    tokens a block holds.
+    tokens a block holds. `request_content` makes each block's name cover, beside its token ids,
+    the request's own content its tokens stand for (multimodal items, adapter, cache salt:
+    prefixd.schema.content); a token-keyed identity with `mm` set needs it.
     """
 
     model: str
@@ -68,6 +75,7 @@ class Identity:
     mm: str | None = None
     state: StateSpec | None = None
     key_bytes: int | None = None
+    request_content: bool = False
     _encoded: bytes = field(init=False, repr=False, compare=False)
     _digest: bytes = field(init=False, repr=False, compare=False)
 
@@ -85,11 +93,24 @@ class Identity:
         if self.state is not None:
             object.__setattr__(self, "state", spec_from_value(self.state))
             check_spec(self.state, bt)
-        if self.state is not None or self.key_bytes is not None:
-            items.append(None if self.state is None else [g.encode_fields() for g in self.state])
         if self.key_bytes is not None:
             _check_key_bytes(self.key_bytes, self.state)
-            items.append(self.key_bytes)
+        if not isinstance(self.request_content, bool):
+            raise IdentityError(
+                "request_content", f"must be a bool, got {type(self.request_content).__name__}"
+            )
+        if self.request_content and self.key_bytes is not None:
+            raise IdentityError(
+                "request_content", "an engine-keyed identity's keys cover the request's content"
+            )
+        trailing = [
+            None if self.state is None else [g.encode_fields() for g in self.state],
+            self.key_bytes,
+            True if self.request_content else None,
+        ]
+        while trailing and trailing[-1] is None:
+            trailing.pop()
+        items.extend(trailing)
         encoded = msgpack.packb(items, use_bin_type=True)
         object.__setattr__(self, "_encoded", encoded)
         object.__setattr__(
@@ -99,7 +120,9 @@ class Identity:
     @property
     def block_words(self) -> int:
         """How many '<u4' words name one block in the chain: its token ids, or its engine key."""
-        return self.block_tokens if self.key_bytes is None else self.key_bytes // 4
+        if self.key_bytes is not None:
+            return self.key_bytes // 4
+        return self.block_tokens + (CONTENT_WORDS if self.request_content else 0)
 
     @property
     def digest(self) -> bytes:
@@ -125,15 +148,32 @@ class Identity:
             raise IdentityError("encoding", "is not a prefixd identity")
         if items[1] != IDENTITY_VERSION:
             raise IdentityError("encoding", f"has unknown identity version {items[1]!r}")
-        if len(items) == 2 + len(_ALL_FIELDS) and items[-1] is None:
-            raise IdentityError("encoding", "is not canonical (a nil key_bytes)")
-        return cls(**dict(zip(_ALL_FIELDS, items[2:])))
+        if len(items) > 2 + len(_ENCODING_ORDER) and items[-1] is None:
+            raise IdentityError("encoding", "is not canonical (a trailing nil)")
+        if len(items) == 2 + len(_ALL_FIELDS) and items[-1] is not True:
+            raise IdentityError("encoding", "is not canonical (request_content is not true)")
+        values = dict(zip(_ALL_FIELDS, items[2:]))
+        values["request_content"] = bool(values.get("request_content"))
+        return cls(**values)
+
+    def servable(self) -> Identity:
+        """This identity, if a request may name it: a token-keyed multimodal identity whose
+        blocks' names do not cover their images would give one image's state to another."""
+        if self.mm is not None and self.key_bytes is None and not self.request_content:
+            raise IdentityError(
+                "request_content",
+                "must be true when mm is set: a block's name must cover the multimodal items its "
+                "placeholder tokens stand for (pass each request as a prefixd.Prompt)",
+            )
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """Plain fields, for wire messages and reports."""
         values = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
         if self.state is not None:
             values["state"] = [group.to_dict() for group in self.state]
+        if not self.request_content:
+            del values["request_content"]  # unset, as the wire leaves it out
         return values
 
     @classmethod

@@ -1,8 +1,11 @@
-"""Token ids as one contiguous little-endian uint32 array: the only form hashed or stored."""
+"""Token ids as one contiguous little-endian uint32 array: the only form hashed or stored; and a
+prompt's own content beside its token ids, which an identity with `request_content` hashes into
+each block (prefixd.schema.content)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -12,7 +15,74 @@ TOKEN_DTYPE = np.dtype("<u4")
 TOKEN_BYTES = TOKEN_DTYPE.itemsize
 MAX_TOKEN_ID = (1 << 32) - 1
 
+MAX_ITEMS = 4096
+MAX_ITEM_HASH_BYTES = 256
+MAX_CONTENT_TEXT_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """A multimodal item (image, audio, video) whose placeholder tokens are prompt tokens
+    [offset, offset + length): `hash` is its content hash (vLLM's `mm_hash`, say)."""
+
+    hash: bytes | str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        raw = self.hash.encode("utf-8") if isinstance(self.hash, str) else self.hash
+        if not isinstance(raw, bytes) or not 0 < len(raw) <= MAX_ITEM_HASH_BYTES:
+            raise TokenError(f"a media item's hash must be 1..{MAX_ITEM_HASH_BYTES} bytes or text")
+        for name in ("offset", "length"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_TOKEN_ID
+            ):
+                raise TokenError(f"a media item's {name} must be an int in 0..{MAX_TOKEN_ID}")
+        if not self.length:
+            raise TokenError("a media item covers at least one token (length 0)")
+
+    @property
+    def hash_bytes(self) -> bytes:
+        return self.hash.encode("utf-8") if isinstance(self.hash, str) else self.hash
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids with the content they stand for: the media items whose placeholders lie among
+    them, the request's adapter and its cache salt. Two prompts with the same token ids and other
+    content name other blocks from the first block the difference touches."""
+
+    token_ids: TokenIds
+    items: tuple[MediaItem, ...] = ()
+    adapter: str | None = None
+    salt: str | None = None
+
+    def __post_init__(self) -> None:
+        items = tuple(self.items)
+        if len(items) > MAX_ITEMS or not all(isinstance(i, MediaItem) for i in items):
+            raise TokenError(f"a prompt's items are at most {MAX_ITEMS} MediaItems")
+        object.__setattr__(self, "items", items)
+        for name in ("adapter", "salt"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                size = len(value.encode("utf-8")) if isinstance(value, str) else 0
+            except UnicodeEncodeError:
+                size = 0
+            if not 0 < size <= MAX_CONTENT_TEXT_BYTES:
+                raise TokenError(
+                    f"a prompt's {name} must be None or text of 1..{MAX_CONTENT_TEXT_BYTES} bytes"
+                )
+
+
 TokenIds = Sequence[int] | np.ndarray | bytes | bytearray | memoryview
+# What names a prompt to the store and the clients: its token ids, or (for an identity with
+# request_content) a Prompt, or the packed chain words a Prompt becomes (the wire form).
+PromptIds = TokenIds | Prompt
 
 
 def as_token_array(token_ids: TokenIds) -> np.ndarray:

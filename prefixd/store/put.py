@@ -40,7 +40,7 @@ from prefixd.schema.records import (
     chunk_key,
     part_key,
 )
-from prefixd.schema.tokens import TokenIds
+from prefixd.schema.tokens import PromptIds
 from prefixd.store import counters, quarantine
 from prefixd.store.codec import EncodedPayload, payload_view
 from prefixd.store.commits import CommitQueue
@@ -109,7 +109,7 @@ class Writer:
         self._commits: CommitQueue[Outcome] = CommitQueue(ctx, _refused)
 
     def put(
-        self, identity: Identity, token_ids: TokenIds, payloads: Sequence[Any], first_block: int
+        self, identity: Identity, token_ids: PromptIds, payloads: Sequence[Any], first_block: int
     ) -> PutResult:
         check_first_block(first_block)
         identity, _ = self._tenancy.namespace(identity, None)
@@ -122,10 +122,11 @@ class Writer:
             return PutResult(0, 0, ())
         end = first_block + len(views)
         if end > chain.n_blocks:
-            have = len(chain.tokens) - chain.n_blocks * chain.block_tokens
+            bt = identity.block_tokens
+            have = chain.n_tokens - chain.n_blocks * bt
             raise OpenTailError(
                 f"block {chain.n_blocks} has {have if end == chain.n_blocks + 1 else 'too few'} of "
-                f"{chain.block_tokens} tokens: only closed blocks are stored"
+                f"{bt} tokens: only closed blocks are stored"
             )
         ctx = self._ctx
         known: VerifiedPrefix | None = None
@@ -164,7 +165,7 @@ class Writer:
     def put_state(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         paged: Mapping[str, Sequence[Any]],
         checkpoints: Mapping[str, Mapping[int, Any]],
         upto_tokens: int | None,
@@ -174,8 +175,8 @@ class Writer:
         identity, _ = self._tenancy.namespace(identity, None)
         spec = require_hybrid(identity, "put")
         chain = BlockChain(identity, token_ids)
-        bt = chain.block_tokens
-        n_tokens = len(chain.tokens)
+        bt = identity.block_tokens
+        n_tokens = chain.n_tokens
         upto = n_tokens if upto_tokens is None else upto_tokens
         if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= n_tokens:
             raise PayloadError(f"upto_tokens must be an int in 0..{n_tokens}, got {upto!r}")

@@ -16,10 +16,11 @@ import numpy as np
 
 from prefixd.errors import CorruptRecordError, DestinationError, TokenError
 from prefixd.schema.chain import HASH_BYTES, BlockChain
+from prefixd.schema.content import chain_words
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord, chunk_key, part_key
 from prefixd.schema.state import StateSpec
-from prefixd.schema.tokens import TokenIds, as_token_array
+from prefixd.schema.tokens import PromptIds
 from prefixd.store import counters
 from prefixd.store.codec import Deadline, StoredPayload, byte_view
 from prefixd.store.joint import joint_match, require_hybrid, require_plain
@@ -61,7 +62,7 @@ class Reader:
         self.memo = ctx.memo
 
     def longest_prefix(
-        self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
+        self, identity: Identity, token_ids: PromptIds, hashes: bytes | None
     ) -> PrefixMatch:
         identity, hashes = self._tenancy.namespace(identity, hashes)
         require_plain(identity, "lookup_state")
@@ -75,7 +76,7 @@ class Reader:
         )
 
     def cached_prefixes(
-        self, identity: Identity, queries: Sequence[tuple[TokenIds, bytes | None]]
+        self, identity: Identity, queries: Sequence[tuple[PromptIds, bytes | None]]
     ) -> list[PrefixMatch] | None:
         """The memo's answers, reading only the removal epoch; None (counting nothing) unless it
         answers every query."""
@@ -95,11 +96,11 @@ class Reader:
         return matches
 
     def _remembered(
-        self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
+        self, identity: Identity, token_ids: PromptIds, hashes: bytes | None
     ) -> VerifiedPrefix | None:
         identity, hashes = self._tenancy.namespace(identity, hashes)
         require_plain(identity, "lookup_state")
-        tokens = as_token_array(token_ids)  # a view: this answer is never remembered
+        tokens = chain_words(identity, token_ids)  # a view: this answer is never remembered
         n_blocks = len(tokens) // identity.block_words
         if hashes is not None and len(hashes) != n_blocks * HASH_BYTES:
             raise TokenError(f"{len(hashes)} bytes of block hashes for {n_blocks} closed blocks")
@@ -146,7 +147,7 @@ class Reader:
     def load(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         out: Any,
         max_blocks: int | None,
         hashes: bytes | None,
@@ -215,7 +216,7 @@ class Reader:
         )
 
     def lookup_state(
-        self, identity: Identity, token_ids: TokenIds, hashes: bytes | None
+        self, identity: Identity, token_ids: PromptIds, hashes: bytes | None
     ) -> JointMatch:
         identity, hashes = self._tenancy.namespace(identity, hashes)
         spec = require_hybrid(identity, "longest_prefix")
@@ -232,7 +233,7 @@ class Reader:
     def load_state(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         out: Any,
         hashes: bytes | None,
         deadline: float | None = None,

@@ -22,7 +22,7 @@ from prefixd.errors import StoreClosedError
 from prefixd.schema.chain import chain_hashes
 from prefixd.schema.identity import Identity
 from prefixd.schema.stored import HotPrefix, ListedBlock
-from prefixd.schema.tokens import TokenIds
+from prefixd.schema.tokens import PromptIds
 from prefixd.store import (
     check,
     counters,
@@ -180,7 +180,7 @@ class Store:
     def put(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         payloads: Sequence[Any],
         *,
         first_block: int = 0,
@@ -196,7 +196,7 @@ class Store:
     def put_state(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         *,
         paged: Mapping[str, Sequence[Any]] | None = None,
         checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
@@ -220,7 +220,7 @@ class Store:
 
     @_translated("the lookup", writing=False)
     def longest_prefix(
-        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+        self, identity: Identity, token_ids: PromptIds, *, hashes: bytes | None = None
     ) -> PrefixMatch:
         """The longest run of stored blocks from the first, compared token by token: it stops at the
         first missing block, and a hash collision is a counted miss. Payloads are not read:
@@ -230,7 +230,7 @@ class Store:
 
     @_translated("the lookup", writing=False)
     def pin(
-        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+        self, identity: Identity, token_ids: PromptIds, *, hashes: bytes | None = None
     ) -> PrefixMatch:
         """`longest_prefix`, with the answer's blocks held from eviction until `unpin`. The prefix
         is read again after pinning, so a block an eviction round took meanwhile is neither answered
@@ -252,7 +252,7 @@ class Store:
     def unpin(self, hashes: Iterable[bytes]) -> None:
         self._ctx.pins.release(hashes)
 
-    def chain_of(self, identity: Identity, token_ids: TokenIds) -> list[bytes]:
+    def chain_of(self, identity: Identity, token_ids: PromptIds) -> list[bytes]:
         """The hashes the closed blocks of `token_ids` are stored under (in the share group's
         namespace when the tenant is in one): what `pin` pinned, what `delete` takes."""
         stored_as, _ = self._tenancy.namespace(identity, None)
@@ -260,7 +260,7 @@ class Store:
 
     @_translated("the lookup", writing=False)
     def cached_prefix(
-        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+        self, identity: Identity, token_ids: PromptIds, *, hashes: bytes | None = None
     ) -> PrefixMatch | None:
         """`longest_prefix`'s answer when memory alone gives it (a prefix verified earlier that no
         removal has touched since); reads only the removal epoch, so an event loop may call it.
@@ -270,7 +270,7 @@ class Store:
 
     @_translated("the lookup", writing=False)
     def cached_prefixes(
-        self, identity: Identity, queries: Sequence[tuple[TokenIds, bytes | None]]
+        self, identity: Identity, queries: Sequence[tuple[PromptIds, bytes | None]]
     ) -> list[PrefixMatch] | None:
         """`cached_prefix` of each query, all or none: None (and nothing counted) unless memory
         answers every one."""
@@ -287,7 +287,7 @@ class Store:
     def load(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         out: Any,
         *,
         max_blocks: int | None = None,
@@ -323,7 +323,7 @@ class Store:
 
     @_translated("the lookup", writing=False)
     def lookup_state(
-        self, identity: Identity, token_ids: TokenIds, *, hashes: bytes | None = None
+        self, identity: Identity, token_ids: PromptIds, *, hashes: bytes | None = None
     ) -> JointMatch:
         """The longest boundary at which every state group of a hybrid identity is complete
         (prefixd.store.joint). Reads part records, not payloads: `load_state` verifies those."""
@@ -333,7 +333,7 @@ class Store:
     def load_state(
         self,
         identity: Identity,
-        token_ids: TokenIds,
+        token_ids: PromptIds,
         out: Any,
         *,
         hashes: bytes | None = None,

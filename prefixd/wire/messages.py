@@ -82,6 +82,7 @@ class WireIdentity(Struct, frozen=True, forbid_unknown_fields=True, omit_default
         Annotated[tuple[WireStateGroup, ...], Meta(min_length=1, max_length=MAX_GROUPS)] | None
     ) = None
     key_bytes: Annotated[int, Meta(ge=MIN_KEY_BYTES, le=MAX_KEY_BYTES, multiple_of=4)] | None = None
+    request_content: bool = False
 
     @classmethod
     def of(cls, identity: Identity) -> "WireIdentity":

@@ -53,9 +53,11 @@ def store_prefix(client: Client, family: str) -> None:
     assert stored.stored == PREFIX // BLOCK
 
 
-def restored_in_a_fresh_process(module: str, daemon: Daemon, *args: str) -> dict[str, dict]:
+def restored_in_a_fresh_process(
+    module: str, daemon: Daemon, *args: str, key: str = "family"
+) -> dict[str, dict]:
     """Run `python -m module SOCKET ARGS...` (nothing of this process survives in it): its
-    results by family, one JSON line each."""
+    results by `key` (the family), one JSON line each."""
     worker = subprocess.run(
         [sys.executable, "-m", module, str(daemon.socket), *args],
         cwd=REPO,
@@ -65,7 +67,7 @@ def restored_in_a_fresh_process(module: str, daemon: Daemon, *args: str) -> dict
         check=False,
     )
     assert worker.returncode == 0, worker.stderr[-4000:]
-    return {r["family"]: r for r in map(json.loads, worker.stdout.splitlines())}
+    return {r[key]: r for r in map(json.loads, worker.stdout.splitlines())}
 
 
 def test_every_family_continues_exactly_after_a_daemon_restart(daemon: Daemon) -> None:

@@ -35,6 +35,7 @@ from prefixd.schema.state import PAGED, StateGroup, StateSpec, check_spec
 
 from .fields import GROUP_ORDER, KINDS, RECURRENT, Buffer, Field, pack_described
 from .layout import StateLayout, Tensors, check_positive, fresh_cache, layout_of, state_layout
+from .prompts import prompt_of
 
 __all__ = [
     "GROUP_ORDER",
@@ -44,6 +45,7 @@ __all__ = [
     "StatePayloads",
     "capture_checkpoint",
     "export_state",
+    "prompt_of",
     "restore_state",
     "state_layout",
     "state_spec",
