@@ -13,8 +13,8 @@ Tokens = TypeVar("Tokens")
 
 @dataclass(frozen=True, slots=True)
 class ListedBlock:
-    """One stored block of a listing: its identity, its packed token ids or engine key, and its
-    payload's size."""
+    """One stored block of a listing: its identity, its packed chain words (token ids, then the
+    content digest under request_content) or engine key, and its payload's size."""
 
     identity: Identity
     tokens: bytes
@@ -27,8 +27,10 @@ class ListedBlock:
 
 @dataclass(frozen=True, slots=True)
 class HotPrefix(Generic[Tokens]):
-    """A prefix to warm (Store.hottest, Client.hot): its token ids from token 0 (packed in the
-    store, a uint32 array from a client), its blocks' sizes and its best value per byte."""
+    """A prefix to warm (Store.hottest, Client.hot): its chain words from token 0 (packed in the
+    store, a uint32 array from a client): the token ids, with each block's content digest for an
+    identity with request_content (such a prefix loads back as `tokens.tobytes()`); its blocks'
+    sizes and its best value per byte."""
 
     identity: Identity
     tokens: Tokens
