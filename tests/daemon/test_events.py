@@ -188,3 +188,19 @@ def test_evictions_and_quarantines_reach_the_view(
         assert removals["blocks"] < 30  # of 52 put: most were evicted (96 KiB hold 24 at most)
     finally:
         consumer.close()
+
+
+def test_a_request_content_block_publishes_its_token_ids_alone() -> None:
+    """A router reads token ids: a block's content digest is no token (its hash covers it)."""
+    from prefixd import MediaItem, Prompt
+    from prefixd.daemon.events import event_of
+    from prefixd.schema.content import chain_words
+    from prefixd.store.journal import STORED, BlockChange
+
+    vlm = dataclasses.replace(ALICE, mm="clip@1", request_content=True)
+    ids = tokens(1, 2)
+    words = chain_words(vlm, Prompt(ids, (MediaItem("img", 1, 2),))).tobytes()
+    first = words[: vlm.block_words * 4]
+    [block] = chain_hashes(vlm, Prompt(ids[:BT], (MediaItem("img", 1, 2),)))
+    event = event_of(BlockChange(STORED, block, bytes(16), first, vlm), hash_only=False)
+    assert event.token_ids == ids[:BT].tolist() and event.block_hashes == [block]
