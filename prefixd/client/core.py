@@ -18,7 +18,7 @@ from prefixd.client.steps import Call, Reserve, Steps, holding, spans_of
 from prefixd.errors import PrefixdError, RegionError
 from prefixd.schema.content import chain_words
 from prefixd.schema.identity import Identity
-from prefixd.schema.tokens import PromptIds
+from prefixd.schema.tokens import PromptIds, TokenIds, as_token_array
 from prefixd.trust import daemon_uids
 from prefixd.wire import decoding
 from prefixd.wire import messages as wire
@@ -164,12 +164,10 @@ class ClientCore:
     def region_id(self, allocator: RegionAllocator) -> int:
         return self._region_ids[id(allocator)]
 
-    def prompt_fields(
-        self, identity: Identity, token_ids: PromptIds, held: list[Lease | Span]
-    ) -> dict[str, Any]:
-        """A prompt's token fields: staged in a span of the token region when long and there
-        is room now (the span goes to `held`), else inline in the frame."""
-        entry = self._entry(identity, token_ids, None, held.append)
+    def prompt_fields(self, words: TokenIds, held: list[Lease | Span]) -> dict[str, Any]:
+        """A prompt's token fields (its chain words): staged in a span of the token region when
+        long and there is room now (the span goes to `held`), else inline in the frame."""
+        entry = self._entry(words, None, held.append)
         return {
             "tokens": entry.tokens,
             "tokens_span": entry.tokens_span,
@@ -177,15 +175,11 @@ class ClientCore:
         }
 
     def _entry(
-        self,
-        identity: Identity,
-        token_ids: PromptIds,
-        hashes: bytes | None,
-        keep: Callable[[Span], None],
+        self, words: TokenIds, hashes: bytes | None, keep: Callable[[Span], None]
     ) -> wire.Prompt:
-        """One prompt of a request (its chain words); a token-region span it stages them in goes
-        to `keep`."""
-        tokens = chain_words(identity, token_ids)
+        """One prompt of a request (its chain words: prefixd.schema.content.chain_words); a
+        token-region span it stages them in goes to `keep`."""
+        tokens = as_token_array(words)
         allocator = self.tokens
         span = None
         if allocator is not None and tokens.nbytes >= INLINE_TOKEN_BYTES:
@@ -227,7 +221,9 @@ class ClientCore:
         with holding() as held:
             keep = held.append
             entries = [
-                self._entry(identity, prompt, None if hashes is None else hashes[i], keep)
+                self._entry(
+                    chain_words(identity, prompt), None if hashes is None else hashes[i], keep
+                )
                 for i, prompt in enumerate(prompts)
             ]
             message = kind(
@@ -252,7 +248,7 @@ class ClientCore:
             message = kind(
                 id=self.next_id(),
                 identity=self.wire_identity(identity),
-                **self.prompt_fields(identity, token_ids, held),
+                **self.prompt_fields(chain_words(identity, token_ids), held),
                 **fields,
             )
             reply = yield Call(message, (*spans, *spans_of(held)), owned=owned)
