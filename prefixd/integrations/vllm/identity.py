@@ -3,9 +3,12 @@
 vLLM's block hashes already chain the tokens, a request's LoRA adapter, multimodal inputs and cache
 salt; the identity adds what else changes the KV those tokens produce. Each field's source:
 
-  model, weights  ModelConfig.model and revision; a local model's weight files' fingerprint
+  model, weights  ModelConfig.model and revision, the revision as the commit it named when vLLM
+                  read the config (Hugging Face's cache: a branch such as `main` moves); a local
+                  model's weight files' fingerprint
   tokenizer       ModelConfig.tokenizer, tokenizer_revision and tokenizer_mode
   template        a local model's chat_template.jinja and tokenizer_config.json, else the revision
+                  (as the commit)
   rope            the HF config's RoPE settings, and max_model_len when scaling sets positions
   kv_layout       ModelConfig.dtype, cache_dtype and the keys' hash; the tier adds what vLLM's
                   offloading config says of the KV (tier.group_identities)
@@ -36,14 +39,15 @@ def engine_fields(vllm_config: Any) -> dict[str, str | None]:
     model = str(model_config.model)
     local = Path(model) if Path(model).is_dir() else None
     revision = model_config.revision or "main"
-    weights = f"rev={revision}" if local is None else local_weights(local)
+    pinned = revision if local is not None else (_commit(model, revision) or revision)
+    weights = f"rev={pinned}" if local is None else local_weights(local)
     tokenizer_revision = model_config.tokenizer_revision or revision
     tokenizer = f"{model_config.tokenizer}@{tokenizer_revision} mode={model_config.tokenizer_mode}"
     return {
         "model": model,
         "weights": weights,
         "tokenizer": tokenizer,
-        "template": _template(local, revision),
+        "template": _template(local, pinned),
         "rope": _rope(model_config),
         "kv_layout": "dtype={} cache={} keys={}".format(
             str(model_config.dtype).removeprefix("torch."),
@@ -53,6 +57,20 @@ def engine_fields(vllm_config: Any) -> dict[str, str | None]:
         "adapter": _adapter(vllm_config.lora_config),
         "mm": _multimodal(model_config),
     }
+
+
+def _commit(model: str, revision: str) -> str | None:
+    """The commit `revision` of the hub model `model` names in Hugging Face's cache, where vLLM
+    has just read the model's config (None: not from there, or huggingface_hub is missing)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        config = try_to_load_from_cache(model, "config.json", revision=revision)
+    except ValueError:  # not a repo id (an s3:// URI, a file)
+        return None
+    return Path(config).parent.name if isinstance(config, str) else None
 
 
 def _template(local: Path | None, revision: str) -> str:

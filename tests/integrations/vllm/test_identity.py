@@ -16,6 +16,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from prefixd.integrations.vllm import engine_fields, kv_transfer_config
 
+from .hub_cache import publish, serving
 from .tiny_model import build_tiny_model
 
 
@@ -24,7 +25,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model"))
 
 
-def base_args(model: Path, **changes: Any) -> EngineArgs:
+def base_args(model: Path | str, **changes: Any) -> EngineArgs:
     args = EngineArgs(
         model=str(model),
         block_size=32,
@@ -78,6 +79,23 @@ def test_other_weights_are_another_identity(model: Path, tmp_path: Path) -> None
     assert ours["weights"] != theirs["weights"]
     rebuilt = build_tiny_model(tmp_path / "rebuilt")  # the same bytes elsewhere: same weights
     assert fields(base_args(rebuilt))["weights"] == ours["weights"]
+
+
+def test_a_hub_models_revision_is_the_commit_it_named(tmp_path: Path) -> None:
+    """`main` moved: an engine started since loads other weights under the same name and
+    revision (vllm#49261), so the identity holds the commit vLLM read the config from."""
+
+    def hub_fields() -> dict[str, str | None]:
+        with serving(tmp_path):
+            return fields(base_args("poison/tiny"))
+
+    publish(tmp_path, "poison/tiny", "a" * 40)
+    before = hub_fields()
+    assert (before["model"], before["weights"]) == ("poison/tiny", "rev=" + "a" * 40)
+    assert hub_fields() == before
+    publish(tmp_path, "poison/tiny", "b" * 40, seed=1)
+    after = hub_fields()
+    assert {k for k in before if before[k] != after[k]} == {"weights", "template"}
 
 
 def test_kv_transfer_config_loads_the_tier_with_those_fields(model: Path) -> None:
