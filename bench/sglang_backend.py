@@ -111,9 +111,9 @@ def store(extra: dict[str, Any], pages: int, seed: int) -> tuple[list[int], list
     return tokens, expected, seconds
 
 
-def load(extra: dict[str, Any], tokens: list[int], expected: list[bytes]) -> dict[str, Any]:
-    """A fresh controller's hit query and transfer: pages reported, loaded, and byte-correct."""
-    pages = len(expected)
+def read(extra: dict[str, Any], tokens: list[int], pages: int) -> tuple[int, list[bytes], float]:
+    """A fresh controller's hit query and transfer: pages reported, the pages loaded, and the
+    transfer's seconds."""
     reader = Controller(pool(pages), extra)
     slots = reader.pool.alloc(pages * PAGE)
     hit = reader.hit(tokens) // PAGE
@@ -122,8 +122,14 @@ def load(extra: dict[str, Any], tokens: list[int], expected: list[bytes]) -> dic
     seconds = time.perf_counter() - started
     got = pages_of(reader.pool, slots[: loaded * PAGE])
     reader.close()
+    return hit, got, seconds
+
+
+def load(extra: dict[str, Any], tokens: list[int], expected: list[bytes]) -> dict[str, Any]:
+    """A fresh controller's hit query and transfer: pages reported, loaded, and byte-correct."""
+    hit, got, seconds = read(extra, tokens, len(expected))
     correct = sum(1 for a, b in zip(got, expected) if a == b)
-    return {"hit": hit, "loaded": loaded, "correct": correct, "seconds": seconds}
+    return {"hit": hit, "loaded": len(got), "correct": correct, "seconds": seconds}
 
 
 def flip_one_byte(path: Path, page: bytes) -> None:
