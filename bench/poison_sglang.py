@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolHitPolicy,
     PoolTransfer,
 )
-from sglang_backend import read, restart, store
+from sglang_backend import read, store
 from suitelib import SuiteDaemon
 
 from tests.integrations.sglang.harness import (
@@ -187,7 +187,7 @@ def rows(root: Path | None = None) -> list[Row]:
         try:
             ours: dict[str, Any] = {
                 "extra": lambda: prefixd_extra(daemon.socket),
-                "restart_store": lambda: restart(daemon),
+                "restart_store": daemon.restart,
             }
             theirs: dict[str, Any] = {
                 "extra": lambda: file_extra(base / "hicache"),

@@ -145,13 +145,6 @@ def flip_one_byte(path: Path, page: bytes) -> None:
     raise RuntimeError("the page's bytes were not found on disk")
 
 
-def restart(daemon: SuiteDaemon, *, stopped: bool = False) -> None:
-    if not stopped:
-        daemon.stop()
-    daemon.notify_path.unlink(missing_ok=True)  # the readiness socket of the first start
-    daemon.start()
-
-
 def bench(root: Path, pages: int, repeat: int) -> dict[str, Any]:
     daemon = SuiteDaemon(root, "prefixd", map_size=max(8 << 30, 4 * pages * (512 << 10) * repeat))
     daemon.start()
@@ -187,7 +180,7 @@ def bench(root: Path, pages: int, repeat: int) -> dict[str, Any]:
             report[f"{key}_gbps"] = round(n_bytes / statistics.median(samples) / 1e9, 3)
 
         # what survives: a restart, another engine's weights, one flipped byte
-        restart(daemon)
+        daemon.restart()
         survives: dict[str, Any] = {}
         for name in ("file", "prefixd_v1"):
             tokens, expected = kept[name]
@@ -200,7 +193,7 @@ def bench(root: Path, pages: int, repeat: int) -> dict[str, Any]:
         daemon.stop()
         for name, where in (("file", root / "hicache"), ("prefixd_v1", daemon.data_dir)):
             flip_one_byte(where, kept[name][1][pages // 2])
-        restart(daemon, stopped=True)
+        daemon.restart(stopped=True)
         for name in ("file", "prefixd_v1"):
             survives[name]["one_byte_flipped"] = load(backends[name](), *kept[name])
         for result in survives.values():
