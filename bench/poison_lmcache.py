@@ -15,8 +15,9 @@ salt). Cache salts come from SGLang's as LMCache's SGLang connector makes them.
 
 * other weights: an engine stores chunks, the store restarts, an engine serving other weights
   under the same model name reads the same chunk hashes (LMCache#4385: another session's KV).
-* cache salts: two tenants store other bytes under one chunk hash with their own cache salts,
-  each reads its own back and a third reads nothing, live and after a restart (sglang#37160).
+* cache salts: tenants (one also with an SGLang extra key) store other bytes under one chunk hash
+  with their own cache salts, each reads its own back and another tenant reads nothing, live and
+  after a restart (sglang#37160).
 """
 
 from __future__ import annotations
@@ -64,9 +65,10 @@ def payloads(seed: int) -> list[bytes]:
     ]
 
 
-def salt_of(tenant: str) -> str:
-    """An SGLang request's cache salt as LMCache's SGLang connector puts it in ObjectKey."""
-    return str(UnifiedLMCacheMPConnector.build_cache_salt(tenant, None))
+def salt_of(tenant: str, extra_key: str | None = None) -> str:
+    """An SGLang request's cache salt (and extra key) as LMCache's SGLang connector puts it in
+    ObjectKey."""
+    return str(UnifiedLMCacheMPConnector.build_cache_salt(tenant, extra_key))
 
 
 class Adapter:
@@ -179,7 +181,11 @@ def other_weights(storage: Any, start: int) -> Outcome:
 
 
 def cache_salts(storage: Any, start: int) -> Outcome:
-    tenants = {salt_of("tenant-a"): payloads(start), salt_of("tenant-b"): payloads(start + 1)}
+    tenants = {
+        salt_of("tenant-a"): payloads(start),
+        salt_of("tenant-b"): payloads(start + 1),
+        salt_of("tenant-a", "lora-7"): payloads(start + 2),  # the connector hashes the two
+    }
     pairs: list[tuple[bytes | None, bytes | None]] = []
 
     def read_back(handle: Any) -> None:

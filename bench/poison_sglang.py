@@ -60,6 +60,7 @@ N_PAGES = 6
 WIDTH = {"swa": 2, "mamba": 1}  # trailing pools: the pages a checkpoint holds
 BOTH = ("swa", "mamba")
 OTHER_WEIGHTS_PAGES = 4
+SSM = torch.bfloat16  # the writer's Mamba SSM state dtype
 
 
 def _info(prefix: list[str]) -> HiCacheStorageExtraInfo:
@@ -70,7 +71,7 @@ class Hybrid:
     """A hybrid engine's host pools (seeded, or empty for a reader) and the slots its pages and
     states sit in: a KV and a window page per page, a Mamba state per page it may end at."""
 
-    def __init__(self, seed: int | None, ssm_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, seed: int | None, ssm_dtype: torch.dtype = SSM) -> None:
         self.pools: dict[str, Any] = {
             "kv": host_pool("layer_first"),
             "swa": host_pool("page_first", layers=1),
@@ -148,7 +149,7 @@ def hybrid_case(
     restart_store: Callable[[], None],
     seed: int,
     states: Mapping[int, tuple[str, ...]],
-    reader_ssm: torch.dtype = torch.bfloat16,
+    reader_ssm: torch.dtype = SSM,
 ) -> Outcome:
     """A writer stores a prompt's pools and `states`, the store restarts, a fresh reader (whose
     Mamba SSM state is `reader_ssm`) restores what it is offered; judged against the writer's
@@ -164,7 +165,7 @@ def hybrid_case(
     end, served = reader.restore(fresh, keys)
     getattr(fresh, "close", lambda: None)()
     complete = end in states and set(states[end]) == set(BOTH)
-    expected = writer.state(end) if complete and reader_ssm == torch.bfloat16 else None
+    expected = writer.state(end) if complete and reader_ssm == SSM else None
     return judge(expected, served)
 
 
@@ -194,8 +195,8 @@ def rows(root: Path | None = None) -> list[Row]:
                 "restart_store": lambda: None,  # a new backend reopens the directory
             }
             hybrid = [
-                ("hybrid model (KV, window, Mamba state) after a restart", {3: BOTH, 6: BOTH}, torch.bfloat16),
-                ("hybrid model, a store torn before its last Mamba state, after a restart", {3: BOTH, 6: ("swa",)}, torch.bfloat16),
+                ("hybrid model (KV, window, Mamba state) after a restart", {3: BOTH, 6: BOTH}, SSM),
+                ("hybrid model, a store torn before its last Mamba state, after a restart", {3: BOTH, 6: ("swa",)}, SSM),
                 ("hybrid model, Mamba SSM state dtype changed across a restart (bf16 to fp16)", {3: BOTH, 6: BOTH}, torch.float16),
             ]  # fmt: skip
             out = []
