@@ -101,17 +101,23 @@ def rounds(adapter: Any, args: argparse.Namespace) -> tuple[list[float], list[fl
     return store_gbps, load_gbps, exact
 
 
-def survey(adapter: Any, ks: list[Any], expected: list[bytes], size: int) -> dict[str, int]:
+def fetch(adapter: Any, ks: list[Any], size: int) -> tuple[list[bool], list[bytes | None]]:
+    """As a node server reads keys: lookup and lock, load into fresh objects of `size`, unlock.
+    Which keys the lookup found, and each key's loaded bytes (None: the load missed)."""
     found = lookup_and_lock(adapter, ks)
     outs = [memory_obj(size, fill=0) for _ in ks]
     bits = load(adapter, ks, outs)
     adapter.submit_unlock([k for k, hit in zip(ks, found) if hit])
-    got = [bytes(o.byte_array) for o in outs]
+    return found, [bytes(o.byte_array) if b else None for b, o in zip(bits, outs)]
+
+
+def survey(adapter: Any, ks: list[Any], expected: list[bytes], size: int) -> dict[str, int]:
+    found, got = fetch(adapter, ks, size)
     return {
         "found": sum(found),
-        "loaded_exact": sum(b and g == e for b, g, e in zip(bits, got, expected)),
-        "missed": sum(not b for b in bits),
-        "served_wrong_bytes": sum(b and g != e for b, g, e in zip(bits, got, expected)),
+        "loaded_exact": sum(g == e for g, e in zip(got, expected)),
+        "missed": sum(g is None for g in got),
+        "served_wrong_bytes": sum(g is not None and g != e for g, e in zip(got, expected)),
     }
 
 

@@ -111,9 +111,9 @@ def store(extra: dict[str, Any], pages: int, seed: int) -> tuple[list[int], list
     return tokens, expected, seconds
 
 
-def load(extra: dict[str, Any], tokens: list[int], expected: list[bytes]) -> dict[str, Any]:
-    """A fresh controller's hit query and transfer: pages reported, loaded, and byte-correct."""
-    pages = len(expected)
+def read(extra: dict[str, Any], tokens: list[int], pages: int) -> tuple[int, list[bytes], float]:
+    """A fresh controller's hit query and transfer: pages reported, the pages loaded, and the
+    transfer's seconds."""
     reader = Controller(pool(pages), extra)
     slots = reader.pool.alloc(pages * PAGE)
     hit = reader.hit(tokens) // PAGE
@@ -122,8 +122,14 @@ def load(extra: dict[str, Any], tokens: list[int], expected: list[bytes]) -> dic
     seconds = time.perf_counter() - started
     got = pages_of(reader.pool, slots[: loaded * PAGE])
     reader.close()
+    return hit, got, seconds
+
+
+def load(extra: dict[str, Any], tokens: list[int], expected: list[bytes]) -> dict[str, Any]:
+    """A fresh controller's hit query and transfer: pages reported, loaded, and byte-correct."""
+    hit, got, seconds = read(extra, tokens, len(expected))
     correct = sum(1 for a, b in zip(got, expected) if a == b)
-    return {"hit": hit, "loaded": loaded, "correct": correct, "seconds": seconds}
+    return {"hit": hit, "loaded": len(got), "correct": correct, "seconds": seconds}
 
 
 def flip_one_byte(path: Path, page: bytes) -> None:
@@ -137,13 +143,6 @@ def flip_one_byte(path: Path, page: bytes) -> None:
                 data.flush()
                 return
     raise RuntimeError("the page's bytes were not found on disk")
-
-
-def restart(daemon: SuiteDaemon, *, stopped: bool = False) -> None:
-    if not stopped:
-        daemon.stop()
-    daemon.notify_path.unlink(missing_ok=True)  # the readiness socket of the first start
-    daemon.start()
 
 
 def bench(root: Path, pages: int, repeat: int) -> dict[str, Any]:
@@ -181,7 +180,7 @@ def bench(root: Path, pages: int, repeat: int) -> dict[str, Any]:
             report[f"{key}_gbps"] = round(n_bytes / statistics.median(samples) / 1e9, 3)
 
         # what survives: a restart, another engine's weights, one flipped byte
-        restart(daemon)
+        daemon.restart()
         survives: dict[str, Any] = {}
         for name in ("file", "prefixd_v1"):
             tokens, expected = kept[name]
@@ -194,7 +193,7 @@ def bench(root: Path, pages: int, repeat: int) -> dict[str, Any]:
         daemon.stop()
         for name, where in (("file", root / "hicache"), ("prefixd_v1", daemon.data_dir)):
             flip_one_byte(where, kept[name][1][pages // 2])
-        restart(daemon, stopped=True)
+        daemon.restart(stopped=True)
         for name in ("file", "prefixd_v1"):
             survives[name]["one_byte_flipped"] = load(backends[name](), *kept[name])
         for result in survives.values():

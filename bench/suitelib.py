@@ -60,6 +60,13 @@ class SuiteDaemon(daemon_bench.Daemon):
             hello.close()
         self.start_s = time.perf_counter() - started
 
+    def restart(self, *, stopped: bool = False) -> None:
+        """Stop (unless `stopped` already) and start again on the same store and socket."""
+        if not stopped:
+            self.stop()
+        self.notify_path.unlink(missing_ok=True)  # the readiness socket of the last start
+        self.start()
+
     @property
     def pid(self) -> int:
         assert self.process is not None

@@ -28,6 +28,22 @@ def run_bench(script: str, *args: str, timeout_s: float = 300) -> dict[str, Any]
     return report
 
 
+def run_poison(script: str, *, timeout_s: float = 300) -> list[dict[str, Any]]:
+    """The rows of a poison-suite module (`bench/poison_<engine>.py --json`: its last line of
+    output; engines log on stdout too)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--json"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows: list[dict[str, Any]] = json.loads(done.stdout.splitlines()[-1])
+    return rows
+
+
 def positive(value: Any) -> bool:
     """A finite number above zero (what every measured figure must be, whatever the machine)."""
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0

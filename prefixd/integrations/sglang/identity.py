@@ -10,8 +10,9 @@ so engines with other weights, tokenizer, template or KV layout would share page
   tokenizer   "tokenizer" (default: the model and its weights)
   template    "template" (default "none"); rope: "rope" (default "default"); adapter: "adapter"
   kv_layout   what the host pool says of a page (dtype, layout, page size, layers, heads, head
-              size, bytes per token) and the parallel ranks; MLA KV, whole on every tp rank,
-              leaves the tp rank out so that every rank reads what the writer rank stored
+              size, bytes per token; a Mamba pool's every state's dtype and shape) and the
+              parallel ranks; MLA KV, whole on every tp rank, leaves the tp rank out so that
+              every rank reads what the writer rank stored
   tenant      "tenant" (default "default")
 """
 
@@ -73,7 +74,26 @@ def _pool_layout(host_pool: Any) -> dict[str, Any]:
     size_per_token = getattr(host_pool, "size_per_token", None)
     if size_per_token is not None:
         layout["token_bytes"] = int(size_per_token)
+    states = _state_layout(host_pool)
+    if states is not None:
+        layout["states"] = states
     return layout
+
+
+def _state_layout(host_pool: Any) -> dict[str, Any] | None:
+    """A Mamba host pool's page is its SSM (temporal) and conv states of every Mamba layer, then
+    any side states: each one's dtype and shape. Its `dtype` is the conv states' alone and its page
+    size a sum, so an SSM state of another dtype (or shape) would otherwise share entries; None for
+    a pool of another kind."""
+    shape = getattr(host_pool, "temporal_state_shape", None)
+    if shape is None:
+        return None
+    return {
+        "layers": int(host_pool.num_mamba_layers),
+        "temporal": [str(host_pool.temporal_dtype), list(shape)],
+        "conv": [str(host_pool.conv_dtype), [list(s) for s in host_pool.conv_state_shapes]],
+        "side": [[str(b.dtype), list(b.shape[1:])] for b in host_pool.slot_state_buffers],
+    }
 
 
 def _ranks(storage_config: Any, *, replicated: bool) -> dict[str, Any]:

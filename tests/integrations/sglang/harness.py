@@ -12,6 +12,7 @@ own methods, run unchanged.
 from __future__ import annotations
 
 import queue
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ from sglang.srt.managers.cache_controller import (
     PrefetchOperation,
     StorageOperation,
 )
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -32,6 +35,7 @@ from prefixd.integrations.sglang import extra_config
 PAGE = 16  # tokens per page
 LAYERS, HEADS, HEAD_DIM = 3, 2, 32
 DTYPE = torch.bfloat16
+MAMBA_LAYERS = 2
 
 
 def host_pool(layout: str, *, layers: int = LAYERS, tokens: int = 1024) -> MHATokenToKVPoolHost:
@@ -51,6 +55,21 @@ def host_pool(layout: str, *, layers: int = LAYERS, tokens: int = 1024) -> MHATo
         end_layer=device.end_layer,
         write_back_staging=device.hicache_write_back_staging,
     )
+
+
+def mamba_pool(
+    *,
+    ssm_dtype: torch.dtype = torch.float32,
+    ssm_shape: tuple[int, ...] = (4, 16, 16),
+    slots: int = 8,
+) -> MambaPoolHost:
+    """A real CPU Mamba host pool (page_first, one state per slot) over the checkpoint tensors a
+    device Mamba pool hands HiCache: SSM (temporal) and conv states of every Mamba layer."""
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(MAMBA_LAYERS, slots, *ssm_shape, dtype=ssm_dtype),
+        conv=(torch.zeros(MAMBA_LAYERS, slots, 64, 3, dtype=DTYPE),),
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, layout="page_first")
 
 
 def storage_config(
@@ -91,6 +110,17 @@ def file_extra(path: Path, **options: Any) -> dict[str, Any]:
         "file_storage_path": str(path),
         **options,
     }
+
+
+def attach_pools(extra: dict[str, Any], pools: Mapping[str, Any]) -> HiCacheStorage:
+    """A backend created and registered as the hybrid controller's attach does it: the "kv"
+    pool as its anchor, then every pool of the set by name (v2)."""
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pools["kv"])
+    backend.register_mem_pool_host(pools["kv"])
+    for name, pool in pools.items():
+        backend.register_mem_host_pool_v2(pool, name)
+    backend.on_host_pools_registered()
+    return backend
 
 
 class Controller:

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageExtraInfo,
     PoolHitPolicy,
     PoolTransfer,
 )
-from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from prefixd.client import Client
 from prefixd.errors import ConfigError
@@ -23,8 +23,17 @@ from prefixd.integrations.sglang.backend import PrefixdHiCache
 
 from ...daemon.conftest import Daemon
 from ...store.test_faults import corrupt_payload
-from .harness import PAGE, file_extra, fill, host_pool, page_hashes, pages_of, prefixd_extra
-from .harness import storage_config as make_config
+from .harness import (
+    PAGE,
+    attach_pools,
+    file_extra,
+    fill,
+    host_pool,
+    mamba_pool,
+    page_hashes,
+    pages_of,
+    prefixd_extra,
+)
 
 N_PAGES = 6
 WINDOW = 2  # the sliding-window pool keeps its last two pages
@@ -46,15 +55,7 @@ class Pools:
                 fill(pool, self.slots[name], seed + i)
 
     def backend(self, extra: dict[str, Any]) -> HiCacheStorage:
-        """Created and registered as the hybrid controller's attach does."""
-        backend = StorageBackendFactory.create_backend(
-            "dynamic", make_config(extra), self.pools["kv"]
-        )
-        backend.register_mem_pool_host(self.pools["kv"])
-        for name, pool in self.pools.items():
-            backend.register_mem_host_pool_v2(pool, name)
-        backend.on_host_pools_registered()
-        return backend
+        return attach_pools(extra, self.pools)
 
     def transfer(self, name: str, first: int, end: int, keys: list[str]) -> PoolTransfer:
         policy = TRAILING if name == "swa" else ALL
@@ -197,3 +198,22 @@ def test_block_groups_are_refused_clearly(daemon: Daemon) -> None:
     wrong.hit_policy = ALL  # served as trailing pages: another policy is refused, not guessed
     with pytest.raises(ConfigError, match="trailing_pages"):
         backend.batch_set_v2([wrong], extra([]))
+
+
+def test_a_mamba_state_of_another_dtype_or_shape_is_another_identity(daemon: Daemon) -> None:
+    """A Mamba pool's `dtype` is its conv states' and its page size a sum: an engine restarted
+    with another SSM state dtype (or shape) of the same size must not be served the old states
+    (bench/poison_sglang.py's row of sglang#39830)."""
+
+    def identity(**state: Any) -> Any:
+        pools = {"kv": host_pool("layer_first"), "mamba": mamba_pool(**state)}
+        backend = attach_pools(prefixd_extra(daemon.socket), pools)
+        try:
+            return backend._trailing_identity()
+        finally:
+            backend.close()
+
+    bf16 = identity(ssm_dtype=torch.bfloat16)
+    assert identity(ssm_dtype=torch.bfloat16) == bf16
+    assert identity(ssm_dtype=torch.float16) != bf16
+    assert identity(ssm_dtype=torch.bfloat16, ssm_shape=(16, 4, 16)) != bf16
