@@ -37,9 +37,7 @@ def through_prefixd(root: Path) -> Outcome:
     with SuiteDaemon(root, "poison-mm", map_size=1 << 30) as daemon:
         with Client(daemon.socket, region_bytes=16 << 20) as client:
             mm.store(client, "cat")
-        daemon.stop()
-        daemon.notify_path.unlink(missing_ok=True)  # its start binds it anew
-        daemon.start()
+        daemon.restart()
         with Client(daemon.socket, region_bytes=16 << 20) as client:
             dog = mm.restore_and_continue(client, "dog")
     return "exact" if dog["diff"] <= mm.TOL else "wrong"
