@@ -61,12 +61,14 @@ def storage_config(
     layout: str = "layer_first",
     model: str = "tiny-model",
     mla: bool = False,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,
