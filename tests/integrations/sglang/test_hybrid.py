@@ -45,10 +45,11 @@ class Pools:
             for i, (name, pool) in enumerate(self.pools.items()):
                 fill(pool, self.slots[name], seed + i)
 
-    def backend(self, extra: dict[str, Any]) -> HiCacheStorage:
-        """Created and registered as the hybrid controller's attach does."""
+    def backend(self, extra: dict[str, Any], **ranks: Any) -> HiCacheStorage:
+        """Created and registered as the hybrid controller's attach does (`ranks`: the storage
+        config's tp_rank, tp_size, ...)."""
         backend = StorageBackendFactory.create_backend(
-            "dynamic", make_config(extra), self.pools["kv"]
+            "dynamic", make_config(extra, **ranks), self.pools["kv"]
         )
         backend.register_mem_pool_host(self.pools["kv"])
         for name, pool in self.pools.items():

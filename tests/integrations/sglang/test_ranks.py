@@ -26,6 +26,7 @@ from .harness import (
     prefixd_extra,
     storage_config,
 )
+from .test_hybrid import N_PAGES, Pools, extra, query, write
 
 PAGES = 4
 TORN_FROM = 2  # the failing writer's store breaks as it reaches this page
@@ -157,3 +158,30 @@ def test_v0_pages_follow_the_same_rule(daemon: Daemon) -> None:
         assert reader.backend.get(keys[0], reader.pool.get_dummy_flat_data_page()) is not None
         assert reader.backend.get(keys[TORN_FROM], reader.pool.get_dummy_flat_data_page()) is None
         reader.close()
+
+
+def test_v2_trailing_pools_restore_only_where_every_rank_has_its_window(daemon: Daemon) -> None:
+    """v2 with a hybrid pool set (test_hybrid.py): a rank's sliding-window checkpoints are its own
+    part too. The last window one tp rank stored is missing on the other, so `batch_exists_v2`
+    stops at the window both hold; and windows that end at other pages on each rank are restorable
+    at none of them (every rank is asked again where another stopped)."""
+    keys = page_hashes(list(range(N_PAGES * PAGE)))
+    rank = [{"tp_rank": t, "tp_size": 2} for t in range(2)]
+    pools = [Pools(seed=20 + t) for t in range(2)]
+    backends = [pools[t].backend(prefixd_extra(daemon.socket), **rank[t]) for t in range(2)]
+    write(backends[0], pools[0], keys, windows=(3, 5))
+    write(backends[1], pools[1], keys, windows=(3,))  # its window at 5 was never stored
+    for t in range(2):
+        assert query(backends[t], pools[t], keys).kv_hit_pages == 3, t
+        window = backends[t].batch_get_v2([pools[t].transfer("swa", 3, 5, keys)], extra(keys[:3]))
+        assert window == {"swa": [False, False]}, t
+        assert backends[t].batch_get_v2(
+            [pools[t].transfer("swa", 1, 3, keys)], extra(keys[:1])
+        ) == {"swa": [True, True]}, t
+    other = page_hashes(list(range(1, N_PAGES * PAGE + 1)))
+    write(backends[0], pools[0], other, windows=(3, 5))
+    write(backends[1], pools[1], other, windows=(2, 4))
+    for t in range(2):
+        assert query(backends[t], pools[t], other).kv_hit_pages == 0, t
+    for backend in backends:
+        backend.close()
