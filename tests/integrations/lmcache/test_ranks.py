@@ -17,7 +17,7 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_management import TensorMemoryObj
 
 from prefixd.integrations.lmcache import PrefixdL2Adapter, key_of
-from prefixd.integrations.lmcache.identity import Identities, Settings
+from prefixd.integrations.lmcache.identity import Identities, Settings, rank_parts
 from prefixd.schema.chain import chain_hashes
 
 from ...daemon.conftest import Daemon
@@ -185,3 +185,16 @@ def test_a_part_that_fails_verification_fails_its_chunk_for_every_rank(daemon: D
         adapter.submit_unlock(keys)
     finally:
         adapter.close()
+
+
+def test_rank_parts_are_the_ranks_lmcache_packs_a_world_into() -> None:
+    """Every KV rank of a world names the same parts: the world's ranks as the node server's
+    lookup fans out to them. A rank that is no packing of a world of two or more stands alone."""
+    for world in range(1, 9):
+        fanned = [k.kv_rank for k in rank_keys(HASHES[:1], world, None)]
+        for worker in range(world):
+            [own] = rank_keys(HASHES[:1], world, worker)
+            assert rank_parts(own.kv_rank) == (tuple(fanned) if world > 1 else (own.kv_rank,))
+    wide = (1 << 32) | (2 << 24) | (2 << 8)  # a world of two, past 32 bits
+    for alone in (0, 1, 3, wide, (2 << 24) | (2 << 16) | (2 << 8)):  # the last: rank >= world
+        assert rank_parts(alone) == (alone,)
