@@ -6,6 +6,9 @@ loads on another (a pin belongs to the connection that took it, so a key is unpi
 locked); completions are signalled on each kind's event fd. A lookup pins every hit until
 `submit_unlock`, so prefixd's eviction cannot take it; a payload that fails its checksum is a miss.
 A daemon that is away or slow fails stores and makes lookups misses: nothing raises into LMCache.
+All ranks or none: a key is a hit only while every KV rank's part of its chunk is stored (a rank
+whose store failed makes the chunk a miss for every rank), and a load task fails every part of a
+chunk it holds when one of them fails.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from lmcache.v1.platform import create_event_notifier
 
 from prefixd.client import Client
 from prefixd.integrations.link import DaemonLink
-from prefixd.integrations.lmcache.identity import Identities, Settings, key_of, salt_of
+from prefixd.integrations.lmcache.identity import (
+    Identities,
+    Settings,
+    key_of,
+    rank_parts,
+    salt_of,
+)
 from prefixd.integrations.lmcache.listing import list_keys
 from prefixd.schema.identity import Identity
 
@@ -263,18 +272,41 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return L2StoreResult(ok, written)
 
     def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
-        """Which keys are stored, each hit pinned on the daemon until `submit_unlock`."""
+        """Which keys are stored with every other rank's part of their chunk, each such hit
+        pinned on the daemon until `submit_unlock`. One lookup per identity (per
+        MAX_KEYS_PER_LOOKUP keys) pins the keys asked for; parts of other ranks LMCache did not
+        ask for (it asks for every rank's at once) are looked up beside them unpinned, and a
+        hit whose chunk lacks a part is unpinned again: a miss for every rank."""
         found = Bitmap(len(keys))
         for identity, batch in self._by_identity(keys, with_place=True).items():
-            for at in range(0, len(batch), MAX_KEYS_PER_LOOKUP):
-                part = batch[at : at + MAX_KEYS_PER_LOOKUP]
-                hits = self._fetcher.call(
-                    lambda c: c.lookup(identity, [words for _, words in part], pin=True)  # noqa: B023
-                )
-                for (place, _), hit in zip(part, hits or ()):
-                    if hit.n_blocks == 1:
-                        found.set(place)
+            asked = [words for _, words in batch]
+            present = dict(zip(asked, self._present(identity, asked, pin=True)))
+            parts = {place: self._parts(keys[place]) for place, _ in batch}
+            others = list(dict.fromkeys(w for p in parts.values() for w in p if w not in present))
+            present.update(zip(others, self._present(identity, others, pin=False)))
+            torn = []
+            for place, words in batch:
+                if not present[words]:
+                    continue
+                if all(present[part] for part in parts[place]):
+                    found.set(place)
+                else:
+                    torn.append(words)
+            for at in range(0, len(torn), MAX_KEYS_PER_LOOKUP):
+                part = torn[at : at + MAX_KEYS_PER_LOOKUP]
+                self._fetcher.call(lambda c: c.unpin(identity, part))  # noqa: B023
         return found
+
+    def _present(self, identity: Identity, asked: list[bytes], *, pin: bool) -> list[bool]:
+        """Whether each engine key is stored (pinned for this connection when `pin`); a daemon
+        that does not answer finds nothing."""
+        present: list[bool] = []
+        for at in range(0, len(asked), MAX_KEYS_PER_LOOKUP):
+            part = asked[at : at + MAX_KEYS_PER_LOOKUP]
+            hits = self._fetcher.call(lambda c: c.lookup(identity, part, pin=pin))  # noqa: B023
+            hits = hits if hits is not None and len(hits) == len(part) else []
+            present += [hit.n_blocks == 1 for hit in hits] or [False] * len(part)
+        return present
 
     def _unlock(self, keys: list[ObjectKey]) -> None:
         """Release one pin of each key (a connection lost since took its pins with it)."""
@@ -284,16 +316,29 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 self._fetcher.call(lambda c: c.unpin(identity, part))  # noqa: B023
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
-        loaded = Bitmap(len(keys))
-        accessed = []
+        """Load each key's verified payload into its memory object. A chunk is loaded whole or
+        not at all: a rank's part that fails (missing, damaged, another size) fails the other
+        parts of its chunk in the same task too."""
+        ok = [False] * len(keys)
         for place, (key, obj) in enumerate(zip(keys, objects)):
             identity, words = self._named(key)
             if identity is None:
                 continue
             size = obj.get_size()
-            if self._fetcher.call(lambda c: _load_into(c, identity, words, obj, size)):  # noqa: B023
-                loaded.set(place)
-                accessed.append(key)
+            ok[place] = bool(
+                self._fetcher.call(lambda c: _load_into(c, identity, words, obj, size))  # noqa: B023
+            )
+        chunks: dict[tuple[Any, ...], list[int]] = {}
+        for place, key in enumerate(keys[: len(objects)]):
+            chunk = (key.model_name, key.chunk_hash, key.object_group_id, key.cache_salt)
+            chunks.setdefault((*chunk, rank_parts(key.kv_rank)), []).append(place)
+        loaded = Bitmap(len(keys))
+        accessed = []
+        for places in chunks.values():
+            if all(ok[place] for place in places):
+                for place in places:
+                    loaded.set(place)
+                    accessed.append(keys[place])
         if accessed:
             self._notify_keys_accessed(accessed)
         return loaded
@@ -306,6 +351,12 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         if identity is None or not (0 <= key.kv_rank < 1 << 32):
             return None, b""
         return identity, key_of(key.chunk_hash, key.kv_rank, key.object_group_id)
+
+    def _parts(self, key: ObjectKey) -> list[bytes]:
+        """The engine keys of every rank's part of `key`'s chunk (`key`'s own among them)."""
+        return [
+            key_of(key.chunk_hash, rank, key.object_group_id) for rank in rank_parts(key.kv_rank)
+        ]
 
     def _by_identity(
         self, keys: Sequence[ObjectKey], *, with_place: bool = False

@@ -19,6 +19,12 @@ rather than share entries across versions of a model. Each field's source:
 
 Each key is a chain of one block: the chunk hash already commits to the prefix, and LMCache asks
 for keys one by one (a bitmap, not a prefix length).
+
+A tensor-parallel (or pipelined, or DCP-sharded) engine stores a chunk as one part per KV rank,
+and LMCache packs the number of parts into every rank (`ObjectKey.ComputeKVRank`: world size,
+global rank, local world size, local rank, a byte each; MLA's parts are per pipeline stage and DCP
+shard, the tp ranks sharing them). `rank_parts` names every rank's part of a key's chunk: the
+adapter reports a key present only while all of them are stored.
 """
 
 from __future__ import annotations
@@ -148,6 +154,26 @@ def key_of(chunk_hash: bytes, kv_rank: int, object_group_id: int) -> bytes:
     )
 
 
+def rank_parts(kv_rank: int) -> tuple[int, ...]:
+    """The KV ranks of every part of the chunk a `kv_rank` holds a part of, in rank order. A rank
+    that is no `ComputeKVRank` packing of a world of two or more (0, a small integer, or fields
+    that disagree) is the chunk's only part."""
+    world, rank = (kv_rank >> 24) & 0xFF, (kv_rank >> 16) & 0xFF
+    local_world, local_rank = (kv_rank >> 8) & 0xFF, kv_rank & 0xFF
+    if (
+        world < 2
+        or kv_rank >> 32
+        or rank >= world
+        or not 0 < local_world <= world
+        or local_rank != rank % local_world
+    ):
+        return (kv_rank,)
+    return tuple(
+        (world << 24) | (other << 16) | (local_world << 8) | (other % local_world)
+        for other in range(world)
+    )
+
+
 def split_key(key: bytes) -> tuple[bytes, int, int]:
     """(chunk hash, kv rank, object group id) of an engine key made by `key_of`."""
     end = len(key) - _TRAILER
@@ -158,4 +184,13 @@ def split_key(key: bytes) -> tuple[bytes, int, int]:
     )
 
 
-__all__ = ["Identities", "Settings", "key_of", "salt_of", "split_key", "tenant_of", "weights_of"]
+__all__ = [
+    "Identities",
+    "Settings",
+    "key_of",
+    "rank_parts",
+    "salt_of",
+    "split_key",
+    "tenant_of",
+    "weights_of",
+]

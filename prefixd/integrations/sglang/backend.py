@@ -9,6 +9,12 @@ Trailing pools (sliding windows, recurrent states) are the checkpoint groups of 
 on the same chain: `batch_exists_v2` applies prefixd's joint rule (`lookup_state`) at the paged
 pools' common boundary, so it reports only a prefix every pool can restore. A daemon that is down
 or slow makes lookups misses and stores and loads fail: SGLang recomputes.
+
+All ranks or none: each rank stores its own part of a page under its own identity (identity.py),
+and a page counts as stored, in the hit queries and the gets alike, only while the part of every
+rank that splits the KV is stored (one lookup per part's identity, stopping at the first that
+has none), so a rank whose store failed midway makes the pages it lacks misses on every rank.
+MLA's replicated KV is one part for all tp ranks (still one per pipeline stage and DCP shard).
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ from prefixd.integrations.sglang.identity import (
     KV,
     WORDS_PER_KEY,
     operator_fields,
-    paged_identity,
-    trailing_identity,
+    paged_parts,
+    trailing_parts,
 )
 from prefixd.integrations.sglang.pages import Pool, copy_in, copy_out, region_tensor, tensor_bytes
 from prefixd.schema.identity import Identity
@@ -83,6 +89,9 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         self._pools: dict[str, Pool] = {}
         self._paged: dict[str, Identity] = {}
         self._trailing: Identity | None = None
+        # every rank's part's identity, this rank's first (the paged pools', the trailing one's)
+        self._parts: dict[str, tuple[Identity, ...]] = {}
+        self._trailing_parts: tuple[Identity, ...] = ()
         self._link = DaemonLink(
             str(extra["socket"]),
             region_bytes=self._region_bytes,
@@ -103,6 +112,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         self._pools[str(host_pool_name)] = Pool(host_pool)
         self._trailing = None  # the trailing identity names every trailing pool: built anew
         self._paged.pop(str(host_pool_name), None)
+        self._parts.pop(str(host_pool_name), None)
 
     def on_host_pools_registered(self) -> None:
         """Build the identities now, so that a pool set this backend cannot serve fails the
@@ -132,9 +142,11 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             if self._policy(name) == PoolHitPolicy.TRAILING_PAGES:
                 trailing[name] = pool.host_pool
             elif name not in self._paged:
-                self._paged[name] = paged_identity(self._fields, self._config, name, pool.host_pool)
+                self._parts[name] = paged_parts(self._fields, self._config, name, pool.host_pool)
+                self._paged[name] = self._parts[name][0]
         if trailing and self._trailing is None:
-            self._trailing = trailing_identity(self._fields, self._config, trailing)
+            self._trailing_parts = trailing_parts(self._fields, self._config, trailing)
+            self._trailing = self._trailing_parts[0]
         return self._paged, self._trailing
 
     # --- v0: flat page tensors ----------------------------------------------------------------
@@ -311,9 +323,26 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
     # --- paged pools: chains of page hashes ---------------------------------------------------
 
     def _found(self, name: str, keys: Sequence[str], prefix: list[str] | None) -> int:
+        """How many of `keys`, from the first, every rank's part is stored of."""
+        self._identities()
+        return self._found_in(self._parts[name], keys, prefix)
+
+    def _found_in(
+        self, identities: Sequence[Identity], keys: Sequence[str], prefix: list[str] | None
+    ) -> int:
+        """How many of `keys`, from the first, are stored under every one of `identities`."""
+        count = len(keys)
+        for identity in identities:
+            if not count:
+                break
+            count = min(count, self._found_under(identity, keys[:count], prefix))
+        return count
+
+    def _found_under(
+        self, identity: Identity, keys: Sequence[str], prefix: list[str] | None
+    ) -> int:
         if not keys:
             return 0
-        identity = self._identities()[0][name]
         if prefix is None:
             prompts = [pack_keys(identity, [page_key(k)]) for k in keys]
             found = self._link.call(lambda c: c.lookup(identity, prompts))
@@ -352,8 +381,10 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         deliver: Callable[[int, memoryview], bool],
     ) -> int:
         """Load `keys`' verified payloads, handing page i's to `deliver(i, view)` (False: not
-        usable); how many leading pages made it."""
+        usable); how many leading pages made it. Only pages whose other ranks' parts are all
+        stored are loaded."""
         identity = self._identities()[0][name]
+        keys = keys[: self._found_in(self._parts[name][1:], keys, prefix)]
         for start, chain, first, count in self._runs(identity, keys, prefix, self._per_call(name)):
             result = self._link.call(
                 lambda c: c.load(identity, chain, first_block=first, max_blocks=count)  # noqa: B023
@@ -379,7 +410,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         """Store `keys`' pages, written by `fill(i, destination)` straight into leased region
         space (not those the daemon holds already); how many leading pages are stored."""
         identity = self._identities()[0][name]
-        have = self._found(name, keys, prefix) if prefix is not None else 0
+        have = self._found_under(identity, keys, prefix) if prefix is not None else 0
         per_call = self._per_call(name)
         for start, chain, first, count in self._runs(identity, keys, prefix, per_call, have):
             total = sum(sizes[start : start + count])
@@ -427,8 +458,21 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
     # --- trailing pools: checkpoints of one hybrid identity -----------------------------------
 
     def _joint(self, keys: Sequence[str], prefix: list[str] | None) -> int:
-        """prefixd's joint boundary over `prefix + keys`, in pages of `keys`."""
-        identity = self._trailing_identity()
+        """prefixd's joint boundary over `prefix + keys`, in pages of `keys`, that every rank's
+        part restores at. A part that stops short moves the boundary back, and every other part
+        is asked again there: its checkpoints need not be where the first one's are."""
+        self._trailing_identity()
+        parts = self._trailing_parts
+        boundary, agreed, at = len(keys), 0, 0
+        while boundary and agreed < len(parts):
+            found = self._joint_under(parts[at % len(parts)], keys[:boundary], prefix)
+            agreed = 1 if found < boundary else agreed + 1
+            boundary, at = min(boundary, found), at + 1
+        return boundary
+
+    def _joint_under(
+        self, identity: Identity, keys: Sequence[str], prefix: list[str] | None
+    ) -> int:
         before = len(prefix or [])
         words = _words([*(prefix or []), *keys])
         found = self._link.call(lambda c: c.lookup_state(identity, [words]))
@@ -462,6 +506,9 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return []
         pool, identity = self._pools[name], self._trailing_identity()
+        others = self._trailing_parts[1:]
+        if any(self._joint_under(other, keys, prefix) < len(keys) for other in others):
+            return [False] * len(keys)  # another rank's part does not reach the keys' end
         chain = [*(prefix or []), *keys]
         result = self._link.call(lambda c: c.load_state(identity, _words(chain)))
         if result is None:

@@ -14,6 +14,12 @@ so engines with other weights, tokenizer, template or KV layout would share page
               parallel ranks; MLA KV, whole on every tp rank, leaves the tp rank out so that
               every rank reads what the writer rank stored
   tenant      "tenant" (default "default")
+
+A page of a parallel engine is one part per rank that splits the KV (tp ranks, unless the pool
+is MLA's replicated KV; pipeline stages; attention context-parallel ranks; DCP shards), each
+under its own identity: `paged_parts` and `trailing_parts` are those of every part (this rank's
+first), and the backend reports a page only while every part is stored. The dp rank names
+another replica, not a part.
 """
 
 from __future__ import annotations
@@ -96,35 +102,79 @@ def _state_layout(host_pool: Any) -> dict[str, Any] | None:
     }
 
 
-def _ranks(storage_config: Any, *, replicated: bool) -> dict[str, Any]:
-    """The storage config's parallel layout; a replicated (MLA) pool leaves the tp rank out."""
+Part = tuple[int, int, int, int]  # the (tp, pp, cp, dcp) ranks of one part of a page
+
+
+def _ranks(storage_config: Any, *, replicated: bool, part: Part | None = None) -> dict[str, Any]:
+    """The storage config's parallel layout (of `part`'s ranks: default this rank's); a
+    replicated (MLA) pool leaves the tp rank out."""
+    c = storage_config
+    tp, pp, cp, dcp = part or _own(c)
     return {
-        "tp_rank": None if replicated else storage_config.tp_rank,
-        "tp_size": storage_config.tp_size,
-        "pp": [storage_config.pp_rank, storage_config.pp_size],
-        "cp": [storage_config.attn_cp_rank, storage_config.attn_cp_size],
-        "dcp": [storage_config.dcp_rank, storage_config.dcp_size],
-        "dp_rank": storage_config.dp_rank,
+        "tp_rank": None if replicated else tp,
+        "tp_size": c.tp_size,
+        "pp": [pp, c.pp_size],
+        "cp": [cp, c.attn_cp_size],
+        "dcp": [dcp, c.dcp_size],
+        "dp_rank": c.dp_rank,
         "replicated": replicated,
     }
 
 
+def _own(storage_config: Any) -> Part:
+    c = storage_config
+    return (c.tp_rank, c.pp_rank, c.attn_cp_rank, c.dcp_rank)
+
+
+def parts(storage_config: Any, *, replicated: bool) -> list[Part]:
+    """The ranks of every part of a page, this rank's first: every pipeline stage, context-
+    parallel rank and tp rank (with its DCP shard, tp rank mod DCP size, as SGLang groups them),
+    or for a replicated pool every DCP shard in place of the tp ranks."""
+    c = storage_config
+    own = _own(c)
+    stages = [(pp, cp) for pp in range(c.pp_size) for cp in range(c.attn_cp_size)]
+    if replicated:
+        found = [(c.tp_rank, pp, cp, dcp) for pp, cp in stages for dcp in range(c.dcp_size)]
+    else:
+        found = [(tp, pp, cp, tp % c.dcp_size) for pp, cp in stages for tp in range(c.tp_size)]
+    return [own, *(part for part in found if part != own)]
+
+
 def paged_identity(
-    fields: Mapping[str, str | None], storage_config: Any, name: str, host_pool: Any
+    fields: Mapping[str, str | None],
+    storage_config: Any,
+    name: str,
+    host_pool: Any,
+    part: Part | None = None,
 ) -> Identity:
     """The engine-keyed identity of one paged pool (the KV pool, or another pool needed for every
-    page): one SGLang page per block, chained in prefix order."""
+    page) for `part`'s ranks (default this rank's): one SGLang page per block, chained in prefix
+    order."""
     replicated = bool(storage_config.is_mla_model) and name == KV
     layout = {
         "pool": name,
         **_pool_layout(host_pool),
-        **_ranks(storage_config, replicated=replicated),
+        **_ranks(storage_config, replicated=replicated, part=part),
     }
     return _identity(fields, layout, block_tokens=int(host_pool.page_size), key_bytes=KEY_BYTES)
 
 
+def paged_parts(
+    fields: Mapping[str, str | None], storage_config: Any, name: str, host_pool: Any
+) -> tuple[Identity, ...]:
+    """The identities of every part of a paged pool's page, this rank's first."""
+    replicated = bool(storage_config.is_mla_model) and name == KV
+    return tuple(
+        paged_identity(fields, storage_config, name, host_pool, part)
+        for part in parts(storage_config, replicated=replicated)
+    )
+
+
 def trailing_identity(
-    fields: Mapping[str, str | None], storage_config: Any, pools: Mapping[str, Any]
+    fields: Mapping[str, str | None],
+    storage_config: Any,
+    pools: Mapping[str, Any],
+    part: Part | None = None,
 ) -> Identity:
     """The trailing pools' identity: a checkpoint group per pool on the chain of page hashes.
     prefixd refuses a state spec on an engine-keyed identity, so a page hash takes a block's place
@@ -133,9 +183,19 @@ def trailing_identity(
     layout = {
         "pools": {name: _pool_layout(pool) for name, pool in sorted(pools.items())},
         "page_hash_words": WORDS_PER_KEY,
-        **_ranks(storage_config, replicated=False),
+        **_ranks(storage_config, replicated=False, part=part),
     }
     return _identity(fields, layout, block_tokens=WORDS_PER_KEY, state=groups)
+
+
+def trailing_parts(
+    fields: Mapping[str, str | None], storage_config: Any, pools: Mapping[str, Any]
+) -> tuple[Identity, ...]:
+    """The trailing identities of every rank's part, this rank's first."""
+    return tuple(
+        trailing_identity(fields, storage_config, pools, part)
+        for part in parts(storage_config, replicated=False)
+    )
 
 
 def _identity(
@@ -151,5 +211,8 @@ __all__ = [
     "WORDS_PER_KEY",
     "operator_fields",
     "paged_identity",
+    "paged_parts",
+    "parts",
     "trailing_identity",
+    "trailing_parts",
 ]

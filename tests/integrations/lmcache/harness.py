@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 from lmcache.cli.commands.bench.l2_adapter_bench.data import wait_eventfd
-from lmcache.v1.distributed.api import ObjectKey
+from lmcache.integration.vllm.vllm_multi_process_adapter import ParallelStrategy
+from lmcache.v1.distributed.api import ObjectKey, ipc_key_to_object_keys
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
 from prefixd.integrations.lmcache import l2_adapter_config
 
@@ -35,6 +37,38 @@ def keys(count: int, *, start: int = 0, salt: str = "", rank: int = 0) -> list[O
         )
         for i in range(count)
     ]
+
+
+def workers(*, tp: int, pp: int = 1, mla: bool = False) -> list[ParallelStrategy]:
+    """Each worker of one vLLM engine as LMCache's vLLM adapter describes it (its KV world size
+    and KV rank: `kv_world_size`, `kv_worker_id`)."""
+    return [
+        ParallelStrategy(
+            mla_only=mla,
+            vllm_world_size=tp * pp,
+            vllm_worker_id=worker,
+            tp_size=tp,
+            pp_size=pp,
+            n_servers=1,
+        )
+        for worker in range(tp * pp)
+    ]
+
+
+def rank_keys(hashes: list[bytes], world: int, worker: int | None) -> list[ObjectKey]:
+    """The node server's ObjectKeys of chunk `hashes` for one KV rank's store (`worker`), or for
+    a lookup (None: every rank's part, chunk by chunk), as `ipc_key_to_object_keys` makes them."""
+    ipc_key = IPCCacheServerKey(
+        model_name=MODEL,
+        world_size=world,
+        worker_id=worker,
+        token_ids=(),
+        start=0,
+        end=0,
+        request_id="r",
+    )
+    [found] = ipc_key_to_object_keys(ipc_key, hashes, [0])
+    return list(found)
 
 
 def memory_obj(size: int, fill: int | None = None) -> TensorMemoryObj:

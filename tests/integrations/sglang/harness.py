@@ -80,12 +80,14 @@ def storage_config(
     layout: str = "layer_first",
     model: str = "tiny-model",
     mla: bool = False,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=mla,
@@ -112,10 +114,12 @@ def file_extra(path: Path, **options: Any) -> dict[str, Any]:
     }
 
 
-def attach_pools(extra: dict[str, Any], pools: Mapping[str, Any]) -> HiCacheStorage:
+def attach_pools(extra: dict[str, Any], pools: Mapping[str, Any], **ranks: Any) -> HiCacheStorage:
     """A backend created and registered as the hybrid controller's attach does it: the "kv"
-    pool as its anchor, then every pool of the set by name (v2)."""
-    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pools["kv"])
+    pool as its anchor, then every pool of the set by name (v2); `ranks`: the storage config's
+    tp_rank, tp_size, ..."""
+    config = storage_config(extra, **ranks)
+    backend = StorageBackendFactory.create_backend("dynamic", config, pools["kv"])
     backend.register_mem_pool_host(pools["kv"])
     for name, pool in pools.items():
         backend.register_mem_host_pool_v2(pool, name)

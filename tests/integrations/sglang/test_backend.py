@@ -144,11 +144,14 @@ def test_a_corrupted_page_is_a_miss_from_there_on(daemon: Daemon) -> None:
 def test_the_identity_keys_on_more_than_sglang_does(daemon: Daemon) -> None:
     """SGLang's file backend keys on the model name and parallelism only; prefixd's identity
     also carries the weights, tokenizer, template, tenant, KV layout and tp rank: any of them
-    changed is a miss. MLA KV, whole on every rank, is shared by the ranks."""
+    changed is a miss. Each tp rank reads its own part, and a page is a hit once both parts are
+    stored (test_ranks.py). MLA KV, whole on every rank, is shared by the ranks."""
     base = prefixd_extra(daemon.socket, tokenizer="tok@1", template="tpl@1")
     rank0 = {"tp_rank": 0, "tp_size": 2}
     writer = Controller(host_pool("layer_first"), base, **rank0)
     tokens, _ = stored(writer, 2)
+    other = Controller(host_pool("layer_first"), base, tp_rank=1, tp_size=2)
+    _, pages1 = stored(other, 2, seed=2)
     assert Controller(host_pool("layer_first"), base, **rank0).hit(tokens) == 2 * PAGE
     for changed in (
         {"weights": "rev=other"},
@@ -159,7 +162,11 @@ def test_the_identity_keys_on_more_than_sglang_does(daemon: Daemon) -> None:
         assert Controller(host_pool("layer_first"), {**base, **changed}, **rank0).hit(tokens) == 0
     assert Controller(host_pool("page_first"), base, **rank0).hit(tokens) == 0  # KV layout
     assert Controller(host_pool("layer_first", layers=2), base, **rank0).hit(tokens) == 0
-    assert Controller(host_pool("layer_first"), base, tp_rank=1, tp_size=2).hit(tokens) == 0
+    rank1 = Controller(host_pool("layer_first"), base, tp_rank=1, tp_size=2)
+    slots = rank1.pool.alloc(2 * PAGE)
+    assert rank1.prefetch(tokens, slots) == 2 * PAGE
+    assert pages_of(rank1.pool, slots) == pages1  # its own part, not the writer's
+    assert Controller(host_pool("layer_first"), base, tp_rank=1, tp_size=4).hit(tokens) == 0
     mla = Controller(host_pool("layer_first"), base, mla=True, **rank0)
     tokens, _ = stored(mla, 2, seed=4)
     assert (

@@ -54,8 +54,9 @@ class Pools:
             for i, (name, pool) in enumerate(self.pools.items()):
                 fill(pool, self.slots[name], seed + i)
 
-    def backend(self, extra: dict[str, Any]) -> HiCacheStorage:
-        return attach_pools(extra, self.pools)
+    def backend(self, extra: dict[str, Any], **ranks: Any) -> HiCacheStorage:
+        """`ranks`: the storage config's tp_rank, tp_size, ..."""
+        return attach_pools(extra, self.pools, **ranks)
 
     def transfer(self, name: str, first: int, end: int, keys: list[str]) -> PoolTransfer:
         policy = TRAILING if name == "swa" else ALL
