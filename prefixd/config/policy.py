@@ -100,4 +100,4 @@ def _union(a: Grant, b: Grant) -> Grant:
     return Grant(tenants, a.ops | b.ops)
 
 
-__all__ = ["ADMIN_OPS", "EVERYTHING", "Grant", "TenantPolicy"]
+__all__ = ["ADMIN_OPS", "EVERYTHING", "NOTHING", "Grant", "TenantPolicy"]

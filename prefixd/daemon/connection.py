@@ -12,6 +12,7 @@ import logging
 import socket
 import time
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from msgspec import Struct
@@ -64,6 +65,7 @@ class Connection:
         *,
         pid: int,
         uid: int,
+        groups: Iterable[int] = (),
         grant: Grant = EVERYTHING,
     ) -> None:
         self.server = server
@@ -72,7 +74,7 @@ class Connection:
         self.pid = pid
         self.uid = uid
         self.max_inflight = server.config.limits.max_inflight
-        self.peer = Peer(uid, grant, max_inflight=self.max_inflight)
+        self.peer = Peer(uid, grant, max_inflight=self.max_inflight, groups=groups)
         self.task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
         self._context: RequestContext | None = None  # made when the connection starts
@@ -96,6 +98,16 @@ class Connection:
         self._draining = True
         if self.task is not None:
             self.task.cancel()
+
+    def regrant(self, grant: Grant | None) -> None:
+        """A reload judged the peer again (`grant` None: no longer admitted): its next request is
+        held to the verdict, and what it lost is counted and logged once."""
+        lost = self.operations.regrant(self.peer, grant)
+        if lost is not None:
+            self.server.stats["revoked"] += 1
+            log.warning(
+                "a reload took %s from the connection of pid %d uid %d", lost, self.pid, self.uid
+            )
 
     def cancel(self) -> None:
         """Cancel everything now (grace period over, or a second signal)."""
@@ -253,7 +265,14 @@ class Connection:
         self._spawn(self._send(self._error(rid, ErrorCode.BUSY, text)))
 
     def _refusal(self, handler: Handler) -> ProtocolError | None:
-        """Why a request of `handler` is not taken now: before hello, or while the daemon drains."""
+        """Why a request of `handler` is not taken now: a reload took the peer off the socket,
+        before hello, or while the daemon drains."""
+        if not self.peer.admitted:
+            return ProtocolError(
+                ErrorCode.FORBIDDEN,
+                f"uid {self.uid} may no longer use this daemon (a reload took it off allowed_uids "
+                "and allowed_gids): the connection closes",
+            )
         if not (handler.before_hello or self.peer.greeted):
             return ProtocolError(ErrorCode.HELLO_REQUIRED, "send hello first")
         if self.server.stopping.is_set() and not handler.while_stopping:
@@ -267,6 +286,8 @@ class Connection:
         if exc.op is not None:
             refused = self._refusal(self.operations.by_op[exc.op]) or exc
         await self._send(self._error(exc.rid, code_of(refused), refused.message))
+        if not self.peer.admitted:
+            self.stop_reading()
 
     def _error(self, rid: int | None, code: ErrorCode | None, message: str) -> Struct:
         """An error reply, counted by its code (None: no code of the protocol's, a bug: internal)."""
@@ -311,6 +332,8 @@ class Connection:
             log.exception("operation %s failed", op)
             reply = self._error(rid, ErrorCode.INTERNAL, "internal error (see the daemon log)")
         await self._send(reply)
+        if not self.peer.admitted:  # as at accept: one `forbidden`, then the connection closes
+            self.stop_reading()
 
     async def _send(self, message: Struct | dict[str, Any]) -> None:
         """Send a reply after those before it; return once it is out, so a client that does not read

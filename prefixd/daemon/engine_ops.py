@@ -8,6 +8,7 @@ import asyncio
 from functools import partial
 
 from prefixd.daemon.context import Handler, Queries, Request, RequestContext
+from prefixd.errors import ProtocolError
 from prefixd.schema.identity import Identity
 from prefixd.store import PrefixMatch
 from prefixd.wire.messages import (
@@ -54,7 +55,13 @@ async def pinned_lookup(ctx: RequestContext, rid: int, queries: Queries) -> Look
     except asyncio.CancelledError:  # the connection ended: its pins must not outlive it
         pinning.add_done_callback(release_if_done)
         raise
-    ctx.peer.pins.update(offered(matches))
+    held = offered(matches)
+    try:  # a reload while the pins were taken may have taken the tenant from this peer
+        ctx.require_tenant(identity.tenant)
+    except ProtocolError:
+        store.unpin(held)
+        raise
+    ctx.peer.pins.hold(identity.tenant, held)
     results, observed = services.lookup_results(identity, prompts, matches)
     services.count(identity, observed)
     return LookupReply(id=rid, results=results)
@@ -67,14 +74,7 @@ async def unpin(ctx: RequestContext, request: Request[Unpin]) -> UnpinReply:
     identity, prompts = ctx.queries(request.message)
     store = services.store
     chains = await services.run(lambda: [store.chain_of(identity, tokens) for tokens, _ in prompts])
-    released = []
-    for chain in chains:
-        for block in chain:
-            if pins.get(block, 0) > 0:
-                pins[block] -= 1
-                if not pins[block]:
-                    del pins[block]
-                released.append(block)
+    released = pins.release(identity.tenant, (block for chain in chains for block in chain))
     store.unpin(released)
     return UnpinReply(id=request.id, released=len(released))
 

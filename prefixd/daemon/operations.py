@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from prefixd.config.policy import NOTHING, Grant
 from prefixd.daemon import admin, blocks, engine_ops, session, state_ops
 from prefixd.daemon.context import Handler, RequestContext
 from prefixd.daemon.peer import Peer
@@ -37,5 +38,34 @@ class Operations:
     def disconnected(self, peer: Peer) -> None:
         peer.close_regions()
         if peer.pins:
-            self.services.store.unpin(peer.pins.elements())
-            peer.pins.clear()
+            self.services.store.unpin(peer.pins.drop())
+
+    def regrant(self, peer: Peer, grant: Grant | None) -> str | None:
+        """Hold a connected peer to what a reload left it (`grant` None: no longer admitted at
+        all) and release the pins of the tenants it lost; what it lost, in words, or None. A peer
+        once taken off the socket stays off on this connection (closed at its next request)."""
+        if not peer.admitted:
+            return None
+        old = peer.grant
+        if grant is None:
+            peer.admitted, peer.grant = False, NOTHING
+            lost: str | None = "its admission to the socket"
+        else:
+            peer.grant = grant
+            lost = _lost(old, grant)
+        if peer.pins:
+            self.services.store.unpin(peer.pins.drop(keep=peer.grant.may_use))
+        return lost
+
+
+def _lost(old: Grant, new: Grant) -> str | None:
+    parts = []
+    if new.tenants is not None:
+        if old.tenants is None:
+            kept = ", ".join(sorted(new.tenants))
+            parts.append(f"every tenant but {kept}" if kept else "every tenant")
+        elif old.tenants - new.tenants:
+            parts.append("tenant(s) " + ", ".join(sorted(old.tenants - new.tenants)))
+    if old.ops - new.ops:
+        parts.append("op(s) " + ", ".join(sorted(old.ops - new.ops)))
+    return "; ".join(parts) or None

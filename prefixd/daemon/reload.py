@@ -1,7 +1,10 @@
 """Reloading settings on SIGHUP (`systemctl reload`): re-read from the sources the daemon started
-from, apply what can change while serving (RELOADABLE: peers, tenancy, manifests, log level;
-connections keep the grant they were given), log what waits for a restart. Settings that do not
-parse are refused whole.
+from, apply what can change while serving (RELOADABLE: peers, tenancy, manifests, log level), log
+what waits for a restart. Settings that do not parse are refused whole.
+
+A change of peers holds the open connections to it too: each peer is judged again from its uid and
+groups, so a reload that takes a uid or group off the socket, or a tenant or operation from a
+grant, refuses that peer's next request for it, and releases the pins it held on tenants it lost.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Reloadable(Protocol):
     def store(self) -> Store | None: ...
     @property
     def watcher(self) -> ManifestWatcher | None: ...
+    def regrant(self) -> None: ...
 
 
 class Reloader:
@@ -114,3 +118,5 @@ class Reloader:
         if "model_manifests" in applied and server.watcher is not None:
             await server.watcher.watch(config.store.model_manifests)
         server.config = config  # who may connect: read at every accept
+        if set(found.applied) & set(PEERS):
+            server.regrant()  # and by the connections already open

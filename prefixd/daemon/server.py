@@ -20,6 +20,7 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -472,21 +473,35 @@ class Server:
                     await reply_and_close(sock, refusal[0], refusal[1])
                     continue
                 grant = self.policy.grant_for(uid, groups)
-                conn = Connection(self, operations, sock, pid=pid, uid=uid, grant=grant)
+                conn = Connection(
+                    self, operations, sock, pid=pid, uid=uid, groups=groups, grant=grant
+                )
                 self.connections.add(conn)
                 conn.task = asyncio.create_task(conn.run(), name=f"prefixd-conn-{pid}")
         finally:
             if reserve is not None:
                 os.close(reserve)
 
+    def regrant(self) -> None:
+        """After a reload changed who may connect or the tenant policy: judge each open
+        connection's peer again from its uid and groups, as at accept."""
+        for conn in self.connections:
+            uid, groups = conn.peer.uid, conn.peer.groups
+            admitted = self._admits(uid, groups)
+            conn.regrant(self.policy.grant_for(uid, groups) if admitted else None)
+
+    def _admits(self, uid: int, gids: AbstractSet[int]) -> bool:
+        socket_settings = self.config.socket
+        return (
+            uid in (0, os.geteuid())
+            or uid in socket_settings.allowed_uids
+            or not gids.isdisjoint(socket_settings.allowed_gids)
+            or (os.getegid() != 0 and os.getegid() in gids)  # the daemon's own group's members
+        )
+
     def _refusal(self, uid: int, gids: set[int]) -> tuple[ErrorCode, str] | None:
         config = self.config
-        if not (
-            uid in (0, os.geteuid())
-            or uid in config.socket.allowed_uids
-            or not gids.isdisjoint(config.socket.allowed_gids)
-            or (os.getegid() != 0 and os.getegid() in gids)  # the daemon's own group's members
-        ):
+        if not self._admits(uid, gids):
             return ErrorCode.FORBIDDEN, (
                 f"uid {uid} (groups {sorted(gids)}) may not use this daemon: add the user to its "
                 f"group (gid {os.getegid()}) or to allowed_uids, or its group to allowed_gids"

@@ -9,6 +9,7 @@ Teardown sends SIGTERM and waits, SIGKILL being the last resort. Socket paths li
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import re
@@ -291,14 +292,13 @@ def as_nobody(action: Callable[[], Any], groups: Sequence[int] = ()) -> tuple[st
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: drop to nobody, act, report, exit without running any cleanup
-        try:
-            os.close(read)
-            os.setgroups(list(groups))
-            os.setresgid(NOBODY, NOBODY, NOBODY)
-            os.setresuid(NOBODY, NOBODY, NOBODY)
-            outcome: tuple[str, Any] = ("ok", action())
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
-            outcome = ("error", f"{type(exc).__name__}: {exc}")
+        os.close(read)
+
+        def act() -> Any:
+            _become_nobody(groups)
+            return action()
+
+        outcome = _outcome(act)
         with os.fdopen(write, "wb") as out:
             pickle.dump(outcome, out)
         os._exit(0)
@@ -308,6 +308,69 @@ def as_nobody(action: Callable[[], Any], groups: Sequence[int] = ()) -> tuple[st
     os.waitpid(pid, 0)
     result: tuple[str, Any] = pickle.loads(data)
     return result
+
+
+def _become_nobody(groups: Sequence[int]) -> None:
+    os.setgroups(list(groups))
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+
+
+def _outcome(action: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return ("ok", action())
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def held_as_nobody(
+    path: Path, actions: dict[str, Callable[[Any], Any]], groups: Sequence[int] = ()
+) -> Iterator[Callable[[str], tuple[str, Any]]]:
+    """One client connected as uid 65534 (with `groups`) in a forked child that holds it open: the
+    function given runs the named action on that client (the same connection every time, across a
+    reload) and returns as_nobody's outcome; the child exits when the block ends."""
+    from prefixd.client import Client
+
+    to_child, from_child = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(to_child[1])
+        os.close(from_child[0])
+        with os.fdopen(to_child[0], "rb") as inp, os.fdopen(from_child[1], "wb") as out:
+            client: list[Client] = []
+
+            def connect() -> None:
+                _become_nobody(groups)
+                client.append(Client(path, region_bytes=1 << 20))
+
+            pickle.dump(_outcome(connect), out)
+            out.flush()
+            while client:
+                try:
+                    name = pickle.load(inp)
+                except EOFError:
+                    break
+                pickle.dump(_outcome(functools.partial(actions[name], client[0])), out)
+                out.flush()
+        os._exit(0)
+    os.close(to_child[0])
+    os.close(from_child[1])
+    with os.fdopen(to_child[1], "wb") as out, os.fdopen(from_child[0], "rb") as inp:
+
+        def run(name: str) -> tuple[str, Any]:
+            pickle.dump(name, out)
+            out.flush()
+            result: tuple[str, Any] = pickle.load(inp)
+            return result
+
+        try:
+            opened = pickle.load(inp)
+            assert opened[0] == "ok", opened
+            yield run
+        finally:
+            out.close()
+            os.waitpid(pid, 0)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from prefixd.client import Client
+from prefixd.daemon.peer import Pins
 from prefixd.schema.keys import pack_keys
 
 from .conftest import IDENTITY, DaemonFactory
@@ -73,3 +74,14 @@ def test_delete_removes_the_named_keys(daemon_factory: DaemonFactory) -> None:
         fill(client, 0, 3)
         assert client.delete(ENGINE, [one(0), one(2), one(9)]) == 2
         assert [stored(client, i) for i in range(3)] == [False, True, False]
+
+
+def test_a_connections_pins_are_kept_by_tenant() -> None:
+    """A reload that takes a tenant drops that tenant's pins only; an unpin names one tenant of a
+    share group, whose blocks another tenant of the group may have pinned."""
+    pins = Pins()
+    pins.hold("alice", [b"x", b"x", b"y"])
+    pins.hold("bob", [b"x"])
+    assert pins.release("bob", [b"x", b"x", b"z"]) == [b"x", b"x"]  # bob's pin, then alice's
+    assert sorted(pins.drop(keep=lambda tenant: tenant == "bob")) == [b"x", b"y"]
+    assert not pins
