@@ -3,13 +3,26 @@ unpins them or its connection ends; `delete` removes named blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import pytest
+
+from prefixd import Store
 from prefixd.client import Client
-from prefixd.daemon.peer import Pins
+from prefixd.config.policy import Grant
+from prefixd.daemon.engine_ops import pinned_lookup
+from prefixd.daemon.operations import Operations
+from prefixd.daemon.peer import Peer, Pins
+from prefixd.errors import ProtocolError
 from prefixd.schema.keys import pack_keys
+from prefixd.wire.errors import ErrorCode, code_of
+from prefixd.wire.messages import Lookup, Prompt, WireIdentity
 
-from .conftest import IDENTITY, DaemonFactory
+from .conftest import IDENTITY, NOBODY, DaemonFactory
+from .test_loop_work import services
 
 ENGINE = dataclasses.replace(IDENTITY, key_bytes=32, block_tokens=16)
 BLOCK = 64 << 10
@@ -85,3 +98,20 @@ def test_a_connections_pins_are_kept_by_tenant() -> None:
     assert pins.release("bob", [b"x", b"x", b"z"]) == [b"x", b"x"]  # bob's pin, then alice's
     assert sorted(pins.drop(keep=lambda tenant: tenant == "bob")) == [b"x", b"y"]
     assert not pins
+
+
+def test_a_pinning_lookup_that_a_reload_overtakes_gives_its_pins_back(tmp_path: Path) -> None:
+    """The grant is checked when the lookup is read; a reload that takes the tenant before the
+    store has pinned its blocks must not leave them pinned for the connection."""
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
+        store.put(ENGINE, one(0), [b"kv"])
+        ops = Operations(services(store, pool))
+        peer = Peer(NOBODY, max_inflight=64)
+        context = ops.context(peer)
+        message = Lookup(id=1, identity=WireIdentity.of(ENGINE), prompts=[Prompt(tokens=one(0))])
+        queries = context.queries(message)  # allowed, when the request came
+        assert ops.regrant(peer, Grant(frozenset({"other"}), frozenset())) is not None
+        with pytest.raises(ProtocolError) as refused:
+            asyncio.run(pinned_lookup(context, 1, queries))
+        assert code_of(refused.value) is ErrorCode.FORBIDDEN
+        assert len(store._ctx.pins) == 0 and not peer.pins
