@@ -1,4 +1,5 @@
-"""docs/settings.md is the settings as prefixd.config describes them, and README names its tables."""
+"""docs/settings.md is the settings as prefixd.config describes them, and the README and
+docs/operating.md name its tables."""
 
 from __future__ import annotations
 
@@ -21,5 +22,6 @@ def test_serve_has_few_settings_in_few_tables() -> None:
     assert documented <= 40
     assert len(TABLES) <= 7
     assert documented == reference().count("\n| `")
-    readme = (REPO / "README.md").read_text()
-    assert all(f"`[{table}]`" in readme for table in TABLES)
+    for page in ("README.md", "docs/operating.md"):
+        text = (REPO / page).read_text()
+        assert all(f"`[{table}]`" in text for table in TABLES), page

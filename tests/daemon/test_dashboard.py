@@ -115,6 +115,6 @@ def test_a_panel_on_a_metric_the_daemon_does_not_serve_is_caught(
     assert not metric_names('prefixd_decompress_gbps{job=~"$job"}') <= served
 
 
-def test_the_dashboard_file_is_where_the_readme_says() -> None:
-    assert "examples/grafana-dashboard.json" in (REPO / "README.md").read_text()
+def test_the_dashboard_file_is_where_the_docs_say() -> None:
+    assert "examples/grafana-dashboard.json" in (REPO / "docs" / "metrics.md").read_text()
     assert DASHBOARD.exists()

@@ -1,15 +1,16 @@
-"""The README's code blocks run as written (sybil reads them): Python against a daemon the test
-starts, a library store of its own, and the shell commands where they run. Only the node's paths
-are the test's. A block no test runs fails here, so none can rot.
+"""The code blocks of the README and of every docs page run as written (sybil reads them): Python
+against a daemon the test starts, a library store of its own, and the shell commands where they
+run. Only the node's paths are the test's. A block no test runs fails here, so none can rot.
 
 How each kind of block runs:
-- python: in one namespace per README, in order, `/run/prefixd/prefixd.sock` being the test
+- python: in one namespace per page, in order, `/run/prefixd/prefixd.sock` being the test
   daemon's socket and `/var/lib/prefixd` a store of the test's; invisible blocks
   (`<!-- invisible-code-block: python -->`) give a block the engine's context and check its result.
 - sh: the quick start and the try-out install run on a node of their own
   (tests/daemon/test_quick_start.py); the test commands are .ci/run's (CI runs them, with its
   flags added); an engine's own command line runs in that engine's venv tests, named in a
-  `<!-- runs-in: PATH -->` comment before it, whose test file must exist and quote it.
+  `<!-- runs-in: PATH -->` comment before it, whose test file must exist and read it
+  (`readme_block(heading, ..., page=...)`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
 from prefixd.client import Client
 
-from ..readme import NODE_SOCKET, NODE_STORE, readme_block
+from ..readme import NODE_SOCKET, NODE_STORE, PAGES, readme_block
 from .conftest import REPO, DaemonFactory
 
 # The shell blocks a test runs as written on a node (tests/daemon/test_quick_start.py).
-ON_A_NODE = ("## Quick start: a node", "## Install and serve (trying it out)")
+ON_A_NODE = ("## Quick start: a node", "## Install and serve (trying it out)")  # README.md's
 
 
 def run_python(replacements: dict[str, str]) -> Callable[[Example], None]:
@@ -70,7 +71,7 @@ def ci_runs(command: list[str]) -> bool:
 def run_shell(example: Example) -> None:
     block = str(example.parsed)
     heading = _heading_of(example)
-    if heading in ON_A_NODE:
+    if heading in ON_A_NODE and _page_of(example) == "README.md":
         assert block == readme_block(heading, "sh")  # tests/daemon/test_quick_start.py runs it
         return
     if _run_elsewhere(example):
@@ -81,7 +82,7 @@ def run_shell(example: Example) -> None:
 
 def _run_elsewhere(example: Example) -> bool:
     """Whether a `<!-- runs-in: PATH -->` comment hands the block to an engine venv's test file,
-    which must exist and read the block under this heading (`readme_block`)."""
+    which must exist and read the block under this heading of this page (`readme_block`)."""
     marker = re.search(r"<!-- runs-in: (\S+) -->\s*$", example.document.text[: example.start])
     if marker is None:
         return False
@@ -92,33 +93,44 @@ def _run_elsewhere(example: Example) -> bool:
     assert "readme_block(" in quoted and heading in quoted, (
         f"{test_file} does not run the block under {heading!r}"
     )
+    page = _page_of(example)
+    assert page == "README.md" or page in quoted, f"{test_file} does not read {page}"
     return True
+
+
+def _page_of(example: Example) -> str:
+    return Path(example.path).resolve().relative_to(REPO).as_posix()
 
 
 def _heading_of(example: Example) -> str:
     before = example.document.text[: example.start]
-    return re.findall(r"^(#{2,3} .+)$", before, re.MULTILINE)[-1]
+    return re.findall(r"^(#{1,3} .+)$", before, re.MULTILINE)[-1]
 
 
-def readme(socket: Path, store: Path) -> Document:
+def readme(socket: Path, store: Path, page: Path = REPO / "README.md") -> Document:
     replacements = {NODE_SOCKET: str(socket), NODE_STORE: str(store)}
     parsers = [
         CodeBlockParser(language="python", evaluator=run_python(replacements)),
         CodeBlockParser(language="sh", evaluator=run_shell),
         SkipParser(),
     ]
-    return Sybil(parsers).parse(REPO / "README.md")
+    return Sybil(parsers).parse(page)
 
 
 @pytest.fixture
 def readme_examples(daemon_factory: DaemonFactory, tmp_path: Path) -> Iterator[list[Example]]:
+    """Every page's blocks in order, one namespace per page, all against one daemon."""
     daemon = daemon_factory()
-    document = readme(daemon.socket, tmp_path / "library-store")
-    document.namespace["__name__"] = "readme"
-    yield list(document.examples())
-    client = document.namespace.get("client")
-    if isinstance(client, Client):
-        client.close()
+    documents = []
+    for page in PAGES:
+        document = readme(daemon.socket, tmp_path / f"library-store-{page.stem}", page)
+        document.namespace["__name__"] = "readme"
+        documents.append(document)
+    yield [example for document in documents for example in document.examples()]
+    for document in documents:
+        client = document.namespace.get("client")
+        if isinstance(client, Client):
+            client.close()
 
 
 def test_every_readme_block_runs(readme_examples: list[Example]) -> None:
@@ -127,17 +139,20 @@ def test_every_readme_block_runs(readme_examples: list[Example]) -> None:
         try:
             example.evaluate()
         except Exception as exc:  # noqa: BLE001 - every block's failure is reported, not the first
-            failed.append(f"README.md:{example.line}: {type(exc).__name__}: {exc}")
+            failed.append(f"{_page_of(example)}:{example.line}: {type(exc).__name__}: {exc}")
     assert not failed, "\n".join(failed)
-    assert len(readme_examples) >= 15  # the README's blocks were found (not vacuous)
+    assert len(readme_examples) >= 15  # the pages' blocks were found (not vacuous)
+    pages = {_page_of(example) for example in readme_examples}
+    assert {"README.md", "docs/clients.md", "docs/hybrid.md", "docs/vllm.md"} <= pages
 
 
 def test_the_engine_example_runs_as_written(daemon_factory: DaemonFactory) -> None:
     """The first block an engine's author copies, alone, in a fresh namespace."""
     daemon = daemon_factory()
-    code = readme_block("## Use it from an engine")
+    code = readme_block("## Use it from an engine", page="docs/clients.md")
     assert NODE_SOCKET in code
     namespace: dict[str, Any] = {"__name__": "readme"}
-    exec(compile(code.replace(NODE_SOCKET, str(daemon.socket)), "README.md", "exec"), namespace)  # noqa: S102 - the README's own blocks
+    source = code.replace(NODE_SOCKET, str(daemon.socket))
+    exec(compile(source, "docs/clients.md", "exec"), namespace)  # noqa: S102 - the docs' own blocks
     with Client(daemon.socket) as client:
         assert client.stats()["store"]["blocks"] == 2  # the example stored its two blocks

@@ -612,7 +612,6 @@ def test_unit_runs_the_install_the_readme_gives() -> None:
     service = _service_settings("prefixd.service")
     assert service["ExecStart"] == [f"{EXEC_START} serve"]
     venv = EXEC_START.removesuffix("/bin/prefixd")
-    readme = (REPO / "README.md").read_text()
     quick_start = readme_block("## Quick start: a node", "sh")  # test_quick_start.py runs it
     assert f"python3 -m venv {venv} " in quick_start
     assert f"{venv}/bin/pip install " in quick_start
@@ -621,7 +620,8 @@ def test_unit_runs_the_install_the_readme_gives() -> None:
         text = (REPO / "systemd" / name).read_text()
         assert "/usr/local" not in text and "/usr/bin/prefixd" not in text, name
     assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]  # the daemon reloads on SIGHUP
-    assert "SIGHUP" in readme and "systemctl reload prefixd" in readme
+    operating = (REPO / "docs" / "operating.md").read_text()  # "Reloading"
+    assert "SIGHUP" in operating and "systemctl reload prefixd" in operating
 
 
 def test_unit_files_name_only_real_settings() -> None:

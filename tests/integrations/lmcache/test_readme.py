@@ -1,4 +1,4 @@
-"""The README's `## LMCache node server` block, run as written (as `lmcache server` is started in
+"""The `# LMCache node server` block of docs/lmcache.md, run as written (as `lmcache server` is started in
 tests/integrations/lmcache/node.py) against a daemon of the test's, until the server answers on
 its HTTP port and reports prefixd's adapter connected; then it is stopped as with Ctrl-C.
 
@@ -9,7 +9,7 @@ What the test changes, and why (nothing else):
   LMCache writes every page of its L1 at start.
 - At the end: free `--port` and `--http-port` (the defaults, 5555 and 8080, may be taken), and
   `--disable-observability`: its metrics exporter needs opentelemetry-exporter-prometheus, which
-  lmcache's `--no-deps` install in this venv leaves out (README: "LMCache node server").
+  lmcache's `--no-deps` install in this venv leaves out (docs/lmcache.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ L1_SIZE = "--l1-size-gb 8 "
 def test_the_node_server_command_serves_with_prefixd_behind_it(
     daemon: Daemon, tmp_path: Path
 ) -> None:
-    block = readme_block("## LMCache node server", "sh")
+    block = readme_block("# LMCache node server", "sh", page="docs/lmcache.md")
     assert block.startswith("lmcache server ") and all(
         part in block for part in (NODE_SOCKET, NODE_MODEL, L1_SIZE)
     )

@@ -1,4 +1,4 @@
-"""The README's `## SGLang HiCache` block, as far as it runs here: SGLang's engine needs CUDA
+"""The `# SGLang HiCache` block of docs/sglang.md, as far as it runs here: SGLang's engine needs CUDA
 kernels and does not start on this machine, so the command line goes through what launch_server
 does with it before the engine: SGLang's own argument parser (`prepare_server_args`), its parse of
 the extra config (`parse_storage_backend_extra_config`), and the storage attach (the factory's
@@ -24,7 +24,7 @@ LAUNCH = ["python", "-m", "sglang.launch_server"]
 
 
 def test_the_launch_server_command_attaches_prefixd_as_sglang_would(daemon: Daemon) -> None:
-    block = readme_block("## SGLang HiCache", "sh")
+    block = readme_block("# SGLang HiCache", "sh", page="docs/sglang.md")
     argv = shlex.split(re.sub(r"\\\n", " ", block))  # the words the shell passes
     assert argv[: len(LAUNCH)] == LAUNCH
     server_args = prepare_server_args(argv[len(LAUNCH) :])

@@ -1,4 +1,4 @@
-"""The README's `## vLLM` blocks, run as written against a daemon of the test's, each in a process
+"""The blocks of docs/vllm.md (`# vLLM`), run as written against a daemon of the test's, each in a process
 of its own on the tiny model (tiny_model.py, with a tokenizer added: neither block skips it): the
 Python block builds an LLM, and the `vllm serve` command line, `$(python -m
 prefixd.integrations.vllm ...)` included, serves until /health answers. Either then runs a prompt
@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # not imported at run time: engine processes import this modu
 
 pytestmark = pytest.mark.slow
 
-HEADING = "## vLLM"
+HEADING = "# vLLM"
+PAGE = "docs/vllm.md"
 CPU_TIER = {"python": ("8 << 30", "8 << 20"), "sh": ("8GiB", "8MiB")}  # README's, the test's
 TENANT = "acme"  # the README's
 PROMPT = list(range(3, 3 + 100))  # 3 closed blocks of 32 tokens
@@ -133,7 +134,7 @@ llm.llm_engine.engine_core.shutdown()
 def test_the_python_block_builds_an_llm_with_prefixd_behind_it(
     daemon: Daemon, model: Path, engine_env: dict[str, str]
 ) -> None:
-    block = readme_block(HEADING)
+    block = readme_block(HEADING, page=PAGE)
     readme_tier, test_tier = CPU_TIER["python"]
     assert NODE_SOCKET in block and readme_tier in block
     code = block.replace(NODE_SOCKET, str(daemon.socket)).replace(readme_tier, test_tier)
@@ -156,7 +157,7 @@ def free_port() -> int:
 def test_vllm_serve_with_the_helpers_transfer_config_serves(
     daemon: Daemon, model: Path, engine_env: dict[str, str], tmp_path: Path
 ) -> None:
-    block = readme_block(HEADING, "sh")
+    block = readme_block(HEADING, "sh", page=PAGE)
     readme_tier, test_tier = CPU_TIER["sh"]
     assert block.startswith("vllm serve MODEL ") and NODE_SOCKET in block and readme_tier in block
     port = free_port()
