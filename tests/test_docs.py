@@ -88,10 +88,12 @@ def test_every_docs_page_is_in_the_sites_nav() -> None:
 
 
 def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
-    """`mkdocs build --strict`: a broken link, a page missing from the nav or a snippet of the
-    README that is not there fails (mkdocs and mkdocs-material come with the [test] extra)."""
+    """`mkdocs build --strict`: a broken link, a page missing from the nav, a snippet of the
+    README that is not there or an API reference that names no object fails (mkdocs,
+    mkdocs-material and mkdocstrings come with the [test] extra)."""
     pytest.importorskip("mkdocs")
     pytest.importorskip("material")
+    pytest.importorskip("mkdocstrings_handlers.python")
     built = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
@@ -100,3 +102,6 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr[-4000:]
     quick_start = (tmp_path / "site" / "getting-started" / "index.html").read_text()
     assert "useradd" in quick_start  # the README's quick start, included by the snippet
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    for name in ("client.blocking.Client", "client.operations.load", "store.Store.load"):
+        assert f'id="prefixd.{name}"' in api  # generated from the docstrings
