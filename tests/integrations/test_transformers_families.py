@@ -10,6 +10,7 @@ sizes; `--long` (or PREFIXD_LONG=1) runs the whole table and prints it.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,8 @@ from prefixd.integrations.transformers import (
 
 from . import zoo
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_every_kind_is_restored_exactly() -> None:
     results = [zoo.check(family) for family in zoo.REPRESENTATIVES]
@@ -42,6 +45,29 @@ def test_block_and_page_sizes(family: str, block: int, page: int) -> None:
     result = zoo.check(family, block=block, page=page, prefix_blocks=6, tail=block // 2 + 1)
     print(f"\n{result.row()} block {block} page {page}")
     assert result.result == "exact", result
+
+
+def test_the_docs_table_is_a_whole_run_of_this_transformers() -> None:
+    """docs/families.md's table is what `python -m tests.integrations.zoo --write` writes: every
+    family of the transformers installed, once and in order, each row as `Result.row` writes it,
+    only allowed results, refusals with a documented reason, and the counts its summary states
+    (a transformers upgrade needs a fresh run)."""
+    page = (REPO / "docs" / "families.md").read_text()
+    start, end = page.index(zoo.TABLE_START), page.index(zoo.TABLE_END)
+    summary, blank, *table = page[start:end].splitlines()[1:]
+    assert blank == "" and table[:2] == zoo.TABLE_HEAD.splitlines()
+    results = [zoo.Result.of_row(row) for row in table[2:]]
+    assert [r.row() for r in results] == table[2:]
+    assert [r.family for r in results] == zoo.families()
+    allowed = ("exact", "refused", "skipped", "as own cache")
+    assert [r.family for r in results if r.result not in allowed] == []
+    assert [
+        r.family for r in results if r.result == "refused" and not zoo.documented(r.reason)
+    ] == []
+    assert {r.family for r in results if r.result == "exact"} >= set(zoo.REPRESENTATIVES)
+    day = re.fullmatch(r"The table of (\d{4}-\d\d-\d\d) .*", summary)
+    assert day is not None, summary
+    assert summary == zoo.summary(results, day.group(1))
 
 
 def test_every_family(long_run: bool) -> None:

@@ -5,20 +5,25 @@ CPU), prefills a prompt, exports its state at a block boundary, restores it into
 continues; and again from an earlier checkpoint with a replay. It reports the largest logit
 difference against one full prefill, or the `LayoutError` that refused the family, or why the
 family cannot be built small on CPU. Run as `python -m tests.integrations.zoo [FAMILY...]` to print
-the table.
+the table, or `python -m tests.integrations.zoo --write docs/families.md` to run every family and
+write the table into that page (its `TABLE_START` and `TABLE_END` lines say where).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import importlib
 import re
 import sys
 import warnings
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -313,6 +318,14 @@ class Result:
     def row(self) -> str:
         diff = "" if self.diff != self.diff else f"{self.diff:.1e}"
         return f"| {self.family} | {self.kinds} | {self.result} | {diff} | {self.reason} |"
+
+    @classmethod
+    def of_row(cls, row: str) -> Result:
+        """The result a table row (`row()`) shows."""
+        family, kinds, result, diff, reason = (
+            row.removeprefix("| ").removesuffix(" |").split(" | ", 4)
+        )
+        return cls(family, result, kinds, float(diff) if diff else float("nan"), reason)
 
 
 def families() -> list[str]:
@@ -648,15 +661,47 @@ def _short(error: BaseException) -> str:
 
 
 TABLE_HEAD = "| family | cache layers | result | max abs dlogits | reason |\n|---|---|---|---|---|"
+# docs/families.md shows a whole run between these two lines, as `--write` writes it.
+TABLE_START = (
+    "<!-- the families table, written by: python -m tests.integrations.zoo --write PAGE -->"
+)
+TABLE_END = "<!-- the end of the families table -->"
+
+
+def summary(results: Sequence[Result], day: str) -> str:
+    """The line above the table: the run's day, the transformers it ran and its counts."""
+    count = {kind: sum(r.result == kind for r in results) for kind in ("exact", "as own cache")}
+    refused = sum(r.result == "refused" for r in results)
+    skipped = sum(r.result == "skipped" for r in results)
+    return (
+        f"The table of {day} (transformers {transformers.__version__}, on CPU):"
+        f" {count['exact']} exact, {count['as own cache']} as its own cache,"
+        f" {refused} refused for a documented reason, {skipped} skipped."
+    )
+
+
+def write_table(page: Path, results: Sequence[Result]) -> None:
+    """Replace the table of `page` (between TABLE_START and TABLE_END) with `results`."""
+    text = page.read_text()
+    start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
+    day = datetime.date.today().isoformat()
+    rows = [r.row() for r in results]
+    table = "\n".join([TABLE_START, summary(results, day), "", TABLE_HEAD, *rows, TABLE_END])
+    page.write_text(text[:start] + table + text[end:])
 
 
 def main(argv: list[str]) -> None:
     import transformers.utils.logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
+    page = Path(argv[1]) if argv[:1] == ["--write"] and len(argv) == 2 else None
     print(TABLE_HEAD)
-    for family in argv or families():
-        print(check(family).row(), flush=True)
+    results = []
+    for family in families() if page is not None else argv or families():
+        results.append(check(family))
+        print(results[-1].row(), flush=True)
+    if page is not None:
+        write_table(page, results)
 
 
 if __name__ == "__main__":
