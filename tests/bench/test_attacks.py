@@ -1,6 +1,6 @@
 """bench/attacks.py --json: each attack is reported with what the attacker was told and how the
 honest client beside it fared. No timing threshold: only what must hold on any machine (the
-honest client is answered without an error; the attacks are refused as the README says)."""
+honest client is answered without an error; the attacks are refused as docs/security.md says)."""
 
 from __future__ import annotations
 

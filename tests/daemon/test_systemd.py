@@ -419,7 +419,7 @@ def test_listen_sockets_rejects_an_fd_that_is_no_socket(tmp_path: Path) -> None:
 
 # --- the unit files -----------------------------------------------------------------------------
 
-# Where the unit expects the install (README "systemd"): a venv under /opt/prefixd.
+# Where the unit expects the install (docs/operating.md, "systemd"): a venv under /opt/prefixd.
 EXEC_START = "/opt/prefixd/bin/prefixd"
 # The drop-ins shipped beside the unit, by what they open up.
 DROP_INS = {

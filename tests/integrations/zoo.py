@@ -273,7 +273,7 @@ REPRESENTATIVES = {
     "qwen4_exp_text": "DSA indexer keys with a position history + Gated DeltaNet",
     "deepseek_v4": "compressed + indexer + window + compressor",
 }
-# The layer kinds prefixd cannot persist exactly, and the refusal that names each (README).
+# The layer kinds prefixd cannot persist exactly, and the refusal that names each (docs/hybrid.md).
 NOT_PERSISTABLE = (
     (
         r"a cross-attention layer",

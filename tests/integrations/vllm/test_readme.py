@@ -12,7 +12,7 @@ What the test changes, and why (nothing else):
   platform; every other part of it is stock, as in the other engine tests.
 - `vllm serve` gets, at the end, `--host 127.0.0.1` and a free `--port` (its defaults are every
   address and 8000), and `--enforce-eager` (no compilation of the model: about 20 s here).
-The Python block compiles the model (about 20 s here): its arguments are the README's.
+The Python block compiles the model (about 20 s here): its arguments are the page's.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ pytestmark = pytest.mark.slow
 
 HEADING = "# vLLM"
 PAGE = "docs/vllm.md"
-CPU_TIER = {"python": ("8 << 30", "8 << 20"), "sh": ("8GiB", "8MiB")}  # README's, the test's
-TENANT = "acme"  # the README's
+CPU_TIER = {"python": ("8 << 30", "8 << 20"), "sh": ("8GiB", "8MiB")}  # the page's, the test's
+TENANT = "acme"  # the page's
 PROMPT = list(range(3, 3 + 100))  # 3 closed blocks of 32 tokens
 REPO = Path(__file__).resolve().parents[3]
 ENGINE_S = 600.0  # a failure bound: an engine starts within a minute here
@@ -110,7 +110,7 @@ def remove_left_regions(log: str) -> None:
 
 
 def stored_blocks(daemon: Daemon) -> int:
-    """Blocks the daemon holds under the README's tenant."""
+    """Blocks the daemon holds under the page's tenant."""
     from prefixd.client import Client
 
     with Client(daemon.socket, region_bytes=1 << 20) as client:
