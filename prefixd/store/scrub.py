@@ -10,8 +10,8 @@ written earlier, of any table. `clear` therefore clears the whole file, after th
   1. it overwrites LMDB's free pages with zero values (one page each, under a private key range of
      the meta table), in short transactions until a commit has to grow the file, then deletes them
      (LMDB reuses a page only once no snapshot can still see it: what is left goes in step 2). The
-     first transaction writes as many pages as the trees have, so the memory LMDB reuses holds
-     zeros, not old pages;
+     first transaction writes as many pages as the store had (at most MAX_LAUNDER_PAGES), so the
+     page memory LMDB reuses holds zeros, not old pages a later write would copy from;
   2. holding the writer's lock (puts wait; loads go on), after an fsync so the last commit is the
      one an open picks, it walks every page LMDB reaches (the trees of every table, the free list)
      and writes zeros over each unused gap and each overflow page's unused end, then over every free
@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 SCRATCH = b"~scrub:"
 BATCH_PAGES = 256  # zero pages per transaction: 1 MiB at 4 KiB pages, a few ms of the writer's lock
 PAUSE_S = 0.0002  # between two of its transactions: a put waiting for the writer's lock gets it
-MAX_LAUNDER_PAGES = 1 << 17  # LMDB's most dirty pages in one transaction: the memory it reuses
+# the most pages the first transaction writes (128 MiB at 4 KiB pages): LMDB keeps the memory of as
+# many pages as one transaction ever dirtied (at most 1 << 17), and this much more at worst
+MAX_LAUNDER_PAGES = 1 << 15
 READER_WAIT_S = 30.0  # how long the clearing waits for a read begun before it
 
 # LMDB's on-disk format (64-bit builds): page header, node header, meta page, flags
@@ -77,14 +79,15 @@ class ClearReport:
 
 
 def tree_pages(env: lmdb.Environment, tables: Tables) -> int:
-    """The branch and leaf pages of every table: a bound on what one transaction dirtied, so on
-    the page memory LMDB keeps for reuse."""
-    total = env.stat()["branch_pages"] + env.stat()["leaf_pages"]
+    """The pages of every table: a bound on what one transaction of a store this size dirtied, so
+    on the page memory LMDB keeps for reuse (one-page values included)."""
+    main = env.stat()
+    total = main["branch_pages"] + main["leaf_pages"] + main["overflow_pages"]
     with env.begin() as txn:
         for db in vars(tables).values():
             if db is not None:
                 stat = txn.stat(db)
-                total += stat["branch_pages"] + stat["leaf_pages"]
+                total += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
     return int(total)
 
 

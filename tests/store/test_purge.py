@@ -354,3 +354,22 @@ def test_a_failed_fsync_after_the_clearing_is_the_stores_failure(
         with pytest.raises(SyncFailedError):
             fill(store, ident(tenant="b"))
     assert (tmp_path / "s" / "sync-failed.json").exists()
+
+
+def test_a_big_write_after_the_purge_brings_nothing_back(tmp_path: Path) -> None:
+    """LMDB reuses the memory of the pages one transaction dirtied without clearing it: after the
+    victim's one big put, a big put of another tenant after the purge would write the victim's old
+    pages into the unused parts of its own, had the clearing not overwritten that memory."""
+    needles = Needles(seed=12)
+    victim, other = ident(tenant=needles.name("deep-victim-90b2")), ident(tenant="b")
+    with Store.open(tmp_path / "s", map_size=256 << 20) as store:
+        store.put(victim, needles.tokens(victim, 1500), needles.payloads(1500, 3000))
+        for _ in range(30):
+            filler = needles.payloads(2, 3000, planted=False)
+            store.put(other, needles.tokens(other, 2, planted=False), filler)
+        store.purge(PurgeSelector(tenant=victim.tenant))
+        assert needles.found(tmp_path / "s") == {}
+        big = needles.payloads(1500, 2200, planted=False)  # each a page with 1.8 KB unused
+        store.put(other, needles.tokens(other, 1500, planted=False), big)
+        store.sync()
+        assert needles.found(tmp_path / "s") == {}
