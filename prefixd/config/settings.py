@@ -235,6 +235,12 @@ class TenantSettings(_Group):
         "entries",
         "tenants that share identical entries, GROUP=TENANT+TENANT (never shared otherwise)",
     )
+    scrub_retired: bool = _store(
+        "scrub_retired",
+        "bool",
+        "clear the store's files of retired model versions and expired entries too, as a "
+        "tenant's purge always does (time in proportion to the free space, once per removal)",
+    )
     quota_bytes: int = _store(
         "tenant_quota_bytes",
         "size",

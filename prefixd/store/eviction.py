@@ -28,6 +28,7 @@ from prefixd.store.config import StoreConfig
 from prefixd.store.joint import part_bytes
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
+from prefixd.store.scrub import clear, tree_pages
 from prefixd.store.tables import Tables, children_key, decoded, records_after
 
 if TYPE_CHECKING:
@@ -185,11 +186,13 @@ def evict(
 
 
 def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
-    """Remove the blocks past their tenant's time to live; return how many went."""
+    """Remove the blocks past their tenant's time to live, then, with `scrub_retired`, clear the
+    store's files of them (prefixd.store.scrub); return how many went."""
     if not tenancy.expires:
         return 0
     now = ctx.clock.time_ns()
     removed = 0
+    pages = tree_pages(ctx.env, ctx.tables) if ctx.config.scrub_retired else 0
     with ctx.writing() as txn:
         expired = []
         for block, record in records_after(txn, ctx.tables, None):
@@ -202,6 +205,8 @@ def reclaim_expired(ctx: StoreContext, tenancy: Tenancy) -> int:
             removed += remove_subtree(ctx, txn, block, reason="expired")
     if removed:
         log.info("reclaimed %d expired block(s)", removed)
+        if ctx.config.scrub_retired:
+            clear(ctx, pages)
     return removed
 
 

@@ -16,6 +16,7 @@ from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord
 from prefixd.store import counters
 from prefixd.store.removal import remove_subtree
+from prefixd.store.scrub import ClearReport, clear, tree_pages
 from prefixd.store.tables import Tables, readable_identities, stored_record
 
 if TYPE_CHECKING:
@@ -68,6 +69,12 @@ class PurgeSelector:
     def describe(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"keep": dict(self.keep)}
 
+    @property
+    def names_a_tenant(self) -> bool:
+        """A purge of a tenant (or of everything) always clears the files after it; a retirement or
+        an idle-time purge only with `scrub_retired`."""
+        return self.tenant is not None or self.everything
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> PurgeSelector:
         """From the wire form (describe()'s keys); ConfigError naming a bad field."""
@@ -107,10 +114,13 @@ class PurgeReport:
     # the criteria ("tenant", "model") that name nothing the store holds: a purge of a tenant or
     # model that is not there (a typo) says so instead of reporting zeros
     unknown: tuple[str, ...] = ()
+    # how the store's files were cleared after it (prefixd.store.scrub); None: they were not
+    cleared: ClearReport | None = None
 
     def describe(self) -> dict[str, Any]:
-        described = {k: v for k, v in vars(self).items() if k != "digests"}
+        described = {k: v for k, v in vars(self).items() if k not in ("digests", "cleared")}
         described["unknown"] = list(self.unknown)
+        described["cleared"] = None if self.cleared is None else self.cleared.describe()
         return described
 
 
@@ -122,8 +132,9 @@ def purge(
     dry_run: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> PurgeReport:
-    """Remove what `selector` names in one write transaction (a dry run only counts). `progress` is
-    told how many root blocks each step handled."""
+    """Remove what `selector` names in one write transaction (a dry run only counts), then clear
+    the store's files of it (prefixd.store.scrub) for a tenant's purge, or any with
+    `scrub_retired`. `progress` is told how many root blocks each step handled."""
     started = time.perf_counter()
     if selector.older_than_s is not None and not dry_run:
         access.sync()  # access times still in memory count
@@ -131,6 +142,8 @@ def purge(
     whole = selector.older_than_s is None  # whole identities go, not idle subtrees
     cutoff = ctx.clock.time_ns() - int((selector.older_than_s or 0) * 1e9)
     reason = "retired" if selector.model is not None else "purged"
+    scrub = not dry_run and (selector.names_a_tenant or ctx.config.scrub_retired)
+    pages = tree_pages(ctx.env, t) if scrub else 0
     begin = ctx.env.begin(buffers=True) if dry_run else ctx.writing()
     with begin as txn:
         digests = selected_identities(txn, t, selector)
@@ -160,6 +173,7 @@ def purge(
     identities = len(digests) if whole else 0
     if not dry_run and blocks:
         log.info("purged %d block(s) of %d identity(ies)", blocks, identities)
+    cleared = clear(ctx, pages) if scrub else None
     return PurgeReport(
         identities,
         blocks,
@@ -169,6 +183,7 @@ def purge(
         round(time.perf_counter() - started, 6),
         tuple(digests) if whole and not dry_run else (),
         unknown,
+        cleared,
     )
 
 

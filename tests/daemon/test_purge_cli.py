@@ -13,6 +13,7 @@ from prefixd.client import Client
 from prefixd.errors import PrefixdError
 from prefixd.store import Store
 
+from ..needles import Needles
 from .conftest import Daemon
 
 BASE = {
@@ -158,3 +159,65 @@ def test_an_engine_declaring_its_version_retires_the_others(daemon: Daemon) -> N
         assert exc.code == "bad_request" and "serves[0]" in exc.message
     else:
         raise AssertionError("an empty weights version was accepted")
+
+
+def fill_with_needles(client: Client, needles: Needles, victim: Identity, other: Identity) -> list:
+    """Interleaved puts of both tenants, the victim's planted; the other's (tokens, payloads)."""
+    kept = []
+    for n in range(20):
+        size = (700, 3000, 9000)[n % 3]
+        client.put(victim, needles.tokens(victim, 3), needles.payloads(3, size))
+        tokens = needles.tokens(other, 3, planted=False)
+        payloads = needles.payloads(3, size, planted=False)
+        client.put(other, tokens, payloads)
+        kept.append((tokens, payloads))
+    return kept
+
+
+def loads_exactly(client: Client, identity: Identity, tokens: np.ndarray, payloads: list) -> bool:
+    with client.load(identity, tokens) as loaded:
+        return [bytes(view) for view in loaded.views] == payloads
+
+
+def test_an_online_tenant_purge_leaves_no_byte_in_any_file(daemon: Daemon) -> None:
+    needles = Needles(seed=21)
+    victim, other = ident(tenant=needles.name("online-victim-42aa")), ident(tenant="b")
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        kept = fill_with_needles(client, needles, victim, other)
+        done = purge(daemon, "--tenant", victim.tenant)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["blocks"] == 60
+        assert needles.found(daemon.data_dir) == {}
+        assert all(loads_exactly(client, other, t, p) for t, p in kept)
+
+
+def test_an_offline_tenant_purge_leaves_no_byte_in_any_file(daemon: Daemon) -> None:
+    needles = Needles(seed=22)
+    victim, other = ident(tenant=needles.name("offline-victim-42ab")), ident(tenant="b")
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        kept = fill_with_needles(client, needles, victim, other)
+    assert daemon.stop() == 0
+    assert needles.found(daemon.data_dir)["data.mdb"] > 0  # the scan finds them
+    done = purge(daemon, "--tenant", victim.tenant)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["mode"], summary["blocks"]) == ("offline", 60)
+    assert needles.found(daemon.data_dir) == {}
+    assert summary["cleared"]["complete"]
+    with Store.open(daemon.data_dir, create=False) as store:
+        for tokens, payloads in kept:
+            out = bytearray(sum(map(len, payloads)))
+            loaded = store.load(other, tokens, out)
+            assert [bytes(out[o : o + n]) for o, n in zip(loaded.offsets, loaded.sizes)] == payloads
+
+
+def test_an_engine_retiring_a_version_clears_it_with_scrub_retired(daemon_factory) -> None:
+    daemon = daemon_factory("--scrub-retired", "true")
+    needles = Needles(seed=23)
+    old, new = ident(weights="w1"), ident(weights="w2")
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        kept = fill_with_needles(client, needles, old, new)
+    with Client(daemon.socket, region_bytes=1 << 20, serves=[("m", "w2")]) as engine:
+        assert engine.server["retired"] == 60
+        assert needles.found(daemon.data_dir) == {}
+        assert all(loads_exactly(engine, new, t, p) for t, p in kept)

@@ -12,6 +12,8 @@ from prefixd.clock import ManualClock
 from prefixd.errors import ConfigError, IdentityError
 from prefixd.store import PurgeSelector
 
+from ..needles import Needles
+
 BASE = {
     "model": "m",
     "weights": "w1",
@@ -66,6 +68,107 @@ def test_a_tenant_purge_leaves_no_trace(tmp_path: Path) -> None:
         assert store.stats().blocks == 8 and store.stats().identities == 1
     names = scan_digests(tmp_path / "s")
     assert a.digest not in names and a_lora.digest not in names and b.digest in names
+    files = b"".join(path.read_bytes() for path in (tmp_path / "s").iterdir())
+    for gone in (a, a_lora):  # nor in the files: neither the digests nor the identity rows
+        assert gone.digest not in files and gone.encode() not in files
+    assert b.digest in files and b.encode() in files
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_tenant_purge_leaves_no_byte_in_any_file(tmp_path: Path, compression: str) -> None:
+    """The purged tenant's payloads, token ids, engine keys and name are in no file of the store
+    once the purge returns, its entries having shared pages with another tenant's; the other
+    tenant's load exactly, then and after more puts."""
+    needles = Needles(seed=7)
+    victim = needles.name("victim-7f3a9c")
+    token_keyed = ident(tenant=victim, block_tokens=4)
+    keyed = ident(tenant=victim, block_tokens=4, key_bytes=36)
+    other, other_keyed = ident(tenant="b"), ident(tenant="b", key_bytes=36)
+    kept = []
+    with Store.open(tmp_path / "s", compression=compression, map_size=256 << 20) as store:
+        for n in range(60):  # interleaved: the two tenants' records share leaf pages
+            size = (700, 3000, 9000)[n % 3]  # in a leaf, one overflow page, several
+            store.put(token_keyed, needles.tokens(token_keyed, 3), needles.payloads(3, size))
+            store.put(keyed, needles.keys(keyed, 2), needles.payloads(2, size))
+            tokens = needles.tokens(other, 3, planted=False)
+            payloads = needles.payloads(3, size, planted=False)
+            store.put(other, tokens, payloads)
+            kept.append((tokens, payloads))
+        store.sync()
+        assert needles.found(tmp_path / "s")["data.mdb"] > 1000  # the scan finds them
+        report = store.purge(PurgeSelector(tenant=victim))
+        assert report.blocks == 60 * 5
+        assert needles.found(tmp_path / "s") == {}
+        assert report.cleared is not None and report.cleared.complete
+        assert all(loads_exactly(store, other, tokens, payloads) for tokens, payloads in kept)
+        for _ in range(20):  # later writes bring nothing back
+            store.put(
+                other_keyed, needles.rng.bytes(36 * 2), needles.payloads(2, 3000, planted=False)
+            )
+        store.sync()
+        assert needles.found(tmp_path / "s") == {}
+        assert store.check() == []
+    assert needles.found(tmp_path / "s") == {}
+
+
+def loads_exactly(store: Store, identity: Identity, tokens: object, payloads: list[bytes]) -> bool:
+    out = bytearray(sum(map(len, payloads)))
+    loaded = store.load(identity, tokens, out)
+    got = [bytes(out[o : o + n]) for o, n in zip(loaded.offsets, loaded.sizes)]
+    return got == payloads
+
+
+def test_loads_of_other_tenants_go_on_while_the_files_are_cleared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clearing holds the writer's lock for its walk over the file: a load of another tenant
+    started then is answered before the walk ends."""
+    import threading
+
+    from prefixd.store import scrub
+
+    needles = Needles(seed=8)
+    other = ident(tenant="b")
+    tokens, payloads = needles.tokens(other, 4, planted=False), needles.payloads(4, 3000)
+    answers: list[bool] = []
+    real_run = scrub._Walk.run
+
+    def run_while_loading(walk: scrub._Walk, oldest: float, last: int) -> bool:
+        loader = threading.Thread(
+            target=lambda: answers.append(loads_exactly(store, other, tokens, payloads))
+        )
+        loader.start()
+        loader.join(30)  # the walk waits for the load: a load that waited on it never ends
+        return real_run(walk, oldest, last)
+
+    monkeypatch.setattr(scrub._Walk, "run", run_while_loading)
+    with Store.open(tmp_path / "s") as store:
+        store.put(other, tokens, payloads)
+        fill(store, ident())
+        store.purge(PurgeSelector(tenant="a"))
+    assert answers == [True]
+
+
+@pytest.mark.parametrize("scrub_retired", [True, False])
+def test_a_retired_version_is_cleared_with_scrub_retired(
+    tmp_path: Path, scrub_retired: bool
+) -> None:
+    needles = Needles(seed=9)
+    old, new = ident(weights="w1"), ident(weights="w2")
+    with Store.open(tmp_path / "s", scrub_retired=scrub_retired) as store:
+        for _ in range(20):
+            store.put(old, needles.tokens(old, 3), needles.payloads(3, 3000))
+            store.put(
+                new, needles.tokens(new, 3, planted=False), needles.payloads(3, 3000, planted=False)
+            )
+        report = store.purge(PurgeSelector(model="m", keep={"weights": "w2"}))
+        assert report.blocks == 60
+        store.sync()
+        left = needles.found(tmp_path / "s")
+    if scrub_retired:
+        assert report.cleared is not None and left == {}
+    else:  # as before: nothing is cleared, nothing spent on it
+        assert report.cleared is None and left["data.mdb"] > 0
 
 
 def test_tenants_with_identical_prompts_never_share(store: Store) -> None:
@@ -226,3 +329,47 @@ def test_loads_during_a_purge_are_whole_or_miss(tmp_path: Path) -> None:
             thread.join()
         assert report.blocks == 200 and not errors
         assert all(store.load(ident(), p, bytearray(10_000)).n_blocks == 0 for p in prompts)
+
+
+def test_a_failed_fsync_after_the_clearing_is_the_stores_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clearing's own fsync failing is reported like any other: the purge raises, the store
+    refuses writes and the marker tells the next start."""
+    import errno
+
+    from prefixd.errors import SyncFailedError
+    from prefixd.store import scrub
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with Store.open(tmp_path / "s") as store:
+        fill(store, ident())
+        monkeypatch.setattr(scrub.os, "fdatasync", failing)
+        with pytest.raises(SyncFailedError, match="clearing"):
+            store.purge(PurgeSelector(tenant="a"))
+        monkeypatch.undo()
+        assert store.sync_failure is not None
+        with pytest.raises(SyncFailedError):
+            fill(store, ident(tenant="b"))
+    assert (tmp_path / "s" / "sync-failed.json").exists()
+
+
+def test_a_big_write_after_the_purge_brings_nothing_back(tmp_path: Path) -> None:
+    """LMDB reuses the memory of the pages one transaction dirtied without clearing it: after the
+    victim's one big put, a big put of another tenant after the purge would write the victim's old
+    pages into the unused parts of its own, had the clearing not overwritten that memory."""
+    needles = Needles(seed=12)
+    victim, other = ident(tenant=needles.name("deep-victim-90b2")), ident(tenant="b")
+    with Store.open(tmp_path / "s", map_size=256 << 20) as store:
+        store.put(victim, needles.tokens(victim, 1500), needles.payloads(1500, 3000))
+        for _ in range(30):
+            filler = needles.payloads(2, 3000, planted=False)
+            store.put(other, needles.tokens(other, 2, planted=False), filler)
+        store.purge(PurgeSelector(tenant=victim.tenant))
+        assert needles.found(tmp_path / "s") == {}
+        big = needles.payloads(1500, 2200, planted=False)  # each a page with 1.8 KB unused
+        store.put(other, needles.tokens(other, 1500, planted=False), big)
+        store.sync()
+        assert needles.found(tmp_path / "s") == {}

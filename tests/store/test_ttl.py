@@ -10,6 +10,8 @@ from prefixd import Identity, Store
 from prefixd.clock import ManualClock
 from prefixd.errors import ConfigError, OrphanBlockError
 
+from ..needles import Needles
+
 BASE = {
     "model": "m",
     "weights": "w",
@@ -83,3 +85,32 @@ def test_bad_ttls(tmp_path: Path, entries: tuple[str, ...]) -> None:
 def test_bad_quotas(tmp_path: Path, entries: tuple[str, ...]) -> None:
     with pytest.raises(ConfigError, match="tenant_quotas"):
         Store.open(tmp_path / "s", tenant_quotas=entries)
+
+
+@pytest.mark.parametrize("scrub_retired", [True, False])
+def test_expired_entries_are_cleared_from_the_files_with_scrub_retired(
+    tmp_path: Path, scrub_retired: bool
+) -> None:
+    """Reclaiming expired entries clears their bytes from every file of the store when asked to;
+    without the setting it spends nothing on it and the bytes stay where LMDB left them."""
+    needles = Needles(seed=11)  # the tenant's identity row stays (its entries expired, not it)
+    short, forever = ident("short-lived-5d1e"), ident("forever")
+    clock = ManualClock()
+    with Store.open(
+        tmp_path / "s",
+        tenant_ttls=("short-lived-5d1e=1s",),
+        clock=clock,
+        scrub_retired=scrub_retired,
+    ) as store:
+        for _ in range(20):
+            store.put(short, needles.tokens(short, 4), needles.payloads(4, 3000))
+            store.put(forever, PROMPT, [b"f" * 3000] * 4)
+        clock.advance(2)
+        assert store.reclaim_expired() == 80
+        store.sync()
+        left = needles.found(tmp_path / "s")
+        assert store.longest_prefix(forever, PROMPT).n_blocks == 4
+    if scrub_retired:
+        assert left == {}
+    else:
+        assert left["data.mdb"] > 0
