@@ -55,8 +55,26 @@ class Needles:
         counts = {}
         for root, _, names in os.walk(store_dir):
             for name in names:
-                data = (Path(root) / name).read_bytes()
-                hits = sum(1 for piece in self.pieces if piece in data)
+                hits = self.count_in((Path(root) / name).read_bytes())
                 if hits:
                     counts[name] = hits
         return counts
+
+    def count_in(self, data: bytes) -> int:
+        """How many needles `data` holds: each needle's first 8 bytes are looked for at every
+        offset at once (numpy, one pass per byte alignment), then the candidates compared whole;
+        needles shorter than 8 bytes by a plain search."""
+        short = {piece for piece in self.pieces if len(piece) < 8}
+        by_head: dict[int, list[bytes]] = {}
+        for piece in self.pieces - short:
+            by_head.setdefault(int.from_bytes(piece[:8], "little"), []).append(piece)
+        heads = np.fromiter(by_head, dtype=np.uint64, count=len(by_head))
+        hits = {piece for piece in short if piece in data}
+        for align in range(8):
+            words = np.frombuffer(data, dtype="<u8", count=(len(data) - align) // 8, offset=align)
+            for index in np.flatnonzero(np.isin(words, heads)):
+                at = align + 8 * int(index)
+                for piece in by_head[int(words[index])]:
+                    if data[at : at + len(piece)] == piece:
+                        hits.add(piece)
+        return len(hits)
