@@ -22,7 +22,6 @@ salt). Cache salts come from SGLang's as LMCache's SGLang connector makes them.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import types
@@ -44,7 +43,7 @@ from lmcache.v1.event_manager import EventManager
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache_adapter import build, fetch
-from poisonlib import Outcome, Row, judge, print_rows
+from poisonlib import Outcome, Row, judge, main
 from suitelib import SuiteDaemon
 
 from prefixd.integrations.lmcache import l2_adapter_config
@@ -236,12 +235,5 @@ def rows(root: Path | None = None) -> list[Row]:
             daemon.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    print_rows(rows(), parser.parse_args().json)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    main(rows, __doc__)

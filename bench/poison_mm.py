@@ -13,7 +13,6 @@ by the prompt's token ids does; prefixd's own chain before per-request content),
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from dataclasses import replace
@@ -23,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import numpy as np
-from poisonlib import Outcome, Row, print_rows
+from poisonlib import Outcome, Row, main
 from suitelib import SuiteDaemon
 from transformers import DynamicCache
 
@@ -87,12 +86,5 @@ def rows() -> list[Row]:
         ]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    print_rows(rows(), args.json)
-
-
 if __name__ == "__main__":
-    main()
+    main(rows, __doc__)

@@ -25,7 +25,6 @@ when it plans a prefix prefetch, which the row does not credit to either side.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from collections.abc import Callable
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from poisonlib import Outcome, Row, judge, print_rows
+from poisonlib import Outcome, Row, judge, main
 
 SCENARIO = "a failed multi-rank store leaves a partial entry later served"
 WHERE = "LMCache#5344"
@@ -161,13 +160,5 @@ def rows(root: Path | None = None) -> list[Row]:
     return [Row(SCENARIO, WHERE, ours, peer, PEER_STORAGE)]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    print_rows(rows(), args.json)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    main(rows, __doc__)

@@ -16,7 +16,6 @@ then gets each pool there; what it holds is judged against what the writer held 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
@@ -32,7 +31,7 @@ from tests.integrations.sglang.standin import install
 install()  # sglang's model configs import torchvision (see the stand-in's docstring)
 
 import torch
-from poisonlib import Outcome, Row, judge, print_rows
+from poisonlib import Outcome, Row, judge, main
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageExtraInfo,
@@ -220,12 +219,5 @@ def rows(root: Path | None = None) -> list[Row]:
             daemon.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    print_rows(rows(), parser.parse_args().json)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    main(rows, __doc__)

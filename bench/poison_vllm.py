@@ -25,7 +25,6 @@ from each tier (the control): a tier that never served would pass for a safe one
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -47,7 +46,7 @@ if __name__ == "__main__":  # vLLM logs to stdout unless told, and stdout is the
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 import torch
-from poisonlib import Outcome, Row, judge, print_rows
+from poisonlib import Outcome, Row, judge, main
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
@@ -404,11 +403,5 @@ def rows() -> list[Row]:
     return [result.row for result in found]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    print_rows(rows(), parser.parse_args().json)
-
-
 if __name__ == "__main__":
-    main()
+    main(rows, __doc__)

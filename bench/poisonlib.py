@@ -3,14 +3,16 @@ served and what the peer's own storage served in the same scenario, judged again
 scenario stored (or the output the engine computes without any cache).
 
 A scenario module (bench/poison_<engine>.py) has `rows() -> list[Row]` and, run as a script,
-prints them (`--json`: one JSON list); tests/poison/ asserts prefixd's column of every row.
+prints them through `main` (`--json`: one JSON list); tests/poison/ asserts prefixd's column of
+every row.
 bench/poison.py runs every module in its engine's venv and prints one table.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -53,3 +55,10 @@ def print_rows(rows: Sequence[Row], as_json: bool) -> None:
     for row in rows:
         peer = f"{row.peer} ({row.peer_storage})" if row.peer_storage else row.peer
         print(f"| {row.scenario} | {row.where} | {row.prefixd} | {peer} |")
+
+
+def main(rows: Callable[[], Sequence[Row]], doc: str | None) -> None:
+    """A scenario module's command line: its rows as a table, or with --json as one JSON list."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--json", action="store_true")
+    print_rows(rows(), parser.parse_args().json)
