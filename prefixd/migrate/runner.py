@@ -138,7 +138,8 @@ class Migrator:
 
     def _open(self, *, readonly: bool) -> tuple[lmdb.Environment, Tables, StoreMeta]:
         config = dataclasses.replace(self.settings, path=self.path, create=False, verify_threads=0)
-        return open_environment(config, any_version=True, readonly=readonly)
+        env, tables, meta, _ = open_environment(config, any_version=True, readonly=readonly)
+        return env, tables, meta
 
     def _pending(self, meta: StoreMeta, to: int | None) -> tuple[Migration, ...]:
         target = SCHEMA_VERSION if to is None else to

@@ -984,7 +984,14 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
         },
     ),
     (
-        HealthReply(id=12, status="ok", uptime_s=1.5, connections=2, data_dir="/srv/prefixd"),
+        HealthReply(
+            id=12,
+            status="ok",
+            uptime_s=1.5,
+            connections=2,
+            data_dir="/srv/prefixd",
+            write_map="ext4",
+        ),
         {
             "id": 12,
             "ok": True,
@@ -992,6 +999,7 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
             "uptime_s": 1.5,
             "connections": 2,
             "data_dir": "/srv/prefixd",
+            "write_map": "ext4",
         },
     ),
     (UnpinReply(id=13, released=2), {"id": 13, "ok": True, "released": 2}),
