@@ -16,7 +16,6 @@ from typing import Any, Self
 
 import lmdb
 
-from prefixd.store.reservation import Reservation, file_system_of
 from prefixd.store.syncer import PeriodicSyncer
 from prefixd.store.tables import TABLE_NAMES
 
@@ -156,8 +155,7 @@ def resident_fraction(path: Path) -> float:
 
 class RawLmdb:
     """py-lmdb used directly with the store's map settings (prefixd.store.environment: map size,
-    table count, readahead, the write map where the file system reserves space, with the space
-    reserved as the store reserves it, sync and metasync only under `full`), and under
+    table count, readahead, no writemap, sync and metasync only under `full`), and under
     `periodic` the store's own background syncer at the same interval: the floor a put is held
     against. One table; keys are 32-byte hashes like the store's."""
 
@@ -171,7 +169,6 @@ class RawLmdb:
     ) -> None:
         full = durability == "full"
         path.mkdir(parents=True, exist_ok=True)
-        file_system = file_system_of(path)
         self.env = lmdb.open(
             str(path),
             map_size=map_size,
@@ -180,14 +177,10 @@ class RawLmdb:
             readahead=True,
             sync=full,
             metasync=full,
-            writemap=file_system is not None,
+            writemap=False,
             mode=0o640,
         )
         self.db = self.env.open_db(b"blocks")
-        self.reservation = None
-        if file_system is not None:
-            self.reservation = Reservation(path / "data.mdb", file_system)
-            self.reservation.tables = [self.db]
         self._syncer = None if full else PeriodicSyncer(self.sync, sync_interval_s)
         if self._syncer is not None:
             self._syncer.start()
@@ -195,20 +188,13 @@ class RawLmdb:
     def put(self, key: bytes, value: Any) -> None:
         """One write transaction for one value."""
         with self.env.begin(write=True, db=self.db) as txn:
-            self._reserve(txn, [value])
             txn.put(key, value)
 
     def put_many(self, items: Sequence[tuple[bytes, Any]]) -> None:
         """One write transaction for all of `items`."""
         with self.env.begin(write=True, db=self.db) as txn:
-            self._reserve(txn, [value for _, value in items])
             for key, value in items:
                 txn.put(key, value)
-
-    def _reserve(self, txn: lmdb.Transaction, values: Sequence[Any]) -> None:
-        if self.reservation is not None:
-            self.reservation.begun(self.env, txn)
-            self.reservation.claim(sum(memoryview(v).nbytes for v in values), len(values))
 
     def sync(self) -> None:
         self.env.sync(True)
@@ -217,8 +203,6 @@ class RawLmdb:
         if self._syncer is not None:
             self._syncer.stop()
         self.env.close()
-        if self.reservation is not None:
-            self.reservation.close()
 
     def __enter__(self) -> Self:
         return self

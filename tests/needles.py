@@ -55,20 +55,15 @@ class Needles:
         counts = {}
         for root, _, names in os.walk(store_dir):
             for name in names:
-                hits: set[bytes] = set()
-                for data in data_of(Path(root) / name):
-                    hits |= self.hits_in(data)
+                hits = self.count_in((Path(root) / name).read_bytes())
                 if hits:
-                    counts[name] = len(hits)
+                    counts[name] = hits
         return counts
 
     def count_in(self, data: bytes) -> int:
-        return len(self.hits_in(data))
-
-    def hits_in(self, data: bytes) -> set[bytes]:
-        """The needles `data` holds: each needle's first 8 bytes are looked for at every offset at
-        once (numpy, one pass per byte alignment), then the candidates compared whole; needles
-        shorter than 8 bytes by a plain search."""
+        """How many needles `data` holds: each needle's first 8 bytes are looked for at every
+        offset at once (numpy, one pass per byte alignment), then the candidates compared whole;
+        needles shorter than 8 bytes by a plain search."""
         short = {piece for piece in self.pieces if len(piece) < 8}
         by_head: dict[int, list[bytes]] = {}
         for piece in self.pieces - short:
@@ -82,21 +77,4 @@ class Needles:
                 for piece in by_head[int(words[index])]:
                     if data[at : at + len(piece)] == piece:
                         hits.add(piece)
-        return hits
-
-
-def data_of(path: Path) -> list[bytes]:
-    """The pieces of a file that may hold bytes, holes skipped (a write map's data.mdb is as long as
-    the map and mostly holes)."""
-    pieces = []
-    with path.open("rb") as file:
-        fd, size, at = file.fileno(), os.fstat(file.fileno()).st_size, 0
-        while at < size:
-            try:
-                at = os.lseek(fd, at, os.SEEK_DATA)
-                end = os.lseek(fd, at, os.SEEK_HOLE)
-            except OSError:  # no data past `at`
-                break
-            pieces.append(os.pread(fd, end - at, at))
-            at = end
-    return pieces
+        return len(hits)

@@ -545,7 +545,7 @@ TABLES: dict[str, tuple[str, ...]] = {
 }
 DEPRECATED: dict[str, str] = {name: m["deprecated"] for name, m in META.items() if m["deprecated"]}
 STORE_SETTINGS: tuple[str, ...] = tuple(
-    f.name for f in fields(StoreConfig) if f.name not in ("path", "create", "write_map")
+    f.name for f in fields(StoreConfig) if f.name not in ("path", "create")
 )
 
 

@@ -46,7 +46,7 @@ async def stats(ctx: RequestContext, request: Request[Stats]) -> StatsReply:
 async def health(ctx: RequestContext, request: Request[Health]) -> HealthReply:
     services = ctx.services
     store = services.store
-    stats = await services.run(store.stats)  # the store answers through the pool
+    await services.run(store.stats)  # the store answers through the pool
     return HealthReply(
         id=request.id,
         # a failed fsync: writes refused, reads served (prefixd.store.sync_state)
@@ -54,7 +54,6 @@ async def health(ctx: RequestContext, request: Request[Health]) -> HealthReply:
         uptime_s=round(services.clock.monotonic() - services.started, 3),
         connections=services.open_connections(),
         data_dir=str(store.path),
-        write_map=stats.write_map or "off",
     )
 
 

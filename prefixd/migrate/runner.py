@@ -138,8 +138,7 @@ class Migrator:
 
     def _open(self, *, readonly: bool) -> tuple[lmdb.Environment, Tables, StoreMeta]:
         config = dataclasses.replace(self.settings, path=self.path, create=False, verify_threads=0)
-        env, tables, meta, _ = open_environment(config, any_version=True, readonly=readonly)
-        return env, tables, meta
+        return open_environment(config, any_version=True, readonly=readonly)
 
     def _pending(self, meta: StoreMeta, to: int | None) -> tuple[Migration, ...]:
         target = SCHEMA_VERSION if to is None else to

@@ -68,7 +68,7 @@ class AccessTimes:
         t = ctx.tables
         try:
             for start in range(0, max(1, len(pending)), ACCESS_BATCH):
-                with ctx.begin_write() as txn:
+                with ctx.env.begin(write=True) as txn:
                     for h, (at, hits) in pending[start : start + ACCESS_BATCH]:
                         raw = txn.get(h, db=t.access)
                         if raw is None:  # removed since: an access entry lives as its block does

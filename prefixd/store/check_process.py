@@ -68,9 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def report(n: int) -> None:
         print(f"{_PROGRESS}{n}", file=sys.stderr, flush=True)
 
-    env, tables, _meta, _ = open_environment(
-        StoreConfig(path=args.path, create=False), readonly=True
-    )
+    env, tables, _meta = open_environment(StoreConfig(path=args.path, create=False), readonly=True)
     try:
         with env.begin(buffers=True) as txn:
             problems = check_store(

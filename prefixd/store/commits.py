@@ -134,7 +134,7 @@ def transact(
     exception), so a refused put leaves nothing behind and tells the observer nothing."""
     journal = ctx.journals.open()
     committed = False
-    txn = ctx.begin_write(buffers=True)  # chunks are read back from LMDB's own pages
+    txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
     try:
         outcome = body(txn)
         if aborts(outcome):

@@ -195,9 +195,6 @@ class StoreConfig:
     # clear the store's files after retiring a model's versions and reclaiming expired entries too,
     # as a tenant's purge always does (prefixd.store.scrub)
     scrub_retired: bool = False
-    # LMDB's write map where the file system can reserve the file's space (prefixd.store.reservation,
-    # said in stats); False: each page copied into the page cache at commit (benchmarks compare)
-    write_map: bool = True
 
     map_size_max: ClassVar[int] = 1 << 50
 
@@ -242,7 +239,7 @@ class StoreConfig:
             raise ConfigError(f"eviction: must be value, lru or none, got {self.eviction!r}")
         _number_in("sync_interval_s", self.sync_interval_s, 0.01, 3600.0)
         _number_in("min_compression_gain", self.min_compression_gain, 0.0, 0.99)
-        for flag in ("create", "readahead", "scrub_retired", "write_map"):
+        for flag in ("create", "readahead", "scrub_retired"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag}: must be true or false")
 

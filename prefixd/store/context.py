@@ -18,7 +18,6 @@ from prefixd.store.fair import FairPool
 from prefixd.store.journal import Journals
 from prefixd.store.lookup_memo import VerifiedPrefixes
 from prefixd.store.pins import Pins
-from prefixd.store.reservation import Reservation
 from prefixd.store.sync_state import SyncState
 from prefixd.store.tables import Tables
 from prefixd.store.tallies import Tallies
@@ -41,8 +40,6 @@ class StoreContext:
     syncs: SyncState  # every fsync goes through it; sticky once one failed (sync_state.py)
     pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
     data_file: DataFile | None = None  # data.mdb for loads that read it directly (direct.py)
-    # LMDB's write map is on, and this is the space reserved ahead of it (reservation.py)
-    reservation: Reservation | None = None
     # copy and verify threads shared by every load, a piece of each in turn (prefixd.store.fair)
     copier: FairPool | None = None
     # each thread's write transaction's changes, and the observer told them (journal.py)
@@ -59,22 +56,4 @@ class StoreContext:
         return self.config.path
 
     def writing(self) -> AbstractContextManager[lmdb.Transaction]:
-        return self.journals.writing(self.begin_write)
-
-    def begin_write(self, *, buffers: bool = False) -> lmdb.Transaction:
-        """A write transaction, the space it may grow by reserved first (DiskFullError if it
-        cannot be); every write transaction of an open store begins here."""
-        txn: lmdb.Transaction
-        txn = self.env.begin(write=True, buffers=True) if buffers else self.env.begin(write=True)
-        if self.reservation is not None:
-            try:
-                self.reservation.begun(self.env, txn)
-            except BaseException:
-                txn.abort()
-                raise
-        return txn
-
-    def claim(self, nbytes: int, entries: int) -> None:
-        """The open write transaction is about to write `nbytes` in `entries` values."""
-        if self.reservation is not None:
-            self.reservation.claim(nbytes, entries)
+        return self.journals.writing(self.env)

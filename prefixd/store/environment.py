@@ -24,7 +24,6 @@ from prefixd.errors import (
 from prefixd.schema.meta import FORMAT_SETTINGS, SCHEMA_VERSION, StoreMeta, new_meta
 from prefixd.store.config import Durability, StoreConfig
 from prefixd.store.lmdb_errors import lmdb_errors
-from prefixd.store.reservation import Reservation, file_system_of
 from prefixd.store.tables import META_KEY, TABLE_NAMES, Tables
 
 DATA_FILE = "data.mdb"
@@ -40,13 +39,11 @@ def open_environment(
     *,
     any_version: bool = False,
     readonly: bool = False,
-    write_map: bool = False,
     now_ns: Callable[[], int] = time.time_ns,
-) -> tuple[lmdb.Environment, Tables, StoreMeta, Reservation | None]:
+) -> tuple[lmdb.Environment, Tables, StoreMeta]:
     """Open (or create) the store at `config.path`. Never writes into a directory that is not
     already a store unless it is absent or empty. `any_version`: accept an older schema (migrations,
-    which take the owner lock themselves). `write_map`: LMDB's write map where the file system can
-    reserve the file's blocks (prefixd.store.reservation), with the reservation to keep.
+    which take the owner lock themselves).
 
     A store another process holds is refused unless `readonly`: LMDB would let a second writer in
     beside the daemon, whose counts and caches would stop being the store's."""
@@ -67,43 +64,8 @@ def open_environment(
         if path.exists() and any(path.iterdir()):
             raise NotAStoreError(f"{path} is not empty and holds no prefixd store")
         path.mkdir(mode=0o750, parents=True, exist_ok=True)
-    if not creating:  # before LMDB's write map extends a file cut short
-        _check_whole(data_file)
-    file_system = file_system_of(path) if write_map and not readonly and not any_version else None
-    # an existing file is known to be a store before the write map makes it as long as the map
-    writemap = creating and file_system is not None
-    env = _lmdb_open(config, creating, had_lock, readonly=readonly, writemap=writemap)
-    reservation = None
     try:
-        if creating:
-            if file_system is not None:
-                reservation = Reservation(data_file, file_system)
-            tables, meta = _create(env, now_ns(), reservation)
-        else:
-            tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
-            if file_system is not None:
-                env.close()
-                env = _lmdb_open(config, False, True, readonly=False, writemap=True)
-                reservation = Reservation(data_file, file_system)
-                tables, meta = _open_existing(env, path, any_version=False, readonly=False)
-    except lmdb.Error as exc:  # a damaged page met while reading the tables or the meta record
-        _close(env, reservation)
-        raise CorruptStoreError(f"{data_file} has damaged pages: {exc}") from None
-    except BaseException:
-        _close(env, reservation)
-        raise
-    if reservation is not None:
-        reservation.tables = [db for db in vars(tables).values() if db is not None]
-    return env, tables, meta, reservation
-
-
-def _lmdb_open(
-    config: StoreConfig, creating: bool, had_lock: bool, *, readonly: bool, writemap: bool
-) -> lmdb.Environment:
-    """LMDB's environment, its failures told apart: not a store, or a damaged one."""
-    path, data_file = config.path, config.path / DATA_FILE
-    try:
-        return lmdb.open(
+        env = lmdb.open(
             str(path),
             map_size=config.map_size,
             max_dbs=len(TABLE_NAMES),
@@ -113,7 +75,7 @@ def _lmdb_open(
             readahead=config.readahead,
             sync=config.durability is Durability.FULL,
             metasync=config.durability is Durability.FULL,
-            writemap=writemap,
+            writemap=False,
             readonly=readonly,
             mode=0o640,
         )
@@ -121,7 +83,7 @@ def _lmdb_open(
         mismatch = isinstance(exc, lmdb.VersionMismatchError)
         foreign = mismatch or isinstance(exc, (lmdb.InvalidError, lmdb.CorruptedError))
         if foreign and not had_lock:  # leave a directory that is not a store as it was
-            (path / LOCK_FILE).unlink(missing_ok=True)
+            lock_file.unlink(missing_ok=True)
         if not mismatch and _has_lmdb_magic(data_file):
             raise CorruptStoreError(
                 f"{data_file} is an LMDB file whose meta pages are damaged"
@@ -132,33 +94,26 @@ def _lmdb_open(
             raise StoreOpenError(f"cannot open {path}: {exc}") from None
         kind = "of another LMDB version" if mismatch else "not an LMDB file"
         raise NotAStoreError(f"{data_file} is {kind}") from None
-
-
-def _close(env: lmdb.Environment, reservation: Reservation | None) -> None:
-    env.close()
-    if reservation is not None:
-        reservation.close()
-
-
-def _check_whole(data_file: Path) -> None:
-    """Refuse a data file shorter than its last page (a partial copy): reading a page past the end
-    of the file kills the process (SIGBUS). Read from the newer meta page; a file without LMDB's
-    magic is left for LMDB to refuse."""
     try:
-        with data_file.open("rb") as file:
-            head = file.read(_META_END)
-            if len(head) < _META_END or _u32(head, _META_MAGIC_AT) != _LMDB_MAGIC:
-                return
-            psize = _u32(head, _META_PSIZE_AT)
-            file.seek(psize)
-            other = file.read(_META_END)
-            size = os.fstat(file.fileno()).st_size
-    except OSError:
-        return
-    if len(other) < _META_END:  # cut inside the meta pages: LMDB refuses it as damaged
-        return
-    newest = max((head, other), key=lambda m: int.from_bytes(m[_META_TXNID_AT:_META_END], "little"))
-    needed = (int.from_bytes(newest[_META_LAST_PAGE_AT:_META_TXNID_AT], "little") + 1) * psize
+        if creating:
+            tables, meta = _create(env, now_ns())
+        else:
+            _check_whole(env, data_file)
+            tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
+    except lmdb.Error as exc:  # a damaged page met while reading the tables or the meta record
+        env.close()
+        raise CorruptStoreError(f"{data_file} has damaged pages: {exc}") from None
+    except BaseException:
+        env.close()
+        raise
+    return env, tables, meta
+
+
+def _check_whole(env: lmdb.Environment, data_file: Path) -> None:
+    """Refuse a data file shorter than its last page (a partial copy): reading a page past the end
+    of the file kills the process (SIGBUS)."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = data_file.stat().st_size
     if size < needed:
         raise CorruptStoreError(
             f"{data_file} is {size} bytes, cut short: its pages reach {needed} bytes; restore it "
@@ -166,14 +121,8 @@ def _check_whole(data_file: Path) -> None:
         )
 
 
-def _u32(page: bytes, at: int) -> int:
-    return int.from_bytes(page[at : at + 4], "little")
-
-
 _LMDB_MAGIC = 0xBEEFC0DE
 _META_MAGIC_AT = 16  # after the page header, in both meta pages (pages 0 and 1)
-# in a meta page: the page size (the free list's md_pad), the last page, the transaction, the end
-_META_PSIZE_AT, _META_LAST_PAGE_AT, _META_TXNID_AT, _META_END = 40, 136, 144, 152
 
 
 def _has_lmdb_magic(data_file: Path) -> bool:
@@ -192,13 +141,9 @@ def _has_lmdb_magic(data_file: Path) -> bool:
     return False
 
 
-def _create(
-    env: lmdb.Environment, created_ns: int, reservation: Reservation | None
-) -> tuple[Tables, StoreMeta]:
+def _create(env: lmdb.Environment, created_ns: int) -> tuple[Tables, StoreMeta]:
     meta = new_meta(created_ns)
     with env.begin(write=True) as txn:
-        if reservation is not None:
-            reservation.begun(env, txn)
         handles = {
             name: env.open_db(name.encode(), txn=txn, create=True, dupsort=name in _DUPSORT)
             for name in TABLE_NAMES

@@ -221,7 +221,7 @@ def _round(
     victims: list[bytes] = []
     journal = ctx.journals.open()  # what the round removed is told only if it commits
     committed = False
-    txn = ctx.begin_write()
+    txn = ctx.env.begin(write=True)
     try:
         owned = None if tenant is None else ctx.tenants.digests_of(txn, tenant)
         if owned is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -110,12 +110,11 @@ class Journals:
             log.exception("the block observer failed; %d change(s) not told", len(journal.changes))
 
     @contextmanager
-    def writing(self, begin: Callable[[], lmdb.Transaction]) -> Iterator[lmdb.Transaction]:
-        """A write transaction (from `begin`) whose changes reach the observer once, and only if,
-        it commits."""
+    def writing(self, env: lmdb.Environment) -> Iterator[lmdb.Transaction]:
+        """A write transaction whose changes reach the observer once, and only if, it commits."""
         journal = self.open()
         try:
-            with begin() as txn:
+            with env.begin(write=True) as txn:
                 yield txn
         except BaseException:
             self.close(journal, committed=False)

@@ -50,7 +50,7 @@ from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import Damaged
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport, PutResult
-from prefixd.store.tables import children_key, parent_key
+from prefixd.store.tables import Tables, children_key, parent_key
 from prefixd.store.walk import Walk, walk_chain
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ class Writer:
                     now,
                 )
                 txn.put(key, record.encode(), db=t.parts)
-                if _put_chunks(ctx, txn, key, payload.chunks) != payload.checksum:
+                if _put_chunks(txn, t, key, payload.chunks) != payload.checksum:
                     return _changed(f"the part of block {part.block_index}")
                 parts.append(payload)
             return self._written(txn, chain, range(first_block, end), blocks, known, parts)
@@ -293,7 +293,7 @@ class Writer:
         return evict(self._ctx, self._tenancy, self._access, target_bytes, tenant)
 
     def _settle(self) -> None:
-        with self._ctx.begin_write() as txn:
+        with self._ctx.env.begin(write=True) as txn:
             counters.add(txn, self._ctx.tables.counters, counters.SETTLES, 1)
 
     def _write_blocks(
@@ -479,7 +479,7 @@ class Writer:
         journal = self._ctx.journals.current()
         if journal is not None:
             journal.stored(txn, h, record, chain.identity)
-        intact = _put_chunks(self._ctx, txn, h, payload.chunks) == payload.checksum
+        intact = _put_chunks(txn, t, h, payload.chunks) == payload.checksum
         txn.put(children_key(record), h, db=t.children)
         txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
         return intact
@@ -490,13 +490,9 @@ def check_first_block(first_block: object) -> None:
         raise PayloadError(f"first_block must be a non-negative int, got {first_block!r}")
 
 
-def _put_chunks(
-    ctx: StoreContext, txn: lmdb.Transaction, owner: bytes, chunks: Sequence[Any]
-) -> int:
+def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence[Any]) -> int:
     """Write a payload's chunks; return the crc32c of the bytes LMDB now holds (each chunk read back
     while in cache), which must match the payload's checksum."""
-    t = ctx.tables
-    ctx.claim(sum(len(chunk) for chunk in chunks), len(chunks) + 4)  # + record, index, access
     value = 0
     for n, chunk in enumerate(chunks):
         key = chunk_key(owner, n)

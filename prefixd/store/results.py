@@ -171,10 +171,6 @@ class StoreStats:
     destinations_changed: int = 0
     file_read_bytes: int = 0  # payload bytes loads read from data.mdb with preadv (read_path)
     deadline_cutoffs: int = 0  # loads that stopped at their deadline, answering a shorter hit
-    # LMDB's write map, on the file system named (prefixd.store.reservation); "": pages are copied
-    # into the page cache at commit (a file system that cannot reserve space, or write_map off)
-    write_map: str = ""
-    reserved_bytes: int = 0  # of the file, allocated ahead of the write map
 
 
 @dataclass(frozen=True, slots=True)

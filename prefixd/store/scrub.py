@@ -102,7 +102,7 @@ def clear(ctx: StoreContext, launder_pages: int = 0) -> ClearReport:
     fd = os.open(ctx.path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
     try:
         locked = time.perf_counter()
-        with ctx.begin_write() as txn:  # the writer's lock; nothing is written through it
+        with env.begin(write=True) as txn:  # the writer's lock; nothing is written through it
             # the last commit durable first: an open never goes back to the one before, whose
             # pages are cleared now
             if not ctx.syncs.sync(env):
@@ -148,8 +148,7 @@ def _zero_free_pages(ctx: StoreContext, at_least: int) -> int:
             before = env.info()["last_pgno"]
             batch = first if n == 0 else BATCH_PAGES
             try:
-                with ctx.begin_write() as txn:
-                    ctx.claim(batch * psize, batch)
+                with env.begin(write=True) as txn:
                     for i in range(n, n + batch):
                         if not txn.put(SCRATCH + _INDEX.pack(i), zero, db=meta, append=True):
                             raise CorruptStoreError(f"the meta table has a key after {SCRATCH!r}")
@@ -168,7 +167,7 @@ def _delete_scratch(ctx: StoreContext) -> None:
     """Delete every scratch value (a clearing cut short leaves some: the next one deletes them)."""
     meta = ctx.tables.meta
     while True:
-        with ctx.begin_write() as txn:
+        with ctx.env.begin(write=True) as txn:
             cursor = txn.cursor(db=meta)
             keys: list[bytes] = []
             more = cursor.set_range(SCRATCH)
@@ -223,11 +222,12 @@ class _Walk:
             for (pgno,) in struct.iter_unpack("<Q", idl[8 : 8 * (count + 1)]):
                 self.free_page(pgno)
         last_pgno = _U64.unpack_from(meta, META_LAST_PAGE)[0]
-        for at, end in _data_after(self.fd, (last_pgno + 1) * self.psize):
-            while at < end:
-                piece = min(end - at, 256 * self.psize)
-                self.zero_if_set(at, self.read(at, piece))
-                at += piece
+        end = os.fstat(self.fd).st_size
+        at = (last_pgno + 1) * self.psize
+        while at < end:
+            piece = min(end - at, 256 * self.psize)
+            self.zero_if_set(at, self.read(at, piece))
+            at += piece
         return complete
 
     def tree(self, root: int, free_lists: list[tuple[int, bytes]] | None) -> None:
@@ -305,23 +305,6 @@ class _Walk:
         if found.count(0) != len(found):
             os.pwrite(self.fd, bytes(len(found)), at)
             self.cleared += len(found)
-
-
-def _data_after(fd: int, start: int) -> list[tuple[int, int]]:
-    """The ranges of the file past `start` that may hold bytes: a write map's file is as long as
-    the map, holes read as zeros."""
-    size = os.fstat(fd).st_size
-    ranges = []
-    at = start
-    while at < size:
-        try:
-            at = os.lseek(fd, at, os.SEEK_DATA)
-            end = os.lseek(fd, at, os.SEEK_HOLE)
-        except OSError:  # ENXIO: no data past `at`
-            break
-        ranges.append((at, end))
-        at = end
-    return ranges
 
 
 def _readers_gone(env: lmdb.Environment, txnid: int) -> bool:

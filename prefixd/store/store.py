@@ -114,16 +114,12 @@ class Store:
         read from."""
         self.config = config
         clock = clock or SystemClock()
-        env, tables, self.meta, reservation = open_environment(
-            config, write_map=config.write_map, now_ns=clock.time_ns
-        )
+        env, tables, self.meta = open_environment(config, now_ns=clock.time_ns)
         try:
             self._owner = OwnerLock(config.path) if exclusive else None
             data_file = DataFile(config.path / DATA_FILE, config.read_path)
         except BaseException:
             env.close()
-            if reservation is not None:
-                reservation.close()
             raise
         self._pid = os.getpid()
         threads = config.verify_threads
@@ -145,7 +141,6 @@ class Store:
             tallies=Tallies(),
             syncs=SyncState(config.path, clock),
             data_file=data_file,
-            reservation=reservation,
             copier=FairPool(threads, name="prefixd-verify") if threads else None,
         )
         self._tenancy = Tenancy(self._ctx)
@@ -484,8 +479,6 @@ class Store:
             destinations_changed=c.destinations_changed,
             file_read_bytes=c.file_read_bytes,
             deadline_cutoffs=c.deadline_cutoffs,
-            write_map=ctx.reservation.file_system if ctx.reservation else "",
-            reserved_bytes=ctx.reservation.reserved if ctx.reservation else 0,
         )
 
     @_translated("the check", writing=False)
@@ -545,8 +538,6 @@ class Store:
         self._ctx.env.close()
         if self._ctx.data_file is not None:
             self._ctx.data_file.close()
-        if self._ctx.reservation is not None:
-            self._ctx.reservation.close()
         if self._owner is not None:
             self._owner.release()
 

@@ -515,9 +515,6 @@ class HealthReply(Reply, kw_only=True):
     uptime_s: float
     connections: int
     data_dir: str | None = None
-    # the file system LMDB's write map runs on, "off" where pages are copied at commit instead
-    # (one that cannot reserve space ahead: prefixd.store.reservation)
-    write_map: str | None = None
 
 
 REPLY_OF: dict[type[RequestMessage], type[Reply]] = {

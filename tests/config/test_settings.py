@@ -396,9 +396,7 @@ def test_store_settings_flow_into_store_config(base_env: dict[str, str], tmp_pat
 def test_config_mirrors_every_store_setting() -> None:
     store_fields = {f.name: f for f in dataclasses.fields(StoreConfig)}
     store_hints = get_type_hints(StoreConfig)
-    # write_map is the library's alone: the daemon takes it from the file system (benchmarks and
-    # tests compare the two modes)
-    mirrored = set(store_fields) - {"path", "create", "write_map"}
+    mirrored = set(store_fields) - {"path", "create"}
     assert mirrored <= set(cfg.SETTINGS)
     assert set(cfg.STORE_SETTINGS) == mirrored
     for name in mirrored:

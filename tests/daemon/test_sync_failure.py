@@ -49,8 +49,8 @@ opened = store.open_environment
 
 
 def open_failing(*args, **kwargs):
-    env, tables, meta, reservation = opened(*args, **kwargs)
-    return FailingSyncEnv(env), tables, meta, reservation
+    env, tables, meta = opened(*args, **kwargs)
+    return FailingSyncEnv(env), tables, meta
 
 
 store.open_environment = open_failing

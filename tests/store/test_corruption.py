@@ -115,9 +115,7 @@ class Template:
 def build_template(path: Path) -> Template:
     hashes: list[list[bytes]] = []
     payloads: dict[bytes, bytes] = {}
-    # written copying pages, so the file ends at its last page; the trials' copies open with the
-    # write map where the file system reserves space (prefixd.store.reservation)
-    with Store.open(path, map_size=MAP, write_map=False) as store:
+    with Store.open(path, map_size=MAP) as store:
         for tokens, pays in prompts():
             result = store.put(IDENT, tokens, pays)
             hashes.append(list(result.hashes))

@@ -4,7 +4,6 @@ whole or not at all (never a partial block or a partial prompt)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -14,11 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from prefixd import Identity, Store
-
-from ..disks import tmpfs
 
 IDENT = Identity(
     model="m",
@@ -42,9 +37,7 @@ WRITER = textwrap.dedent(
     from tests.store.test_crash import IDENT, prompt, payloads
     from prefixd import Store
 
-    store = Store.open(
-        sys.argv[1], map_size=256 << 20, verify_threads=0, write_map=sys.argv[3] == "1"
-    )
+    store = Store.open(sys.argv[1], map_size=256 << 20, verify_threads=0)
     i = int(sys.argv[2])
     print("ready", flush=True)
     while True:
@@ -69,17 +62,8 @@ def payloads(i: int) -> list[bytes]:
     ]
 
 
-@pytest.mark.parametrize("write_map", [True, False], ids=["write-map", "copying"])
-def test_random_kills_lose_no_acknowledged_put(
-    tmp_path: Path, long_run: bool, write_map: bool
-) -> None:
-    with contextlib.ExitStack() as stack:
-        # the write map on a file system that reserves space, whatever the suite's own is
-        disk = stack.enter_context(tmpfs(tmp_path / "disk", "1g")) if write_map else tmp_path
-        _random_kills(tmp_path, disk / "s", long_run, write_map)
-
-
-def _random_kills(tmp_path: Path, path: Path, long_run: bool, write_map: bool) -> None:
+def test_random_kills_lose_no_acknowledged_put(tmp_path: Path, long_run: bool) -> None:
+    path = tmp_path / "s"
     script = tmp_path / "writer.py"
     repo = str(Path(__file__).resolve().parents[2])
     script.write_text(WRITER.format(repo=repo))
@@ -91,7 +75,7 @@ def _random_kills(tmp_path: Path, path: Path, long_run: bool, write_map: bool) -
     for _ in range(kills):
         with open(tmp_path / "stderr.txt", "w") as err:
             child = subprocess.Popen(
-                [sys.executable, str(script), str(path), str(next_i), str(int(write_map))],
+                [sys.executable, str(script), str(path), str(next_i)],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,
@@ -110,8 +94,7 @@ def _random_kills(tmp_path: Path, path: Path, long_run: bool, write_map: bool) -
         assert child.returncode == -signal.SIGKILL
         acknowledged.update(acks)
         in_flight = (acks[-1] + 1) if acks else next_i
-        with Store.open(path, map_size=256 << 20, verify_threads=0, write_map=write_map) as store:
-            assert store.stats().write_map == ("tmpfs" if write_map else store.stats().write_map)
+        with Store.open(path, map_size=256 << 20, verify_threads=0) as store:
             assert store.check(verify_payloads=False) == []  # records, indexes, counters
             # the puts acknowledged just before the kill, and a sample of the older ones (all of
             # them are checked once more at the end)
@@ -128,7 +111,7 @@ def _random_kills(tmp_path: Path, path: Path, long_run: bool, write_map: bool) -
                 in_flight += 1
         next_i = in_flight
         survived += 1
-    with Store.open(path, map_size=256 << 20, verify_threads=0, write_map=write_map) as store:
+    with Store.open(path, map_size=256 << 20, verify_threads=0) as store:
         assert store.check() == []  # every payload's checksum too
         for i in sorted(acknowledged):
             assert_whole(store, i)

@@ -12,7 +12,7 @@ from prefixd.clock import ManualClock
 from prefixd.errors import ConfigError, IdentityError
 from prefixd.store import PurgeSelector
 
-from ..needles import Needles, data_of
+from ..needles import Needles
 
 BASE = {
     "model": "m",
@@ -68,7 +68,7 @@ def test_a_tenant_purge_leaves_no_trace(tmp_path: Path) -> None:
         assert store.stats().blocks == 8 and store.stats().identities == 1
     names = scan_digests(tmp_path / "s")
     assert a.digest not in names and a_lora.digest not in names and b.digest in names
-    files = b"".join(b"".join(data_of(path)) for path in (tmp_path / "s").iterdir())
+    files = b"".join(path.read_bytes() for path in (tmp_path / "s").iterdir())
     for gone in (a, a_lora):  # nor in the files: neither the digests nor the identity rows
         assert gone.digest not in files and gone.encode() not in files
     assert b.digest in files and b.encode() in files
@@ -205,12 +205,12 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
         fill(store, ident())
         fill(store, ident(), PROMPT[:8] + [9] * 8)
         store.sync()
-        before = data_of(tmp_path / "s" / "data.mdb")
+        before = (tmp_path / "s" / "data.mdb").read_bytes()
         report = store.purge(PurgeSelector(tenant="a"), dry_run=True)
         assert report.dry_run and (report.identities, report.blocks) == (1, 7)
         assert report.payload_bytes == 7 * 100
         assert store.stats().blocks == 7
-        assert data_of(tmp_path / "s" / "data.mdb") == before
+        assert (tmp_path / "s" / "data.mdb").read_bytes() == before
 
 
 def test_older_than_removes_idle_subtrees_only(tmp_path: Path) -> None:

@@ -211,8 +211,8 @@ def test_a_store_whose_first_sync_fails_opens_refusing_writes_and_is_checked_who
     opened = store_module.open_environment
 
     def open_failing(*args: Any, **kwargs: Any) -> Any:
-        env, tables, meta, reservation = opened(*args, **kwargs)
-        return FailingSyncEnv(env), tables, meta, reservation
+        env, tables, meta = opened(*args, **kwargs)
+        return FailingSyncEnv(env), tables, meta
 
     monkeypatch.setattr(store_module, "open_environment", open_failing)
     with open_store(path) as store:  # the open's own sync fails: no good sync is known

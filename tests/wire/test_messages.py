@@ -984,14 +984,7 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
         },
     ),
     (
-        HealthReply(
-            id=12,
-            status="ok",
-            uptime_s=1.5,
-            connections=2,
-            data_dir="/srv/prefixd",
-            write_map="ext4",
-        ),
+        HealthReply(id=12, status="ok", uptime_s=1.5, connections=2, data_dir="/srv/prefixd"),
         {
             "id": 12,
             "ok": True,
@@ -999,7 +992,6 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
             "uptime_s": 1.5,
             "connections": 2,
             "data_dir": "/srv/prefixd",
-            "write_map": "ext4",
         },
     ),
     (UnpinReply(id=13, released=2), {"id": 13, "ok": True, "released": 2}),
