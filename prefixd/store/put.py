@@ -160,7 +160,8 @@ class Writer:
                 return blocks
             return self._written(txn, chain, range(first_block, end), blocks, remembered, [])
 
-        return self._publish(body, identity.tenant, chain)
+        written = sum(payload.stored_size for payload in encoded.values())
+        return self._publish(body, identity.tenant, chain, written)
 
     def put_state(
         self,
@@ -226,13 +227,19 @@ class Writer:
                 parts.append(payload)
             return self._written(txn, chain, range(first_block, end), blocks, known, parts)
 
-        return self._publish(body, identity.tenant, chain)
+        written = sum(payload.stored_size for payload in encoded)
+        return self._publish(body, identity.tenant, chain, written)
 
     def _publish(
-        self, body: Callable[[lmdb.Transaction], Outcome], tenant: str, chain: BlockChain
+        self,
+        body: Callable[[lmdb.Transaction], Outcome],
+        tenant: str,
+        chain: BlockChain,
+        written: int,
     ) -> PutResult:
         """Run a put's transaction (making room on a full map), remember the verified chain, then
-        keep the store within capacity and the tenant within quota; raise a refusal's error."""
+        keep the store within capacity and the tenant within quota; raise a refusal's error.
+        `written`: about the bytes it writes (what the write-behind counts)."""
         outcome = self._with_room(lambda: self._commits.run(body))
         if isinstance(outcome, Refusal):
             if outcome.collided:
@@ -240,6 +247,8 @@ class Writer:
             if outcome.damaged is not None:
                 quarantine.quarantine(self._ctx, [outcome.damaged])
             raise outcome.error
+        if self._ctx.write_behind is not None and outcome.result.stored:
+            self._ctx.write_behind.committed(written)
         if outcome.verified is not None:
             epoch, walk, grew_from = outcome.verified
             self._ctx.memo.remember(

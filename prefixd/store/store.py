@@ -36,7 +36,7 @@ from prefixd.store import (
 )
 from prefixd.store.access import AccessTimes
 from prefixd.store.codec import PayloadCodec
-from prefixd.store.config import StoreConfig
+from prefixd.store.config import Durability, StoreConfig
 from prefixd.store.context import StoreContext
 from prefixd.store.direct import DataFile
 from prefixd.store.environment import (
@@ -72,6 +72,7 @@ from prefixd.store.syncer import PeriodicSyncer
 from prefixd.store.tallies import Tallies
 from prefixd.store.tenancy import Tenancy
 from prefixd.store.tenants import TenantIndex
+from prefixd.store.write_behind import WriteBehind
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -118,6 +119,8 @@ class Store:
         try:
             self._owner = OwnerLock(config.path) if exclusive else None
             data_file = DataFile(config.path / DATA_FILE, config.read_path)
+            periodic = config.durability is Durability.PERIODIC
+            write_behind = WriteBehind(config.path / DATA_FILE) if periodic else None
         except BaseException:
             env.close()
             raise
@@ -141,6 +144,7 @@ class Store:
             tallies=Tallies(),
             syncs=SyncState(config.path, clock),
             data_file=data_file,
+            write_behind=write_behind,
             copier=FairPool(threads, name="prefixd-verify") if threads else None,
         )
         self._tenancy = Tenancy(self._ctx)
@@ -538,6 +542,8 @@ class Store:
         self._ctx.env.close()
         if self._ctx.data_file is not None:
             self._ctx.data_file.close()
+        if self._ctx.write_behind is not None:
+            self._ctx.write_behind.close()
         if self._owner is not None:
             self._owner.release()
 

@@ -36,7 +36,9 @@ WRITER = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     from tests.store.test_crash import IDENT, prompt, payloads
     from prefixd import Store
+    from prefixd.store import write_behind
 
+    write_behind.KICK_BYTES = 64 << 10  # the disk writes started every few puts, kills among them
     store = Store.open(sys.argv[1], map_size=256 << 20, verify_threads=0)
     i = int(sys.argv[2])
     print("ready", flush=True)

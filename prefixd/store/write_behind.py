@@ -1,0 +1,69 @@
+"""Starting the disk writes of committed pages while puts go on, so the next fsync has little left.
+
+Under `periodic` durability a commit only copies its pages into the page cache; the kernel writes
+them out when the fsync comes (or when its dirty limits are reached). A node putting a stream of
+large blocks then computes and copies first, and waits on the disk after: the two add up. Once
+enough has been committed since, a thread asks the kernel to start writing the file's dirty pages
+(`sync_file_range(SYNC_FILE_RANGE_WRITE)`, which waits for nothing written), so the disk works
+while the next puts are encoded and copied. It neither syncs nor orders anything: durability is
+still the periodic fsync's, and a writeback error it meets is reported by that fsync, as the kernel
+keeps it for every descriptor of the file."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SYNC_FILE_RANGE_WRITE = 2
+KICK_BYTES = 32 << 20  # committed bytes between two kicks: large sequential writes, few calls
+
+
+class WriteBehind:
+    """Kicks the writeback of data.mdb every KICK_BYTES committed; thread-safe."""
+
+    def __init__(self, data_file: Path, kick_bytes: int | None = None) -> None:
+        self._fd = os.open(data_file, os.O_RDONLY | os.O_CLOEXEC)
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._kick_bytes = KICK_BYTES if kick_bytes is None else kick_bytes
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._due = threading.Event()
+        self._closed = False
+        self.kicks = 0
+        self._thread = threading.Thread(target=self._run, name="prefixd-write-behind", daemon=True)
+        self._thread.start()
+
+    def committed(self, nbytes: int) -> None:
+        """A commit copied about `nbytes` into the page cache."""
+        with self._lock:
+            self._pending += nbytes
+            if self._pending < self._kick_bytes:
+                return
+            self._pending = 0
+        self._due.set()
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            self._due.clear()
+            if self._closed:
+                return
+            done = self._libc.sync_file_range(
+                self._fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE
+            )
+            if done != 0:  # the periodic fsync reports what the disk refused
+                log.debug("sync_file_range: %s", os.strerror(ctypes.get_errno()))
+            self.kicks += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._due.set()
+        self._thread.join()
+        os.close(self._fd)
