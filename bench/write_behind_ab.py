@@ -1,10 +1,12 @@
 """The write-behind, on and off, on the same bytes in one run: puts of `--size-mib` of 1 MiB
 payloads in runs of 64 (as store_bench puts them, then one fsync) through a store whose
-write-behind starts the disk writes every 32 MiB committed, through the same store with it off,
-and a plain file write+fsync of the same bytes; the three take turns, each round in another order,
-and the ratios are taken round by round (median, spread).
+write-behind starts the disk writes (every 32 MiB committed under `periodic`, all along each large
+commit under `full`), through the same store with it off, and a plain file write+fsync of the same
+bytes; the three take turns, each round in another order, and the ratios are taken round by round
+(median, spread).
 
     python bench/write_behind_ab.py --rounds 7 --size-mib 1024 --dir /var/tmp
+    python bench/write_behind_ab.py --rounds 7 --size-mib 1024 --dir /var/tmp --durability full
 """
 
 from __future__ import annotations
@@ -31,19 +33,22 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--durability", choices=("periodic", "full"), default="periodic")
     args = parser.parse_args()
     keep_write_buffers()  # as `prefixd serve` runs
-    settings = store_bench.parse_args(["--size-mib", str(args.size_mib)])
+    settings = store_bench.parse_args(
+        ["--size-mib", str(args.size_mib), "--durability", args.durability]
+    )
     rng = np.random.default_rng(store_bench.SEED)
     source = store_bench.make_payload_bytes(settings.total_bytes, "bf16", rng)
     payloads = split(source, settings.payload_bytes)
     tokens = store_bench.make_tokens(settings.n_blocks, rng)
     ident = bench_identity(store_bench.BLOCK_TOKENS, settings.payload_bytes)
     work = Path(tempfile.mkdtemp(prefix="prefixd-wb-", dir=args.dir))
-    kick = write_behind.WriteBehind.committed
+    kick = write_behind.WriteBehind._kick
 
     def put(on: bool) -> float:
-        write_behind.WriteBehind.committed = kick if on else (lambda self, n: None)  # type: ignore[method-assign]
+        write_behind.WriteBehind._kick = kick if on else (lambda self: None)  # type: ignore[method-assign]
         path = work / "store"
         shutil.rmtree(path, ignore_errors=True)
         with store_bench.open_store(path, settings) as store:
@@ -87,6 +92,7 @@ def main() -> int:
         "without_vs_file_write": ratio("file_write", "without"),
         "seconds": {k: [round(s, 3) for s in v] for k, v in seconds.items()},
         "size_mib": args.size_mib,
+        "durability": args.durability,
         "machine": store_bench.machine_info(),
     }
     json.dump(report, sys.stdout, indent=1)

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import lmdb
 
+from prefixd.store import write_behind
+from prefixd.store.config import Durability
+
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
 
@@ -23,10 +26,11 @@ MAX_GROUP = 64  # bodies per shared transaction: bounds what one commit holds di
 
 
 class _Queued(Generic[T]):
-    __slots__ = ("body", "done", "error", "outcome")
+    __slots__ = ("body", "done", "error", "nbytes", "outcome")
 
-    def __init__(self, body: Callable[[lmdb.Transaction], T]) -> None:
+    def __init__(self, body: Callable[[lmdb.Transaction], T], nbytes: int) -> None:
         self.body = body
+        self.nbytes = nbytes
         self.done = False
         self.outcome: T | None = None
         self.error: BaseException | None = None  # what the body raised, run alone
@@ -49,10 +53,10 @@ class CommitQueue(Generic[T]):
         with self._turn:
             return len(self._queue)
 
-    def run(self, body: Callable[[lmdb.Transaction], T]) -> T:
+    def run(self, body: Callable[[lmdb.Transaction], T], nbytes: int = 0) -> T:
         """Run `body` in a write transaction with whatever other puts are waiting; committed unless
-        its outcome aborts."""
-        item = _Queued(body)
+        its outcome aborts. `nbytes`: about what it writes."""
+        item = _Queued(body, nbytes)
         with self._turn:
             self._queue.append(item)
             while self._leading and not item.done:
@@ -107,7 +111,7 @@ class CommitQueue(Generic[T]):
             return False
 
         try:
-            if transact(self._ctx, run_all, bool):
+            if transact(self._ctx, run_all, bool, sum(item.nbytes for item in group)):
                 return False
         except BaseException:  # noqa: BLE001 - each put runs again alone, and raises in its thread
             return False
@@ -121,17 +125,22 @@ class CommitQueue(Generic[T]):
         for item in group:
             item.outcome = None
             try:
-                item.outcome = transact(self._ctx, item.body, self._aborts)
+                item.outcome = transact(self._ctx, item.body, self._aborts, item.nbytes)
             except BaseException as exc:  # noqa: BLE001 - raised in the put's own thread, as if alone
                 item.error = exc
             item.done = True
 
 
 def transact(
-    ctx: StoreContext, body: Callable[[lmdb.Transaction], T], aborts: Callable[[T], bool]
+    ctx: StoreContext,
+    body: Callable[[lmdb.Transaction], T],
+    aborts: Callable[[T], bool],
+    nbytes: int = 0,
 ) -> T:
     """Run `body` in one write transaction: committed, or aborted if its outcome `aborts` (or on an
-    exception), so a refused put leaves nothing behind and tells the observer nothing."""
+    exception), so a refused put leaves nothing behind and tells the observer nothing. A commit of
+    `nbytes` of at least KICK_BYTES under `full` durability has its pages sent to the disk as they
+    land (prefixd.store.write_behind)."""
     journal = ctx.journals.open()
     committed = False
     txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
@@ -140,7 +149,16 @@ def transact(
         if aborts(outcome):
             txn.abort()
         else:
-            txn.commit()
+            behind = ctx.write_behind
+            if (
+                behind is not None
+                and ctx.config.durability is Durability.FULL
+                and nbytes >= (write_behind.KICK_BYTES)
+            ):
+                with behind.committing():
+                    txn.commit()
+            else:
+                txn.commit()
             committed = True
     except BaseException:
         txn.abort()

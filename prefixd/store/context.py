@@ -41,7 +41,7 @@ class StoreContext:
     syncs: SyncState  # every fsync goes through it; sticky once one failed (sync_state.py)
     pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
     data_file: DataFile | None = None  # data.mdb for loads that read it directly (direct.py)
-    # under periodic durability: puts' pages sent to the disk before the fsync (write_behind.py)
+    # puts' pages sent to the disk before the fsync comes (write_behind.py)
     write_behind: WriteBehind | None = None
     # copy and verify threads shared by every load, a piece of each in turn (prefixd.store.fair)
     copier: FairPool | None = None

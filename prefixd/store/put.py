@@ -44,6 +44,7 @@ from prefixd.schema.tokens import PromptIds
 from prefixd.store import counters, quarantine
 from prefixd.store.codec import EncodedPayload, payload_view
 from prefixd.store.commits import CommitQueue
+from prefixd.store.config import Durability
 from prefixd.store.eviction import capacity_bytes, evict
 from prefixd.store.joint import plan_put, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
@@ -240,15 +241,17 @@ class Writer:
         """Run a put's transaction (making room on a full map), remember the verified chain, then
         keep the store within capacity and the tenant within quota; raise a refusal's error.
         `written`: about the bytes it writes (what the write-behind counts)."""
-        outcome = self._with_room(lambda: self._commits.run(body))
+        outcome = self._with_room(lambda: self._commits.run(body, written))
         if isinstance(outcome, Refusal):
             if outcome.collided:
                 self._ctx.tallies.collided()
             if outcome.damaged is not None:
                 quarantine.quarantine(self._ctx, [outcome.damaged])
             raise outcome.error
-        if self._ctx.write_behind is not None and outcome.result.stored:
-            self._ctx.write_behind.committed(written)
+        behind = self._ctx.write_behind
+        periodic = self._ctx.config.durability is Durability.PERIODIC
+        if behind is not None and periodic and outcome.result.stored:
+            behind.committed(written)
         if outcome.verified is not None:
             epoch, walk, grew_from = outcome.verified
             self._ctx.memo.remember(

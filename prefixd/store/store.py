@@ -36,7 +36,7 @@ from prefixd.store import (
 )
 from prefixd.store.access import AccessTimes
 from prefixd.store.codec import PayloadCodec
-from prefixd.store.config import Durability, StoreConfig
+from prefixd.store.config import StoreConfig
 from prefixd.store.context import StoreContext
 from prefixd.store.direct import DataFile
 from prefixd.store.environment import (
@@ -119,8 +119,7 @@ class Store:
         try:
             self._owner = OwnerLock(config.path) if exclusive else None
             data_file = DataFile(config.path / DATA_FILE, config.read_path)
-            periodic = config.durability is Durability.PERIODIC
-            write_behind = WriteBehind(config.path / DATA_FILE) if periodic else None
+            write_behind = WriteBehind(config.path / DATA_FILE)
         except BaseException:
             env.close()
             raise

@@ -7,7 +7,12 @@ enough has been committed since, a thread asks the kernel to start writing the f
 (`sync_file_range(SYNC_FILE_RANGE_WRITE)`, which waits for nothing written), so the disk works
 while the next puts are encoded and copied. It neither syncs nor orders anything: durability is
 still the periodic fsync's, and a writeback error it meets is reported by that fsync, as the kernel
-keeps it for every descriptor of the file."""
+keeps it for every descriptor of the file.
+
+Under `full` durability each commit fsyncs before the put is acknowledged, so there is nothing to
+start early between commits; but a large commit first copies its pages into the page cache, then
+waits for the fsync to write them all. While such a commit runs (`committing`), the thread asks
+every COMMIT_KICK_S, so the disk writes the pages as they land and the fsync finds few left."""
 
 from __future__ import annotations
 
@@ -15,16 +20,20 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 SYNC_FILE_RANGE_WRITE = 2
 KICK_BYTES = 32 << 20  # committed bytes between two kicks: large sequential writes, few calls
+COMMIT_KICK_S = 0.002  # between two kicks while a large commit copies its pages (a few MiB)
 
 
 class WriteBehind:
-    """Kicks the writeback of data.mdb every KICK_BYTES committed; thread-safe."""
+    """Kicks the writeback of data.mdb every KICK_BYTES committed, and all along a large commit;
+    thread-safe."""
 
     def __init__(self, data_file: Path, kick_bytes: int | None = None) -> None:
         self._fd = os.open(data_file, os.O_RDONLY | os.O_CLOEXEC)
@@ -33,6 +42,8 @@ class WriteBehind:
         self._pending = 0
         self._lock = threading.Lock()
         self._due = threading.Event()
+        self._committing = threading.Event()
+        self._stopped = threading.Event()
         self._closed = False
         self.kicks = 0
         self._thread = threading.Thread(target=self._run, name="prefixd-write-behind", daemon=True)
@@ -47,23 +58,41 @@ class WriteBehind:
             self._pending = 0
         self._due.set()
 
+    @contextmanager
+    def committing(self) -> Iterator[None]:
+        """A commit of at least KICK_BYTES runs in the block: kick all along it."""
+        self._committing.set()
+        self._due.set()
+        try:
+            yield
+        finally:
+            self._committing.clear()
+
     def _run(self) -> None:
         while True:
             self._due.wait()
             self._due.clear()
             if self._closed:
                 return
-            done = self._libc.sync_file_range(
-                self._fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE
-            )
-            if done != 0:  # the periodic fsync reports what the disk refused
-                log.debug("sync_file_range: %s", os.strerror(ctypes.get_errno()))
-            self.kicks += 1
+            self._kick()
+            while self._committing.is_set():  # the pages of the next few ms
+                if self._stopped.wait(COMMIT_KICK_S):
+                    return
+                self._kick()
+
+    def _kick(self) -> None:
+        done = self._libc.sync_file_range(
+            self._fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE
+        )
+        if done != 0:  # the next fsync reports what the disk refused
+            log.debug("sync_file_range: %s", os.strerror(ctypes.get_errno()))
+        self.kicks += 1
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stopped.set()
         self._due.set()
         self._thread.join()
         os.close(self._fd)

@@ -1,6 +1,6 @@
 """The write-behind (prefixd.store.write_behind): under `periodic` durability, once enough has been
-committed, the kernel is asked to start writing data.mdb's dirty pages while puts go on; never
-under `full` (each commit is fsynced), never a failure of the put."""
+committed, the kernel is asked to start writing data.mdb's dirty pages while puts go on; under
+`full`, all along a large commit (small ones are left alone); never a failure of the put."""
 
 from __future__ import annotations
 
@@ -85,7 +85,19 @@ def test_a_refused_request_is_logged_and_puts_go_on(
     assert any("sync_file_range" in r.getMessage() for r in caplog.records)
 
 
-def test_full_durability_has_no_write_behind(tmp_path: Path) -> None:
+def test_under_full_durability_a_large_commit_is_written_as_it_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(write_behind, "KICK_BYTES", 256 << 10)
+    calls = Calls()
     with Store.open(tmp_path / "s", map_size=64 << 20, durability="full") as store:
-        assert store._ctx.write_behind is None
-        store.put(IDENT, prompt(0, 2), random_payloads(2))
+        behind = store._ctx.write_behind
+        assert behind is not None
+        behind._libc = calls
+        for i in range(4):  # small commits, however many: none
+            store.put(IDENT, prompt(i, 1), random_payloads(1, size=64 << 10, seed=i))
+        assert behind.kicks == 0
+        store.put(IDENT, prompt(9, 5), random_payloads(5, size=64 << 10, seed=9))  # 320 KiB
+        wait_for(lambda: behind.kicks >= 1, "the commit's pages were sent")
+        assert store.longest_prefix(IDENT, prompt(9, 5)).n_blocks == 5
+    assert {call[3] for call in calls.made} == {SYNC_FILE_RANGE_WRITE}
