@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
 
 T = TypeVar("T")
+R = TypeVar("R")
 MAX_GROUP = 64  # bodies per shared transaction: bounds what one commit holds dirty
 
 
@@ -111,7 +112,7 @@ class CommitQueue(Generic[T]):
             return False
 
         try:
-            if transact(self._ctx, run_all, bool, sum(item.nbytes for item in group)):
+            if self._transact(run_all, bool, sum(item.nbytes for item in group)):
                 return False
         except BaseException:  # noqa: BLE001 - each put runs again alone, and raises in its thread
             return False
@@ -120,27 +121,34 @@ class CommitQueue(Generic[T]):
             item.done = True
         return True
 
+    def _transact(
+        self, body: Callable[[lmdb.Transaction], R], aborts: Callable[[R], bool], nbytes: int
+    ) -> R:
+        """`transact`; under `full` durability, a transaction writing at least KICK_BYTES has its
+        pages sent to the disk as its commit copies them (prefixd.store.write_behind)."""
+        behind = self._ctx.write_behind
+        full = self._ctx.config.durability is Durability.FULL
+        if behind is None or not full or nbytes < write_behind.KICK_BYTES:
+            return transact(self._ctx, body, aborts)
+        with behind.committing():
+            return transact(self._ctx, body, aborts)
+
     def _one_by_one(self, group: list[_Queued[T]]) -> None:
         """Each body in its own transaction, in order: what the puts would have done alone."""
         for item in group:
             item.outcome = None
             try:
-                item.outcome = transact(self._ctx, item.body, self._aborts, item.nbytes)
+                item.outcome = self._transact(item.body, self._aborts, item.nbytes)
             except BaseException as exc:  # noqa: BLE001 - raised in the put's own thread, as if alone
                 item.error = exc
             item.done = True
 
 
 def transact(
-    ctx: StoreContext,
-    body: Callable[[lmdb.Transaction], T],
-    aborts: Callable[[T], bool],
-    nbytes: int = 0,
+    ctx: StoreContext, body: Callable[[lmdb.Transaction], T], aborts: Callable[[T], bool]
 ) -> T:
     """Run `body` in one write transaction: committed, or aborted if its outcome `aborts` (or on an
-    exception), so a refused put leaves nothing behind and tells the observer nothing. A commit of
-    `nbytes` of at least KICK_BYTES under `full` durability has its pages sent to the disk as they
-    land (prefixd.store.write_behind)."""
+    exception), so a refused put leaves nothing behind and tells the observer nothing."""
     journal = ctx.journals.open()
     committed = False
     txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
@@ -149,16 +157,7 @@ def transact(
         if aborts(outcome):
             txn.abort()
         else:
-            behind = ctx.write_behind
-            if (
-                behind is not None
-                and ctx.config.durability is Durability.FULL
-                and nbytes >= (write_behind.KICK_BYTES)
-            ):
-                with behind.committing():
-                    txn.commit()
-            else:
-                txn.commit()
+            txn.commit()
             committed = True
     except BaseException:
         txn.abort()

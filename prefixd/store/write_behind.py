@@ -60,7 +60,8 @@ class WriteBehind:
 
     @contextmanager
     def committing(self) -> Iterator[None]:
-        """A commit of at least KICK_BYTES runs in the block: kick all along it."""
+        """A transaction of at least KICK_BYTES runs in the block: kick all along it (before its
+        commit nothing is dirty, and a kick costs little)."""
         self._committing.set()
         self._due.set()
         try:
