@@ -15,9 +15,6 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 import lmdb
 
-from prefixd.store import write_behind
-from prefixd.store.config import Durability
-
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
 
@@ -124,13 +121,12 @@ class CommitQueue(Generic[T]):
     def _transact(
         self, body: Callable[[lmdb.Transaction], R], aborts: Callable[[R], bool], nbytes: int
     ) -> R:
-        """`transact`; under `full` durability, a transaction writing at least KICK_BYTES has its
-        pages sent to the disk as its commit copies them (prefixd.store.write_behind)."""
+        """`transact`, its pages sent to the disk as its commit copies them where that pays
+        (prefixd.store.write_behind)."""
         behind = self._ctx.write_behind
-        full = self._ctx.config.durability is Durability.FULL
-        if behind is None or not full or nbytes < write_behind.KICK_BYTES:
+        if behind is None:
             return transact(self._ctx, body, aborts)
-        with behind.committing():
+        with behind.committing(nbytes):
             return transact(self._ctx, body, aborts)
 
     def _one_by_one(self, group: list[_Queued[T]]) -> None:

@@ -44,7 +44,6 @@ from prefixd.schema.tokens import PromptIds
 from prefixd.store import counters, quarantine
 from prefixd.store.codec import EncodedPayload, payload_view
 from prefixd.store.commits import CommitQueue
-from prefixd.store.config import Durability
 from prefixd.store.eviction import capacity_bytes, evict
 from prefixd.store.joint import plan_put, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
@@ -248,10 +247,8 @@ class Writer:
             if outcome.damaged is not None:
                 quarantine.quarantine(self._ctx, [outcome.damaged])
             raise outcome.error
-        behind = self._ctx.write_behind
-        periodic = self._ctx.config.durability is Durability.PERIODIC
-        if behind is not None and periodic and outcome.result.stored:
-            behind.committed(written)
+        if self._ctx.write_behind is not None and outcome.result.stored:
+            self._ctx.write_behind.committed(written)
         if outcome.verified is not None:
             epoch, walk, grew_from = outcome.verified
             self._ctx.memo.remember(

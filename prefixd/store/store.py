@@ -36,7 +36,7 @@ from prefixd.store import (
 )
 from prefixd.store.access import AccessTimes
 from prefixd.store.codec import PayloadCodec
-from prefixd.store.config import StoreConfig
+from prefixd.store.config import Durability, StoreConfig
 from prefixd.store.context import StoreContext
 from prefixd.store.direct import DataFile
 from prefixd.store.environment import (
@@ -119,7 +119,8 @@ class Store:
         try:
             self._owner = OwnerLock(config.path) if exclusive else None
             data_file = DataFile(config.path / DATA_FILE, config.read_path)
-            write_behind = WriteBehind(config.path / DATA_FILE)
+            full = config.durability is Durability.FULL
+            write_behind = WriteBehind(config.path / DATA_FILE, full=full)
         except BaseException:
             env.close()
             raise

@@ -32,10 +32,12 @@ COMMIT_KICK_S = 0.002  # between two kicks while a large commit copies its pages
 
 
 class WriteBehind:
-    """Kicks the writeback of data.mdb every KICK_BYTES committed, and all along a large commit;
-    thread-safe."""
+    """Kicks the writeback of data.mdb: under `periodic` every KICK_BYTES committed, under `full`
+    all along a large transaction; thread-safe."""
 
-    def __init__(self, data_file: Path, kick_bytes: int | None = None) -> None:
+    def __init__(self, data_file: Path, *, full: bool, kick_bytes: int | None = None) -> None:
+        """`full`: the store's durability is `full` (each commit fsyncs)."""
+        self._full = full
         self._fd = os.open(data_file, os.O_RDONLY | os.O_CLOEXEC)
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._kick_bytes = KICK_BYTES if kick_bytes is None else kick_bytes
@@ -45,12 +47,15 @@ class WriteBehind:
         self._committing = threading.Event()
         self._stopped = threading.Event()
         self._closed = False
+        self._refused = False  # a kick failed once (warned)
         self.kicks = 0
         self._thread = threading.Thread(target=self._run, name="prefixd-write-behind", daemon=True)
         self._thread.start()
 
     def committed(self, nbytes: int) -> None:
-        """A commit copied about `nbytes` into the page cache."""
+        """A commit copied about `nbytes` into the page cache (under `full` it fsynced them)."""
+        if self._full:
+            return
         with self._lock:
             self._pending += nbytes
             if self._pending < self._kick_bytes:
@@ -59,9 +64,12 @@ class WriteBehind:
         self._due.set()
 
     @contextmanager
-    def committing(self) -> Iterator[None]:
-        """A transaction of at least KICK_BYTES runs in the block: kick all along it (before its
-        commit nothing is dirty, and a kick costs little)."""
+    def committing(self, nbytes: int) -> Iterator[None]:
+        """A transaction writing about `nbytes` runs in the block: under `full`, from KICK_BYTES on,
+        kick all along it (before its commit nothing is dirty, and a kick costs little)."""
+        if not self._full or nbytes < self._kick_bytes:
+            yield
+            return
         self._committing.set()
         self._due.set()
         try:
@@ -85,8 +93,17 @@ class WriteBehind:
         done = self._libc.sync_file_range(
             self._fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE
         )
-        if done != 0:  # the next fsync reports what the disk refused
-            log.debug("sync_file_range: %s", os.strerror(ctypes.get_errno()))
+        if done != 0:  # a write error: the next fsync reports it, and refuses writes from then on
+            reason = os.strerror(ctypes.get_errno())
+            if not self._refused:
+                log.warning(
+                    "write-behind: sync_file_range on the store's file failed (%s); puts go on "
+                    "and wait for the fsync instead (a sandbox must allow @sync)",
+                    reason,
+                )
+            else:
+                log.debug("write-behind: sync_file_range: %s", reason)
+            self._refused = True
         self.kicks += 1
 
     def close(self) -> None:
