@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +49,17 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return a.size == b.size and all(
         np.array_equal(a[off : off + step], b[off : off + step]) for off in range(0, a.size, step)
     )
+
+
+def removed(path: Path) -> None:
+    """Remove what an earlier measure wrote at `path` and let the file system settle the deletion
+    (`sync`: on a file system mounted with `discard`, freeing a GiB issues discards that otherwise
+    stall whichever measure writes next, seconds at a time), so no measure pays for another's."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    os.sync()
 
 
 def timed(action: Callable[[], Any]) -> tuple[float, Any]:

@@ -60,7 +60,16 @@ from typing import Any
 
 import lmdb
 import numpy as np
-from benchlib import Samples, bench_identity, gbps, same_bytes, split, timed, touched_buffer
+from benchlib import (
+    Samples,
+    bench_identity,
+    gbps,
+    removed,
+    same_bytes,
+    split,
+    timed,
+    touched_buffer,
+)
 
 from prefixd import Identity, Store
 from prefixd.store.allocator import keep_write_buffers
@@ -289,7 +298,7 @@ def bench_writes(
 
     def put() -> float:
         path = workdir / "store"
-        shutil.rmtree(path, ignore_errors=True)
+        removed(path)
         with open_store(path, settings) as store:
             seconds, stored = timed(lambda: put_all(store, ident, tokens, payloads, run_blocks))
         if stored != settings.n_blocks:
@@ -298,14 +307,14 @@ def bench_writes(
 
     def raw(writemap: bool) -> float:
         path = workdir / "raw"
-        shutil.rmtree(path, ignore_errors=True)
+        removed(path)
         path.mkdir()
         seconds, _ = timed(lambda: put_raw_lmdb(path, settings, payloads, writemap=writemap))
-        shutil.rmtree(path)
+        removed(path)
         return seconds
 
     def plain() -> float:
-        file_path.unlink(missing_ok=True)
+        removed(file_path)
         return timed(lambda: write_file(file_path, payloads))[0]
 
     measures: dict[str, Callable[[], float]] = {

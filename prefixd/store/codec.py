@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, TypeGuard, TypeVar
@@ -55,14 +55,30 @@ _C = TypeVar("_C")
 
 @dataclass(frozen=True, slots=True)
 class EncodedPayload:
-    """A payload as it will be stored."""
+    """A payload as it will be stored. A large raw put's checksums are taken on the pool while its
+    transaction copies the payloads into LMDB (`taken` is then a future), so the put reads them
+    only when it compares them with the stored bytes', just before it commits."""
 
     compression: Compression
     chunks: Sequence[Buffer]
     chunk_bytes: int
     payload_size: int
     stored_size: int
-    checksum: int
+    taken: int | Future[int]
+
+    @property
+    def checksum(self) -> int:
+        taken = self.taken
+        return taken if isinstance(taken, int) else taken.result()
+
+
+def settle(payloads: Sequence[EncodedPayload]) -> None:
+    """Cancel the checksums not started and wait for the one being taken, so no pool thread reads
+    a payload once its put has returned (its region slot may be reused)."""
+    for payload in payloads:
+        taken = payload.taken
+        if not isinstance(taken, int) and not taken.cancel():
+            taken.exception()
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,17 +183,49 @@ class PayloadCodec:
     def encode_many(
         self, payloads: Sequence[memoryview], pool: Executor | None
     ) -> list[EncodedPayload]:
-        """`encode` each payload; with a pool, the second half (by bytes) on another core (crc32c,
-        zstd and numpy release the GIL), once there is enough to pay for the hand-off."""
+        """`encode` each payload; with a pool, once there is enough to pay for the hand-off (crc32c,
+        zstd and numpy release the GIL): the second half (by bytes) compressed on another core, or
+        every raw payload's checksum taken there while the caller goes on (`settle` them)."""
         sizes = [p.nbytes for p in payloads]
-        if self.compression is Compression.NONE and sum(sizes) < POOL_MIN_RAW_BYTES:
-            pool = None
+        if self.compression is Compression.NONE:
+            if pool is None or sum(sizes) < POOL_MIN_RAW_BYTES:
+                return [self.encode(p) for p in payloads]
+            return self._checksummed_aside(payloads, pool)
         split = _halfway(sizes) if pool is not None else len(payloads)
         if pool is None or split >= len(payloads):
             return [self.encode(p) for p in payloads]
         tail = pool.submit(lambda: [self.encode(p) for p in payloads[split:]])
         head = [self.encode(p) for p in payloads[:split]]
         return head + tail.result()
+
+    def _checksummed_aside(
+        self, payloads: Sequence[memoryview], pool: Executor
+    ) -> list[EncodedPayload]:
+        step = self.chunk_bytes
+        encoded = [
+            EncodedPayload(
+                Compression.NONE,
+                [p[off : off + step] for off in range(0, p.nbytes, step)],
+                step,
+                p.nbytes,
+                p.nbytes,
+                Future(),
+            )
+            for p in payloads
+        ]
+
+        def take() -> None:
+            for payload in encoded:
+                future = payload.taken
+                assert isinstance(future, Future)
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(checksum(payload.chunks))
+                    except Exception as error:  # noqa: BLE001 - the put raises it as it compares
+                        future.set_exception(error)
+
+        pool.submit(take)
+        return encoded
 
     def _compress_chunk(self, kind: Compression, chunk: memoryview) -> bytes:
         compressor = self._compressor()

@@ -42,7 +42,7 @@ from prefixd.schema.records import (
 )
 from prefixd.schema.tokens import PromptIds
 from prefixd.store import counters, quarantine
-from prefixd.store.codec import EncodedPayload, payload_view
+from prefixd.store.codec import EncodedPayload, payload_view, settle
 from prefixd.store.commits import CommitQueue
 from prefixd.store.eviction import capacity_bytes, evict
 from prefixd.store.joint import plan_put, require_hybrid, require_plain
@@ -161,7 +161,10 @@ class Writer:
             return self._written(txn, chain, range(first_block, end), blocks, remembered, [])
 
         written = sum(payload.stored_size for payload in encoded.values())
-        return self._publish(body, identity.tenant, chain, written)
+        try:
+            return self._publish(body, identity.tenant, chain, written)
+        finally:
+            settle(list(encoded.values()))
 
     def put_state(
         self,
@@ -206,29 +209,36 @@ class Writer:
             if isinstance(blocks, Refusal):
                 return blocks
             parts: list[EncodedPayload] = []
+            at_rest: list[AtRest] = []
             for part, payload in zip(planned, encoded):
                 key = part_key(chain.hash(part.block_index), part.group)
                 if txn.get(key, db=t.parts) is not None:
                     continue  # a part is written once, like a block
+                stored = _put_chunks(txn, t, key, payload.chunks)
                 record = PartRecord(
                     payload.compression,
                     part.group,
                     part.block_index,
                     payload.chunk_bytes,
                     len(payload.chunks),
-                    payload.checksum,
+                    stored,
                     payload.payload_size,
                     payload.stored_size,
                     now,
                 )
                 txn.put(key, record.encode(), db=t.parts)
-                if _put_chunks(txn, t, key, payload.chunks) != payload.checksum:
-                    return _changed(f"the part of block {part.block_index}")
                 parts.append(payload)
+                at_rest.append(AtRest(f"the part of block {part.block_index}", payload, stored))
+            changed = _first_changed(at_rest)
+            if changed is not None:
+                return changed
             return self._written(txn, chain, range(first_block, end), blocks, known, parts)
 
         written = sum(payload.stored_size for payload in encoded)
-        return self._publish(body, identity.tenant, chain, written)
+        try:
+            return self._publish(body, identity.tenant, chain, written)
+        finally:
+            settle(encoded)
 
     def _publish(
         self,
@@ -324,6 +334,7 @@ class Writer:
         identity = chain.identity
         txn.put(identity.digest, identity.encode(), db=self._ctx.tables.identities, overwrite=False)
         written: list[EncodedPayload] = []
+        at_rest: list[AtRest] = []
         existed = replaced = 0
         hashes, sizes = ancestry.hashes, ancestry.payload_sizes  # this put's own lists
         oldest = ancestry.oldest_created_ns
@@ -340,11 +351,14 @@ class Writer:
                 oldest = min(oldest, record.created_ns)
                 continue
             payload = payload_of(index) or _NO_PAYLOAD
-            if not self._write_block(txn, chain, index, payload, now):
-                return _changed(f"block {index}")
+            stored = self._write_block(txn, chain, index, payload, now)
+            at_rest.append(AtRest(f"block {index}", payload, stored))
             written.append(payload)
             sizes.append(payload.payload_size)
             oldest = min(oldest, now)
+        changed = _first_changed(at_rest)
+        if changed is not None:
+            return changed
         return Blocks(written, existed, replaced, Walk(hashes, sizes, oldest_created_ns=oldest))
 
     def _remembered(
@@ -467,16 +481,17 @@ class Writer:
         index: int,
         payload: EncodedPayload,
         now: int,
-    ) -> bool:
-        """Write the record, chunks, index entry and access record (not counters); False if the
-        stored bytes do not match the checksum (the payload changed while written)."""
+    ) -> int:
+        """Write the chunks, record, index entry and access record (not counters); the checksum of
+        the stored bytes, which the record holds and the put compares with the payload's."""
         t = self._ctx.tables
         h = chain.hash(index)
+        stored = _put_chunks(txn, t, h, payload.chunks)
         record = BlockRecord(
             payload.compression,
             payload.chunk_bytes,
             len(payload.chunks),
-            payload.checksum,
+            stored,
             payload.payload_size,
             payload.stored_size,
             now,
@@ -488,10 +503,9 @@ class Writer:
         journal = self._ctx.journals.current()
         if journal is not None:
             journal.stored(txn, h, record, chain.identity)
-        intact = _put_chunks(txn, t, h, payload.chunks) == payload.checksum
         txn.put(children_key(record), h, db=t.children)
         txn.put(h, AccessRecord(now, 0).encode(), db=t.access)
-        return intact
+        return stored
 
 
 def check_first_block(first_block: object) -> None:
@@ -510,6 +524,23 @@ def _put_chunks(txn: lmdb.Transaction, t: Tables, owner: bytes, chunks: Sequence
         assert stored is not None  # written just now, in this transaction
         value = crc32c.crc32c(stored, value)
     return value
+
+
+class AtRest(NamedTuple):
+    """A payload written in the put's transaction and the checksum of the bytes LMDB holds."""
+
+    what: str
+    payload: EncodedPayload
+    stored: int
+
+
+def _first_changed(written: Sequence[AtRest]) -> Refusal | None:
+    """The refusal of the first payload whose stored bytes are not the bytes it was checksummed
+    from, compared last (a large raw put's checksums are taken on the pool meanwhile)."""
+    for what, payload, stored in written:
+        if stored != payload.checksum:
+            return _changed(what)
+    return None
 
 
 def _refused(outcome: Outcome) -> bool:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -10,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixd.schema.records import BlockRecord, Compression
-from prefixd.store.codec import POOL_MIN_RAW_BYTES, PayloadCodec, StoredPayload, checksum
+from prefixd.store.codec import (
+    POOL_MIN_RAW_BYTES,
+    PayloadCodec,
+    StoredPayload,
+    checksum,
+    settle,
+)
 from prefixd.store.fair import FairPool
 
 CHUNK = 64 << 10
@@ -134,7 +141,7 @@ class _CountingPool(ThreadPoolExecutor):
         ("none", 64, 16 << 10, False),  # 1 MiB to checksum: cheaper here than a hand-off
         ("none", 2, POOL_MIN_RAW_BYTES // 2, True),
         ("zstd", 2, 16 << 10, True),  # compression always pays for a second thread
-        ("none", 1, POOL_MIN_RAW_BYTES, False),  # nothing to split
+        ("none", 1, POOL_MIN_RAW_BYTES, True),  # taken aside while the transaction copies it
     ],
 )
 def test_encode_many_hands_work_to_the_pool_only_when_it_pays(
@@ -147,3 +154,19 @@ def test_encode_many_hands_work_to_the_pool_only_when_it_pays(
     assert (pool.submitted > 0) is handed_over
     assert [e.payload_size for e in encoded] == [p.nbytes for p in payloads]
     assert [e.checksum for e in encoded] == [c.encode(p).checksum for p in payloads]
+
+
+def test_settle_cancels_the_checksums_not_started_so_no_thread_reads_a_payload_after_its_put() -> (
+    None
+):
+    """A put that ends early (refused, or the map full) settles its payloads: the checksums still
+    queued are cancelled, so the pool never reads a region slot the client may reuse."""
+    c = codec("none")
+    payloads = [memoryview(bf16_like(POOL_MIN_RAW_BYTES // 4, seed)) for seed in range(2)]
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(gate.wait)  # the pool is busy: the checksums wait behind it
+        encoded = c.encode_many(payloads, pool)
+        settle(encoded)
+        gate.set()
+    assert all(isinstance(e.taken, Future) and e.taken.cancelled() for e in encoded)

@@ -15,7 +15,8 @@ import struct
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -801,4 +802,72 @@ def test_a_payload_rewritten_during_a_put_is_refused_never_stored_corrupt(
         honest = [bytes(p) for p in payloads]
         assert store.put(IDENT, TOKENS, honest).stored == N_BLOCKS
         assert_loads(store, honest)
+        assert store.check() == []
+
+
+LARGE = 1 << 20  # payloads whose put (over 4 MiB) has its checksums taken on the pool
+GIVE_UP_S = 30.0  # only bounds a failing run: a passing one never waits on it
+
+
+def test_a_large_raw_puts_checksums_are_taken_while_its_transaction_copies_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The crc32c of a large raw put's payloads is taken on the pool while its transaction copies
+    them into LMDB, not before the transaction begins: the two passes overlap on two cores."""
+    from prefixd.store import codec, commits
+
+    began = threading.Event()
+    taken_before: list[bool] = []
+    original_checksum, original_transact = codec.checksum, commits.transact
+
+    def checksum(chunks: Sequence[bytes | bytearray | memoryview]) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            began.wait(GIVE_UP_S)  # the pool waits for the transaction: overlap, made certain
+        taken_before.append(not began.is_set())
+        return original_checksum(chunks)
+
+    def transact(ctx: object, body: Callable[[lmdb.Transaction], object], aborts: object) -> object:
+        began.set()
+        return original_transact(ctx, body, aborts)  # type: ignore[arg-type]
+
+    payloads = random_payloads(N_BLOCKS, LARGE)
+    with open_store(tmp_path / "s", compression="none", verify_threads=1) as store:
+        monkeypatch.setattr(codec, "checksum", checksum)
+        monkeypatch.setattr(commits, "transact", transact)
+        assert store.put(IDENT, TOKENS, payloads).stored == N_BLOCKS
+        assert taken_before == [False] * N_BLOCKS
+        assert_loads(store, payloads)
+        assert store.check() == []
+
+
+def test_a_payload_rewritten_after_lmdb_copied_it_and_before_its_checksum_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window the pool's checksums open: LMDB holds the payload as it was, the client rewrites
+    it, then the pool takes its checksum. The stored bytes no longer match the bytes checksummed,
+    so the put is refused whole rather than stored under a checksum of bytes it never held."""
+    from prefixd.store import codec, put
+
+    payloads = [bytearray(p) for p in random_payloads(N_BLOCKS, LARGE)]
+    copied = threading.Event()
+    original_checksum, original_put_chunks = codec.checksum, put._put_chunks
+
+    def checksum(chunks: Sequence[bytes | bytearray | memoryview]) -> int:
+        copied.wait(GIVE_UP_S)  # taken only once LMDB holds every payload
+        return original_checksum(chunks)
+
+    def put_chunks(txn: lmdb.Transaction, t: object, owner: bytes, chunks: Sequence[object]) -> int:
+        stored = original_put_chunks(txn, t, owner, chunks)  # type: ignore[arg-type]
+        if bytes(chunks[0][:16]) == bytes(payloads[BAD][:16]):  # type: ignore[index]
+            payloads[BAD][100] ^= 0xFF  # LMDB holds it as it was; its checksum is not taken yet
+        if bytes(chunks[0][:16]) == bytes(payloads[-1][:16]):  # type: ignore[index]
+            copied.set()
+        return stored
+
+    with open_store(tmp_path / "s", compression="none", verify_threads=1) as store:
+        monkeypatch.setattr(codec, "checksum", checksum)
+        monkeypatch.setattr(put, "_put_chunks", put_chunks)
+        with pytest.raises(PayloadError, match=f"block {BAD}'s payload changed"):
+            store.put(IDENT, TOKENS, payloads)
+        assert store.stats().blocks == 0
         assert store.check() == []
