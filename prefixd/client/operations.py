@@ -184,13 +184,30 @@ def lookup(
     *,
     hashes: Sequence[bytes | None] | None = None,
     pin: bool = False,
+    prefill_tokens_per_s: float | None = None,
+    stored_only: bool = False,
 ) -> Steps[list[Lookup]]:
-    """The stored prefix of each prompt (one round trip for the whole batch)."""
+    """The stored prefix of each prompt worth loading (one round trip for the whole batch);
+    `prefill_tokens_per_s`: the engine's measured prefill throughput, for the benefit rule;
+    `stored_only`: what is stored, whether or not loading it pays."""
     reply: wire.LookupReply = yield from core.prompts_call(
-        wire.Lookup, identity, prompts, hashes, pin=pin or None
+        wire.Lookup,
+        identity,
+        prompts,
+        hashes,
+        pin=pin or None,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        stored_only=stored_only or None,
     )
     return [
-        Lookup(r.n_blocks, r.n_tokens, unpacked(r.sizes), r.est_load_s, r.est_prefill_s)
+        Lookup(
+            r.n_blocks,
+            r.n_tokens,
+            unpacked(r.sizes),
+            r.est_load_s,
+            r.est_prefill_s,
+            r.withheld_tokens,
+        )
         for r in reply.results
     ]
 

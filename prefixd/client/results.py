@@ -16,15 +16,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """How much of one prompt is stored: `n_tokens` tokens in `n_blocks` blocks of `sizes` bytes.
-    `est_load_s` and `est_prefill_s` are the daemon's estimates of loading the hit and of
-    prefilling it instead (the benefit rule: load when est_load_s < est_prefill_s)."""
+    """How much of one prompt is stored and worth loading: `n_tokens` tokens in `n_blocks`
+    blocks of `sizes` bytes. `est_load_s` and `est_prefill_s` are the daemon's estimates of
+    loading the hit it found and of prefilling it instead; a hit is offered only where loading
+    pays (est_load_s < est_prefill_s), else its tokens are `withheld_tokens` and recomputed."""
 
     n_blocks: int
     n_tokens: int
     sizes: tuple[int, ...]
     est_load_s: float = field(default=0.0, compare=False)  # estimates: not part of the hit
     est_prefill_s: float = field(default=0.0, compare=False)
+    withheld_tokens: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class StateLookup:
     parts: tuple[StatePart, ...]
     est_load_s: float = field(default=0.0, compare=False)
     est_prefill_s: float = field(default=0.0, compare=False)
+    withheld_tokens: int = field(default=0, compare=False)
 
     def by_group(self) -> dict[str, list[StatePart]]:
         """The parts of each group, in order (a paged group's pages, or one checkpoint)."""
@@ -122,13 +125,15 @@ class StateLoaded(_Releasable, StateLookup):
 @dataclass(frozen=True)
 class Installed:
     """What a load installed (the caller skips `n_tokens`). `event`: after the last copy (None
-    on CPU, or when the call waited); `complete`: every destination was filled."""
+    on CPU, or when the call waited); `complete`: every destination was filled;
+    `withheld_tokens`: stored tokens not loaded because loading them would not pay."""
 
     n_blocks: int
     n_tokens: int
     n_bytes: int
     complete: bool
     event: torch.cuda.Event | None = None
+    withheld_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,9 +149,10 @@ class InstalledState:
 
 @dataclass(frozen=True)
 class WarmUp:
-    """What a restart warm-up brought back."""
+    """What a restart warm-up brought back; `skipped`: prefixes not worth loading."""
 
     prefixes: int
     blocks: int
     tokens: int
     bytes: int
+    skipped: int = 0

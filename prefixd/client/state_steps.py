@@ -60,10 +60,12 @@ def lookup_state(
     prompts: Sequence[PromptIds],
     *,
     hashes: Sequence[bytes | None] | None = None,
+    prefill_tokens_per_s: float | None = None,
 ) -> Steps[list[StateLookup]]:
-    """The joint hit of each prompt for a hybrid identity (one round trip)."""
+    """The joint hit of each prompt for a hybrid identity worth loading (one round trip);
+    `prefill_tokens_per_s`: the engine's measured prefill throughput, for the benefit rule."""
     reply: wire.LookupStateReply = yield from core.prompts_call(
-        wire.LookupState, identity, prompts, hashes
+        wire.LookupState, identity, prompts, hashes, prefill_tokens_per_s=prefill_tokens_per_s
     )
     return [
         StateLookup(
@@ -74,6 +76,7 @@ def lookup_state(
             tuple(r.parts),
             r.est_load_s,
             r.est_prefill_s,
+            r.withheld_tokens,
         )
         for r in reply.results
     ]

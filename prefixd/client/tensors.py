@@ -41,10 +41,12 @@ def load_into(
     wait: bool = True,
     hashes: bytes | None = None,
     warm: bool = False,
+    prefill_tokens_per_s: float | None = None,
 ) -> Steps[Installed]:
     """Stream the stored prefix of `token_ids` into `destinations` (block i into the contiguous
-    destinations[i], on any device) through `slots` staging slots. `warm` counts it as restart
-    warm-up."""
+    destinations[i], on any device) through `slots` staging slots, where loading it pays (the
+    daemon's benefit rule; `prefill_tokens_per_s`: the engine's measured prefill throughput).
+    `warm` counts it as restart warm-up."""
     from prefixd.client.transfer import Copier, device_of, nbytes
 
     allocator = core.payloads
@@ -55,13 +57,15 @@ def load_into(
     device = device_of(destinations)
     if hashes is None:  # hashed once here, not again by the daemon for every batch
         hashes = packed_hashes(identity, token_ids)
-    [hit] = yield from lookup(core, identity, [token_ids], hashes=[hashes])
+    [hit] = yield from lookup(
+        core, identity, [token_ids], hashes=[hashes], prefill_tokens_per_s=prefill_tokens_per_s
+    )
     sizes = hit.sizes[: min(len(destinations), hit.n_blocks)]
     for i, (size, dest) in enumerate(zip(sizes, destinations, strict=False)):
         if nbytes(dest) < size:
             raise DestinationError(f"destination {i} holds {nbytes(dest)} bytes, needs {size}")
     if not sizes:
-        return Installed(0, 0, 0, False)
+        return Installed(0, 0, 0, False, withheld_tokens=hit.withheld_tokens)
     slot_bytes = _slot_bytes(sizes, allocator.size, slots)
     batches = _batches(sizes, slot_bytes)
     n_slots = min(slots, len(batches))
@@ -169,22 +173,33 @@ def warm_up(
     tenant: str,
     limit: int = 64,
     slots: int = DEFAULT_SLOTS,
+    prefill_tokens_per_s: float | None = None,
 ) -> Steps[WarmUp]:
     """After a restart, stream the tenant's most valuable prefixes (by eviction score), up to
-    `budget_bytes`, into what `destinations_factory(prefix)` allocates (None skips it)."""
-    prefixes = blocks = tokens = n_bytes = 0
+    `budget_bytes`, into what `destinations_factory(prefix)` allocates (None skips it), each
+    where loading it pays (`skipped` counts the others)."""
+    prefixes = blocks = tokens = n_bytes = skipped = 0
     for prefix in (yield from hot(core, budget_bytes, tenant=tenant, limit=limit)):
         destinations = destinations_factory(prefix)
         if destinations is None:
             continue
         installed = yield from load_into(
-            core, prefix.identity, prefix.tokens, destinations, slots=slots, warm=True
+            core,
+            prefix.identity,
+            prefix.tokens,
+            destinations,
+            slots=slots,
+            warm=True,
+            prefill_tokens_per_s=prefill_tokens_per_s,
         )
+        if installed.withheld_tokens and not installed.n_blocks:
+            skipped += 1
+            continue
         prefixes += 1
         blocks += installed.n_blocks
         tokens += installed.n_tokens
         n_bytes += installed.n_bytes
-    return WarmUp(prefixes, blocks, tokens, n_bytes)
+    return WarmUp(prefixes, blocks, tokens, n_bytes, skipped)
 
 
 def store_from(

@@ -329,7 +329,8 @@ class MetricsSettings(_Group):
     )
     prefill_tokens_per_s: float = _setting(
         "float",
-        "the engine's prefill throughput, tokens/s: what a loaded token saves, for the stats",
+        "the engines' prefill throughput, tokens/s, until they report their own: a hit is offered "
+        "only where loading it is faster than prefilling it",
         10000.0,
         low=1.0,
         high=1e9,

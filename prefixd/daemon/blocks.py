@@ -54,29 +54,35 @@ async def put(ctx: RequestContext, request: Request[Put]) -> PutReply:
 def lookup_now(ctx: RequestContext, request: Request[Lookup]) -> Answered | Later:
     """The reply when memory alone answers every prompt, computed on the loop (with the counting to
     do once it is sent); else the lookup's work for a task."""
-    queries = ctx.queries(request.message)
-    if request.message.pin:
-        return partial(engine_ops.pinned_lookup, ctx, request.id, queries)
-    later = partial(lookup_queries, ctx, request.id, queries)
+    msg = request.message
+    queries, reported, judged = ctx.queries(msg), msg.prefill_tokens_per_s, not msg.stored_only
+    if msg.pin:
+        return partial(engine_ops.pinned_lookup, ctx, request.id, queries, reported, judged)
+    later = partial(lookup_queries, ctx, request.id, queries, reported, judged)
     if sum(len(tokens) for tokens, _ in queries.prompts) > LOOP_TOKEN_BYTES:
         return later  # work for a worker
     services = ctx.services
     cached = on_loop(partial(services.store.cached_prefixes, queries.identity, queries.prompts))
     if cached is None:
         return later
-    results, observed = services.lookup_results(queries.identity, queries.prompts, list(cached))
+    results, observed = services.lookup_results(
+        queries.identity, queries.prompts, list(cached), reported, judged=judged
+    )
     reply = LookupReply(id=request.id, results=results)
     return Answered(reply, partial(services.count, queries.identity, observed))
 
 
 async def lookup(ctx: RequestContext, request: Request[Lookup]) -> LookupReply:
-    queries = ctx.queries(request.message)
-    if request.message.pin:
-        return await engine_ops.pinned_lookup(ctx, request.id, queries)
-    return await lookup_queries(ctx, request.id, queries)
+    msg = request.message
+    queries, reported, judged = ctx.queries(msg), msg.prefill_tokens_per_s, not msg.stored_only
+    if msg.pin:
+        return await engine_ops.pinned_lookup(ctx, request.id, queries, reported, judged)
+    return await lookup_queries(ctx, request.id, queries, reported, judged)
 
 
-async def lookup_queries(ctx: RequestContext, rid: int, queries: Queries) -> LookupReply:
+async def lookup_queries(
+    ctx: RequestContext, rid: int, queries: Queries, reported: float | None, judged: bool = True
+) -> LookupReply:
     """Prompts verified recently are answered without a thread hop, the rest on the pool."""
     services = ctx.services
     identity, prompts = queries
@@ -92,7 +98,7 @@ async def lookup_queries(ctx: RequestContext, rid: int, queries: Queries) -> Loo
 
         for i, match in zip(missing, await services.run(run)):
             matches[i] = match
-    results, observed = services.lookup_results(identity, prompts, matches)
+    results, observed = services.lookup_results(identity, prompts, matches, reported, judged=judged)
     services.count(identity, observed)
     return LookupReply(id=rid, results=results)
 
@@ -160,7 +166,7 @@ async def route(ctx: RequestContext, request: Request[Route]) -> RouteReply:
         result.n_tokens,
         match.payload_bytes if result.n_blocks else 0,
         load_time=services.metrics.load_time,
-        prefill_tokens_per_s=services.metrics.prefill_tokens_per_s,
+        prefill_tokens_per_s=services.metrics.rates.of(identity.tenant),
         queue=services.loads,
     )
 

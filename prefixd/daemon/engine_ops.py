@@ -27,8 +27,11 @@ from prefixd.wire.messages import (
 DEFAULT_LIST_LIMIT = 1024
 
 
-async def pinned_lookup(ctx: RequestContext, rid: int, queries: Queries) -> LookupReply:
-    """A lookup whose offered hits stay pinned for this connection until it unpins them or ends."""
+async def pinned_lookup(
+    ctx: RequestContext, rid: int, queries: Queries, reported: float | None, judged: bool = True
+) -> LookupReply:
+    """A lookup whose offered hits stay pinned for this connection until it unpins them or ends
+    (a hit the benefit rule holds back is unpinned at once)."""
     services = ctx.services
     store, least = services.store, services.min_reusable_tokens
     identity, prompts = queries
@@ -55,14 +58,15 @@ async def pinned_lookup(ctx: RequestContext, rid: int, queries: Queries) -> Look
     except asyncio.CancelledError:  # the connection ended: its pins must not outlive it
         pinning.add_done_callback(release_if_done)
         raise
-    held = offered(matches)
+    results, observed = services.lookup_results(identity, prompts, matches, reported, judged=judged)
+    held = offered([m for m, r in zip(matches, results, strict=True) if not r.withheld_tokens])
+    store.unpin(offered([m for m, r in zip(matches, results, strict=True) if r.withheld_tokens]))
     try:  # a reload while the pins were taken may have taken the tenant from this peer
         ctx.require_tenant(identity.tenant)
     except ProtocolError:
         store.unpin(held)
         raise
     ctx.peer.pins.hold(identity.tenant, held)
-    results, observed = services.lookup_results(identity, prompts, matches)
     services.count(identity, observed)
     return LookupReply(id=rid, results=results)
 

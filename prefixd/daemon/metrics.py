@@ -24,6 +24,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from prefixd.daemon.benefit import PrefillRates
 from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.meta import SCHEMA_VERSION
 from prefixd.version import __version__
@@ -57,11 +58,25 @@ _TALLIES = (
     ("hit_bytes", "Payload bytes of the hits"),
     ("loaded_bytes", "Verified payload bytes loaded"),
     ("loaded_tokens", "Tokens whose state was loaded"),
-    ("prefill_saved_seconds", "Prefill time the loads saved, at the configured prefill throughput"),
+    (
+        "prefill_saved_seconds",
+        (
+            "Prefill time the loads saved, at the tenant's prefill throughput (its engines' or "
+            "the configured one)"
+        ),
+    ),
+    ("net_saved_seconds", "Prefill time the loads saved minus the time they took"),
+    (
+        "loads_skipped",
+        (
+            "Hits found but not offered: loading them would cost more than the prefill they "
+            "save, or they are shorter than min_reusable_tokens"
+        ),
+    ),
     ("put_blocks", "Blocks stored by puts"),
 )
 (PROMPTS, HITS, PROMPT_TOKENS, HIT_TOKENS, PROMPT_BYTES, HIT_BYTES, LOADED_BYTES, LOADED_TOKENS,
- SAVED_S, PUT_BLOCKS) = range(len(_TALLIES))  # fmt: skip
+ SAVED_S, NET_SAVED_S, SKIPPED, PUT_BLOCKS) = range(len(_TALLIES))  # fmt: skip
 
 
 class _Histogram:
@@ -92,8 +107,9 @@ class Metrics:
 
     def __init__(self, store: Store, *, prefill_tokens_per_s: float) -> None:
         self.store = store
-        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.prefill_tokens_per_s = prefill_tokens_per_s  # the configured one
         self.load_time = LoadTimeModel()
+        self.rates = PrefillRates(prefill_tokens_per_s)
         self._bytes_per_token: OrderedDict[bytes, float] = OrderedDict()
         self._labeled: set[str] = set()  # tenants with series of their own (MAX_TENANT_LABELS)
         self._tenants: dict[str, list[float]] = {}  # by label: a tenant or OTHER_TENANTS
@@ -123,14 +139,16 @@ class Metrics:
         hit_bytes: int,
         *,
         block_tokens: int,
+        skipped: bool = False,
     ) -> None:
-        """One prompt looked up; `hit_tokens` is what was offered (0: a miss). The first lookup's
-        `block_tokens` fixes the hit-length buckets (they never change) so that a one-block hit
-        shows as one."""
+        """One prompt looked up; `hit_tokens` is what was offered (0: a miss); `skipped`: a hit
+        was found and not offered (the benefit rule). The first lookup's `block_tokens` fixes the
+        hit-length buckets (they never change) so that a one-block hit shows as one."""
         with self._lock:
             rate = self._rate(digest, hit_bytes, hit_tokens)
             t = self._of(tenant)
             t[PROMPTS] += 1
+            t[SKIPPED] += skipped
             t[PROMPT_TOKENS] += prompt_tokens
             t[PROMPT_BYTES] += hit_bytes + (prompt_tokens - hit_tokens) * rate
             if self.hit_length is None:
@@ -148,7 +166,9 @@ class Metrics:
             t = self._of(tenant)
             t[LOADED_BYTES] += n_bytes
             t[LOADED_TOKENS] += n_tokens
-            t[SAVED_S] += n_tokens / self.prefill_tokens_per_s
+            saved_s = n_tokens / self.rates.of(tenant)
+            t[SAVED_S] += saved_s
+            t[NET_SAVED_S] += saved_s - seconds
 
     def observe_put(
         self, tenant: str, digest: bytes, blocks: int, tokens: int, n_bytes: int
@@ -212,10 +232,6 @@ class Metrics:
         self.registry.register(
             _SnapshotCollector(publisher, "prefixd_kv_events", "KV events", gauges)
         )
-
-    def benefit(self, hit_tokens: int, hit_bytes: int) -> tuple[float, float]:
-        """The estimated seconds to load the hit, and the prefill seconds it saves."""
-        return self.load_time.estimate(hit_bytes), hit_tokens / self.prefill_tokens_per_s
 
     def snapshot(self) -> dict[str, Any]:
         """The summary `prefixd stats` prints. The store's per-tenant totals are every tenant's,

@@ -10,9 +10,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from prefixd.clock import Clock, SystemClock
+from prefixd.daemon.benefit import BenefitRule
 from prefixd.daemon.fields import closed_tokens, packed
 from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.routing import LoadQueue
@@ -29,6 +30,17 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Query = tuple[bytes | memoryview, bytes | None]  # a prompt's token ids, and its hashes if given
+
+
+class Observed(NamedTuple):
+    """What a lookup counts per prompt: its closed tokens, the hit offered, and whether a hit
+    found was held back by the benefit rule."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    hit_bytes: int
+    skipped: bool
+
 
 _IDENTITY_CACHE = 1024
 
@@ -66,10 +78,14 @@ class Services:
     # the old one can no longer touch the region spans its lost requests named.
     instance: str = field(default_factory=lambda: secrets.token_hex(8))
     started: float = field(init=False)
+    benefit: BenefitRule = field(init=False)  # which hits a lookup offers
     _identities: dict[WireIdentity, Identity] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.started = self.clock.monotonic()
+        self.benefit = BenefitRule(
+            self.metrics.load_time, self.metrics.rates, self.min_reusable_tokens
+        )
 
     async def run(self, call: Callable[[], T], pool: Executor | None = None) -> T:
         """Run blocking store work on the pool; store errors become protocol errors."""
@@ -138,31 +154,39 @@ class Services:
         identity: Identity,
         queries: Sequence[Query],
         matches: Sequence[PrefixMatch | None],
-    ) -> tuple[list[LookupResult], list[tuple[int, int, int]]]:
-        """A lookup's replies and what to count per prompt (prompt tokens, hit tokens, hit bytes);
-        hits shorter than `min_reusable_tokens` are not offered."""
+        reported: float | None = None,
+        *,
+        judged: bool = True,
+    ) -> tuple[list[LookupResult], list[Observed]]:
+        """A lookup's replies and what to count per prompt. A hit is offered only where the
+        benefit rule says loading it pays (prefixd.daemon.benefit; `reported`: the prefill
+        throughput the engine sent; not `judged`: every hit from the floor up, a question of
+        what is stored); the reply's estimates are the hit's found."""
         results, observed = [], []
-        benefit = self.metrics.benefit
         for (tokens, _), match in zip(queries, matches, strict=True):
             assert match is not None
-            offered = match.n_tokens >= self.min_reusable_tokens
+            benefit = self.benefit.judge(
+                identity.tenant, match.n_tokens, match.payload_bytes, reported
+            )
+            offered = self.benefit.offered(match.n_tokens, benefit, judged=judged)
             n_tokens = match.n_tokens if offered else 0
             n_bytes = match.payload_bytes if offered else 0
-            est_load_s, est_prefill_s = benefit(n_tokens, n_bytes)
             results.append(
                 LookupResult(
                     n_blocks=match.n_blocks if offered else 0,
                     n_tokens=n_tokens,
                     sizes=packed(match.payload_sizes) if offered else b"",
-                    est_load_s=est_load_s,
-                    est_prefill_s=est_prefill_s,
+                    est_load_s=benefit.load_s,
+                    est_prefill_s=benefit.prefill_s,
+                    withheld_tokens=match.n_tokens - n_tokens,
                 )
             )
-            observed.append((closed_tokens(tokens, identity), n_tokens, n_bytes))
+            prompt_tokens = closed_tokens(tokens, identity)
+            observed.append(Observed(prompt_tokens, n_tokens, n_bytes, n_tokens < match.n_tokens))
         return results, observed
 
-    def count(self, identity: Identity, observed: list[tuple[int, int, int]]) -> None:
-        for prompt_tokens, hit_tokens, hit_bytes in observed:
+    def count(self, identity: Identity, observed: list[Observed]) -> None:
+        for prompt_tokens, hit_tokens, hit_bytes, skipped in observed:
             self.metrics.observe_lookup(
                 identity.tenant,
                 identity.digest,
@@ -170,6 +194,7 @@ class Services:
                 hit_tokens,
                 hit_bytes,
                 block_tokens=identity.block_tokens,
+                skipped=skipped,
             )
 
 

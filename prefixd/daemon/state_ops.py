@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from prefixd.daemon.context import Handler, Request, RequestContext
 from prefixd.daemon.fields import closed_tokens, region_output
-from prefixd.daemon.services import Services
+from prefixd.daemon.services import Observed, Services
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.store.results import JointMatch, PutResult, StateLoad
@@ -76,10 +76,14 @@ async def lookup_state(ctx: RequestContext, request: Request[LookupState]) -> Lo
 
     matches = await services.run(run)
     results, observed = [], []
-    for (tokens, _), match in zip(prompts, matches, strict=True):
-        match = offered(services, match)
+    reported = request.message.prefill_tokens_per_s
+    for (tokens, _), found in zip(prompts, matches, strict=True):
+        found_tokens = found.reusable_tokens
+        benefit = services.benefit.judge(
+            identity.tenant, found_tokens, found.payload_bytes, reported
+        )
+        match = found if services.benefit.offered(found_tokens, benefit) else no_hit(found)
         hit_tokens, hit_bytes = match.reusable_tokens, match.payload_bytes
-        est_load_s, est_prefill_s = services.metrics.benefit(hit_tokens, hit_bytes)
         results.append(
             JointResult(
                 reusable_tokens=match.reusable_tokens,
@@ -87,11 +91,13 @@ async def lookup_state(ctx: RequestContext, request: Request[LookupState]) -> Lo
                 paged_tokens=match.paged_tokens,
                 matched_tokens=match.matched_tokens,
                 parts=state_parts(match),
-                est_load_s=est_load_s,
-                est_prefill_s=est_prefill_s,
+                est_load_s=benefit.load_s,
+                est_prefill_s=benefit.prefill_s,
+                withheld_tokens=found_tokens - hit_tokens,
             )
         )
-        observed.append((closed_tokens(tokens, identity), hit_tokens, hit_bytes))
+        prompt_tokens = closed_tokens(tokens, identity)
+        observed.append(Observed(prompt_tokens, hit_tokens, hit_bytes, hit_tokens < found_tokens))
     services.count(identity, observed)
     return LookupStateReply(id=request.id, results=results)
 
@@ -113,8 +119,10 @@ def joint_match(
 
 def offered(services: Services, match: JointMatch) -> JointMatch:
     """`match`, or no hit when shorter than `min_reusable_tokens`."""
-    if match.reusable_tokens >= services.min_reusable_tokens:
-        return match
+    return match if match.reusable_tokens >= services.min_reusable_tokens else no_hit(match)
+
+
+def no_hit(match: JointMatch) -> JointMatch:
     return dataclasses.replace(match, reusable_tokens=0, replay_from=0, hashes=(), parts=())
 
 

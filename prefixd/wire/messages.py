@@ -180,8 +180,16 @@ class Put(Prompted, tag="put", kw_only=True):
     blocks: Annotated[list[Span], Meta(max_length=MAX_BLOCKS_PER_PUT)]
 
 
+# tokens/s: the prefill throughput the engine measured, for the benefit rule (default: the
+# tenant's last reported, else the daemon's prefill_tokens_per_s)
+PrefillRate = Annotated[float, Meta(gt=0.0, le=1e12)]
+
+
 class Lookup(Prompts, tag="lookup", kw_only=True):
     pin: bool | None = None  # default false: pin each hit's blocks for this connection
+    prefill_tokens_per_s: PrefillRate | None = None
+    # default false: true asks what is stored, whether or not loading it pays (no benefit rule)
+    stored_only: bool | None = None
 
 
 class Unpin(Prompts, tag="unpin", kw_only=True):
@@ -238,7 +246,7 @@ class PutState(Prompted, tag="put_state", kw_only=True):
 
 
 class LookupState(Prompts, tag="lookup_state", kw_only=True):
-    pass
+    prefill_tokens_per_s: PrefillRate | None = None
 
 
 class LoadState(Prompted, tag="load_state", kw_only=True):
@@ -353,13 +361,15 @@ class PutReply(Reply, kw_only=True):
 
 
 class LookupResult(Struct, kw_only=True):
-    """`sizes`: the hit's payload sizes, u64 LE."""
+    """`sizes`: the hit's payload sizes, u64 LE. `est_load_s` and `est_prefill_s`: the hit found,
+    estimated; `withheld_tokens`: its tokens not offered, since loading them would not pay."""
 
     n_blocks: int
     n_tokens: int
     sizes: bytes
     est_load_s: float = 0.0
     est_prefill_s: float = 0.0
+    withheld_tokens: int = 0
 
 
 class LookupReply(Reply, kw_only=True):
@@ -403,6 +413,7 @@ class JointResult(Struct, kw_only=True):
     parts: list[StatePart]
     est_load_s: float = 0.0
     est_prefill_s: float = 0.0
+    withheld_tokens: int = 0
 
 
 class LookupStateReply(Reply, kw_only=True):

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 # a laptop building something) is slow without failing.
 READY_TIMEOUT_S = DEADLINE_S
 STOP_TIMEOUT_S = DEADLINE_S
+NEUTRAL_PREFILL_TOKENS_PER_S = 1.0  # tokens/s: every hit pays to load (Daemon.benefit_neutral)
 # Variables of the test runner's environment that must not reach a daemon under test (the suite
 # has its own STATE_DIRECTORY and RUNTIME_DIRECTORY: see `command_env`).
 _SCRUBBED = SYSTEMD_HANDOFF
@@ -137,8 +138,17 @@ class Daemon:
             str(self.socket),
             "--map-size",
             "256MiB",
+            *self.benefit_neutral(),
             *self.flags,
         ]
+
+    def benefit_neutral(self) -> list[str]:
+        """A prefill so slow that every hit pays to load, unless the test sets its own: the
+        benefit rule (tests/daemon/test_benefit.py) must not turn a test's small hits into
+        misses whenever a busy machine makes the daemon's loads slow."""
+        if any(flag.startswith("--prefill-tokens-per-s") for flag in self.flags):
+            return []
+        return ["--prefill-tokens-per-s", str(NEUTRAL_PREFILL_TOKENS_PER_S)]
 
     def env(self) -> dict[str, str]:
         return daemon_env(NOTIFY_SOCKET=str(self.notify_path), **self.extra_env)

@@ -117,7 +117,9 @@ def test_lookup_offers_only_hits_worth_loading(daemon_factory: DaemonFactory) ->
         full, short = reply["results"]
         assert full["n_tokens"] == 8 * BT and short["n_tokens"] == 0  # 4 blocks: below 6
         assert full["est_load_s"] > 0 and full["est_prefill_s"] > 0
-        assert short["est_load_s"] == 0
+        assert full["withheld_tokens"] == 0
+        # the estimates are the hit's found; its tokens are held back, below the floor
+        assert short["withheld_tokens"] == 4 * BT and short["est_prefill_s"] > 0
         assert client.load(IDENTITY, half).n_blocks == 0
         assert client.load(IDENTITY, stored).n_blocks == 8
 

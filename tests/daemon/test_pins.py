@@ -112,6 +112,6 @@ def test_a_pinning_lookup_that_a_reload_overtakes_gives_its_pins_back(tmp_path: 
         queries = context.queries(message)  # allowed, when the request came
         assert ops.regrant(peer, Grant(frozenset({"other"}), frozenset())) is not None
         with pytest.raises(ProtocolError) as refused:
-            asyncio.run(pinned_lookup(context, 1, queries))
+            asyncio.run(pinned_lookup(context, 1, queries, None))
         assert code_of(refused.value) is ErrorCode.FORBIDDEN
         assert len(store._ctx.pins) == 0 and not peer.pins

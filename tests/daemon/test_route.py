@@ -12,7 +12,7 @@ from prefixd.client import Client
 from prefixd.daemon.routing import LoadQueue, answer
 from prefixd.loadtime import LoadTimeModel
 
-from .conftest import IDENTITY, Daemon, wait_for
+from .conftest import IDENTITY, NEUTRAL_PREFILL_TOKENS_PER_S, Daemon, wait_for
 
 BT = IDENTITY.block_tokens
 
@@ -23,7 +23,7 @@ def test_a_route_answers_the_hit_and_its_worth(daemon: Daemon) -> None:
         client.put(IDENTITY, prompt, [b"k" * 4096] * 6)  # 6 of its 8 blocks
         routed = client.route(IDENTITY, prompt)
         assert (routed.hit_blocks, routed.hit_tokens, routed.hit_bytes) == (6, 6 * BT, 6 * 4096)
-        assert routed.prefill_saved_s == pytest.approx(6 * BT / 10_000)  # the default throughput
+        assert routed.prefill_saved_s == pytest.approx(6 * BT / NEUTRAL_PREFILL_TOKENS_PER_S)
         assert routed.load_s > 0 and routed.loads_in_flight == 0 and routed.queue_s == 0
         assert routed.score_s == pytest.approx(routed.prefill_saved_s - routed.load_s)
         missed = client.route(IDENTITY, prompt + 1)

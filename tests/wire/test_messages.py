@@ -170,6 +170,16 @@ REQUEST_EXAMPLES: list[RequestMessage] = [
     Route(id=23, identity=WIRE, tokens_span=(1, 0, 8), n_tokens=8, hashes=b"\x01" * 16),
     Lookup(id=(1 << 63) - 1, identity=WIRE, prompts=[]),
     Lookup(id=22, identity=WIRE, prompts=[Prompt(tokens=TOKENS)], pin=True),
+    Lookup(
+        id=23,
+        identity=WIRE,
+        prompts=[Prompt(tokens=TOKENS)],
+        prefill_tokens_per_s=25_000.0,
+        stored_only=True,
+    ),
+    LookupState(
+        id=24, identity=WIRE_HYBRID, prompts=[Prompt(tokens=TOKENS)], prefill_tokens_per_s=1e4
+    ),
     Unpin(id=23, identity=WIRE, prompts=[Prompt(tokens=TOKENS)]),
     Delete(id=24, identity=WIRE, prompts=[Prompt(tokens_span=(2, 0, 3), n_tokens=3)]),
     ListBlocks(id=25, tenant="a"),
@@ -373,6 +383,15 @@ def test_unknown_fields_are_ignored_except_in_an_identity() -> None:
         ErrorCode.BAD_IDENTITY,
         "identity.state[0].extra",
     )
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, 1e13, float("inf"), float("nan"), "fast", True])
+def test_a_reported_prefill_throughput_out_of_bounds_is_refused(rate: Any) -> None:
+    """A peer cannot make the benefit rule divide by zero, nor hand it a throughput no engine
+    has (the field's bounds), nor anything that is not a float."""
+    lookup = {"id": 1, "op": "lookup", "identity": IDENTITY_DICT, "prompts": []}
+    assert decode_request(body({**lookup, "prefill_tokens_per_s": 2.5e4}))
+    expect({**lookup, "prefill_tokens_per_s": rate}, ErrorCode.BAD_REQUEST, "prefill_tokens_per_s")
 
 
 # --- limits -------------------------------------------------------------------------------------
@@ -822,7 +841,14 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
                 LookupResult(
                     n_blocks=2, n_tokens=8, sizes=SIZES, est_load_s=1e-3, est_prefill_s=0.5
                 ),
-                LookupResult(n_blocks=0, n_tokens=0, sizes=b""),
+                LookupResult(
+                    n_blocks=0,
+                    n_tokens=0,
+                    sizes=b"",
+                    est_load_s=0.5,
+                    est_prefill_s=1e-3,
+                    withheld_tokens=8,
+                ),
             ],
         ),
         {
@@ -835,13 +861,15 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
                     "sizes": SIZES,
                     "est_load_s": 1e-3,
                     "est_prefill_s": 0.5,
+                    "withheld_tokens": 0,
                 },
                 {
                     "n_blocks": 0,
                     "n_tokens": 0,
                     "sizes": b"",
-                    "est_load_s": 0.0,
-                    "est_prefill_s": 0.0,
+                    "est_load_s": 0.5,
+                    "est_prefill_s": 1e-3,
+                    "withheld_tokens": 8,  # found, and not worth loading
                 },
             ],
         },
@@ -886,6 +914,7 @@ REPLY_EXAMPLES: list[tuple[Any, dict[str, Any]]] = [
                     "parts": [{"group": "mla", "first_token": 0, "tokens": 8, "size": 64}],
                     "est_load_s": 0.25,
                     "est_prefill_s": 1.0,
+                    "withheld_tokens": 0,
                 }
             ],
         },

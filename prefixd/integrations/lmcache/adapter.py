@@ -140,7 +140,9 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         deleted, sizes = [], []
         for identity, batch in self._by_identity(keys).items():
             for key, words in batch:
-                found = self._storer.call(lambda c: c.lookup(identity, [words]))  # noqa: B023
+                found = self._storer.call(
+                    lambda c: c.lookup(identity, [words], stored_only=True)  # noqa: B023
+                )
                 removed = self._storer.call(lambda c: c.delete(identity, [words]))  # noqa: B023
                 if removed and found and found[0].sizes:
                     deleted.append(key)

@@ -241,8 +241,10 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         stored: list[bytes] = []
         for run in runs:
             # blocks the daemon has already (a chunk stored again) are not copied again
+            words = pack_keys(run.identity, run.chain)
+            identity = run.identity  # what is stored, not whether loading it pays
             found = self._link.call(
-                lambda c: c.lookup(run.identity, [pack_keys(run.identity, run.chain)])  # noqa: B023
+                lambda c: c.lookup(identity, [words], stored_only=True)  # noqa: B023
             )
             if found is None:
                 break

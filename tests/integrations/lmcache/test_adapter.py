@@ -15,6 +15,7 @@ from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
 
 from prefixd import Store
+from prefixd.client import Client
 from prefixd.errors import ConfigError
 from prefixd.integrations.lmcache import PrefixdL2Adapter, key_of, l2_adapter_config
 from prefixd.integrations.lmcache.identity import Identities, Settings
@@ -180,6 +181,28 @@ def test_a_damaged_payload_is_a_miss_never_wrong_bytes(daemon: Daemon) -> None:
     daemon.stop()
     with Store.open(daemon.data_dir) as opened:
         assert opened.stats().quarantined == 1
+
+
+def test_a_chunk_not_worth_loading_is_a_miss_counted_and_still_deletable(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """With a prefill faster than any load, LMCache is told to recompute a stored chunk (and the
+    daemon counts the hit it held back); deleting it still finds it stored."""
+    daemon = daemon_factory("--prefill-tokens-per-s", "1e9")
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket, usage_refresh_s=0.0))
+    try:
+        ks = keys(3)
+        assert store(adapter, ks, payload_objs(3, SIZE)).is_successful()
+        assert lookup_and_lock(adapter, ks) == [False] * 3
+        adapter.submit_unlock(ks)
+        assert adapter.get_usage().total_bytes_used == 3 * SIZE
+        adapter.delete(ks[:1])
+        assert adapter.get_usage().total_bytes_used == 2 * SIZE
+    finally:
+        adapter.close()
+    with Client(daemon.socket) as client:
+        tenants = client.stats()["metrics"]["tenants"]
+    assert sum(t.get("loads_skipped", 0) for t in tenants.values()) >= 3
 
 
 def test_delete_list_and_usage_are_the_daemons_accounting(daemon: Daemon) -> None:

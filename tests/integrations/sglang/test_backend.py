@@ -15,7 +15,7 @@ from prefixd.integrations.sglang.backend import PrefixdHiCache
 from prefixd.schema.chain import chain_hashes
 from prefixd.schema.keys import pack_keys
 
-from ...daemon.conftest import Daemon
+from ...daemon.conftest import Daemon, DaemonFactory
 from ...store.test_faults import corrupt_stored_chunk
 from .harness import (
     PAGE,
@@ -102,6 +102,22 @@ def test_what_is_stored_is_sglangs_flat_page(daemon: Daemon, layout: str, interf
                 found += [bytes(view) for view in loaded.views]
     assert found == pages
     controller.close()
+
+
+def test_pages_not_worth_loading_are_recomputed_and_counted(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """With a prefill faster than any load, SGLang is told no page exists (it recomputes them),
+    and the daemon counts the hit it held back."""
+    daemon = daemon_factory("--prefill-tokens-per-s", "1e9")
+    controller = Controller(host_pool("layer_first"), prefixd_extra(daemon.socket))
+    tokens, _ = stored(controller, 4)
+    assert controller.hit(tokens) == 0
+    controller.close()
+    with Client(daemon.socket) as client:
+        assert client.stats()["store"]["blocks"] >= 4
+        tenants = client.stats()["metrics"]["tenants"]
+    assert sum(t.get("loads_skipped", 0) for t in tenants.values()) >= 1
 
 
 def test_a_hit_never_reaches_past_a_missing_page(daemon: Daemon) -> None:

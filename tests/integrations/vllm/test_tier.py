@@ -82,6 +82,22 @@ def test_another_identity_is_a_miss(daemon: Daemon, engines: Engines) -> None:
         assert other.load(context("b", keys), keys) == []
 
 
+def test_a_hit_not_worth_loading_is_recomputed_and_counted(
+    daemon_factory: DaemonFactory, engines: Engines
+) -> None:
+    """With a prefill faster than any load, the tier stores (what is stored is not judged) but a
+    fresh engine is told to recompute, and the daemon counts the hit it held back."""
+    daemon = daemon_factory("--prefill-tokens-per-s", "1e9")
+    keys, payloads = request_keys(9, 4), rows_of(9, 4)
+    engines.start(daemon.socket).store(context("a", keys), keys, payloads)
+    with Client(daemon.socket) as client:
+        assert client.stats()["store"]["blocks"] == 4
+    assert engines.start(daemon.socket).load(context("b", keys), keys) == []
+    with Client(daemon.socket) as client:
+        tenants = client.stats()["metrics"]["tenants"]
+    assert sum(t.get("loads_skipped", 0) for t in tenants.values()) >= 1
+
+
 def test_a_daemon_that_is_down_is_a_miss_and_comes_back(
     daemon_factory: DaemonFactory, engines: Engines
 ) -> None:

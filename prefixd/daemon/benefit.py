@@ -1,0 +1,83 @@
+"""The benefit rule: a hit is offered for loading only where loading and verifying it costs less
+than the prefill it saves, and only from `min_reusable_tokens` up. The daemon applies it in every
+lookup reply, so whatever loads what a lookup offers (`load_into`, `warm_up`, the vLLM, SGLang and
+LMCache adapters) recomputes a hit that would not pay, and the reply says how many tokens it held
+back.
+
+Both sides are learned online: the load time from the daemon's own verified loads (an overhead
+and a bandwidth, prefixd.loadtime; the shared tier's fetches have a model of their own,
+prefixd.cluster.benefit), the prefill throughput from what a tenant's engines measure and send
+with their lookups, else the configured `prefill_tokens_per_s`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from prefixd.loadtime import LoadTimeModel
+
+_RATE_MEMORY = 1024  # tenants whose reported prefill throughput is remembered
+_REPORTED_WEIGHT = 0.2  # of a new report in a tenant's average
+
+
+@dataclass(frozen=True, slots=True)
+class Benefit:
+    """What a hit would cost to load and what it would save, in seconds."""
+
+    load_s: float
+    prefill_s: float
+
+    @property
+    def pays(self) -> bool:
+        return self.load_s < self.prefill_s
+
+
+class PrefillRates:
+    """Each tenant's prefill throughput, tokens/s: the average of what its engines reported with
+    their lookups, else the configured one. Thread-safe."""
+
+    def __init__(self, configured: float) -> None:
+        self.configured = configured
+        self._reported: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def report(self, tenant: str, tokens_per_s: float) -> None:
+        with self._lock:
+            known = self._reported.get(tenant)
+            self._reported[tenant] = (
+                tokens_per_s
+                if known is None
+                else (1 - _REPORTED_WEIGHT) * known + _REPORTED_WEIGHT * tokens_per_s
+            )
+            self._reported.move_to_end(tenant)
+            if len(self._reported) > _RATE_MEMORY:
+                self._reported.popitem(last=False)
+
+    def of(self, tenant: str) -> float:
+        with self._lock:
+            return self._reported.get(tenant, self.configured)
+
+
+class BenefitRule:
+    """Whether a hit pays, from the learned load time and the tenant's prefill throughput."""
+
+    def __init__(self, load_time: LoadTimeModel, rates: PrefillRates, floor_tokens: int) -> None:
+        self.load_time = load_time
+        self.rates = rates
+        self.floor_tokens = floor_tokens
+
+    def judge(
+        self, tenant: str, hit_tokens: int, hit_bytes: int, reported: float | None = None
+    ) -> Benefit:
+        """The hit's estimates; `reported`: the prefill throughput its engine sent just now."""
+        if reported is not None:
+            self.rates.report(tenant, reported)
+        rate = reported if reported is not None else self.rates.of(tenant)
+        return Benefit(self.load_time.estimate(hit_bytes), hit_tokens / rate)
+
+    def offered(self, hit_tokens: int, benefit: Benefit, *, judged: bool = True) -> bool:
+        """A hit is offered from the floor up and where loading it pays (unless not `judged`:
+        a question of what is stored, not of what to load)."""
+        return hit_tokens >= self.floor_tokens and hit_tokens > 0 and (benefit.pays or not judged)
