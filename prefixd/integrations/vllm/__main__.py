@@ -1,10 +1,12 @@
-"""`python -m prefixd.integrations.vllm --socket PATH [--tenant T] -- VLLM_SERVE_ARGS...` prints the
-`--kv-transfer-config` JSON that puts prefixd behind `vllm serve` with those arguments: the tier's
-identity is taken from the config vLLM builds from the same arguments, so pass exactly the ones
-`vllm serve` gets (model, revision, dtype, KV cache dtype, block size, parallel sizes, ...).
+"""`python -m prefixd.integrations.vllm --socket PATH [--tenant T] [--direct] -- VLLM_SERVE_ARGS...`
+prints the `--kv-transfer-config` JSON that puts prefixd behind `vllm serve` with those arguments:
+the identity is taken from the config vLLM builds from the same arguments, so pass exactly the
+ones `vllm serve` gets (model, revision, dtype, KV cache dtype, block size, parallel sizes, ...).
+`--direct` makes prefixd vLLM's whole offloading spec; without it, prefixd is a secondary tier
+behind vLLM's CPU tier of `--cpu-bytes`.
 
     vllm serve MODEL --block-size 32 --kv-transfer-config "$(python -m prefixd.integrations.vllm \\
-        --socket /run/prefixd/prefixd.sock --cpu-bytes 8GiB -- --model MODEL --block-size 32)"
+        --socket /run/prefixd/prefixd.sock --direct -- --model MODEL --block-size 32)"
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import json
 import os
 import sys
+from typing import Any
 
 from prefixd.integrations.vllm import kv_transfer_config
 from prefixd.store.config import parse_size
@@ -33,7 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="the prefixd daemon's socket")
     parser.add_argument("--tenant", default="default")
     parser.add_argument(
-        "--cpu-bytes", default="4GiB", help="vLLM's CPU primary tier (cpu_bytes_to_use)"
+        "--direct",
+        action="store_true",
+        help="prefixd as vLLM's whole offloading spec (PrefixdOffloadingSpec): no CPU tier",
+    )
+    parser.add_argument(
+        "--region-bytes",
+        default=None,
+        help="with --direct: the scheduler's region, where hits wait verified for their load "
+        "(default 256MiB)",
+    )
+    parser.add_argument(
+        "--cpu-bytes",
+        default="4GiB",
+        help="without --direct: vLLM's CPU primary tier in front of prefixd (cpu_bytes_to_use)",
     )
     parser.add_argument(
         "--daemon-user",
@@ -43,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(default: ${DAEMON_USER_VARIABLE}); written into the tier's settings",
     )
     args = parser.parse_args(ours)
-    named = {"daemon_uid": args.daemon_user} if args.daemon_user else {}
+    named: dict[str, Any] = {"daemon_uid": args.daemon_user} if args.daemon_user else {}
+    if args.region_bytes is not None:
+        if not args.direct:
+            parser.error("--region-bytes is the direct spec's: add --direct")
+        named["region_bytes"] = parse_size(args.region_bytes)
 
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout: only the JSON goes there
         try:
@@ -62,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
 
         engine_parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
         engine = EngineArgs.from_cli_args(engine_parser.parse_args(engine_argv))
+        tier = {} if args.direct else {"cpu_bytes_to_use": parse_size(args.cpu_bytes)}
         config = kv_transfer_config(
             engine,
             socket=args.socket,
             tenant=args.tenant,
-            extra_config={"cpu_bytes_to_use": parse_size(args.cpu_bytes)},
+            direct=args.direct,
+            extra_config=tier,
             **named,
         )
     settings = {

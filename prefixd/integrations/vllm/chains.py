@@ -40,6 +40,11 @@ class Chains:
     def __init__(self, tokens_per_chunk: Mapping[int, int]) -> None:
         self._tokens_per_chunk = dict(tokens_per_chunk)
 
+    def closes_chunk(self, key: bytes, end_token: int | None) -> bool:
+        """Whether `key`, ending at `end_token`, closes a chunk of its group's chain."""
+        span = self._tokens_per_chunk.get(group_of(key))
+        return span is not None and end_token is not None and end_token % span == 0
+
     def of(self, positions: Mapping[bytes, int]) -> dict[int, Chain]:
         by_group: dict[int, dict[int, bytes]] = {}
         for key, end_token in positions.items():

@@ -11,7 +11,7 @@ salt; the identity adds what else changes the KV those tokens produce. Each fiel
                   (as the commit)
   rope            the HF config's RoPE settings, and max_model_len when scaling sets positions
   kv_layout       ModelConfig.dtype, cache_dtype and the keys' hash; the tier adds what vLLM's
-                  offloading config says of the KV (tier.group_identities)
+                  offloading config says of the KV (group_identities)
   adapter, mm     the LoRA and multimodal configs, None without them
   tenant          the tier's `tenant` setting
 
@@ -22,11 +22,15 @@ tier only its offloading config.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from prefixd.integrations.identity import local_weights
+from prefixd.integrations.identity import identity_of, local_weights
+from prefixd.integrations.vllm.chains import KEY_BYTES
 from prefixd.schema.fingerprint import fingerprint_files
+from prefixd.schema.identity import Identity
 
 # What engine_fields returns: the identity fields the tier cannot read from its offloading config.
 FIELDS = ("model", "weights", "tokenizer", "template", "rope", "kv_layout", "adapter", "mm")
@@ -56,6 +60,40 @@ def engine_fields(vllm_config: Any) -> dict[str, str | None]:
         ),
         "adapter": _adapter(vllm_config.lora_config),
         "mm": _multimodal(model_config),
+    }
+
+
+def group_identities(
+    config: Any, fields: Mapping[str, str | None], tenant: str, placement: str
+) -> dict[int, Identity]:
+    """One engine-keyed identity per KV group: the engine's fields, with what vLLM's offloading
+    config says about the KV and `placement` (how a payload's bytes are laid out: the tier's row,
+    the direct spec's rank) added to `kv_layout`."""
+    parallel = config.parallel
+    layout = (
+        f"{fields['kv_layout']} kv={config.model.dtype} {placement} "
+        f"worker_block={config.worker_kv_bytes_per_block}"
+        f" hash_tokens={config.cache.tokens_per_hash}"
+        f" chunk_blocks={config.cache.blocks_per_chunk} world={parallel.world_size}"
+        f" tp={parallel.tp_size} pp={parallel.pp_size} pcp={parallel.pcp_size}"
+        f" dcp={parallel.dcp_size} layout={config.kv_cache_layout}"
+        f" canonical={config.canonical_layout} replicated={config.replicated_layout}"
+    )
+    base = identity_of(
+        fields,
+        kv_layout=layout,
+        block_tokens=1,
+        tenant=tenant,
+        mm=fields.get("mm"),
+        key_bytes=KEY_BYTES,
+    )
+    return {
+        group.group_id: replace(
+            base,
+            kv_layout=f"{layout} group={group.group_id} layers={len(group.layer_names)}",
+            block_tokens=group.tokens_per_block * config.cache.blocks_per_chunk,
+        )
+        for group in config.groups
     }
 
 
@@ -133,4 +171,4 @@ def _canonical(value: object) -> str:
     return json.dumps(value, sort_keys=True, default=str, separators=(",", ":"))
 
 
-__all__ = ["FIELDS", "engine_fields"]
+__all__ = ["FIELDS", "engine_fields", "group_identities"]

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
@@ -30,22 +30,20 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from prefixd.integrations.identity import identity_of
 from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.vllm.chains import (
-    KEY_BYTES,
     NO_CHAIN,
     Chain,
     Chains,
     group_of,
     positions_of,
 )
+from prefixd.integrations.vllm.events import KeyEvents
+from prefixd.integrations.vllm.identity import group_identities
 from prefixd.schema.identity import Identity
 from prefixd.schema.keys import pack_keys
 
 log = logging.getLogger(__name__)
-
-MAX_REPORTED = 1 << 20  # stored keys remembered for removal events (about 100 MiB at most)
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         self._rows = primary_kv_view.cast("B")
         self._row_bytes = self.block_size_bytes
         config = offloading_spec.config
-        self._identities = group_identities(config, identity, tenant, self._row_bytes)
+        self._identities = group_identities(config, identity, tenant, f"row={self._row_bytes}")
         self._chains = Chains(
             {g.group_id: g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups}
         )
@@ -117,10 +115,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             daemon_uid=daemon_uid,  # the daemon's user, if not this process's own or root
         )
         kv_events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
-        self._events: list[OffloadingEvent] | None = [] if kv_events else None
-        self._events_lock = threading.Lock()
-        # Keys reported stored, until a lookup or load finds them gone: then reported removed.
-        self._reported: dict[bytes, None] = {}
+        self._events = KeyEvents(self.medium, enabled=kv_events)
         self._jobs: queue.SimpleQueue[tuple[str, TransferJob, dict[bytes, int]] | None]
         self._jobs = queue.SimpleQueue()
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
@@ -167,11 +162,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         return self._pending > 0
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events is None:
-            return ()
-        with self._events_lock:
-            events, self._events = self._events, []
-        return events
+        return self._events.take()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookups.cleanup(req_context.req_id)
@@ -208,8 +199,8 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
         for key in keys:
             place = chains.get(group_of(key), NO_CHAIN).places.get(key)
             hits.append(place is not None and place < hit_blocks.get(group_of(key), 0))
-        if self._reported:
-            self._note([k for k, hit in zip(keys, hits) if not hit], removed=True)
+        if self._events.watching:
+            self._events.note([k for k, hit in zip(keys, hits) if not hit], removed=True)
         return hits
 
     # --- the job thread -------------------------------------------------------------------------
@@ -260,7 +251,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                 if put is None:
                     break  # refused (say, a parent not stored) or the daemon is away
                 stored.extend(run.keys[at : at + self._per_call])
-        self._note(stored, removed=False)
+        self._events.note(stored, removed=False)
         success = not unplaced and len(stored) == len(job.keys)
         return JobResult(job.job_id, success=success, transfer_bytes=len(stored) * self._row_bytes)
 
@@ -276,7 +267,7 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
             return JobResult(job.job_id, success=True, transfer_bytes=len(loaded) * self._row_bytes)
         failed = [k for k in job.keys if k not in set(loaded)]
         self._lookups.mark_miss(failed)
-        self._note(failed, removed=True)
+        self._events.note(failed, removed=True)
         return JobResult(
             job.job_id,
             success=False,
@@ -331,61 +322,9 @@ class PrefixdTier(SecondaryTierManager):  # type: ignore[misc]
                 runs.append(Run(identity, chain[: first + len(part)], first, keys, rows))
         return runs, unplaced
 
-    def _note(self, keys: Sequence[bytes], *, removed: bool) -> None:
-        """Queue a KV event for `keys` (stored, or found gone after being reported stored)."""
-        if self._events is None or not keys:
-            return
-        with self._events_lock:
-            if removed:
-                keys = [k for k in keys if k in self._reported]
-                for key in keys:
-                    del self._reported[key]
-            else:
-                for key in keys:
-                    self._reported[key] = None
-                while len(self._reported) > MAX_REPORTED:
-                    del self._reported[next(iter(self._reported))]
-            if keys:
-                self._events.append(
-                    OffloadingEvent(keys=list(keys), medium=self.medium, removed=removed)
-                )
-
     def _row(self, chunk_id: int) -> memoryview:
         at = chunk_id * self._row_bytes
         return self._rows[at : at + self._row_bytes]
-
-
-def group_identities(
-    config: Any, fields: Mapping[str, str | None], tenant: str, row_bytes: int
-) -> dict[int, Identity]:
-    """One engine-keyed identity per KV group: the engine's fields, with what vLLM's offloading
-    config says about the KV added to `kv_layout`."""
-    parallel = config.parallel
-    layout = (
-        f"{fields['kv_layout']} kv={config.model.dtype} row={row_bytes} "
-        f"worker_block={config.worker_kv_bytes_per_block}"
-        f" hash_tokens={config.cache.tokens_per_hash}"
-        f" chunk_blocks={config.cache.blocks_per_chunk} world={parallel.world_size}"
-        f" tp={parallel.tp_size} pp={parallel.pp_size} pcp={parallel.pcp_size}"
-        f" dcp={parallel.dcp_size} layout={config.kv_cache_layout}"
-        f" canonical={config.canonical_layout} replicated={config.replicated_layout}"
-    )
-    base = identity_of(
-        fields,
-        kv_layout=layout,
-        block_tokens=1,
-        tenant=tenant,
-        mm=fields.get("mm"),
-        key_bytes=KEY_BYTES,
-    )
-    return {
-        group.group_id: replace(
-            base,
-            kv_layout=f"{layout} group={group.group_id} layers={len(group.layer_names)}",
-            block_tokens=group.tokens_per_block * config.cache.blocks_per_chunk,
-        )
-        for group in config.groups
-    }
 
 
 __all__ = ["PrefixdTier", "group_identities"]

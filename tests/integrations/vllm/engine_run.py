@@ -76,6 +76,11 @@ def connector_config(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True, help="model directory (see tiny_model.py)")
+    p.add_argument(
+        "--hub-cache",
+        help="a Hugging Face cache (hub_cache.py): --model is then a repo id served from it, "
+        "offline, as an engine names a model it downloaded",
+    )
     p.add_argument("--prompt-json", required=True, help="token-id prompts: JSON or a JSON file")
     p.add_argument("--out", required=True, help="where to write the result JSON")
     p.add_argument("--tier-json", help="secondary_tiers: a JSON list of tier configs, or a file")
@@ -86,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "from prefixd.integrations.vllm.kv_transfer_config (the identity from the engine's config)",
     )
     p.add_argument("--prefixd-tenant", default="default")
+    p.add_argument(
+        "--prefixd-direct",
+        action="store_true",
+        help="with --prefixd-socket: prefixd as the whole offloading spec (PrefixdOffloadingSpec), "
+        "not a secondary tier behind vLLM's CPU tier",
+    )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=32, help="KV block size (multiple of 32)")
     p.add_argument(
@@ -114,6 +125,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the tiers then cannot be watched from here: no 'connector', 'tiers_shut_down' is null",
     )
     return p.parse_args(argv)
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    """Where the model's files are: its directory, or the snapshot its repo's `main` names."""
+    if args.hub_cache is None:
+        return Path(args.model)
+    repo = Path(args.hub_cache) / f"models--{args.model.replace('/', '--')}"
+    return repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
 
 
 def _scheduler(llm: Any) -> Any:
@@ -149,6 +168,8 @@ def _describe_connector(llm: Any) -> tuple[dict[str, Any], list[Any]]:
         return {}, []
     scheduler = connector.connector_scheduler
     manager = scheduler.manager
+    if not hasattr(manager, "primary_tier"):  # prefixd's own spec: no tiers
+        return {"manager": type(manager).__name__}, []
     view = manager.primary_tier.get_kv_memoryview()
     info: dict[str, Any] = {
         "manager": type(manager).__name__,
@@ -171,6 +192,15 @@ def _describe_connector(llm: Any) -> tuple[dict[str, Any], list[Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.hub_cache is None:
+        return run(args)
+    from .hub_cache import serving
+
+    with serving(Path(args.hub_cache)):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
 
@@ -178,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((_model_dir(args) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(_json_arg(args.prompt_json), vocab)
 
     engine_kwargs: dict[str, Any] = {
@@ -202,14 +232,22 @@ def main(argv: list[str] | None = None) -> int:
 
         from prefixd.integrations.vllm import kv_transfer_config
 
-        config = kv_transfer_config(
-            EngineArgs(**engine_kwargs),
-            socket=args.prefixd_socket,
-            tenant=args.prefixd_tenant,
-            spec_name=SPEC_NAME,
-            spec_module_path=SPEC_MODULE,
-            extra_config={"cpu_bytes_to_use": args.cpu_bytes},
-        )
+        if args.prefixd_direct:
+            config = kv_transfer_config(
+                EngineArgs(**engine_kwargs),
+                socket=args.prefixd_socket,
+                tenant=args.prefixd_tenant,
+                direct=True,
+            )
+        else:
+            config = kv_transfer_config(
+                EngineArgs(**engine_kwargs),
+                socket=args.prefixd_socket,
+                tenant=args.prefixd_tenant,
+                spec_name=SPEC_NAME,
+                spec_module_path=SPEC_MODULE,
+                extra_config={"cpu_bytes_to_use": args.cpu_bytes},
+            )
         extra = config.kv_connector_extra_config
         engine_kwargs["kv_transfer_config"] = config
     elif not args.no_offload:

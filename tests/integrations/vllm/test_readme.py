@@ -1,13 +1,15 @@
-"""The blocks of docs/vllm.md (`# vLLM`), run as written against a daemon of the test's, each in a process
-of its own on the tiny model (tiny_model.py, with a tokenizer added: neither block skips it): the
-Python block builds an LLM, and the `vllm serve` command line, `$(python -m
-prefixd.integrations.vllm ...)` included, serves until /health answers. Either then runs a prompt
-of 3 closed blocks, which must reach the daemon under the block's tenant.
+"""The blocks of docs/vllm.md, run as written against a daemon of the test's, each in a process of
+its own on the tiny model (tiny_model.py, with a tokenizer added: neither block skips it), for
+both ways in (`## The direct spec`, `## Behind vLLM's CPU tier`): the Python block builds an LLM,
+and the `vllm serve` command line, `$(python -m prefixd.integrations.vllm ...)` included, serves
+until /health answers. Either then runs a prompt of 3 closed blocks, which must reach the daemon
+under the block's tenant.
 
 What the test changes, and why (nothing else):
 - `MODEL` is the tiny model, `/run/prefixd/prefixd.sock` the test daemon's socket.
-- vLLM's CPU primary tier is 8 MiB, not 8 GiB: vLLM writes every page of it into /dev/shm at start.
-- vLLM's `TieringOffloadingSpec`, which the transfer config names, gets the test's CPU copy
+- The tier's blocks: vLLM's CPU primary tier is 8 MiB, not 8 GiB (vLLM writes every page of it
+  into /dev/shm at start), and vLLM's `TieringOffloadingSpec`, which the transfer config names,
+  gets the test's CPU copy
   (cpu_spec.py, through the vLLM plugin `use_the_cpu_copy`): vLLM refuses to offload on a CPU
   platform; every other part of it is stock, as in the other engine tests.
 - `vllm serve` gets, at the end, `--host 127.0.0.1` and a free `--port` (its defaults are every
@@ -39,8 +41,8 @@ if TYPE_CHECKING:  # not imported at run time: engine processes import this modu
 
 pytestmark = pytest.mark.slow
 
-HEADING = "# vLLM"
 PAGE = "docs/vllm.md"
+DIRECT, TIER = "## The direct spec", "## Behind vLLM's CPU tier"  # the page's sections
 CPU_TIER = {"python": ("8 << 30", "8 << 20"), "sh": ("8GiB", "8MiB")}  # the page's, the test's
 TENANT = "acme"  # the page's
 PROMPT = list(range(3, 3 + 100))  # 3 closed blocks of 32 tokens
@@ -131,13 +133,24 @@ llm.llm_engine.engine_core.shutdown()
 """
 
 
+def page_block(heading: str, language: str) -> str:
+    """The section's block, with the tier's CPU tier made small (see above)."""
+    block = readme_block(heading, language, page=PAGE)
+    assert NODE_SOCKET in block
+    if heading == TIER:
+        readme_tier, test_tier = CPU_TIER[language]
+        assert readme_tier in block
+        block = block.replace(readme_tier, test_tier)
+    else:
+        assert "direct" in block and "cpu" not in block.lower()
+    return block
+
+
+@pytest.mark.parametrize("heading", [DIRECT, TIER])
 def test_the_python_block_builds_an_llm_with_prefixd_behind_it(
-    daemon: Daemon, model: Path, engine_env: dict[str, str]
+    daemon: Daemon, model: Path, engine_env: dict[str, str], heading: str
 ) -> None:
-    block = readme_block(HEADING, page=PAGE)
-    readme_tier, test_tier = CPU_TIER["python"]
-    assert NODE_SOCKET in block and readme_tier in block
-    code = block.replace(NODE_SOCKET, str(daemon.socket)).replace(readme_tier, test_tier)
+    code = page_block(heading, "python").replace(NODE_SOCKET, str(daemon.socket))
     env = {**engine_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in-process
     done = subprocess.run(
         [sys.executable, "-c", f"MODEL = {str(model)!r}\n{code}{AFTER_THE_BLOCK}"],
@@ -154,16 +167,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.parametrize("heading", [DIRECT, TIER])
 def test_vllm_serve_with_the_helpers_transfer_config_serves(
-    daemon: Daemon, model: Path, engine_env: dict[str, str], tmp_path: Path
+    daemon: Daemon, model: Path, engine_env: dict[str, str], tmp_path: Path, heading: str
 ) -> None:
-    block = readme_block(HEADING, "sh", page=PAGE)
-    readme_tier, test_tier = CPU_TIER["sh"]
-    assert block.startswith("vllm serve MODEL ") and NODE_SOCKET in block and readme_tier in block
+    block = page_block(heading, "sh")
+    assert block.startswith("vllm serve MODEL ")
     port = free_port()
     command = (
         block.strip().replace("MODEL", str(model)).replace(NODE_SOCKET, str(daemon.socket))
-        .replace(readme_tier, test_tier)
         + f" --host 127.0.0.1 --port {port} --enforce-eager"
     )  # fmt: skip
     log_path = tmp_path / "serve.log"
