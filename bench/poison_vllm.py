@@ -254,7 +254,7 @@ def prefixd_tier(socket: str) -> Callable[[EngineArgs], KVTransferConfig]:
 
 
 def fs_tier(root_dir: Path) -> Callable[[EngineArgs], KVTransferConfig]:
-    """vLLM's file tier on `root_dir` (as bench/vllm_tier.py sets it up)."""
+    """vLLM's file tier on `root_dir` (as bench/vllm_bench.py sets it up)."""
 
     def transfer(args: EngineArgs) -> KVTransferConfig:
         extra = {

@@ -152,6 +152,7 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
             return
         for key in keys:
             request.loading.discard(key)
+            request.asked.pop(key, None)
             request.answers.pop(key, None)  # asked again if looked up again: held again
             self._release(request, key)
         self._forget_if_done(req_context.req_id, request)
@@ -242,6 +243,8 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
                     self._forget_if_done(reply.req_id, request)
                 continue
             request.in_flight = False
+            for key in reply.answers:  # asked again while the reply was on its way: answered
+                request.asked.pop(key, None)
             for key, holds in reply.held.items():
                 if key in request.held:  # held already: the new copy is not needed
                     for held, _ in holds:

@@ -73,6 +73,53 @@ class Layout:
             yield tensor, size, pages
 
 
+@dataclass(frozen=True)
+class Places:
+    """Where each block of a copy goes: KV cache block `blocks[i]` is page `pages[i]` of payload
+    `chunks[i]`. On a device one indexed copy moves them all (its kernels gather in parallel); on
+    the CPU each block is one memcpy on this thread (torch's CPU indexing kernels move a byte at a
+    time, about 0.8 GB/s, and its copies split across the engine's busy threads: half a memcpy's
+    speed in an engine process here)."""
+
+    blocks: np.ndarray
+    chunks: np.ndarray
+    pages: np.ndarray
+
+    def install(
+        self, kv: torch.Tensor, size: int, layer: torch.Tensor, device: torch.device
+    ) -> None:
+        """kv[blocks[i], :size] = layer[chunks[i], pages[i]] (`layer`: payloads, per, size)."""
+        if device.type != "cpu":
+            kv[self._on(device, self.blocks), :size] = layer[
+                self._on(device, self.chunks), self._on(device, self.pages)
+            ]
+            return
+        rows, pages = kv.numpy(), layer.numpy()
+        for block, chunk, page in zip(
+            self.blocks.tolist(), self.chunks.tolist(), self.pages.tolist()
+        ):
+            np.copyto(rows[block, :size], pages[chunk, page])
+
+    def gather(
+        self, kv: torch.Tensor, size: int, layer: torch.Tensor, device: torch.device
+    ) -> None:
+        """layer[chunks[i], pages[i]] = kv[blocks[i], :size]."""
+        if device.type != "cpu":
+            layer[self._on(device, self.chunks), self._on(device, self.pages)] = kv[
+                self._on(device, self.blocks), :size
+            ]
+            return
+        rows, pages = kv.numpy(), layer.numpy()
+        for block, chunk, page in zip(
+            self.blocks.tolist(), self.chunks.tolist(), self.pages.tolist()
+        ):
+            np.copyto(pages[chunk, page], rows[block, :size])
+
+    @staticmethod
+    def _on(device: torch.device, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device)
+
+
 class _Attached:
     """The scheduler's region, mapped here (registered with the device on CUDA)."""
 
@@ -224,13 +271,11 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
             for j0, payloads in self._runs(entries, layout.nbytes):
                 k = payloads.shape[0]
                 mine = (subs // per >= j0) & (subs // per < j0 + k)
-                chunks = self._index(subs[mine] // per - j0)
-                pages = self._index(subs[mine] % per)
-                blocks = self._index(block_ids[mine])
+                places = Places(block_ids[mine], subs[mine] // per - j0, subs[mine] % per)
                 source = payloads.to(self._device, non_blocking=True) if self._cuda else payloads
                 for tensor, size, layer in layout.layers(source):
-                    self._blocks[tensor][blocks, :size] = layer[chunks, pages]
-                    nbytes += len(blocks) * size
+                    places.install(self._blocks[tensor], size, layer, self._device)
+                    nbytes += len(places.blocks) * size
         return nbytes
 
     def _runs(
@@ -334,9 +379,10 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
                 if self._cuda
                 else host
             )
-            index = self._index(blocks)
+            rows = np.arange(k).repeat(layout.per)
+            places = Places(blocks.reshape(-1), rows, np.tile(np.arange(layout.per), k))
             for tensor, page, layer in layout.layers(target):
-                layer.copy_(self._blocks[tensor][index, :page])
+                places.gather(self._blocks[tensor], page, layer, self._device)
             if self._cuda:
                 host.copy_(target, non_blocking=True)
                 assert self._stream is not None
@@ -345,9 +391,6 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
             spans = [(lease.offset + i * size, size) for i in range(k)]
             client.run(put_spans, identity, chain, spans, first_block=first)
         return k * size
-
-    def _index(self, values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self._device)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:

@@ -134,8 +134,9 @@ class Direct:
                 break
         return None if deferred else hits
 
-    def settle(self, ctx: ReqContext, keys: list[bytes]) -> int:
-        """Step until the lookup settles; the leading keys found."""
+    def settle(self, ctx: ReqContext, keys: list[bytes], poll_s: float = 0.01) -> int:
+        """Step (every `poll_s`, as vLLM's scheduler steps) until the lookup settles; the leading
+        keys found."""
         self.manager.on_new_request(ctx)
         found: list[int | None] = []
 
@@ -146,7 +147,7 @@ class Direct:
                 return False
             return True
 
-        wait_for(settled, "the spec's lookup to settle", poll_s=0.01)
+        wait_for(settled, "the spec's lookup to settle", poll_s=poll_s)
         hits = found[-1]
         assert hits is not None
         return hits

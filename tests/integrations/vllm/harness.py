@@ -1,7 +1,7 @@
 """vLLM's scheduler-side offloading, driven as vLLM drives it, without an engine: a real
 TieringOffloadingSpec and TieringOffloadingManager over a real CPU primary tier, secondary tiers
 loaded through vLLM's own factory (`module_path` for prefixd). Used by the tier's tests and by
-bench/vllm_tier.py. Runs only in the vLLM venv."""
+bench/vllm_bench.py. Runs only in the vLLM venv."""
 
 from __future__ import annotations
 

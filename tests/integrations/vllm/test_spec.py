@@ -138,6 +138,24 @@ def test_a_hit_stays_loadable_whatever_happens_to_the_daemon_after_the_lookup(
     assert fresh.blocks(list(range(50, 50 + PER * 2))) == more_data
 
 
+def test_a_loaded_hit_is_not_held_again(daemon: Daemon, engines: Engines) -> None:
+    """vLLM looks a request's keys up again at every step while the daemon is asked: once loaded,
+    none of those lookups brings the chunks back into the region."""
+    keys, _ = stored(engines, daemon, 3, seed=12)
+    more, _ = stored(engines, daemon, 2, seed=13)
+    fresh = engines.start(daemon.socket)
+    ctx = context("b", keys)
+    fresh.manager.on_new_request(ctx)
+    assert fresh.lookup(ctx, keys) is None  # asked...
+    fresh.step()
+    assert fresh.lookup(ctx, keys) in (None, 3)  # ...and looked up again while it is asked
+    assert fresh.settle(ctx, keys) == 3
+    fresh.load(ctx, keys, list(range(PER * 3)))
+    assert fresh.held() == (0, 0)
+    assert fresh.settle(context("c", more), more) == 2
+    assert fresh.held() == (2, 2 * CHUNK_BYTES)  # only the new request's
+
+
 def test_a_request_that_ends_unloaded_gives_its_held_chunks_back(
     daemon: Daemon, engines: Engines
 ) -> None:

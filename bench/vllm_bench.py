@@ -1,22 +1,28 @@
-"""prefixd as vLLM's secondary tier, against vLLM's own file tier, on the same bytes in one run.
+"""prefixd behind vLLM both ways (the direct spec, the tier behind vLLM's CPU tier), against vLLM's
+own file tier and against recomputing, on the same bytes and prompts in one run.
 
 Run in the vLLM venv (.ci/vllm-venv), from the repository root:
 
-    VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/vllm_tier.py [--json] [--part load|ttft]
+    VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/vllm_bench.py [--json] [--part load|ttft]
 
-* `load`: vLLM's real TieringOffloadingManager and CPU primary tier (tests/integrations/vllm/
-  harness.py), `--rows` chunks of `--row-mib` each stored by one manager, then loaded by a fresh one
-  (empty primary tier) the way vLLM's scheduler asks: lookups, promotions, loads into the primary
-  tier's rows; the reader's first load (another request's) is not timed, as a running engine's
-  tier has loaded before. GB/s from the first lookup to the last row in place (the scheduler's
-  lookup reporting every chunk a hit; the rows are compared after the clock stops), for the prefixd
-  tier and for vLLM's file tier ("fs", O_DIRECT where the filesystem has it, else buffered),
-  each against memcpy of the same bytes between two touched buffers. Median of `--repeat` rounds.
+* `load`: `--rows` chunks of `--row-mib` each stored by one engine's offloading, then loaded by a
+  fresh one the way vLLM's scheduler asks, into its KV cache (CPU tensors here): for the direct
+  spec, its manager and worker (tests/integrations/vllm/direct.py: lookups until every chunk is a
+  hit, held verified in the region, then the worker's load into the KV cache's blocks); for the
+  tiers, vLLM's real TieringOffloadingManager and CPU primary tier (tests/integrations/vllm/
+  harness.py: lookups, promotions into the primary tier's rows), then the copy of those rows into
+  the KV cache that vLLM's worker makes (here one memcpy per block, as the direct spec's worker
+  copies on the CPU). The prefixd tier
+  and vLLM's file tier ("fs", O_DIRECT where the filesystem has it, else buffered) are measured so.
+  The reader's first load (another request's) is not timed, as a running engine has loaded before.
+  GB/s from the first lookup to the last byte in the KV cache (compared after the clock stops),
+  each against memcpy of the same bytes between two touched buffers; the ratio of the direct spec
+  to the tier round by round. Median of `--repeat` rounds, the ways in turns.
 * `ttft`: a real vLLM CPU engine on a small seeded model (27M parameters: 8 layers, hidden 512;
   tests/integrations/vllm/engine_run.py): process A stores `--prompts` distinct prompts' KV,
   process B (fresh, empty caches) generates them again; B's median time to first token (vLLM's
-  own first-token latency) with the prompts served from prefixd, from vLLM's file tier, and
-  recomputed (no offloading), and the tokens each got from its tier.
+  own first-token latency) with the prompts served by the direct spec, the prefixd tier, vLLM's
+  file tier, and recomputed (no offloading), and the tokens each got from its tier.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -42,6 +49,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from suitelib import SuiteDaemon
 
+from tests.integrations.vllm.direct import PER, Direct
 from tests.integrations.vllm.harness import Engine, context, prefixd_tier, request_keys
 
 MiB = 1 << 20
@@ -60,7 +68,8 @@ def memcpy_s(n_bytes: int) -> float:
 
 def load_round(tier: dict[str, Any], row_bytes: int, rows: int, seed: int) -> tuple[float, bool]:
     """Store two requests of `rows` rows through one manager; a fresh one loads the first (its
-    tier's first load: connections, mappings) untimed, then the second, timed. (seconds, equal)."""
+    tier's first load: connections, mappings) untimed, then the second, timed, into a KV cache
+    (one tensor of `rows` blocks of `row_bytes`). (seconds, equal)."""
     rng = np.random.default_rng(seed)
     requests = []
     for n in range(2):
@@ -74,6 +83,7 @@ def load_round(tier: dict[str, Any], row_bytes: int, rows: int, seed: int) -> tu
     finally:
         writer.close()
     reader = Engine.with_tier(tier, row_bytes, 2 * rows)
+    kv = torch.zeros((rows, row_bytes), dtype=torch.uint8)  # touched, as an engine's is
     try:
         reader.rows().fill(0)  # a running engine's primary tier is in memory already
         (warm_keys, _), (keys, payloads) = requests
@@ -81,29 +91,82 @@ def load_round(tier: dict[str, Any], row_bytes: int, rows: int, seed: int) -> tu
         ctx = context("r", keys)
         started = time.perf_counter()
         hits = reader.settle(ctx, keys, poll_s=STEP_S)  # every row in the primary tier
+        spec = reader.manager.prepare_load(keys[:hits], ctx)
+        rows_in_tier, into = reader.rows(), kv.numpy()
+        for block, chunk in enumerate(spec.block_ids.tolist()):  # the worker's copy, a memcpy each
+            np.copyto(into[block], rows_in_tier[chunk])
         seconds = time.perf_counter() - started
-        loaded = reader.read(ctx, keys[:hits])
+        loaded = [kv[i].numpy().tobytes() for i in range(hits)]
     finally:
         reader.close()
     return seconds, loaded == payloads
 
 
+def direct_round(socket: str, row_bytes: int, rows: int, seed: int) -> tuple[float, bool]:
+    """The same through the direct spec: one engine stores two requests from its KV cache, a fresh
+    one loads the first untimed, then the second, timed, into its KV cache. (seconds, equal)"""
+    pages = (row_bytes // PER // 2,) * 2  # two layers: a chunk of PER blocks is `row_bytes`
+    settings = {"region_bytes": rows * row_bytes + (1 << 20)}
+    writer = Direct.start(socket, pages=pages, blocks=2 * rows * PER, **settings)
+    requests = []
+    try:
+        for n in range(2):
+            keys = request_keys(seed * 2 + n, rows)
+            blocks = list(range(n * rows * PER, (n + 1) * rows * PER))
+            data = writer.fill(blocks, seed * 2 + n)
+            assert writer.store(context(f"w{n}", keys), keys, blocks) == keys
+            requests.append((keys, data))
+    finally:
+        writer.close()
+    reader = Direct.start(socket, pages=pages, blocks=rows * PER, **settings)
+    try:
+        for layer in reader.kv:
+            layer.fill_(1)  # touched, as an engine's is
+        into = list(range(rows * PER))
+        (warm_keys, _), (keys, data) = requests
+        warm = context("warm", warm_keys)
+        reader.settle(warm, warm_keys, poll_s=STEP_S)
+        reader.load(warm, warm_keys, into)
+        ctx = context("r", keys)
+        started = time.perf_counter()
+        hits = reader.settle(ctx, keys, poll_s=STEP_S)  # every chunk held verified in the region
+        reader.load(ctx, keys[:hits], into[: hits * PER])
+        seconds = time.perf_counter() - started
+        loaded = reader.blocks(into[: hits * PER])
+    finally:
+        reader.close()
+    return seconds, hits == rows and loaded == data
+
+
 def bench_load(root: Path, row_mib: int, rows: int, repeat: int) -> dict[str, Any]:
     row_bytes = row_mib * MiB
     n_bytes = row_bytes * rows
-    daemon = SuiteDaemon(root, "prefixd", map_size=max(8 << 30, 6 * n_bytes * (repeat + 1)))
+    daemon = SuiteDaemon(root, "prefixd", map_size=max(8 << 30, 9 * n_bytes * (repeat + 1)))
     daemon.start()
     results: dict[str, Any] = {"row_bytes": row_bytes, "rows": rows, "bytes": n_bytes}
     try:
-        tiers = {
-            "prefixd": lambda: prefixd_tier(str(daemon.socket), region_bytes=n_bytes + row_bytes),
-            "fs": lambda: {"type": "fs", "root_dir": str(root / f"fs-{uuid.uuid4().hex[:6]}")},
+        ways = {
+            "direct": lambda seed: direct_round(str(daemon.socket), row_bytes, rows, seed),
+            "prefixd": lambda seed: load_round(
+                prefixd_tier(str(daemon.socket), region_bytes=n_bytes + row_bytes),
+                row_bytes,
+                rows,
+                seed,
+            ),
+            "fs": lambda seed: load_round(
+                {"type": "fs", "root_dir": str(root / f"fs-{uuid.uuid4().hex[:6]}")},
+                row_bytes,
+                rows,
+                seed,
+            ),
         }
-        times: dict[str, list[float]] = {name: [] for name in (*tiers, "memcpy")}
+        times: dict[str, list[float]] = {name: [] for name in (*ways, "memcpy")}
         equal = True
         for r in range(repeat + 1):  # round 0 warms up
-            for name, tier in tiers.items():
-                seconds, same = load_round(tier(), row_bytes, rows, seed=1000 * r + len(name))
+            names = list(ways)
+            names = names[r % len(names) :] + names[: r % len(names)]  # each round in turn
+            for name in names:
+                seconds, same = ways[name](1000 * r + len(name))
                 equal &= same
                 if r:
                     times[name].append(seconds)
@@ -115,9 +178,15 @@ def bench_load(root: Path, row_mib: int, rows: int, repeat: int) -> dict[str, An
         median = statistics.median(samples)
         results[f"{name}_s"] = round(median, 6)
         results[f"{name}_gbps"] = round(n_bytes / median / 1e9, 3)
-    results["prefixd_vs_memcpy"] = round(results["memcpy_s"] / results["prefixd_s"], 3)
-    results["fs_vs_memcpy"] = round(results["memcpy_s"] / results["fs_s"], 3)
+    for name in ("direct", "prefixd", "fs"):
+        results[f"{name}_vs_memcpy"] = round(results["memcpy_s"] / results[f"{name}_s"], 3)
     results["prefixd_vs_fs"] = round(results["fs_s"] / results["prefixd_s"], 3)
+    ratios = [t / d for t, d in zip(times["prefixd"], times["direct"], strict=True)]
+    results["direct_vs_tier"] = {
+        "median": round(statistics.median(ratios), 3),
+        "spread": [round(min(ratios), 3), round(max(ratios), 3)],
+        "target": 1.3,
+    }
     results["bytes_equal"] = equal
     return results
 
@@ -160,6 +229,7 @@ def bench_ttft(root: Path, prompt_tokens: int, prompts: int) -> dict[str, Any]:
 
     try:
         runs = {
+            "direct": ["--prefixd-socket", str(daemon.socket), "--prefixd-direct"],
             "prefixd": ["--prefixd-socket", str(daemon.socket)],
             "fs": ["--tier-json", json.dumps([{"type": "fs", "root_dir": str(root / "fs-ttft")}])],
         }
@@ -173,17 +243,18 @@ def bench_ttft(root: Path, prompt_tokens: int, prompts: int) -> dict[str, Any]:
         outputs = {
             name: [p["output_token_ids"] for p in json.loads((root / f).read_text())["prompts"]]
             for name, f in (
+                ("direct", "direct-b.json"),
                 ("prefixd", "prefixd-b.json"),
                 ("fs", "fs-b.json"),
                 ("plain", "recompute.json"),
             )
         }
         results["same_tokens_as_recompute"] = {
-            name: outputs[name] == outputs["plain"] for name in ("prefixd", "fs")
+            name: outputs[name] == outputs["plain"] for name in ("direct", "prefixd", "fs")
         }
     finally:
         daemon.stop()
-    for name in ("prefixd", "fs"):
+    for name in ("direct", "prefixd", "fs"):
         results[f"{name}_vs_recompute"] = round(
             results["recompute_ttft_s"] / results[f"{name}_ttft_s"], 3
         )
@@ -204,7 +275,7 @@ def main() -> None:
         "machine": f"{platform.node()} {os.cpu_count()} cpus, {platform.python_version()}",
         "command": " ".join(sys.argv),
     }
-    with tempfile.TemporaryDirectory(prefix="vllm-tier-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
         if args.part in ("load", "all"):
             report["load"] = bench_load(Path(tmp) / "load", args.row_mib, args.rows, args.repeat)
         if args.part in ("ttft", "all"):
