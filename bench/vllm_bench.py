@@ -96,6 +96,7 @@ def load_round(tier: dict[str, Any], row_bytes: int, rows: int, seed: int) -> tu
         for block, chunk in enumerate(spec.block_ids.tolist()):  # the worker's copy, a memcpy each
             np.copyto(into[block], rows_in_tier[chunk])
         seconds = time.perf_counter() - started
+        del rows_in_tier  # vLLM unmaps the primary tier on close: no view of it may be left
         loaded = [kv[i].numpy().tobytes() for i in range(hits)]
     finally:
         reader.close()

@@ -366,6 +366,11 @@ class Operations:
     health = Operation(health)
     call = Operation(call)
 
+    def try_reserve(self, nbytes: int) -> Lease | None:
+        """Lease `nbytes` of the payload region now, or None when it has no room: for a caller
+        that must never wait (an engine's step). Fill it, then `put_spans`."""
+        return self._core.require_payloads().try_acquire(nbytes)
+
     @property
     def socket_path(self) -> os.PathLike[str]:
         return self._core.socket_path

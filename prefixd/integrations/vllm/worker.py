@@ -15,6 +15,7 @@ refuses or cannot take is logged and reported done: the chunk is then a miss, ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -22,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,9 +38,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from prefixd.client import Client
-from prefixd.client.operations import put_spans, reserve
+from prefixd.client.leases import Lease
 from prefixd.integrations.link import DaemonLink
-from prefixd.integrations.vllm.jobs import PrefixdLoadSpec, PrefixdStoreSpec, StoreGroup
+from prefixd.integrations.vllm.jobs import PrefixdLoadSpec, PrefixdStoreSpec
 from prefixd.integrations.vllm.settings import Settings
 from prefixd.integrations.vllm.staging import RegionRef
 from prefixd.schema.identity import Identity
@@ -174,79 +175,112 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
         )
         self._attached: dict[int, _Attached] = {}
         self._warned: set[str] = set()
-        self._jobs: queue.SimpleQueue[tuple[int, bool, Any, Any, Any] | None] = queue.SimpleQueue()
+        self._copying: list[tuple[TransferResult, float, Any]] = []  # loads copying on CUDA
+        self._puts: queue.SimpleQueue[_StoreJob | None] = queue.SimpleQueue()
         self._finished: list[TransferResult] = []
-        self._pending: set[int] = set()
+        self._pending: set[int] = set()  # store jobs on the put thread
         self._done = threading.Condition()
-        self._thread = threading.Thread(target=self._work, name="prefixd-spec-jobs", daemon=True)
+        self._thread = threading.Thread(
+            target=self._put_jobs, name="prefixd-spec-puts", daemon=True
+        )
         self._thread.start()
 
-    # --- vLLM's calls ---------------------------------------------------------------------------
+    # --- vLLM's calls (its worker thread: copies are queued or made here, puts on a thread) ----
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, PrefixdStoreSpec)
-        self._submit(job_id, True, src_spec, dst_spec)
+        job = _StoreJob(job_id, time.perf_counter())
+        try:
+            with self._copy_stream():
+                job.puts = self._gather(src_spec, dst_spec)
+                job.copied = self._record()
+        except Exception:  # a store that fails is a miss later, never vLLM's problem
+            log.exception("prefixd spec: a store job failed")
+            job.release()
+        with self._done:
+            self._pending.add(job_id)
+        self._puts.put(job)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, PrefixdLoadSpec)
-        self._submit(job_id, False, dst_spec, src_spec)
+        started = time.perf_counter()
+        try:
+            with self._copy_stream():
+                nbytes = self._load(dst_spec, src_spec)
+                copied = self._record()
+        except Exception:  # every byte named is held verified in memory: only a bug gets here
+            log.exception("prefixd spec: a load job failed")
+            self._finish(TransferResult(job_id, False, 0, time.perf_counter() - started))
+            return True
+        result = TransferResult(job_id, True, nbytes, time.perf_counter() - started)
+        if copied is None:
+            self._finish(result)
+        else:
+            with self._done:
+                self._copying.append((result, started, copied))
         return True
 
     def get_finished(self) -> list[TransferResult]:
         with self._done:
+            still = []
+            for result, started, copied in self._copying:
+                if copied.query():
+                    result.transfer_time = time.perf_counter() - started
+                    self._finished.append(result)
+                else:
+                    still.append((result, started, copied))
+            self._copying = still
             finished, self._finished = self._finished, []
         return finished
 
     def wait(self, job_ids: set[int]) -> None:
         with self._done:
+            copying = [copied for result, _, copied in self._copying if result.job_id in job_ids]
+        for copied in copying:
+            copied.synchronize()
+        with self._done:
             self._done.wait_for(lambda: not (self._pending & job_ids))
 
     def shutdown(self) -> None:
-        self._jobs.put(None)
+        self._puts.put(None)
         self._thread.join()
+        if self._stream is not None:
+            self._stream.synchronize()
         self._link.close()
         for attached in self._attached.values():
             attached.close()
         self._attached.clear()
         self._blocks.clear()
 
-    # --- the job thread -------------------------------------------------------------------------
+    # --- copies ---------------------------------------------------------------------------------
 
-    def _submit(self, job_id: int, store: bool, gpu: GPULoadStoreSpec, ours: Any) -> None:
-        ready = None
-        if self._cuda:  # the copies wait for what the engine's stream has queued until now
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            ready.record(torch.cuda.current_stream(self._device))
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        """On CUDA: the copies go on the spec's stream, after what the engine's stream has
+        queued until now (the blocks it wrote, the blocks it allocated)."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def _record(self) -> Any:
+        """An event after the copies queued so far (None on the CPU, where they are done)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        return event
+
+    def _finish(self, result: TransferResult) -> None:
         with self._done:
-            self._pending.add(job_id)
-        self._jobs.put((job_id, store, gpu, ours, ready))
-
-    def _work(self) -> None:
-        self._link.client()  # at once, off vLLM's thread: the region is made before any store
-        while (job := self._jobs.get()) is not None:
-            job_id, store, gpu, ours, ready = job
-            started = time.perf_counter()
-            success = True
-            try:
-                if self._stream is not None:
-                    self._stream.wait_event(ready)
-                    with torch.cuda.stream(self._stream):
-                        nbytes = self._store(gpu, ours) if store else self._load(gpu, ours)
-                    self._stream.synchronize()
-                else:
-                    nbytes = self._store(gpu, ours) if store else self._load(gpu, ours)
-            except Exception:
-                # A store's failure is a miss later; a load's is a bug, and vLLM stops on it.
-                log.exception("prefixd spec: a %s job failed", "store" if store else "load")
-                nbytes, success = 0, store
-            result = TransferResult(job_id, success, nbytes, time.perf_counter() - started)
-            with self._done:
-                self._pending.discard(job_id)
-                self._finished.append(result)
-                self._done.notify_all()
+            self._pending.discard(result.job_id)
+            self._finished.append(result)
+            self._done.notify_all()
 
     def _groups(self, gpu: GPULoadStoreSpec) -> Iterator[tuple[int, np.ndarray, int]]:
         """Each group with blocks in the job: its index, its block ids and its first block's
@@ -314,9 +348,15 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
             attached = self._attached[ref.inode]
         return attached
 
-    def _store(self, gpu: GPULoadStoreSpec, spec: PrefixdStoreSpec) -> int:
+    def _gather(self, gpu: GPULoadStoreSpec, spec: PrefixdStoreSpec) -> list[_Put]:
+        """Copy the job's chunks from the KV cache into leases of this worker's region, in runs
+        of consecutive chain places (each run one lease, taken without waiting: a region full of
+        stores still on their way skips the rest, logged)."""
+        client = self._link.client()
+        if client is None:
+            return []  # the daemon is away (logged): nothing to put
         by_group = {g.group: g for g in spec.groups}
-        nbytes = 0
+        puts: list[_Put] = []
         for index, block_ids, first in self._groups(gpu):
             group = by_group.get(self._group_ids[index])
             layout = self._layouts[index]
@@ -329,73 +369,101 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
                     "a store of partial chunks (a sliding window's or a null block's) is skipped"
                 )
                 continue
-            identity = self._identities[group.group]
-            nbytes += self._store_group(identity, group, block_ids.reshape(-1, layout.per), layout)
-        return nbytes
+            blocks = block_ids.reshape(-1, layout.per)
+            per_lease = max(1, client.region.size // layout.nbytes) if client.region else 1
+            for run in _consecutive(list(enumerate(group.places)), per_lease):
+                rows = [i for i, _ in run]
+                lease = client.try_reserve(len(run) * layout.nbytes)
+                if lease is None:
+                    self._warn_once("the store region is full: chunks are left unstored")
+                    return puts
+                puts.append(self._copy_out(lease, blocks[rows], layout))
+                puts[-1].identity = self._identities[group.group]
+                puts[-1].chain = group.chain[: run[-1][1] + 1]
+                puts[-1].first = run[0][1]
+        return puts
 
-    def _store_group(
-        self, identity: Identity, group: StoreGroup, blocks: np.ndarray, layout: Layout
-    ) -> int:
-        """Put `group`'s chunks (rows of `blocks`) the daemon does not hold yet, in runs of
-        consecutive chain places, each run within this worker's region."""
-        words = pack_keys(identity, group.chain)
-        found = self._link.call(lambda c: c.lookup(identity, [words], stored_only=True))
-        if found is None:
-            return 0
-        have = found[0].n_blocks
-        wanted = [(i, place) for i, place in enumerate(group.places) if place >= have]
-        client = self._link.client()
-        if client is None or not wanted:
-            return 0
-        per_call = max(1, client.region.size // layout.nbytes) if client.region else 1
-        nbytes = 0
-        for run in _consecutive(wanted, per_call):
-            rows = [i for i, _ in run]
-            first = run[0][1]
-            chain = pack_keys(identity, group.chain[: first + len(run)])
-            done = self._link.call(
-                lambda c: self._put(c, identity, chain, first, blocks[rows], layout)  # noqa: B023
-            )
-            if done is None:
-                break  # refused (say, a parent not stored) or the daemon is away: logged
-            nbytes += done
-        return nbytes
+    def _copy_out(self, lease: Lease, blocks: np.ndarray, layout: Layout) -> _Put:
+        """Queue (CUDA) or make (CPU) the copy of chunks (rows of `blocks`) into `lease`."""
+        k, size = int(blocks.shape[0]), layout.nbytes
+        host = torch.frombuffer(lease.view, dtype=torch.uint8)[: k * size].view(k, size)
+        target = (
+            torch.empty((k, size), dtype=torch.uint8, device=self._device) if self._cuda else host
+        )
+        places = Places(
+            blocks.reshape(-1), np.arange(k).repeat(layout.per), np.tile(np.arange(layout.per), k)
+        )
+        for tensor, page, layer in layout.layers(target):
+            places.gather(self._blocks[tensor], page, layer, self._device)
+        if self._cuda:
+            host.copy_(target, non_blocking=True)
+        return _Put(lease, k, size, keep=(host, target))
 
-    def _put(
-        self,
-        client: Client,
-        identity: Identity,
-        chain: bytes,
-        first: int,
-        blocks: np.ndarray,
-        layout: Layout,
-    ) -> int:
-        k = int(blocks.shape[0])
-        size = layout.nbytes
-        with client.run(reserve, k * size) as lease:
-            host = torch.frombuffer(lease.view, dtype=torch.uint8)[: k * size].view(k, size)
-            target = (
-                torch.empty((k, size), dtype=torch.uint8, device=self._device)
-                if self._cuda
-                else host
+    def _put_jobs(self) -> None:
+        """The put thread: each store job's runs, once their copies are done, less the chunks
+        the daemon holds already."""
+        self._link.client()  # at once, off vLLM's thread: the region is made before any store
+        while (job := self._puts.get()) is not None:
+            nbytes = 0
+            try:
+                if job.copied is not None:
+                    job.copied.synchronize()
+                for put in job.puts:
+                    done = self._link.call(lambda c: self._put(c, put))  # noqa: B023
+                    if done is None:
+                        break  # refused (say, a parent not stored) or the daemon is away: logged
+                    nbytes += done
+            except Exception:
+                log.exception("prefixd spec: a store job failed")
+            finally:
+                job.release()
+            self._finish(
+                TransferResult(job.job_id, True, nbytes, time.perf_counter() - job.started)
             )
-            rows = np.arange(k).repeat(layout.per)
-            places = Places(blocks.reshape(-1), rows, np.tile(np.arange(layout.per), k))
-            for tensor, page, layer in layout.layers(target):
-                places.gather(self._blocks[tensor], page, layer, self._device)
-            if self._cuda:
-                host.copy_(target, non_blocking=True)
-                assert self._stream is not None
-                self._stream.synchronize()
-            del host, target
-            spans = [(lease.offset + i * size, size) for i in range(k)]
-            client.run(put_spans, identity, chain, spans, first_block=first)
-        return k * size
+
+    def _put(self, client: Client, put: _Put) -> int:
+        """Put the run's chunks the daemon does not hold yet; the bytes put."""
+        words = pack_keys(put.identity, put.chain)
+        [found] = client.lookup(put.identity, [words], stored_only=True)
+        skip = max(0, found.n_blocks - put.first)
+        if skip >= put.count:
+            return 0
+        spans = [(put.lease.offset + i * put.size, put.size) for i in range(skip, put.count)]
+        client.put_spans(put.identity, words, spans, first_block=put.first + skip)
+        return (put.count - skip) * put.size
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
             log.warning("prefixd spec: %s", message)
+
+
+@dataclass
+class _Put:
+    """One run of a store job: `count` chunks of `size` bytes in `lease`, chain places `first`
+    on, of the chain `chain` under `identity`; `keep` holds the copy's tensors until it ran."""
+
+    lease: Lease
+    count: int
+    size: int
+    keep: tuple[torch.Tensor, ...] = ()
+    identity: Any = None
+    chain: tuple[bytes, ...] = ()
+    first: int = 0
+
+
+@dataclass
+class _StoreJob:
+    job_id: int
+    started: float
+    puts: list[_Put] = field(default_factory=list)
+    copied: Any = None  # the CUDA event after the copies
+
+    def release(self) -> None:
+        for put in self.puts:
+            put.keep = ()
+            put.lease.release()
+        self.puts = []
 
 
 def _consecutive(wanted: list[tuple[int, int]], most: int) -> Iterator[list[tuple[int, int]]]:

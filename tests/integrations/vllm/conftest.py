@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 # The daemon the tier talks to, started as the daemon tests start it.
 from ...daemon.conftest import daemon, daemon_factory, sock_dir  # noqa: F401
@@ -13,3 +14,22 @@ from ...daemon.conftest import daemon, daemon_factory, sock_dir  # noqa: F401
 if importlib.util.find_spec("vllm") is None and os.environ.get("PREFIXD_REQUIRE_VLLM") == "1":
     raise RuntimeError("PREFIXD_REQUIRE_VLLM=1 but vllm is not importable: run in .venv-vllm")
 collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_*.py"]
+
+# A newer vLLM's offloading code (.ci/vllm-offload extracts it from that release's wheel) in place
+# of the installed release's: its pure-Python parts (the offloading API, the tiering manager, the
+# connector's scheduler side) are what the tier and the spec meet, and they run on this CPU machine.
+OFFLOAD_FROM = "PREFIXD_VLLM_OFFLOAD_FROM"
+if os.environ.get(OFFLOAD_FROM):
+    import vllm.distributed.kv_transfer.kv_connector.v1 as connectors
+    import vllm.v1
+
+    overlay = os.path.join(os.environ[OFFLOAD_FROM], "vllm")
+    for package, inside in (
+        (vllm.v1, "v1"),
+        (connectors, "distributed/kv_transfer/kv_connector/v1"),
+    ):
+        if any(
+            name.startswith(f"{package.__name__}.") for name in sys.modules if "offload" in name
+        ):
+            raise RuntimeError(f"{OFFLOAD_FROM}: vLLM's offloading code was imported already")
+        package.__path__.insert(0, os.path.join(overlay, inside))
