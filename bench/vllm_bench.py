@@ -107,7 +107,8 @@ def direct_round(socket: str, row_bytes: int, rows: int, seed: int) -> tuple[flo
     """The same through the direct spec: one engine stores two requests from its KV cache, a fresh
     one loads the first untimed, then the second, timed, into its KV cache. (seconds, equal)"""
     pages = (row_bytes // PER // 2,) * 2  # two layers: a chunk of PER blocks is `row_bytes`
-    settings = {"region_bytes": rows * row_bytes + (1 << 20)}
+    region = rows * row_bytes + (1 << 20)  # a request's chunks at once, for hits and for stores
+    settings = {"region_bytes": region, "store_region_bytes": region}
     writer = Direct.start(socket, pages=pages, blocks=2 * rows * PER, **settings)
     requests = []
     try:
@@ -126,8 +127,8 @@ def direct_round(socket: str, row_bytes: int, rows: int, seed: int) -> tuple[flo
         into = list(range(rows * PER))
         (warm_keys, _), (keys, data) = requests
         warm = context("warm", warm_keys)
-        reader.settle(warm, warm_keys, poll_s=STEP_S)
-        reader.load(warm, warm_keys, into)
+        warm_hits = reader.settle(warm, warm_keys, poll_s=STEP_S)
+        reader.load(warm, warm_keys[:warm_hits], into[: warm_hits * PER])
         ctx = context("r", keys)
         started = time.perf_counter()
         hits = reader.settle(ctx, keys, poll_s=STEP_S)  # every chunk held verified in the region

@@ -101,6 +101,17 @@ def test_reserve_and_put_spans(
             assert [bytes(v) for v in loaded.views] == pays
 
 
+def test_try_reserve_never_waits(shared_daemon: Daemon, open_client: Callable[..., Any]) -> None:
+    with open_client(shared_daemon.socket, region_bytes=1 << 16) as client:
+        held = client.try_reserve(1 << 16)
+        assert held is not None and held.size == 1 << 16
+        assert client.try_reserve(1) is None  # full: no wait, no error
+        held.release()
+        again = client.try_reserve(1 << 15)
+        assert again is not None
+        again.release()
+
+
 def test_state_groups(shared_daemon: Daemon, open_client: Callable[..., Any], seed: int) -> None:
     prompt = tokens(seed + 300, 2 * BT)
     pages, snap = blocks(seed + 300, 2), b"recurrent-state" * 10

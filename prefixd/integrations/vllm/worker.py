@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -40,6 +39,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from prefixd.client import Client
 from prefixd.client.leases import Lease
 from prefixd.integrations.link import DaemonLink
+from prefixd.integrations.vllm.compat import blocks_of
 from prefixd.integrations.vllm.jobs import PrefixdLoadSpec, PrefixdStoreSpec
 from prefixd.integrations.vllm.settings import Settings
 from prefixd.integrations.vllm.staging import RegionRef
@@ -161,6 +161,7 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
         self._layouts = [Layout.of(refs, per) for refs in kv_caches.group_data_refs]
         # each (num_blocks, page bytes), as vLLM's connector hands them, seen as bytes
         self._blocks = [kv.tensor.view(torch.uint8) for kv in kv_caches.tensors]
+        self._kv_caches = kv_caches
         self._device = self._blocks[0].device if self._blocks else torch.device("cpu")
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None  # type: ignore[no-untyped-call]
@@ -187,9 +188,8 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
 
     # --- vLLM's calls (its worker thread: copies are queued or made here, puts on a thread) ----
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
+        """`src_spec`: the KV cache's blocks (compat.blocks_of reads every release's kind)."""
         assert isinstance(dst_spec, PrefixdStoreSpec)
         job = _StoreJob(job_id, time.perf_counter())
         try:
@@ -204,7 +204,11 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
         self._puts.put(job)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        """`dst_spec`: the KV cache's blocks (compat.blocks_of); `expedited` (vLLM 0.34): every
+        load here is done, or queued on the device, before this returns."""
         assert isinstance(src_spec, PrefixdLoadSpec)
         started = time.perf_counter()
         try:
@@ -282,16 +286,17 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
             self._finished.append(result)
             self._done.notify_all()
 
-    def _groups(self, gpu: GPULoadStoreSpec) -> Iterator[tuple[int, np.ndarray, int]]:
+    def _groups(self, device: Any) -> Iterator[tuple[int, np.ndarray, int]]:
         """Each group with blocks in the job: its index, its block ids and its first block's
         index in the request."""
+        job = blocks_of(device, self._kv_caches)
         at = 0
-        for index, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices, strict=True)):
+        for index, (size, first) in enumerate(zip(job.group_sizes, job.block_indices, strict=True)):
             if size:
-                yield index, gpu.block_ids[at : at + size].astype(np.int64), int(first)
+                yield index, job.block_ids[at : at + size], int(first)
             at += size
 
-    def _load(self, gpu: GPULoadStoreSpec, spec: PrefixdLoadSpec) -> int:
+    def _load(self, gpu: Any, spec: PrefixdLoadSpec) -> int:
         nbytes = 0
         chunk_at = 0
         for index, block_ids, first in self._groups(gpu):
@@ -348,7 +353,7 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
             attached = self._attached[ref.inode]
         return attached
 
-    def _gather(self, gpu: GPULoadStoreSpec, spec: PrefixdStoreSpec) -> list[_Put]:
+    def _gather(self, gpu: Any, spec: PrefixdStoreSpec) -> list[_Put]:
         """Copy the job's chunks from the KV cache into leases of this worker's region, in runs
         of consecutive chain places (each run one lease, taken without waiting: a region full of
         stores still on their way skips the rest, logged)."""

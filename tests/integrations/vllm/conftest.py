@@ -19,17 +19,14 @@ collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_*.py"]
 # of the installed release's: its pure-Python parts (the offloading API, the tiering manager, the
 # connector's scheduler side) are what the tier and the spec meet, and they run on this CPU machine.
 OFFLOAD_FROM = "PREFIXD_VLLM_OFFLOAD_FROM"
-if os.environ.get(OFFLOAD_FROM):
-    import vllm.distributed.kv_transfer.kv_connector.v1 as connectors
-    import vllm.v1
-
-    overlay = os.path.join(os.environ[OFFLOAD_FROM], "vllm")
-    for package, inside in (
-        (vllm.v1, "v1"),
-        (connectors, "distributed/kv_transfer/kv_connector/v1"),
+OFFLOADED = os.environ.get(OFFLOAD_FROM) or None  # read now: each test's environment is its own
+if OFFLOADED:
+    overlay = os.path.join(OFFLOADED, "vllm")
+    for name, inside in (
+        ("vllm.v1", "v1"),
+        ("vllm.distributed.kv_transfer.kv_connector.v1", "distributed/kv_transfer/kv_connector/v1"),
     ):
-        if any(
-            name.startswith(f"{package.__name__}.") for name in sys.modules if "offload" in name
-        ):
+        package = importlib.import_module(name)  # the second imports vLLM's CPU tier: overlaid
+        if any(m.startswith((f"{name}.kv_offload", f"{name}.offloading")) for m in sys.modules):
             raise RuntimeError(f"{OFFLOAD_FROM}: vLLM's offloading code was imported already")
         package.__path__.insert(0, os.path.join(overlay, inside))

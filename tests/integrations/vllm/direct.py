@@ -30,6 +30,11 @@ from vllm.v1.kv_offload.config import (
 
 from prefixd.integrations.vllm.spec import PrefixdOffloadingSpec
 
+try:  # vLLM 0.34 on: the connector hands the worker device pointers, resolved so
+    from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+except ImportError:  # 0.32, 0.33: the GPULoadStoreSpec itself
+    resolve_device_pointers = None
+
 from ...waiting import wait_for
 from .harness import FIELDS, TOKENS_PER_BLOCK
 
@@ -68,6 +73,7 @@ class Direct:
     manager: Any
     worker: Any
     kv: list[torch.Tensor]
+    caches: CanonicalKVCaches
 
     @classmethod
     def start(
@@ -88,7 +94,11 @@ class Direct:
             tensors=[CanonicalKVCacheTensor(t, page) for t, page in zip(kv, pages, strict=True)],
             group_data_refs=[[CanonicalKVCacheRef(i, page) for i, page in enumerate(pages)]],
         )
-        return cls(spec, spec.get_manager(), spec.get_worker(caches), kv)
+        return cls(spec, spec.get_manager(), spec.get_worker(caches), kv, caches)
+
+    def device(self, gpu: GPULoadStoreSpec) -> Any:
+        """What the running release's connector hands the worker for `gpu`'s blocks."""
+        return gpu if resolve_device_pointers is None else resolve_device_pointers(gpu, self.caches)
 
     _jobs = itertools.count(1)
 
@@ -114,7 +124,7 @@ class Direct:
         ids = [blocks[PER * i + j] for i in chosen for j in range(PER)]
         first = PER * chosen[0] if chosen else 0
         gpu = GPULoadStoreSpec(ids, group_sizes=[len(ids)], block_indices=[first])
-        self.run(lambda job: self.worker.submit_store(job, gpu, prepared.store_spec))
+        self.run(lambda job: self.worker.submit_store(job, self.device(gpu), prepared.store_spec))
         self.manager.complete_store(prepared.keys_to_store, ctx)
         return list(prepared.keys_to_store)
 
@@ -157,7 +167,7 @@ class Direct:
         out (held in the engine's own cache already); the job's seconds."""
         spec = self.manager.prepare_load(keys, ctx)
         gpu = GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[skip])
-        result = self.run(lambda job: self.worker.submit_load(job, spec, gpu))
+        result = self.run(lambda job: self.worker.submit_load(job, spec, self.device(gpu)))
         self.manager.complete_load(keys, ctx)
         return result
 
@@ -185,7 +195,7 @@ def load_elsewhere(socket: str, spec: Any, blocks: list[int]) -> list[bytes]:
     engine = Direct.start(socket)
     try:
         gpu = GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[0])
-        engine.run(lambda job: engine.worker.submit_load(job, spec, gpu))
+        engine.run(lambda job: engine.worker.submit_load(job, spec, engine.device(gpu)))
         return engine.blocks(blocks)
     finally:
         engine.close()

@@ -198,6 +198,18 @@ def test_a_daemon_that_is_away_is_a_miss_and_a_store_is_logged(
     assert engine.settle(context("b", keys), keys) == 0
 
 
+def test_a_store_larger_than_the_store_region_stores_what_fits_and_says_so(
+    daemon: Daemon, engines: Engines, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = request_keys(14, 4)
+    engine = engines.start(daemon.socket, store_region_bytes=2 * CHUNK_BYTES)
+    engine.fill(list(range(PER * 4)), 14)
+    with caplog.at_level(logging.WARNING, logger="prefixd.integrations.vllm.worker"):
+        engine.store(context("a", keys), keys, list(range(PER * 4)))  # never waits for room
+    assert any("store region is full" in r.getMessage() for r in caplog.records)
+    assert engines.start(daemon.socket).settle(context("b", keys), keys) == 2
+
+
 def test_a_hit_not_worth_loading_is_recomputed_and_counted(
     daemon_factory: DaemonFactory, engines: Engines
 ) -> None:
