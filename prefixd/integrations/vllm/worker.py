@@ -351,6 +351,8 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
                 older.close()
             self._attached = {ref.inode: _Attached(ref, self._cuda)}
             attached = self._attached[ref.inode]
+            if self._cuda and not attached.pinned:
+                self._warn_once("the scheduler's region could not be registered: loads are slower")
         return attached
 
     def _gather(self, gpu: Any, spec: PrefixdStoreSpec) -> list[_Put]:
@@ -360,6 +362,8 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
         client = self._link.client()
         if client is None:
             return []  # the daemon is away (logged): nothing to put
+        if self._cuda and client.region is not None and not client.region.pin():
+            self._warn_once("the store region could not be registered: stores copy synchronously")
         by_group = {g.group: g for g in spec.groups}
         puts: list[_Put] = []
         for index, block_ids, first in self._groups(gpu):
