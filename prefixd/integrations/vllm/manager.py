@@ -31,7 +31,6 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from prefixd.client.results import Loaded
-from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.vllm.chains import NO_CHAIN, Chains, group_of, positions_of
 from prefixd.integrations.vllm.events import KeyEvents
 from prefixd.integrations.vllm.jobs import PrefixdLoadSpec, PrefixdStoreSpec, StoreGroup
@@ -47,11 +46,11 @@ MEDIUM = Medium.STORAGE
 
 @dataclass
 class _Request:
-    """One request's lookups: keys to ask, answers, and the chunks held for its load."""
+    """One request's lookups: keys to ask, keys missed, and the chunks held for its load."""
 
     context: ReqContext
     asked: dict[bytes, None] = field(default_factory=dict)
-    answers: dict[bytes, bool] = field(default_factory=dict)
+    missed: set[bytes] = field(default_factory=set)  # a hit is a key in `held`
     held: dict[bytes, list[tuple[Held, int]]] = field(default_factory=dict)  # per rank
     loading: set[bytes] = field(default_factory=set)
     in_flight: bool = False
@@ -63,7 +62,7 @@ class _Staged:
     """The staging thread's reply for one request."""
 
     req_id: str
-    answers: dict[bytes, bool]
+    missed: list[bytes]
     held: dict[bytes, list[tuple[Held, int]]]
 
 
@@ -82,15 +81,7 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
             {g.group_id: g.tokens_per_block * config.cache.blocks_per_chunk for g in config.groups}
         )
         self._prefill_tokens_per_s = settings.prefill_tokens_per_s
-        self._link = DaemonLink(
-            settings.socket,
-            region_bytes=settings.region_bytes,
-            timeout_s=settings.timeout_s,
-            name="vllm-spec",
-            label="prefixd spec",
-            reconnect_s=settings.reconnect_s,
-            daemon_uid=settings.daemon_uid,
-        )
+        self._link = settings.link("vllm-spec", "prefixd spec", settings.region_bytes)
         self._exports = Exports()
         self._events = KeyEvents(MEDIUM, enabled=kv_events and settings.enable_kv_events)
         self._requests: dict[str, _Request] = {}
@@ -111,11 +102,10 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._take_replies()
         request = self._request(req_context)
-        answer = request.answers.get(key)
-        if answer is not None:
-            return LookupResult.HIT if answer else LookupResult.MISS
         if key in request.held:
             return LookupResult.HIT
+        if key in request.missed:
+            return LookupResult.MISS
         position = req_context.get_offload_key_position(key)
         if group_of(key) not in self._identities[0] or not self._chains.closes_chunk(key, position):
             return LookupResult.MISS  # a partial tail's boundary, or a group not stored here
@@ -125,7 +115,7 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._take_replies()
         for req_id, request in self._requests.items():
-            for key in [k for k in request.asked if k in request.answers or k in request.held]:
+            for key in [k for k in request.asked if k in request.missed or k in request.held]:
                 del request.asked[key]
             if request.asked and not request.in_flight and not request.finished:
                 asked = list(request.asked)
@@ -153,8 +143,7 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
         for key in keys:
             request.loading.discard(key)
             request.asked.pop(key, None)
-            request.answers.pop(key, None)  # asked again if looked up again: held again
-            self._release(request, key)
+            self._release(request, key)  # asked again if looked up again: held again
         self._forget_if_done(req_context.req_id, request)
 
     def prepare_store(
@@ -202,8 +191,7 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
         self._thread.join()
         self._take_replies()
         for request in self._requests.values():
-            for key in list(request.held):
-                self._release(request, key)
+            _drop(*request.held.values())
         self._requests.clear()
         self._link.close()
         self._exports.close()
@@ -235,24 +223,20 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
                 return
             request = self._requests.get(reply.req_id)
             if request is None or request.finished:  # ended while its lookup was away
-                for holds in reply.held.values():
-                    for held, _ in holds:
-                        held.drop()
+                _drop(*reply.held.values())
                 if request is not None:
                     request.in_flight = False
                     self._forget_if_done(reply.req_id, request)
                 continue
             request.in_flight = False
-            for key in reply.answers:  # asked again while the reply was on its way: answered
+            for key in [*reply.missed, *reply.held]:  # asked again while the reply was away
                 request.asked.pop(key, None)
             for key, holds in reply.held.items():
                 if key in request.held:  # held already: the new copy is not needed
-                    for held, _ in holds:
-                        held.drop()
+                    _drop(holds)
                 else:
                     request.held[key] = holds
-            request.answers.update(reply.answers)
-            request.answers.update(dict.fromkeys(request.held, True))
+            request.missed.update(reply.missed)
 
     # --- the staging thread ---------------------------------------------------------------------
 
@@ -264,7 +248,7 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
                 reply = self._stage_request(req_id, positions, keys)
             except Exception:  # a bug must not stop the lookups: a miss, vLLM recomputes
                 log.exception("prefixd spec: a lookup failed")
-                reply = _Staged(req_id, dict.fromkeys(keys, False), {})
+                reply = _Staged(req_id, keys, {})
             self._replies.put(reply)
 
     def _stage_request(
@@ -272,7 +256,6 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
     ) -> _Staged:
         """Hold the verified payloads of the leading stored run of `keys`, per group."""
         chains = self._chains.of(positions)
-        answers = dict.fromkeys(keys, False)
         held: dict[bytes, list[tuple[Held, int]]] = {}
         for group in sorted({group_of(k) for k in keys}):
             chain = chains.get(group, NO_CHAIN)
@@ -286,10 +269,10 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
             for index in range(count):
                 key = chain.keys[first + index]
                 held[key] = [(h, index) for h in holds]
-                answers[key] = True
+        missed = [k for k in keys if k not in held]
         if self._events.watching:
-            self._events.note([k for k, hit in answers.items() if not hit], removed=True)
-        return _Staged(req_id, answers, held)
+            self._events.note(missed, removed=True)
+        return _Staged(req_id, missed, held)
 
     def _load_ranks(self, group: int, chain: list[bytes], first: int) -> list[Loaded]:
         """Every rank's verified payloads of chain blocks `first..` worth loading, or none."""
@@ -317,9 +300,15 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
         return loads
 
     def _release(self, request: _Request, key: bytes) -> None:
-        for held, _ in request.held.pop(key, ()):
-            held.drop()
+        _drop(request.held.pop(key, []))
 
     def _forget_if_done(self, req_id: str, request: _Request) -> None:
         if request.finished and not request.loading and not request.in_flight:
             self._requests.pop(req_id, None)
+
+
+def _drop(*holds: list[tuple[Held, int]]) -> None:
+    """Give back each chunk of `holds` (a chunk's load, per rank): its payloads, with the last."""
+    for by_rank in holds:
+        for held, _ in by_rank:
+            held.drop()

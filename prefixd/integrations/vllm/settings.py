@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.vllm.identity import group_identities
 from prefixd.schema.identity import Identity
 
@@ -29,6 +30,19 @@ class Settings:
     daemon_uid: int | str | None = None
     prefill_tokens_per_s: float | None = None
     enable_kv_events: bool = False
+
+    def link(self, name: str, label: str, region_bytes: int) -> DaemonLink:
+        """A connection to the daemon (the scheduler's, `region_bytes` for held hits; a
+        worker's, for its stores)."""
+        return DaemonLink(
+            self.socket,
+            region_bytes=region_bytes,
+            timeout_s=self.timeout_s,
+            name=name,
+            label=label,
+            reconnect_s=self.reconnect_s,
+            daemon_uid=self.daemon_uid,
+        )
 
     @classmethod
     def of(cls, extra: Any) -> Settings:

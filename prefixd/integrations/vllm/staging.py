@@ -51,9 +51,7 @@ class Held:
     def __init__(self, loaded: Loaded, exported: Exported, chunks: int) -> None:
         self.loaded = loaded
         self.exported = exported
-        self._chunks = max(chunks, 1)
-        if chunks <= 0:
-            self.drop()
+        self._chunks = chunks  # at least one: a load of none is never held
 
     def entry(self, index: int) -> tuple[RegionRef, int, int]:
         """Chunk `index` of the load: its region, offset and size."""

@@ -38,7 +38,6 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from prefixd.client import Client
 from prefixd.client.leases import Lease
-from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.vllm.compat import blocks_of
 from prefixd.integrations.vllm.jobs import PrefixdLoadSpec, PrefixdStoreSpec
 from prefixd.integrations.vllm.settings import Settings
@@ -165,14 +164,8 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
         self._device = self._blocks[0].device if self._blocks else torch.device("cpu")
         self._cuda = self._device.type == "cuda"
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None  # type: ignore[no-untyped-call]
-        self._link = DaemonLink(
-            settings.socket,
-            region_bytes=settings.store_region_bytes,
-            timeout_s=settings.timeout_s,
-            name=f"vllm-spec-worker-{self._rank}",
-            label="prefixd spec worker",
-            reconnect_s=settings.reconnect_s,
-            daemon_uid=settings.daemon_uid,
+        self._link = settings.link(
+            f"vllm-spec-worker-{self._rank}", "prefixd spec worker", settings.store_region_bytes
         )
         self._attached: dict[int, _Attached] = {}
         self._warned: set[str] = set()
@@ -386,14 +379,16 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
                 if lease is None:
                     self._warn_once("the store region is full: chunks are left unstored")
                     return puts
-                puts.append(self._copy_out(lease, blocks[rows], layout))
-                puts[-1].identity = self._identities[group.group]
-                puts[-1].chain = group.chain[: run[-1][1] + 1]
-                puts[-1].first = run[0][1]
+                keep = self._copy_out(lease, blocks[rows], layout)
+                identity, chain = self._identities[group.group], group.chain[: run[-1][1] + 1]
+                puts.append(_Put(lease, identity, chain, run[0][1], len(run), layout.nbytes, keep))
         return puts
 
-    def _copy_out(self, lease: Lease, blocks: np.ndarray, layout: Layout) -> _Put:
-        """Queue (CUDA) or make (CPU) the copy of chunks (rows of `blocks`) into `lease`."""
+    def _copy_out(
+        self, lease: Lease, blocks: np.ndarray, layout: Layout
+    ) -> tuple[torch.Tensor, ...]:
+        """Queue (CUDA) or make (CPU) the copy of chunks (rows of `blocks`) into `lease`; the
+        tensors the copy uses, to keep until it ran."""
         k, size = int(blocks.shape[0]), layout.nbytes
         host = torch.frombuffer(lease.view, dtype=torch.uint8)[: k * size].view(k, size)
         target = (
@@ -406,7 +401,7 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
             places.gather(self._blocks[tensor], page, layer, self._device)
         if self._cuda:
             host.copy_(target, non_blocking=True)
-        return _Put(lease, k, size, keep=(host, target))
+        return host, target
 
     def _put_jobs(self) -> None:
         """The put thread: each store job's runs, once their copies are done, less the chunks
@@ -453,12 +448,12 @@ class _Put:
     on, of the chain `chain` under `identity`; `keep` holds the copy's tensors until it ran."""
 
     lease: Lease
+    identity: Identity
+    chain: tuple[bytes, ...]
+    first: int
     count: int
     size: int
-    keep: tuple[torch.Tensor, ...] = ()
-    identity: Any = None
-    chain: tuple[bytes, ...] = ()
-    first: int = 0
+    keep: tuple[torch.Tensor, ...]
 
 
 @dataclass

@@ -16,7 +16,6 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
-    LookupResult,
     ReqContext,
     ScheduleEndContext,
 )
@@ -35,8 +34,7 @@ try:  # vLLM 0.34 on: the connector hands the worker device pointers, resolved s
 except ImportError:  # 0.32, 0.33: the GPULoadStoreSpec itself
     resolve_device_pointers = None
 
-from ...waiting import wait_for
-from .harness import FIELDS, TOKENS_PER_BLOCK
+from .harness import FIELDS, TOKENS_PER_BLOCK, scheduler_lookup, settle
 
 PER = 2  # blocks per chunk: a chunk's first block may lie before a load's first
 PAGES = (1024, 512)  # two layers' page bytes per block
@@ -132,35 +130,12 @@ class Direct:
         self.manager.on_schedule_end(ScheduleEndContext((), ()))
 
     def lookup(self, ctx: ReqContext, keys: list[bytes]) -> int | None:
-        """One scheduler step's lookup (OffloadingConnectorScheduler._maximal_prefix_lookup)."""
-        hits, deferred = 0, False
-        for key in keys:
-            result = self.manager.lookup(key, ctx)
-            if result is LookupResult.HIT:
-                hits += 1
-            elif result is LookupResult.RETRY:
-                deferred = True
-            else:
-                break
-        return None if deferred else hits
+        return scheduler_lookup(self.manager, ctx, keys)
 
     def settle(self, ctx: ReqContext, keys: list[bytes], poll_s: float = 0.01) -> int:
         """Step (every `poll_s`, as vLLM's scheduler steps) until the lookup settles; the leading
         keys found."""
-        self.manager.on_new_request(ctx)
-        found: list[int | None] = []
-
-        def settled() -> bool:
-            found.append(self.lookup(ctx, keys))
-            if found[-1] is None:
-                self.step()
-                return False
-            return True
-
-        wait_for(settled, "the spec's lookup to settle", poll_s=poll_s)
-        hits = found[-1]
-        assert hits is not None
-        return hits
+        return settle(self.manager, ctx, keys, self.step, poll_s)
 
     def load(self, ctx: ReqContext, keys: list[bytes], blocks: list[int], skip: int = 0) -> float:
         """Load `keys` (settled hits) into `blocks`, the first chunk's first `skip` blocks left

@@ -79,6 +79,43 @@ def context(req_id: str, keys: list[bytes]) -> ReqContext:
     return ctx
 
 
+def scheduler_lookup(manager: Any, ctx: ReqContext, keys: list[bytes]) -> int | None:
+    """One scheduler step's lookup, as vLLM's offloading scheduler does it
+    (OffloadingConnectorScheduler._lookup): consecutive hits from the first key, or None while
+    the manager is still answering (RETRY) or loading (HIT_PENDING)."""
+    hits, deferred = 0, False
+    for key in keys:
+        result = manager.lookup(key, ctx)
+        if result is LookupResult.HIT:
+            hits += 1
+        elif result is LookupResult.HIT_PENDING:
+            hits, deferred = hits + 1, True
+        elif result is LookupResult.RETRY:
+            deferred = True
+        else:
+            break
+    return None if deferred else hits
+
+
+def settle(manager: Any, ctx: ReqContext, keys: list[bytes], step: Any, poll_s: float) -> int:
+    """Look up and `step` (every `poll_s`, as vLLM's scheduler steps) until the lookup settles:
+    how many leading keys are hits."""
+    manager.on_new_request(ctx)
+    found: list[int | None] = []
+
+    def settled() -> bool:
+        found.append(scheduler_lookup(manager, ctx, keys))
+        if found[-1] is None:
+            step()
+            return False
+        return True
+
+    wait_for(settled, "a lookup to settle", poll_s=poll_s)
+    hits = found[-1]
+    assert hits is not None
+    return hits
+
+
 @dataclass
 class Engine:
     """One engine's scheduler-side offloading: vLLM's spec and manager with a prefixd tier."""
@@ -123,40 +160,17 @@ class Engine:
         self.step()  # the finished cascade is collected
 
     def scheduler_lookup(self, ctx: ReqContext, keys: list[bytes]) -> int | None:
-        """One scheduler step's lookup, as vLLM's offloading scheduler does it
-        (OffloadingConnectorScheduler._lookup): consecutive hits from the first key, or None
-        while the tiers are still answering (RETRY) or loading (HIT_PENDING)."""
-        hits, deferred = 0, False
-        for key in keys:
-            result = self.manager.lookup(key, ctx)
-            if result is LookupResult.HIT:
-                hits += 1
-            elif result is LookupResult.HIT_PENDING:
-                hits, deferred = hits + 1, True
-            elif result is LookupResult.RETRY:
-                deferred = True
-            else:
-                break
-        return None if deferred else hits
+        return scheduler_lookup(self.manager, ctx, keys)
 
     def settle(self, ctx: ReqContext, keys: list[bytes], poll_s: float = 0.02) -> int:
         """Step as the scheduler does (every `poll_s`) until its lookup settles: how many
         leading keys are then in the primary tier (loaded from the tiers where they were not)."""
-        self.manager.on_new_request(ctx)
-        found: list[int | None] = []
 
-        def settled() -> bool:
-            found.append(self.scheduler_lookup(ctx, keys))
-            if found[-1] is None:
-                self.step()  # flushes the lookups and submits the promotions' loads
-                self.tier.drain_jobs()
-                return False
-            return True
+        def step() -> None:
+            self.step()  # flushes the lookups and submits the promotions' loads
+            self.tier.drain_jobs()
 
-        wait_for(settled, "a lookup through the tiers to settle", poll_s=poll_s)
-        hits = found[-1]
-        assert hits is not None
-        return hits
+        return settle(self.manager, ctx, keys, step, poll_s)
 
     def read(self, ctx: ReqContext, keys: list[bytes]) -> list[bytes]:
         """The primary tier's rows of `keys` (which must be there), as vLLM's load reads them."""
