@@ -8,8 +8,10 @@ Process A generates; the daemon restarts; process B, with empty GPU and CPU cach
 prompt's KV from prefixd and the same greedy tokens. With a stored payload damaged on disk, C gets
 a miss from that block on (prefixd refuses it) and the tokens of an uncached run: the case where
 vLLM's file tier served the damaged bytes as KV. With one identity field changed in the engine's
-config (RoPE scaling, dtype, block size, the revision of a hub model), a miss. Each engine is a
-process of its own (about 10 to 60 s each)."""
+config (RoPE scaling, dtype, block size, the revision of a hub model), a miss: run through the
+direct spec only, since both ways derive their identities in one function
+(`identity.group_identities`, tests/integrations/vllm/test_identity.py covers each field without an
+engine). Each engine is a process of its own (about 10 to 60 s each)."""
 
 from __future__ import annotations
 
@@ -100,6 +102,10 @@ def test_a_fresh_engine_after_a_daemon_restart_gets_the_prompt_from_prefixd(
     assert second["output_token_ids"] == first["output_token_ids"]
 
 
+DIRECT_ONLY = pytest.mark.parametrize("node", ["direct"], indirect=True)
+
+
+@DIRECT_ONLY
 def test_another_identity_in_the_engine_config_is_a_miss(node: Node, first: dict[str, Any]) -> None:
     scaled = {"hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}}
     other = node.run("rope", "--engine-args", json.dumps(scaled))
@@ -110,6 +116,7 @@ def test_another_identity_in_the_engine_config_is_a_miss(node: Node, first: dict
     assert wider["num_cached_tokens"] == 0
 
 
+@DIRECT_ONLY
 def test_another_revision_of_a_hub_model_is_a_miss(node: Node) -> None:
     """The same weights published as another commit that `main` now names: another revision.
     (Weights of their own, so no payload is shared with the local model's: the damage test's.)"""
