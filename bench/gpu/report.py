@@ -62,6 +62,7 @@ def cuda_tests(work: Path) -> dict[str, Any] | None:
             counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
             ran = counts["tests"] - counts["skipped"]
             got.update(counts, passed=ran - counts["failures"] - counts["errors"])
+            got["modules"] = sorted({case.get("classname", "") for case in suite.iter("testcase")})
     if got["rc"] not in (0, NOTHING_COLLECTED):
         got["tail"] = tail(work, "cuda_tests")
     return got

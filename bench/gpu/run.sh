@@ -52,9 +52,10 @@ fi
 # The CUDA tests, from a copy of the suite (no checkout on the path: the installed prefixd).
 mkdir -p "$work/suite"
 cp -r "$root/tests" "$root/pyproject.toml" "$work/suite/"
-# (not the engines' own: they run in the engines' venvs, with vLLM or SGLang, which the kit lacks)
+# (not the engines' own: they run in the engines' venvs, with vLLM, SGLang or LMCache, which the
+# kit lacks; the vLLM spec's device copies run here, tests/integrations/test_vllm_copies.py)
 mapfile -t cuda_files < <(cd "$work/suite" && grep -rl --include='*.py' 'mark.cuda' tests \
-    | grep -v '^tests/integrations/' | sort)
+    | grep -v -E '^tests/(integrations/(vllm|sglang|lmcache)|poison)/' | sort)
 step cuda_tests 90 "$python" -m pytest -q -p no:cacheprovider -m cuda --rootdir "$work/suite" \
     --junitxml "$work/cuda_tests.xml" "${cuda_files[@]/#/$work/suite/}"
 

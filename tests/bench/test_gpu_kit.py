@@ -51,6 +51,9 @@ def test_a_quick_run_reports_every_step_in_one_json() -> None:
     assert tests["tests"] >= 3 and tests["failures"] == tests["errors"] == 0
     if not torch.cuda.is_available():
         assert tests["skipped"] == tests["tests"]  # the CUDA tests, collected and skipped
+    # the vLLM spec's device copies, which need no vLLM; not the engines' own tests
+    assert "tests.integrations.test_vllm_copies" in tests["modules"]
+    assert not [m for m in tests["modules"] if m.startswith("tests.integrations.vllm")]
     bench = report["gpu_bench"]["report"]
     assert bench["verified"] is True and bench["settings"]["quick"] is True
     assert (bench["cuda"] is None) is (not torch.cuda.is_available())
