@@ -41,32 +41,25 @@ class ManualClock:
     amount. Thread-safe."""
 
     def __init__(self, start_ns: int = 1_700_000_000 * 10**9, monotonic: float = 1000.0) -> None:
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
         self._time_ns = start_ns
         self._monotonic = monotonic
 
     def time_ns(self) -> int:
-        with self._changed:
+        with self._lock:
             return self._time_ns
 
     def monotonic(self) -> float:
-        with self._changed:
+        with self._lock:
             return self._monotonic
 
     def advance(self, seconds: float) -> None:
         """Move both readings forward by `seconds` (never back)."""
         if seconds < 0:
             raise ValueError("a clock does not go back")
-        with self._changed:
+        with self._lock:
             self._time_ns += int(seconds * 1e9)
             self._monotonic += seconds
-            self._changed.notify_all()
-
-    def wait_until(self, monotonic: float, timeout: float | None = None) -> bool:
-        """Block until the clock reads at least `monotonic` (True), or `timeout` real seconds
-        pass (False)."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self._monotonic >= monotonic, timeout)
 
     def __repr__(self) -> str:
         return f"ManualClock(time_ns={self._time_ns}, monotonic={self._monotonic})"
