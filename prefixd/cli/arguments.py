@@ -1,13 +1,20 @@
-"""Flags the commands share: which store and daemon, and positive quantities refused at the
-command line with their unit named."""
+"""Flags the commands share: which store and daemon (and the settings they give), and positive
+quantities refused at the command line with their unit named."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from prefixd.config.settings import Config
 
 T = TypeVar("T", int, float)
+
+# The settings that say which store and daemon a command means: its paths, the instance (its
+# default paths) and the daemon's user (whom the client trusts).
+DAEMON_SETTINGS = ("data_dir", "socket", "instance", "daemon_user")
 
 
 def add_daemon_arguments(where: Any, *, data_dir: bool) -> None:
@@ -15,7 +22,18 @@ def add_daemon_arguments(where: Any, *, data_dir: bool) -> None:
     from prefixd.config.sources import add_config_flag, add_setting_flags
 
     add_config_flag(where)
-    add_setting_flags(where, ("data_dir",) * data_dir + ("socket", "instance", "daemon_user"))
+    add_setting_flags(where, DAEMON_SETTINGS if data_dir else DAEMON_SETTINGS[1:])
+
+
+def daemon_config(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[Config, frozenset[str]]:
+    """The Config that the flags of `add_daemon_arguments`, PREFIXD_* and --config give, and the
+    names of the settings some source gave (`config_and_given`)."""
+    from prefixd.config.sources import config_and_given
+
+    cli = {name: getattr(args, name, None) for name in DAEMON_SETTINGS}
+    return config_and_given(cli, env, getattr(args, "config", None))
 
 
 def positive(parse: Callable[[str], T], what: str, unit: str) -> Callable[[str], T]:

@@ -79,10 +79,7 @@ def serve_config(config: Config, reread: Callable[[], Config] | None = None) -> 
 
 
 def stats(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.client import Client
-
-    where = _target(args, offline=False)
-    with Client(where.socket, timeout=args.timeout, daemon_uid=where.daemon_user) as client:
+    with _target(args, offline=False).client(args.timeout) as client:
         if args.watch is None:
             reply = _stats_of(client)
             if out.as_json:
@@ -93,6 +90,11 @@ def stats(args: argparse.Namespace, out: Output) -> int:
                 out.show(render(reply))
             return 0
         return _watch_stats(client, args.watch, out)
+
+
+def _answer(reply: dict[str, Any]) -> dict[str, Any]:
+    """A daemon's reply as a command reports it: without the envelope's id and ok."""
+    return {k: v for k, v in reply.items() if k not in ("id", "ok")}
 
 
 def _stats_of(client: Any) -> dict[str, Any]:
@@ -118,13 +120,9 @@ def _watch_stats(client: Any, every: float, out: Output) -> int:
 
 
 def health(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.client import Client
-
     where = _target(args, offline=False)
-    with Client(where.socket, timeout=args.timeout, daemon_uid=where.daemon_user) as client:
-        reply = client.health()
-    report = {k: v for k, v in reply.items() if k not in ("id", "ok")}
-    report["socket"] = str(where.socket)
+    with where.client(args.timeout) as client:
+        report = {**_answer(client.health()), "socket": str(where.socket)}
     out.result(report, "prefixd health")
     return 0 if report.get("status") == "ok" else 1  # sync_failed: writes refused (the disk)
 
@@ -136,16 +134,9 @@ def verify(args: argparse.Namespace, out: Output) -> int:
         raise ConfigError("--fix checks payloads too; drop --no-payloads")
     where = _target(args)
     if where.served:  # a daemon serves this store: it checks (and repairs) while serving
-        from prefixd.client import Client
-
-        with (
-            Client(where.socket, timeout=args.timeout, daemon_uid=where.daemon_user) as client,
-            out.progress("verifying through the daemon"),
-        ):
+        with where.client(args.timeout) as client, out.progress("verifying through the daemon"):
             reply = client.verify(fix=args.fix, payloads=not args.no_payloads)
-        report = {"mode": "online", "path": str(where.data_dir), **reply}
-        report.pop("id", None)
-        report.pop("ok", None)
+        report = {"mode": "online", "path": str(where.data_dir), **_answer(reply)}
     else:
         with (
             _opened(where) as store,
@@ -199,14 +190,8 @@ def purge(args: argparse.Namespace, out: Output) -> int:
     selector = PurgeSelector.from_dict(criteria)  # ConfigError names a bad criterion
     where = _target(args)
     if where.served:  # a daemon serves this store: ask it
-        from prefixd.client import Client
-
-        with (
-            Client(where.socket, timeout=args.timeout, daemon_uid=where.daemon_user) as client,
-            out.progress("purging through the daemon"),
-        ):
-            reply = client.purge(dry_run=args.dry_run, **selector.describe())
-        summary = {k: v for k, v in reply.items() if k not in ("id", "ok")}
+        with where.client(args.timeout) as client, out.progress("purging through the daemon"):
+            summary = _answer(client.purge(dry_run=args.dry_run, **selector.describe()))
         mode = "online"
     else:
         with (

@@ -22,10 +22,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefixd.cli.output import Output
 from prefixd.errors import ConfigError
+
+T = TypeVar("T")
 
 DEFAULT_TENANT = "default"  # the adapters' default tenant
 DEFAULT_REGION_BYTES = 64 << 20  # the vLLM tier's default region_bytes
@@ -109,11 +111,10 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    from prefixd.config.sources import config_and_given
+    from prefixd.cli.arguments import daemon_config
 
-    cli = {name: getattr(args, name, None) for name in ("socket", "instance", "daemon_user")}
-    config = config_and_given(cli, os.environ, args.config)[0]
-    account = _account(args.as_user) if args.as_user is not None else _me()
+    config = daemon_config(args, os.environ)[0]
+    account = _account(args.as_user)
 
     def checks() -> list[Check]:
         return run_checks(
@@ -299,22 +300,14 @@ def _tenant(state: _State) -> Check:
 
 def _round_trip(state: _State) -> Check:
     """Put a throwaway block, find it, load it (the same bytes), delete it."""
-    import time
-
     identity, tokens = _throwaway(state.tenant)
     payloads = [os.urandom(PAYLOAD_BYTES) for _ in range(2)]
     times: dict[str, float] = {}
     with _client(state, 4 * PAYLOAD_BYTES) as client:
-        started = time.perf_counter()
-        stored = client.put(identity, tokens, payloads)
-        times["put_ms"] = _ms(started)
+        stored = _timed(times, "put_ms", lambda: client.put(identity, tokens, payloads))
         try:
-            started = time.perf_counter()
-            [found] = client.lookup(identity, [tokens])
-            times["lookup_ms"] = _ms(started)
-            started = time.perf_counter()
-            with client.load(identity, tokens) as loaded:
-                times["load_ms"] = _ms(started)
+            [found] = _timed(times, "lookup_ms", lambda: client.lookup(identity, [tokens]))
+            with _timed(times, "load_ms", lambda: client.load(identity, tokens)) as loaded:
                 same = [bytes(v) for v in loaded.views] == payloads
         finally:
             deleted = client.delete(identity, [tokens[:BLOCK_TOKENS]])  # and the one below
@@ -427,9 +420,14 @@ def _throwaway(tenant: str) -> tuple[Any, Any]:
 # --- running as another user ---------------------------------------------------------------------
 
 
-def _account(user: str) -> Account:
+def _account(user: str | None) -> Account:
+    """`user` (a name or uid) as an account, or this process's own when None."""
     import pwd
 
+    from prefixd.trust import user_name
+
+    if user is None:
+        return Account(user_name(os.geteuid()), os.geteuid(), os.getegid(), tuple(os.getgroups()))
     try:
         entry = pwd.getpwuid(int(user)) if user.strip().isdigit() else pwd.getpwnam(user)
     except KeyError:
@@ -441,17 +439,14 @@ def _account(user: str) -> Account:
     return Account(entry.pw_name, entry.pw_uid, entry.pw_gid, groups)
 
 
-def _me() -> Account:
-    from prefixd.trust import user_name
-
-    return Account(user_name(os.geteuid()), os.geteuid(), os.getegid(), tuple(os.getgroups()))
-
-
 def _as(account: Account, checks: Callable[[], list[Check]]) -> list[Check]:
     """`checks()` in a forked child with `account`'s uid, gid and groups; the results come back
     as JSON. Forked, not executed anew: what the checks import is loaded already, so a Python
     installed where the user may not read still runs them."""
-    _preload()
+    import importlib
+
+    for module in PRELOADED:  # before becoming a user who may not read them
+        importlib.import_module(module)
     read, write = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -478,14 +473,6 @@ def _as(account: Account, checks: Callable[[], list[Check]]) -> list[Check]:
     if isinstance(outcome, dict):
         raise ConfigError(f"--as-user {account.name}: {outcome['error']}")
     return [Check(**c) for c in outcome]
-
-
-def _preload() -> None:
-    """Import what the checks use before becoming a user who may not read it."""
-    import importlib
-
-    for module in PRELOADED:
-        importlib.import_module(module)
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -531,10 +518,14 @@ def _human(size: int) -> str:
     return f"{size} bytes"
 
 
-def _ms(started: float) -> float:
+def _timed(times: dict[str, float], key: str, call: Callable[[], T]) -> T:
+    """`call()`, its time in milliseconds kept as `times[key]`."""
     import time
 
-    return round((time.perf_counter() - started) * 1000, 3)
+    started = time.perf_counter()
+    result = call()
+    times[key] = round((time.perf_counter() - started) * 1000, 3)
+    return result
 
 
 __all__ = ["CHECKS", "Check", "add_parser", "run", "run_checks"]

@@ -13,9 +13,10 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from prefixd.cli.arguments import daemon_config
 from prefixd.config.settings import Config
-from prefixd.config.sources import config_and_given
 from prefixd.errors import (
     ConfigError,
     DaemonUnavailableError,
@@ -25,9 +26,8 @@ from prefixd.errors import (
 from prefixd.paths import node_socket
 from prefixd.store.environment import held_socket
 
-# Settings that say which daemon a command means besides its paths: the instance (its default
-# paths) and the daemon's user (whom the client trusts).
-NAMING = ("instance", "daemon_user")
+if TYPE_CHECKING:
+    from prefixd.client import Client
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,13 @@ class Target:
     socket: Path
     served: bool  # a daemon holds the store (online commands go through it)
 
-    @property
-    def daemon_user(self) -> str | None:
-        """The daemon's user when the settings name one (clients trust its socket)."""
-        return self.config.socket.daemon_user or None
+    def client(self, timeout: float) -> Client:
+        """A connection to the daemon on `socket`, trusting the daemon's user the settings name."""
+        from prefixd.client import Client
+
+        return Client(
+            self.socket, timeout=timeout, daemon_uid=self.config.socket.daemon_user or None
+        )
 
 
 def target(
@@ -51,8 +54,7 @@ def target(
     """The Target of a command's --data-dir, --socket and --config (and PREFIXD_*). `offline`:
     the command can work on the store itself, so a socket alone where no daemon answers is
     refused; otherwise the socket is taken as told, and the client's error follows."""
-    cli = {name: getattr(args, name, None) for name in ("data_dir", "socket", *NAMING)}
-    config, given = config_and_given(cli, env, getattr(args, "config", None))
+    config, given = daemon_config(args, env)
     data_dir, socket = config.store.data_dir, config.socket.path
     user = config.socket.daemon_user or None
     if not {"socket", "data_dir"} & given and not _present(socket):
