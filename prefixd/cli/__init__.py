@@ -40,12 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Output(as_json=getattr(args, "json", False), quiet=getattr(args, "quiet", False))
     try:
         return int(args.command(args, out))
-    except ConfigError as exc:  # a bad value: like a bad flag
-        print(f"prefixd: {exc}", file=sys.stderr)
-        return USAGE_ERROR
     except PrefixdError as exc:
         print(f"prefixd: {exc}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR if isinstance(exc, ConfigError) else 1  # a bad value: like a bad flag
     except BrokenPipeError:  # the reader left (| head): nothing more to say, and no traceback
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail
