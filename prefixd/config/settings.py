@@ -599,6 +599,8 @@ def validated(name: str, value: Any) -> Any:
     if value and name in _CHECKS:
         try:
             _CHECKS[name](value)
+        except ConfigError:
+            raise  # it names the setting itself (and is a ValueError too)
         except ValueError as exc:
             raise ConfigError(f"{name}: {exc}") from None
     if name in _MAPS:

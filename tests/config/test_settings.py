@@ -250,6 +250,8 @@ BAD_VALUES = [
     ("allowed_gids", "-5"),
     ("chunk_bytes", "1.5B"),
     ("data_dir", ""),
+    ("tenant_policy", "x"),  # refused by a check of its own (a ConfigError inside)
+    ("instance", "a/b"),
 ]
 
 
@@ -263,7 +265,7 @@ def test_bad_text_values_name_the_setting_and_source(
     with pytest.raises(ConfigError) as caught:
         load(cli, env)
     message = str(caught.value)
-    assert message.startswith(f"{name}: ")
+    assert message.startswith(f"{name}: ") and not message.startswith(f"{name}: {name}: ")
     assert (cli_flag(name) if source == "cli" else env_var(name)) in message
 
 
