@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
@@ -17,7 +17,7 @@ from prefixd.client.blocking import Publishers
 from prefixd.client.core import ClientCore
 from prefixd.client.leases import Span
 from prefixd.client.operations import Operations
-from prefixd.client.steps import Call, Publish, Reserve, Steps, Synchronize
+from prefixd.client.steps import Call, Publish, Reserve, Step, Steps, Synchronize
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.trust import check_peer, check_socket_path, unreachable
@@ -26,6 +26,7 @@ from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
 
 P = ParamSpec("P")
+S = TypeVar("S")
 T = TypeVar("T")
 
 
@@ -105,7 +106,13 @@ class AsyncClient(Operations, TensorOperations):
         **kwargs: P.kwargs,
     ) -> T:
         """Run one operation's steps to its result (see Client.run)."""
-        steps = steps_of(self._core, *args, **kwargs)
+        return await self._drive(steps_of(self._core, *args, **kwargs), self._perform)
+
+    @staticmethod
+    async def _drive(
+        steps: Generator[S, Any, T], perform: Callable[[S], Coroutine[Any, Any, Any]]
+    ) -> T:
+        """Perform each step and hand its value back to the steps (see Client._drive)."""
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -115,11 +122,11 @@ class AsyncClient(Operations, TensorOperations):
                 return done.value  # type: ignore[no-any-return]
             value, error = None, None
             try:
-                value = await self._perform(step)
+                value = await perform(step)
             except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
-    async def _perform(self, step: Call | Reserve | Synchronize | Publish) -> Any:
+    async def _perform(self, step: Step) -> Any:
         if isinstance(step, Reserve):
             return await step.allocator.acquire_async(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
@@ -218,15 +225,7 @@ class AsyncClient(Operations, TensorOperations):
         self._sock = sock
         self._reader = asyncio.create_task(self._read_replies(sock), name="prefixd-replies")
         try:
-            greeting = self._core.greeting()
-            reply = None
-            while True:
-                try:
-                    step = greeting.send(reply)
-                except StopIteration:
-                    return
-                assert isinstance(step, Call)
-                reply = await self._request(step)
+            await self._drive(self._core.greeting(), self._request)
         except BaseException:
             await self._disconnect(DaemonUnavailableError("the greeting failed"))
             raise

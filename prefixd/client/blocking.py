@@ -10,13 +10,13 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 from prefixd.client.core import ClientCore
 from prefixd.client.operations import Operations
 from prefixd.client.polling import DEFAULT_POLL_US, ReplyPolling
-from prefixd.client.steps import Call, Publish, Reserve, Steps, Synchronize
+from prefixd.client.steps import Call, Publish, Reserve, Step, Steps
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import (
     BadFrameError,
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from prefixd.client.transfer import Publisher
 
 P = ParamSpec("P")
+S = TypeVar("S")
 T = TypeVar("T")
 
 
@@ -114,9 +115,13 @@ class Client(Operations, TensorOperations):
         *args: P.args,
         **kwargs: P.kwargs,
     ) -> T:
-        """Run one operation's steps on this client's core to its result. A step's error is
-        raised inside the steps, so they release what they leased on their way out."""
-        steps = steps_of(self._core, *args, **kwargs)
+        """Run one operation's steps on this client's core to its result."""
+        return self._drive(steps_of(self._core, *args, **kwargs), self._perform)
+
+    @staticmethod
+    def _drive(steps: Generator[S, Any, T], perform: Callable[[S], Any]) -> T:
+        """Perform each step and hand its value back to the steps. A step's error is raised
+        inside the steps, so they release what they leased on their way out."""
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -126,11 +131,13 @@ class Client(Operations, TensorOperations):
                 return done.value  # type: ignore[no-any-return]
             value, error = None, None
             try:
-                value = self._call(step) if isinstance(step, Call) else self._perform(step)
+                value = perform(step)
             except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
-    def _perform(self, step: Reserve | Synchronize | Publish) -> Any:
+    def _perform(self, step: Step) -> Any:
+        if isinstance(step, Call):
+            return self._call(step)
         if isinstance(step, Reserve):
             return step.allocator.acquire(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
@@ -254,15 +261,7 @@ class Client(Operations, TensorOperations):
         self._sock = sock
         self._frames = FrameReader()  # nothing read on another connection carries over
         try:
-            greeting = self._core.greeting()
-            reply = None
-            while True:
-                try:
-                    step = greeting.send(reply)
-                except StopIteration:
-                    return
-                assert isinstance(step, Call)
-                reply = self._request(step)
+            self._drive(self._core.greeting(), self._request)
         except BaseException:
             self._drop()
             raise

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ class ClientCore:
     def allocators(self) -> list[RegionAllocator]:
         return [a for a in (self.payloads, self.tokens) if a is not None]
 
-    def greeting(self) -> Steps[None]:
+    def greeting(self) -> Generator[Call, Any, None]:
         """What a fresh connection sends first: hello, then one attach per region."""
         hello = wire.Hello(
             id=self.next_id(),
@@ -191,22 +191,24 @@ class ClientCore:
         where = (self._region_ids[id(allocator)], span.offset, len(tokens))
         return wire.Prompt(tokens_span=where, n_tokens=len(tokens), hashes=hashes)
 
-    def stage(self, payloads: Sequence[Any]) -> Steps[tuple[Lease | None, list[wire.Span]]]:
-        """Lease room for `payloads` and copy them in back to back; the spans a put names."""
+    def stage(self, payloads: Sequence[Any], held: list[Lease | Span]) -> Steps[list[wire.Span]]:
+        """Lease room for `payloads` (the lease goes to `held`) and copy them in back to back;
+        the spans a put names."""
         allocator = self.require_payloads()
+        region_id = self.region_id(allocator)
         sources = [np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in payloads]
         total = sum(s.nbytes for s in sources)
         if total == 0:
-            return None, [(self.region_id(allocator), 0, 0) for _ in sources]
+            return [(region_id, 0, 0) for _ in sources]
         lease: Lease = yield Reserve(allocator, total)
-        region_id = self.region_id(allocator)
+        held.append(lease)
         spans: list[wire.Span] = []
         offset = 0
         for source in sources:
             lease.write(source, offset)
             spans.append((region_id, lease.offset + offset, source.nbytes))
             offset += source.nbytes
-        return lease, spans
+        return spans
 
     def prompts_call(
         self,

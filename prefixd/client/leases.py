@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self
 
@@ -128,6 +128,13 @@ class Lease:
             raise RegionError("a lease can only be trimmed before its bytes are viewed")
         self.size = min(self.size, max(used, 0))
         self.allocator.shrink(self._span, max(self.size, 1))
+
+    def loaded(self, offsets: Sequence[int], sizes: Sequence[int]) -> tuple[memoryview, ...]:
+        """Views of the payloads a load wrote at region `offsets`, the lease first trimmed to
+        the end of the last (the rest is free again at once)."""
+        starts = [offset - self.offset for offset in offsets]
+        self.trim(max((at + size for at, size in zip(starts, sizes)), default=0))
+        return tuple(self.slice(at, at + size) for at, size in zip(starts, sizes))
 
     def release(self) -> None:
         """Give the span back: its views raise from now on (one that something else still

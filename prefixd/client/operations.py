@@ -134,9 +134,7 @@ def put(
 ) -> Steps[Stored]:
     """Stage `payloads` in the region and publish blocks first_block.. of `token_ids`."""
     with holding() as held:
-        lease, spans = yield from core.stage(payloads)
-        if lease is not None:
-            held.append(lease)
+        spans = yield from core.stage(payloads, held)
         reply: wire.PutReply = yield from core.prompted_call(
             wire.Put, identity, token_ids, spans_of(held), first_block=first_block, blocks=spans
         )
@@ -289,10 +287,8 @@ def load(
         with released_on_error(lease):
             reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
     with released_on_error(lease):
-        base = lease.offset
         offsets, sizes = unpacked(reply.offsets), unpacked(reply.sizes)
-        lease.trim(max((o + n - base for o, n in zip(offsets, sizes)), default=0))
-        views = tuple(lease.slice(o - base, o - base + n) for o, n in zip(offsets, sizes))
+        views = lease.loaded(offsets, sizes)
     return Loaded(reply.n_blocks, reply.n_tokens, offsets, sizes, views, reply.first_block, lease)
 
 
