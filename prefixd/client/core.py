@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,7 @@ class ClientCore:
     def prompt_fields(self, words: TokenIds, held: list[Lease | Span]) -> dict[str, Any]:
         """A prompt's token fields (its chain words): staged in a span of the token region when
         long and there is room now (the span goes to `held`), else inline in the frame."""
-        entry = self._entry(words, None, held.append)
+        entry = self._entry(words, None, held)
         return {
             "tokens": entry.tokens,
             "tokens_span": entry.tokens_span,
@@ -175,10 +175,10 @@ class ClientCore:
         }
 
     def _entry(
-        self, words: TokenIds, hashes: bytes | None, keep: Callable[[Span], None]
+        self, words: TokenIds, hashes: bytes | None, held: list[Lease | Span]
     ) -> wire.Prompt:
         """One prompt of a request (its chain words: prefixd.schema.content.chain_words); a
-        token-region span it stages them in goes to `keep`."""
+        token-region span it stages them in goes to `held`."""
         tokens = as_token_array(words)
         allocator = self.tokens
         span = None
@@ -186,7 +186,7 @@ class ClientCore:
             span = allocator.try_span(tokens.nbytes)
         if span is None:
             return wire.Prompt(tokens=tokens.tobytes(), n_tokens=len(tokens), hashes=hashes)
-        keep(span)
+        held.append(span)
         span.write(tokens)
         where = (self._region_ids[id(allocator)], span.offset, len(tokens))
         return wire.Prompt(tokens_span=where, n_tokens=len(tokens), hashes=hashes)
@@ -221,10 +221,9 @@ class ClientCore:
         """Send a request of `kind` about `prompts` (and its other `fields`) and return its
         reply, holding the token-region spans the prompts were staged in until it is in."""
         with holding() as held:
-            keep = held.append
             entries = [
                 self._entry(
-                    chain_words(identity, prompt), None if hashes is None else hashes[i], keep
+                    chain_words(identity, prompt), None if hashes is None else hashes[i], held
                 )
                 for i, prompt in enumerate(prompts)
             ]
