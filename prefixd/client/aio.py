@@ -11,13 +11,13 @@ import os
 import socket
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, ParamSpec, Self, TypeVar
 
 from prefixd.client.blocking import Publishers
-from prefixd.client.core import ClientCore
+from prefixd.client.core import ClientCore, StepsOf
 from prefixd.client.leases import Span
 from prefixd.client.operations import Operations
-from prefixd.client.steps import Call, Publish, Reserve, Step, Steps, Synchronize
+from prefixd.client.steps import Call, Publish, Reserve, Step, Synchronize
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.trust import check_peer, check_socket_path, unreachable
@@ -98,13 +98,7 @@ class AsyncClient(Operations, TensorOperations):
 
     # --- the shell: steps over an asyncio socket ------------------------------------------------
 
-    async def run(
-        self,
-        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T:
+    async def run(self, steps_of: StepsOf[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run one operation's steps to its result (see Client.run)."""
         return await self._drive(steps_of(self._core, *args, **kwargs), self._perform)
 

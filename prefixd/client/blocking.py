@@ -11,12 +11,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar
 
-from prefixd.client.core import ClientCore
+from prefixd.client.core import ClientCore, StepsOf
 from prefixd.client.operations import Operations
 from prefixd.client.polling import DEFAULT_POLL_US, ReplyPolling
-from prefixd.client.steps import Call, Publish, Reserve, Step, Steps
+from prefixd.client.steps import Call, Publish, Reserve, Step
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import (
     BadFrameError,
@@ -108,13 +108,7 @@ class Client(Operations, TensorOperations):
 
     # --- the shell: steps over a blocking socket ------------------------------------------------
 
-    def run(
-        self,
-        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T:
+    def run(self, steps_of: StepsOf[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run one operation's steps on this client's core to its result."""
         return self._drive(steps_of(self._core, *args, **kwargs), self._perform)
 

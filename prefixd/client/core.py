@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import msgspec
 import numpy as np
@@ -27,6 +27,9 @@ from prefixd.wire.frames import PROTOCOL_VERSION, decode_body, encode_frame
 from prefixd.wire.region import SharedRegion
 
 INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not the socket
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class ClientCore:
@@ -289,3 +292,8 @@ class ClientCore:
             deadline_s=deadline_s,
         )
         return reply
+
+
+# What each operation is declared as (prefixd.client.operations): a function of the core that
+# makes its steps, and what a shell's `run` takes.
+StepsOf: TypeAlias = Callable[Concatenate[ClientCore, P], Steps[T]]

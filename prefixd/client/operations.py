@@ -13,13 +13,12 @@ import inspect
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
+from typing import Any, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
-import msgspec
 import numpy as np
 
 from prefixd.client import state_steps
-from prefixd.client.core import ClientCore
+from prefixd.client.core import ClientCore, StepsOf
 from prefixd.client.leases import Lease, RegionUsage, Span
 from prefixd.client.results import Loaded, Lookup, Routed, Stored
 from prefixd.client.steps import (
@@ -46,31 +45,21 @@ T = TypeVar("T")
 class Drives(Protocol):
     """A client that runs an operation's steps to its result (Client)."""
 
-    def run(
-        self,
-        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T: ...
+    def run(self, steps_of: StepsOf[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
 
 
 class Awaits(Protocol):
     """A client whose run of an operation's steps is a coroutine (AsyncClient)."""
 
     def run(
-        self,
-        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
+        self, steps_of: StepsOf[P, T], /, *args: P.args, **kwargs: P.kwargs
     ) -> Coroutine[Any, Any, T]: ...
 
 
 class Operation(Generic[P, R]):
     """An operation bound to the client it is read from: `client.run` with its steps function."""
 
-    def __init__(self, steps_of: Callable[Concatenate[ClientCore, P], Steps[R]]) -> None:
+    def __init__(self, steps_of: StepsOf[P, R]) -> None:
         self.steps_of = steps_of
         self.__doc__ = steps_of.__doc__
 
@@ -90,7 +79,7 @@ class Background(Generic[P, R]):
     """An operation whose result is a future the work resolves in the background (a
     concurrent.futures one on Client, an asyncio one on AsyncClient)."""
 
-    def __init__(self, steps_of: Callable[Concatenate[ClientCore, P], Steps[Future[R]]]) -> None:
+    def __init__(self, steps_of: StepsOf[P, Future[R]]) -> None:
         self.steps_of = steps_of
         self.__doc__ = steps_of.__doc__
 
@@ -242,8 +231,7 @@ def route(
     reply: wire.RouteReply = yield from core.prompted_call(
         wire.Route, identity, token_ids, hashes=hashes
     )
-    fields = msgspec.structs.asdict(reply)
-    return Routed(**{name: fields[name] for name in Routed.__slots__})
+    return Routed(**{name: getattr(reply, name) for name in Routed.__slots__})
 
 
 def load(
