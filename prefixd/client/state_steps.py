@@ -34,7 +34,8 @@ def put_state(
     payloads = [p for name in paged for p in paged[name]]
     payloads += [p for name in checkpoints for p in checkpoints[name].values()]
     with holding() as held:
-        spans = iter((yield from core.stage(payloads, held)))
+        staged = yield from core.stage(payloads, held)
+        spans = iter(staged)
         reply: wire.PutStateReply = yield from core.prompted_call(
             wire.PutState,
             identity,
