@@ -249,7 +249,6 @@ class RegionAllocator:
 
     def acquire(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
         """A lease, waiting up to `timeout` seconds for space (threads)."""
-        self._check_fits(nbytes)
         ready = threading.Event()
         waiter = self._enqueue(nbytes, largest, ready.set)
         if isinstance(waiter, Lease):
@@ -268,7 +267,6 @@ class RegionAllocator:
 
     async def acquire_async(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
         """A lease, waiting up to `timeout` seconds for space (asyncio; never blocks the loop)."""
-        self._check_fits(nbytes)
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
 
@@ -297,11 +295,9 @@ class RegionAllocator:
     def _enqueue(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> Lease | _Waiter:
         """A lease at once when no one waits ahead and there is room, else a queued waiter."""
         with self._lock:
-            self._poll_deferred()
-            if not self._waiters:
-                lease = self._take(nbytes, largest)
-                if lease is not None:
-                    return lease
+            lease = self.try_acquire(nbytes, largest=largest)
+            if lease is not None:
+                return lease
             waiter = _Waiter(nbytes, largest, wake)
             self._waiters.append(waiter)
             return waiter
