@@ -270,5 +270,4 @@ class AsyncClient(Operations, TensorOperations):
             if entry.waited and not entry.future.done():
                 entry.future.set_exception(DaemonUnavailableError(str(reason)))
         if any(entry.spans for entry in pending.values()):
-            for allocator in self._core.allocators():  # their space may be what others await
-                allocator.interrupt(DaemonUnavailableError(f"{reason} (while waiting for space)"))
+            self._core.lost_with_spans(reason)

@@ -150,11 +150,8 @@ class Client(Operations, TensorOperations):
                 return self._request(step)
             except DaemonUnavailableError as lost:
                 self._drop()
-                if step.spans:  # their space may be what other threads wait for
-                    for allocator in self._core.allocators():
-                        allocator.interrupt(
-                            DaemonUnavailableError(f"{lost} (while waiting for space)")
-                        )
+                if step.spans:
+                    self._core.lost_with_spans(lost)
                 self._connect(wait_s=self._core.reconnect_wait_s)
                 if step.spans and self._core.instance == instance:
                     # the same daemon may still be working on the lost request: its spans stay

@@ -15,7 +15,7 @@ import numpy as np
 
 from prefixd.client.leases import Lease, RegionAllocator, Span
 from prefixd.client.steps import Call, Reserve, Steps, holding, spans_of
-from prefixd.errors import PrefixdError, RegionError
+from prefixd.errors import DaemonUnavailableError, PrefixdError, RegionError
 from prefixd.schema.content import chain_words
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import PromptIds, TokenIds, as_token_array
@@ -142,6 +142,12 @@ class ClientCore:
             error = reply.get("error") or {}
             raise error_for(str(error.get("code", "unknown")), str(error.get("message", "")))
         return reply
+
+    def lost_with_spans(self, reason: BaseException) -> None:
+        """The connection broke with requests naming region spans in flight: wake every waiter
+        for space with the reason, since those spans may be what it waits for."""
+        for allocator in self.allocators():
+            allocator.interrupt(DaemonUnavailableError(f"{reason} (while waiting for space)"))
 
     def close(self) -> None:
         for region in (self.region, self.token_region):
