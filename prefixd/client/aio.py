@@ -9,15 +9,15 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, Self, TypeVar
+from typing import Any, ParamSpec, Self, TypeVar
 
 from prefixd.client.blocking import Publishers
-from prefixd.client.core import ClientCore
+from prefixd.client.core import ClientCore, StepsOf
 from prefixd.client.leases import Span
 from prefixd.client.operations import Operations
-from prefixd.client.steps import Call, Publish, Reserve, Steps, Synchronize
+from prefixd.client.steps import Call, Publish, Reserve, Step, Synchronize
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import DaemonUnavailableError, PrefixdError, RequestTimeoutError
 from prefixd.trust import check_peer, check_socket_path, unreachable
@@ -26,6 +26,7 @@ from prefixd.wire.frames import FrameReader
 from prefixd.wire.region import send_with_fds
 
 P = ParamSpec("P")
+S = TypeVar("S")
 T = TypeVar("T")
 
 
@@ -97,15 +98,15 @@ class AsyncClient(Operations, TensorOperations):
 
     # --- the shell: steps over an asyncio socket ------------------------------------------------
 
-    async def run(
-        self,
-        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T:
+    async def run(self, steps_of: StepsOf[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run one operation's steps to its result (see Client.run)."""
-        steps = steps_of(self._core, *args, **kwargs)
+        return await self._drive(steps_of(self._core, *args, **kwargs), self._perform)
+
+    @staticmethod
+    async def _drive(
+        steps: Generator[S, Any, T], perform: Callable[[S], Coroutine[Any, Any, Any]]
+    ) -> T:
+        """Perform each step and hand its value back to the steps (see Client._drive)."""
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -115,11 +116,11 @@ class AsyncClient(Operations, TensorOperations):
                 return done.value  # type: ignore[no-any-return]
             value, error = None, None
             try:
-                value = await self._perform(step)
+                value = await perform(step)
             except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
-    async def _perform(self, step: Call | Reserve | Synchronize | Publish) -> Any:
+    async def _perform(self, step: Step) -> Any:
         if isinstance(step, Reserve):
             return await step.allocator.acquire_async(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
@@ -218,15 +219,7 @@ class AsyncClient(Operations, TensorOperations):
         self._sock = sock
         self._reader = asyncio.create_task(self._read_replies(sock), name="prefixd-replies")
         try:
-            greeting = self._core.greeting()
-            reply = None
-            while True:
-                try:
-                    step = greeting.send(reply)
-                except StopIteration:
-                    return
-                assert isinstance(step, Call)
-                reply = await self._request(step)
+            await self._drive(self._core.greeting(), self._request)
         except BaseException:
             await self._disconnect(DaemonUnavailableError("the greeting failed"))
             raise
@@ -277,5 +270,4 @@ class AsyncClient(Operations, TensorOperations):
             if entry.waited and not entry.future.done():
                 entry.future.set_exception(DaemonUnavailableError(str(reason)))
         if any(entry.spans for entry in pending.values()):
-            for allocator in self._core.allocators():  # their space may be what others await
-                allocator.interrupt(DaemonUnavailableError(f"{reason} (while waiting for space)"))
+            self._core.lost_with_spans(reason)

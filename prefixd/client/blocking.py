@@ -10,13 +10,13 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar
 
-from prefixd.client.core import ClientCore
+from prefixd.client.core import ClientCore, StepsOf
 from prefixd.client.operations import Operations
 from prefixd.client.polling import DEFAULT_POLL_US, ReplyPolling
-from prefixd.client.steps import Call, Publish, Reserve, Steps, Synchronize
+from prefixd.client.steps import Call, Publish, Reserve, Step
 from prefixd.client.tensors import TensorOperations
 from prefixd.errors import (
     BadFrameError,
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from prefixd.client.transfer import Publisher
 
 P = ParamSpec("P")
+S = TypeVar("S")
 T = TypeVar("T")
 
 
@@ -107,16 +108,14 @@ class Client(Operations, TensorOperations):
 
     # --- the shell: steps over a blocking socket ------------------------------------------------
 
-    def run(
-        self,
-        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T:
-        """Run one operation's steps on this client's core to its result. A step's error is
-        raised inside the steps, so they release what they leased on their way out."""
-        steps = steps_of(self._core, *args, **kwargs)
+    def run(self, steps_of: StepsOf[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run one operation's steps on this client's core to its result."""
+        return self._drive(steps_of(self._core, *args, **kwargs), self._perform)
+
+    @staticmethod
+    def _drive(steps: Generator[S, Any, T], perform: Callable[[S], Any]) -> T:
+        """Perform each step and hand its value back to the steps. A step's error is raised
+        inside the steps, so they release what they leased on their way out."""
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -126,11 +125,13 @@ class Client(Operations, TensorOperations):
                 return done.value  # type: ignore[no-any-return]
             value, error = None, None
             try:
-                value = self._call(step) if isinstance(step, Call) else self._perform(step)
+                value = perform(step)
             except BaseException as exc:  # noqa: BLE001 - handed back to the steps, which raise it
                 error = exc
 
-    def _perform(self, step: Reserve | Synchronize | Publish) -> Any:
+    def _perform(self, step: Step) -> Any:
+        if isinstance(step, Call):
+            return self._call(step)
         if isinstance(step, Reserve):
             return step.allocator.acquire(
                 step.nbytes, timeout=self._core.timeout, largest=step.largest
@@ -149,11 +150,8 @@ class Client(Operations, TensorOperations):
                 return self._request(step)
             except DaemonUnavailableError as lost:
                 self._drop()
-                if step.spans:  # their space may be what other threads wait for
-                    for allocator in self._core.allocators():
-                        allocator.interrupt(
-                            DaemonUnavailableError(f"{lost} (while waiting for space)")
-                        )
+                if step.spans:
+                    self._core.lost_with_spans(lost)
                 self._connect(wait_s=self._core.reconnect_wait_s)
                 if step.spans and self._core.instance == instance:
                     # the same daemon may still be working on the lost request: its spans stay
@@ -254,15 +252,7 @@ class Client(Operations, TensorOperations):
         self._sock = sock
         self._frames = FrameReader()  # nothing read on another connection carries over
         try:
-            greeting = self._core.greeting()
-            reply = None
-            while True:
-                try:
-                    step = greeting.send(reply)
-                except StopIteration:
-                    return
-                assert isinstance(step, Call)
-                reply = self._request(step)
+            self._drive(self._core.greeting(), self._request)
         except BaseException:
             self._drop()
             raise

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeAlias, TypeVar
 
 import msgspec
 import numpy as np
 
 from prefixd.client.leases import Lease, RegionAllocator, Span
 from prefixd.client.steps import Call, Reserve, Steps, holding, spans_of
-from prefixd.errors import PrefixdError, RegionError
+from prefixd.errors import DaemonUnavailableError, PrefixdError, RegionError
 from prefixd.schema.content import chain_words
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import PromptIds, TokenIds, as_token_array
@@ -27,6 +27,9 @@ from prefixd.wire.frames import PROTOCOL_VERSION, decode_body, encode_frame
 from prefixd.wire.region import SharedRegion
 
 INLINE_TOKEN_BYTES = 16 << 10  # longer prompts go through the token region, not the socket
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class ClientCore:
@@ -79,7 +82,7 @@ class ClientCore:
     def allocators(self) -> list[RegionAllocator]:
         return [a for a in (self.payloads, self.tokens) if a is not None]
 
-    def greeting(self) -> Steps[None]:
+    def greeting(self) -> Generator[Call, Any, None]:
         """What a fresh connection sends first: hello, then one attach per region."""
         hello = wire.Hello(
             id=self.next_id(),
@@ -140,6 +143,12 @@ class ClientCore:
             raise error_for(str(error.get("code", "unknown")), str(error.get("message", "")))
         return reply
 
+    def lost_with_spans(self, reason: BaseException) -> None:
+        """The connection broke with requests naming region spans in flight: wake every waiter
+        for space with the reason, since those spans may be what it waits for."""
+        for allocator in self.allocators():
+            allocator.interrupt(DaemonUnavailableError(f"{reason} (while waiting for space)"))
+
     def close(self) -> None:
         for region in (self.region, self.token_region):
             if region is not None:
@@ -167,7 +176,7 @@ class ClientCore:
     def prompt_fields(self, words: TokenIds, held: list[Lease | Span]) -> dict[str, Any]:
         """A prompt's token fields (its chain words): staged in a span of the token region when
         long and there is room now (the span goes to `held`), else inline in the frame."""
-        entry = self._entry(words, None, held.append)
+        entry = self._entry(words, None, held)
         return {
             "tokens": entry.tokens,
             "tokens_span": entry.tokens_span,
@@ -175,10 +184,10 @@ class ClientCore:
         }
 
     def _entry(
-        self, words: TokenIds, hashes: bytes | None, keep: Callable[[Span], None]
+        self, words: TokenIds, hashes: bytes | None, held: list[Lease | Span]
     ) -> wire.Prompt:
         """One prompt of a request (its chain words: prefixd.schema.content.chain_words); a
-        token-region span it stages them in goes to `keep`."""
+        token-region span it stages them in goes to `held`."""
         tokens = as_token_array(words)
         allocator = self.tokens
         span = None
@@ -186,27 +195,29 @@ class ClientCore:
             span = allocator.try_span(tokens.nbytes)
         if span is None:
             return wire.Prompt(tokens=tokens.tobytes(), n_tokens=len(tokens), hashes=hashes)
-        keep(span)
+        held.append(span)
         span.write(tokens)
         where = (self._region_ids[id(allocator)], span.offset, len(tokens))
         return wire.Prompt(tokens_span=where, n_tokens=len(tokens), hashes=hashes)
 
-    def stage(self, payloads: Sequence[Any]) -> Steps[tuple[Lease | None, list[wire.Span]]]:
-        """Lease room for `payloads` and copy them in back to back; the spans a put names."""
+    def stage(self, payloads: Sequence[Any], held: list[Lease | Span]) -> Steps[list[wire.Span]]:
+        """Lease room for `payloads` (the lease goes to `held`) and copy them in back to back;
+        the spans a put names."""
         allocator = self.require_payloads()
+        region_id = self.region_id(allocator)
         sources = [np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8) for p in payloads]
         total = sum(s.nbytes for s in sources)
         if total == 0:
-            return None, [(self.region_id(allocator), 0, 0) for _ in sources]
+            return [(region_id, 0, 0) for _ in sources]
         lease: Lease = yield Reserve(allocator, total)
-        region_id = self.region_id(allocator)
+        held.append(lease)
         spans: list[wire.Span] = []
         offset = 0
         for source in sources:
             lease.write(source, offset)
             spans.append((region_id, lease.offset + offset, source.nbytes))
             offset += source.nbytes
-        return lease, spans
+        return spans
 
     def prompts_call(
         self,
@@ -219,10 +230,9 @@ class ClientCore:
         """Send a request of `kind` about `prompts` (and its other `fields`) and return its
         reply, holding the token-region spans the prompts were staged in until it is in."""
         with holding() as held:
-            keep = held.append
             entries = [
                 self._entry(
-                    chain_words(identity, prompt), None if hashes is None else hashes[i], keep
+                    chain_words(identity, prompt), None if hashes is None else hashes[i], held
                 )
                 for i, prompt in enumerate(prompts)
             ]
@@ -288,3 +298,8 @@ class ClientCore:
             deadline_s=deadline_s,
         )
         return reply
+
+
+# What each operation is declared as (prefixd.client.operations): a function of the core that
+# makes its steps, and what a shell's `run` takes.
+StepsOf: TypeAlias = Callable[Concatenate[ClientCore, P], Steps[T]]

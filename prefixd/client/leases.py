@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self
 
@@ -128,6 +128,13 @@ class Lease:
             raise RegionError("a lease can only be trimmed before its bytes are viewed")
         self.size = min(self.size, max(used, 0))
         self.allocator.shrink(self._span, max(self.size, 1))
+
+    def loaded(self, offsets: Sequence[int], sizes: Sequence[int]) -> tuple[memoryview, ...]:
+        """Views of the payloads a load wrote at region `offsets`, the lease first trimmed to
+        the end of the last (the rest is free again at once)."""
+        starts = [offset - self.offset for offset in offsets]
+        self.trim(max((at + size for at, size in zip(starts, sizes)), default=0))
+        return tuple(self.slice(at, at + size) for at, size in zip(starts, sizes))
 
     def release(self) -> None:
         """Give the span back: its views raise from now on (one that something else still
@@ -242,7 +249,6 @@ class RegionAllocator:
 
     def acquire(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
         """A lease, waiting up to `timeout` seconds for space (threads)."""
-        self._check_fits(nbytes)
         ready = threading.Event()
         waiter = self._enqueue(nbytes, largest, ready.set)
         if isinstance(waiter, Lease):
@@ -261,7 +267,6 @@ class RegionAllocator:
 
     async def acquire_async(self, nbytes: int, *, timeout: float, largest: bool = False) -> Lease:
         """A lease, waiting up to `timeout` seconds for space (asyncio; never blocks the loop)."""
-        self._check_fits(nbytes)
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
 
@@ -290,11 +295,9 @@ class RegionAllocator:
     def _enqueue(self, nbytes: int, largest: bool, wake: Callable[[], None]) -> Lease | _Waiter:
         """A lease at once when no one waits ahead and there is room, else a queued waiter."""
         with self._lock:
-            self._poll_deferred()
-            if not self._waiters:
-                lease = self._take(nbytes, largest)
-                if lease is not None:
-                    return lease
+            lease = self.try_acquire(nbytes, largest=largest)
+            if lease is not None:
+                return lease
             waiter = _Waiter(nbytes, largest, wake)
             self._waiters.append(waiter)
             return waiter

@@ -13,13 +13,12 @@ import inspect
 import os
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
+from typing import Any, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
-import msgspec
 import numpy as np
 
 from prefixd.client import state_steps
-from prefixd.client.core import ClientCore
+from prefixd.client.core import ClientCore, StepsOf
 from prefixd.client.leases import Lease, RegionUsage, Span
 from prefixd.client.results import Loaded, Lookup, Routed, Stored
 from prefixd.client.steps import (
@@ -46,31 +45,21 @@ T = TypeVar("T")
 class Drives(Protocol):
     """A client that runs an operation's steps to its result (Client)."""
 
-    def run(
-        self,
-        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
-    ) -> T: ...
+    def run(self, steps_of: StepsOf[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
 
 
 class Awaits(Protocol):
     """A client whose run of an operation's steps is a coroutine (AsyncClient)."""
 
     def run(
-        self,
-        steps_of: Callable[Concatenate[ClientCore, P], Steps[T]],
-        /,
-        *args: P.args,
-        **kwargs: P.kwargs,
+        self, steps_of: StepsOf[P, T], /, *args: P.args, **kwargs: P.kwargs
     ) -> Coroutine[Any, Any, T]: ...
 
 
 class Operation(Generic[P, R]):
     """An operation bound to the client it is read from: `client.run` with its steps function."""
 
-    def __init__(self, steps_of: Callable[Concatenate[ClientCore, P], Steps[R]]) -> None:
+    def __init__(self, steps_of: StepsOf[P, R]) -> None:
         self.steps_of = steps_of
         self.__doc__ = steps_of.__doc__
 
@@ -90,7 +79,7 @@ class Background(Generic[P, R]):
     """An operation whose result is a future the work resolves in the background (a
     concurrent.futures one on Client, an asyncio one on AsyncClient)."""
 
-    def __init__(self, steps_of: Callable[Concatenate[ClientCore, P], Steps[Future[R]]]) -> None:
+    def __init__(self, steps_of: StepsOf[P, Future[R]]) -> None:
         self.steps_of = steps_of
         self.__doc__ = steps_of.__doc__
 
@@ -134,9 +123,7 @@ def put(
 ) -> Steps[Stored]:
     """Stage `payloads` in the region and publish blocks first_block.. of `token_ids`."""
     with holding() as held:
-        lease, spans = yield from core.stage(payloads)
-        if lease is not None:
-            held.append(lease)
+        spans = yield from core.stage(payloads, held)
         reply: wire.PutReply = yield from core.prompted_call(
             wire.Put, identity, token_ids, spans_of(held), first_block=first_block, blocks=spans
         )
@@ -244,8 +231,7 @@ def route(
     reply: wire.RouteReply = yield from core.prompted_call(
         wire.Route, identity, token_ids, hashes=hashes
     )
-    fields = msgspec.structs.asdict(reply)
-    return Routed(**{name: fields[name] for name in Routed.__slots__})
+    return Routed(**{name: getattr(reply, name) for name in Routed.__slots__})
 
 
 def load(
@@ -289,10 +275,8 @@ def load(
         with released_on_error(lease):
             reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
     with released_on_error(lease):
-        base = lease.offset
         offsets, sizes = unpacked(reply.offsets), unpacked(reply.sizes)
-        lease.trim(max((o + n - base for o, n in zip(offsets, sizes)), default=0))
-        views = tuple(lease.slice(o - base, o - base + n) for o, n in zip(offsets, sizes))
+        views = lease.loaded(offsets, sizes)
     return Loaded(reply.n_blocks, reply.n_tokens, offsets, sizes, views, reply.first_block, lease)
 
 

@@ -34,9 +34,7 @@ def put_state(
     payloads = [p for name in paged for p in paged[name]]
     payloads += [p for name in checkpoints for p in checkpoints[name].values()]
     with holding() as held:
-        lease, staged = yield from core.stage(payloads)
-        if lease is not None:
-            held.append(lease)
+        staged = yield from core.stage(payloads, held)
         spans = iter(staged)
         reply: wire.PutStateReply = yield from core.prompted_call(
             wire.PutState,
@@ -109,13 +107,10 @@ def load_state(
     except BaseException:
         lease.release()
         raise
+    parts = result.parts
     with released_on_error(lease):
-        starts = [(p.offset or 0) - lease.offset for p in result.parts]
-        lease.trim(max((at + p.size for at, p in zip(starts, result.parts)), default=0))
-        loaded = tuple(
-            msgspec.structs.replace(p, view=lease.slice(at, at + p.size))
-            for at, p in zip(starts, result.parts)
-        )
+        views = lease.loaded([p.offset or 0 for p in parts], [p.size for p in parts])
+    loaded = tuple(msgspec.structs.replace(p, view=view) for p, view in zip(parts, views))
     return StateLoaded(
         result.reusable_tokens,
         result.replay_from,
