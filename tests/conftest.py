@@ -80,15 +80,52 @@ def hermetic() -> Iterator[Hermetic]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def machine_paths(hermetic: Hermetic) -> Iterator[DefaultPathWatch]:
+def _machine_watch(runner_env: dict[str, str], *, compare: bool) -> DefaultPathWatch:
     """A watch on the machine's prefixd paths (/var/lib/prefixd, /run/prefixd, the runner's
-    ~/.local/state/prefixd, ...) for the session; at its end, nothing there has changed. A suite
-    run by a test of another (bench/gpu/run.sh's CUDA tests) leaves the watch to that one: its own
-    would open those paths to look at them, which the outer watch rightly reports."""
-    nested = hermetic.runner_env.get(NESTED_SUITE) == "1"
-    dirs = [] if nested else machine_default_dirs(hermetic.runner_env, os.geteuid())
-    watch = DefaultPathWatch(watched_for(dirs))
+    ~/.local/state/prefixd, ...). A suite run by a test of another (bench/gpu/run.sh's CUDA tests)
+    leaves the watch to that one: its own would open those paths to look at them, which the outer
+    watch rightly reports."""
+    nested = runner_env.get(NESTED_SUITE) == "1"
+    dirs = [] if nested else machine_default_dirs(runner_env, os.geteuid())
+    return DefaultPathWatch(watched_for(dirs), compare=compare)
+
+
+def _distributing(config: pytest.Config) -> bool:
+    """Whether this process is the controller of a run in several processes (pytest-xdist)."""
+    return config.pluginmanager.hasplugin("dsession")
+
+
+_RUN_WATCH = pytest.StashKey[DefaultPathWatch]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In several processes, the run's controller watches and compares the machine's paths from
+    before the workers start (xdist starts them after this hook) until after they all ended."""
+    if _distributing(session.config):
+        session.config.stash[_RUN_WATCH] = _machine_watch(dict(os.environ), compare=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    watch = session.config.stash.get(_RUN_WATCH, None)
+    if watch is None:
+        return
+    touched = watch.finish()
+    if touched:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = "the suite touched the machine's prefixd paths:\n" + "\n".join(touched)
+        if reporter is not None:
+            reporter.write_line(message, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session", autouse=True)
+def machine_paths(hermetic: Hermetic, request: pytest.FixtureRequest) -> Iterator[DefaultPathWatch]:
+    """The machine's prefixd paths watched for the session; at its end, nothing there has
+    changed. A worker of a run in several processes only watches (each test's events): its
+    snapshots would be the other workers' events, and the controller compares the paths."""
+    worker = hasattr(request.config, "workerinput")
+    watch = _machine_watch(hermetic.runner_env, compare=not worker)
     yield watch
     touched = watch.finish()
     assert not touched, "the suite touched the machine's prefixd paths:\n" + "\n".join(touched)
@@ -107,6 +144,7 @@ def default_paths_of_the_test(
     yield
     touched = before + machine_paths.drain()
     assert not touched, (
-        "this test opened or changed the machine's prefixd paths (a command or client told only "
-        "part of its store and socket falls back on the defaults):\n" + "\n".join(touched)
+        "this test (or, in a run of several processes, one beside it) opened or changed the "
+        "machine's prefixd paths (a command or client told only part of its store and socket "
+        "falls back on the defaults):\n" + "\n".join(touched)
     )

@@ -254,9 +254,11 @@ class DefaultPathWatch:
     """An inotify watch on the machine's default paths, and their snapshot when it began:
     `drain()` says what happened since the last drain, one line per event on a watched entry;
     `finish()` adds what differs from the snapshot. Without inotify (no watch left to this user)
-    only the snapshot is compared, with a warning."""
+    only the snapshot is compared, with a warning. With `compare` False there is no snapshot, so
+    the watch opens nothing there itself: the watch of a worker of a run in several processes,
+    whose snapshots the other workers' watches would report (the run's controller compares)."""
 
-    def __init__(self, watched: Sequence[Watched]) -> None:
+    def __init__(self, watched: Sequence[Watched], *, compare: bool = True) -> None:
         self.watched = list(watched)
         self._by_wd: dict[int, Watched] = {}
         self.fd: int | None = None
@@ -264,7 +266,7 @@ class DefaultPathWatch:
             self.fd = self._start()
         except OSError as exc:
             warnings.warn(f"the machine's prefixd paths are only compared at the end: {exc}")
-        self.before = snapshot(self.watched)
+        self.before = snapshot(self.watched) if compare else None
         self.drain()  # the snapshot's own opens
 
     def _start(self) -> int:
@@ -288,7 +290,8 @@ class DefaultPathWatch:
     def finish(self) -> list[str]:
         """What happened since the last drain, and how the paths differ from the snapshot."""
         lines = self.drain()
-        lines += snapshot_changes(self.before, snapshot(self.watched))
+        if self.before is not None:
+            lines += snapshot_changes(self.before, snapshot(self.watched))
         self.close()
         return lines
 

@@ -116,3 +116,25 @@ def test_the_watch_names_what_was_done_to_a_default_path(tmp_path: Path) -> None
     finally:
         watch.close()
         data.close()
+
+
+def test_a_workers_watch_opens_nothing_that_another_watch_reports(tmp_path: Path) -> None:
+    """In a run of several processes each worker watches the machine's paths: a watch's snapshot
+    opens them, which every other watch reports, so a worker's watch takes none (the run's
+    controller compares them) and reports only what is done there."""
+    store = tmp_path / "prefixd"
+    store.mkdir()
+    (store / "data.mdb").write_bytes(b"")
+    dirs = watched_for([store])
+    worker, beside = DefaultPathWatch(dirs, compare=False), DefaultPathWatch(dirs, compare=False)
+    try:
+        assert worker.finish() == []  # one worker ends while the other still runs
+        assert beside.drain() == []
+        comparing = DefaultPathWatch(dirs)  # a watch that compares: its snapshot is reported
+        comparing.finish()
+        assert f"{store}/: opened" in beside.drain()
+        (store / "data.mdb").read_bytes()
+        assert beside.finish() == [f"{store}/data.mdb: opened"]
+    finally:
+        worker.close()
+        beside.close()
