@@ -62,28 +62,36 @@ def _settled(copies: DeviceCopies) -> None:
 def test_held_payloads_land_in_their_blocks_and_nowhere_else(device_name: str) -> None:
     device, layout = _device(device_name), _layout()
     rng = np.random.default_rng(1)
-    payloads = [rng.integers(0, 256, layout.nbytes, dtype=np.uint8) for _ in range(3)]
-    # chunks 0 and 1 back to back (one run, one copy), chunk 2 apart (a second run)
-    offsets = [0, layout.nbytes, 5 * layout.nbytes]
+    payloads = [rng.integers(0, 256, layout.nbytes, dtype=np.uint8) for _ in range(4)]
     warnings: list[str] = []
-    with SharedRegion(8 * layout.nbytes) as region:
-        data = np.frombuffer(region.view, dtype=np.uint8)
-        for offset, payload in zip(offsets, payloads, strict=True):
-            data[offset : offset + layout.nbytes] = payload
-        held: list[HeldPayload] = [(_region_ref(region), o, layout.nbytes) for o in offsets]
+    with SharedRegion(8 * layout.nbytes) as first, SharedRegion(3 * layout.nbytes) as second:
+        # chunks 0 and 1 back to back in the first region (one run, one copy), chunk 2 in the
+        # second (the scheduler's region after a reconnect), chunk 3 in the first again (held
+        # there since before it): each region mapped in turn, the copies from the one before
+        # it done first
+        places = [
+            (first, 0),
+            (first, layout.nbytes),
+            (second, 2 * layout.nbytes),
+            (first, 5 * layout.nbytes),
+        ]
+        held: list[HeldPayload] = []
+        for (region, offset), payload in zip(places, payloads, strict=True):
+            np.frombuffer(region.view, dtype=np.uint8)[offset : offset + layout.nbytes] = payload
+            held.append((_region_ref(region), offset, layout.nbytes))
         kv = _kv(device, seed=2)
         before = [t.cpu().numpy().copy() for t in kv]
         copies = DeviceCopies(list(kv), warnings.append)
-        # the load starts at page 1 of its first chunk: pages 1-3 of chunk 0, 0-3 of 1, 0-1 of 2
-        block_ids = np.array([7, 3, 9, 1, 5, 2, 8, 11, 0])
+        # the load starts at page 1 of its first chunk: pages 1-3 of chunk 0, 0-3 of 1 and 2,
+        # 0-1 of 3
+        block_ids = np.array([7, 3, 9, 1, 5, 2, 8, 11, 0, 14, 6, 10, 4])
         with copies.queued():
             nbytes = copies.install(layout, block_ids, 1, held)
         _settled(copies)
         after = [t.cpu().numpy() for t in kv]
         copies.close()
-        del data
     assert nbytes == len(block_ids) * sum(PAGES)
-    assert warnings == []  # on CUDA: the region was registered
+    assert warnings == []  # on CUDA: each region was registered
     for layer, size in enumerate(PAGES):
         expected = before[layer].copy()
         for i, block in enumerate(block_ids):

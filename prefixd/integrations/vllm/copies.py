@@ -228,6 +228,8 @@ class DeviceCopies:
     def _map(self, ref: RegionRef) -> MappedRegion:
         mapped = self._mapped.get(ref.inode)
         if mapped is None:
+            if self._mapped and self._stream is not None:
+                self._stream.synchronize()  # no copy queued from a region is left when it goes
             for older in self._mapped.values():  # a new region: the scheduler reconnected
                 older.close()
             self._mapped = {ref.inode: MappedRegion(ref, self.cuda)}

@@ -144,7 +144,7 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
         self._copies.close()
         self._link.close()
 
-    # --- copies ---------------------------------------------------------------------------------
+    # --- jobs ----------------------------------------------------------------------------------
 
     def _finish(self, result: TransferResult) -> None:
         with self._done:
