@@ -240,7 +240,7 @@ class _Walk:
                 continue
             self.seen.add(pgno)
             at = pgno * self.psize
-            page = self.read(at, self.psize)
+            page = self.read_page(pgno, self.psize)
             _, _, flags, lower, upper = _HEADER.unpack_from(page, 0)
             if not flags & (P_BRANCH | P_LEAF) or not PAGE_HEADER <= lower <= upper <= self.psize:
                 raise CorruptStoreError(f"page {pgno} is no branch or leaf page: not clearing")
@@ -278,6 +278,9 @@ class _Walk:
         """
         at = pgno * self.psize
         page = self.read(at, self.psize)
+        if len(page) < self.psize:  # LMDB never wrote it (freed in the transaction that took it)
+            self.zero_if_set(at, page)
+            return
         own, _, flags, _, _ = _HEADER.unpack_from(page, 0)
         headed = own == pgno and flags in (P_BRANCH, P_LEAF, P_OVERFLOW, P_LEAF | P_LEAF2)
         skip = PAGE_HEADER if headed else 0
@@ -287,7 +290,7 @@ class _Walk:
         """Clear the unused end of the overflow pages holding a `size`-byte value; the value when
         `wanted` (a free list's), else b""."""
         at = pgno * self.psize
-        head = self.read(at, PAGE_HEADER)
+        head = self.read_page(pgno, PAGE_HEADER)
         pages = _U32.unpack_from(head, 12)[0]
         if not _U16.unpack_from(head, 10)[0] & P_OVERFLOW or pages * self.psize < size:
             raise CorruptStoreError(
@@ -296,6 +299,13 @@ class _Walk:
         end = at + PAGE_HEADER + size
         self.zero_if_set(end, self.read(end, at + pages * self.psize - end))
         return self.read(at + PAGE_HEADER, size) if wanted else b""
+
+    def read_page(self, pgno: int, length: int) -> bytes:
+        """The start of a page an entry or the free list reaches: LMDB wrote it, so the file has it."""
+        page = self.read(pgno * self.psize, length)
+        if len(page) < length:
+            raise CorruptStoreError(f"page {pgno} lies past the end of the file: not clearing")
+        return page
 
     def read(self, at: int, length: int) -> bytes:
         self.scanned += length

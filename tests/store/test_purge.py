@@ -373,3 +373,61 @@ def test_a_big_write_after_the_purge_brings_nothing_back(tmp_path: Path) -> None
         store.put(other, needles.tokens(other, 1500, planted=False), big)
         store.sync()
         assert needles.found(tmp_path / "s") == {}
+
+
+def lmdb_free_pages_past_the_end(path: Path) -> lmdb.Environment:
+    """An LMDB file whose free list names pages past its end: a transaction that takes new pages
+    and frees them again (a value put and deleted) never writes them, yet frees them."""
+    env = lmdb.open(str(path), map_size=1 << 24, max_dbs=2)
+    table = env.open_db(b"t")
+    for key in (b"a", b"b"):
+        with env.begin(write=True) as txn:
+            txn.put(key, b"x", db=table)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", bytes(9000), db=table)  # three overflow pages, after the file's last
+        txn.delete(b"k", db=table)
+    return env
+
+
+def free_pages(fd: int, psize: int) -> list[int]:
+    """The pages on the free list of an LMDB file's newest snapshot, read as the clearing reads it."""
+    import struct
+
+    from prefixd.store import scrub
+
+    walk = scrub._Walk(fd, psize)
+    metas = [walk.read(n * psize, psize) for n in (0, 1)]
+    meta = max(metas, key=lambda page: scrub._U64.unpack_from(page, scrub.META_TXNID)[0])
+    lists: list[tuple[int, bytes]] = []
+    walk.tree(scrub._U64.unpack_from(meta, scrub.META_FREE_DB + scrub.DB_ROOT_AT)[0], lists)
+    pages: list[int] = []
+    for _, idl in lists:
+        count = scrub._U64.unpack_from(idl, 0)[0]
+        pages += [pgno for (pgno,) in struct.iter_unpack("<Q", idl[8 : 8 * (count + 1)])]
+    return pages
+
+
+def test_the_clearing_walks_free_pages_lmdb_never_wrote(tmp_path: Path) -> None:
+    """The walk over data.mdb reads the free pages no reader can see; one LMDB freed in the
+    transaction that took it was never written, so it lies past the file's end: nothing to clear
+    there (a purge racing loads, which makes LMDB take new pages, met one and failed)."""
+    import os
+
+    from prefixd.errors import CorruptStoreError
+    from prefixd.store import scrub
+
+    env = lmdb_free_pages_past_the_end(tmp_path)
+    data = tmp_path / "data.mdb"
+    fd = os.open(data, os.O_RDWR)
+    try:
+        psize = env.stat()["psize"]
+        assert max(free_pages(fd, psize)) >= data.stat().st_size // psize  # the case
+        with env.begin(write=True) as txn:
+            assert scrub._Walk(fd, psize).run(float("inf"), txn.id() - 1)
+        # a page the trees reach past the end is damage, named as such
+        os.truncate(data, 2 * psize + 16)
+        with env.begin(write=True) as txn, pytest.raises(CorruptStoreError, match="past the end"):
+            scrub._Walk(fd, psize).run(float("inf"), txn.id() - 1)
+    finally:
+        os.close(fd)
+        env.close()
