@@ -321,14 +321,16 @@ def test_loads_during_a_purge_are_whole_or_miss(tmp_path: Path) -> None:
         threads = [threading.Thread(target=reader, args=(n,)) for n in range(2)]
         for thread in threads:
             thread.start()
-        each_reader_passes([0, 0])  # both are reading (and go on) when the purge begins
-        report = store.purge(PurgeSelector(tenant="a"))
-        with passed:
-            after = list(passes)
-        each_reader_passes(after)  # and both read every prompt again once it is over
-        stop.set()
-        for thread in threads:
-            thread.join()
+        try:
+            each_reader_passes([0, 0])  # both are reading (and go on) when the purge begins
+            report = store.purge(PurgeSelector(tenant="a"))
+            with passed:
+                after = list(passes)
+            each_reader_passes(after)  # and both read every prompt again once it is over
+        finally:  # a failure is the test's, not readers' of a closed store
+            stop.set()
+            for thread in threads:
+                thread.join()
         assert report.blocks == 200 and not errors
         assert all(store.load(ident(), p, bytearray(10_000)).n_blocks == 0 for p in prompts)
 
