@@ -80,14 +80,16 @@ def hermetic() -> Iterator[Hermetic]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _machine_watch(runner_env: dict[str, str], *, compare: bool) -> DefaultPathWatch:
+def _machine_watch(
+    runner_env: dict[str, str], *, compare: bool, events: bool = True
+) -> DefaultPathWatch:
     """A watch on the machine's prefixd paths (/var/lib/prefixd, /run/prefixd, the runner's
     ~/.local/state/prefixd, ...). A suite run by a test of another (bench/gpu/run.sh's CUDA tests)
     leaves the watch to that one: its own would open those paths to look at them, which the outer
     watch rightly reports."""
     nested = runner_env.get(NESTED_SUITE) == "1"
     dirs = [] if nested else machine_default_dirs(runner_env, os.geteuid())
-    return DefaultPathWatch(watched_for(dirs), compare=compare)
+    return DefaultPathWatch(watched_for(dirs), compare=compare, events=events)
 
 
 def _distributing(config: pytest.Config) -> bool:
@@ -99,10 +101,12 @@ _RUN_WATCH = pytest.StashKey[DefaultPathWatch]()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """In several processes, the run's controller watches and compares the machine's paths from
-    before the workers start (xdist starts them after this hook) until after they all ended."""
+    """In several processes, the run's controller compares the machine's paths from before the
+    workers start (xdist starts them after this hook) until after they all ended; the workers'
+    watches name the tests that touch them."""
     if _distributing(session.config):
-        session.config.stash[_RUN_WATCH] = _machine_watch(dict(os.environ), compare=True)
+        watch = _machine_watch(dict(os.environ), compare=True, events=False)
+        session.config.stash[_RUN_WATCH] = watch
 
 
 @pytest.hookimpl(trylast=True)

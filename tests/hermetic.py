@@ -256,14 +256,18 @@ class DefaultPathWatch:
     `finish()` adds what differs from the snapshot. Without inotify (no watch left to this user)
     only the snapshot is compared, with a warning. With `compare` False there is no snapshot, so
     the watch opens nothing there itself: the watch of a worker of a run in several processes,
-    whose snapshots the other workers' watches would report (the run's controller compares)."""
+    whose snapshots the other workers' watches would report. With `events` False there is no
+    inotify queue: the watch of that run's controller, which compares and never drains (its
+    queue, filled by the workers' temporary files beside a watched path, would overflow)."""
 
-    def __init__(self, watched: Sequence[Watched], *, compare: bool = True) -> None:
+    def __init__(
+        self, watched: Sequence[Watched], *, compare: bool = True, events: bool = True
+    ) -> None:
         self.watched = list(watched)
         self._by_wd: dict[int, Watched] = {}
         self.fd: int | None = None
         try:
-            self.fd = self._start()
+            self.fd = self._start() if events else None
         except OSError as exc:
             warnings.warn(f"the machine's prefixd paths are only compared at the end: {exc}")
         self.before = snapshot(self.watched) if compare else None

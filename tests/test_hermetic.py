@@ -138,3 +138,26 @@ def test_a_workers_watch_opens_nothing_that_another_watch_reports(tmp_path: Path
     finally:
         worker.close()
         beside.close()
+
+
+def test_the_controllers_watch_compares_with_no_queue_to_overflow(tmp_path: Path) -> None:
+    """A run's controller never drains its watch until the run ends, and the workers' temporary
+    files beside a watched path (/tmp/prefixd-UID among /tmp's) fill an inotify queue past its
+    limit: its watch compares snapshots only, and still sees what was made there."""
+    parent = tmp_path / "tmp"
+    parent.mkdir()
+    dirs = watched_for([parent / "prefixd-0"])
+    undrained, controller = DefaultPathWatch(dirs), DefaultPathWatch(dirs, events=False)
+    try:
+        besides = [parent / "pytest-of-root", parent / "tmpa1b2c3"]  # in turn: events coalesce
+        for beside in besides:
+            beside.write_bytes(b"")
+        limit = int(Path("/proc/sys/fs/inotify/max_queued_events").read_text())
+        for n in range(limit + 1):
+            os.close(os.open(besides[n % 2], os.O_RDONLY))
+        assert any("overflowed" in line for line in undrained.finish())
+        (parent / "prefixd-0").mkdir()
+        assert controller.finish() == [f"created: {parent}/prefixd-0"]
+    finally:
+        undrained.close()
+        controller.close()

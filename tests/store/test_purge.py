@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixd import Identity, Store
@@ -440,7 +440,9 @@ def test_the_clearing_walks_free_pages_lmdb_never_wrote(tmp_path: Path) -> None:
 SIZES = [10, 300, 2000, 4080, 9000]  # one page, or overflow pages
 
 
-@settings(max_examples=300, deadline=None)
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     st.lists(
         st.tuples(
@@ -456,7 +458,7 @@ SIZES = [10, 300, 2000, 4080, 9000]  # one page, or overflow pages
     )
 )
 def test_the_clearing_keeps_every_entry_and_clears_every_free_page(
-    history: list[tuple[bool, list[tuple[int, int, bool]]]],
+    tmp_path: Path, history: list[tuple[bool, list[tuple[int, int, bool]]]]
 ) -> None:
     """Over any history of puts and deletes (reads held across some), the walk keeps every value
     whole and leaves every free page zero past its header."""
@@ -465,7 +467,7 @@ def test_the_clearing_keeps_every_entry_and_clears_every_free_page(
 
     from prefixd.store import scrub
 
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory(dir=tmp_path) as directory:  # one an example
         env = lmdb.open(directory, map_size=1 << 24, max_dbs=2)
         table = env.open_db(b"t")
         values: dict[bytes, bytes] = {}
