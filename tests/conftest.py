@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,14 @@ def store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Store]:
         yield opened
         if checks_on_teardown(request):
             assert_store_checks(opened)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C reaches what the tests start, as from a terminal: a runner started in the background
+    (`pytest ... &` in a script) ignores SIGINT, and its children inherit that, so a test's Ctrl-C
+    to the CLI or a server it started would be lost."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

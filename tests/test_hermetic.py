@@ -161,3 +161,17 @@ def test_the_controllers_watch_compares_with_no_queue_to_overflow(tmp_path: Path
     finally:
         undrained.close()
         controller.close()
+
+
+def test_what_the_tests_start_takes_ctrl_c() -> None:
+    """A runner started in the background ignores SIGINT, which every process it starts would
+    inherit: the CLI's and servers' Ctrl-C tests would wait for an exit that never comes. The
+    suite's processes start as from a terminal."""
+    import signal
+    import subprocess
+
+    status = subprocess.run(
+        ["cat", "/proc/self/status"], capture_output=True, text=True, check=True
+    ).stdout
+    ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+    assert not ignored & 1 << (signal.SIGINT - 1)
