@@ -198,7 +198,7 @@ class _Walk:
         """Clear the newest snapshot's pages, and the free pages no reader older than them can see;
         whether every free page could be."""
         metas = [self.read(n * self.psize, self.psize) for n in (0, 1)]
-        meta = max(metas, key=lambda page: _U64.unpack_from(page, META_TXNID)[0])
+        meta = _newest(metas)
         txnid = _U64.unpack_from(meta, META_TXNID)[0]
         if txnid != last_txn:
             raise CorruptStoreError(
@@ -206,20 +206,16 @@ class _Walk:
             )
         for n, page in enumerate(metas):
             self.zero_if_set(n * self.psize + META_END, page[META_END:])
-        free_root = _U64.unpack_from(meta, META_FREE_DB + DB_ROOT_AT)[0]
-        main_root = _U64.unpack_from(meta, META_MAIN_DB + DB_ROOT_AT)[0]
-        free_lists: list[tuple[int, bytes]] = []
-        self.tree(free_root, free_lists)
-        self.tree(main_root, None)
+        free_list = self.free_list(meta)
+        self.tree(_U64.unpack_from(meta, META_MAIN_DB + DB_ROOT_AT)[0], None)
         complete = True
         # a page freed by transaction K is seen by readers of snapshots before K only
         bound = min(oldest_reader, txnid)
-        for freed_by, idl in free_lists:
+        for freed_by, pages in free_list:
             if freed_by > bound:
                 complete = False
                 continue
-            count = _U64.unpack_from(idl, 0)[0]
-            for (pgno,) in struct.iter_unpack("<Q", idl[8 : 8 * (count + 1)]):
+            for pgno in pages:
                 self.free_page(pgno)
         last_pgno = _U64.unpack_from(meta, META_LAST_PAGE)[0]
         end = os.fstat(self.fd).st_size
@@ -229,6 +225,19 @@ class _Walk:
             self.zero_if_set(at, self.read(at, piece))
             at += piece
         return complete
+
+    def free_list(self, meta: bytes) -> list[tuple[int, list[int]]]:
+        """The free list of the snapshot of `meta` (its pages cleared like any tree's): each
+        freeing transaction, with the pages it freed."""
+        records: list[tuple[int, bytes]] = []
+        self.tree(_U64.unpack_from(meta, META_FREE_DB + DB_ROOT_AT)[0], records)
+        freed = []
+        for freed_by, idl in records:  # an ID list: its count, then the page numbers
+            count = _U64.unpack_from(idl, 0)[0]
+            freed.append(
+                (freed_by, [pgno for (pgno,) in struct.iter_unpack("<Q", idl[8 : 8 * (count + 1)])])
+            )
+        return freed
 
     def tree(self, root: int, free_lists: list[tuple[int, bytes]] | None) -> None:
         """Clear the pages of the tree at `root`; with `free_lists`, collect its entries (the free
@@ -315,6 +324,11 @@ class _Walk:
         if found.count(0) != len(found):
             os.pwrite(self.fd, bytes(len(found)), at)
             self.cleared += len(found)
+
+
+def _newest(metas: list[bytes]) -> bytes:
+    """The meta page of the newest commit (LMDB writes its two in turn)."""
+    return max(metas, key=lambda page: _U64.unpack_from(page, META_TXNID)[0])
 
 
 def _readers_gone(env: lmdb.Environment, txnid: int) -> bool:

@@ -395,20 +395,11 @@ def lmdb_free_pages_past_the_end(path: Path) -> lmdb.Environment:
 
 def free_pages(fd: int, psize: int) -> list[int]:
     """The pages on the free list of an LMDB file's newest snapshot, read as the clearing reads it."""
-    import struct
-
     from prefixd.store import scrub
 
     walk = scrub._Walk(fd, psize)
-    metas = [walk.read(n * psize, psize) for n in (0, 1)]
-    meta = max(metas, key=lambda page: scrub._U64.unpack_from(page, scrub.META_TXNID)[0])
-    lists: list[tuple[int, bytes]] = []
-    walk.tree(scrub._U64.unpack_from(meta, scrub.META_FREE_DB + scrub.DB_ROOT_AT)[0], lists)
-    pages: list[int] = []
-    for _, idl in lists:
-        count = scrub._U64.unpack_from(idl, 0)[0]
-        pages += [pgno for (pgno,) in struct.iter_unpack("<Q", idl[8 : 8 * (count + 1)])]
-    return pages
+    meta = scrub._newest([walk.read(n * psize, psize) for n in (0, 1)])
+    return [pgno for _, pages in walk.free_list(meta) for pgno in pages]
 
 
 def test_the_clearing_walks_free_pages_lmdb_never_wrote(tmp_path: Path) -> None:
