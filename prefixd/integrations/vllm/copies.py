@@ -65,35 +65,34 @@ class Places:
     chunks: np.ndarray
     pages: np.ndarray
 
-    def install(
-        self, kv: torch.Tensor, size: int, layer: torch.Tensor, device: torch.device
+    def copy(
+        self,
+        kv: torch.Tensor,
+        size: int,
+        layer: torch.Tensor,
+        device: torch.device,
+        *,
+        into_kv: bool,
     ) -> None:
-        """kv[blocks[i], :size] = layer[chunks[i], pages[i]] (`layer`: payloads, per, size)."""
+        """kv[blocks[i], :size] = layer[chunks[i], pages[i]] (`layer`: payloads, per, size), or
+        the other way round when not `into_kv`."""
         if device.type != "cpu":
-            kv[self._on(device, self.blocks), :size] = layer[
-                self._on(device, self.chunks), self._on(device, self.pages)
-            ]
+            blocks, chunks, pages = (
+                self._on(device, a) for a in (self.blocks, self.chunks, self.pages)
+            )
+            if into_kv:
+                kv[blocks, :size] = layer[chunks, pages]
+            else:
+                layer[chunks, pages] = kv[blocks, :size]
             return
-        rows, pages = kv.numpy(), layer.numpy()
+        rows, paged = kv.numpy(), layer.numpy()
         for block, chunk, page in zip(
             self.blocks.tolist(), self.chunks.tolist(), self.pages.tolist()
         ):
-            np.copyto(rows[block, :size], pages[chunk, page])
-
-    def gather(
-        self, kv: torch.Tensor, size: int, layer: torch.Tensor, device: torch.device
-    ) -> None:
-        """layer[chunks[i], pages[i]] = kv[blocks[i], :size]."""
-        if device.type != "cpu":
-            layer[self._on(device, self.chunks), self._on(device, self.pages)] = kv[
-                self._on(device, self.blocks), :size
-            ]
-            return
-        rows, pages = kv.numpy(), layer.numpy()
-        for block, chunk, page in zip(
-            self.blocks.tolist(), self.chunks.tolist(), self.pages.tolist()
-        ):
-            np.copyto(pages[chunk, page], rows[block, :size])
+            if into_kv:
+                np.copyto(rows[block, :size], paged[chunk, page])
+            else:
+                np.copyto(paged[chunk, page], rows[block, :size])
 
     @staticmethod
     def _on(device: torch.device, values: np.ndarray) -> torch.Tensor:
@@ -169,7 +168,7 @@ class DeviceCopies:
             places = Places(block_ids[mine], subs[mine] // per - j0, subs[mine] % per)
             source = payloads.to(self.device, non_blocking=True) if self.cuda else payloads
             for tensor, size, layer in layout.layers(source):
-                places.install(self.blocks[tensor], size, layer, self.device)
+                places.copy(self.blocks[tensor], size, layer, self.device, into_kv=True)
                 nbytes += len(places.blocks) * size
         return nbytes
 
@@ -187,7 +186,7 @@ class DeviceCopies:
             blocks.reshape(-1), np.arange(k).repeat(layout.per), np.tile(np.arange(layout.per), k)
         )
         for tensor, page, layer in layout.layers(target):
-            places.gather(self.blocks[tensor], page, layer, self.device)
+            places.copy(self.blocks[tensor], page, layer, self.device, into_kv=False)
         if self.cuda:
             host.copy_(target, non_blocking=True)
         return host, target
