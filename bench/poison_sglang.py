@@ -58,6 +58,7 @@ HYBRID = "sglang#39830"
 N_PAGES = 6
 WIDTH = {"swa": 2, "mamba": 1}  # trailing pools: the pages a checkpoint holds
 BOTH = ("swa", "mamba")
+PAGED = ("kv", "indexer")  # two paged pools of one class and shape
 OTHER_WEIGHTS_PAGES = 4
 SSM = torch.bfloat16  # the writer's Mamba SSM state dtype
 
@@ -179,6 +180,48 @@ def other_weights_case(
     return judge(None, b"".join(got) if got else None)
 
 
+def same_shape_case(
+    extra: Callable[[], dict[str, Any]], restart_store: Callable[[], None], seed: int
+) -> Outcome:
+    """Two paged pools of one class and shape (the KV and an indexer as large) store a prompt's
+    pages under the same page hashes; after the restart a fresh reader gets both pools' pages,
+    judged against what the writer held in each."""
+    keys = page_hashes(list(range(seed, seed + N_PAGES * PAGE)))
+    pools = {name: host_pool("layer_first") for name in PAGED}
+    slots = {name: pool.alloc(N_PAGES * PAGE) for name, pool in pools.items()}
+    for i, name in enumerate(PAGED):
+        fill(pools[name], slots[name], seed + i)
+    expected = b"".join(page for name in PAGED for page in pages_of(pools[name], slots[name]))
+
+    def transfers(slots: Mapping[str, torch.Tensor]) -> list[PoolTransfer]:
+        return [
+            PoolTransfer(
+                name=name, host_indices=slots[name], keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES
+            )
+            for name in PAGED
+        ]
+
+    backend = attach_pools(extra(), pools)
+    backend.batch_set_v2(transfers(slots), _info([]))
+    getattr(backend, "close", lambda: None)()
+    restart_store()
+    fresh_pools = {name: host_pool("layer_first") for name in PAGED}
+    fresh_slots = {name: pool.alloc(N_PAGES * PAGE) for name, pool in fresh_pools.items()}
+    fresh = attach_pools(extra(), fresh_pools)
+    try:
+        if fresh.batch_exists_v2(keys, transfers(fresh_slots), _info([])).kv_hit_pages < N_PAGES:
+            return judge(expected, None)
+        got = fresh.batch_get_v2(transfers(fresh_slots), _info([]))
+        if not all(all(done) for done in got.values()):
+            return judge(expected, None)
+    finally:
+        getattr(fresh, "close", lambda: None)()
+    served = b"".join(
+        page for name in PAGED for page in pages_of(fresh_pools[name], fresh_slots[name])
+    )
+    return judge(expected, served)
+
+
 def rows(root: Path | None = None) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="poison-sglang-") as tmp:
         base = root or Path(tmp)
@@ -204,6 +247,15 @@ def rows(root: Path | None = None) -> list[Row]:
                 prefixd = hybrid_case(**ours, seed=seed, states=states, reader_ssm=dtype)
                 peer = hybrid_case(**theirs, seed=seed, states=states, reader_ssm=dtype)
                 out.append(Row(scenario, HYBRID, prefixd, peer, FILE))
+            out.append(
+                Row(
+                    "two paged pools of one shape (KV and an indexer) after a restart",
+                    "measured here",
+                    same_shape_case(**ours, seed=5000),
+                    same_shape_case(lambda: file_extra(base / "hicache-paged"), lambda: None, 5000),
+                    FILE,
+                )
+            )
             v1 = prefixd_extra(daemon.socket, interface_v1=1)
             out.append(
                 Row(

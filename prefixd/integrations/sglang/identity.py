@@ -9,10 +9,10 @@ so engines with other weights, tokenizer, template or KV layout would share page
               the backend refuses to start without one
   tokenizer   "tokenizer" (default: the model and its weights)
   template    "template" (default "none"); rope: "rope" (default "default"); adapter: "adapter"
-  kv_layout   what the host pool says of a page (dtype, layout, page size, layers, heads, head
-              size, bytes per token; a Mamba pool's every state's dtype and shape) and the
-              parallel ranks; MLA KV, whole on every tp rank, leaves the tp rank out so that
-              every rank reads what the writer rank stored
+  kv_layout   the pool's name, and what the host pool says of a page (its class, dtype, layout,
+              page size, layers, heads, head size, bytes per token; a Mamba pool's every
+              state's dtype and shape) and the parallel ranks; MLA KV, whole on every tp
+              rank, leaves the tp rank out so that every rank reads what the writer rank stored
   tenant      "tenant" (default "default")
 
 A page of a parallel engine is one part per rank that splits the KV (tp ranks, unless the pool
@@ -68,7 +68,7 @@ def operator_fields(storage_config: Any) -> dict[str, str | None]:
 def _pool_layout(host_pool: Any) -> dict[str, Any]:
     """What a host pool says about the bytes of one of its pages."""
     layout = {
-        "pool": type(host_pool).__name__,
+        "class": type(host_pool).__name__,
         "dtype": str(getattr(host_pool, "dtype", None)).removeprefix("torch."),
         "layout": getattr(host_pool, "layout", None),
         "page_size": getattr(host_pool, "page_size", None),
@@ -149,7 +149,8 @@ def paged_identity(
 ) -> Identity:
     """The engine-keyed identity of one paged pool (the KV pool, or another pool needed for every
     page) for `part`'s ranks (default this rank's): one SGLang page per block, chained in prefix
-    order."""
+    order. The pool's name tells apart two pools of one class and shape, whose pages have the
+    same hashes."""
     replicated = bool(storage_config.is_mla_model) and name == KV
     layout = {
         "pool": name,

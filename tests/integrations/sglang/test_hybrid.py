@@ -218,3 +218,34 @@ def test_a_mamba_state_of_another_dtype_or_shape_is_another_identity(daemon: Dae
     assert identity(ssm_dtype=torch.bfloat16) == bf16
     assert identity(ssm_dtype=torch.float16) != bf16
     assert identity(ssm_dtype=torch.bfloat16, ssm_shape=(16, 4, 16)) != bf16
+
+
+def test_paged_pools_of_one_shape_keep_their_own_pages(daemon: Daemon) -> None:
+    """Two paged pools of the same class and shape (an indexer as large as the KV) are stored
+    under the same page hashes: each pool's name is part of its identity, so each reads back its
+    own bytes, never the other's."""
+    keys = page_hashes(list(range(N_PAGES * PAGE)))
+
+    def pools(seed: int | None) -> Pools:
+        made = Pools(seed=None)
+        made.pools["indexer"] = host_pool("layer_first")  # as the KV pool is made
+        made.slots["indexer"] = made.pools["indexer"].alloc(N_PAGES * PAGE)
+        if seed is not None:
+            for i, name in enumerate(("kv", "indexer")):
+                fill(made.pools[name], made.slots[name], seed + i)
+        return made
+
+    writer = pools(seed=4)
+    assert writer.pages("kv", 0, N_PAGES) != writer.pages("indexer", 0, N_PAGES)
+    backend = writer.backend(prefixd_extra(daemon.socket))
+    write(backend, writer, keys, windows=())
+    backend.close()
+    reader = pools(seed=None)
+    fresh = reader.backend(prefixd_extra(daemon.socket))
+    got = fresh.batch_get_v2(
+        [reader.transfer(name, 0, N_PAGES, keys) for name in ("kv", "indexer")], extra([])
+    )
+    assert got == {"kv": [True] * N_PAGES, "indexer": [True] * N_PAGES}
+    for name in ("kv", "indexer"):
+        assert reader.pages(name, 0, N_PAGES) == writer.pages(name, 0, N_PAGES), name
+    fresh.close()
