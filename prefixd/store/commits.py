@@ -123,10 +123,7 @@ class CommitQueue(Generic[T]):
     ) -> R:
         """`transact`, its pages sent to the disk as its commit copies them where that pays
         (prefixd.store.write_behind)."""
-        behind = self._ctx.write_behind
-        if behind is None:
-            return transact(self._ctx, body, aborts)
-        with behind.committing(nbytes):
+        with self._ctx.write_behind.committing(nbytes):
             return transact(self._ctx, body, aborts)
 
     def _one_by_one(self, group: list[_Queued[T]]) -> None:

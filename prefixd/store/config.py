@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -95,16 +96,6 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds!r}s"
 
 
-def parse_tenant_quotas(entries: tuple[str, ...]) -> dict[str, int]:
-    """{tenant: bytes} from TENANT=SIZE entries (16GiB); ValueError says which entry is wrong."""
-    return _per_tenant(entries, parse_size, "SIZE (a positive size, once each)")
-
-
-def parse_tenant_durations(entries: tuple[str, ...]) -> dict[str, float]:
-    """{tenant: seconds} from TENANT=DURATION entries; ValueError says which entry is wrong."""
-    return _per_tenant(entries, parse_seconds, "DURATION (a positive duration, once each)")
-
-
 def _per_tenant(entries: tuple[str, ...], parse: Callable[[str], T], shape: str) -> dict[str, T]:
     """{tenant: value} from TENANT=VALUE entries, each value positive, each tenant once."""
     values: dict[str, T] = {}
@@ -124,26 +115,6 @@ def _share_entry(group: str, tenants: tuple[str, ...]) -> str:
     return f"{group}={'+'.join(tenants)}"
 
 
-# The per-tenant settings, each written as TENANT=VALUE entries and held as a map: (parse the
-# entries, write one entry of the map).
-TENANT_MAPS: dict[str, tuple[Callable[[tuple[str, ...]], Any], Callable[[str, Any], str]]] = {
-    "tenant_quotas": (
-        lambda entries: parse_tenant_quotas(entries),
-        lambda tenant, size: f"{tenant}={format_size(size)}",
-    ),
-    "tenant_ttls": (
-        lambda entries: parse_tenant_durations(entries),
-        lambda tenant, seconds: f"{tenant}={format_seconds(seconds)}",
-    ),
-    "share_groups": (lambda entries: parse_share_groups(entries), _share_entry),
-}
-
-
-def tenant_entries(name: str, values: Mapping[str, Any]) -> list[str]:
-    """A per-tenant map as the entries a file or a flag writes."""
-    return [TENANT_MAPS[name][1](key, value) for key, value in values.items()]
-
-
 SHARE_PREFIX = "share:"  # the tenant name a share group's entries are stored under
 
 
@@ -161,6 +132,28 @@ def parse_share_groups(entries: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
         seen.update(tenants)
         groups[group] = tenants
     return groups
+
+
+# The per-tenant settings, each written as TENANT=VALUE entries and held as a map: (parse the
+# entries, write one entry of the map); ValueError says which entry is wrong.
+TENANT_MAPS: dict[str, tuple[Callable[[tuple[str, ...]], Any], Callable[[str, Any], str]]] = {
+    "tenant_quotas": (
+        partial(_per_tenant, parse=parse_size, shape="SIZE (a positive size, once each)"),
+        lambda tenant, size: f"{tenant}={format_size(size)}",
+    ),
+    "tenant_ttls": (
+        partial(
+            _per_tenant, parse=parse_seconds, shape="DURATION (a positive duration, once each)"
+        ),
+        lambda tenant, seconds: f"{tenant}={format_seconds(seconds)}",
+    ),
+    "share_groups": (parse_share_groups, _share_entry),
+}
+
+
+def tenant_entries(name: str, values: Mapping[str, Any]) -> list[str]:
+    """A per-tenant map as the entries a file or a flag writes."""
+    return [TENANT_MAPS[name][1](key, value) for key, value in values.items()]
 
 
 @dataclass(frozen=True)

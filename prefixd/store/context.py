@@ -39,10 +39,9 @@ class StoreContext:
     tenants: TenantIndex  # digest -> tenant, over the identities table
     tallies: Tallies  # this process's counts
     syncs: SyncState  # every fsync goes through it; sticky once one failed (sync_state.py)
+    data_file: DataFile  # data.mdb for loads that read it directly (direct.py)
+    write_behind: WriteBehind  # puts' pages sent to the disk before the fsync comes
     pins: Pins = field(default_factory=Pins)  # blocks held from eviction (prefixd.store.pins)
-    data_file: DataFile | None = None  # data.mdb for loads that read it directly (direct.py)
-    # puts' pages sent to the disk before the fsync comes (write_behind.py)
-    write_behind: WriteBehind | None = None
     # copy and verify threads shared by every load, a piece of each in turn (prefixd.store.fair)
     copier: FairPool | None = None
     # each thread's write transaction's changes, and the observer told them (journal.py)

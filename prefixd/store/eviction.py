@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import lmdb
 
-from prefixd.errors import IdentityError
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.store import counters
@@ -29,7 +28,7 @@ from prefixd.store.joint import part_bytes
 from prefixd.store.removal import remove_subtree
 from prefixd.store.results import EvictionReport
 from prefixd.store.scrub import clear, tree_pages
-from prefixd.store.tables import Tables, children_key, decoded, records_after
+from prefixd.store.tables import Tables, children_key, decoded, identity_of, records_after
 
 if TYPE_CHECKING:
     from prefixd.store.access import AccessTimes
@@ -59,29 +58,6 @@ class Candidate(NamedTuple):  # a tuple: the heap compares them in C
     stored_size: int
 
 
-class TokensPerBlock:
-    """Tokens per block of each identity, read once per transaction (an engine-keyed record holds a
-    key, not its tokens)."""
-
-    def __init__(self, txn: lmdb.Transaction, identities: lmdb._Database) -> None:
-        self._txn = txn
-        self._db = identities
-        self._known: dict[bytes, int] = {}
-
-    def of(self, record: BlockRecord) -> int:
-        known = self._known.get(record.identity)
-        if known is None:
-            known = record.n_tokens
-            raw = self._txn.get(record.identity, db=self._db)
-            if raw is not None:
-                try:
-                    known = Identity.decode(bytes(raw)).block_tokens
-                except IdentityError:
-                    pass  # check reports it; the record's own count is the best guess
-            self._known[record.identity] = known
-        return known
-
-
 def value_per_byte(record: BlockRecord, access: AccessRecord, now_ns: int, tokens: int) -> float:
     residence_s = max(0.0, (now_ns - record.created_ns) / 1e9)
     idle_s = max(0.0, (now_ns - access.last_ns) / 1e9)
@@ -108,7 +84,7 @@ class VictimQueue:
         self._t = tables
         self._policy = policy
         self._now = now_ns
-        self._tokens = TokensPerBlock(txn, tables.identities)
+        self._identities_read: dict[bytes, Identity | None] = {}
         self._heap: list[Candidate] = []
         children = txn.cursor(db=tables.children)
         for key, value in txn.cursor(db=tables.blocks):
@@ -135,7 +111,10 @@ class VictimQueue:
         record = record._replace(stored_size=stored)
         if self._policy == "lru":
             return Candidate(float(access.last_ns), block, parent_key, stored)
-        value = value_per_byte(record, access, self._now, self._tokens.of(record))
+        # an engine-keyed record holds a key, not its tokens: its identity says how many
+        identity = identity_of(self._t, self._txn, record.identity, self._identities_read)
+        tokens = record.n_tokens if identity is None else identity.block_tokens
+        value = value_per_byte(record, access, self._now, tokens)
         return Candidate(value, block, parent_key, stored)
 
     def __iter__(self) -> Iterator[Candidate]:

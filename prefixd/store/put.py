@@ -257,7 +257,7 @@ class Writer:
             if outcome.damaged is not None:
                 quarantine.quarantine(self._ctx, [outcome.damaged])
             raise outcome.error
-        if self._ctx.write_behind is not None and outcome.result.stored:
+        if outcome.result.stored:
             self._ctx.write_behind.committed(written)
         if outcome.verified is not None:
             epoch, walk, grew_from = outcome.verified
@@ -539,18 +539,14 @@ def _first_changed(written: Sequence[AtRest]) -> Refusal | None:
     from, compared last (a large raw put's checksums are taken on the pool meanwhile)."""
     for what, payload, stored in written:
         if stored != payload.checksum:
-            return _changed(what)
+            return Refusal(
+                PayloadError(
+                    f"{what}'s payload changed while it was being stored (a client wrote into it "
+                    "during the put): nothing was stored"
+                )
+            )
     return None
 
 
 def _refused(outcome: Outcome) -> bool:
     return isinstance(outcome, Refusal)
-
-
-def _changed(what: str) -> Refusal:
-    return Refusal(
-        PayloadError(
-            f"{what}'s payload changed while it was being stored (a client wrote into it during "
-            "the put): nothing was stored"
-        )
-    )

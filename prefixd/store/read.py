@@ -446,9 +446,7 @@ class Reader:
     ) -> StoredPayload:
         """What the codec decodes, with the chunks' place in data.mdb when they are to be read from
         the file (prefixd.store.direct)."""
-        data_file = self._ctx.data_file
-        source = data_file.spans(record, chunks) if data_file is not None else None
-        return StoredPayload(record, chunks, dest, source)
+        return StoredPayload(record, chunks, dest, self._ctx.data_file.spans(record, chunks))
 
     def _stored_damage(self, failed: StoredPayload) -> bool:
         """Whether a failed payload is damaged where it is stored (then it is quarantined): a client

@@ -5,18 +5,18 @@ also bumps the removal epoch the lookup memo checks."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import lmdb
 
-from prefixd.errors import CorruptRecordError
-from prefixd.schema.records import PartRecord
 from prefixd.store import counters
-from prefixd.store.tables import Tables, children_key, decoded, prefixed
+from prefixd.store.tables import Tables, children_key, decoded, decoded_part, prefixed
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
+
+V = TypeVar("V", bound=bytes | memoryview)
 
 
 def remove_subtree(
@@ -33,7 +33,7 @@ def remove_subtree(
     """
     t = ctx.tables
     removed = payload_bytes = stored_bytes = parts_removed = 0
-    by_identity: dict[bytes, int] = {}
+    by_identity: Counter[bytes] = Counter()
     blocks_of: Counter[bytes] = Counter()
     stack = [root]
     journal = ctx.journals.current()
@@ -59,13 +59,13 @@ def remove_subtree(
         if record is not None:
             txn.delete(children_key(record), h, db=t.children)
             payload_bytes += record.payload_size
-            by_identity[record.identity] = by_identity.get(record.identity, 0) + freed
+            by_identity[record.identity] += freed
             blocks_of[record.identity] += 1
         else:
             if h == root and root_parent_key is not None:
                 txn.delete(root_parent_key, h, db=t.children)
             if h == root and root_identity is not None:
-                by_identity[root_identity] = by_identity.get(root_identity, 0) + freed
+                by_identity[root_identity] += freed
                 blocks_of[root_identity] += 1
             payload_bytes += freed
         stored_bytes += freed
@@ -97,34 +97,24 @@ def _chunk_bytes(txn: lmdb.Transaction, t: Tables, prefix: bytes) -> int:
 
 def _delete_chunks(txn: lmdb.Transaction, t: Tables, h: bytes) -> int:
     """Delete the chunks under `h` (a block's, and its parts', which share the prefix)."""
-    cursor = txn.cursor(db=t.chunks)
-    freed = 0
-    if not cursor.set_range(h):
-        return 0
-    while True:
-        key = cursor.key()
-        if key[: len(h)] != h:
-            break
-        freed += len(cursor.value())
-        if not cursor.delete():
-            break
-    return freed
+    return sum(len(value) for _, value in _deleted(txn.cursor(db=t.chunks), h))
 
 
 def _delete_parts(txn: lmdb.Transaction, t: Tables, h: bytes) -> tuple[int, int]:
     """Delete the parts hung on `h`; return their payload bytes and how many there were."""
     if t.parts is None:
         return 0, 0
-    cursor = txn.cursor(db=t.parts)
     payload = removed = 0
-    if not cursor.set_range(h):
-        return 0, 0
-    while bytes(cursor.key()[: len(h)]) == h:
-        try:
-            payload += PartRecord.decode(cursor.value()).payload_size
-        except CorruptRecordError:  # its size is unknown: count what its chunks hold
-            payload += _chunk_bytes(txn, t, bytes(cursor.key()))
+    for key, raw in _deleted(txn.cursor(db=t.parts), h):
+        part = decoded_part(raw)  # None: its size is unknown, so count what its chunks hold
+        payload += _chunk_bytes(txn, t, key) if part is None else part.payload_size
         removed += 1
-        if not cursor.delete():
-            break
     return payload, removed
+
+
+def _deleted(cursor: lmdb.Cursor[V], prefix: bytes) -> Iterator[tuple[bytes, V]]:
+    """The entries whose keys start with `prefix`, each deleted once the caller has read it."""
+    more = cursor.set_range(prefix)
+    while more and bytes(cursor.key()[: len(prefix)]) == prefix:
+        yield bytes(cursor.key()), cursor.value()
+        more = cursor.delete()

@@ -26,12 +26,13 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING
 
 import lmdb
 
 from prefixd.errors import CorruptStoreError
-from prefixd.store.tables import Tables
+from prefixd.store.tables import Tables, prefixed
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -168,15 +169,8 @@ def _delete_scratch(ctx: StoreContext) -> None:
     meta = ctx.tables.meta
     while True:
         with ctx.env.begin(write=True) as txn:
-            cursor = txn.cursor(db=meta)
-            keys: list[bytes] = []
-            more = cursor.set_range(SCRATCH)
-            while more and len(keys) < 4 * BATCH_PAGES:
-                key = bytes(cursor.key())
-                if not key.startswith(SCRATCH):
-                    break
-                keys.append(key)
-                more = cursor.next()
+            scratch = prefixed(txn.cursor(db=meta), SCRATCH)
+            keys = [key for key, _ in islice(scratch, 4 * BATCH_PAGES)]
             for key in keys:
                 txn.delete(key, db=meta)
         if len(keys) < 4 * BATCH_PAGES:

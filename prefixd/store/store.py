@@ -540,10 +540,8 @@ class Store:
         if self._ctx.copier is not None:
             self._ctx.copier.close()
         self._ctx.env.close()
-        if self._ctx.data_file is not None:
-            self._ctx.data_file.close()
-        if self._ctx.write_behind is not None:
-            self._ctx.write_behind.close()
+        self._ctx.data_file.close()
+        self._ctx.write_behind.close()
         if self._owner is not None:
             self._owner.release()
 

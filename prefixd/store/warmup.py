@@ -14,7 +14,7 @@ from prefixd.schema.chain import ROOT_PARENT
 from prefixd.schema.identity import Identity
 from prefixd.schema.records import AccessRecord, BlockRecord
 from prefixd.schema.stored import HotPrefix
-from prefixd.store.eviction import TokensPerBlock, value_per_byte
+from prefixd.store.eviction import value_per_byte
 from prefixd.store.tables import Tables, readable_identities, records_after
 
 if TYPE_CHECKING:
@@ -55,13 +55,13 @@ def hottest_prefixes(
     records: dict[bytes, BlockRecord] = {}
     ranked: list[tuple[float, bytes]] = []
     plain = _plain_identities(txn, t, tenant)
-    tokens = TokensPerBlock(txn, t.identities)
     for block, record in records_after(txn, t, None):
         if record is None or record.identity not in plain:
             continue
         records[block] = record
         access = AccessRecord.read(txn.get(block, db=t.access), record.created_ns)
-        ranked.append((-value_per_byte(record, access, now_ns, tokens.of(record)), block))
+        tokens = plain[record.identity].block_tokens
+        ranked.append((-value_per_byte(record, access, now_ns, tokens), block))
     heapq.heapify(ranked)
     taken: dict[bytes, float] = {}
     spent = 0
