@@ -105,11 +105,11 @@ def _state_layout(host_pool: Any) -> dict[str, Any] | None:
 Part = tuple[int, int, int, int]  # the (tp, pp, cp, dcp) ranks of one part of a page
 
 
-def _ranks(storage_config: Any, *, replicated: bool, part: Part | None = None) -> dict[str, Any]:
-    """The storage config's parallel layout (of `part`'s ranks: default this rank's); a
-    replicated (MLA) pool leaves the tp rank out."""
+def _ranks(storage_config: Any, part: Part, *, replicated: bool) -> dict[str, Any]:
+    """The storage config's parallel layout, of `part`'s ranks; a replicated (MLA) pool leaves the
+    tp rank out."""
     c = storage_config
-    tp, pp, cp, dcp = part or _own(c)
+    tp, pp, cp, dcp = part
     return {
         "tp_rank": None if replicated else tp,
         "tp_size": c.tp_size,
@@ -121,17 +121,12 @@ def _ranks(storage_config: Any, *, replicated: bool, part: Part | None = None) -
     }
 
 
-def _own(storage_config: Any) -> Part:
-    c = storage_config
-    return (c.tp_rank, c.pp_rank, c.attn_cp_rank, c.dcp_rank)
-
-
 def parts(storage_config: Any, *, replicated: bool) -> list[Part]:
     """The ranks of every part of a page, this rank's first: every pipeline stage, context-
     parallel rank and tp rank (with its DCP shard, tp rank mod DCP size, as SGLang groups them),
     or for a replicated pool every DCP shard in place of the tp ranks."""
     c = storage_config
-    own = _own(c)
+    own = (c.tp_rank, c.pp_rank, c.attn_cp_rank, c.dcp_rank)
     stages = [(pp, cp) for pp in range(c.pp_size) for cp in range(c.attn_cp_size)]
     if replicated:
         found = [(c.tp_rank, pp, cp, dcp) for pp, cp in stages for dcp in range(c.dcp_size)]
@@ -140,61 +135,45 @@ def parts(storage_config: Any, *, replicated: bool) -> list[Part]:
     return [own, *(part for part in found if part != own)]
 
 
-def paged_identity(
-    fields: Mapping[str, str | None],
-    storage_config: Any,
-    name: str,
-    host_pool: Any,
-    part: Part | None = None,
-) -> Identity:
-    """The engine-keyed identity of one paged pool (the KV pool, or another pool needed for every
-    page) for `part`'s ranks (default this rank's): one SGLang page per block, chained in prefix
-    order. The pool's name tells apart two pools of one class and shape, whose pages have the
-    same hashes."""
-    replicated = bool(storage_config.is_mla_model) and name == KV
-    layout = {
-        "pool": name,
-        **_pool_layout(host_pool),
-        **_ranks(storage_config, replicated=replicated, part=part),
-    }
-    return _identity(fields, layout, block_tokens=int(host_pool.page_size), key_bytes=KEY_BYTES)
-
-
 def paged_parts(
     fields: Mapping[str, str | None], storage_config: Any, name: str, host_pool: Any
 ) -> tuple[Identity, ...]:
-    """The identities of every part of a paged pool's page, this rank's first."""
+    """The engine-keyed identities of one paged pool (the KV pool, or another pool needed for
+    every page), one per part of a page, this rank's first: one SGLang page per block, chained in
+    prefix order. The pool's name tells apart two pools of one class and shape, whose pages have
+    the same hashes."""
     replicated = bool(storage_config.is_mla_model) and name == KV
+    layout = {"pool": name, **_pool_layout(host_pool)}
     return tuple(
-        paged_identity(fields, storage_config, name, host_pool, part)
+        _identity(
+            fields,
+            {**layout, **_ranks(storage_config, part, replicated=replicated)},
+            block_tokens=int(host_pool.page_size),
+            key_bytes=KEY_BYTES,
+        )
         for part in parts(storage_config, replicated=replicated)
     )
-
-
-def trailing_identity(
-    fields: Mapping[str, str | None],
-    storage_config: Any,
-    pools: Mapping[str, Any],
-    part: Part | None = None,
-) -> Identity:
-    """The trailing pools' identity: a checkpoint group per pool on the chain of page hashes.
-    prefixd refuses a state spec on an engine-keyed identity, so a page hash takes a block's place
-    as its 8 little-endian words (block_tokens 8), compared on every hit as engine keys are."""
-    groups = tuple(StateGroup.checkpoint(name, policy="chosen") for name in sorted(pools))
-    layout = {
-        "pools": {name: _pool_layout(pool) for name, pool in sorted(pools.items())},
-        "page_hash_words": WORDS_PER_KEY,
-        **_ranks(storage_config, replicated=False, part=part),
-    }
-    return _identity(fields, layout, block_tokens=WORDS_PER_KEY, state=groups)
 
 
 def trailing_parts(
     fields: Mapping[str, str | None], storage_config: Any, pools: Mapping[str, Any]
 ) -> tuple[Identity, ...]:
-    """The trailing identities of every rank's part, this rank's first."""
+    """The trailing pools' identities, one per part, this rank's first: a checkpoint group per pool
+    on the chain of page hashes. prefixd refuses a state spec on an engine-keyed identity, so a
+    page hash takes a block's place as its 8 little-endian words (block_tokens 8), compared on
+    every hit as engine keys are."""
+    groups = tuple(StateGroup.checkpoint(name, policy="chosen") for name in sorted(pools))
+    layout = {
+        "pools": {name: _pool_layout(pool) for name, pool in sorted(pools.items())},
+        "page_hash_words": WORDS_PER_KEY,
+    }
     return tuple(
-        trailing_identity(fields, storage_config, pools, part)
+        _identity(
+            fields,
+            {**layout, **_ranks(storage_config, part, replicated=False)},
+            block_tokens=WORDS_PER_KEY,
+            state=groups,
+        )
         for part in parts(storage_config, replicated=False)
     )
 
@@ -211,9 +190,7 @@ __all__ = [
     "KV",
     "WORDS_PER_KEY",
     "operator_fields",
-    "paged_identity",
     "paged_parts",
     "parts",
-    "trailing_identity",
     "trailing_parts",
 ]
