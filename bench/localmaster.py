@@ -40,6 +40,15 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _stopped(task: Path) -> bool:
+    """Whether a thread (/proc/PID/task/TID) is stopped by a signal (or gone)."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")
+
+
 class LocalMaster:
     """One `mooncake_master` process on fixed loopback ports: start, stop, pause, restart."""
 
@@ -138,9 +147,16 @@ class LocalMaster:
         self.start()
 
     def pause(self) -> None:
-        """SIGSTOP: the master keeps its sockets open but answers nothing (a hung master)."""
+        """SIGSTOP: the master keeps its sockets open but answers nothing (a hung master). Returns
+        once every thread of it has stopped: one still running could answer a call made after."""
         assert self.process is not None
         self.process.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while not all(_stopped(task) for task in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Mooncake master did not stop within {STOP_TIMEOUT_S} s")
+            time.sleep(0.005)
         self.paused = True
 
     def resume(self) -> None:
