@@ -1,5 +1,5 @@
 """What the engine adapters' identities share: the text fields, and a local model's weights
-fingerprinted from the files the daemon's `--model-manifests` reads (prefixd.schema.fingerprint).
+fingerprinted as the daemon's `--model-manifests` fingerprints files (prefixd.schema.fingerprint).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from prefixd.schema.fingerprint import fingerprint_files
 from prefixd.schema.identity import Identity
 
 TEXT_FIELDS = ("model", "weights", "tokenizer", "template", "rope")
-WEIGHT_INDEXES = ("*.safetensors.index.json", "*.bin.index.json")
 
 
 def identity_of(fields: Mapping[str, Any], **given: Any) -> Identity:
@@ -21,11 +20,11 @@ def identity_of(fields: Mapping[str, Any], **given: Any) -> Identity:
     return Identity(**text, adapter=fields.get("adapter"), **given)
 
 
-def local_weights(model: Path, indexes: tuple[str, ...] = WEIGHT_INDEXES) -> str:
-    """`local:` and the fingerprint of the model's config.json and weight index (else its
-    weight files)."""
-    found = [path for pattern in indexes for path in sorted(model.glob(pattern))]
-    weights = found or sorted(model.glob("*.safetensors")) or sorted(model.glob("*.bin"))
+def local_weights(model: Path) -> str:
+    """`local:` and the fingerprint of the model's config.json and weight files (the safetensors
+    files and their index, else the .bin ones), read whole: an index names each shard's tensors,
+    not their values, so a checkpoint rewritten in place keeps its index."""
+    weights = sorted(model.glob("*.safetensors*")) or sorted(model.glob("*.bin*"))
     return "local:" + fingerprint_files([model / "config.json", *weights])
 
 

@@ -48,7 +48,7 @@ def operator_fields(storage_config: Any) -> dict[str, str | None]:
     model = str(model)
     weights = extra.get("weights")
     if not weights and Path(model).is_dir():
-        weights = local_weights(Path(model), indexes=("*.safetensors.index.json",))
+        weights = local_weights(Path(model))
     if not weights:
         raise ConfigError(
             "prefixd sglang backend: refusing to start without a weights identity: set extra "

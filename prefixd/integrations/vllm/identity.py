@@ -10,8 +10,9 @@ salt; the identity adds what else changes the KV those tokens produce. Each fiel
   template        a local model's chat_template.jinja and tokenizer_config.json, else the revision
                   (as the commit)
   rope            the HF config's RoPE settings, and max_model_len when scaling sets positions
-  kv_layout       ModelConfig.dtype, cache_dtype and the keys' hash; the tier adds what vLLM's
-                  offloading config says of the KV (group_identities)
+  kv_layout       ModelConfig.dtype, quantization (online, as --quantization fp8, or the
+                  checkpoint's), hf_overrides other than RoPE's, cache_dtype and the keys' hash;
+                  the tier adds what vLLM's offloading config says of the KV (group_identities)
   adapter, mm     the LoRA and multimodal configs, None without them
   tenant          the tier's `tenant` setting
 
@@ -53,8 +54,10 @@ def engine_fields(vllm_config: Any) -> dict[str, str | None]:
         "tokenizer": tokenizer,
         "template": _template(local, pinned),
         "rope": _rope(model_config),
-        "kv_layout": "dtype={} cache={} keys={}".format(
+        "kv_layout": "dtype={} quant={} overrides={} cache={} keys={}".format(
             str(model_config.dtype).removeprefix("torch."),
+            model_config.quantization,
+            _overrides(model_config),
             vllm_config.cache_config.cache_dtype,
             getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"),
         ),
@@ -125,6 +128,15 @@ def _rope(model_config: Any) -> str:
     if _scaled(rope["rope_scaling"]) or _scaled(rope["rope_parameters"]):
         rope["max_model_len"] = model_config.max_model_len
     return _canonical(rope)
+
+
+def _overrides(model_config: Any) -> str:
+    """The HF config overrides other than RoPE's (`rope` holds those): a sliding window or a layer
+    count set there changes the KV as a config file's would; a function, by its name."""
+    overrides = getattr(model_config, "hf_overrides", None) or {}
+    if callable(overrides):
+        return f"{overrides.__module__}.{overrides.__qualname__}"
+    return _canonical({k: v for k, v in overrides.items() if k not in _ROPE_KEYS})
 
 
 def _scaled(parameters: object) -> bool:

@@ -52,6 +52,7 @@ def test_the_same_config_is_the_same_identity(model: Path) -> None:
         ({"dtype": "bfloat16"}, "kv_layout"),
         ({"kv_cache_dtype": "fp8"}, "kv_layout"),
         ({"prefix_caching_hash_algo": "xxhash"}, "kv_layout"),
+        ({"hf_overrides": {"sliding_window": 64}}, "kv_layout"),
         ({"hf_overrides": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}}, "rope"),
         ({"enable_lora": True}, "adapter"),
         ({"tokenizer_mode": "slow"}, "tokenizer"),
@@ -62,6 +63,14 @@ def test_each_engine_setting_changes_its_field(
 ) -> None:
     before, after = fields(base_args(model)), fields(base_args(model, **change))
     assert {k for k in before if before[k] != after[k]} == {field}
+
+
+def test_online_quantization_is_another_identity(model: Path) -> None:
+    """The same checkpoint served with its weights quantized at load (--quantization) computes
+    other KV."""
+    plain = fields(base_args(model, dtype="bfloat16"))
+    quantized = fields(base_args(model, dtype="bfloat16", quantization="fp8_per_tensor"))
+    assert {k for k in plain if plain[k] != quantized[k]} == {"kv_layout"}
 
 
 def test_max_model_len_counts_only_when_rope_scaling_sets_positions(model: Path) -> None:
