@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from prefixd.errors import ConfigError
 from prefixd.integrations.identity import identity_of, local_weights
 from prefixd.integrations.vllm.chains import KEY_BYTES
 from prefixd.schema.fingerprint import fingerprint_files
@@ -71,7 +72,9 @@ def group_identities(
 ) -> dict[int, Identity]:
     """One engine-keyed identity per KV group: the engine's fields, with what vLLM's offloading
     config says about the KV and `placement` (how a payload's bytes are laid out: the tier's row,
-    the direct spec's rank) added to `kv_layout`."""
+    the direct spec's rank) added to `kv_layout`. ConfigError when `fields` were written for
+    another model than the engine serves (a kv_transfer_config copied to another engine)."""
+    _check_model(str(fields["model"]), config.model.name)
     parallel = config.parallel
     layout = (
         f"{fields['kv_layout']} kv={config.model.dtype} {placement} "
@@ -98,6 +101,18 @@ def group_identities(
         )
         for group in config.groups
     }
+
+
+def _check_model(written_for: str, served: str) -> None:
+    same = written_for == served or (
+        Path(written_for).is_dir() and Path(served).is_dir() and Path(written_for).samefile(served)
+    )
+    if not same:
+        raise ConfigError(
+            f"prefixd: the identity in kv_transfer_config was written for model {written_for!r}, "
+            f"but this engine serves {served!r}: its KV would be stored and served as the other "
+            "model's; write this engine's with prefixd.integrations.vllm.kv_transfer_config"
+        )
 
 
 def _commit(model: str, revision: str) -> str | None:

@@ -13,9 +13,13 @@ from typing import Any
 
 import pytest
 from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.kv_offload.config import OffloadingModelConfig
 
+from prefixd.errors import ConfigError
 from prefixd.integrations.vllm import engine_fields, kv_transfer_config
+from prefixd.integrations.vllm.identity import group_identities
 
+from .harness import FIELDS, offloading_config, prefixd_tier
 from .hub_cache import publish, serving
 from .tiny_model import build_tiny_model
 
@@ -140,3 +144,22 @@ def test_the_command_line_prints_the_config_for_vllm_serve(model: Path) -> None:
     )
     tier = json.loads(named.stdout)["kv_connector_extra_config"]["secondary_tiers"][0]
     assert tier["daemon_uid"] == "nobody"
+
+
+def test_an_identity_written_for_another_model_is_refused(model: Path, tmp_path: Path) -> None:
+    """A kv_transfer_config copied to an engine of another model would store that engine's KV as
+    the first model's, and serve it to the first model's engines."""
+
+    def identities_for(name: str, written: dict[str, str | None]) -> Any:
+        config = offloading_config(prefixd_tier("unused"))
+        config = dataclasses.replace(config, model=OffloadingModelConfig(name, "float32"))
+        return group_identities(config, written, "default", "row=1")
+
+    assert identities_for("tiny", FIELDS)
+    with pytest.raises(ConfigError, match="written for model 'tiny'.*serves 'other'"):
+        identities_for("other", FIELDS)
+    written = {**FIELDS, "model": str(model)}
+    (tmp_path / "link").symlink_to(model)
+    assert identities_for(str(tmp_path / "link"), written)  # the same directory by another path
+    with pytest.raises(ConfigError):
+        identities_for(str(build_tiny_model(tmp_path / "other", seed=1)), written)
