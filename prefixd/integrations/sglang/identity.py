@@ -142,16 +142,13 @@ def paged_parts(
     every page), one per part of a page, this rank's first: one SGLang page per block, chained in
     prefix order. The pool's name tells apart two pools of one class and shape, whose pages have
     the same hashes."""
-    replicated = bool(storage_config.is_mla_model) and name == KV
-    layout = {"pool": name, **_pool_layout(host_pool)}
-    return tuple(
-        _identity(
-            fields,
-            {**layout, **_ranks(storage_config, part, replicated=replicated)},
-            block_tokens=int(host_pool.page_size),
-            key_bytes=KEY_BYTES,
-        )
-        for part in parts(storage_config, replicated=replicated)
+    return _per_part(
+        fields,
+        storage_config,
+        ({"pool": name}, _pool_layout(host_pool)),
+        replicated=bool(storage_config.is_mla_model) and name == KV,
+        block_tokens=int(host_pool.page_size),
+        key_bytes=KEY_BYTES,
     )
 
 
@@ -162,27 +159,51 @@ def trailing_parts(
     on the chain of page hashes. prefixd refuses a state spec on an engine-keyed identity, so a
     page hash takes a block's place as its 8 little-endian words (block_tokens 8), compared on
     every hit as engine keys are."""
-    groups = tuple(StateGroup.checkpoint(name, policy="chosen") for name in sorted(pools))
     layout = {
         "pools": {name: _pool_layout(pool) for name, pool in sorted(pools.items())},
         "page_hash_words": WORDS_PER_KEY,
     }
-    return tuple(
-        _identity(
-            fields,
-            {**layout, **_ranks(storage_config, part, replicated=False)},
-            block_tokens=WORDS_PER_KEY,
-            state=groups,
-        )
-        for part in parts(storage_config, replicated=False)
+    return _per_part(
+        fields,
+        storage_config,
+        (layout,),
+        replicated=False,
+        block_tokens=WORDS_PER_KEY,
+        state=tuple(StateGroup.checkpoint(name, policy="chosen") for name in sorted(pools)),
     )
 
 
-def _identity(
-    fields: Mapping[str, str | None], layout: Mapping[str, Any], **given: Any
-) -> Identity:
-    kv_layout = "sglang-hicache " + json.dumps(layout, sort_keys=True, separators=(",", ":"))
-    return identity_of(fields, kv_layout=kv_layout, tenant=str(fields["tenant"]), **given)
+def _per_part(
+    fields: Mapping[str, str | None],
+    storage_config: Any,
+    layouts: tuple[Mapping[str, Any], ...],
+    *,
+    replicated: bool,
+    **given: Any,
+) -> tuple[Identity, ...]:
+    """The identity of `layouts` and each part's ranks, for every part, this rank's first."""
+    return tuple(
+        identity_of(
+            fields,
+            kv_layout="sglang-hicache "
+            + _joined(*layouts, _ranks(storage_config, part, replicated=replicated)),
+            tenant=str(fields["tenant"]),
+            **given,
+        )
+        for part in parts(storage_config, replicated=replicated)
+    )
+
+
+def _joined(*layouts: Mapping[str, Any]) -> str:
+    """The layouts as one canonical JSON object. A key in two of them is refused: the later one
+    would silently replace the other's value (a pool's name once lost so), and two layouts that
+    differ there would share an identity."""
+    joined: dict[str, Any] = {}
+    for layout in layouts:
+        if clash := joined.keys() & layout.keys():
+            raise ValueError(f"prefixd sglang identity: layout keys given twice: {sorted(clash)}")
+        joined.update(layout)
+    return json.dumps(joined, sort_keys=True, separators=(",", ":"))
 
 
 __all__ = [

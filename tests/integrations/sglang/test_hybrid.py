@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from prefixd.client import Client
 from prefixd.errors import ConfigError
 from prefixd.integrations.sglang.backend import PrefixdHiCache
+from prefixd.integrations.sglang.identity import _joined
 
 from ...daemon.conftest import Daemon
 from ...store.test_faults import corrupt_payload
@@ -249,3 +250,13 @@ def test_paged_pools_of_one_shape_keep_their_own_pages(daemon: Daemon) -> None:
     for name in ("kv", "indexer"):
         assert reader.pages(name, 0, N_PAGES) == writer.pages(name, 0, N_PAGES), name
     fresh.close()
+
+
+def test_a_layout_key_given_twice_is_refused() -> None:
+    """A pool's layout joined with its name or ranks: a key in both would silently keep one value
+    (a pool's name was once lost so), so it is refused."""
+    with pytest.raises(ValueError, match=r"given twice: \['pool'\]"):
+        _joined({"pool": "indexer"}, {"pool": "MHATokenToKVPoolHost", "dtype": "bfloat16"})
+    assert _joined({"pool": "kv"}, {"class": "MHATokenToKVPoolHost"}) == (
+        '{"class":"MHATokenToKVPoolHost","pool":"kv"}'
+    )
