@@ -50,6 +50,7 @@ from tests.integrations.lmcache.harness import (
     memory_obj,
     payload_objs,
     store,
+    uint8_layout,
 )
 from tests.store.test_faults import corrupt_stored_chunk
 
@@ -89,7 +90,7 @@ def rounds(adapter: Any, args: argparse.Namespace) -> tuple[list[float], list[fl
         result = store(adapter, ks, objs)
         store_gbps.append(total / (time.perf_counter() - started) / 1e9)
         assert result.is_successful(), "store failed"
-        assert all(lookup_and_lock(adapter, ks)), "stored keys not found"
+        assert all(lookup_and_lock(adapter, ks, uint8_layout(size))), "stored keys not found"
         outs = [memory_obj(size) for _ in ks]
         started = time.perf_counter()
         bits = load(adapter, ks, outs)
@@ -102,9 +103,10 @@ def rounds(adapter: Any, args: argparse.Namespace) -> tuple[list[float], list[fl
 
 
 def fetch(adapter: Any, ks: list[Any], size: int) -> tuple[list[bool], list[bytes | None]]:
-    """As a node server reads keys: lookup and lock, load into fresh objects of `size`, unlock.
-    Which keys the lookup found, and each key's loaded bytes (None: the load missed)."""
-    found = lookup_and_lock(adapter, ks)
+    """As a node server reads keys: lookup and lock (with the objects' layout), load into fresh
+    objects of `size`, unlock. Which keys the lookup found, and each key's loaded bytes (None:
+    the load missed)."""
+    found = lookup_and_lock(adapter, ks, uint8_layout(size))
     outs = [memory_obj(size, fill=0) for _ in ks]
     bits = load(adapter, ks, outs)
     adapter.submit_unlock([k for k, hit in zip(ks, found) if hit])

@@ -18,6 +18,12 @@ salt). Cache salts come from SGLang's as LMCache's SGLang connector makes them.
 * cache salts: tenants (one also with an SGLang extra key) store other bytes under one chunk hash
   with their own cache salts, each reads its own back and another tenant reads nothing, live and
   after a restart (sglang#37160).
+* KV dtype: an engine stores bfloat16 chunks, the store restarts, the engine comes back with
+  float16 KV (vLLM's dtype `auto` resolved differently, vllm PR #49438): the same model, weights
+  and chunk hashes, and chunks of the same size. It reads the chunks as float16, then as bfloat16.
+
+Memory objects are one float16 (or bfloat16) KV tensor, and lookups carry its layout, as the node
+server allocates and looks them up.
 """
 
 from __future__ import annotations
@@ -39,15 +45,16 @@ from lmcache.integration.sglang.unified_lmcache_mp_connector import UnifiedLMCac
 from lmcache.integration.vllm.utils import extract_request_configs_from_request
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.distributed.api import MemoryLayoutDesc
 from lmcache.v1.event_manager import EventManager
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
-from lmcache_adapter import build, fetch
+from lmcache_adapter import build
 from poisonlib import Outcome, Row, judge, main
 from suitelib import SuiteDaemon
 
 from prefixd.integrations.lmcache import l2_adapter_config
-from tests.integrations.lmcache.harness import MODEL, keys, memory_obj, store
+from tests.integrations.lmcache.harness import MODEL, keys, load, lookup_and_lock, store, typed_obj
 from tests.waiting import wait_for
 
 KV_SHAPE = torch.Size([2, 2, 256, 64])  # a chunk's K and V: 2 layers, 256 tokens, float16
@@ -84,14 +91,32 @@ class Adapter:
         finally:
             adapter.close()
 
-    def put(self, adapter: Any, start: int, salt: str, data: Sequence[bytes]) -> None:
-        objs = [memory_obj(SIZE) for _ in data]
+    def put(
+        self,
+        adapter: Any,
+        start: int,
+        salt: str,
+        data: Sequence[bytes],
+        dtype: torch.dtype = torch.float16,
+    ) -> None:
+        objs = [typed_obj(KV_SHAPE, dtype) for _ in data]
         for obj, payload in zip(objs, data):
             obj.byte_array.cast("B")[:] = payload
         assert store(adapter, keys(len(data), start=start, salt=salt), objs).is_successful()
 
-    def get(self, adapter: Any, start: int, salt: str) -> list[bytes | None]:
-        return fetch(adapter, keys(CHUNKS, start=start, salt=salt), SIZE)[1]
+    def get(
+        self, adapter: Any, start: int, salt: str, dtype: torch.dtype = torch.float16
+    ) -> list[bytes | None]:
+        """As a node server reads keys: lookup and lock with the objects' layout, load into
+        fresh objects, unlock."""
+        ks = keys(CHUNKS, start=start, salt=salt)
+        found = lookup_and_lock(adapter, ks, {0: MemoryLayoutDesc([KV_SHAPE], [dtype])})
+        outs = [typed_obj(KV_SHAPE, dtype) for _ in ks]
+        for out in outs:
+            out.byte_array.cast("B")[:] = bytes(SIZE)
+        bits = load(adapter, ks, outs)
+        adapter.submit_unlock([k for k, hit in zip(ks, found) if hit])
+        return [bytes(o.byte_array) if b else None for b, o in zip(bits, outs)]
 
 
 class LocalDisk:
@@ -133,19 +158,26 @@ class LocalDisk:
         """Nothing to stop: the next `open` is the restarted engine's manager."""
 
     @staticmethod
-    def key(chunk: int, salt: str) -> CacheEngineKey:
+    def key(chunk: int, salt: str, dtype: torch.dtype) -> CacheEngineKey:
         """As LMCache's vLLM connector keys a chunk of a request carrying `salt`."""
         request = types.SimpleNamespace(
             sampling_params=types.SimpleNamespace(extra_args=None), cache_salt=salt
         )
         configs = extract_request_configs_from_request(request)
-        return CacheEngineKey(MODEL, 1, 0, chunk, torch.float16, configs)
+        return CacheEngineKey(MODEL, 1, 0, chunk, dtype, configs)
 
-    def put(self, manager: StorageManager, start: int, salt: str, data: Sequence[bytes]) -> None:
-        ks = [self.key(start + i, salt) for i in range(len(data))]
+    def put(
+        self,
+        manager: StorageManager,
+        start: int,
+        salt: str,
+        data: Sequence[bytes],
+        dtype: torch.dtype = torch.float16,
+    ) -> None:
+        ks = [self.key(start + i, salt, dtype) for i in range(len(data))]
         objs = []
         for payload in data:
-            obj = manager.allocate(KV_SHAPE, torch.float16)
+            obj = manager.allocate(KV_SHAPE, dtype)
             assert obj is not None, "LMCache's CPU allocator is full"
             obj.byte_array.cast("B")[:] = payload
             objs.append(obj)
@@ -155,8 +187,10 @@ class LocalDisk:
             "LMCache's disk backend holding the stored chunks",
         )
 
-    def get(self, manager: StorageManager, start: int, salt: str) -> list[bytes | None]:
-        got = [manager.get(self.key(start + i, salt)) for i in range(CHUNKS)]
+    def get(
+        self, manager: StorageManager, start: int, salt: str, dtype: torch.dtype = torch.float16
+    ) -> list[bytes | None]:
+        got = [manager.get(self.key(start + i, salt, dtype)) for i in range(CHUNKS)]
         return [None if obj is None else bytes(obj.byte_array) for obj in got]
 
 
@@ -202,6 +236,17 @@ def cache_salts(storage: Any, start: int) -> Outcome:
     return overall(pairs)
 
 
+def other_dtype(storage: Any, start: int) -> Outcome:
+    data = payloads(start)
+    with storage.open(WEIGHTS) as handle:
+        storage.put(handle, start, "", data, torch.bfloat16)
+    storage.restart()
+    with storage.open(WEIGHTS) as handle:
+        as_fp16 = storage.get(handle, start, "", torch.float16)
+        as_bf16 = storage.get(handle, start, "", torch.bfloat16)
+    return overall([(None, s) for s in as_fp16] + list(zip(data, as_bf16)))
+
+
 def rows(root: Path | None = None) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="poison-lmcache-") as tmp:
         base = root or Path(tmp)
@@ -226,6 +271,8 @@ def rows(root: Path | None = None) -> list[Row]:
                  "LMCache#4385", other_weights, 100),
                 ("one chunk hash under two cache salts, live and after a restart",
                  "sglang#37160", cache_salts, 200),
+                ("KV dtype changed across a restart (bfloat16 to float16), same weights",
+                 "vllm PR #49438", other_dtype, 300),
             ):  # fmt: skip
                 prefixd = run(ours, start)
                 for peer in (fs, disk):

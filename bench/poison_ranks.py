@@ -72,6 +72,7 @@ def scenario(build: Callable[[], Any]) -> tuple[Outcome, Outcome]:
         payload_objs,
         rank_keys,
         store,
+        uint8_layout,
         workers,
     )
 
@@ -103,7 +104,7 @@ def scenario(build: Callable[[], Any]) -> tuple[Outcome, Outcome]:
         served: dict[int, list[bytes | None]] = {c: [] for c in range(CHUNKS)}
         for worker in engine:
             keys = rank_keys(HASHES, world, worker.kv_worker_id)
-            hits = lookup_and_lock(reader, keys)
+            hits = lookup_and_lock(reader, keys, uint8_layout(SIZE))
             outs = [memory_obj(SIZE, fill=0) for _ in keys]
             wanted = [i for i, hit in enumerate(hits) if hit]
             loaded: dict[int, bool] = {}

@@ -22,6 +22,7 @@ if importlib.util.find_spec("lmcache") is None:
 
 WEIGHTS = "another engine's weights under the same model name, after a restart"
 SALTS = "one chunk hash under two cache salts, live and after a restart"
+DTYPE = "KV dtype changed across a restart (bfloat16 to float16), same weights"
 FS, DISK = "LMCache fs L2 adapter", "LMCache local_disk backend"
 # (scenario, the peer's storage) -> (prefixd, the peer's storage)
 EXPECTED = {
@@ -33,6 +34,11 @@ EXPECTED = {
     (SALTS, FS): ("exact", "exact"),
     # LMCache's vLLM connector keys a chunk by request configs, not by the request's cache salt
     (SALTS, DISK): ("exact", "wrong"),
+    # LMCache's ObjectKey does not say the dtype, and its fs adapter stores bytes by key; prefixd
+    # names each object with its layout (dtype and shape), so each dtype reads its own bytes
+    (DTYPE, FS): ("exact", "wrong"),
+    # local_disk keys by dtype, but nothing on its disk is found after a restart
+    (DTYPE, DISK): ("exact", "miss"),
 }
 
 

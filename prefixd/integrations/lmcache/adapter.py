@@ -6,6 +6,9 @@ loads on another (a pin belongs to the connection that took it, so a key is unpi
 locked); completions are signalled on each kind's event fd. A lookup pins every hit until
 `submit_unlock`, so prefixd's eviction cannot take it; a payload that fails its checksum is a miss.
 A daemon that is away or slow fails stores and makes lookups misses: nothing raises into LMCache.
+An object is named with its layout (each tensor's dtype and shape): a store's and a load's from
+the memory object, a lookup's from the layout LMCache gives for the key's object group (its own
+`bench l2` gives none: then each layout this adapter has stored or loaded for that group).
 All ranks or none: a key is a hit only while every KV rank's part of its chunk is stored (a rank
 whose store failed makes the chunk a miss for every rank), and a load task fails every part of a
 chunk it holds when one of them fails.
@@ -17,10 +20,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
@@ -35,6 +38,7 @@ from prefixd.integrations.lmcache.identity import (
     Identities,
     Settings,
     key_of,
+    layout_of,
     rank_parts,
     salt_of,
 )
@@ -44,6 +48,7 @@ from prefixd.schema.identity import Identity
 log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_LOOKUP = 4096  # the daemon's limit of prompts per lookup
+_Tag = TypeVar("_Tag")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class _Task:
     task_id: L2TaskId
     keys: list[ObjectKey]
     objects: list[MemoryObj]
+    layouts: Mapping[int, MemoryLayoutDesc]
 
 
 def _link(settings: Settings, name: str) -> DaemonLink:
@@ -76,6 +82,11 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         super().__init__(max_capacity_bytes=0)
         self._settings = Settings.from_params(adapter_params)
         self._identities = Identities(self._settings)
+        # per (model name, object group): the object layouts seen, the last one last
+        self._layouts: dict[tuple[str, int], dict[str, None]] = {}
+        # per (model name, cache salt, engine key): the identity of each pin the lookups took
+        self._pins: dict[tuple[str, str, bytes], list[Identity]] = {}
+        self._warned_unknown_layout = False
         # per task kind that completes: its event fd, and its finished tasks' results
         self._efds = {kind: create_event_notifier() for kind in ("store", "lookup", "load")}
         self._done: dict[str, dict[L2TaskId, Any]] = {kind: {} for kind in self._efds}
@@ -120,7 +131,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        return self._submit(self._fetch_jobs, "lookup", keys)
+        return self._submit(self._fetch_jobs, "lookup", keys, layouts=group_layout_descs)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -137,8 +148,16 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             return self._done["load"].pop(task_id, None)
 
     def delete(self, keys: list[ObjectKey]) -> None:
+        """Delete each key in every object layout this adapter has seen for its group."""
         deleted, sizes = [], []
-        for identity, batch in self._by_identity(keys).items():
+        with self._lock:
+            seen = {(k.model_name, k.object_group_id): self._seen(k) for k in keys}
+        named = [
+            (key, key, layout)
+            for key in keys
+            for layout in seen[key.model_name, key.object_group_id]
+        ]
+        for identity, batch in self._by_identity(named).items():
             for key, words in batch:
                 found = self._storer.call(
                     lambda c: c.lookup(identity, [words], stored_only=True)  # noqa: B023
@@ -215,11 +234,12 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         kind: str,
         keys: list[ObjectKey],
         objects: Sequence[MemoryObj] = (),
+        layouts: Mapping[int, MemoryLayoutDesc] | None = None,
     ) -> L2TaskId:
         with self._lock:
             task_id = self._next_id
             self._next_id += 1
-        jobs.put(_Task(kind, task_id, list(keys), list(objects)))
+        jobs.put(_Task(kind, task_id, list(keys), list(objects), dict(layouts or {})))
         return task_id
 
     def _work(self, jobs: queue.SimpleQueue[_Task | None], link: DaemonLink) -> None:
@@ -235,7 +255,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         if task.kind == "unlock":
             self._unlock(task.keys)
         elif task.kind == "lookup":
-            self._finish(task, self._lookup(task.keys))
+            self._finish(task, self._lookup(task.keys, task.layouts))
         else:
             work = self._store if task.kind == "store" else self._load
             self._finish(task, work(task.keys, task.objects))
@@ -256,7 +276,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         ok = len(keys) == len(objects)
         new_keys, new_sizes = [], []
         for key, obj in zip(keys, objects):
-            identity, words = self._named(key)
+            identity, words = self._named(key, self._object_layout(key, obj))
             if identity is None:
                 ok = False
                 continue
@@ -273,31 +293,71 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._notify_keys_stored(new_keys, new_sizes)
         return L2StoreResult(ok, written)
 
-    def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
+    def _lookup(self, keys: list[ObjectKey], layouts: Mapping[int, MemoryLayoutDesc]) -> Bitmap:
         """Which keys are stored with every other rank's part of their chunk, each such hit
         pinned on the daemon until `submit_unlock`. One lookup per identity (per
         MAX_KEYS_PER_LOOKUP keys) pins the keys asked for; parts of other ranks LMCache did not
         ask for (it asks for every rank's at once) are looked up beside them unpinned, and a
         hit whose chunk lacks a part is unpinned again: a miss for every rank."""
         found = Bitmap(len(keys))
-        for identity, batch in self._by_identity(keys, with_place=True).items():
-            asked = [words for _, words in batch]
-            present = dict(zip(asked, self._present(identity, asked, pin=True)))
-            parts = {place: self._parts(keys[place]) for place, _ in batch}
-            others = list(dict.fromkeys(w for p in parts.values() for w in p if w not in present))
-            present.update(zip(others, self._present(identity, others, pin=False)))
-            torn = []
-            for place, words in batch:
-                if not present[words]:
-                    continue
-                if all(present[part] for part in parts[place]):
-                    found.set(place)
-                else:
-                    torn.append(words)
-            for at in range(0, len(torn), MAX_KEYS_PER_LOOKUP):
-                part = torn[at : at + MAX_KEYS_PER_LOOKUP]
-                self._fetcher.call(lambda c: c.unpin(identity, part))  # noqa: B023
+        given = {
+            group: layout_of(desc.shapes, desc.dtypes)
+            for group, desc in layouts.items()
+            if desc.shapes
+        }
+        with self._lock:
+            for key in keys:
+                if key.object_group_id in given:
+                    self._note(key, given[key.object_group_id])
+            candidates = [
+                [given[key.object_group_id]]
+                if key.object_group_id in given
+                else list(reversed(self._seen(key)))
+                for key in keys
+            ]
+        if not all(candidates) and not self._warned_unknown_layout:
+            self._warned_unknown_layout = True
+            log.warning(
+                "prefixd L2 adapter: a lookup without the object layout of a group this adapter "
+                "has not stored or loaded yet finds nothing (LMCache's node server gives it)"
+            )
+        for turn in range(max(map(len, candidates), default=0)):
+            named = [
+                (place, key, layouts_[turn])
+                for place, (key, layouts_) in enumerate(zip(keys, candidates))
+                if turn < len(layouts_) and not found.test(place)
+            ]
+            for identity, batch in self._by_identity(named).items():
+                self._pin_whole_chunks(identity, batch, keys, found)
         return found
+
+    def _pin_whole_chunks(
+        self,
+        identity: Identity,
+        batch: list[tuple[int, bytes]],
+        keys: list[ObjectKey],
+        found: Bitmap,
+    ) -> None:
+        """Set in `found` the place of each key of `batch` (place, engine key) stored in
+        `identity` with its chunk's other parts, and pin it (see `_lookup`)."""
+        asked = [words for _, words in batch]
+        present = dict(zip(asked, self._present(identity, asked, pin=True)))
+        parts = {place: self._parts(keys[place]) for place, _ in batch}
+        others = list(dict.fromkeys(w for p in parts.values() for w in p if w not in present))
+        present.update(zip(others, self._present(identity, others, pin=False)))
+        torn = []
+        for place, words in batch:
+            if not present[words]:
+                continue
+            if all(present[part] for part in parts[place]):
+                found.set(place)
+                pin = (keys[place].model_name, keys[place].cache_salt, words)
+                self._pins.setdefault(pin, []).append(identity)
+            else:
+                torn.append(words)
+        for at in range(0, len(torn), MAX_KEYS_PER_LOOKUP):
+            part = torn[at : at + MAX_KEYS_PER_LOOKUP]
+            self._fetcher.call(lambda c: c.unpin(identity, part))  # noqa: B023
 
     def _present(self, identity: Identity, asked: list[bytes], *, pin: bool) -> list[bool]:
         """Whether each engine key is stored (pinned for this connection when `pin`); a daemon
@@ -311,10 +371,21 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return present
 
     def _unlock(self, keys: list[ObjectKey]) -> None:
-        """Release one pin of each key (a connection lost since took its pins with it)."""
-        for identity, batch in self._by_identity(keys).items():
+        """Release one pin of each key, in the layout its lookup pinned it in (a connection
+        lost since took its pins with it)."""
+        by_identity: dict[Identity, list[bytes]] = {}
+        for key in keys:
+            if not 0 <= key.kv_rank < 1 << 32:
+                continue  # never a key, never pinned
+            words = key_of(key.chunk_hash, key.kv_rank, key.object_group_id)
+            pins = self._pins.get((key.model_name, key.cache_salt, words))
+            if pins:
+                by_identity.setdefault(pins.pop(), []).append(words)
+                if not pins:
+                    del self._pins[key.model_name, key.cache_salt, words]
+        for identity, batch in by_identity.items():
             for at in range(0, len(batch), MAX_KEYS_PER_LOOKUP):
-                part = [words for _, words in batch[at : at + MAX_KEYS_PER_LOOKUP]]
+                part = batch[at : at + MAX_KEYS_PER_LOOKUP]
                 self._fetcher.call(lambda c: c.unpin(identity, part))  # noqa: B023
 
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
@@ -323,7 +394,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         parts of its chunk in the same task too."""
         ok = [False] * len(keys)
         for place, (key, obj) in enumerate(zip(keys, objects)):
-            identity, words = self._named(key)
+            identity, words = self._named(key, self._object_layout(key, obj))
             if identity is None:
                 continue
             size = obj.get_size()
@@ -347,9 +418,31 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     # --- keys -----------------------------------------------------------------------------------
 
-    def _named(self, key: ObjectKey) -> tuple[Identity | None, bytes]:
-        """A key's identity and engine key (None when LMCache's key cannot be one)."""
-        identity = self._identities.of(key.model_name, len(key.chunk_hash), key.cache_salt)
+    def _object_layout(self, key: ObjectKey, obj: MemoryObj) -> str:
+        """The layout of a memory object (`layout_of`), noted for `key`'s group."""
+        meta = obj.metadata
+        layout = layout_of(meta.shapes or [meta.shape], meta.dtypes or [meta.dtype])
+        with self._lock:
+            self._note(key, layout)
+        return layout
+
+    def _note(self, key: ObjectKey, layout: str) -> None:
+        """Note `layout` as the last seen for `key`'s model and object group (under _lock)."""
+        seen = self._seen(key)
+        seen.pop(layout, None)
+        seen[layout] = None
+
+    def _seen(self, key: ObjectKey) -> dict[str, None]:
+        """The layouts seen for `key`'s model and object group, the last one last (under _lock)."""
+        group = (key.model_name, key.object_group_id)
+        if group not in self._layouts and len(self._layouts) >= 4096:
+            self._layouts.clear()
+        return self._layouts.setdefault(group, {})
+
+    def _named(self, key: ObjectKey, layout: str) -> tuple[Identity | None, bytes]:
+        """A key's identity in `layout` and its engine key (None when LMCache's key cannot
+        be one)."""
+        identity = self._identities.of(key.model_name, len(key.chunk_hash), key.cache_salt, layout)
         if identity is None or not (0 <= key.kv_rank < 1 << 32):
             return None, b""
         return identity, key_of(key.chunk_hash, key.kv_rank, key.object_group_id)
@@ -361,14 +454,14 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         ]
 
     def _by_identity(
-        self, keys: Sequence[ObjectKey], *, with_place: bool = False
-    ) -> dict[Identity, list[tuple[Any, bytes]]]:
-        """Keys grouped by identity, each with its place in `keys` (or the key itself)."""
-        groups: dict[Identity, list[tuple[Any, bytes]]] = {}
-        for place, key in enumerate(keys):
-            identity, words = self._named(key)
+        self, named: Sequence[tuple[_Tag, ObjectKey, str]]
+    ) -> dict[Identity, list[tuple[_Tag, bytes]]]:
+        """(tag, key, layout) grouped by identity, as (tag, engine key)."""
+        groups: dict[Identity, list[tuple[_Tag, bytes]]] = {}
+        for tag, key, layout in named:
+            identity, words = self._named(key, layout)
             if identity is not None:
-                groups.setdefault(identity, []).append((place if with_place else key, words))
+                groups.setdefault(identity, []).append((tag, words))
         return groups
 
 

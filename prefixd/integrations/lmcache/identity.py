@@ -11,7 +11,10 @@ rather than share entries across versions of a model. Each field's source:
   tokenizer     `tokenizer` (default "lmcache-token-ids": the chunk hashes cover the token ids)
   template      `template` (default "none": the template shapes the token ids, which are hashed)
   rope          `rope` (default "model-config": set it when the engine overrides RoPE scaling)
-  kv_layout     "lmcache chunk_hash_bytes=N" plus `kv_layout` (the KV dtype and layout)
+  kv_layout     "lmcache chunk_hash_bytes=N objects=L" plus `kv_layout`: L is LMCache's own layout
+                of the object (each tensor's dtype and shape: `layout_of`), so an engine restarted
+                with another KV dtype or shape, whose chunks have the same keys and often the
+                same size, never reads the old one's bytes
   block_tokens  `chunk_tokens` (LMCache's chunk size, default 256: what a hit saves)
   tenant        `tenant` (default "lmcache"); a cache salt S makes it "<tenant>/salt=S", so salts
                 never share entries and each has its own bytes, quota and purge
@@ -30,7 +33,7 @@ adapter reports a key present only while all of them are stored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,23 +106,35 @@ def weights_of(params: Mapping[str, Any]) -> str:
     return local_weights(path)
 
 
+def layout_of(shapes: Iterable[Sequence[int]], dtypes: Iterable[object]) -> str:
+    """A memory object's layout as LMCache describes it (MemoryLayoutDesc, or the object's own
+    metadata): each tensor's dtype and shape, "bfloat16[2,2,256,64]", joined by "+"."""
+    return "+".join(
+        f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]"
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    )
+
+
 class Identities:
-    """Identities by (model name, chunk hash length, cache salt), built once each."""
+    """Identities by (model name, chunk hash length, cache salt, object layout), built once each."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._known: dict[tuple[str, int, str], Identity] = {}
+        self._known: dict[tuple[str, int, str, str], Identity] = {}
 
-    def of(self, model_name: str, hash_bytes: int, cache_salt: str) -> Identity | None:
-        """The identity of an object; None when its chunk hash cannot make an engine key."""
-        known = self._known.get((model_name, hash_bytes, cache_salt))
+    def of(
+        self, model_name: str, hash_bytes: int, cache_salt: str, objects: str
+    ) -> Identity | None:
+        """The identity of an object of layout `objects` (`layout_of`); None when its chunk
+        hash cannot make an engine key."""
+        known = self._known.get((model_name, hash_bytes, cache_salt, objects))
         if known is not None:
             return known
         width = hash_bytes + _TRAILER
         if hash_bytes % _WORD or not MIN_KEY_BYTES <= width <= MAX_KEY_BYTES:
             return None
         s = self._settings
-        layout = f"lmcache chunk_hash_bytes={hash_bytes}" + (
+        layout = f"lmcache chunk_hash_bytes={hash_bytes} objects={objects}" + (
             f" {s.kv_layout}" if s.kv_layout else ""
         )
         identity = identity_of(
@@ -131,7 +146,7 @@ class Identities:
         )
         if len(self._known) >= 4096:
             self._known.clear()
-        self._known[(model_name, hash_bytes, cache_salt)] = identity
+        self._known[(model_name, hash_bytes, cache_salt, objects)] = identity
         return identity
 
 
@@ -188,6 +203,7 @@ __all__ = [
     "Identities",
     "Settings",
     "key_of",
+    "layout_of",
     "rank_parts",
     "salt_of",
     "split_key",

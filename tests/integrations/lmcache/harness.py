@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from lmcache.cli.commands.bench.l2_adapter_bench.data import wait_eventfd
 from lmcache.integration.vllm.vllm_multi_process_adapter import ParallelStrategy
-from lmcache.v1.distributed.api import ObjectKey, ipc_key_to_object_keys
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey, ipc_key_to_object_keys
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
@@ -86,6 +86,34 @@ def memory_obj(size: int, fill: int | None = None) -> TensorMemoryObj:
     return TensorMemoryObj(raw_data=data, metadata=meta, parent_allocator=None)
 
 
+def uint8_layout(size: int) -> dict[int, MemoryLayoutDesc]:
+    """The node server's layout of object group 0 when its objects are `memory_obj(size)`."""
+    return {0: MemoryLayoutDesc(shapes=[torch.Size([size])], dtypes=[torch.uint8])}
+
+
+def typed_obj(shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> TensorMemoryObj:
+    """A memory object of one KV tensor, as the node server allocates one from its layout,
+    filled with random bytes."""
+    data = torch.empty(shape, dtype=dtype)
+    raw = data.view(torch.uint8).view(-1)
+    raw.copy_(
+        torch.randint(
+            0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+        )
+    )
+    meta = MemoryObjMetadata(
+        shape=shape,
+        dtype=dtype,
+        address=0,
+        phy_size=raw.numel(),
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+        shapes=[shape],
+        dtypes=[dtype],
+    )
+    return TensorMemoryObj(raw_data=data, metadata=meta, parent_allocator=None)
+
+
 def payload_objs(count: int, size: int, *, seed: int = 0) -> list[TensorMemoryObj]:
     gen = torch.Generator().manual_seed(seed)
     objs = []
@@ -116,8 +144,12 @@ def _bits(bitmap: Any, n: int) -> list[bool]:
     return [bool(bitmap.test(i)) for i in range(n)]
 
 
-def lookup_and_lock(adapter: Any, ks: list[ObjectKey]) -> list[bool]:
-    task = adapter.submit_lookup_and_lock_task(ks, {})
+def lookup_and_lock(
+    adapter: Any, ks: list[ObjectKey], layouts: dict[int, Any] | None = None
+) -> list[bool]:
+    """As the node server looks keys up: with each object group's layout (LMCache's
+    MemoryLayoutDesc; none given: each layout this adapter has stored or loaded)."""
+    task = adapter.submit_lookup_and_lock_task(ks, layouts or {})
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
         wait_fd(adapter.get_lookup_and_lock_event_fd())

@@ -18,7 +18,7 @@ from prefixd import Store
 from prefixd.client import Client
 from prefixd.errors import ConfigError
 from prefixd.integrations.lmcache import PrefixdL2Adapter, key_of, l2_adapter_config
-from prefixd.integrations.lmcache.identity import Identities, Settings
+from prefixd.integrations.lmcache.identity import Identities, Settings, layout_of
 from prefixd.schema.chain import chain_hashes
 
 from ...daemon.conftest import Daemon, DaemonFactory
@@ -32,6 +32,7 @@ from .harness import (
     memory_obj,
     payload_objs,
     store,
+    typed_obj,
 )
 
 SIZE = 48 << 10
@@ -163,7 +164,7 @@ def test_a_damaged_payload_is_a_miss_never_wrong_bytes(daemon: Daemon) -> None:
     finally:
         adapter.close()
     daemon.stop()
-    identity = Identities(Settings.from_params(params)).of(MODEL, 32, "")
+    identity = Identities(Settings.from_params(params)).of(MODEL, 32, "", f"uint8[{SIZE}]")
     assert identity is not None
     [damaged] = chain_hashes(identity, key_of(ks[1].chunk_hash, 0, 0))
     corrupt_stored_chunk(daemon.data_dir, damaged)
@@ -300,3 +301,58 @@ def test_two_controller_threads_at_once(daemon: Daemon) -> None:
         assert not errors, errors
     finally:
         adapter.close()
+
+
+def test_an_object_of_another_dtype_or_shape_is_a_miss_never_its_bytes(daemon: Daemon) -> None:
+    """An engine restarted with another KV dtype (bfloat16 to float16: the same bytes per chunk)
+    or layout asks for the same keys: LMCache's keys do not say the dtype, its memory objects and
+    layout descriptions do. Each layout reads its own bytes back, and never another's."""
+    import dataclasses
+
+    import torch
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    shape = torch.Size([2, 2, 64, 96])
+    layouts = {
+        "bf16": (shape, torch.bfloat16),
+        "fp16": (shape, torch.float16),
+        "permuted": (torch.Size([2, 2, 96, 64]), torch.bfloat16),
+    }
+    ks = keys(3, start=40)
+    first = PrefixdL2Adapter(adapter_params(daemon.socket))
+    try:
+        objs = [typed_obj(*layouts["bf16"], seed=i) for i in range(3)]
+        assert store(first, ks, objs).is_successful()
+    finally:
+        first.close()
+    stored = [bytes(o.byte_array) for o in objs]
+    restarted = PrefixdL2Adapter(adapter_params(daemon.socket))
+    try:
+        for name, (shape_, dtype) in layouts.items():
+            desc = {0: MemoryLayoutDesc(shapes=[shape_], dtypes=[dtype])}
+            found = lookup_and_lock(restarted, ks, desc)
+            restarted.submit_unlock([k for k, hit in zip(ks, found) if hit])
+            outs = [typed_obj(shape_, dtype, seed=100 + i) for i in range(3)]
+            bits = load(restarted, ks, outs)
+            got = [bytes(o.byte_array) for o in outs]
+            if name == "bf16":
+                assert found == bits == [True] * 3 and got == stored
+            else:
+                assert found == bits == [False] * 3, name
+                assert all(g != s for g, s in zip(got, stored))
+        # another object group of the same keys has a layout of its own
+        other_group = [dataclasses.replace(k, object_group_id=1) for k in ks]
+        desc = {1: MemoryLayoutDesc(shapes=[shape], dtypes=[torch.bfloat16])}
+        assert lookup_and_lock(restarted, other_group, desc) == [False] * 3
+        # an unlock releases the pin in the layout its lookup took it in, whatever was stored
+        # since (the lookups after it run after it: one worker takes both in turn)
+        bf16 = {0: MemoryLayoutDesc(shapes=[shape], dtypes=[torch.bfloat16])}
+        assert lookup_and_lock(restarted, ks[:1], bf16) == [True]
+        assert store(restarted, ks[:1], [typed_obj(shape, torch.float16, seed=7)]).is_successful()
+        restarted.submit_unlock(ks[:1])
+        assert lookup_and_lock(restarted, keys(1, start=999), bf16) == [False]
+        identity, words = restarted._named(ks[0], layout_of([shape], [torch.bfloat16]))
+        assert identity is not None
+        assert restarted._fetcher.call(lambda c: c.unpin(identity, [words])) == 0
+    finally:
+        restarted.close()

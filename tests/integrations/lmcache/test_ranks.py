@@ -31,6 +31,7 @@ from .harness import (
     payload_objs,
     rank_keys,
     store,
+    uint8_layout,
     workers,
 )
 
@@ -85,7 +86,7 @@ def reader_hits(daemon: Daemon, strategy: ParallelStrategy) -> list[bool]:
     adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
     try:
         keys = object_keys(strategy.kv_world_size, strategy.kv_worker_id)
-        hits = lookup_and_lock(adapter, keys)
+        hits = lookup_and_lock(adapter, keys, uint8_layout(SIZE))
         adapter.submit_unlock([k for k, hit in zip(keys, hits) if hit])
         return hits
     finally:
@@ -118,7 +119,7 @@ def test_a_rank_whose_store_failed_midway_makes_the_chunk_a_miss_for_every_rank(
     adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
     try:
         keys = object_keys(world, None)
-        hits = lookup_and_lock(adapter, keys)
+        hits = lookup_and_lock(adapter, keys, uint8_layout(SIZE))
         assert hits == [c for c in complete for _ in range(world)]
         # the hits load byte-exact; the torn chunks' parts that are stored are not served
         outs = [memory_obj(SIZE, fill=0xEE) for _ in keys]
@@ -130,7 +131,7 @@ def test_a_rank_whose_store_failed_midway_makes_the_chunk_a_miss_for_every_rank(
                 assert bytes(out.byte_array) == stored[rank][chunk], (chunk, rank)
         adapter.submit_unlock([k for k, hit in zip(keys, hits) if hit])
         # a torn chunk's stored part that the lookup found is not left pinned
-        torn_part = adapter._named(keys[TORN_FROM * world])
+        torn_part = adapter._named(keys[TORN_FROM * world], f"uint8[{SIZE}]")
         assert adapter._fetcher.call(lambda c: c.unpin(torn_part[0], [torn_part[1]])) == 0
     finally:
         adapter.close()
@@ -145,7 +146,7 @@ def test_a_complete_chunk_is_a_hit_for_every_rank(daemon: Daemon) -> None:
     adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
     try:
         keys = object_keys(world, None)
-        assert lookup_and_lock(adapter, keys) == [True] * len(keys)
+        assert lookup_and_lock(adapter, keys, uint8_layout(SIZE)) == [True] * len(keys)
         outs = [memory_obj(SIZE) for _ in keys]
         assert load(adapter, keys, outs) == [True] * len(keys)
         assert [bytes(o.byte_array) for o in outs] == [
@@ -163,7 +164,7 @@ def test_a_part_that_fails_verification_fails_its_chunk_for_every_rank(daemon: D
     world = 2
     stored = store_ranks(daemon, world, None)
     params = adapter_params(daemon.socket)
-    identity = Identities(Settings.from_params(params)).of(MODEL, 32, "")
+    identity = Identities(Settings.from_params(params)).of(MODEL, 32, "", f"uint8[{SIZE}]")
     assert identity is not None
     damaged = object_keys(world, 1)[1]
     [block] = chain_hashes(identity, key_of(damaged.chunk_hash, damaged.kv_rank, 0))
@@ -181,7 +182,16 @@ def test_a_part_that_fails_verification_fails_its_chunk_for_every_rank(daemon: D
             chunk, rank = divmod(i, world)
             assert bytes(outs[i].byte_array) == stored[rank][chunk]
         # the damage found, the part is gone: the chunk is a miss for every rank's lookup
-        assert lookup_and_lock(adapter, keys) == [True, True, False, False, True, True, True, True]
+        assert lookup_and_lock(adapter, keys, uint8_layout(SIZE)) == [
+            True,
+            True,
+            False,
+            False,
+            True,
+            True,
+            True,
+            True,
+        ]
         adapter.submit_unlock(keys)
     finally:
         adapter.close()
