@@ -12,7 +12,8 @@ salt; the identity adds what else changes the KV those tokens produce. Each fiel
   rope            the HF config's RoPE settings, and max_model_len when scaling sets positions
   kv_layout       ModelConfig.dtype, quantization (online, as --quantization fp8, or the
                   checkpoint's), hf_overrides other than RoPE's, cache_dtype and the keys' hash;
-                  the tier adds what vLLM's offloading config says of the KV (group_identities)
+                  the tier adds what vLLM's offloading config says of the KV (group_identities),
+                  each group's layers by name and in order among it
   adapter, mm     the LoRA and multimodal configs, None without them
   tenant          the tier's `tenant` setting
 
@@ -22,8 +23,9 @@ tier only its offloading config.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -96,11 +98,18 @@ def group_identities(
     return {
         group.group_id: replace(
             base,
-            kv_layout=f"{layout} group={group.group_id} layers={len(group.layer_names)}",
+            kv_layout=f"{layout} group={group.group_id} layers={_layers(group.layer_names)}",
             block_tokens=group.tokens_per_block * config.cache.blocks_per_chunk,
         )
         for group in config.groups
     }
+
+
+def _layers(names: Sequence[str]) -> str:
+    """A group's layers, in the order its payloads hold them: their count and a digest of their
+    names (the same count of other layers, or another order, is other bytes)."""
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+    return f"{len(names)}:{digest}"
 
 
 def _check_model(written_for: str, served: str) -> None:

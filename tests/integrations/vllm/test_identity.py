@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.kv_offload.config import OffloadingModelConfig
+from vllm.v1.kv_offload.config import OffloadingGroupConfig, OffloadingModelConfig
 
 from prefixd.errors import ConfigError
 from prefixd.integrations.vllm import engine_fields, kv_transfer_config
 from prefixd.integrations.vllm.identity import group_identities
 
-from .harness import FIELDS, offloading_config, prefixd_tier
+from .harness import FIELDS, TOKENS_PER_BLOCK, offloading_config, prefixd_tier
 from .hub_cache import publish, serving
 from .tiny_model import build_tiny_model
 
@@ -163,3 +163,20 @@ def test_an_identity_written_for_another_model_is_refused(model: Path, tmp_path:
     assert identities_for(str(tmp_path / "link"), written)  # the same directory by another path
     with pytest.raises(ConfigError):
         identities_for(str(build_tiny_model(tmp_path / "other", seed=1)), written)
+
+
+def test_a_groups_layers_in_their_order_are_part_of_its_identity() -> None:
+    """A chunk's bytes are its group's layers, in order: the same count of other layers (another
+    vLLM release grouping a hybrid model otherwise) or of the same ones in another order is
+    another identity."""
+
+    def identity(names: tuple[str, ...]) -> Any:
+        config = offloading_config(prefixd_tier("unused"))
+        group = OffloadingGroupConfig(TOKENS_PER_BLOCK, names, 0)
+        config = dataclasses.replace(config, groups=(group,))
+        return group_identities(config, FIELDS, "default", "row=1")[0]
+
+    first = identity(("layer.0", "layer.1"))
+    assert identity(("layer.0", "layer.1")) == first
+    assert identity(("layer.0", "layer.2")) != first
+    assert identity(("layer.1", "layer.0")) != first
