@@ -37,16 +37,21 @@ SPEC_MODULE_PATH = "prefixd.integrations.vllm.spec"
 
 
 def tier_settings(
-    vllm_config: Any, *, socket: str, tenant: str = "default", **options: Any
+    vllm_config: Any,
+    *,
+    socket: str,
+    tenant: str = "default",
+    weights: str | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """The `secondary_tiers` entry that loads PrefixdTier for the engine `vllm_config`
-    describes, with the tier's other settings `options`."""
+    describes (`weights`: engine_fields'), with the tier's other settings `options`."""
     return {
         "type": "PrefixdTier",
         "module_path": MODULE_PATH,
         "socket": str(socket),
         "tenant": tenant,
-        "identity": engine_fields(vllm_config),
+        "identity": engine_fields(vllm_config, weights),
         **options,
     }
 
@@ -57,14 +62,16 @@ def kv_transfer_config(
     socket: str,
     tenant: str = "default",
     direct: bool = False,
+    weights: str | None = None,
     spec_name: str = "TieringOffloadingSpec",
     spec_module_path: str | None = None,
     extra_config: dict[str, Any] | None = None,
     **options: Any,
 ) -> Any:
     """A KVTransferConfig putting prefixd behind vLLM's OffloadingConnector, the identity taken
-    from the config vLLM builds from `engine_args`: as the whole offloading spec (`direct`), or
-    as a secondary tier of `spec_name` with the tier's `options`."""
+    from the config vLLM builds from `engine_args` (and `weights`, the weights' revision or
+    digest where prefixd cannot read them: engine_fields): as the whole offloading spec
+    (`direct`), or as a secondary tier of `spec_name` with the tier's `options`."""
     from vllm.config import KVTransferConfig
 
     probe = copy.copy(engine_args)
@@ -75,14 +82,17 @@ def kv_transfer_config(
         extra["spec_name"] = SPEC_NAME
         extra["spec_module_path"] = SPEC_MODULE_PATH
         extra.update(
-            socket=str(socket), tenant=tenant, identity=engine_fields(vllm_config), **options
+            socket=str(socket),
+            tenant=tenant,
+            identity=engine_fields(vllm_config, weights),
+            **options,
         )
     else:
         extra["spec_name"] = spec_name
         if spec_module_path is not None:
             extra["spec_module_path"] = spec_module_path
         extra["secondary_tiers"] = [
-            tier_settings(vllm_config, socket=socket, tenant=tenant, **options)
+            tier_settings(vllm_config, socket=socket, tenant=tenant, weights=weights, **options)
         ]
     return KVTransferConfig(
         kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra

@@ -18,11 +18,13 @@ import os
 import sys
 from typing import Any
 
+from prefixd.errors import ConfigError
 from prefixd.integrations.vllm import kv_transfer_config
 from prefixd.store.config import parse_size
 from prefixd.trust import DAEMON_USER_VARIABLE
 
 MISSING_EXTRA = 1  # exit code: vLLM is not installed where this runs
+REFUSED = 2  # exit code: the engine's identity cannot be taken from these arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--socket", required=True, help="the prefixd daemon's socket")
     parser.add_argument("--tenant", default="default")
+    parser.add_argument(
+        "--weights",
+        default=None,
+        help="the weights' revision or digest, for a model whose weights prefixd cannot read "
+        "(streamed from object storage); otherwise taken from the model",
+    )
     parser.add_argument(
         "--direct",
         action="store_true",
@@ -83,14 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         engine_parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
         engine = EngineArgs.from_cli_args(engine_parser.parse_args(engine_argv))
         tier = {} if args.direct else {"cpu_bytes_to_use": parse_size(args.cpu_bytes)}
-        config = kv_transfer_config(
-            engine,
-            socket=args.socket,
-            tenant=args.tenant,
-            direct=args.direct,
-            extra_config=tier,
-            **named,
-        )
+        try:
+            config = kv_transfer_config(
+                engine,
+                socket=args.socket,
+                tenant=args.tenant,
+                direct=args.direct,
+                weights=args.weights,
+                extra_config=tier,
+                **named,
+            )
+        except ConfigError as exc:
+            print(f"{parser.prog}: {exc}", file=sys.stderr)
+            return REFUSED
     settings = {
         "kv_connector": config.kv_connector,
         "kv_role": config.kv_role,

@@ -5,7 +5,9 @@ salt; the identity adds what else changes the KV those tokens produce. Each fiel
 
   model, weights  ModelConfig.model and revision, the revision as the commit it named when vLLM
                   read the config (Hugging Face's cache: a branch such as `main` moves); a local
-                  model's weight files' fingerprint
+                  model's weight files' fingerprint; `weights` as given ("given:..."), which a
+                  model streamed from object storage needs (ModelConfig.model_weights: only its
+                  config files are local)
   tokenizer       ModelConfig.tokenizer, tokenizer_revision and tokenizer_mode
   template        a local model's chat_template.jinja and tokenizer_config.json, else the revision
                   (as the commit)
@@ -41,14 +43,28 @@ FIELDS = ("model", "weights", "tokenizer", "template", "rope", "kv_layout", "ada
 _ROPE_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
 
 
-def engine_fields(vllm_config: Any) -> dict[str, str | None]:
-    """The identity fields of the engine `vllm_config` (a vllm.config.VllmConfig) describes."""
+def engine_fields(vllm_config: Any, weights: str | None = None) -> dict[str, str | None]:
+    """The identity fields of the engine `vllm_config` (a vllm.config.VllmConfig) describes,
+    with `weights` (a revision or digest) as the weights' identity when given. ConfigError for a
+    model whose weights are streamed from object storage without `weights`: prefixd cannot read
+    them, and a checkpoint replaced there keeps its config."""
     model_config = vllm_config.model_config
     model = str(model_config.model)
     local = Path(model) if Path(model).is_dir() else None
     revision = model_config.revision or "main"
     pinned = revision if local is not None else (_commit(model, revision) or revision)
-    weights = f"rev={pinned}" if local is None else local_weights(local)
+    streamed = getattr(model_config, "model_weights", "")
+    if weights is not None:
+        weights = f"given:{weights}"
+    elif streamed and streamed != model:
+        raise ConfigError(
+            f"prefixd: the weights of this engine are streamed from {streamed}, where prefixd "
+            "cannot fingerprint them (the model's local directory holds its config alone, the "
+            "same for a checkpoint replaced there): give their revision or digest "
+            "(kv_transfer_config(..., weights=...), or --weights)"
+        )
+    else:
+        weights = f"rev={pinned}" if local is None else local_weights(local)
     tokenizer_revision = model_config.tokenizer_revision or revision
     tokenizer = f"{model_config.tokenizer}@{tokenizer_revision} mode={model_config.tokenizer_mode}"
     return {

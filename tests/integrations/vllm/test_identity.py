@@ -180,3 +180,47 @@ def test_a_groups_layers_in_their_order_are_part_of_its_identity() -> None:
     assert identity(("layer.0", "layer.1")) == first
     assert identity(("layer.0", "layer.2")) != first
     assert identity(("layer.1", "layer.0")) != first
+
+
+def test_weights_streamed_from_object_storage_must_be_named(model: Path) -> None:
+    """vLLM pulls an object-storage model's config files into a local directory and streams its
+    weights from the URI: a fingerprint of that directory is of its config alone, the same for a
+    checkpoint replaced at the URI. The weights' identity must then be given."""
+    config = base_args(model).create_engine_config()
+    config.model_config.model_weights = "s3://bucket/tiny"  # as vLLM's pull leaves it
+    with pytest.raises(ConfigError, match="s3://bucket/tiny"):
+        engine_fields(config)
+    named = engine_fields(config, weights="sha256:abc")
+    assert named["weights"] == "given:sha256:abc"
+    assert {k for k, v in named.items() if fields(base_args(model))[k] != v} == {"weights"}
+    transfer = kv_transfer_config(base_args(model), socket="/unused", weights="sha256:abc")
+    tier = transfer.kv_connector_extra_config["secondary_tiers"][0]
+    assert tier["identity"]["weights"] == "given:sha256:abc"
+
+
+def test_the_command_line_names_streamed_weights_or_says_why_it_cannot(
+    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--weights` reaches the identity; without it, a streamed model is one line on stderr and
+    exit status 2, not a traceback."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from prefixd.integrations.vllm.__main__ import main
+
+    build = EngineArgs.create_engine_config
+
+    def streamed(self: EngineArgs, *args: Any, **kwargs: Any) -> Any:
+        config = build(self, *args, **kwargs)
+        config.model_config.model_weights = "s3://bucket/tiny"  # as vLLM's pull leaves it
+        return config
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", streamed)
+    engine = ["--model", str(model), "--block-size", "32", "--max-model-len", "512"]
+    engine += ["--enforce-eager", "--skip-tokenizer-init", "--dtype", "float32"]
+    assert main(["--socket", "/run/p.sock", "--", *engine]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "s3://bucket/tiny" in err and "Traceback" not in err
+    assert main(["--socket", "/run/p.sock", "--weights", "sha256:abc", "--", *engine]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    tier = printed["kv_connector_extra_config"]["secondary_tiers"][0]
+    assert tier["identity"]["weights"] == "given:sha256:abc"
