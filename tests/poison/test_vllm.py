@@ -99,8 +99,8 @@ def test_a_tier_that_forgets_the_guard_serves_wrong_kv(
     fields, words = FORGETS[key]
     engine_fields, group_identities = vllm_integration.engine_fields, vllm_tier.group_identities
 
-    def forgetful_fields(vllm_config: Any) -> dict[str, str | None]:
-        return {**engine_fields(vllm_config), **{name: "forgotten" for name in fields}}
+    def forgetful_fields(vllm_config: Any, *args: Any) -> dict[str, str | None]:
+        return {**engine_fields(vllm_config, *args), **{name: "forgotten" for name in fields}}
 
     def forgetful_groups(*args: Any) -> dict[int, Any]:
         return {
