@@ -112,8 +112,6 @@ class Adapter:
         ks = keys(CHUNKS, start=start, salt=salt)
         found = lookup_and_lock(adapter, ks, {0: MemoryLayoutDesc([KV_SHAPE], [dtype])})
         outs = [typed_obj(KV_SHAPE, dtype) for _ in ks]
-        for out in outs:
-            out.byte_array.cast("B")[:] = bytes(SIZE)
         bits = load(adapter, ks, outs)
         adapter.submit_unlock([k for k, hit in zip(ks, found) if hit])
         return [bytes(o.byte_array) if b else None for b, o in zip(bits, outs)]

@@ -4,6 +4,7 @@ fingerprinted as the daemon's `--model-manifests` fingerprints files (prefixd.sc
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,12 @@ def identity_of(fields: Mapping[str, Any], **given: Any) -> Identity:
     return Identity(**text, adapter=fields.get("adapter"), **given)
 
 
+def digest_of(text: str) -> str:
+    """A short, stable stand-in for `text` in an identity field, where `text` could outgrow the
+    field's limit (a model's every layer name, a memory object's every tensor)."""
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def local_weights(model: Path) -> str:
     """`local:` and the fingerprint of the model's config.json and weight files (the safetensors
     files and their index, else the .bin ones), read whole: an index names each shard's tensors,
@@ -28,4 +35,4 @@ def local_weights(model: Path) -> str:
     return "local:" + fingerprint_files([model / "config.json", *weights])
 
 
-__all__ = ["identity_of", "local_weights"]
+__all__ = ["digest_of", "identity_of", "local_weights"]

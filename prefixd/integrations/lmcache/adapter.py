@@ -86,7 +86,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._layouts: dict[tuple[str, int], dict[str, None]] = {}
         # per (model name, cache salt, engine key): the identity of each pin the lookups took
         self._pins: dict[tuple[str, str, bytes], list[Identity]] = {}
-        self._warned_unknown_layout = False
+        self._keys_without_layout = 0  # asked for with no layout given or seen: misses
         # per task kind that completes: its event fd, and its finished tasks' results
         self._efds = {kind: create_event_notifier() for kind in ("store", "lookup", "load")}
         self._done: dict[str, dict[L2TaskId, Any]] = {kind: {} for kind in self._efds}
@@ -151,12 +151,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         """Delete each key in every object layout this adapter has seen for its group."""
         deleted, sizes = [], []
         with self._lock:
-            seen = {(k.model_name, k.object_group_id): self._seen(k) for k in keys}
-        named = [
-            (key, key, layout)
-            for key in keys
-            for layout in seen[key.model_name, key.object_group_id]
-        ]
+            named = [(key, key, layout) for key in keys for layout in self._seen(key)]
         for identity, batch in self._by_identity(named).items():
             for key, words in batch:
                 found = self._storer.call(
@@ -211,6 +206,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             "socket": self._settings.socket,
             "store_connected": self._storer.connected,
             "prefetch_connected": self._fetcher.connected,
+            "keys_without_layout": self._keys_without_layout,
             # each link's last problem and fix, failures by kind, calls missed for them
             "store_link": self._storer.status(),
             "prefetch_link": self._fetcher.status(),
@@ -310,17 +306,17 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
                 if key.object_group_id in given:
                     self._note(key, given[key.object_group_id])
             candidates = [
-                [given[key.object_group_id]]
-                if key.object_group_id in given
-                else list(reversed(self._seen(key)))
+                [given[key.object_group_id]] if key.object_group_id in given else self._seen(key)
                 for key in keys
             ]
-        if not all(candidates) and not self._warned_unknown_layout:
-            self._warned_unknown_layout = True
+        unnamed = candidates.count([])
+        if unnamed and not self._keys_without_layout:
             log.warning(
-                "prefixd L2 adapter: a lookup without the object layout of a group this adapter "
-                "has not stored or loaded yet finds nothing (LMCache's node server gives it)"
+                "prefixd L2 adapter: a lookup gave no object layout for a group this adapter has "
+                "not stored or loaded: its keys are misses (counted in report_status). Fix: pass "
+                "each object group's MemoryLayoutDesc, as LMCache's node server does"
             )
+        self._keys_without_layout += unnamed
         for turn in range(max(map(len, candidates), default=0)):
             named = [
                 (place, key, layouts_[turn])
@@ -428,16 +424,17 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
 
     def _note(self, key: ObjectKey, layout: str) -> None:
         """Note `layout` as the last seen for `key`'s model and object group (under _lock)."""
-        seen = self._seen(key)
-        seen.pop(layout, None)
-        seen[layout] = None
-
-    def _seen(self, key: ObjectKey) -> dict[str, None]:
-        """The layouts seen for `key`'s model and object group, the last one last (under _lock)."""
         group = (key.model_name, key.object_group_id)
         if group not in self._layouts and len(self._layouts) >= 4096:
             self._layouts.clear()
-        return self._layouts.setdefault(group, {})
+        seen = self._layouts.setdefault(group, {})
+        seen.pop(layout, None)
+        seen[layout] = None
+
+    def _seen(self, key: ObjectKey) -> list[str]:
+        """The layouts seen for `key`'s model and object group, the last one first: a copy,
+        taken under _lock, that the workers' notes cannot change while it is read."""
+        return list(reversed(self._layouts.get((key.model_name, key.object_group_id), {})))
 
     def _named(self, key: ObjectKey, layout: str) -> tuple[Identity | None, bytes]:
         """A key's identity in `layout` and its engine key (None when LMCache's key cannot

@@ -38,12 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.integrations.identity import identity_of, local_weights
+from prefixd.integrations.identity import digest_of, identity_of, local_weights
 from prefixd.schema.identity import MAX_KEY_BYTES, MIN_KEY_BYTES, Identity
 
 SALT_MARK = "/salt="
 _WORD = 4  # kv_rank and object_group_id, u32 big-endian each
 _TRAILER = 2 * _WORD
+_LAYOUT_TEXT = 256  # a longer layout is named by its digest: identity fields hold 4 KiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +109,13 @@ def weights_of(params: Mapping[str, Any]) -> str:
 
 def layout_of(shapes: Iterable[Sequence[int]], dtypes: Iterable[object]) -> str:
     """A memory object's layout as LMCache describes it (MemoryLayoutDesc, or the object's own
-    metadata): each tensor's dtype and shape, "bfloat16[2,2,256,64]", joined by "+"."""
-    return "+".join(
+    metadata): each tensor's dtype and shape, "bfloat16[2,2,256,64]", joined by "+"; its digest
+    when that is longer than _LAYOUT_TEXT (an object of many tensors)."""
+    text = "+".join(
         f"{str(dtype).removeprefix('torch.')}[{','.join(map(str, shape))}]"
         for shape, dtype in zip(shapes, dtypes, strict=True)
     )
+    return text if len(text) <= _LAYOUT_TEXT else digest_of(text)
 
 
 class Identities:

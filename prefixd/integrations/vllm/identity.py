@@ -25,7 +25,6 @@ tier only its offloading config.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.integrations.identity import identity_of, local_weights
+from prefixd.integrations.identity import digest_of, identity_of, local_weights
 from prefixd.integrations.vllm.chains import KEY_BYTES
 from prefixd.schema.fingerprint import fingerprint_files
 from prefixd.schema.identity import Identity
@@ -124,8 +123,7 @@ def group_identities(
 def _layers(names: Sequence[str]) -> str:
     """A group's layers, in the order its payloads hold them: their count and a digest of their
     names (the same count of other layers, or another order, is other bytes)."""
-    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
-    return f"{len(names)}:{digest}"
+    return f"{len(names)}:" + digest_of("\n".join(names))
 
 
 def _check_model(written_for: str, served: str) -> None:

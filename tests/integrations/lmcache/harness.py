@@ -72,18 +72,11 @@ def rank_keys(hashes: list[bytes], world: int, worker: int | None) -> list[Objec
 
 
 def memory_obj(size: int, fill: int | None = None) -> TensorMemoryObj:
-    data = torch.empty(size, dtype=torch.uint8)
+    """A memory object of `size` bytes (one uint8 tensor), every byte `fill` when given."""
+    obj = typed_obj(torch.Size([size]), torch.uint8)
     if fill is not None:
-        data.fill_(fill)
-    meta = MemoryObjMetadata(
-        shape=torch.Size([size]),
-        dtype=torch.uint8,
-        address=0,
-        phy_size=size,
-        ref_count=1,
-        fmt=MemoryFormat.KV_2LTD,
-    )
-    return TensorMemoryObj(raw_data=data, metadata=meta, parent_allocator=None)
+        obj.raw_data.fill_(fill)
+    return obj
 
 
 def uint8_layout(size: int) -> dict[int, MemoryLayoutDesc]:
@@ -91,16 +84,14 @@ def uint8_layout(size: int) -> dict[int, MemoryLayoutDesc]:
     return {0: MemoryLayoutDesc(shapes=[torch.Size([size])], dtypes=[torch.uint8])}
 
 
-def typed_obj(shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> TensorMemoryObj:
-    """A memory object of one KV tensor, as the node server allocates one from its layout,
-    filled with random bytes."""
+def typed_obj(shape: torch.Size, dtype: torch.dtype, *, seed: int | None = None) -> TensorMemoryObj:
+    """A memory object of one KV tensor, as the node server allocates one from its layout;
+    random bytes drawn from `seed` when given."""
     data = torch.empty(shape, dtype=dtype)
     raw = data.view(torch.uint8).view(-1)
-    raw.copy_(
-        torch.randint(
-            0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
-        )
-    )
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
     meta = MemoryObjMetadata(
         shape=shape,
         dtype=dtype,

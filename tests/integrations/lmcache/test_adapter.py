@@ -340,6 +340,11 @@ def test_an_object_of_another_dtype_or_shape_is_a_miss_never_its_bytes(daemon: D
             else:
                 assert found == bits == [False] * 3, name
                 assert all(g != s for g, s in zip(got, stored))
+        # a lookup with no layout, for a group this adapter has never seen, finds nothing, and
+        # says so in its status
+        other_model = [dataclasses.replace(k, model_name="other/model") for k in ks]
+        assert lookup_and_lock(restarted, other_model) == [False] * 3
+        assert restarted.report_status()["keys_without_layout"] == 3
         # another object group of the same keys has a layout of its own
         other_group = [dataclasses.replace(k, object_group_id=1) for k in ks]
         desc = {1: MemoryLayoutDesc(shapes=[shape], dtypes=[torch.bfloat16])}
@@ -356,3 +361,31 @@ def test_an_object_of_another_dtype_or_shape_is_a_miss_never_its_bytes(daemon: D
         assert restarted._fetcher.call(lambda c: c.unpin(identity, [words])) == 0
     finally:
         restarted.close()
+
+
+def test_an_object_of_many_tensors_is_named_by_its_layouts_digest(daemon: Daemon) -> None:
+    """An object of many tensors (one per layer, say) has a layout longer than an identity field
+    holds: it is named by the layout's digest, and stores, looks up and loads as any other."""
+    import torch
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    shapes, dtypes = [torch.Size([2, 16])] * 400, [torch.bfloat16] * 400
+
+    def many_tensors(seed: int | None = None) -> Any:
+        obj = typed_obj(torch.Size([400 * 2 * 16]), torch.bfloat16, seed=seed)
+        obj.meta.shapes, obj.meta.dtypes = list(shapes), list(dtypes)
+        return obj
+
+    ks = keys(2, start=60)
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
+    try:
+        objs = [many_tensors(seed=i) for i in range(2)]
+        assert store(adapter, ks, objs).is_successful()
+        desc = {0: MemoryLayoutDesc(shapes=list(shapes), dtypes=list(dtypes))}
+        assert lookup_and_lock(adapter, ks, desc) == [True, True]
+        outs = [many_tensors(seed=10 + i) for i in range(2)]
+        assert load(adapter, ks, outs) == [True, True]
+        adapter.submit_unlock(ks)
+        assert [bytes(o.byte_array) for o in outs] == [bytes(o.byte_array) for o in objs]
+    finally:
+        adapter.close()
