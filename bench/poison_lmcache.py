@@ -21,6 +21,8 @@ salt). Cache salts come from SGLang's as LMCache's SGLang connector makes them.
 * KV dtype: an engine stores bfloat16 chunks, the store restarts, the engine comes back with
   float16 KV (vLLM's dtype `auto` resolved differently, vllm PR #49438): the same model, weights
   and chunk hashes, and chunks of the same size. It reads the chunks as float16, then as bfloat16.
+* bit rot: an engine stores chunks, one byte of one stored chunk flips where the storage keeps it
+  on disk, and the engine reads them back (live: local_disk recovers nothing across a restart).
 
 Memory objects are one float16 (or bfloat16) KV tensor, and lookups carry its layout, as the node
 server allocates and looks them up.
@@ -31,7 +33,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,7 @@ from lmcache.v1.event_manager import EventManager
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache_adapter import build
-from poisonlib import Outcome, Row, judge, main
+from poisonlib import Outcome, Row, files_under, judge, main, rot
 from suitelib import SuiteDaemon
 
 from prefixd.integrations.lmcache import l2_adapter_config
@@ -61,6 +63,7 @@ KV_SHAPE = torch.Size([2, 2, 256, 64])  # a chunk's K and V: 2 layers, 256 token
 SIZE = 2 * KV_SHAPE.numel()
 CHUNKS = 4
 WEIGHTS = "sha256:engine-a"
+ROTTEN_CHUNK = 1
 
 
 def payloads(seed: int) -> list[bytes]:
@@ -78,10 +81,13 @@ def salt_of(tenant: str, extra_key: str | None = None) -> str:
 
 
 class Adapter:
-    """An L2 adapter (prefixd's, or LMCache's fs) as a node server builds and drives it."""
+    """An L2 adapter (prefixd's, or LMCache's fs) as a node server builds and drives it;
+    `files`: where it keeps the chunks."""
 
-    def __init__(self, name: str, spec: Any, restart: Any) -> None:
-        self.name, self.spec, self.restart = name, spec, restart
+    def __init__(
+        self, name: str, spec: Any, restart: Any, files: Callable[[], Iterable[Path]]
+    ) -> None:
+        self.name, self.spec, self.restart, self.files = name, spec, restart, files
 
     @contextmanager
     def open(self, weights: str) -> Iterator[Any]:
@@ -125,6 +131,7 @@ class LocalDisk:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.files = files_under(path)
 
     @contextmanager
     def open(self, weights: str) -> Iterator[StorageManager]:
@@ -245,6 +252,16 @@ def other_dtype(storage: Any, start: int) -> Outcome:
     return overall([(None, s) for s in as_fp16] + list(zip(data, as_bf16)))
 
 
+def rotten(storage: Any, start: int) -> Outcome:
+    data = payloads(start)
+    with storage.open(WEIGHTS) as handle:
+        storage.put(handle, start, "", data)
+        rot(storage.files(), data[ROTTEN_CHUNK])
+        served = storage.get(handle, start, "")
+    right = [None if i == ROTTEN_CHUNK else payload for i, payload in enumerate(data)]
+    return overall(list(zip(right, served)))
+
+
 def rows(root: Path | None = None) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="poison-lmcache-") as tmp:
         base = root or Path(tmp)
@@ -256,11 +273,13 @@ def rows(root: Path | None = None) -> list[Row]:
                 "prefixd",
                 lambda weights: l2_adapter_config(str(daemon.socket), weights=weights),
                 daemon.restart,
+                lambda: [daemon.data_dir / "data.mdb"],
             )
             fs = Adapter(
                 "LMCache fs L2 adapter",
                 lambda weights: {"type": "fs", "base_path": str(base / "fs")},
                 lambda: None,  # a new adapter reopens the directory
+                files_under(base / "fs"),
             )
             disk = LocalDisk(base / "disk")
             out = []
@@ -271,6 +290,8 @@ def rows(root: Path | None = None) -> list[Row]:
                  "sglang#37160", cache_salts, 200),
                 ("KV dtype changed across a restart (bfloat16 to float16), same weights",
                  "vllm PR #49438", other_dtype, 300),
+                ("a byte of a stored chunk flipped on disk (bit rot)",
+                 "measured here", rotten, 400),
             ):  # fmt: skip
                 prefixd = run(ours, start)
                 for peer in (fs, disk):

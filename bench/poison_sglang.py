@@ -12,13 +12,16 @@ pages and a Mamba state (SSM and conv states of every Mamba layer, one per check
 and read through the v2 calls as SGLang's hybrid controller makes them. After the restart a fresh
 backend over fresh pools asks `batch_exists_v2` for the longest prefix every pool can restore,
 then gets each pool there; what it holds is judged against what the writer held at that prefix.
+
+Bit rot: an engine stores a prompt's KV pages, one byte of one stored page flips where the backend
+keeps it on disk, and a fresh engine reads the prompt; the right answer is the pages before it.
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from tests.integrations.sglang.standin import install
 install()  # sglang's model configs import torchvision (see the stand-in's docstring)
 
 import torch
-from poisonlib import Outcome, Row, judge, main
+from poisonlib import Outcome, Row, files_under, judge, main, rot
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageExtraInfo,
@@ -60,6 +63,7 @@ WIDTH = {"swa": 2, "mamba": 1}  # trailing pools: the pages a checkpoint holds
 BOTH = ("swa", "mamba")
 PAGED = ("kv", "indexer")  # two paged pools of one class and shape
 OTHER_WEIGHTS_PAGES = 4
+ROT_PAGES, ROTTEN_PAGE = 4, 2
 SSM = torch.bfloat16  # the writer's Mamba SSM state dtype
 
 
@@ -180,6 +184,15 @@ def other_weights_case(
     return judge(None, b"".join(got) if got else None)
 
 
+def rotten_case(extra: dict[str, Any], files: Callable[[], Iterable[Path]], seed: int) -> Outcome:
+    """An engine stores a prompt's KV pages, a byte of one flips where they lie on disk (`files`),
+    a fresh engine reads the prompt: judged against the pages stored, up to what it was served."""
+    tokens, expected, _ = store(extra, ROT_PAGES, seed)
+    rot(files(), expected[ROTTEN_PAGE])
+    _, got, _ = read(extra, tokens, ROT_PAGES)
+    return judge(b"".join(expected[: len(got)]), b"".join(got)) if got else "miss"
+
+
 def same_shape_case(
     extra: Callable[[], dict[str, Any]], restart_store: Callable[[], None], seed: int
 ) -> Outcome:
@@ -263,6 +276,17 @@ def rows(root: Path | None = None) -> list[Row]:
                     "measured here (bench/sglang_backend.py)",
                     other_weights_case(v1, ours["restart_store"], seed=7),
                     other_weights_case(file_extra(base / "hicache-mha"), lambda: None, seed=7),
+                    FILE,
+                )
+            )
+            out.append(
+                Row(
+                    "a byte of a stored page flipped on disk (bit rot)",
+                    "measured here (bench/sglang_backend.py)",
+                    rotten_case(v1, lambda: [daemon.data_dir / "data.mdb"], seed=9),
+                    rotten_case(
+                        file_extra(base / "hicache-rot"), files_under(base / "hicache-rot"), seed=9
+                    ),
                     FILE,
                 )
             )

@@ -20,7 +20,9 @@ What B is served is judged against the bytes its own KV cache would hold for the
 the change only moves A's KV around (KV layout, tensor-parallel size) those bytes are A's KV laid
 out as B lays it (`direct_rows`); where it changes the KV itself (RoPE, revision, weights, dtype)
 nothing of A's is right for B. Before B, a fresh engine with A's configuration loads the prompt
-from each tier (the control): a tier that never served would pass for a safe one.
+from each tier (the control): a tier that never served would pass for a safe one. In the at-rest
+scenario B is A, and between the control and B one byte of a stored block is flipped where the
+tier keeps it on disk (bit rot, a bad sector): the right answer is the blocks before it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ if __name__ == "__main__":  # vLLM logs to stdout unless told, and stdout is the
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 import torch
-from poisonlib import Outcome, Row, judge, main
+from poisonlib import Outcome, Row, files_under, judge, main, rot
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
@@ -99,6 +101,10 @@ class Scenario:
     a: Config
     b: Config
     moves_kv: bool  # B's right bytes are A's KV laid out B's way (else none of A's are right)
+    rots: bool = False  # a byte of a stored block flips on disk before B asks
+
+
+ROTTEN_BLOCK = 1  # the block whose stored bytes rot: the right answer is the one before it
 
 
 # A GPU engine's attention backend (FlashAttention takes any layout, as in vllm#55904); the CPU
@@ -153,6 +159,15 @@ SCENARIOS = (
         Config({"dtype": "auto"}),
         Config({"dtype": "auto"}, platform_dtypes=("float16", "float32")),  # a host without bf16
         moves_kv=False,
+    ),
+    Scenario(
+        "rot",
+        "a byte of a stored block flipped on disk (bit rot)",
+        "vllm PR #57912",
+        Config(),
+        Config(),
+        moves_kv=True,
+        rots=True,
     ),
 )
 
@@ -246,14 +261,25 @@ def attention_specs(vllm_config: VllmConfig) -> dict[str, FullAttentionSpec]:
     return {f"model.layers.{i}.self_attn.attn": spec for i in range(model.get_num_layers(parallel))}
 
 
-def prefixd_tier(socket: str) -> Callable[[EngineArgs], KVTransferConfig]:
+@dataclass(frozen=True)
+class Tier:
+    """A tier under test: the KV transfer config an engine's arguments get (prefixd's from
+    kv_transfer_config), and the files it keeps its blocks in."""
+
+    transfer: Callable[[EngineArgs], KVTransferConfig]
+    files: Callable[[], Iterable[Path]]
+
+
+def prefixd_tier(socket: str, data_dir: Path) -> Tier:
+    """prefixd's tier, through the daemon at `socket` whose store is `data_dir`."""
+
     def transfer(args: EngineArgs) -> KVTransferConfig:
         return kv_transfer_config(args, socket=socket, extra_config={"cpu_bytes_to_use": CPU_BYTES})
 
-    return transfer
+    return Tier(transfer, lambda: [data_dir / "data.mdb"])
 
 
-def fs_tier(root_dir: Path) -> Callable[[EngineArgs], KVTransferConfig]:
+def fs_tier(root_dir: Path) -> Tier:
     """vLLM's file tier on `root_dir` (as bench/vllm_bench.py sets it up)."""
 
     def transfer(args: EngineArgs) -> KVTransferConfig:
@@ -266,7 +292,7 @@ def fs_tier(root_dir: Path) -> Callable[[EngineArgs], KVTransferConfig]:
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
         )
 
-    return transfer
+    return Tier(transfer, files_under(root_dir))
 
 
 def prompt_keys(started: Started, tokens: list[int]) -> list[bytes]:
@@ -324,11 +350,10 @@ class Served:
 
     outcome: Outcome
     control: Outcome
+    blocks: int  # how many of the prompt's blocks B was served
 
 
-def serve(
-    work: Path, scenario: Scenario, tier: Callable[[EngineArgs], KVTransferConfig], seed: int
-) -> Served:
+def serve(work: Path, scenario: Scenario, tier: Tier, seed: int) -> Served:
     """A stores the prompt's KV through `tier`; a fresh A loads it (the control); B, its model
     installed over A's, asks (`work`: where the models are)."""
     rng = np.random.default_rng(seed)
@@ -336,7 +361,7 @@ def serve(
     started: list[Started] = []
 
     def engine(config: Config) -> Started:
-        started.append(start(work, config, tier))
+        started.append(start(work, config, tier.transfer))
         return started[-1]
 
     try:
@@ -347,11 +372,14 @@ def serve(
         writer.engine.store(context("a", keys), keys, stored)
         again = engine(scenario.a).engine
         control = judged(b"".join(stored), again.load(context("a2", keys), keys))
+        if scenario.rots:
+            rot(tier.files(), stored[ROTTEN_BLOCK])
         reader = engine(scenario.b)
         if prompt_keys(reader, tokens) != keys:
             raise AssertionError(f"{scenario.name}: B's block hashes differ from A's")
         expected = b"".join(direct_rows(reader.engine, kv)) if scenario.moves_kv else None
-        return Served(judged(expected, reader.engine.load(context("b", keys), keys)), control)
+        served = reader.engine.load(context("b", keys), keys)
+        return Served(judged(expected, served), control, len(served))
     finally:
         for each in started:
             each.engine.close()
@@ -370,19 +398,26 @@ def judged(expected: bytes | None, served: list[bytes]) -> Outcome:
 class Result:
     row: Row
     controls: dict[str, Outcome]  # tier: the control's outcome
+    blocks: dict[str, int]  # tier: how many blocks B was served
 
 
-def run(scenario: Scenario, socket: str, root: Path, seed: int) -> Result:
-    """`scenario` through prefixd (the daemon at `socket`) and through vLLM's file tier."""
+def run(scenario: Scenario, prefixd: Tier, root: Path, seed: int) -> Result:
+    """`scenario` through prefixd's tier and through vLLM's file tier."""
     work = root / scenario.key
-    ours = serve(work / "prefixd", scenario, prefixd_tier(socket), seed)
+    ours = serve(work / "prefixd", scenario, prefixd, seed)
     theirs = serve(work / "fs", scenario, fs_tier(work / "fs" / "tier"), seed)
     row = Row(scenario.name, scenario.where, ours.outcome, theirs.outcome, "vLLM file tier (fs)")
-    return Result(row, {"prefixd": ours.control, "fs": theirs.control})
+    return Result(
+        row,
+        {"prefixd": ours.control, "fs": theirs.control},
+        {"prefixd": ours.blocks, "fs": theirs.blocks},
+    )
 
 
-def results(socket: str, root: Path) -> list[Result]:
-    return [run(scenario, socket, root, seed) for seed, scenario in enumerate(SCENARIOS)]
+def results(socket: str, data_dir: Path, root: Path) -> list[Result]:
+    """Every scenario, prefixd's side through the daemon at `socket` whose store is `data_dir`."""
+    prefixd = prefixd_tier(socket, data_dir)
+    return [run(scenario, prefixd, root, seed) for seed, scenario in enumerate(SCENARIOS)]
 
 
 def rows() -> list[Row]:
@@ -392,7 +427,7 @@ def rows() -> list[Row]:
         daemon = SuiteDaemon(Path(tmp), "prefixd")
         daemon.start()
         try:
-            found = results(str(daemon.socket), Path(tmp) / "work")
+            found = results(str(daemon.socket), daemon.data_dir, Path(tmp) / "work")
         finally:
             daemon.stop()
     for result in found:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+import mmap
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -44,6 +46,29 @@ def judge(expected: bytes | np.ndarray | None, served: bytes | np.ndarray | None
     want = np.frombuffer(memoryview(expected).cast("B"), dtype=np.uint8)
     got = np.frombuffer(memoryview(served).cast("B"), dtype=np.uint8)
     return "exact" if want.shape == got.shape and bool((want == got).all()) else "wrong"
+
+
+def files_under(path: Path) -> Callable[[], list[Path]]:
+    """The files a storage keeps under `path`, listed when called."""
+    return lambda: sorted(each for each in path.rglob("*") if each.is_file())
+
+
+def rot(files: Iterable[Path], payload: bytes) -> None:
+    """Flip one byte in the middle of `payload` wherever it lies in `files`, in place (a running
+    daemon maps its file), as a bad sector would; the payload must lie somewhere."""
+    needle = payload[len(payload) // 2 - 32 : len(payload) // 2 + 32]
+    found = 0
+    for path in files:
+        if not path.stat().st_size:
+            continue  # nothing to map
+        with open(path, "r+b") as file, mmap.mmap(file.fileno(), 0) as data:
+            at = data.find(needle)
+            while at >= 0:
+                data[at + 32] ^= 0x5A
+                found += 1
+                at = data.find(needle, at + 1)
+    if not found:
+        raise AssertionError("the stored payload to damage is in none of the storage's files")
 
 
 def print_rows(rows: Sequence[Row], as_json: bool) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import statistics
@@ -46,6 +45,7 @@ from tests.integrations.sglang.standin import install
 install()  # sglang's model configs import torchvision (see the stand-in's docstring)
 
 import torch
+from poisonlib import files_under, rot
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from suitelib import SuiteDaemon
@@ -132,19 +132,6 @@ def load(extra: dict[str, Any], tokens: list[int], expected: list[bytes]) -> dic
     return {"hit": hit, "loaded": len(got), "correct": correct, "seconds": seconds}
 
 
-def flip_one_byte(path: Path, page: bytes) -> None:
-    """Flip a byte in the middle of a stored page, wherever a file holds its bytes."""
-    needle = page[len(page) // 2 - 32 : len(page) // 2 + 32]
-    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.stat().st_size):
-        with open(file, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
-            at = data.find(needle)
-            if at >= 0:
-                data[at + 32] ^= 0xFF
-                data.flush()
-                return
-    raise RuntimeError("the page's bytes were not found on disk")
-
-
 def bench(root: Path, pages: int, repeat: int) -> dict[str, Any]:
     daemon = SuiteDaemon(root, "prefixd", map_size=max(8 << 30, 4 * pages * (512 << 10) * repeat))
     daemon.start()
@@ -192,7 +179,7 @@ def bench(root: Path, pages: int, repeat: int) -> dict[str, Any]:
             }
         daemon.stop()
         for name, where in (("file", root / "hicache"), ("prefixd_v1", daemon.data_dir)):
-            flip_one_byte(where, kept[name][1][pages // 2])
+            rot(files_under(where)(), kept[name][1][pages // 2])
         daemon.restart(stopped=True)
         for name in ("file", "prefixd_v1"):
             survives[name]["one_byte_flipped"] = load(backends[name](), *kept[name])

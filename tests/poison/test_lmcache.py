@@ -23,6 +23,7 @@ if importlib.util.find_spec("lmcache") is None:
 WEIGHTS = "another engine's weights under the same model name, after a restart"
 SALTS = "one chunk hash under two cache salts, live and after a restart"
 DTYPE = "KV dtype changed across a restart (bfloat16 to float16), same weights"
+ROT = "a byte of a stored chunk flipped on disk (bit rot)"
 FS, DISK = "LMCache fs L2 adapter", "LMCache local_disk backend"
 # (scenario, the peer's storage) -> (prefixd, the peer's storage)
 EXPECTED = {
@@ -39,6 +40,9 @@ EXPECTED = {
     (DTYPE, FS): ("exact", "wrong"),
     # local_disk keys by dtype, but nothing on its disk is found after a restart
     (DTYPE, DISK): ("exact", "miss"),
+    # prefixd verifies each chunk's checksum and serves the others; LMCache keeps none
+    (ROT, FS): ("exact", "wrong"),
+    (ROT, DISK): ("exact", "wrong"),
 }
 
 

@@ -32,6 +32,8 @@ EXPECTED = {
     "two paged pools of one shape (KV and an indexer) after a restart": ("exact", "exact"),
     # HiCacheFile's file names carry the model name and ranks, not the weights
     "another engine's weights under the same model name, after a restart": ("miss", "wrong"),
+    # prefixd verifies each page's checksum and serves the pages before it; HiCacheFile keeps none
+    "a byte of a stored page flipped on disk (bit rot)": ("exact", "wrong"),
 }
 
 

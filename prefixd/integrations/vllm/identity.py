@@ -1,7 +1,8 @@
 """The prefixd identity of a vLLM engine, taken from vLLM's own config (never typed by hand).
 
-vLLM's block hashes already chain the tokens, a request's LoRA adapter, multimodal inputs and cache
-salt; the identity adds what else changes the KV those tokens produce. Each field's source:
+vLLM's block hashes already chain the tokens, a request's LoRA adapter (its name and path, not its
+files), multimodal inputs and cache salt; the identity adds what else changes the KV those tokens
+produce. Each field's source:
 
   model, weights  ModelConfig.model and revision, the revision as the commit it named when vLLM
                   read the config (Hugging Face's cache: a branch such as `main` moves); a local
