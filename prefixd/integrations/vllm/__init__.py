@@ -23,8 +23,10 @@ rest works without.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from prefixd.errors import ConfigError
 from prefixd.integrations.vllm.identity import FIELDS, engine_fields
 
 if TYPE_CHECKING:
@@ -42,16 +44,18 @@ def tier_settings(
     socket: str,
     tenant: str = "default",
     weights: str | None = None,
+    lora_modules: Mapping[str, str] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """The `secondary_tiers` entry that loads PrefixdTier for the engine `vllm_config`
-    describes (`weights`: engine_fields'), with the tier's other settings `options`."""
+    describes (`weights`, `lora_modules`: engine_fields'), with the tier's other settings
+    `options`."""
     return {
         "type": "PrefixdTier",
         "module_path": MODULE_PATH,
         "socket": str(socket),
         "tenant": tenant,
-        "identity": engine_fields(vllm_config, weights),
+        "identity": engine_fields(vllm_config, weights, lora_modules),
         **options,
     }
 
@@ -63,6 +67,7 @@ def kv_transfer_config(
     tenant: str = "default",
     direct: bool = False,
     weights: str | None = None,
+    lora_modules: Mapping[str, str] | None = None,
     spec_name: str = "TieringOffloadingSpec",
     spec_module_path: str | None = None,
     extra_config: dict[str, Any] | None = None,
@@ -70,13 +75,18 @@ def kv_transfer_config(
 ) -> Any:
     """A KVTransferConfig putting prefixd behind vLLM's OffloadingConnector, the identity taken
     from the config vLLM builds from `engine_args` (and `weights`, the weights' revision or
-    digest where prefixd cannot read them: engine_fields): as the whole offloading spec
-    (`direct`), or as a secondary tier of `spec_name` with the tier's `options`."""
+    digest where prefixd cannot read them, and `lora_modules`, the LoRA adapters the engine
+    serves by name: engine_fields): as the whole offloading spec (`direct`), or as a secondary
+    tier of `spec_name` with the tier's `options`. ConfigError where vLLM cannot build that
+    engine, or prefixd cannot name it."""
     from vllm.config import KVTransferConfig
 
     probe = copy.copy(engine_args)
     probe.kv_transfer_config = None
-    vllm_config = probe.create_engine_config()
+    try:
+        vllm_config = probe.create_engine_config()
+    except (OSError, ValueError) as exc:  # no such model, a setting vLLM refuses
+        raise ConfigError(f"vLLM cannot build the engine these arguments describe: {exc}") from exc
     extra = dict(extra_config or {})
     if direct:
         extra["spec_name"] = SPEC_NAME
@@ -84,7 +94,7 @@ def kv_transfer_config(
         extra.update(
             socket=str(socket),
             tenant=tenant,
-            identity=engine_fields(vllm_config, weights),
+            identity=engine_fields(vllm_config, weights, lora_modules),
             **options,
         )
     else:
@@ -92,7 +102,14 @@ def kv_transfer_config(
         if spec_module_path is not None:
             extra["spec_module_path"] = spec_module_path
         extra["secondary_tiers"] = [
-            tier_settings(vllm_config, socket=socket, tenant=tenant, weights=weights, **options)
+            tier_settings(
+                vllm_config,
+                socket=socket,
+                tenant=tenant,
+                weights=weights,
+                lora_modules=lora_modules,
+                **options,
+            )
         ]
     return KVTransferConfig(
         kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra

@@ -1,7 +1,8 @@
 """`python -m prefixd.integrations.vllm --socket PATH [--tenant T] [--direct] -- VLLM_SERVE_ARGS...`
 prints the `--kv-transfer-config` JSON that puts prefixd behind `vllm serve` with those arguments:
 the identity is taken from the config vLLM builds from the same arguments, so pass exactly the
-ones `vllm serve` gets (model, revision, dtype, KV cache dtype, block size, parallel sizes, ...).
+ones `vllm serve` gets (model, revision, dtype, KV cache dtype, block size, parallel sizes, LoRA
+modules, ...), read by `vllm serve`'s own parser.
 `--direct` makes prefixd vLLM's whole offloading spec; without it, prefixd is a secondary tier
 behind vLLM's CPU tier of `--cpu-bytes`.
 
@@ -76,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout: only the JSON goes there
         try:
             from vllm.engine.arg_utils import EngineArgs
-            from vllm.utils.argparse_utils import FlexibleArgumentParser
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.split(".")[0] != "vllm":
                 raise
@@ -88,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             return MISSING_EXTRA
 
-        engine_parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm serve"))
-        engine = EngineArgs.from_cli_args(engine_parser.parse_args(engine_argv))
+        serve = serve_parser().parse_args(engine_argv)
+        if getattr(serve, "model_tag", None):  # `vllm serve MODEL`, as vLLM's serve reads it
+            serve.model = serve.model_tag
+        engine = EngineArgs.from_cli_args(serve)
+        lora_modules = {m.name: m.path for m in getattr(serve, "lora_modules", None) or ()}
         tier = {} if args.direct else {"cpu_bytes_to_use": parse_size(args.cpu_bytes)}
         try:
             config = kv_transfer_config(
@@ -98,12 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                 tenant=args.tenant,
                 direct=args.direct,
                 weights=args.weights,
+                lora_modules=lora_modules,
                 extra_config=tier,
                 **named,
             )
         except ConfigError as exc:
             print(f"{parser.prog}: {exc}", file=sys.stderr)
             return REFUSED
+
     settings = {
         "kv_connector": config.kv_connector,
         "kv_role": config.kv_role,
@@ -111,6 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(settings))
     return 0
+
+
+def serve_parser() -> Any:
+    """`vllm serve`'s own parser: the engine's arguments and the server's (its positional model,
+    --port, --lora-modules, --config FILE), so an operator passes exactly what `vllm serve` gets."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ModuleNotFoundError:  # before vLLM 0.32 moved it
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ produce. Each field's source:
 
   model, weights  ModelConfig.model and revision, the revision as the commit it named when vLLM
                   read the config (Hugging Face's cache: a branch such as `main` moves); a local
-                  model's weight files' fingerprint; `weights` as given ("given:..."), which a
-                  model streamed from object storage needs (ModelConfig.model_weights: only its
-                  config files are local)
+                  model's weight files' fingerprint (a GGUF file's own); `weights` as given
+                  ("given:..."), which a model streamed from object storage needs
+                  (ModelConfig.model_weights: only its config files are local), as does any
+                  other whose weights prefixd cannot name (never a default)
   tokenizer       ModelConfig.tokenizer, tokenizer_revision and tokenizer_mode
   template        a local model's chat_template.jinja and tokenizer_config.json, else the revision
                   (as the commit)
@@ -17,7 +18,9 @@ produce. Each field's source:
                   checkpoint's), hf_overrides other than RoPE's, cache_dtype and the keys' hash;
                   the tier adds what vLLM's offloading config says of the KV (group_identities),
                   each group's layers by name and in order among it
-  adapter, mm     the LoRA and multimodal configs, None without them
+  adapter, mm     the LoRA and multimodal configs, None without them; the LoRA adapters `vllm serve`
+                  names (--lora-modules: `lora_modules`), each by the fingerprint of its files
+                  where they are local (vLLM's keys name an adapter by name and path only)
   tenant          the tier's `tenant` setting
 
 `engine_fields` runs where the VllmConfig is at hand (`kv_transfer_config`): vLLM hands a secondary
@@ -26,6 +29,7 @@ tier only its offloading config.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -40,19 +44,26 @@ from prefixd.schema.identity import Identity
 
 # What engine_fields returns: the identity fields the tier cannot read from its offloading config.
 FIELDS = ("model", "weights", "tokenizer", "template", "rope", "kv_layout", "adapter", "mm")
+_GIVE_WEIGHTS = "kv_transfer_config(..., weights=...), or --weights"
 _ROPE_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
 
 
-def engine_fields(vllm_config: Any, weights: str | None = None) -> dict[str, str | None]:
+def engine_fields(
+    vllm_config: Any,
+    weights: str | None = None,
+    lora_modules: Mapping[str, str] | None = None,
+) -> dict[str, str | None]:
     """The identity fields of the engine `vllm_config` (a vllm.config.VllmConfig) describes,
-    with `weights` (a revision or digest) as the weights' identity when given. ConfigError for a
-    model whose weights are streamed from object storage without `weights`: prefixd cannot read
-    them, and a checkpoint replaced there keeps its config."""
+    with `weights` (a revision or digest) as the weights' identity when given, and the LoRA
+    adapters it serves (`lora_modules`, name: path). ConfigError for a model whose weights are
+    streamed from object storage without `weights`: prefixd cannot read them, and a checkpoint
+    replaced there keeps its config."""
     model_config = vllm_config.model_config
     model = str(model_config.model)
     local = Path(model) if Path(model).is_dir() else None
     revision = model_config.revision or "main"
-    pinned = revision if local is not None else (_commit(model, revision) or revision)
+    commit = None if local is not None else _commit(model, revision)
+    pinned = commit or revision
     streamed = getattr(model_config, "model_weights", "")
     if weights is not None:
         weights = f"given:{weights}"
@@ -61,10 +72,22 @@ def engine_fields(vllm_config: Any, weights: str | None = None) -> dict[str, str
             f"prefixd: the weights of this engine are streamed from {streamed}, where prefixd "
             "cannot fingerprint them (the model's local directory holds its config alone, the "
             "same for a checkpoint replaced there): give their revision or digest "
-            "(kv_transfer_config(..., weights=...), or --weights)"
+            f"({_GIVE_WEIGHTS})"
         )
+    elif local is not None:
+        weights = local_weights(local)
+    elif Path(model).is_file():  # a GGUF file: its weights, tokenizer and template in one
+        weights = "local:" + fingerprint_files([Path(model)])
+    elif commit is not None:
+        weights = f"rev={commit}"
     else:
-        weights = f"rev={pinned}" if local is None else local_weights(local)
+        raise ConfigError(
+            f"prefixd: cannot tell which weights {model!r} (revision {revision!r}) are: it is "
+            "no local directory or file, and no Hugging Face model whose revision this "
+            "machine's cache names (ModelScope, a GGUF repo's quantization, another hub), so "
+            "a checkpoint replaced under that name would be served the old one's KV: give "
+            f"their revision or digest ({_GIVE_WEIGHTS})"
+        )
     tokenizer_revision = model_config.tokenizer_revision or revision
     tokenizer = f"{model_config.tokenizer}@{tokenizer_revision} mode={model_config.tokenizer_mode}"
     return {
@@ -80,7 +103,7 @@ def engine_fields(vllm_config: Any, weights: str | None = None) -> dict[str, str
             vllm_config.cache_config.cache_dtype,
             getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"),
         ),
-        "adapter": _adapter(vllm_config.lora_config),
+        "adapter": _adapter(vllm_config.lora_config, lora_modules or {}),
         "mm": _multimodal(model_config),
     }
 
@@ -141,16 +164,16 @@ def _check_model(written_for: str, served: str) -> None:
 
 def _commit(model: str, revision: str) -> str | None:
     """The commit `revision` of the hub model `model` names in Hugging Face's cache, where vLLM
-    has just read the model's config (None: not from there, or huggingface_hub is missing)."""
+    has just read the model's config, resolved as huggingface_hub resolves it (None: not in the
+    cache, as no URI or GGUF repo's "id:quantization" is, or huggingface_hub is missing)."""
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import constants
     except ImportError:
         return None
-    try:
-        config = try_to_load_from_cache(model, "config.json", revision=revision)
-    except ValueError:  # not a repo id (an s3:// URI, a file)
-        return None
-    return Path(config).parent.name if isinstance(config, str) else None
+    repo = Path(constants.HF_HUB_CACHE) / ("models--" + model.replace("/", "--"))
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    return commit if commit and (repo / "snapshots" / commit).is_dir() else None
 
 
 def _template(local: Path | None, revision: str) -> str:
@@ -194,16 +217,30 @@ def _scaled(parameters: object) -> bool:
     )
 
 
-def _adapter(lora_config: Any) -> str | None:
+def _adapter(lora_config: Any, modules: Mapping[str, str]) -> str | None:
+    """The LoRA config, and each adapter of `modules` by its files: vLLM's keys name an adapter
+    by its name and path, which stay the same when its files are replaced in place."""
     if lora_config is None:
         return None
-    return "lora " + _canonical(
-        {
-            "max_loras": getattr(lora_config, "max_loras", None),
-            "max_lora_rank": getattr(lora_config, "max_lora_rank", None),
-            "lora_dtype": str(getattr(lora_config, "lora_dtype", None)),
-        }
-    )
+    settings: dict[str, object] = {
+        "max_loras": getattr(lora_config, "max_loras", None),
+        "max_lora_rank": getattr(lora_config, "max_lora_rank", None),
+        "lora_dtype": str(getattr(lora_config, "lora_dtype", None)),
+    }
+    if modules:  # of every adapter's fingerprint: the names and files of many outgrow the field
+        files = _canonical({name: _lora_files(path) for name, path in modules.items()})
+        settings["modules"] = "sha256:" + hashlib.sha256(files.encode()).hexdigest()
+    return "lora " + _canonical(settings)
+
+
+def _lora_files(path: str) -> str:
+    """A LoRA adapter's identity: the fingerprint of its config and weights where they are
+    local, else its path (a hub id vLLM downloads when it first loads it)."""
+    local = Path(path)
+    if not local.is_dir():
+        return f"path={path}"
+    weights = sorted(local.glob("*.safetensors")) or sorted(local.glob("*.bin"))
+    return fingerprint_files([local / "adapter_config.json", *weights])
 
 
 def _multimodal(model_config: Any) -> str | None:

@@ -224,3 +224,96 @@ def test_the_command_line_names_streamed_weights_or_says_why_it_cannot(
     printed = json.loads(capsys.readouterr().out)
     tier = printed["kv_connector_extra_config"]["secondary_tiers"][0]
     assert tier["identity"]["weights"] == "given:sha256:abc"
+
+
+def lora_adapter(path: Path, weights: bytes) -> Path:
+    """A LoRA adapter's directory as PEFT writes one (what vLLM reads of it does not matter here:
+    the identity is its files')."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return path
+
+
+def test_a_lora_adapter_replaced_in_place_is_another_identity(model: Path, tmp_path: Path) -> None:
+    """vLLM's keys name a request's adapter by its name and path: retrained files written over
+    the old ones (the same name, the same path) would be served the old adapter's KV."""
+    sql = lora_adapter(tmp_path / "sql", b"first weights")
+    config = base_args(model, enable_lora=True).create_engine_config()
+    before = engine_fields(config, lora_modules={"sql": str(sql)})
+    assert before == engine_fields(config, lora_modules={"sql": str(sql)})
+    assert before["adapter"] != engine_fields(config)["adapter"]
+    lora_adapter(sql, b"retrained weights")
+    after = engine_fields(config, lora_modules={"sql": str(sql)})
+    assert {k for k in before if before[k] != after[k]} == {"adapter"}
+    moved = lora_adapter(tmp_path / "elsewhere", b"retrained weights")  # the same files
+    assert engine_fields(config, lora_modules={"sql": str(moved)}) == after
+    assert engine_fields(config, lora_modules={"chat": str(moved)}) != after
+    hub = engine_fields(config, lora_modules={"sql": "org/sql-lora"})  # not local: by its path
+    assert hub["adapter"] != engine_fields(config, lora_modules={"sql": "org/other"})["adapter"]
+
+
+def test_the_command_line_reads_what_vllm_serve_is_given(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The arguments of `vllm serve` as an operator writes them: the model as its positional
+    argument, the server's own flags, and LoRA modules, whose files reach the identity."""
+    from prefixd.integrations.vllm.__main__ import main
+
+    sql = lora_adapter(tmp_path / "sql", b"first weights")
+    engine = [str(model), "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "tiny"]
+    engine += ["--block-size", "32", "--max-model-len", "512", "--enforce-eager"]
+    engine += ["--skip-tokenizer-init", "--dtype", "float32"]
+    lora = ["--enable-lora", "--lora-modules", f"sql={sql}"]
+
+    def identity(*more: str) -> dict[str, str | None]:
+        assert main(["--socket", "/run/p.sock", "--", *engine, *more]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        return dict(printed["kv_connector_extra_config"]["secondary_tiers"][0]["identity"])
+
+    assert identity() == fields(base_args(model))
+    served = identity(*lora)
+    config = base_args(model, enable_lora=True).create_engine_config()
+    assert served == engine_fields(config, lora_modules={"sql": str(sql)})
+    lora_adapter(sql, b"retrained weights")
+    assert identity(*lora)["adapter"] != served["adapter"]
+
+
+def test_the_command_line_says_in_one_line_why_vllm_cannot_build_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixd.integrations.vllm.__main__ import main
+
+    missing = tmp_path / "no-such-model"
+    assert main(["--socket", "/run/p.sock", "--", "--model", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and str(missing) in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("python -m prefixd.integrations.vllm: ")
+
+
+def test_a_gguf_files_weights_are_its_fingerprint(model: Path, tmp_path: Path) -> None:
+    """A GGUF model is one file (weights, tokenizer and template): a new quantization written
+    over it is another identity, as a checkpoint rewritten in a model's directory is."""
+    gguf = tmp_path / "tiny.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF first quantization")
+    config = base_args(model).create_engine_config()
+    config.model_config.model = str(gguf)  # as vLLM names a GGUF model
+    before = engine_fields(config)
+    assert str(before["weights"]).startswith("local:sha256:")
+    gguf.write_bytes(b"GGUF another quantization")
+    after = engine_fields(config)
+    assert {k for k in before if before[k] != after[k]} == {"weights"}
+
+
+@pytest.mark.parametrize("name", ["org/not-in-the-cache", "org/tiny-GGUF:Q4_K_M"])
+def test_weights_prefixd_cannot_name_are_refused_until_given(
+    model: Path, tmp_path: Path, name: str
+) -> None:
+    """A model named by an id whose revision no cache here pins (ModelScope, a GGUF repo's
+    quantization, another hub) was identified as `rev=main`, whatever `main` then named."""
+    config = base_args(model).create_engine_config()
+    config.model_config.model = name
+    with serving(tmp_path), pytest.raises(ConfigError, match="cannot tell which weights"):
+        engine_fields(config)
+    with serving(tmp_path):
+        assert engine_fields(config, weights="sha256:abc")["weights"] == "given:sha256:abc"
