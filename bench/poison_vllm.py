@@ -19,7 +19,9 @@ prompt, which no change here alters (B asks for A's keys).
 What B is served is judged against the bytes its own KV cache would hold for the prompt. Where
 the change only moves A's KV around (KV layout, tensor-parallel size) those bytes are A's KV laid
 out as B lays it (`direct_rows`); where it changes the KV itself (RoPE, revision, weights, dtype)
-nothing of A's is right for B. Before B, a fresh engine with A's configuration loads the prompt
+nothing of A's is right for B. With a LoRA adapter the keys carry it as vLLM's scheduler puts it
+(its name and path), and the tier is told the adapters the engine serves (`lora_modules`, as
+`vllm serve --lora-modules` names them). Before B, a fresh engine with A's configuration loads the prompt
 from each tier (the control): a tier that never served would pass for a safe one. In the at-rest
 scenario B is A, and between the control and B one byte of a stored block is flipped where the
 tier keeps it on disk (bit rot, a bad sector): the right answer is the blocks before it.
@@ -33,7 +35,7 @@ import os
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,14 +85,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class Config:
     """One engine: EngineArgs changes from the base engine, the KV cache layout asked for
     (VLLM_KV_CACHE_LAYOUT, None: the engine core's choice), the dtypes its platform supports
-    (None: this machine's), the seed of its model's weights, and the commit the hub's `main`
-    names when the model is named by repo id (None: a local directory)."""
+    (None: this machine's), the seed of its model's weights, the commit the hub's `main`
+    names when the model is named by repo id (None: a local directory), and the seed of the
+    weights of the LoRA adapter its prompt is served with (None: no adapter)."""
 
     changes: dict[str, Any] = field(default_factory=dict)
     layout: str | None = None
     platform_dtypes: tuple[str, ...] | None = None
     weights: int = 0
     commit: str | None = None
+    lora: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,7 @@ class Scenario:
 
 
 ROTTEN_BLOCK = 1  # the block whose stored bytes rot: the right answer is the one before it
+LORA_NAME = "sql"  # the adapter's name (--lora-modules sql=PATH)
 
 
 # A GPU engine's attention backend (FlashAttention takes any layout, as in vllm#55904); the CPU
@@ -161,6 +166,14 @@ SCENARIOS = (
         moves_kv=False,
     ),
     Scenario(
+        "lora",
+        "a LoRA adapter retrained in place (same name and path)",
+        "measured here",
+        Config(lora=0),
+        Config(lora=1),
+        moves_kv=False,
+    ),
+    Scenario(
         "rot",
         "a byte of a stored block flipped on disk (bit rot)",
         "vllm PR #57912",
@@ -202,12 +215,27 @@ def platform(config: Config, work: Path) -> Iterator[None]:
 
 
 def install(work: Path, config: Config) -> str:
-    """`config`'s model, written where its engine finds it (over what was there: a new
-    revision in place, or the hub's `main` moved); how the engine names it."""
+    """`config`'s model and LoRA adapter, written where its engine finds them (over what was
+    there: a new revision in place, or the hub's `main` moved); how the engine names the model."""
+    if config.lora is not None:
+        adapter = lora_path(work)
+        adapter.mkdir(parents=True, exist_ok=True)
+        (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+        weights = np.random.default_rng(config.lora).bytes(4096)
+        (adapter / "adapter_model.safetensors").write_bytes(weights)
     if config.commit is None:
         return str(build_tiny_model(work / "model", seed=config.weights))
     publish(work / "hub", HUB_MODEL, config.commit, seed=config.weights)
     return HUB_MODEL
+
+
+def lora_path(work: Path) -> Path:
+    return work / "lora"
+
+
+def lora_modules(work: Path, config: Config) -> dict[str, str]:
+    """The adapters the engine serves by name, as `vllm serve --lora-modules` names them."""
+    return {} if config.lora is None else {LORA_NAME: str(lora_path(work))}
 
 
 def engine_args(model: str, config: Config, tier: KVTransferConfig | None = None) -> EngineArgs:
@@ -220,23 +248,27 @@ def engine_args(model: str, config: Config, tier: KVTransferConfig | None = None
         skip_tokenizer_init=True,
         dtype="float32",
     )
-    return dataclasses.replace(args, **config.changes, kv_transfer_config=tier)
+    lora = {} if config.lora is None else {"enable_lora": True}
+    return dataclasses.replace(args, **config.changes, **lora, kv_transfer_config=tier)
 
 
 @dataclass(frozen=True)
 class Started:
-    """An engine's VllmConfig and its scheduler-side offloading (the harness's Engine)."""
+    """An engine's VllmConfig, its scheduler-side offloading (the harness's Engine) and the
+    extra keys vLLM's scheduler hashes into each block of its prompt (its LoRA adapter's)."""
 
     vllm_config: VllmConfig
     engine: Engine
+    extra_keys: tuple[Any, ...] | None
 
 
-def start(work: Path, config: Config, tier: Callable[[EngineArgs], KVTransferConfig]) -> Started:
+def start(work: Path, config: Config, tier: Transfer) -> Started:
     """An engine's scheduler-side offloading, built from its VllmConfig as the engine core
-    builds it; `tier(args)`: the KV transfer config (prefixd's from kv_transfer_config)."""
+    builds it; `tier`: the KV transfer config (prefixd's from kv_transfer_config)."""
     model = install(work, config)
+    modules = lora_modules(work, config)
     with platform(config, work):
-        transfer = tier(engine_args(model, config))
+        transfer = tier(engine_args(model, config), modules)
         transfer.engine_id = f"poison-{uuid.uuid4().hex[:8]}"  # a primary region of its own
         vllm_config = engine_args(model, config, transfer).create_engine_config()
         specs = attention_specs(vllm_config)
@@ -246,7 +278,9 @@ def start(work: Path, config: Config, tier: Callable[[EngineArgs], KVTransferCon
         room = GPU_BLOCKS * sum(spec.page_size_bytes for spec in specs.values())
         kv_cache_configs = get_kv_cache_configs(vllm_config, [specs] * world, [room] * world)
     spec = TieringOffloadingSpec(build_offloading_config(vllm_config, kv_cache_configs[0]))
-    return Started(vllm_config, Engine(spec, spec.get_manager()))
+    # a request's adapter, as vLLM's scheduler hashes it (_gen_lora_extra_hash_keys)
+    extra = tuple(("lora", name, path) for name, path in modules.items()) or None
+    return Started(vllm_config, Engine(spec, spec.get_manager()), extra)
 
 
 def attention_specs(vllm_config: VllmConfig) -> dict[str, FullAttentionSpec]:
@@ -261,20 +295,29 @@ def attention_specs(vllm_config: VllmConfig) -> dict[str, FullAttentionSpec]:
     return {f"model.layers.{i}.self_attn.attn": spec for i in range(model.get_num_layers(parallel))}
 
 
+# An engine's KV transfer config, from its arguments and the LoRA adapters it serves by name.
+Transfer = Callable[[EngineArgs, Mapping[str, str]], KVTransferConfig]
+
+
 @dataclass(frozen=True)
 class Tier:
-    """A tier under test: the KV transfer config an engine's arguments get (prefixd's from
+    """A tier under test: the KV transfer config an engine gets (prefixd's from
     kv_transfer_config), and the files it keeps its blocks in."""
 
-    transfer: Callable[[EngineArgs], KVTransferConfig]
+    transfer: Transfer
     files: Callable[[], Iterable[Path]]
 
 
 def prefixd_tier(socket: str, data_dir: Path) -> Tier:
     """prefixd's tier, through the daemon at `socket` whose store is `data_dir`."""
 
-    def transfer(args: EngineArgs) -> KVTransferConfig:
-        return kv_transfer_config(args, socket=socket, extra_config={"cpu_bytes_to_use": CPU_BYTES})
+    def transfer(args: EngineArgs, modules: Mapping[str, str]) -> KVTransferConfig:
+        return kv_transfer_config(
+            args,
+            socket=socket,
+            lora_modules=modules,
+            extra_config={"cpu_bytes_to_use": CPU_BYTES},
+        )
 
     return Tier(transfer, lambda: [data_dir / "data.mdb"])
 
@@ -282,8 +325,8 @@ def prefixd_tier(socket: str, data_dir: Path) -> Tier:
 def fs_tier(root_dir: Path) -> Tier:
     """vLLM's file tier on `root_dir` (as bench/vllm_bench.py sets it up)."""
 
-    def transfer(args: EngineArgs) -> KVTransferConfig:
-        extra = {
+    def transfer(args: EngineArgs, modules: Mapping[str, str]) -> KVTransferConfig:
+        extra = {  # the file tier is told nothing of adapters
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": CPU_BYTES,
             "secondary_tiers": [{"type": "fs", "root_dir": str(root_dir)}],
@@ -302,7 +345,8 @@ def prompt_keys(started: Started, tokens: list[int]) -> list[bytes]:
     init_none_hash(hash_fn)
     keys, parent = [], None
     for at in range(0, len(tokens) - TOKENS_PER_BLOCK + 1, TOKENS_PER_BLOCK):
-        parent = hash_block_tokens(hash_fn, parent, tokens[at : at + TOKENS_PER_BLOCK])
+        block = tokens[at : at + TOKENS_PER_BLOCK]
+        parent = hash_block_tokens(hash_fn, parent, block, started.extra_keys)
         keys.append(make_offload_key(parent, group))
     return keys
 

@@ -47,6 +47,7 @@ FS = {
     "revision": "wrong",  # the model's name, not its revision
     "weights": "wrong",  # the model's path, not its weights
     "dtype": "miss",  # the resolved dtype (vllm PR #49438, before 0.32)
+    "lora": "wrong",  # the adapter's name and path, not its files
     "rot": "wrong",  # no checksums (vllm PR #57912 is open)
 }
 
@@ -59,6 +60,7 @@ FORGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "revision": (("weights", "template"), ()),
     "weights": (("weights",), ()),
     "dtype": ((), ("dtype=", "kv=")),
+    "lora": (("adapter",), ()),
 }
 
 
