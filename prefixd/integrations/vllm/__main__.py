@@ -125,7 +125,7 @@ def serve_parser() -> Any:
 
     try:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    except ModuleNotFoundError:  # before vLLM 0.32 moved it
+    except ModuleNotFoundError:  # where older vLLM releases keep it
         from vllm.entrypoints.openai.cli_args import make_arg_parser
     return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 

@@ -272,6 +272,13 @@ def test_the_command_line_reads_what_vllm_serve_is_given(
         return dict(printed["kv_connector_extra_config"]["secondary_tiers"][0]["identity"])
 
     assert identity() == fields(base_args(model))
+    settings = tmp_path / "serve.yaml"  # `vllm serve --config FILE`: the same arguments in YAML
+    settings.write_text("block-size: 32\nmax-model-len: 512\ndtype: bfloat16\n")
+    in_yaml = [str(model), "--config", str(settings), "--skip-tokenizer-init"]
+    assert main(["--socket", "/run/p.sock", "--", *in_yaml]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    bf16 = printed["kv_connector_extra_config"]["secondary_tiers"][0]["identity"]
+    assert bf16 == identity("--dtype", "bfloat16") != identity()
     served = identity(*lora)
     config = base_args(model, enable_lora=True).create_engine_config()
     assert served == engine_fields(config, lora_modules={"sql": str(sql)})
