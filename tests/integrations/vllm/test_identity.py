@@ -324,3 +324,14 @@ def test_weights_prefixd_cannot_name_are_refused_until_given(
         engine_fields(config)
     with serving(tmp_path):
         assert engine_fields(config, weights="sha256:abc")["weights"] == "given:sha256:abc"
+
+
+def test_a_hub_model_without_config_json_is_pinned_by_its_ref(model: Path, tmp_path: Path) -> None:
+    """A repo in Mistral's format has params.json, not config.json: its revision is read from
+    the cache's ref, as huggingface_hub resolves it, not from a file it may not have."""
+    snapshot = publish(tmp_path, "mistral/tiny", "c" * 40)
+    (snapshot / "config.json").unlink()
+    config = base_args(model).create_engine_config()
+    config.model_config.model = "mistral/tiny"
+    with serving(tmp_path):
+        assert engine_fields(config)["weights"] == "rev=" + "c" * 40
