@@ -56,7 +56,8 @@ class SharedTier:
         self._slots = threading.BoundedSemaphore(settings.workers)
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
-        self._connect_lock = threading.Lock()
+        self._connect_lock = threading.RLock()  # a late setup's callback may run inside connect
+        self._late_setup: Future[int] | None = None  # a setup that outlived its timeout, running
         self._closed = False
         self._down_until = 0.0
         self._down_reason = ""
@@ -78,6 +79,8 @@ class SharedTier:
             if self._client is not None:
                 return
             self._check_cooldown()
+            if self._late_setup is not None:  # it may yet connect: a second would mount twice
+                raise TierUnavailableError("Mooncake setup still running (the master is slow)")
             try:
                 self._connect_locked()
             except TierUnavailableError as e:
@@ -109,8 +112,26 @@ class SharedTier:
                 )
             )
 
+        deadline = time.monotonic() + s.timeout_s
         try:
-            rc = self._submit("setup", setup, time.monotonic() + s.timeout_s)
+            future = self._start("setup", setup, deadline)
+        except TierError:
+            abandon(client, lambda: self._in_flight)
+            raise
+        try:
+            rc = self._outcome("setup", future, deadline)
+        except TierUnavailableError:
+            if future.done():
+                abandon(client, lambda: self._in_flight)
+                raise
+            # Mooncake's setup goes on and may mount the client's segment in the master's pool:
+            # others would place values there that this tier never serves, lost with the client
+            # when it is replaced. Such a client becomes the tier's when it answers.
+            self._late_setup = future
+            future.add_done_callback(lambda done: self._setup_answered(client, done))
+            if self._client is client:  # it answered just now, the callback run here
+                return
+            raise
         except TierError:
             abandon(client, lambda: self._in_flight)
             raise
@@ -123,6 +144,23 @@ class SharedTier:
             )
         self._client = client
         log.info("connected to Mooncake master %s as %s", s.master, s.local_hostname)
+
+    def _setup_answered(self, client: Any, future: Future[int]) -> None:
+        """A setup that outlived its timeout has answered: its client is the tier's if it
+        connected and the tier has none yet, else abandoned."""
+        with self._connect_lock:
+            self._late_setup = None
+            connected = future.exception() is None and future.result() == 0
+            if connected and self._client is None and not self._closed:
+                self._client = client
+                self._down_until = 0.0  # the cooldown its timeout began is over
+                log.info(
+                    "connected to Mooncake master %s as %s (its setup answered late)",
+                    self.settings.master,
+                    self.settings.local_hostname,
+                )
+                return
+        abandon(client, lambda: self._in_flight)
 
     def close(self) -> None:
         """Disconnect (idempotent). Mooncake's close holds the GIL for seconds when the master is
@@ -393,6 +431,10 @@ class SharedTier:
 
     def _submit(self, what: str, fn: Callable[[], T], deadline: float) -> T:
         """Run `fn` on a worker; a TierError instead of a hang or of Mooncake's exception."""
+        return self._outcome(what, self._start(what, fn, deadline), deadline)
+
+    def _start(self, what: str, fn: Callable[[], T], deadline: float) -> Future[T]:
+        """`fn` running on a worker, once one is free before `deadline`."""
         workers = self._workers
         assert workers is not None
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -403,6 +445,11 @@ class SharedTier:
             self._in_flight += 1
         future = workers.submit(fn)
         future.add_done_callback(self._finished)
+        return future
+
+    def _outcome(self, what: str, future: Future[T], deadline: float) -> T:
+        """`future`'s result by `deadline`; a TierError instead of a hang or of Mooncake's
+        exception."""
         try:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeoutError:

@@ -19,6 +19,7 @@ from prefixd.cluster import (
     TierError,
     TierUnavailableError,
     TierValueError,
+    mooncake,
 )
 from prefixd.errors import ConfigError, PrefixdError
 from tests.cluster.conftest import MooncakeMaster
@@ -249,6 +250,35 @@ def test_hung_master_times_out(master_control: MooncakeMaster, prefix: str) -> N
         master_control.resume()
         assert eventually(lambda: tier.get(prefix + "k")) == b"v"
         wait_for(lambda: tier.in_flight == 0, "the blocked call's worker done")
+
+
+def test_a_setup_that_answers_late_makes_the_tier_its_own(
+    master_control: MooncakeMaster, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setup that outlives its timeout goes on in Mooncake and mounts the client's segment in
+    the master's pool, where other nodes then place values. A second setup beside it would leave
+    that segment to a client nobody reads through, its values lost when the process is replaced:
+    the tier takes the late client when it answers."""
+    released = threading.Event()
+    setups: list[object] = []
+    store_class = mooncake.import_store_class()
+
+    class SlowMaster(store_class):
+        def setup(self, *args: object) -> int:
+            setups.append(self)
+            released.wait(60)  # the first setup answers only once released
+            return int(super().setup(*args))
+
+    monkeypatch.setattr(mooncake, "import_store_class", lambda: SlowMaster)
+    settings = master_control.settings(timeout_s=1.5)
+    with SharedTier(settings) as tier:
+        with pytest.raises(TierUnavailableError, match="no answer"):
+            tier.put(prefix + "k", b"v")
+        released.set()
+        wait_for(lambda: tier.in_flight == 0, "the late setup answered")
+        eventually(lambda: tier.put(prefix + "k", b"v"))
+        assert tier.get(prefix + "k") == b"v"
+        assert len(setups) == 1  # no second client, no second segment
 
 
 def test_close_with_the_master_down_does_not_block(master_control: MooncakeMaster) -> None:
