@@ -52,7 +52,7 @@ from lmcache.v1.event_manager import EventManager
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache_adapter import build
-from poisonlib import Outcome, Row, files_under, judge, main, rot
+from poisonlib import Outcome, Row, files_under, judge, main, rot, store_files
 from suitelib import SuiteDaemon
 
 from prefixd.integrations.lmcache import l2_adapter_config
@@ -273,7 +273,7 @@ def rows(root: Path | None = None) -> list[Row]:
                 "prefixd",
                 lambda weights: l2_adapter_config(str(daemon.socket), weights=weights),
                 daemon.restart,
-                lambda: [daemon.data_dir / "data.mdb"],
+                store_files(daemon.data_dir),
             )
             fs = Adapter(
                 "LMCache fs L2 adapter",

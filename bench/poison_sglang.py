@@ -34,7 +34,7 @@ from tests.integrations.sglang.standin import install
 install()  # sglang's model configs import torchvision (see the stand-in's docstring)
 
 import torch
-from poisonlib import Outcome, Row, files_under, judge, main, rot
+from poisonlib import Outcome, Row, files_under, judge, main, rot, store_files
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageExtraInfo,
@@ -283,7 +283,7 @@ def rows(root: Path | None = None) -> list[Row]:
                 Row(
                     "a byte of a stored page flipped on disk (bit rot)",
                     "measured here (bench/sglang_backend.py)",
-                    rotten_case(v1, lambda: [daemon.data_dir / "data.mdb"], seed=9),
+                    rotten_case(v1, store_files(daemon.data_dir), seed=9),
                     rotten_case(
                         file_extra(base / "hicache-rot"), files_under(base / "hicache-rot"), seed=9
                     ),

@@ -21,8 +21,8 @@ the change only moves A's KV around (KV layout, tensor-parallel size) those byte
 out as B lays it (`direct_rows`); where it changes the KV itself (RoPE, revision, weights, dtype)
 nothing of A's is right for B. With a LoRA adapter the keys carry it as vLLM's scheduler puts it
 (its name and path), and the tier is told the adapters the engine serves (`lora_modules`, as
-`vllm serve --lora-modules` names them). Before B, a fresh engine with A's configuration loads the prompt
-from each tier (the control): a tier that never served would pass for a safe one. In the at-rest
+`vllm serve --lora-modules` names them). Before B, a fresh engine with A's configuration loads
+the prompt from each tier (the control): a tier that never served would pass for a safe one. In the at-rest
 scenario B is A, and between the control and B one byte of a stored block is flipped where the
 tier keeps it on disk (bit rot, a bad sector): the right answer is the blocks before it.
 """
@@ -50,7 +50,7 @@ if __name__ == "__main__":  # vLLM logs to stdout unless told, and stdout is the
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 import torch
-from poisonlib import Outcome, Row, files_under, judge, main, rot
+from poisonlib import Outcome, Row, files_under, judge, main, rot, store_files
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
     build_offloading_config,
@@ -71,7 +71,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from prefixd.integrations.vllm import kv_transfer_config
 from tests.integrations.vllm.harness import TOKENS_PER_BLOCK, Engine, context
 from tests.integrations.vllm.hub_cache import publish, serving
-from tests.integrations.vllm.tiny_model import VOCAB, build_tiny_model
+from tests.integrations.vllm.tiny_model import VOCAB, build_tiny_model, write_lora_adapter
 
 PROMPT_BLOCKS = 4  # the prompt's closed blocks (one per chunk)
 GPU_BLOCKS = 64  # the KV cache the engine's workers report room for
@@ -218,11 +218,7 @@ def install(work: Path, config: Config) -> str:
     """`config`'s model and LoRA adapter, written where its engine finds them (over what was
     there: a new revision in place, or the hub's `main` moved); how the engine names the model."""
     if config.lora is not None:
-        adapter = lora_path(work)
-        adapter.mkdir(parents=True, exist_ok=True)
-        (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
-        weights = np.random.default_rng(config.lora).bytes(4096)
-        (adapter / "adapter_model.safetensors").write_bytes(weights)
+        write_lora_adapter(lora_path(work), np.random.default_rng(config.lora).bytes(4096))
     if config.commit is None:
         return str(build_tiny_model(work / "model", seed=config.weights))
     publish(work / "hub", HUB_MODEL, config.commit, seed=config.weights)
@@ -319,7 +315,7 @@ def prefixd_tier(socket: str, data_dir: Path) -> Tier:
             extra_config={"cpu_bytes_to_use": CPU_BYTES},
         )
 
-    return Tier(transfer, lambda: [data_dir / "data.mdb"])
+    return Tier(transfer, store_files(data_dir))
 
 
 def fs_tier(root_dir: Path) -> Tier:

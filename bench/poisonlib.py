@@ -53,6 +53,11 @@ def files_under(path: Path) -> Callable[[], list[Path]]:
     return lambda: sorted(each for each in path.rglob("*") if each.is_file())
 
 
+def store_files(data_dir: Path) -> Callable[[], list[Path]]:
+    """The file a prefixd daemon whose store is `data_dir` keeps its blocks in."""
+    return lambda: [data_dir / "data.mdb"]
+
+
 def rot(files: Iterable[Path], payload: bytes) -> None:
     """Flip one byte in the middle of `payload` wherever it lies in `files`, in place (a running
     daemon maps its file), as a bad sector would; the payload must lie somewhere."""

@@ -27,12 +27,17 @@ def digest_of(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files of a model or adapter directory: the safetensors files and their index,
+    else the .bin ones, in name order."""
+    return sorted(directory.glob("*.safetensors*")) or sorted(directory.glob("*.bin*"))
+
+
 def local_weights(model: Path) -> str:
-    """`local:` and the fingerprint of the model's config.json and weight files (the safetensors
-    files and their index, else the .bin ones), read whole: an index names each shard's tensors,
-    not their values, so a checkpoint rewritten in place keeps its index."""
-    weights = sorted(model.glob("*.safetensors*")) or sorted(model.glob("*.bin*"))
-    return "local:" + fingerprint_files([model / "config.json", *weights])
+    """`local:` and the fingerprint of the model's config.json and weight files, read whole: an
+    index names each shard's tensors, not their values, so a checkpoint rewritten in place keeps
+    its index."""
+    return "local:" + fingerprint_files([model / "config.json", *weight_files(model)])
 
 
-__all__ = ["digest_of", "identity_of", "local_weights"]
+__all__ = ["digest_of", "identity_of", "local_weights", "weight_files"]

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.integrations.identity import digest_of, identity_of, local_weights
+from prefixd.integrations.identity import digest_of, identity_of, local_weights, weight_files
 from prefixd.integrations.vllm.chains import KEY_BYTES
 from prefixd.schema.fingerprint import fingerprint_files
 from prefixd.schema.identity import Identity
@@ -239,8 +239,7 @@ def _lora_files(path: str) -> str:
     local = Path(path)
     if not local.is_dir():
         return f"path={path}"
-    weights = sorted(local.glob("*.safetensors")) or sorted(local.glob("*.bin"))
-    return fingerprint_files([local / "adapter_config.json", *weights])
+    return fingerprint_files([local / "adapter_config.json", *weight_files(local)])
 
 
 def _multimodal(model_config: Any) -> str | None:

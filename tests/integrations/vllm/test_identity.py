@@ -21,7 +21,7 @@ from prefixd.integrations.vllm.identity import group_identities
 
 from .harness import FIELDS, TOKENS_PER_BLOCK, offloading_config, prefixd_tier
 from .hub_cache import publish, serving
-from .tiny_model import build_tiny_model
+from .tiny_model import build_tiny_model, write_lora_adapter
 
 
 @pytest.fixture(scope="module")
@@ -226,27 +226,18 @@ def test_the_command_line_names_streamed_weights_or_says_why_it_cannot(
     assert tier["identity"]["weights"] == "given:sha256:abc"
 
 
-def lora_adapter(path: Path, weights: bytes) -> Path:
-    """A LoRA adapter's directory as PEFT writes one (what vLLM reads of it does not matter here:
-    the identity is its files')."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
-    (path / "adapter_model.safetensors").write_bytes(weights)
-    return path
-
-
 def test_a_lora_adapter_replaced_in_place_is_another_identity(model: Path, tmp_path: Path) -> None:
     """vLLM's keys name a request's adapter by its name and path: retrained files written over
     the old ones (the same name, the same path) would be served the old adapter's KV."""
-    sql = lora_adapter(tmp_path / "sql", b"first weights")
+    sql = write_lora_adapter(tmp_path / "sql", b"first weights")
     config = base_args(model, enable_lora=True).create_engine_config()
     before = engine_fields(config, lora_modules={"sql": str(sql)})
     assert before == engine_fields(config, lora_modules={"sql": str(sql)})
     assert before["adapter"] != engine_fields(config)["adapter"]
-    lora_adapter(sql, b"retrained weights")
+    write_lora_adapter(sql, b"retrained weights")
     after = engine_fields(config, lora_modules={"sql": str(sql)})
     assert {k for k in before if before[k] != after[k]} == {"adapter"}
-    moved = lora_adapter(tmp_path / "elsewhere", b"retrained weights")  # the same files
+    moved = write_lora_adapter(tmp_path / "elsewhere", b"retrained weights")  # the same files
     assert engine_fields(config, lora_modules={"sql": str(moved)}) == after
     assert engine_fields(config, lora_modules={"chat": str(moved)}) != after
     hub = engine_fields(config, lora_modules={"sql": "org/sql-lora"})  # not local: by its path
@@ -260,7 +251,7 @@ def test_the_command_line_reads_what_vllm_serve_is_given(
     argument, the server's own flags, and LoRA modules, whose files reach the identity."""
     from prefixd.integrations.vllm.__main__ import main
 
-    sql = lora_adapter(tmp_path / "sql", b"first weights")
+    sql = write_lora_adapter(tmp_path / "sql", b"first weights")
     engine = [str(model), "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "tiny"]
     engine += ["--block-size", "32", "--max-model-len", "512", "--enforce-eager"]
     engine += ["--skip-tokenizer-init", "--dtype", "float32"]
@@ -282,7 +273,7 @@ def test_the_command_line_reads_what_vllm_serve_is_given(
     served = identity(*lora)
     config = base_args(model, enable_lora=True).create_engine_config()
     assert served == engine_fields(config, lora_modules={"sql": str(sql)})
-    lora_adapter(sql, b"retrained weights")
+    write_lora_adapter(sql, b"retrained weights")
     assert identity(*lora)["adapter"] != served["adapter"]
 
 

@@ -9,6 +9,9 @@ byte-identical files and the same greedy output. No tokenizer is written: the en
 Keyword overrides go to `LlamaConfig`, so a test can build a variant of the same model, e.g.
 `build_tiny_model(p, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})`
 or `build_tiny_model(p, max_position_embeddings=1024)`. `seed` changes the weights only.
+
+`write_lora_adapter(path, weights)` writes a LoRA adapter's files as PEFT names them: what the
+identity fingerprints, not an adapter vLLM could apply.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, **overrides: Any) -> Pa
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
+    return path
+
+
+def write_lora_adapter(path: Path, weights: bytes) -> Path:
+    """A LoRA adapter's config and weights file at `path` (created if missing, files rewritten in
+    place), holding `weights`."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
     return path
 
 
