@@ -40,6 +40,7 @@ FIGURES = (
     "lookup_hashed_p50_us",
     "health_p50_us",
     "hello_p50_us",
+    "load_block_p50_us",
 )
 
 

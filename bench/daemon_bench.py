@@ -28,6 +28,9 @@ What it measures, in one run on one machine, against one `python -m prefixd serv
 * hello:         the `hello` request on a second connection (a bare protocol client): the round
                  trip through the socket and the event loop alone, answered without the pool or
                  the store. health minus hello is the worker pool's hop.
+* load_block:    `Client.load` of the lookup prompt's first block alone (4 KiB), interleaved with
+                 the lookups: what a load request costs beside the bytes it moves (the pool's
+                 hop, the store's read transaction, the daemon's accounting of the load).
 * store_lookup:  `Store.longest_prefix` of the same prompt in this process on a separate temporary
                  store with the same blocks (no daemon), for context: lookup minus store_lookup is
                  what the daemon and the protocol add.
@@ -462,17 +465,25 @@ def bench_lookups(
     tokens: np.ndarray,
     hashes: bytes,
 ) -> dict[str, dict[str, float]]:
-    """lookup, lookup_hashed, health and hello through the daemon, interleaved, after a warm-up."""
+    """lookup, lookup_hashed, health, hello and the load of one block (what a request costs
+    beside the bytes it moves) through the daemon, interleaved, after a warm-up."""
     n = LOOKUP_PROMPT_TOKENS // LOOKUP_BLOCK_TOKENS
     prompts = [tokens]
     with_hashes = [hashes]
+    first_block = tokens[:LOOKUP_BLOCK_TOKENS]
+
+    def load_block() -> list[Any]:
+        with client.load(ident, first_block) as loaded:
+            return [loaded]
+
     actions: dict[str, Callable[[], Any]] = {
         "lookup": lambda: client.lookup(ident, prompts),
         "lookup_hashed": lambda: client.lookup(ident, prompts, hashes=with_hashes),
         "health": client.health,
         "hello": hello,
+        "load_block": load_block,
     }
-    expected = {"lookup": n, "lookup_hashed": n}
+    expected = {"lookup": n, "lookup_hashed": n, "load_block": 1}
     names = list(actions)
     times: dict[str, list[float]] = {name: [] for name in names}
     clock = time.perf_counter
@@ -582,6 +593,8 @@ def build_report(
         "health_p99_us": latency["health"]["p99"],
         "hello_p50_us": latency["hello"]["p50"],
         "hello_p99_us": latency["hello"]["p99"],
+        "load_block_p50_us": latency["load_block"]["p50"],
+        "load_block_p99_us": latency["load_block"]["p99"],
         "store_lookup_p50_us": latency["store_lookup"]["p50"],
         "store_lookup_p99_us": latency["store_lookup"]["p99"],
         "store_lookup_hashed_p50_us": latency["store_lookup_hashed"]["p50"],
@@ -658,7 +671,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"  load / memcpy       {report['load_vs_memcpy']:>6.2f}  ({verdict('load_vs_memcpy')})")
     first = report["first_vs_second_load"]
     print(f"  first / later load  {first:>6.2f}  ({verdict('first_vs_second_load')})")
-    names = ("lookup", "lookup_hashed", "health", "hello", "store_lookup", "store_lookup_hashed")
+    names = ("lookup", "lookup_hashed", "health", "hello", "load_block", "store_lookup")
+    names += ("store_lookup_hashed",)
     for name in names:
         lat = report["latency_us"][name]
         print(f"  {name:<20} p50 {lat['p50']:>8.1f} us  p99 {lat['p99']:>8.1f} us")
