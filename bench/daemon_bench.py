@@ -671,9 +671,15 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"  load / memcpy       {report['load_vs_memcpy']:>6.2f}  ({verdict('load_vs_memcpy')})")
     first = report["first_vs_second_load"]
     print(f"  first / later load  {first:>6.2f}  ({verdict('first_vs_second_load')})")
-    names = ("lookup", "lookup_hashed", "health", "hello", "load_block", "store_lookup")
-    names += ("store_lookup_hashed",)
-    for name in names:
+    for name in (
+        "lookup",
+        "lookup_hashed",
+        "health",
+        "hello",
+        "load_block",
+        "store_lookup",
+        "store_lookup_hashed",
+    ):
         lat = report["latency_us"][name]
         print(f"  {name:<20} p50 {lat['p50']:>8.1f} us  p99 {lat['p99']:>8.1f} us")
     print(f"  lookup p50 {verdict('lookup_p50_us')}; p99 {verdict('lookup_p99_us')}")

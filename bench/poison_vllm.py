@@ -22,9 +22,9 @@ out as B lays it (`direct_rows`); where it changes the KV itself (RoPE, revision
 nothing of A's is right for B. With a LoRA adapter the keys carry it as vLLM's scheduler puts it
 (its name and path), and the tier is told the adapters the engine serves (`lora_modules`, as
 `vllm serve --lora-modules` names them). Before B, a fresh engine with A's configuration loads
-the prompt from each tier (the control): a tier that never served would pass for a safe one. In the at-rest
-scenario B is A, and between the control and B one byte of a stored block is flipped where the
-tier keeps it on disk (bit rot, a bad sector): the right answer is the blocks before it.
+the prompt from each tier (the control): a tier that never served would pass for a safe one. In
+the at-rest scenario B is A, and between the control and B one byte of a stored block is flipped
+where the tier keeps it on disk (bit rot, a bad sector): the right answer is the blocks before it.
 """
 
 from __future__ import annotations
