@@ -8,6 +8,9 @@ import threading
 from collections import Counter, deque
 
 _SAMPLES = 256  # recent moves the model is fitted to
+# fitted once this many moves more were seen, so that two early moves never make the line alone
+# (the window holds a multiple of it: once full, the line is fitted after every move)
+_FIT_EVERY = 8
 _UNIT = float(1 << 20)  # sizes are summed in MiB, so that their squares stay well within a double
 
 
@@ -48,7 +51,8 @@ class LoadTimeModel:
             else:
                 sx, sy, sxx, sxy = self._sums
                 self._sums = (sx + x, sy + seconds, sxx + x * x, sxy + x * seconds)
-            self._fit()
+            if len(self._samples) % _FIT_EVERY == 0:
+                self._fit()
 
     def _drop(self, x: float, y: float) -> None:
         left = self._sizes[x] - 1
