@@ -9,9 +9,12 @@ JSON a node server gets (`{"type": "fs", "base_path": ...}` and prefixd's plugin
 way LMCache's controllers drive them (submit, wait on the event fd, collect once):
 
 * `store_gbps` / `load_gbps`: `--objects` memory objects of `--object-mib` each, stored in one task,
-  then locked and loaded in one task into fresh memory objects (every byte compared after the
-  clock stops), median of `--repeat` rounds on fresh keys; `memcpy_gbps` is one copy of the same
-  bytes between two touched buffers.
+  then locked and loaded in one task into fresh memory objects, touched first as the node server's
+  pinned L1 memory is (every byte compared after the clock stops), median of `--repeat` rounds on
+  fresh keys. The limits, on the same bytes: `memcpy_gbps`, one copy between two touched buffers;
+  `read_gbps`, each object read from a file in the page cache into touched memory (what the fs
+  adapter does); `read_checksum_gbps`, the same with the crc32c taken as each MiB arrives (what
+  prefixd's daemon does before the adapter's copy into the memory object).
 * `after_restart`: the adapter closed and built again on the same directory (and, for prefixd, the
   daemon restarted): how many of the stored keys a lookup finds, and how many load byte-exact.
 * `after_damage`: one byte flipped in one stored object on disk (the fs adapter's file, prefixd's
@@ -23,21 +26,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
+import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from benchlib import gbps, timed
 from suitelib import SuiteDaemon
 
 from prefixd import Store
@@ -79,6 +87,38 @@ def memcpy_gbps(n_bytes: int) -> float:
     return n_bytes / (time.perf_counter() - started) / 1e9
 
 
+def page_cache_reads(root: Path, n_objects: int, size: int) -> tuple[float, float]:
+    """GB/s of reading `n_objects` objects of `size` from a file in the page cache into touched
+    memory, without and with a crc32c taken per MiB read (best of 3 each)."""
+    path = root / "limits"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, n_objects * size, np.uint8).data)
+    # each object in a place of its own; page-aligned, as the memory objects are (this VM's
+    # page-cache reads are several times slower into an address 8-24 bytes past a page's start)
+    region = mmap.mmap(-1, n_objects * size)
+    region.write(b"\xa5" * (n_objects * size))
+    dest = memoryview(region)
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(checksum: bool) -> None:
+        for at in range(0, n_objects * size, size):
+            for piece in range(0, size, MiB):
+                target = dest[at + piece : at + piece + MiB]
+                os.preadv(fd, [target], at + piece)
+                if checksum:
+                    crc32c.crc32c(target)
+
+    try:
+        read(False)  # into the page cache
+        plain = min(timed(partial(read, False))[0] for _ in range(3))
+        checked = min(timed(partial(read, True))[0] for _ in range(3))
+    finally:
+        os.close(fd)
+        path.unlink()
+        dest.release()
+        region.close()
+    return gbps(n_objects * size, plain), gbps(n_objects * size, checked)
+
+
 def rounds(adapter: Any, args: argparse.Namespace) -> tuple[list[float], list[float], bool]:
     size = args.object_mib * MiB
     total = args.objects * size
@@ -91,7 +131,8 @@ def rounds(adapter: Any, args: argparse.Namespace) -> tuple[list[float], list[fl
         store_gbps.append(total / (time.perf_counter() - started) / 1e9)
         assert result.is_successful(), "store failed"
         assert all(lookup_and_lock(adapter, ks, uint8_layout(size))), "stored keys not found"
-        outs = [memory_obj(size) for _ in ks]
+        # touched before the clock starts: the node server's L1 memory is pinned, so resident
+        outs = [memory_obj(size, fill=0) for _ in ks]
         started = time.perf_counter()
         bits = load(adapter, ks, outs)
         load_gbps.append(total / (time.perf_counter() - started) / 1e9)
@@ -168,14 +209,8 @@ def flip_middle(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--objects", type=int, default=64)
-    p.add_argument("--object-mib", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="lmc-bench-"))
+def compare(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """Both adapters measured on the same objects, with the limits, as one report."""
     fs_dir = root / "fs"
     fs_dir.mkdir()
 
@@ -221,19 +256,35 @@ def main() -> int:
         )
     finally:
         daemon.close()
-    report = {
+    read_gbps, read_checksum_gbps = page_cache_reads(root, args.objects, args.object_mib * MiB)
+    return {
         "objects": args.objects,
         "object_mib": args.object_mib,
         "repeat": args.repeat,
         "memcpy_gbps": round(memcpy_gbps(args.objects * args.object_mib * MiB), 3),
+        "read_gbps": round(read_gbps, 3),
+        "read_checksum_gbps": round(read_checksum_gbps, 3),
         "machine": platform.processor() or platform.machine(),
         "results": [fs, ours],
     }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--objects", type=int, default=64)
+    p.add_argument("--object-mib", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lmc-bench-") as tmp:  # GiBs: never left behind
+        report = compare(args, Path(tmp))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(
-            f"{args.objects} objects of {args.object_mib} MiB, memcpy {report['memcpy_gbps']} GB/s"
+            f"{args.objects} objects of {args.object_mib} MiB, memcpy {report['memcpy_gbps']} "
+            f"GB/s, read {report['read_gbps']} GB/s, read and checksum "
+            f"{report['read_checksum_gbps']} GB/s"
         )
         for r in report["results"]:
             print(

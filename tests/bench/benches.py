@@ -7,14 +7,18 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(script: str, *args: str, timeout_s: float = 300) -> dict[str, Any]:
-    """The JSON report of `bench/<script>` run with `args` (which should include --json)."""
+def run_bench(
+    script: str, *args: str, timeout_s: float = 300, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The JSON report of `bench/<script>` run with `args` (which should include --json), in
+    `env` when given."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
         check=False,
@@ -22,6 +26,7 @@ def run_bench(script: str, *args: str, timeout_s: float = 300) -> dict[str, Any]
         capture_output=True,
         text=True,
         timeout=timeout_s,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     report: dict[str, Any] = json.loads(done.stdout)
