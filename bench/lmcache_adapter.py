@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import statistics
@@ -45,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from benchlib import gbps, timed
+from benchlib import gbps, timed, touched_buffer
 from suitelib import SuiteDaemon
 
 from prefixd import Store
@@ -92,11 +91,7 @@ def page_cache_reads(root: Path, n_objects: int, size: int) -> tuple[float, floa
     memory, without and with a crc32c taken per MiB read (best of 3 each)."""
     path = root / "limits"
     path.write_bytes(np.random.default_rng(0).integers(0, 256, n_objects * size, np.uint8).data)
-    # each object in a place of its own; page-aligned, as the memory objects are (this VM's
-    # page-cache reads are several times slower into an address 8-24 bytes past a page's start)
-    region = mmap.mmap(-1, n_objects * size)
-    region.write(b"\xa5" * (n_objects * size))
-    dest = memoryview(region)
+    dest = memoryview(touched_buffer(n_objects * size))  # each object in a place of its own
     fd = os.open(path, os.O_RDONLY)
 
     def read(checksum: bool) -> None:
@@ -114,8 +109,6 @@ def page_cache_reads(root: Path, n_objects: int, size: int) -> tuple[float, floa
     finally:
         os.close(fd)
         path.unlink()
-        dest.release()
-        region.close()
     return gbps(n_objects * size, plain), gbps(n_objects * size, checked)
 
 
