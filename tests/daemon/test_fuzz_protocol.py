@@ -652,7 +652,9 @@ def test_the_daemon_survived_and_stayed_small(fuzz_daemon: Daemon, tally: Tally)
         f"errors {dict(by_code.most_common())}; misframed replies {dict(tally.misframed_replies)}; "
         f"RSS grew {grown / 2**20:.1f} MiB"
     )
-    assert sent >= N_RAW + N_MSGPACK
+    assert sent >= N_RAW + N_MSGPACK, (
+        "this module's tests ran in several processes: --dist loadfile"
+    )
     assert sum(oks.values()) >= 100, "too few fuzzed requests succeeded to reach the store"
     assert hits["load"] and hits["lookup"], "no fuzzed load or lookup found anything stored"
     assert stats["server"].get("errors.internal", 0) == 0, fuzz_daemon.log()
