@@ -5,14 +5,11 @@ kind it times."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.benches import ROOT, run_bench
 
 
 def test_the_daemon_ignores_a_prefixd_in_the_working_directory(
@@ -34,15 +31,12 @@ def test_the_daemon_ignores_a_prefixd_in_the_working_directory(
 def test_a_run_reports_what_a_load_of_one_block_costs(tmp_path: Path) -> None:
     """A small run reports the one-block load beside the lookups, interleaved with them: the
     per-request cost of a load, which the throughput figure of one large load hides."""
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "daemon_bench.py"), "--json", "--size-mib", "4"]
-        + ["--repeat", "1", "--lookups", "20", "--dir", str(tmp_path / "work")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
+    report = run_bench(
+        "daemon_bench.py",
+        *("--json", "--size-mib", "4", "--repeat", "1", "--lookups", "20"),
+        *("--dir", str(tmp_path / "work")),
+        timeout_s=600,
     )
-    report = json.loads(run.stdout.strip().splitlines()[-1])
     latency = report["latency_us"]
     assert set(latency) >= {"lookup", "health", "hello", "load_block"}
     assert report["load_block_p50_us"] == latency["load_block"]["p50"] > 0
