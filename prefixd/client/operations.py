@@ -30,7 +30,7 @@ from prefixd.client.steps import (
     spans_of,
     unpacked,
 )
-from prefixd.errors import RegionError
+from prefixd.errors import RegionError, RegionFullError
 from prefixd.schema.identity import Identity
 from prefixd.schema.stored import HotPrefix, ListedBlock
 from prefixd.schema.tokens import PromptIds
@@ -249,7 +249,8 @@ def load(
     """Load the longest stored prefix of `token_ids` (from `first_block` on, at most `length`
     bytes) into leased region space, valid until the result is released. `warm` counts it as
     restart warm-up. Past `deadline_s` (default: the daemon's load_deadline_s) the daemon
-    answers the verified prefix it has."""
+    answers the verified prefix it has. With no `length`, a hit whose first block is larger than
+    the whole region raises RegionFullError."""
     allocator = core.require_payloads()
     options: dict[str, Any] = {
         "max_blocks": max_blocks,
@@ -274,6 +275,12 @@ def load(
         lease = yield Reserve(allocator, min(max(sum(wanted), 1), allocator.size))
         with released_on_error(lease):
             reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
+    if length is None and not reply.n_blocks and reply.next_size > allocator.size:
+        lease.release()  # a hit no load by this client can take is refused, never a silent miss
+        raise RegionFullError(
+            f"block {reply.first_block}'s payload is {reply.next_size} bytes, the "
+            f"{allocator.name} holds {allocator.size}: use a larger region"
+        )
     with released_on_error(lease):
         offsets, sizes = unpacked(reply.offsets), unpacked(reply.sizes)
         views = lease.loaded(offsets, sizes)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from prefixd.client import AsyncClient, Client, Lookup
+from prefixd.errors import RegionFullError
 from prefixd.schema.chain import packed_hashes
 
 from .conftest import DEADLINE_S, IDENTITY, REPO, Daemon, DaemonFactory, payload, wait_for
@@ -99,6 +100,27 @@ def test_put_lookup_load_with_the_blocking_client(daemon: Daemon) -> None:
         more = block_payloads(4, 2)
         assert client.put(IDENTITY, longer, more, first_block=10).stored == 2
         assert _views(client.load(IDENTITY, longer)) == pays + more
+
+
+def test_a_hit_larger_than_the_whole_region_is_refused_not_an_empty_load(daemon: Daemon) -> None:
+    """A client whose region cannot hold a stored block's payload (stored by a client with a
+    larger region) is told so, by both clients, where a load would otherwise come back empty
+    like a miss; a `length` the caller chose is its own bound, answered as before."""
+    prompt, pays = tokens(5, 2 * BT), block_payloads(5, 2, size=96 << 10)
+    with Client(daemon.socket, region_bytes=1 << 20) as writer:
+        assert writer.put(IDENTITY, prompt, pays).stored == 2
+    with Client(daemon.socket, region_bytes=64 << 10) as small:
+        with pytest.raises(RegionFullError, match="is 98304 bytes, the region holds 65536"):
+            small.load(IDENTITY, prompt)
+        assert small.load(IDENTITY, prompt, length=32 << 10).n_blocks == 0
+        assert small.region_usage().leased_bytes == 0
+
+    async def async_load() -> None:
+        async with AsyncClient(daemon.socket, region_bytes=64 << 10) as small:
+            with pytest.raises(RegionFullError, match="is 98304 bytes"):
+                await small.load(IDENTITY, prompt)
+
+    asyncio.run(async_load())
 
 
 def test_long_prompts_use_the_token_region_and_agree_with_inline(daemon: Daemon) -> None:
