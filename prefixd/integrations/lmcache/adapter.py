@@ -3,7 +3,8 @@
 LMCache's controllers call from two threads and expect every call to return at once, so each call
 only queues a task: stores run on one worker with a connection of its own, lookups, unlocks and
 loads on another (a pin belongs to the connection that took it, so a key is unpinned where it was
-locked); completions are signalled on each kind's event fd. A lookup pins every hit until
+locked), and a loaded payload is copied into its memory object on a copier thread while the
+next key loads; completions are signalled on each kind's event fd. A lookup pins every hit until
 `submit_unlock`, so prefixd's eviction cannot take it; a payload that fails its checksum is a miss.
 A daemon that is away or slow fails stores and makes lookups misses: nothing raises into LMCache.
 An object is named with its layout (each tensor's dtype and shape): a store's and a load's from
@@ -20,7 +21,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -32,7 +35,7 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
-from prefixd.client import Client
+from prefixd.client import Client, Loaded
 from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.lmcache.identity import (
     Identities,
@@ -95,6 +98,8 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._usage: tuple[float, AdapterUsage] | None = None
         self._storer = _link(self._settings, "lmcache-l2-store")
         self._fetcher = _link(self._settings, "lmcache-l2-prefetch")
+        # copies loaded payloads out of the region while the fetch worker's next load runs
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="prefixd-l2-copy")
         self._store_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._fetch_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._workers = [
@@ -217,6 +222,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._fetch_jobs.put(None)
         for worker in self._workers:
             worker.join()
+        self._copier.shutdown()
         self._storer.close()
         self._fetcher.close()  # the daemon releases this connection's pins
         for efd in self._efds.values():
@@ -387,16 +393,26 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         """Load each key's verified payload into its memory object. A chunk is loaded whole or
         not at all: a rank's part that fails (missing, damaged, another size) fails the other
-        parts of its chunk in the same task too."""
+        parts of its chunk in the same task too. Each payload is leased at its object's size
+        and copied out on the copier thread while the next key loads (the daemon's read and this
+        copy overlap); one copy waits at most, so two leases are held at most."""
         ok = [False] * len(keys)
+        copies: deque[tuple[int, Future[None]]] = deque()
         for place, (key, obj) in enumerate(zip(keys, objects)):
             identity, words = self._named(key, self._object_layout(key, obj))
             if identity is None:
                 continue
             size = obj.get_size()
-            ok[place] = bool(
-                self._fetcher.call(lambda c: _load_into(c, identity, words, obj, size))  # noqa: B023
-            )
+            leased = self._fetcher.call(lambda c: _load_leased(c, identity, words, size))  # noqa: B023
+            if leased is not None:
+                copies.append((place, self._copier.submit(_copy_out, leased, obj)))
+            if len(copies) > 1:
+                copied, copy = copies.popleft()
+                copy.result()
+                ok[copied] = True
+        for copied, copy in copies:
+            copy.result()
+            ok[copied] = True
         chunks: dict[tuple[Any, ...], list[int]] = {}
         for place, key in enumerate(keys[: len(objects)]):
             chunk = (key.model_name, key.chunk_hash, key.object_group_id, key.cache_salt)
@@ -462,14 +478,21 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         return groups
 
 
-def _load_into(client: Client, identity: Identity, words: bytes, obj: MemoryObj, size: int) -> bool:
-    """Load one key's verified payload into `obj`; False on a miss or a payload of another size
-    (another engine layout's)."""
-    with client.load(identity, words, max_blocks=1) as loaded:
-        if loaded.n_blocks != 1 or len(loaded.views[0]) != size:
-            return False
+def _load_leased(client: Client, identity: Identity, words: bytes, size: int) -> Loaded | None:
+    """One key's verified payload in a lease of `size` bytes (a payload larger than the region
+    raises RegionFullError: the link reports it with its fix); None on a miss or a payload of
+    another size (another engine layout's)."""
+    loaded = client.load(identity, words, max_blocks=1, length=size)
+    if loaded.n_blocks != 1 or len(loaded.views[0]) != size:
+        loaded.release()
+        return None
+    return loaded
+
+
+def _copy_out(loaded: Loaded, obj: MemoryObj) -> None:
+    """Copy a loaded payload into its memory object, then give its lease back."""
+    with loaded:
         obj.byte_array.cast("B")[:] = loaded.views[0]  # LMCache's view is ctypes' "<B"
-    return True
 
 
 __all__ = ["PrefixdL2Adapter"]

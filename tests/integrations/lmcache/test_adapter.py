@@ -6,6 +6,7 @@ daemon going away and coming back."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ from prefixd.schema.chain import chain_hashes
 
 from ...daemon.conftest import Daemon, DaemonFactory
 from ...store.test_faults import corrupt_stored_chunk
+from ...waiting import wait_for
 from .harness import (
+    DEADLINE_S,
     MODEL,
     adapter_params,
     keys,
@@ -33,6 +36,7 @@ from .harness import (
     payload_objs,
     store,
     typed_obj,
+    uint8_layout,
 )
 
 SIZE = 48 << 10
@@ -299,6 +303,83 @@ def test_two_controller_threads_at_once(daemon: Daemon) -> None:
         for thread in threads:
             thread.join()
         assert not errors, errors
+    finally:
+        adapter.close()
+
+
+class _GatedObject:
+    """A memory object whose bytes are written only once `gate()` has returned (the adapter
+    writes through `byte_array.cast("B")[:]`); all else is the wrapped object's."""
+
+    def __init__(self, obj: Any, gate: Callable[[], None]) -> None:
+        self._obj, self._gate = obj, gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._obj, name)
+
+    @property
+    def byte_array(self) -> _GatedView:
+        return _GatedView(self._obj.byte_array, self._gate)
+
+
+class _GatedView:
+    def __init__(self, view: memoryview, gate: Callable[[], None]) -> None:
+        self._view, self._gate = view, gate
+
+    def cast(self, fmt: str) -> _GatedView:
+        return _GatedView(self._view.cast(fmt), self._gate)
+
+    def __setitem__(self, at: slice, data: memoryview) -> None:
+        self._gate()
+        self._view[at] = data
+
+
+def test_a_key_loads_while_the_one_before_is_copied_into_its_object(daemon: Daemon) -> None:
+    """The daemon reads the next key while the adapter copies the last one out of its region:
+    the first object's copy waits until the daemon has served the second key's load, and both
+    arrive whole."""
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
+    ks, objs = keys(3, start=3000), payload_objs(3, SIZE, seed=6)
+    with Client(daemon.socket) as probe:
+        try:
+            assert store(adapter, ks, objs).is_successful()
+            served = probe.stats()["store"]["loaded_blocks"]
+
+            def second_key_served() -> None:
+                wait_for(
+                    lambda: probe.stats()["store"]["loaded_blocks"] >= served + 2,
+                    "the second key loaded while the first one's copy waited",
+                    timeout=DEADLINE_S / 2,
+                )
+
+            outs = [memory_obj(SIZE, fill=0) for _ in ks]
+            gated = [_GatedObject(outs[0], second_key_served), *outs[1:]]
+            assert load(adapter, ks, gated) == [True] * 3
+            assert [bytes(o.byte_array) for o in outs] == [bytes(o.byte_array) for o in objs]
+        finally:
+            adapter.close()
+
+
+def test_an_object_larger_than_the_region_is_a_miss_reported_with_its_fix(daemon: Daemon) -> None:
+    """A stored object that cannot fit this adapter's region (stored by one with a larger
+    region) is a miss the adapter reports, with the fix, in its status: never a silent one."""
+    size = 2 << 20
+    ks, objs = keys(1, start=4000), payload_objs(1, size, seed=7)
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
+    try:
+        assert store(adapter, ks, objs).is_successful()
+    finally:
+        adapter.close()
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket, region_bytes=1 << 20))
+    try:
+        assert lookup_and_lock(adapter, ks, uint8_layout(size)) == [True]
+        outs = [memory_obj(size, fill=0xEE)]
+        assert load(adapter, ks, outs) == [False]
+        assert bytes(outs[0].byte_array) == b"\xee" * size
+        problem = adapter.report_status()["prefetch_link"]["last_problem"]
+        assert problem is not None and problem["kind"] == "region", problem
+        assert "region_bytes" in problem["fix"]
+        adapter.submit_unlock(ks)
     finally:
         adapter.close()
 
