@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+import numpy as np
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
@@ -492,7 +493,12 @@ def _load_leased(client: Client, identity: Identity, words: bytes, size: int) ->
 def _copy_out(loaded: Loaded, obj: MemoryObj) -> None:
     """Copy a loaded payload into its memory object, then give its lease back."""
     with loaded:
-        obj.byte_array.cast("B")[:] = loaded.views[0]  # LMCache's view is ctypes' "<B"
+        # numpy copies without the GIL (a memoryview's assignment holds it): the fetch worker
+        # sends the next load meanwhile. LMCache's view is ctypes' "<B".
+        np.copyto(
+            np.frombuffer(obj.byte_array.cast("B"), np.uint8),
+            np.frombuffer(loaded.views[0], np.uint8),
+        )
 
 
 __all__ = ["PrefixdL2Adapter"]

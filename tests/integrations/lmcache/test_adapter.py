@@ -308,8 +308,8 @@ def test_two_controller_threads_at_once(daemon: Daemon) -> None:
 
 
 class _GatedObject:
-    """A memory object whose bytes are written only once `gate()` has returned (the adapter
-    writes through `byte_array.cast("B")[:]`); all else is the wrapped object's."""
+    """A memory object whose bytes can be reached only once `gate()` has returned (a load
+    reaches them through `byte_array` to write them); all else is the wrapped object's."""
 
     def __init__(self, obj: Any, gate: Callable[[], None]) -> None:
         self._obj, self._gate = obj, gate
@@ -318,20 +318,10 @@ class _GatedObject:
         return getattr(self._obj, name)
 
     @property
-    def byte_array(self) -> _GatedView:
-        return _GatedView(self._obj.byte_array, self._gate)
-
-
-class _GatedView:
-    def __init__(self, view: memoryview, gate: Callable[[], None]) -> None:
-        self._view, self._gate = view, gate
-
-    def cast(self, fmt: str) -> _GatedView:
-        return _GatedView(self._view.cast(fmt), self._gate)
-
-    def __setitem__(self, at: slice, data: memoryview) -> None:
+    def byte_array(self) -> memoryview:
         self._gate()
-        self._view[at] = data
+        view: memoryview = self._obj.byte_array
+        return view
 
 
 def test_a_key_loads_while_the_one_before_is_copied_into_its_object(daemon: Daemon) -> None:
