@@ -145,29 +145,32 @@ def test_grouped_puts_end_as_the_same_puts_one_at_a_time(plan: list[Put]) -> Non
             return type(result)
         return (result.stored, result.existed)  # type: ignore[attr-defined]
 
-    root = Path(tempfile.mkdtemp(prefix="commits-"))
-    with Store.open(root / "alone", map_size=64 << 20) as alone:
-        expected = []
-        for p, first, n in plan:
-            try:
-                expected.append(
-                    outcome(
-                        alone.put(identity, prompts[p], payloads(p, first, n), first_block=first)
+    with tempfile.TemporaryDirectory(prefix="commits-") as tmp:  # one per example, removed
+        root = Path(tmp)
+        with Store.open(root / "alone", map_size=64 << 20) as alone:
+            expected = []
+            for p, first, n in plan:
+                try:
+                    expected.append(
+                        outcome(
+                            alone.put(
+                                identity, prompts[p], payloads(p, first, n), first_block=first
+                            )
+                        )
+                    )
+                except PutRefusedError as exc:
+                    expected.append(type(exc))
+            alone_view = inventory(alone)
+        with Store.open(root / "grouped", map_size=64 << 20) as grouped:
+            puts = [
+                (
+                    lambda p=p, first=first, n=n: grouped.put(
+                        identity, prompts[p], payloads(p, first, n), first_block=first
                     )
                 )
-            except PutRefusedError as exc:
-                expected.append(type(exc))
-        alone_view = inventory(alone)
-    with Store.open(root / "grouped", map_size=64 << 20) as grouped:
-        puts = [
-            (
-                lambda p=p, first=first, n=n: grouped.put(
-                    identity, prompts[p], payloads(p, first, n), first_block=first
-                )
-            )
-            for p, first, n in plan
-        ]
-        got = [outcome(r) for r in put_in_threads(grouped, puts)]
-        assert got == expected
-        assert inventory(grouped).keys() == alone_view.keys()
-        assert grouped.check() == []
+                for p, first, n in plan
+            ]
+            got = [outcome(r) for r in put_in_threads(grouped, puts)]
+            assert got == expected
+            assert inventory(grouped).keys() == alone_view.keys()
+            assert grouped.check() == []
