@@ -106,6 +106,12 @@ def hermetic_environment(base: Path) -> Iterator[Hermetic]:
         }
         for name, value in defaults.items():
             patch.setenv(name, value)
+        # vLLM's engines name a ZeroMQ socket per process here (default: the machine's temporary
+        # directory, where a killed engine's socket outlives the run); any user's, as in /tmp
+        ipc = base / "ipc"
+        ipc.mkdir()
+        ipc.chmod(0o1777)
+        patch.setenv("VLLM_RPC_BASE_PATH", str(ipc))
         yield Hermetic(runner_env, base, home)
 
 

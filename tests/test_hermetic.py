@@ -49,6 +49,14 @@ def test_the_defaults_tests_see_are_their_own(
         assert inside(config.socket.path, hermetic.base), (how, config.socket.path)
 
 
+def test_engines_name_their_sockets_in_the_sessions_directory(hermetic: Hermetic) -> None:
+    """vLLM names a ZeroMQ socket per engine process in VLLM_RPC_BASE_PATH: the session's,
+    removed with it, open to an engine of any user as /tmp is."""
+    path = Path(os.environ["VLLM_RPC_BASE_PATH"])
+    assert inside(path, hermetic.base) and path.is_dir()
+    assert path.stat().st_mode & 0o7777 == 0o1777
+
+
 def test_each_test_has_its_own_default_store(hermetic: Hermetic) -> None:
     """What one test leaves in its default store, no other sees."""
     state = Path(os.environ["STATE_DIRECTORY"])
