@@ -225,7 +225,7 @@ class RegionAllocator:
 
     def try_acquire(self, nbytes: int, *, largest: bool = False) -> Lease | None:
         """A lease like `acquire`'s, or None when there is no room now or others wait ahead."""
-        self._check_fits(nbytes)
+        self.check_fits(nbytes)
         with self._lock:
             self._poll_deferred()
             if self._waiters:
@@ -326,7 +326,8 @@ class RegionAllocator:
             elif waiter.lease is not None:
                 waiter.lease.release()
 
-    def _check_fits(self, nbytes: int) -> None:
+    def check_fits(self, nbytes: int) -> None:
+        """Raise RegionFullError when `nbytes` could never be leased at once, however much is free."""
         if nbytes > self.size:
             raise RegionFullError(
                 f"{nbytes} bytes are needed at once, the {self.name} holds {self.size}: "

@@ -30,7 +30,7 @@ from prefixd.client.steps import (
     spans_of,
     unpacked,
 )
-from prefixd.errors import RegionError, RegionFullError
+from prefixd.errors import RegionError
 from prefixd.schema.identity import Identity
 from prefixd.schema.stored import HotPrefix, ListedBlock
 from prefixd.schema.tokens import PromptIds
@@ -275,13 +275,9 @@ def load(
         lease = yield Reserve(allocator, min(max(sum(wanted), 1), allocator.size))
         with released_on_error(lease):
             reply = yield from core.load_span(identity, token_ids, lease, 0, lease.size, **options)
-    if length is None and not reply.n_blocks and reply.next_size > allocator.size:
-        lease.release()  # a hit no load by this client can take is refused, never a silent miss
-        raise RegionFullError(
-            f"block {reply.first_block}'s payload is {reply.next_size} bytes, the "
-            f"{allocator.name} holds {allocator.size}: use a larger region"
-        )
     with released_on_error(lease):
+        if length is None and not reply.n_blocks and reply.next_size:
+            allocator.check_fits(reply.next_size)  # larger than the region: refused, not a miss
         offsets, sizes = unpacked(reply.offsets), unpacked(reply.sizes)
         views = lease.loaded(offsets, sizes)
     return Loaded(reply.n_blocks, reply.n_tokens, offsets, sizes, views, reply.first_block, lease)

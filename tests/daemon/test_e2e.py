@@ -110,14 +110,16 @@ def test_a_hit_larger_than_the_whole_region_is_refused_not_an_empty_load(daemon:
     with Client(daemon.socket, region_bytes=1 << 20) as writer:
         assert writer.put(IDENTITY, prompt, pays).stored == 2
     with Client(daemon.socket, region_bytes=64 << 10) as small:
-        with pytest.raises(RegionFullError, match="is 98304 bytes, the region holds 65536"):
+        with pytest.raises(
+            RegionFullError, match="98304 bytes are needed at once, the region holds 65536"
+        ):
             small.load(IDENTITY, prompt)
         assert small.load(IDENTITY, prompt, length=32 << 10).n_blocks == 0
         assert small.region_usage().leased_bytes == 0
 
     async def async_load() -> None:
         async with AsyncClient(daemon.socket, region_bytes=64 << 10) as small:
-            with pytest.raises(RegionFullError, match="is 98304 bytes"):
+            with pytest.raises(RegionFullError, match="98304 bytes are needed at once"):
                 await small.load(IDENTITY, prompt)
 
     asyncio.run(async_load())

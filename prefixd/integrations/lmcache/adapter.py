@@ -21,7 +21,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -398,7 +397,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         and copied out on the copier thread while the next key loads (the daemon's read and this
         copy overlap); one copy waits at most, so two leases are held at most."""
         ok = [False] * len(keys)
-        copies: deque[tuple[int, Future[None]]] = deque()
+        copies: list[tuple[int, Future[None]]] = []  # run in order by the one copier thread
         for place, (key, obj) in enumerate(zip(keys, objects)):
             identity, words = self._named(key, self._object_layout(key, obj))
             if identity is None:
@@ -407,10 +406,8 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             leased = self._fetcher.call(lambda c: _load_leased(c, identity, words, size))  # noqa: B023
             if leased is not None:
                 copies.append((place, self._copier.submit(_copy_out, leased, obj)))
-            if len(copies) > 1:
-                copied, copy = copies.popleft()
-                copy.result()
-                ok[copied] = True
+                if len(copies) > 1:
+                    copies[-2][1].result()  # the copy before: two leases are held at most
         for copied, copy in copies:
             copy.result()
             ok[copied] = True
