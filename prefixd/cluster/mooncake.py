@@ -34,6 +34,7 @@ from prefixd.cluster.mooncake_calls import (
     failure,
     import_store_class,
     is_loopback,
+    put_placed,
     tag,
 )
 from prefixd.cluster.mooncake_settings import MooncakeSettings
@@ -226,7 +227,7 @@ class SharedTier:
 
             def direct(client: Any, _pin: np.ndarray = array) -> int:  # _pin: memory stays alive
                 fn = client.upsert_from if overwrite else client.put_from
-                return int(fn(key, address, n))
+                return put_placed(client, fn, key, address, n)
 
             call = direct
         else:
@@ -238,7 +239,7 @@ class SharedTier:
 
             def staged(client: Any) -> int:
                 fn = client.upsert if overwrite else client.put
-                return int(fn(key, array))
+                return put_placed(client, fn, key, array)
 
             call = staged
 

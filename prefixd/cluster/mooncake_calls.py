@@ -57,6 +57,10 @@ _CODE_NAMES: dict[int, str] = {
 NOT_FOUND = -704
 _HAS_LEASE = -706
 INVALID_PARAMS = -600
+# A put's transfer into the segment the master placed its value in failed, or the replica went: that
+# segment's client is dead. The master keeps a killed client's segment in its pool until the
+# client's lease runs out (about 10 s) and goes on placing values there meanwhile.
+_PLACEMENT_LOST = frozenset({-800, NOT_FOUND})
 # Codes that mean "the cluster cannot be reached right now", not "this request is wrong".
 _UNAVAILABLE_CODES = frozenset({-103, -900, -1010, -1011})
 
@@ -79,6 +83,20 @@ def failure(what: str, code: int) -> TierError:
     if code == -200:
         message += " (pool full, or no segment mounted yet after a master restart)"
     return TierError(message, code)
+
+
+def put_placed(client: Any, put: Callable[..., Any], *args: Any) -> int:
+    """`put(*args)`'s return code. A value placed in a dead client's segment is put again, into
+    `client`'s own segment, which lives as long as `client` does (the first placement is left to
+    the master, so that values spread over the pool)."""
+    rc = int(put(*args))
+    if rc in _PLACEMENT_LOST:
+        from mooncake.store import ReplicateConfig  # imported already, with the client's class
+
+        own = ReplicateConfig()
+        own.preferred_segment = client.get_hostname()
+        rc = int(put(*args, own))
+    return rc
 
 
 def check_key(key: str) -> str:
