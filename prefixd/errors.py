@@ -335,6 +335,11 @@ class TierValueError(TierError, ValueError):
     """A key, value or buffer the shared tier cannot take (empty, too long, not contiguous...)."""
 
 
+class TierFullError(TierError):
+    """No segment of the pool has room for the value: the pool is full or, for about a second
+    after a master restart, no client has remounted its segment yet. A later put may succeed."""
+
+
 class TierBusyError(TierError):
     """`remove(key, force=False)` met a read lease (a reader fetched the key lately); force it,
     or retry after the master's `--default_kv_lease_ttl`."""

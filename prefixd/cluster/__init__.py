@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from prefixd.cluster.mooncake import MooncakeSettings, SharedTier
 from prefixd.cluster.mooncake_calls import MAX_KEY_BYTES, close_abandoned
-from prefixd.errors import TierBusyError, TierError, TierUnavailableError, TierValueError
+from prefixd.errors import (
+    TierBusyError,
+    TierError,
+    TierFullError,
+    TierUnavailableError,
+    TierValueError,
+)
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -14,6 +20,7 @@ __all__ = [
     "SharedTier",
     "TierBusyError",
     "TierError",
+    "TierFullError",
     "TierUnavailableError",
     "TierValueError",
     "close_abandoned",

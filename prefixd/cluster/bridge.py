@@ -1,8 +1,8 @@
 """Between the local store and a shared tier: write-behind, read-through, purges, and counts.
 
 Write-behind: a published block is queued and offered by a thread of its own, so the engine never
-waits for the network; a full queue drops and counts, a block the tier could not be reached for is
-queued again (`_PUBLISH_TRIES` in all). Read-through: a local miss fetches the blocks after the
+waits for the network; a full queue drops and counts, a block the tier could not be reached for or
+found no room for is queued again (`_PUBLISH_TRIES` in all). Read-through: a local miss fetches the blocks after the
 local prefix in batches (one round trip each), proves every value (prefixd.cluster.blocks) and
 installs it; fetch, proof and install overlap. Plain identities are served from the fetch buffers
 until installed (prefixd.cluster.staging). A value that fails is never installed nor served, nor is
@@ -37,7 +37,7 @@ from prefixd.cluster.blocks import (
     identity_prefix,
 )
 from prefixd.cluster.staging import FetchRooms, Staging, TierBuffers, staged_load
-from prefixd.errors import PrefixdError, RemoteBlockError, TierUnavailableError
+from prefixd.errors import PrefixdError, RemoteBlockError, TierFullError, TierUnavailableError
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import PromptIds
@@ -55,7 +55,7 @@ class _Stop(Enum):
 
 _STOP: Final = _Stop.STOP
 _BACKOFF_S = 1.0  # after a failure, publishing pauses this long before the next try
-_PUBLISH_TRIES = 3  # a block the tier could not be reached for goes back in the queue, so often
+_PUBLISH_TRIES = 3  # a block the tier was unreachable or full for goes back in the queue, so often
 _BATCH_BYTES = 32 << 20  # fetched per round trip (and installed per local transaction), about
 _MAX_BATCH = 64  # blocks per batch at most
 _RECHECK_S = 30.0  # a hybrid prompt the tier did not extend is asked again after this long
@@ -170,8 +170,10 @@ class SharedTierBridge:
             except PrefixdError as exc:
                 self._count("publish_errors")
                 log.warning("publishing to the shared tier failed: %s", exc)
-                if isinstance(exc, TierUnavailableError) and tries + 1 < _PUBLISH_TRIES:
-                    self._enqueue((digest, block, replace, tries + 1))  # a master restarting?
+                # a master restarting: unreachable, then no segment remounted yet for a second
+                transient = isinstance(exc, TierUnavailableError | TierFullError)
+                if transient and tries + 1 < _PUBLISH_TRIES:
+                    self._enqueue((digest, block, replace, tries + 1))
                 self._stopping.wait(_BACKOFF_S)
             else:
                 self._count("published_blocks")

@@ -17,7 +17,13 @@ from typing import Any, TypeVar
 import numpy as np
 import xxhash
 
-from prefixd.errors import TierBusyError, TierError, TierUnavailableError, TierValueError
+from prefixd.errors import (
+    TierBusyError,
+    TierError,
+    TierFullError,
+    TierUnavailableError,
+    TierValueError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +87,9 @@ def failure(what: str, code: int) -> TierError:
     if code == _HAS_LEASE:
         return TierBusyError(message, code)
     if code == -200:
-        message += " (pool full, or no segment mounted yet after a master restart)"
+        return TierFullError(
+            f"{message} (pool full, or no segment mounted yet after a master restart)", code
+        )
     return TierError(message, code)
 
 

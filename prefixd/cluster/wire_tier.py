@@ -12,6 +12,7 @@ from msgspec import Struct
 from prefixd.errors import (
     TierBusyError,
     TierError,
+    TierFullError,
     TierUnavailableError,
     TierValueError,
 )
@@ -20,7 +21,8 @@ MAX_MESSAGE = 1 << 20
 """Largest message either side sends: calls carry keys, never values."""
 
 _ERRORS: dict[str, type[TierError]] = {
-    cls.__name__: cls for cls in (TierError, TierUnavailableError, TierValueError, TierBusyError)
+    cls.__name__: cls
+    for cls in (TierError, TierUnavailableError, TierValueError, TierBusyError, TierFullError)
 }
 
 

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from prefixd.errors import TierUnavailableError, TierValueError
+from prefixd.errors import TierFullError, TierUnavailableError, TierValueError
 from tests.cluster.memory_tier import MemoryTier
 
 HOLD_GIL = "hold-the-gil"  # a put of this key holds the child's GIL for good
@@ -42,6 +42,8 @@ class FakeTier(MemoryTier):
             self.released.set()
         if key == "bad":
             raise TierValueError("the key is bad", -600)
+        if key == "full":
+            raise TierFullError("no room", -200)
         if key == "unavail":
             raise TierUnavailableError("no answer within 1.0 s")
         super().put(key, bytes(value), overwrite=overwrite)

@@ -10,17 +10,19 @@ import pytest
 
 from prefixd import Store
 from prefixd.cluster.bridge import SharedTierBridge
-from prefixd.errors import TierUnavailableError
+from prefixd.errors import TierFullError, TierUnavailableError
 
 from ..must_check import assert_store_checks, checks_on_teardown
 
 
 class MemoryTier:
-    """A shared tier in a dict; `down` makes every call fail as an unreachable tier would."""
+    """A shared tier in a dict; `down` makes every call fail as an unreachable tier would, `full`
+    every put as a pool without room would."""
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.down = False
+        self.full = False
         self.calls: Counter[str] = Counter()  # round trips by kind
         self.fail_after = -1  # calls that succeed before every call fails (-1: no such limit)
 
@@ -34,6 +36,8 @@ class MemoryTier:
 
     def put(self, key: str, value: bytes, *, overwrite: bool = False) -> None:
         self._check()
+        if self.full:
+            raise TierFullError("put failed: NO_AVAILABLE_HANDLE (-200)", -200)
         if overwrite or key not in self.objects:  # Mooncake's put keeps the first value
             self.objects[key] = bytes(value)
 

@@ -233,6 +233,25 @@ def test_a_block_the_tier_missed_is_offered_again(nodes, monkeypatch: pytest.Mon
     assert bridge_a.snapshot()["publish_errors"] <= 4 + 3
 
 
+def test_a_block_the_pool_had_no_room_for_is_offered_again(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For about a second after a master restart no client has remounted its segment, and
+    Mooncake refuses puts as it does in a full pool (NO_AVAILABLE_HANDLE): a block published then
+    goes back in the queue like one the tier could not be reached for."""
+    from prefixd.cluster import bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "_BACKOFF_S", 0.2)
+    tier, (a, _), (bridge_a, _) = nodes
+    tier.full = True
+    result = a.put(IDENT, TOKENS, PAYLOADS[:1])
+    bridge_a.published(IDENT, result.hashes)
+    wait_for(lambda: bridge_a.snapshot().get("publish_errors", 0) >= 1, "a refused put")
+    tier.full = False
+    wait_for(lambda: len(tier.objects) == 1, "the block published once the pool has room")
+    assert bridge_a.snapshot()["published_blocks"] == 1
+
+
 def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:
     """Blocks named by an engine's keys (vLLM's 36-byte ones) travel, are proven and installed
     like token-keyed ones: the key takes the tokens' place in the chain and in the proof."""

@@ -20,9 +20,11 @@ from prefixd.cluster import (
     SharedTier,
     TierBusyError,
     TierError,
+    TierFullError,
     TierUnavailableError,
     TierValueError,
     mooncake,
+    mooncake_calls,
 )
 from prefixd.errors import ConfigError, PrefixdError
 from tests.cluster.conftest import MooncakeMaster
@@ -191,6 +193,16 @@ def test_concurrent_callers(tier: SharedTier, prefix: str) -> None:
 
 
 # --- settings and lifecycle without a master -----------------------------------------------------
+
+
+def test_a_pool_without_room_is_its_own_error() -> None:
+    """NO_AVAILABLE_HANDLE: a full pool, or one whose clients have not remounted their segments
+    since the master restarted (about a second). A later put may succeed: the bridge offers the
+    block again, as it does when the master cannot be reached."""
+    refused = mooncake_calls.failure("put key #1", -200)
+    assert isinstance(refused, TierFullError) and refused.code == -200
+    assert "no segment mounted yet" in str(refused)
+    assert type(mooncake_calls.failure("put key #1", -800)) is TierError
 
 
 def test_settings_are_validated() -> None:
