@@ -15,6 +15,7 @@ counted and the local store answers alone.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -62,6 +63,7 @@ _RECHECK_S = 30.0  # a hybrid prompt the tier did not extend is asked again afte
 _FRUITLESS_KEPT = 4096  # such prompts remembered at most
 _STAGING_BYTES = 96 << 20  # a staged read-through's buffers past its three, at most
 _SETTLE_S = 60.0  # a delete or purge waits this long at most for the installs queued before it
+_WARN_EVERY_S = 10.0  # a failure of one kind is logged at most this often (each one is counted)
 
 # a batch's values (None for the first one missing) in the buffer they were fetched into
 Fetched: TypeAlias = tuple[list[memoryview | None], memoryview]
@@ -108,6 +110,8 @@ class SharedTierBridge:
         self._now = now
         # hybrid read-throughs that brought nothing: (first block, end) -> when to ask again
         self._fruitless: dict[tuple[bytes, int], float] = {}
+        # per failure logged: when it was last logged, and how many have not been since
+        self._warned: dict[str, tuple[float, int]] = {}
         self.tier = tier
         self.benefit = FetchBenefit(prefill_tokens_per_s, now)
         self.max_fetch_blocks = max_fetch_blocks
@@ -169,7 +173,7 @@ class SharedTierBridge:
                 self._offer(block_key(digest, block), exported, replace)
             except PrefixdError as exc:
                 self._count("publish_errors")
-                log.warning("publishing to the shared tier failed: %s", exc)
+                self._warn("publishing to the shared tier failed", exc)
                 # a master restarting: unreachable, then no segment remounted yet for a second
                 transient = isinstance(exc, TierUnavailableError | TierFullError)
                 if transient and tries + 1 < _PUBLISH_TRIES:
@@ -384,7 +388,7 @@ class SharedTierBridge:
             size = self.tier.size(key)
         except PrefixdError as exc:
             self._count("fetch_errors")
-            log.warning("fetching from the shared tier failed: %s", exc)
+            self._warn("fetching from the shared tier failed", exc)
             return None
         return 0 if size is None else size + size // 16 + 64
 
@@ -420,7 +424,7 @@ class SharedTierBridge:
             with self._lock:
                 self._held.append(buffer)  # a call that timed out may still write into it
             self._count("fetch_errors")
-            log.warning("fetching from the shared tier failed: %s", exc)
+            self._warn("fetching from the shared tier failed", exc)
             return [], buffer
         finally:
             self._release_held()
@@ -453,7 +457,7 @@ class SharedTierBridge:
                 )
             except RemoteBlockError as exc:
                 self._count("remote_verify_failures")
-                log.warning("a block from the shared tier failed verification: %s", exc)
+                self._warn("a block from the shared tier failed verification", exc)
                 break
         self._count("remote_prove_us", _us(time.perf_counter() - started))
         return proven
@@ -514,7 +518,7 @@ class SharedTierBridge:
                 size = sum(p.nbytes for block in batch[:n] for p in block.parts.values())
         except PrefixdError as exc:
             self._count("install_errors")
-            log.warning("installing blocks from the shared tier failed: %s", exc)
+            self._warn("installing blocks from the shared tier failed", exc)
             return 0, 0
         finally:
             self._count("remote_install_us", _us(time.perf_counter() - started))
@@ -530,9 +534,23 @@ class SharedTierBridge:
                 removed += self.tier.remove_prefix(identity_prefix(digest))
             except PrefixdError as exc:
                 self._count("purge_errors")
-                log.warning("removing purged objects from the shared tier failed: %s", exc)
+                self._warn("removing purged objects from the shared tier failed", exc)
         self._count("remote_purged_objects", removed)
         return removed
+
+    def _warn(self, failure: str, exc: Exception) -> None:
+        """Log a failure: the first of its kind, then one line each `_WARN_EVERY_S` at most, with
+        how many were not logged. A master away fails every lookup that misses locally, and
+        journald drops the lines of a service that floods it; the counts hold every failure."""
+        now = self._now()
+        with self._lock:
+            last, quiet = self._warned.get(failure, (-math.inf, 0))
+            if now - last < _WARN_EVERY_S:
+                self._warned[failure] = (last, quiet + 1)
+                return
+            self._warned[failure] = (now, 0)
+        more = f" ({quiet} more since the last such line)" if quiet else ""
+        log.warning("%s: %s%s", failure, exc, more)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

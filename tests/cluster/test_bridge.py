@@ -3,9 +3,11 @@ publishing, one reading through; damage, outages and purges."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -250,6 +252,39 @@ def test_a_block_the_pool_had_no_room_for_is_offered_again(
     tier.full = False
     wait_for(lambda: len(tier.objects) == 1, "the block published once the pool has room")
     assert bridge_a.snapshot()["published_blocks"] == 1
+
+
+def test_a_tier_away_is_logged_now_and_then_and_every_failure_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A master away fails the read-through of every lookup that misses locally: hundreds a
+    second on a busy node, and journald drops the lines of a service that floods it (the next
+    real problem's among them). The first failure is logged, then one line every 10 s at most
+    says how many were not; the counts hold every one."""
+    clock = [1000.0]
+    tier = MemoryTier()
+    tier.down = True
+    store = Store.open(tmp_path / "s", map_size=64 << 20)
+    bridge = SharedTierBridge(
+        store, tier, pending=8, prefill_tokens_per_s=1000.0, now=lambda: clock[0]
+    )
+    bridge.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="prefixd.cluster.bridge"):
+            for _ in range(50):
+                assert bridge.read_through(IDENT, TOKENS, 0) == 0
+            clock[0] += 9.9
+            assert bridge.read_through(IDENT, TOKENS, 0) == 0
+            clock[0] += 0.1
+            assert bridge.read_through(IDENT, TOKENS, 0) == 0
+        lines = [r.getMessage() for r in caplog.records if "fetching" in r.getMessage()]
+        assert len(lines) == 2, lines
+        assert lines[0] == "fetching from the shared tier failed: shared tier unavailable"
+        assert lines[1].endswith("(50 more since the last such line)")
+        assert bridge.snapshot()["fetch_errors"] == 52
+    finally:
+        bridge.stop(timeout_s=0.5)
+        store.close()
 
 
 def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:
