@@ -181,6 +181,9 @@ def test_the_master_killed_at_random_moments(
             wait_for(shared, "A's new prompt fetched by B once the master is back", poll_s=0.2)
         except AssertionError:
             print("A:", counts(a), "\nB:", counts(b))
+            for node in (a, b):  # the prefixd lines (Mooncake's own are many), the last ones
+                lines = [line for line in node.log().splitlines() if "prefixd" in line]
+                print(f"{node.name}'s log:", *lines[-40:], sep="\n")
             raise
         print(f"shared again after {time.monotonic() - back:.1f} s")
         loaded = client.load(IDENTITY, tokens(seed))
