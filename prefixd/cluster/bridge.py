@@ -2,14 +2,14 @@
 
 Write-behind: a published block is queued and offered by a thread of its own, so the engine never
 waits for the network; a full queue drops and counts, a block the tier could not be reached for or
-found no room for is queued again (`_PUBLISH_TRIES` in all). Read-through: a local miss fetches the blocks after the
-local prefix in batches (one round trip each), proves every value (prefixd.cluster.blocks) and
-installs it; fetch, proof and install overlap. Plain identities are served from the fetch buffers
-until installed (prefixd.cluster.staging). A value that fails is never installed nor served, nor is
-anything after it. Blocks are fetched only when the benefit model says the fetch beats the prefill
-it saves. Hybrid identities install up to the last boundary where every page and promised checkpoint
-is there (`runs.closed_run`). The tier being down or slow never reaches the engine: every failure is
-counted and the local store answers alone.
+found no room for is queued again (`_PUBLISH_TRIES` in all). Read-through: a local miss fetches the
+blocks after the local prefix in batches (one round trip each), proves every value
+(prefixd.cluster.blocks) and installs it; fetch, proof and install overlap. Plain identities are
+served from the fetch buffers until installed (prefixd.cluster.staging). A value that fails is never
+installed nor served, nor is anything after it. Blocks are fetched only when the benefit model says
+the fetch beats the prefill it saves. Hybrid identities install up to the last boundary where every
+page and promised checkpoint is there (`runs.closed_run`). The tier being down or slow never reaches
+the engine: every failure is counted and the local store answers alone.
 """
 
 from __future__ import annotations
