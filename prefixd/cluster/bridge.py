@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from enum import Enum
 from functools import partial
-from typing import Any, Final, Protocol, TypeAlias
+from typing import Any, Final, Generic, Protocol, TypeAlias, TypeVar
 
 from prefixd.cluster import runs
 from prefixd.cluster.benefit import FetchBenefit
@@ -46,6 +46,7 @@ from prefixd.store import Store
 from prefixd.store.results import ExportedBlock, LoadResult, PrefixMatch
 
 log = logging.getLogger(__name__)
+_K = TypeVar("_K")
 
 
 class _Stop(Enum):
@@ -60,7 +61,11 @@ _PUBLISH_TRIES = 3  # a block the tier was unreachable or full for goes back in 
 _BATCH_BYTES = 32 << 20  # fetched per round trip (and installed per local transaction), about
 _MAX_BATCH = 64  # blocks per batch at most
 _RECHECK_S = 30.0  # a hybrid prompt the tier did not extend is asked again after this long
-_FRUITLESS_KEPT = 4096  # such prompts remembered at most
+# A fetch that failed, the tier reachable, is not made again for this long: its value is in a
+# dead peer's segment, whose transfers fail after a second each until the master drops the
+# segment (Mooncake's --client_ttl, 10 s by default).
+_REFETCH_S = 10.0
+_SKIPS_KEPT = 4096  # such prompts remembered at most, of each kind
 _STAGING_BYTES = 96 << 20  # a staged read-through's buffers past its three, at most
 _SETTLE_S = 60.0  # a delete or purge waits this long at most for the installs queued before it
 _WARN_EVERY_S = 10.0  # a failure of one kind is logged at most this often (each one is counted)
@@ -90,6 +95,26 @@ class TierClient(TierBuffers, Protocol):
     def close(self) -> None: ...
 
 
+class _Skips(Generic[_K]):
+    """Keys not to ask the tier for until a time each, `_SKIPS_KEPT` at most (the expired go
+    first, then the oldest). Not locked: the bridge holds its lock."""
+
+    def __init__(self) -> None:
+        self._until: dict[_K, float] = {}
+
+    def add(self, key: _K, now: float, for_s: float) -> None:
+        if len(self._until) >= _SKIPS_KEPT:
+            for old in [k for k, until in self._until.items() if until <= now]:
+                del self._until[old]
+            while len(self._until) >= _SKIPS_KEPT:
+                del self._until[next(iter(self._until))]
+        self._until.pop(key, None)  # re-added: the newest
+        self._until[key] = now + for_s
+
+    def holds(self, key: _K, now: float) -> bool:
+        return self._until.get(key, -math.inf) > now
+
+
 class SharedTierBridge:
     """Write-behind and read-through between one store and one shared tier."""
 
@@ -108,8 +133,10 @@ class SharedTierBridge:
         self.staging = Staging()
         self.staging_bytes = staging_bytes
         self._now = now
-        # hybrid read-throughs that brought nothing: (first block, end) -> when to ask again
-        self._fruitless: dict[tuple[bytes, int], float] = {}
+        # hybrid read-throughs that brought nothing, as (first block, end), and the first blocks
+        # of fetches that failed: each until when it is not asked for again
+        self._fruitless: _Skips[tuple[bytes, int]] = _Skips()
+        self._failed: _Skips[bytes] = _Skips()
         # per failure logged: when it was last logged, and how many have not been since
         self._warned: dict[str, tuple[float, int]] = {}
         self.tier = tier
@@ -218,8 +245,11 @@ class SharedTierBridge:
             probe = True  # the model may be stale: one fetch tells
             self._count("remote_benefit_probes")
         asked = (chain.hash(local_blocks), end)
-        if hybrid and self._asked_recently(asked):
-            self._count("remote_skipped_recently")
+        with self._lock:
+            fruitless = hybrid and self._fruitless.holds(asked, self._now())
+            failed = self._failed.holds(asked[0], self._now())
+        if fruitless or failed:
+            self._count("remote_skipped_recently" if fruitless else "remote_skipped_after_failure")
             return 0
         started = time.perf_counter()
         installed = self._read_through(identity, chain, local_blocks, end, staged)
@@ -229,7 +259,10 @@ class SharedTierBridge:
             self.benefit.probed(took, identity.block_tokens, end - local_blocks)
         self._count("remote_hit_blocks", installed or 0)
         if hybrid and installed is not None and not installed:
-            self._remember_fruitless(asked)  # the tier had the blocks, and nothing new
+            # the tier had the blocks and nothing new: they may all be stored, waiting for a
+            # checkpoint the tier lacks too, and every lookup would fetch them again
+            with self._lock:
+                self._fruitless.add(asked, self._now(), _RECHECK_S)
         return installed or 0
 
     def with_staged(
@@ -265,23 +298,6 @@ class SharedTierBridge:
         except TimeoutError:
             self._count("settle_timeouts")
             log.warning("installs from the shared tier still running after %.0f s", timeout_s)
-
-    def _asked_recently(self, asked: tuple[bytes, int]) -> bool:
-        with self._lock:
-            return self._fruitless.get(asked, 0.0) > self._now()
-
-    def _remember_fruitless(self, asked: tuple[bytes, int]) -> None:
-        """A hybrid prompt whose blocks the tier had without moving its joint boundary is not asked
-        again for `_RECHECK_S`: its blocks may all be stored, waiting for a checkpoint the tier
-        lacks too, and every lookup would fetch them again."""
-        now = self._now()
-        with self._lock:
-            if len(self._fruitless) >= _FRUITLESS_KEPT:
-                for key in [k for k, until in self._fruitless.items() if until <= now]:
-                    del self._fruitless[key]
-                while len(self._fruitless) >= _FRUITLESS_KEPT:
-                    del self._fruitless[next(iter(self._fruitless))]  # the oldest
-            self._fruitless[asked] = now + _RECHECK_S
 
     def _read_through(
         self, identity: Identity, chain: BlockChain, local_blocks: int, end: int, staged: bool
@@ -423,6 +439,8 @@ class SharedTierBridge:
         except PrefixdError as exc:
             with self._lock:
                 self._held.append(buffer)  # a call that timed out may still write into it
+                if not isinstance(exc, TierUnavailableError):  # (that one cools the tier down)
+                    self._failed.add(chain.hash(start), self._now(), _REFETCH_S)
             self._count("fetch_errors")
             self._warn("fetching from the shared tier failed", exc)
             return [], buffer
