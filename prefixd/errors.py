@@ -340,6 +340,11 @@ class TierFullError(TierError):
     after a master restart, no client has remounted its segment yet. A later put may succeed."""
 
 
+class TierTransferError(TierError):
+    """The value's bytes could not be moved to or from the segment that holds them: that segment's
+    client is most likely dead (the master keeps its segment in the pool for a while)."""
+
+
 class TierBusyError(TierError):
     """`remove(key, force=False)` met a read lease (a reader fetched the key lately); force it,
     or retry after the master's `--default_kv_lease_ttl`."""

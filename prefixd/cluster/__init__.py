@@ -10,6 +10,7 @@ from prefixd.errors import (
     TierBusyError,
     TierError,
     TierFullError,
+    TierTransferError,
     TierUnavailableError,
     TierValueError,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "TierBusyError",
     "TierError",
     "TierFullError",
+    "TierTransferError",
     "TierUnavailableError",
     "TierValueError",
     "close_abandoned",

@@ -38,7 +38,13 @@ from prefixd.cluster.blocks import (
     identity_prefix,
 )
 from prefixd.cluster.staging import FetchRooms, Staging, TierBuffers, staged_load
-from prefixd.errors import PrefixdError, RemoteBlockError, TierFullError, TierUnavailableError
+from prefixd.errors import (
+    PrefixdError,
+    RemoteBlockError,
+    TierFullError,
+    TierTransferError,
+    TierUnavailableError,
+)
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import PromptIds
@@ -61,9 +67,10 @@ _PUBLISH_TRIES = 3  # a block the tier was unreachable or full for goes back in 
 _BATCH_BYTES = 32 << 20  # fetched per round trip (and installed per local transaction), about
 _MAX_BATCH = 64  # blocks per batch at most
 _RECHECK_S = 30.0  # a hybrid prompt the tier did not extend is asked again after this long
-# A fetch that failed, the tier reachable, is not made again for this long: its value is in a
-# dead peer's segment, whose transfers fail after a second each until the master drops the
-# segment (Mooncake's --client_ttl, 10 s by default).
+# A fetch whose transfer failed is not made again for this long: its value is in a dead peer's
+# segment, whose transfers fail after a second each until the master drops the segment
+# (Mooncake's --client_ttl, 10 s by default). Other failures (a value still being put) are not
+# remembered.
 _REFETCH_S = 10.0
 _SKIPS_KEPT = 4096  # such prompts remembered at most, of each kind
 _STAGING_BYTES = 96 << 20  # a staged read-through's buffers past its three, at most
@@ -439,7 +446,7 @@ class SharedTierBridge:
         except PrefixdError as exc:
             with self._lock:
                 self._held.append(buffer)  # a call that timed out may still write into it
-                if not isinstance(exc, TierUnavailableError):  # (that one cools the tier down)
+                if isinstance(exc, TierTransferError):
                     self._failed.add(chain.hash(start), self._now(), _REFETCH_S)
             self._count("fetch_errors")
             self._warn("fetching from the shared tier failed", exc)

@@ -21,6 +21,7 @@ from prefixd.errors import (
     TierBusyError,
     TierError,
     TierFullError,
+    TierTransferError,
     TierUnavailableError,
     TierValueError,
 )
@@ -66,7 +67,8 @@ INVALID_PARAMS = -600
 # A put's transfer into the segment the master placed its value in failed, or the replica went: that
 # segment's client is dead. The master keeps a killed client's segment in its pool until the
 # client's lease runs out (about 10 s) and goes on placing values there meanwhile.
-_PLACEMENT_LOST = frozenset({-800, NOT_FOUND})
+_TRANSFER_FAIL = -800
+_PLACEMENT_LOST = frozenset({_TRANSFER_FAIL, NOT_FOUND})
 # Codes that mean "the cluster cannot be reached right now", not "this request is wrong".
 _UNAVAILABLE_CODES = frozenset({-103, -900, -1010, -1011})
 
@@ -86,6 +88,8 @@ def failure(what: str, code: int) -> TierError:
         return TierUnavailableError(message, code)
     if code == _HAS_LEASE:
         return TierBusyError(message, code)
+    if code == _TRANSFER_FAIL:
+        return TierTransferError(message, code)
     if code == -200:
         return TierFullError(
             f"{message} (pool full, or no segment mounted yet after a master restart)", code

@@ -13,6 +13,7 @@ from prefixd.errors import (
     TierBusyError,
     TierError,
     TierFullError,
+    TierTransferError,
     TierUnavailableError,
     TierValueError,
 )
@@ -22,7 +23,14 @@ MAX_MESSAGE = 1 << 20
 
 _ERRORS: dict[str, type[TierError]] = {
     cls.__name__: cls
-    for cls in (TierError, TierUnavailableError, TierValueError, TierBusyError, TierFullError)
+    for cls in (
+        TierError,
+        TierUnavailableError,
+        TierValueError,
+        TierBusyError,
+        TierFullError,
+        TierTransferError,
+    )
 }
 
 

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from prefixd.errors import TierFullError, TierUnavailableError, TierValueError
+from prefixd.errors import TierFullError, TierTransferError, TierUnavailableError, TierValueError
 from tests.cluster.memory_tier import MemoryTier
 
 HOLD_GIL = "hold-the-gil"  # a put of this key holds the child's GIL for good
@@ -44,6 +44,8 @@ class FakeTier(MemoryTier):
             raise TierValueError("the key is bad", -600)
         if key == "full":
             raise TierFullError("no room", -200)
+        if key == "lost":
+            raise TierTransferError("transfer failed", -800)
         if key == "unavail":
             raise TierUnavailableError("no answer within 1.0 s")
         super().put(key, bytes(value), overwrite=overwrite)

@@ -18,7 +18,7 @@ from prefixd.cluster import bridge as bridge_module
 from prefixd.cluster.benefit import PROBE_S, FetchBenefit
 from prefixd.cluster.blocks import block_key, decode_block, encode_block
 from prefixd.cluster.bridge import SharedTierBridge
-from prefixd.errors import RemoteBlockError, TierError, TierUnavailableError
+from prefixd.errors import RemoteBlockError, TierError, TierTransferError, TierUnavailableError
 from prefixd.schema.chain import BlockChain
 from prefixd.store.purge import PurgeSelector
 from tests.waiting import wait_for
@@ -292,8 +292,9 @@ def test_a_fetch_that_failed_is_not_made_again_for_a_while(
 ) -> None:
     """A value in a dead peer's segment: Mooncake fails its transfer after about a second, and
     again at every try until the master drops the segment 10 s later, so each lookup of the
-    prompt would wait that second. The prompt is not fetched again for 10 s. A tier that cannot
-    be reached is not remembered so: its cooldown already answers at once."""
+    prompt would wait that second. The prompt is not fetched again for 10 s. Other failures are
+    not remembered so: a value still being put (REPLICA_IS_NOT_READY) is there a moment later,
+    and an unreachable tier's cooldown already answers at once."""
     clock = [1000.0]
     tier = MemoryTier()
     a = Store.open(tmp_path / "a", map_size=64 << 20)
@@ -308,24 +309,28 @@ def test_a_fetch_that_failed_is_not_made_again_for_a_while(
         publish(a, bridge_a, tier)
         wait_for(lambda: len(tier.objects) == 6, "A's blocks published", poll_s=0.01)
         fetch = tier.get_many_into
-        failure: list[TierError] = [TierError("get failed: TRANSFER_FAIL (-800)", -800)]
+        failure: list[TierError] = [TierError("get failed: REPLICA_IS_NOT_READY (-703)", -703)]
 
         def failing(*args: object) -> list[int | None]:
             tier.calls["get_many_into"] += 1
             raise failure[0]
 
         monkeypatch.setattr(tier, "get_many_into", failing)
+        assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # a value still being put:
+        assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # asked again at once
+        assert tier.calls["get_many_into"] == 2
+        failure[0] = TierTransferError("get failed: TRANSFER_FAIL (-800)", -800)
         assert bridge_b.read_through(IDENT, TOKENS, 0) == 0
-        assert tier.calls["get_many_into"] == 1
+        assert tier.calls["get_many_into"] == 3
         clock[0] += 9.9
         assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # not asked: it would fail again
-        assert tier.calls["get_many_into"] == 1
+        assert tier.calls["get_many_into"] == 3
         assert bridge_b.snapshot()["remote_skipped_after_failure"] == 1
         clock[0] += 0.1
         failure[0] = TierUnavailableError("no answer within 1.0 s")
         assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # asked again, and unreachable
         assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # not remembered: asked again
-        assert tier.calls["get_many_into"] == 3
+        assert tier.calls["get_many_into"] == 5
         monkeypatch.setattr(tier, "get_many_into", fetch)
         assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
         assert loaded(b) == PAYLOADS

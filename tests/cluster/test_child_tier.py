@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from prefixd.cluster.child import ChildTier
-from prefixd.errors import TierError, TierFullError, TierUnavailableError, TierValueError
+from prefixd.errors import (
+    TierError,
+    TierFullError,
+    TierTransferError,
+    TierUnavailableError,
+    TierValueError,
+)
 from tests.waiting import wait_for
 
 from .fake_tier import HOLD, HOLD_GIL, RELEASE
@@ -63,6 +69,8 @@ def test_calls_and_errors_cross_the_socket(tier: ChildTier) -> None:
     assert raised.value.code == -600  # Mooncake's code survives the socket
     with pytest.raises(TierFullError, match="no room"):  # a retry may succeed: its own class
         tier.put("full", b"x")
+    with pytest.raises(TierTransferError, match="transfer failed"):  # a dead segment: its own
+        tier.put("lost", b"x")
     assert tier.remove("a") and not tier.remove("a")
     assert tier.remove_prefix("b") == 1
     assert tier.restarts == 0

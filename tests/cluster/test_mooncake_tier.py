@@ -21,6 +21,7 @@ from prefixd.cluster import (
     TierBusyError,
     TierError,
     TierFullError,
+    TierTransferError,
     TierUnavailableError,
     TierValueError,
     mooncake,
@@ -195,14 +196,17 @@ def test_concurrent_callers(tier: SharedTier, prefix: str) -> None:
 # --- settings and lifecycle without a master -----------------------------------------------------
 
 
-def test_a_pool_without_room_is_its_own_error() -> None:
+def test_codes_the_bridge_acts_on_are_errors_of_their_own() -> None:
     """NO_AVAILABLE_HANDLE: a full pool, or one whose clients have not remounted their segments
-    since the master restarted (about a second). A later put may succeed: the bridge offers the
-    block again, as it does when the master cannot be reached."""
+    since the master restarted (about a second); a later put may succeed, so the bridge offers
+    the block again. TRANSFER_FAIL: the segment's client is dead, and a fetch would fail again
+    until the master drops it, so the bridge does not ask again for a while. Others are plain."""
     refused = mooncake_calls.failure("put key #1", -200)
     assert isinstance(refused, TierFullError) and refused.code == -200
     assert "no segment mounted yet" in str(refused)
-    assert type(mooncake_calls.failure("put key #1", -800)) is TierError
+    lost = mooncake_calls.failure("get_many_into (4 keys)", -800)
+    assert isinstance(lost, TierTransferError) and lost.code == -800
+    assert type(mooncake_calls.failure("get_many_into (4 keys)", -703)) is TierError
 
 
 def test_settings_are_validated() -> None:
