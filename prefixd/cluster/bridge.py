@@ -206,8 +206,7 @@ class SharedTierBridge:
                     continue  # evicted or removed since
                 self._offer(block_key(digest, block), exported, replace)
             except PrefixdError as exc:
-                self._count("publish_errors")
-                self._warn("publishing to the shared tier failed", exc)
+                self._warn("publish_errors", "publishing to the shared tier failed", exc)
                 # a master restarting: unreachable, then no segment remounted yet for a second
                 transient = isinstance(exc, TierUnavailableError | TierFullError)
                 if transient and tries + 1 < _PUBLISH_TRIES:
@@ -252,9 +251,10 @@ class SharedTierBridge:
             probe = True  # the model may be stale: one fetch tells
             self._count("remote_benefit_probes")
         asked = (chain.hash(local_blocks), end)
+        now = self._now()
         with self._lock:
-            fruitless = hybrid and self._fruitless.holds(asked, self._now())
-            failed = self._failed.holds(asked[0], self._now())
+            fruitless = hybrid and self._fruitless.holds(asked, now)
+            failed = self._failed.holds(asked[0], now)
         if fruitless or failed:
             self._count("remote_skipped_recently" if fruitless else "remote_skipped_after_failure")
             return 0
@@ -410,8 +410,7 @@ class SharedTierBridge:
         try:
             size = self.tier.size(key)
         except PrefixdError as exc:
-            self._count("fetch_errors")
-            self._warn("fetching from the shared tier failed", exc)
+            self._warn("fetch_errors", "fetching from the shared tier failed", exc)
             return None
         return 0 if size is None else size + size // 16 + 64
 
@@ -448,8 +447,7 @@ class SharedTierBridge:
                 self._held.append(buffer)  # a call that timed out may still write into it
                 if isinstance(exc, TierTransferError):
                     self._failed.add(chain.hash(start), self._now(), _REFETCH_S)
-            self._count("fetch_errors")
-            self._warn("fetching from the shared tier failed", exc)
+            self._warn("fetch_errors", "fetching from the shared tier failed", exc)
             return [], buffer
         finally:
             self._release_held()
@@ -481,8 +479,11 @@ class SharedTierBridge:
                     )
                 )
             except RemoteBlockError as exc:
-                self._count("remote_verify_failures")
-                self._warn("a block from the shared tier failed verification", exc)
+                self._warn(
+                    "remote_verify_failures",
+                    "a block from the shared tier failed verification",
+                    exc,
+                )
                 break
         self._count("remote_prove_us", _us(time.perf_counter() - started))
         return proven
@@ -542,8 +543,7 @@ class SharedTierBridge:
                 )
                 size = sum(p.nbytes for block in batch[:n] for p in block.parts.values())
         except PrefixdError as exc:
-            self._count("install_errors")
-            self._warn("installing blocks from the shared tier failed", exc)
+            self._warn("install_errors", "installing blocks from the shared tier failed", exc)
             return 0, 0
         finally:
             self._count("remote_install_us", _us(time.perf_counter() - started))
@@ -558,17 +558,20 @@ class SharedTierBridge:
             try:
                 removed += self.tier.remove_prefix(identity_prefix(digest))
             except PrefixdError as exc:
-                self._count("purge_errors")
-                self._warn("removing purged objects from the shared tier failed", exc)
+                self._warn(
+                    "purge_errors", "removing purged objects from the shared tier failed", exc
+                )
         self._count("remote_purged_objects", removed)
         return removed
 
-    def _warn(self, failure: str, exc: Exception) -> None:
-        """Log a failure: the first of its kind, then one line each `_WARN_EVERY_S` at most, with
-        how many were not logged. A master away fails every lookup that misses locally, and
-        journald drops the lines of a service that floods it; the counts hold every failure."""
+    def _warn(self, counter: str, failure: str, exc: Exception) -> None:
+        """Count a failure under `counter`, and log it: the first of its kind, then one line each
+        `_WARN_EVERY_S` at most, with how many were not logged. A master away fails every lookup
+        that misses locally, and journald drops the lines of a service that floods it; the counts
+        hold every failure."""
         now = self._now()
         with self._lock:
+            self.counts[counter] += 1
             last, quiet = self._warned.get(failure, (-math.inf, 0))
             if now - last < _WARN_EVERY_S:
                 self._warned[failure] = (last, quiet + 1)

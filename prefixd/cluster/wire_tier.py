@@ -9,29 +9,14 @@ from typing import Any
 
 from msgspec import Struct
 
-from prefixd.errors import (
-    TierBusyError,
-    TierError,
-    TierFullError,
-    TierTransferError,
-    TierUnavailableError,
-    TierValueError,
-)
+from prefixd.errors import TierError
 
 MAX_MESSAGE = 1 << 20
 """Largest message either side sends: calls carry keys, never values."""
 
-_ERRORS: dict[str, type[TierError]] = {
-    cls.__name__: cls
-    for cls in (
-        TierError,
-        TierUnavailableError,
-        TierValueError,
-        TierBusyError,
-        TierFullError,
-        TierTransferError,
-    )
-}
+# every class of the hierarchy, so that a new one crosses the socket as itself
+_CLASSES: list[type[TierError]] = [TierError, *TierError.__subclasses__()]
+_ERRORS: dict[str, type[TierError]] = {cls.__name__: cls for cls in _CLASSES}
 
 
 class TierStart(Struct, frozen=True):
