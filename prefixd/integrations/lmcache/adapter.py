@@ -3,8 +3,9 @@
 LMCache's controllers call from two threads and expect every call to return at once, so each call
 only queues a task: stores run on one worker with a connection of its own, lookups, unlocks and
 loads on another (a pin belongs to the connection that took it, so a key is unpinned where it was
-locked), and a loaded payload is copied into its memory object on a copier thread while the
-next key loads; completions are signalled on each kind's event fd. A lookup pins every hit until
+locked). A load task's keys are dealt to `load_lanes` connections that load and copy at once, so
+the daemon reads one lane's key while another lane copies its payload into its memory object;
+completions are signalled on each kind's event fd. A lookup pins every hit until
 `submit_unlock`, so prefixd's eviction cannot take it; a payload that fails its checksum is a miss.
 A daemon that is away or slow fails stores and makes lookups misses: nothing raises into LMCache.
 An object is named with its layout (each tensor's dtype and shape): a store's and a load's from
@@ -22,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -64,7 +65,7 @@ class _Task:
 
 
 def _link(settings: Settings, name: str) -> DaemonLink:
-    """One of the adapter's two connections (stores, prefetches)."""
+    """One of the adapter's connections (stores; lookups and loads; more loads)."""
     return DaemonLink(
         settings.socket,
         region_bytes=settings.region_bytes,
@@ -98,8 +99,16 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._usage: tuple[float, AdapterUsage] | None = None
         self._storer = _link(self._settings, "lmcache-l2-store")
         self._fetcher = _link(self._settings, "lmcache-l2-prefetch")
-        # copies loaded payloads out of the region while the fetch worker's next load runs
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="prefixd-l2-copy")
+        # a load task's lanes: the fetcher (which holds the lookups' pins), then a link each
+        self._lanes = [self._fetcher] + [
+            _link(self._settings, f"lmcache-l2-load-{lane}")
+            for lane in range(1, self._settings.load_lanes)
+        ]
+        self._lane_threads = ThreadPoolExecutor(
+            len(self._lanes), thread_name_prefix="prefixd-l2-load"
+        )
+        for link in self._lanes[1:]:  # connected at once, off LMCache's threads, like the workers
+            self._lane_threads.submit(link.client)
         self._store_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._fetch_jobs: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._workers = [
@@ -215,6 +224,7 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             # each link's last problem and fix, failures by kind, calls missed for them
             "store_link": self._storer.status(),
             "prefetch_link": self._fetcher.status(),
+            "load_links": [link.status() for link in self._lanes[1:]],
         }
 
     def close(self) -> None:
@@ -222,9 +232,10 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._fetch_jobs.put(None)
         for worker in self._workers:
             worker.join()
-        self._copier.shutdown()
+        self._lane_threads.shutdown()
         self._storer.close()
-        self._fetcher.close()  # the daemon releases this connection's pins
+        for link in self._lanes:  # the fetcher's end releases its pins in the daemon
+            link.close()
         for efd in self._efds.values():
             efd.close()
 
@@ -393,24 +404,29 @@ class PrefixdL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         """Load each key's verified payload into its memory object. A chunk is loaded whole or
         not at all: a rank's part that fails (missing, damaged, another size) fails the other
-        parts of its chunk in the same task too. Each payload is leased at its object's size
-        and copied out on the copier thread while the next key loads (the daemon's read and this
-        copy overlap); one copy waits at most, so two leases are held at most."""
+        parts of its chunk in the same task too. The keys are dealt to the lanes in turn; each
+        lane loads a payload, leased at its object's size, and copies it out while the other
+        lanes' loads run in the daemon."""
         ok = [False] * len(keys)
-        copies: list[tuple[int, Future[None]]] = []  # run in order by the one copier thread
-        for place, (key, obj) in enumerate(zip(keys, objects)):
-            identity, words = self._named(key, self._object_layout(key, obj))
-            if identity is None:
-                continue
-            size = obj.get_size()
-            leased = self._fetcher.call(lambda c: _load_leased(c, identity, words, size))  # noqa: B023
-            if leased is not None:
-                copies.append((place, self._copier.submit(_copy_out, leased, obj)))
-                if len(copies) > 1:
-                    copies[-2][1].result()  # the copy before: two leases are held at most
-        for copied, copy in copies:
-            copy.result()
-            ok[copied] = True
+        n_lanes = len(self._lanes)
+
+        def lane(first: int) -> None:
+            link = self._lanes[first]
+            for place in range(first, min(len(keys), len(objects)), n_lanes):
+                key, obj = keys[place], objects[place]
+                identity, words = self._named(key, self._object_layout(key, obj))
+                if identity is None:
+                    continue
+                size = obj.get_size()
+                leased = link.call(lambda c: _load_leased(c, identity, words, size))  # noqa: B023
+                if leased is not None:
+                    _copy_out(leased, obj)
+                    ok[place] = True
+
+        lanes = [self._lane_threads.submit(lane, first) for first in range(n_lanes)]
+        wait(lanes)  # every lane ends before the task does, even when one fails: no late writes
+        for done in lanes:
+            done.result()
         chunks: dict[tuple[Any, ...], list[int]] = {}
         for place, key in enumerate(keys[: len(objects)]):
             chunk = (key.model_name, key.chunk_hash, key.object_group_id, key.cache_salt)
@@ -490,8 +506,8 @@ def _load_leased(client: Client, identity: Identity, words: bytes, size: int) ->
 def _copy_out(loaded: Loaded, obj: MemoryObj) -> None:
     """Copy a loaded payload into its memory object, then give its lease back."""
     with loaded:
-        # numpy copies without the GIL (a memoryview's assignment holds it): the fetch worker
-        # sends the next load meanwhile. LMCache's view is ctypes' "<B".
+        # numpy copies without the GIL (a memoryview's assignment holds it): the other lanes
+        # send their loads meanwhile. LMCache's view is ctypes' "<B".
         np.copyto(
             np.frombuffer(obj.byte_array.cast("B"), np.uint8),
             np.frombuffer(loaded.views[0], np.uint8),

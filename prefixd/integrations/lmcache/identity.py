@@ -61,6 +61,7 @@ class Settings:
     kv_layout: str = ""
     chunk_tokens: int = 256
     region_bytes: int = 256 << 20
+    load_lanes: int = 2
     timeout_s: float = 5.0
     reconnect_s: float = 1.0
     daemon_uid: int | str | None = None
@@ -84,6 +85,8 @@ class Settings:
             raise ConfigError(f"prefixd L2 adapter: tenant may not hold {SALT_MARK!r}")
         if settings.chunk_tokens < 1:
             raise ConfigError("prefixd L2 adapter: chunk_tokens must be at least 1")
+        if not 1 <= settings.load_lanes <= 16:
+            raise ConfigError("prefixd L2 adapter: load_lanes must be from 1 to 16")
         return settings
 
 

@@ -18,7 +18,7 @@ from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_re
 from prefixd import Store
 from prefixd.client import Client
 from prefixd.errors import ConfigError
-from prefixd.integrations.lmcache import PrefixdL2Adapter, key_of, l2_adapter_config
+from prefixd.integrations.lmcache import PrefixdL2Adapter, adapter, key_of, l2_adapter_config
 from prefixd.integrations.lmcache.identity import Identities, Settings, layout_of
 from prefixd.schema.chain import chain_hashes
 
@@ -120,6 +120,9 @@ def test_it_refuses_to_start_without_a_weights_identity(tmp_path: Path) -> None:
         PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "weight": "w"})
     with pytest.raises(ConfigError, match="tokenizer must be text"):
         PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "tokenizer": 5})
+    for lanes in (0, 17):
+        with pytest.raises(ConfigError, match="load_lanes must be from 1 to 16"):
+            PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "load_lanes": lanes})
     with pytest.raises(ConfigError, match="config.json"):
         PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights_from": str(tmp_path)})
     (tmp_path / "config.json").write_text("{}")
@@ -348,6 +351,82 @@ def test_a_key_loads_while_the_one_before_is_copied_into_its_object(daemon: Daem
             assert [bytes(o.byte_array) for o in outs] == [bytes(o.byte_array) for o in objs]
         finally:
             adapter.close()
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_a_load_task_loads_every_key_whatever_its_lanes(daemon: Daemon, lanes: int) -> None:
+    """A task of more keys than lanes loads every key whole, on one lane as on several."""
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket, load_lanes=lanes))
+    ks, objs = keys(7, start=3100 + 10 * lanes), payload_objs(7, SIZE, seed=lanes)
+    try:
+        assert store(adapter, ks, objs).is_successful()
+        assert loaded_bytes(adapter, ks) == ([True] * 7, [bytes(o.byte_array) for o in objs])
+        assert len(adapter.report_status()["load_links"]) == lanes - 1
+    finally:
+        adapter.close()
+
+
+def test_the_next_key_loads_and_is_copied_while_a_copy_waits(daemon: Daemon) -> None:
+    """A task's keys are dealt to two lanes (the default), each with its own connection: the
+    second key is loaded and copied into its object while the first one's copy is held up."""
+    adapter = PrefixdL2Adapter(adapter_params(daemon.socket))
+    ks, objs = keys(2, start=3200), payload_objs(2, SIZE, seed=9)
+    try:
+        assert store(adapter, ks, objs).is_successful()
+        outs = [memory_obj(SIZE, fill=0) for _ in ks]
+        second = bytes(objs[1].byte_array)
+
+        def second_key_copied() -> None:
+            wait_for(
+                lambda: bytes(outs[1].byte_array) == second,
+                "the second key copied while the first one's copy waited",
+                timeout=DEADLINE_S / 2,
+            )
+
+        assert load(adapter, ks, [_GatedObject(outs[0], second_key_copied), outs[1]]) == [True] * 2
+        assert [bytes(o.byte_array) for o in outs] == [bytes(o.byte_array) for o in objs]
+    finally:
+        adapter.close()
+
+
+def test_a_task_with_a_failed_lane_ends_only_after_every_other_lane(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane that fails (its memory object cannot be written) fails the task, but only once the
+    other lanes are done: nothing is copied into a memory object after LMCache has the result.
+    The second lane's copy waits until the task waits on its lanes, or has ended."""
+    l2 = PrefixdL2Adapter(adapter_params(daemon.socket))
+    ks, objs = keys(2, start=3300), payload_objs(2, SIZE, seed=10)
+    outs = [memory_obj(SIZE, fill=0) for _ in ks]
+    waiting, finished = threading.Event(), threading.Event()
+    second_at_finish: list[bytes] = []
+    real_wait, real_finish = adapter.wait, l2._finish
+
+    def wait(lanes: Any) -> Any:
+        waiting.set()
+        return real_wait(lanes)
+
+    def finish(task: Any, result: Any) -> None:
+        if task.kind == "load":
+            second_at_finish.append(bytes(outs[1].byte_array))
+            finished.set()
+        real_finish(task, result)
+
+    def unwritable() -> None:
+        raise RuntimeError("this memory object cannot be written")
+
+    def task_waits_or_ended() -> None:
+        wait_for(lambda: waiting.is_set() or finished.is_set(), "the load task waits or ended")
+
+    monkeypatch.setattr(adapter, "wait", wait)
+    monkeypatch.setattr(l2, "_finish", finish)
+    try:
+        assert store(l2, ks, objs).is_successful()
+        gated = [_GatedObject(outs[0], unwritable), _GatedObject(outs[1], task_waits_or_ended)]
+        assert load(l2, ks, gated) == [False, False]
+        assert second_at_finish == [bytes(objs[1].byte_array)]
+    finally:
+        l2.close()
 
 
 def test_an_object_larger_than_the_region_is_a_miss_reported_with_its_fix(daemon: Daemon) -> None:
