@@ -85,7 +85,7 @@ class Settings:
             raise ConfigError(f"prefixd L2 adapter: tenant may not hold {SALT_MARK!r}")
         if settings.chunk_tokens < 1:
             raise ConfigError("prefixd L2 adapter: chunk_tokens must be at least 1")
-        if not 1 <= settings.load_lanes <= 16:
+        if type(settings.load_lanes) is not int or not 1 <= settings.load_lanes <= 16:
             raise ConfigError("prefixd L2 adapter: load_lanes must be from 1 to 16")
         return settings
 

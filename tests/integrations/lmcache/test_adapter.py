@@ -120,7 +120,7 @@ def test_it_refuses_to_start_without_a_weights_identity(tmp_path: Path) -> None:
         PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "weight": "w"})
     with pytest.raises(ConfigError, match="tokenizer must be text"):
         PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "tokenizer": 5})
-    for lanes in (0, 17):
+    for lanes in (0, 17, "2", True):
         with pytest.raises(ConfigError, match="load_lanes must be from 1 to 16"):
             PrefixdL2Adapter({"socket": str(tmp_path / "s"), "weights": "w", "load_lanes": lanes})
     with pytest.raises(ConfigError, match="config.json"):
