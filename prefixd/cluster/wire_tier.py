@@ -14,9 +14,13 @@ from prefixd.errors import TierError
 MAX_MESSAGE = 1 << 20
 """Largest message either side sends: calls carry keys, never values."""
 
-# every class of the hierarchy, so that a new one crosses the socket as itself
-_CLASSES: list[type[TierError]] = [TierError, *TierError.__subclasses__()]
-_ERRORS: dict[str, type[TierError]] = {cls.__name__: cls for cls in _CLASSES}
+
+def _hierarchy(cls: type[TierError]) -> list[type[TierError]]:
+    """`cls` and every class below it, however deep: a new one crosses the socket as itself."""
+    return [cls, *(below for sub in cls.__subclasses__() for below in _hierarchy(sub))]
+
+
+_ERRORS: dict[str, type[TierError]] = {cls.__name__: cls for cls in _hierarchy(TierError)}
 
 
 class TierStart(Struct, frozen=True):
