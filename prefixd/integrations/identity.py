@@ -13,12 +13,20 @@ from prefixd.schema.fingerprint import fingerprint_files
 from prefixd.schema.identity import Identity
 
 TEXT_FIELDS = ("model", "weights", "tokenizer", "template", "rope")
+# What turns an image, a video or audio into the model's inputs (transformers' file names): edited
+# in place, the same item gets the same hash from the engine and other embeddings.
+PREPROCESSING_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+)
 
 
 def identity_of(fields: Mapping[str, Any], **given: Any) -> Identity:
-    """An Identity of `fields` (the text ones as text, `adapter` as is) and `given`."""
+    """An Identity of `fields` (the text ones as text, `adapter` and `mm` as they are) and
+    `given`."""
     text: dict[str, Any] = {name: str(fields[name]) for name in TEXT_FIELDS}
-    return Identity(**text, adapter=fields.get("adapter"), **given)
+    return Identity(**text, adapter=fields.get("adapter"), mm=fields.get("mm"), **given)
 
 
 def digest_of(text: str) -> str:
@@ -40,4 +48,17 @@ def local_weights(model: Path) -> str:
     return "local:" + fingerprint_files([model / "config.json", *weight_files(model)])
 
 
-__all__ = ["digest_of", "identity_of", "local_weights", "weight_files"]
+def local_preprocessing(model: Path) -> str | None:
+    """The fingerprint of a local model's multimodal preprocessing files, None without any."""
+    found = [model / name for name in PREPROCESSING_FILES if (model / name).is_file()]
+    return fingerprint_files(found) if found else None
+
+
+__all__ = [
+    "PREPROCESSING_FILES",
+    "digest_of",
+    "identity_of",
+    "local_preprocessing",
+    "local_weights",
+    "weight_files",
+]

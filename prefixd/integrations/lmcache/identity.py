@@ -11,6 +11,8 @@ rather than share entries across versions of a model. Each field's source:
   tokenizer     `tokenizer` (default "lmcache-token-ids": the chunk hashes cover the token ids)
   template      `template` (default "none": the template shapes the token ids, which are hashed)
   rope          `rope` (default "model-config": set it when the engine overrides RoPE scaling)
+  mm            the multimodal preprocessing files of the `weights_from` directory (their
+                fingerprint), None without any
   kv_layout     "lmcache chunk_hash_bytes=N objects=L" plus `kv_layout`: L is LMCache's own layout
                 of the object (each tensor's dtype and shape: `layout_of`), so an engine restarted
                 with another KV dtype or shape, whose chunks have the same keys and often the
@@ -38,7 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.integrations.identity import digest_of, identity_of, local_weights
+from prefixd.integrations.identity import (
+    digest_of,
+    identity_of,
+    local_preprocessing,
+    local_weights,
+)
 from prefixd.schema.identity import MAX_KEY_BYTES, MIN_KEY_BYTES, Identity
 
 SALT_MARK = "/salt="
@@ -66,10 +73,11 @@ class Settings:
     reconnect_s: float = 1.0
     daemon_uid: int | str | None = None
     usage_refresh_s: float = 1.0
+    mm: str | None = None  # read from `weights_from`, never given
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> Settings:
-        known = {f.name for f in dataclasses.fields(cls)} | {"weights_from"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"mm"} | {"weights_from"}
         unknown = sorted(set(params) - known)
         if unknown:
             raise ConfigError(f"prefixd L2 adapter: unknown adapter_params {unknown}")
@@ -77,6 +85,8 @@ class Settings:
             raise ConfigError("prefixd L2 adapter: adapter_params needs `socket` (the daemon's)")
         values = {k: v for k, v in params.items() if k != "weights_from"}
         values["weights"] = weights_of(params)
+        if params.get("weights_from"):
+            values["mm"] = local_preprocessing(Path(str(params["weights_from"])))
         settings = cls(**values)
         for name in ("tenant", "tokenizer", "template", "rope", "kv_layout"):
             if not isinstance(getattr(settings, name), str):

@@ -9,6 +9,7 @@ so engines with other weights, tokenizer, template or KV layout would share page
               the backend refuses to start without one
   tokenizer   "tokenizer" (default: the model and its weights)
   template    "template" (default "none"); rope: "rope" (default "default"); adapter: "adapter"
+  mm          a local model directory's multimodal preprocessing files (their fingerprint)
   kv_layout   the pool's name, and what the host pool says of a page (its class, dtype, layout,
               page size, layers, heads, head size, bytes per token; a Mamba pool's every
               state's dtype and shape) and the parallel ranks; MLA KV, whole on every tp
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.integrations.identity import identity_of, local_weights
+from prefixd.integrations.identity import identity_of, local_preprocessing, local_weights
 from prefixd.schema.identity import Identity
 from prefixd.schema.state import StateGroup
 
@@ -47,8 +48,9 @@ def operator_fields(storage_config: Any) -> dict[str, str | None]:
         raise ConfigError("prefixd sglang backend: no model name (set extra config 'model')")
     model = str(model)
     weights = extra.get("weights")
-    if not weights and Path(model).is_dir():
-        weights = local_weights(Path(model))
+    local = Path(model) if Path(model).is_dir() else None
+    if not weights and local is not None:
+        weights = local_weights(local)
     if not weights:
         raise ConfigError(
             "prefixd sglang backend: refusing to start without a weights identity: set extra "
@@ -61,6 +63,7 @@ def operator_fields(storage_config: Any) -> dict[str, str | None]:
         "template": str(extra.get("template") or "none"),
         "rope": str(extra.get("rope") or "default"),
         "adapter": None if extra.get("adapter") is None else str(extra["adapter"]),
+        "mm": None if local is None else local_preprocessing(local),
         "tenant": str(extra.get("tenant") or "default"),
     }
 
@@ -158,13 +161,16 @@ def trailing_parts(
     """The trailing pools' identities, one per part, this rank's first: a checkpoint group per pool
     on the chain of page hashes. prefixd refuses a state spec on an engine-keyed identity, so a
     page hash takes a block's place as its 8 little-endian words (block_tokens 8), compared on
-    every hit as engine keys are."""
-    layout = {
+    every hit as engine keys are. Such a chain cannot name a page's multimodal items, so `mm`
+    is part of the layout."""
+    layout: dict[str, Any] = {
         "pools": {name: _pool_layout(pool) for name, pool in sorted(pools.items())},
         "page_hash_words": WORDS_PER_KEY,
     }
+    if fields.get("mm") is not None:
+        layout["mm"] = fields["mm"]
     return _per_part(
-        fields,
+        {**fields, "mm": None},
         storage_config,
         (layout,),
         replicated=False,

@@ -20,7 +20,8 @@ produce. Each field's source:
                   each group's layers by name and in order among it
   adapter, mm     the LoRA and multimodal configs, None without them; the LoRA adapters `vllm serve`
                   names (--lora-modules: `lora_modules`), each by the fingerprint of its files
-                  where they are local (vLLM's keys name an adapter by name and path only)
+                  where they are local (vLLM's keys name an adapter by name and path only); a
+                  local model's preprocessing files (preprocessor_config.json and the like)
   tenant          the tier's `tenant` setting
 
 `engine_fields` runs where the VllmConfig is at hand (`kv_transfer_config`): vLLM hands a secondary
@@ -37,7 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from prefixd.errors import ConfigError
-from prefixd.integrations.identity import digest_of, identity_of, local_weights, weight_files
+from prefixd.integrations.identity import (
+    digest_of,
+    identity_of,
+    local_preprocessing,
+    local_weights,
+    weight_files,
+)
 from prefixd.integrations.vllm.chains import KEY_BYTES
 from prefixd.schema.fingerprint import fingerprint_files
 from prefixd.schema.identity import Identity
@@ -46,6 +53,18 @@ from prefixd.schema.identity import Identity
 FIELDS = ("model", "weights", "tokenizer", "template", "rope", "kv_layout", "adapter", "mm")
 _GIVE_WEIGHTS = "kv_transfer_config(..., weights=...), or --weights"
 _ROPE_KEYS = ("rope_scaling", "rope_parameters", "rope_theta", "max_position_embeddings")
+# MultiModalConfig fields that change an item's embeddings (the encoder's attention dtype and fp8
+# scales, normalizing on the device, which video tokens are pruned) or what a prompt may hold.
+_MM_SETTINGS = (
+    "mm_processor_kwargs",
+    "limit_per_prompt",
+    "media_io_kwargs",
+    "mm_encoder_attn_dtype",
+    "mm_encoder_fp8_scale_path",
+    "mm_device_do_normalize",
+    "video_pruning_rate",
+    "video_pruning_method",
+)
 
 
 def engine_fields(
@@ -104,7 +123,7 @@ def engine_fields(
             getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"),
         ),
         "adapter": _adapter(vllm_config.lora_config, lora_modules or {}),
-        "mm": _multimodal(model_config),
+        "mm": _multimodal(model_config, local),
     }
 
 
@@ -131,7 +150,6 @@ def group_identities(
         kv_layout=layout,
         block_tokens=1,
         tenant=tenant,
-        mm=fields.get("mm"),
         key_bytes=KEY_BYTES,
     )
     return {
@@ -242,16 +260,16 @@ def _lora_files(path: str) -> str:
     return fingerprint_files([local / "adapter_config.json", *weight_files(local)])
 
 
-def _multimodal(model_config: Any) -> str | None:
+def _multimodal(model_config: Any, local: Path | None) -> str | None:
+    """What turns a multimodal item into embeddings: vLLM's settings of it (an item's hash covers
+    its data and the processor kwargs only) and a local model's preprocessing files."""
     mm = getattr(model_config, "multimodal_config", None)
     if mm is None:
         return None
-    return "mm " + _canonical(
-        {
-            "processor": getattr(mm, "mm_processor_kwargs", None),
-            "limits": getattr(mm, "limit_per_prompt", None),
-        }
-    )
+    settings = {name: getattr(mm, name, None) for name in _MM_SETTINGS}
+    if local is not None:
+        settings["files"] = local_preprocessing(local)
+    return "mm " + _canonical(settings)
 
 
 def _canonical(value: object) -> str:

@@ -133,6 +133,28 @@ def test_it_refuses_to_start_without_a_weights_identity(tmp_path: Path) -> None:
     assert first.startswith("local:sha256:") and first != second
 
 
+def test_the_model_directorys_preprocessing_files_are_part_of_the_identity(
+    tmp_path: Path,
+) -> None:
+    """An image processor's config edited in place makes other embeddings of an image whose
+    hash (in the chunk hash) stays the same: another identity, as other weights are."""
+    (tmp_path / "config.json").write_text("{}")
+
+    def identity() -> Any:
+        settings = Settings.from_params({"socket": "s", "weights_from": str(tmp_path)})
+        return Identities(settings).of("m", 32, "", "uint8[64]")
+
+    assert identity().mm is None  # a text model's
+    processor = tmp_path / "preprocessor_config.json"
+    processor.write_text('{"image_mean": [0.5, 0.5, 0.5]}')
+    before = identity()
+    assert before == identity() and before.mm is not None
+    processor.write_text('{"image_mean": [0.48, 0.46, 0.41]}')
+    assert identity().mm != before.mm and identity().weights == before.weights
+    with pytest.raises(ConfigError, match="unknown"):  # read from the files, never given
+        Settings.from_params({"socket": "s", "weights": "w", "mm": "x"})
+
+
 def test_a_locked_key_outlives_prefixds_eviction_until_it_is_unlocked(
     daemon_factory: DaemonFactory,
 ) -> None:

@@ -221,6 +221,32 @@ def test_a_mamba_state_of_another_dtype_or_shape_is_another_identity(daemon: Dae
     assert identity(ssm_dtype=torch.bfloat16, ssm_shape=(16, 4, 16)) != bf16
 
 
+def test_a_local_models_preprocessing_files_edited_in_place_are_a_miss(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """SGLang hashes an image by its data: an image processor's config edited in place (another
+    normalization, the same pad tokens) makes other embeddings under the same page hashes, so
+    every pool, the trailing one too, misses."""
+    model = tmp_path / "model"
+    model.mkdir()
+    processor = model / "preprocessor_config.json"
+    processor.write_text('{"image_mean": [0.5, 0.5, 0.5]}')
+    keys = page_hashes(list(range(N_PAGES * PAGE)))
+    pools = Pools(seed=5)
+    backend = pools.backend(prefixd_extra(daemon.socket), model=str(model))
+    write(backend, pools, keys)
+    assert query(backend, pools, keys).kv_hit_pages == 5
+    trailing = backend._trailing_identity()
+    backend.close()
+    processor.write_text('{"image_mean": [0.48, 0.46, 0.41]}')
+    edited = pools.backend(prefixd_extra(daemon.socket), model=str(model))
+    assert query(edited, pools, keys).kv_hit_pages == 0
+    assert joint_pages(daemon, edited, keys) == 0
+    assert edited._trailing_identity().mm is None  # its chain cannot name the items
+    assert edited._trailing_identity().kv_layout != trailing.kv_layout
+    edited.close()
+
+
 def test_paged_pools_of_one_shape_keep_their_own_pages(daemon: Daemon) -> None:
     """Two paged pools of the same class and shape (an indexer as large as the KV) are stored
     under the same page hashes: each pool's name is part of its identity, so each reads back its

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm.config import MultiModalConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_offload.config import OffloadingGroupConfig, OffloadingModelConfig
 
@@ -242,6 +243,47 @@ def test_a_lora_adapter_replaced_in_place_is_another_identity(model: Path, tmp_p
     assert engine_fields(config, lora_modules={"chat": str(moved)}) != after
     hub = engine_fields(config, lora_modules={"sql": "org/sql-lora"})  # not local: by its path
     assert hub["adapter"] != engine_fields(config, lora_modules={"sql": "org/other"})["adapter"]
+
+
+def multimodal_fields(model: Path, **settings: Any) -> dict[str, str | None]:
+    """The fields of a multimodal engine serving `model` (a text model's config with vLLM's
+    multimodal config set: a vision model's config needs its processor's packages)."""
+    config = base_args(model).create_engine_config()
+    config.model_config.multimodal_config = MultiModalConfig(**settings)
+    return engine_fields(config)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"mm_encoder_attn_dtype": "fp8"},
+        {"mm_device_do_normalize": False},
+        {"video_pruning_rate": 0.5},
+    ],
+)
+def test_each_multimodal_setting_that_changes_embeddings_changes_mm(
+    model: Path, setting: dict[str, Any]
+) -> None:
+    """vLLM hashes an item by its data and processor kwargs alone: the same image through another
+    encoder setting has the same hash and other embeddings."""
+    before, after = multimodal_fields(model), multimodal_fields(model, **setting)
+    assert {k for k in before if before[k] != after[k]} == {"mm"}
+
+
+def test_a_local_models_preprocessing_files_are_part_of_mm(tmp_path: Path) -> None:
+    """An image processor's config edited in place (another normalization: the same placeholder
+    tokens) makes other embeddings of the same image, under the same item hash."""
+    model = build_tiny_model(tmp_path / "model")
+    assert fields(base_args(model))["mm"] is None  # a text model's files do not matter
+    processor = model / "preprocessor_config.json"
+    processor.write_text(json.dumps({"image_mean": [0.5, 0.5, 0.5]}))
+    before = multimodal_fields(model)
+    assert multimodal_fields(model) == before
+    processor.write_text(json.dumps({"image_mean": [0.48, 0.46, 0.41]}))
+    after = multimodal_fields(model)
+    assert {k for k in before if before[k] != after[k]} == {"mm"}
+    (model / "video_preprocessor_config.json").write_text(json.dumps({"num_frames": 8}))
+    assert multimodal_fields(model)["mm"] != after["mm"]
 
 
 def test_the_command_line_reads_what_vllm_serve_is_given(
