@@ -300,13 +300,15 @@ class Writer:
         return write()
 
     def _keep_within_limits(self, tenant: str, stored: int) -> None:
+        """The tenant's quota first: a put past it and the capacity pays with its tenant's own
+        blocks before any other tenant's are weighed."""
         config = self._ctx.config
         high = config.high_watermark
-        if stored > capacity_bytes(config) * high:
-            self._evict()
         quota = self._tenancy.quota_of(tenant)
         if quota and self._tenancy.tenant_bytes(tenant) > quota * high:
-            self._evict(int(quota * config.low_watermark), tenant)
+            stored -= self._evict(int(quota * config.low_watermark), tenant).stored_bytes
+        if stored > capacity_bytes(config) * high:
+            self._evict()
 
     def _evict(self, target_bytes: int | None = None, tenant: str | None = None) -> EvictionReport:
         return evict(self._ctx, self._tenancy, self._access, target_bytes, tenant)

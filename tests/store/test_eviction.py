@@ -131,6 +131,25 @@ def test_a_tenant_over_its_quota_evicts_its_own_blocks_only(tmp_path: Path) -> N
         assert store.tenant_bytes("noisy") == 0
 
 
+def test_a_put_past_its_tenants_quota_and_the_capacity_evicts_its_tenants_blocks_first(
+    tmp_path: Path,
+) -> None:
+    """The quota is weighed before the capacity: a tenant's put that takes both past their limit
+    pays with its own blocks, and others' older blocks stay while that made room enough."""
+    with Store.open(
+        tmp_path / "s",
+        map_size=64 << 20,
+        capacity_bytes=20_000,
+        tenant_quotas=("noisy=10000",),
+        eviction="lru",
+    ) as store:
+        store.put(tenant("quiet"), chain(0, 8), [bytes(1000)] * 8)  # the least recently read
+        store.put(tenant("noisy"), chain(1, 12), [bytes(1000)] * 12)
+        assert store.tenant_bytes("quiet") == 8000
+        assert store.tenant_bytes("noisy") <= 10_000 * 0.95
+        assert store.check() == []
+
+
 def test_tenant_bytes_follow_puts_and_removals(tmp_path: Path) -> None:
     with Store.open(tmp_path / "s", map_size=64 << 20) as store:
         lora = Identity(**{**IDENT.to_dict(), "adapter": "lora@1"})
