@@ -35,7 +35,7 @@ async def put(ctx: RequestContext, request: Request[Put]) -> PutReply:
     identity = ctx.identity(msg.identity)
     tokens = ctx.prompt(msg)
     first_block = msg.first_block or 0
-    views = [ctx.peer.span(span) for span in msg.blocks]
+    views = ctx.peer.payloads(msg.blocks)
     result = await services.run(
         partial(services.store.put, identity, tokens, views, first_block=first_block)
     )

@@ -19,6 +19,9 @@ from prefixd.wire.errors import ErrorCode
 from prefixd.wire.messages import Prompts, RequestMessage, TokenFields, WireIdentity
 
 M_co = TypeVar("M_co", bound=RequestMessage, covariant=True)
+# A lookup's reply names 8 bytes per hit block: 4M blocks stay within what a client reads as one
+# reply (MAX_REPLY_BYTES), however often a request names the same prompt.
+MAX_REQUEST_BLOCKS = 4 << 20
 # A reply: a struct of prefixd.wire.messages, or a map of the same fields (verify's report)
 AnyReply = Struct | dict[str, Any]
 
@@ -90,17 +93,25 @@ class RequestContext:
         return request_tokens(self.peer, fields)
 
     def queries(self, msg: Prompts) -> Queries:
-        """A request's prompts, within max_prompt_tokens each and max_request_tokens together."""
+        """A request's prompts, within max_prompt_tokens each, max_request_tokens together and
+        MAX_REQUEST_BLOCKS closed blocks together."""
         identity = self.identity(msg.identity)
         most, total_most = self.services.max_prompt_tokens, self.services.max_request_tokens
-        total = sum(
+        counts = [
             token_count(prompt, most, f"prompts[{i}].") for i, prompt in enumerate(msg.prompts)
-        )
+        ]
+        total, blocks = sum(counts), sum(count // identity.block_words for count in counts)
         if total > total_most:
             raise ProtocolError(
                 ErrorCode.BAD_TOKENS,
                 f"the prompts hold {total} token ids together, at most {total_most} "
                 "per request (max_request_tokens)",
+            )
+        if blocks > MAX_REQUEST_BLOCKS:
+            raise ProtocolError(
+                ErrorCode.BAD_TOKENS,
+                f"the prompts hold {blocks} closed blocks together, at most "
+                f"{MAX_REQUEST_BLOCKS} per request",
             )
         prompts = [
             (request_tokens(self.peer, prompt, f"prompts[{i}]."), prompt.hashes)

@@ -8,7 +8,6 @@ import asyncio
 from functools import partial
 
 from prefixd.daemon.context import Handler, Queries, Request, RequestContext
-from prefixd.errors import ProtocolError
 from prefixd.schema.identity import Identity
 from prefixd.store import PrefixMatch
 from prefixd.wire.messages import (
@@ -37,12 +36,16 @@ async def pinned_lookup(
     identity, prompts = queries
 
     def run() -> list[PrefixMatch]:
-        matches = []
-        for tokens, hashes in prompts:
-            match = store.pin(identity, tokens, hashes=hashes)
-            if match.n_tokens < least:
-                store.unpin(match.hashes)
-            matches.append(match)
+        matches: list[PrefixMatch] = []
+        try:
+            for tokens, hashes in prompts:
+                match = store.pin(identity, tokens, hashes=hashes)
+                if match.n_tokens < least:
+                    store.unpin(match.hashes)
+                matches.append(match)
+        except BaseException:  # a later prompt refused: the pins taken are nobody's
+            store.unpin(offered(matches))
+            raise
         return matches
 
     def offered(matches: list[PrefixMatch]) -> list[bytes]:
@@ -58,14 +61,16 @@ async def pinned_lookup(
     except asyncio.CancelledError:  # the connection ended: its pins must not outlive it
         pinning.add_done_callback(release_if_done)
         raise
-    results, observed = services.lookup_results(identity, prompts, matches, reported, judged=judged)
-    held = offered([m for m, r in zip(matches, results, strict=True) if not r.withheld_tokens])
-    store.unpin(offered([m for m, r in zip(matches, results, strict=True) if r.withheld_tokens]))
-    try:  # a reload while the pins were taken may have taken the tenant from this peer
-        ctx.require_tenant(identity.tenant)
-    except ProtocolError:
-        store.unpin(held)
+    try:
+        results, observed = services.lookup_results(
+            identity, prompts, matches, reported, judged=judged
+        )
+        ctx.require_tenant(identity.tenant)  # a reload while pinning may have taken the tenant
+    except BaseException:
+        store.unpin(offered(matches))
         raise
+    store.unpin(offered([m for m, r in zip(matches, results, strict=True) if r.withheld_tokens]))
+    held = offered([m for m, r in zip(matches, results, strict=True) if not r.withheld_tokens])
     ctx.peer.pins.hold(identity.tenant, held)
     services.count(identity, observed)
     return LookupReply(id=rid, results=results)
@@ -77,8 +82,11 @@ async def unpin(ctx: RequestContext, request: Request[Unpin]) -> UnpinReply:
     services, pins = ctx.services, ctx.peer.pins
     identity, prompts = ctx.queries(request.message)
     store = services.store
-    chains = await services.run(lambda: [store.chain_of(identity, tokens) for tokens, _ in prompts])
-    released = pins.release(identity.tenant, (block for chain in chains for block in chain))
+
+    def held() -> list[bytes]:  # on the pool: a prompt may hold millions of blocks, few pinned
+        return [b for tokens, _ in prompts for b in store.chain_of(identity, tokens) if b in pins]
+
+    released = pins.release(identity.tenant, await services.run(held))
     store.unpin(released)
     return UnpinReply(id=request.id, released=len(released))
 

@@ -5,7 +5,7 @@ whether it is still admitted and said hello, its regions and pins.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from prefixd.config.policy import EVERYTHING, Grant
 from prefixd.errors import ProtocolError
@@ -14,43 +14,51 @@ from prefixd.wire.region import MappedRegion
 
 
 class Pins:
-    """The blocks one connection pinned, by the tenant it named: a reload that takes a tenant from
-    the peer releases that tenant's pins, the connection's end all of them. A block of a share group
-    may be pinned under several of its tenants."""
+    """The blocks one connection pinned, each with the tenants it named: a reload that takes a
+    tenant from the peer releases that tenant's pins, the connection's end all of them. A block of
+    a share group may be pinned under several of its tenants. Kept by block, so that an unpin of
+    many blocks costs one probe each, however many tenants hold pins."""
 
     def __init__(self) -> None:
-        self._by_tenant: dict[str, Counter[bytes]] = {}
+        self._by_block: dict[bytes, Counter[str]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._by_tenant)
+        return bool(self._by_block)
+
+    def __contains__(self, block: bytes) -> bool:
+        """Whether the connection holds a pin of `block` (a dict probe, safe from a pool thread)."""
+        return block in self._by_block
 
     def hold(self, tenant: str, blocks: Iterable[bytes]) -> None:
-        held = self._by_tenant.setdefault(tenant, Counter())
-        held.update(blocks)
-        if not held:
-            del self._by_tenant[tenant]
+        for block in blocks:
+            self._by_block.setdefault(block, Counter())[tenant] += 1
 
     def release(self, tenant: str, blocks: Iterable[bytes]) -> list[bytes]:
         """One pin of each block this connection holds, the named tenant's first (else one another
         tenant of its share group took); the blocks released."""
         released = []
         for block in blocks:
-            for name in (tenant, *self._by_tenant):
-                held = self._by_tenant.get(name)
-                if held is not None and held[block] > 0:
-                    held[block] -= 1
-                    if not held[block]:
-                        del held[block]
-                        if not held:
-                            del self._by_tenant[name]
-                    released.append(block)
-                    break
+            tenants = self._by_block.get(block)
+            if tenants is None:
+                continue
+            name = tenant if tenant in tenants else next(iter(tenants))
+            tenants[name] -= 1
+            if not tenants[name]:
+                del tenants[name]
+                if not tenants:
+                    del self._by_block[block]
+            released.append(block)
         return released
 
     def drop(self, keep: Callable[[str], bool] = lambda tenant: False) -> list[bytes]:
         """Forget every pin of the tenants not kept; each pin's block, once per pin."""
-        dropped = [name for name in self._by_tenant if not keep(name)]
-        return [block for name in dropped for block in self._by_tenant.pop(name).elements()]
+        dropped = []
+        for block, tenants in list(self._by_block.items()):
+            for name in [name for name in tenants if not keep(name)]:
+                dropped += [block] * tenants.pop(name)
+            if not tenants:
+                del self._by_block[block]
+        return dropped
 
 
 class Peer:
@@ -69,6 +77,7 @@ class Peer:
         self.max_inflight = max_inflight
         self.greeted = False
         self.regions: dict[int, MappedRegion] = {}
+        self.attaching = 0  # attaches mapping their region now
         self.pins = Pins()  # blocks this client pinned (released at its end)
         self._next_region = 1
 
@@ -87,6 +96,18 @@ class Peer:
     def span(self, span: tuple[int, int, int]) -> memoryview:
         region_id, offset, length = span
         return self.region(region_id).span(offset, length)
+
+    def payloads(self, spans: Sequence[tuple[int, int, int]]) -> list[memoryview]:
+        """A put's payload spans. They may overlap, but not name more bytes than their regions
+        hold: else one small frame would store its region many times over."""
+        views = [self.span(span) for span in spans]
+        named, room = sum(map(len, views)), sum(self.regions[r].size for r in {s[0] for s in spans})
+        if named > room:
+            raise ProtocolError(
+                ErrorCode.BAD_REGION,
+                f"the spans name {named} bytes, more than the {room} of their regions",
+            )
+        return views
 
     def close_regions(self) -> None:
         for region in self.regions.values():

@@ -79,20 +79,24 @@ async def attach(ctx: RequestContext, request: Request[Attach]) -> AttachReply:
                 ErrorCode.BAD_REGION,
                 f"attach needs exactly one memfd sent with its frame, got {len(fds)}",
             )
-        if len(ctx.peer.regions) >= MAX_REGIONS_PER_CONNECTION:
+        if len(ctx.peer.regions) + ctx.peer.attaching >= MAX_REGIONS_PER_CONNECTION:
             raise ProtocolError(
                 ErrorCode.BAD_REGION, f"at most {MAX_REGIONS_PER_CONNECTION} regions per connection"
             )
         fd = fds.pop()
     finally:
         close_fds(fds)
-    region = await ctx.services.run(partial(MappedRegion, fd, size, most))
-    try:  # mapped in now, not page by page in the first load; off the workers and the loop
-        await asyncio.get_running_loop().run_in_executor(None, region.populate)
-    except BaseException:
-        region.close()
-        raise
-    return AttachReply(id=rid, region=ctx.peer.add_region(region), size=size)
+    ctx.peer.attaching += 1  # counted before the awaits: attaches sent together see each other
+    try:
+        region = await ctx.services.run(partial(MappedRegion, fd, size, most))
+        try:  # mapped in now, not page by page in the first load; off the workers and the loop
+            await asyncio.get_running_loop().run_in_executor(None, region.populate)
+        except BaseException:
+            region.close()
+            raise
+        return AttachReply(id=rid, region=ctx.peer.add_region(region), size=size)
+    finally:
+        ctx.peer.attaching -= 1
 
 
 HANDLERS: dict[type[RequestMessage], Handler] = {

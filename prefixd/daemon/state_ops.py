@@ -33,9 +33,12 @@ async def put_state(ctx: RequestContext, request: Request[PutState]) -> PutState
     tokens = ctx.prompt(msg)
     paged_spans = msg.paged or {}  # at most MAX_BLOCKS_PER_PUT in all (decode_request)
     checkpoint_spans = msg.checkpoints or {}
-    paged = {name: [peer.span(s) for s in spans] for name, spans in paged_spans.items()}
+    spans = [s for group in paged_spans.values() for s in group]
+    spans += [s for pairs in checkpoint_spans.values() for _, s in pairs]
+    views = iter(peer.payloads(spans))  # refused whole if they name more than their regions hold
+    paged = {name: [next(views) for _ in spans] for name, spans in paged_spans.items()}
     checkpoints = {
-        name: {boundary: peer.span(s) for boundary, s in pairs}
+        name: {boundary: next(views) for boundary, _ in pairs}
         for name, pairs in checkpoint_spans.items()
     }
     first_block, upto_tokens = msg.first_block or 0, msg.upto_tokens

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Identity fields whose version a model retirement may keep ("--except-weights V" and the like).
+MAX_OLDER_THAN_S = 1e11  # some 3,000 years; not NaN, not infinite (its cutoff is an int of ns)
 VERSIONED_FIELDS = ("weights", "tokenizer", "template", "adapter", "mm", "rope", "kv_layout")
 
 
@@ -47,8 +48,8 @@ class PurgeSelector:
             raise ConfigError(f"purge: cannot keep a version of {unknown[0]!r}")
         if self.keep and self.model is None:
             raise ConfigError("purge: keeping a version needs --model")
-        if self.older_than_s is not None and self.older_than_s < 0:
-            raise ConfigError("purge: older_than must not be negative")
+        if self.older_than_s is not None and not 0 <= self.older_than_s <= MAX_OLDER_THAN_S:
+            raise ConfigError(f"purge: older_than must be from 0 to {MAX_OLDER_THAN_S:g} seconds")
         narrowed = (
             self.tenant is not None or self.model is not None or self.older_than_s is not None
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -142,7 +143,9 @@ class FrameReader:
             return self._buffer[begin : begin + length]
         if HEADER.size + length <= len(self._buffer):
             return None  # it fits the buffer: wait for the rest
-        body = memoryview(bytearray(length))
+        # Anonymous memory is taken page by page as the body comes: a header alone costs nothing
+        # (a bytearray would zero, and so hold, all `length` bytes at once).
+        body = memoryview(mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE))
         got = self._end - begin
         body[:got] = self._buffer[begin : self._end]
         self._start = self._end = 0

@@ -3,12 +3,14 @@ usable where the protocol says so, and a well-behaved client keeps working throu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
 import socket
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,17 @@ import msgpack
 import numpy as np
 import pytest
 
+from prefixd import Store
 from prefixd.client import Client
+from prefixd.daemon.context import Request
+from prefixd.daemon.operations import Operations
+from prefixd.daemon.peer import Peer
+from prefixd.daemon.session import MAX_REGIONS_PER_CONNECTION
+from prefixd.errors import ProtocolError
 from prefixd.schema.chain import packed_hashes
+from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.frames import HEADER, encode_frame
+from prefixd.wire.messages import Attach
 from prefixd.wire.region import SharedRegion, send_with_fds
 
 from .conftest import (
@@ -34,6 +44,7 @@ from .conftest import (
     payload,
     wait_for,
 )
+from .test_loop_work import services
 
 MAX_FRAME = 65536
 BT = IDENTITY.block_tokens
@@ -379,6 +390,47 @@ def test_spans_outside_the_region_and_unknown_regions(raw: Raw, good: Good) -> N
     good.check()
 
 
+def test_a_put_may_not_name_more_bytes_than_its_regions_hold(raw: Raw, good: Good) -> None:
+    """Spans may overlap (blocks of the same bytes), but a put naming its region many times over
+    would have a small frame store far more than the region carries."""
+    raw.hello()
+    size = 1 << 12
+    with SharedRegion(size) as region:
+        assert raw.request("attach", fds=[region.fd], size=size)["region"] == 1
+    tokens = np.arange(3 * BT, dtype=np.uint32) + 77_000
+    put = {"identity": IDENTITY_DICT, "tokens": packed(tokens)}
+    expect(raw.request("put", **put, blocks=[[1, 0, size]] * 3), "bad_region", "more than")
+    found = raw.request("lookup", identity=IDENTITY_DICT, prompts=[{"tokens": packed(tokens)}])
+    assert found["results"][0]["n_blocks"] == 0
+    stored = raw.request("put", **put, blocks=[[1, 0, size // 4]] * 2 + [[1, 8, 8]])
+    assert stored.get("stored") == 3, stored
+    good.check()
+
+
+def test_a_request_naming_one_prompt_many_times_is_bounded_in_blocks(raw: Raw, good: Good) -> None:
+    """A lookup's prompts may all name the same span of token ids: their closed blocks together are bounded,
+    so the reply (8 bytes per hit block) stays within what a client reads."""
+    raw.hello()
+    n = 2049
+    with SharedRegion(1 << 16) as region:
+        region.view[: 4 * n] = packed(np.arange(n) + 5)
+        assert raw.request("attach", fds=[region.fd], size=region.size)["region"] == 1
+    identity = {**IDENTITY_DICT, "block_tokens": 1}
+    prompts = [{"tokens_span": [1, 0, n]}] * 2048  # 4,196,352 blocks
+    found = raw.request("lookup", identity=identity, prompts=prompts, stored_only=True)
+    expect(found, "bad_tokens", "closed blocks")
+    assert len(raw.request("lookup", identity=identity, prompts=prompts[:2000])["results"]) == 2000
+    good.check()
+
+
+def test_a_purge_older_than_no_finite_age_is_refused(raw: Raw, good: Good) -> None:
+    raw.hello()
+    for age in (float("nan"), float("inf"), 1e300):
+        expect(raw.request("purge", older_than_s=age, dry_run=True), "bad_request", "older_than")
+    assert raw.request("purge", older_than_s=3600.0, dry_run=True)["ok"] is True
+    good.check()
+
+
 def _memfds(daemon: Daemon) -> list[str]:
     """Every descriptor the daemon holds (its connections are the same before and after)."""
     return daemon.open_fds()
@@ -474,6 +526,33 @@ def test_descriptors_belong_to_the_frame_they_came_with(
     assert replies[1]["size"] == 4096 and replies[2]["size"] == 8192
     expect(orphaned, "bad_region")
     good.check()
+
+
+def test_attaches_under_way_together_count_against_the_region_limit(tmp_path: Path) -> None:
+    """Attaches a connection pipelines all pass the check before any has mapped its region: each
+    one under way counts, so a connection never holds more than its limit of regions."""
+    with (
+        Store.open(tmp_path / "s", map_size=16 << 20) as store,
+        ThreadPoolExecutor(2) as pool,
+        SharedRegion(1 << 16) as region,
+    ):
+        ops = Operations(services(store, pool))
+        peer = Peer(NOBODY, max_inflight=64)
+        context, attach = ops.context(peer), ops.handlers[Attach]
+
+        async def attach_all() -> list[object]:
+            requests = [
+                Request(i, Attach(id=i, size=region.size), (os.dup(region.fd),)) for i in range(24)
+            ]
+            return await asyncio.gather(
+                *(attach.run(context, r) for r in requests), return_exceptions=True
+            )
+
+        answers = asyncio.run(attach_all())
+        refused = [a for a in answers if isinstance(a, ProtocolError)]
+        assert len(peer.regions) == MAX_REGIONS_PER_CONNECTION == len(answers) - len(refused)
+        assert all(code_of(a) is ErrorCode.BAD_REGION for a in refused)
+        peer.close_regions()
 
 
 # --- frame sizes ----------------------------------------------------------------------------------

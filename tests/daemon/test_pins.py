@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prefixd import Store
 from prefixd.client import Client
 from prefixd.config.policy import Grant
-from prefixd.daemon.engine_ops import pinned_lookup
+from prefixd.daemon.context import Request
+from prefixd.daemon.engine_ops import pinned_lookup, unpin
 from prefixd.daemon.operations import Operations
 from prefixd.daemon.peer import Peer, Pins
 from prefixd.errors import ProtocolError
 from prefixd.schema.keys import pack_keys
 from prefixd.wire.errors import ErrorCode, code_of
-from prefixd.wire.messages import Lookup, Prompt, WireIdentity
+from prefixd.wire.messages import Lookup, Prompt, Unpin, WireIdentity
 
 from .conftest import IDENTITY, NOBODY, DaemonFactory
 from .test_loop_work import services
@@ -114,4 +117,49 @@ def test_a_pinning_lookup_that_a_reload_overtakes_gives_its_pins_back(tmp_path: 
         with pytest.raises(ProtocolError) as refused:
             asyncio.run(pinned_lookup(context, 1, queries, None))
         assert code_of(refused.value) is ErrorCode.FORBIDDEN
+        assert len(store._ctx.pins) == 0 and not peer.pins
+
+
+def test_a_pinning_lookup_refused_at_a_later_prompt_gives_its_pins_back(tmp_path: Path) -> None:
+    """The first prompt was pinned when the second was refused (hashes that do not fit it): the
+    request fails, and no pin of it outlives it, recorded for the connection or not."""
+    tokens = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32).tobytes()
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
+        store.put(IDENTITY, tokens, [b"kv"] * 4)
+        ops = Operations(services(store, pool))
+        peer = Peer(NOBODY, max_inflight=64)
+        context = ops.context(peer)
+        prompts = [Prompt(tokens=tokens), Prompt(tokens=tokens, hashes=b"x")]
+        message = Lookup(id=1, identity=WireIdentity.of(IDENTITY), prompts=prompts)
+        with pytest.raises(ProtocolError) as refused:
+            asyncio.run(pinned_lookup(context, 1, context.queries(message), None, judged=False))
+        assert code_of(refused.value) is ErrorCode.BAD_TOKENS
+        assert len(store._ctx.pins) == 0 and not peer.pins
+
+
+def test_an_unpin_weighs_on_the_loop_only_the_blocks_it_pinned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unpin may name a prompt of millions of blocks: the blocks the connection does not hold
+    are set aside on a worker, so the loop releases only the pinned ones."""
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
+        store.put(ENGINE, one(0), [b"kv"])
+        ops = Operations(services(store, pool))
+        peer = Peer(NOBODY, max_inflight=64)
+        context = ops.context(peer)
+        pinning = Lookup(id=1, identity=WireIdentity.of(ENGINE), prompts=[Prompt(tokens=one(0))])
+        asyncio.run(pinned_lookup(context, 1, context.queries(pinning), None, judged=False))
+        weighed: list[int] = []
+        release = Pins.release
+
+        def counted(pins: Pins, tenant: str, blocks: Iterable[bytes]) -> list[bytes]:
+            blocks = list(blocks)
+            weighed.append(len(blocks))
+            return release(pins, tenant, blocks)
+
+        monkeypatch.setattr(Pins, "release", counted)
+        long = pack_keys(ENGINE, [key(0), *(key(i) for i in range(1, 5000))])
+        request = Unpin(id=2, identity=WireIdentity.of(ENGINE), prompts=[Prompt(tokens=long)])
+        reply = asyncio.run(unpin(context, Request(2, request, ())))
+        assert reply.released == 1 and weighed == [1]
         assert len(store._ctx.pins) == 0 and not peer.pins

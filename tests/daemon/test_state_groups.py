@@ -85,6 +85,7 @@ def test_open_state_and_bad_spans_are_refused(daemon: Daemon) -> None:
             {"checkpoints": {"kda": [["4", [0, 0, 1]]]}},
             {"checkpoints": {"kda": [[4, [99, 0, 1]]]}},
             {"upto_tokens": "all"},
+            {"paged": {"mla": [[1, 0, 1 << 16]] * 2}},  # its region named twice over
         ]
         base = {"op": "put_state", "identity": HYBRID.to_dict(), "tokens": prompt.tobytes()}
         for extra in bad_messages:

@@ -245,6 +245,9 @@ def test_everything(store: Store) -> None:
         {"tenant": "a", "everything": True},
         {"model": "m", "keep": {"tenant": "a"}},
         {"older_than_s": -1.0},
+        {"older_than_s": float("nan")},
+        {"older_than_s": float("inf")},
+        {"older_than_s": 1e300},
     ],
 )
 def test_bad_selectors(kwargs: dict[str, object]) -> None:

@@ -4,6 +4,8 @@ refused before anything is allocated for it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,3 +77,29 @@ def test_a_length_over_the_limit_is_refused() -> None:
     reader.filled(HEADER.size)
     with pytest.raises(FrameTooLargeError, match="101-byte"):
         reader.next_body()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_long_frames_header_alone_holds_no_memory_for_its_body() -> None:
+    """A peer that sends headers claiming the longest body and nothing more must not make the
+    daemon hold that much per connection: the body's memory comes as its bytes do."""
+    claimed = 16 << 20
+    readers = [FrameReader(max_body=claimed) for _ in range(16)]
+    before = resident_bytes()
+    for reader in readers:
+        space = reader.space()
+        space[: HEADER.size + 1] = HEADER.pack(claimed) + b"\x81"
+        reader.filled(HEADER.size + 1)
+        assert reader.next_body() is None
+    assert resident_bytes() - before < 16 * claimed // 8  # a page or so each, not 16 MiB
+    reader = readers[0]
+    body = b"\x81" + bytes(range(256)) * (claimed // 256 - 1) + bytes(255)
+    space = reader.space()
+    space[:] = body[1:]
+    reader.filled(len(space))
+    got = reader.next_body()
+    assert got is not None and bytes(got) == body
