@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,6 +144,13 @@ class VerifiedPrefixes:
             self._bytes += _cost(tokens, entry.hashes)
             while self._bytes > self.max_bytes:
                 self._forget(next(iter(self._entries)))  # the least recently used
+
+    def forget_identities(self, digests: Collection[bytes]) -> None:
+        """Drop every entry of these identities: a purged tenant's token ids leave memory with it,
+        not at some later eviction."""
+        with self._lock:
+            for key in [key for key, entry in self._entries.items() if entry.identity in digests]:
+                self._forget(key)
 
     def _forget(self, key: bytes) -> None:
         """Drop the entry under `key`, if any (call under the lock)."""

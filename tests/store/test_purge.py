@@ -93,6 +93,19 @@ def test_a_damaged_record_below_the_root_is_charged_to_its_identity(tmp_path: Pa
         assert store.check() == []
 
 
+def test_a_tenant_purge_leaves_nothing_of_it_in_memory(tmp_path: Path) -> None:
+    """Nor in the store's memory: the prompts the lookup memo kept (token ids) and the tenant's
+    name in the tenant index go with the purge, not at some later eviction."""
+    a, b = ident(), ident(tenant="b")
+    with Store.open(tmp_path / "s") as store:
+        for identity in (a, b):
+            fill(store, identity)
+            assert store.longest_prefix(identity, PROMPT).n_blocks == 5  # remembered
+        store.purge(PurgeSelector(tenant="a"))
+        assert {entry.identity for entry in store._ctx.memo._entries.values()} == {b.digest}
+        assert a.digest not in store._ctx.tenants._memo
+
+
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_a_tenant_purge_leaves_no_byte_in_any_file(tmp_path: Path, compression: str) -> None:
     """The purged tenant's payloads, token ids, engine keys and name are in no file of the store
