@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,15 +58,18 @@ class VerifiedPrefixes:
         closed = memoryview(chain.token_bytes)[: limit * chain.block_tokens * 4]
         content = _content_key(digest, closed)
 
-        def fits(entry: VerifiedPrefix) -> bool:
-            return len(entry.hashes) <= limit and chain.token_bytes.startswith(entry.tokens)
+        def fits(n_blocks: int) -> Callable[[VerifiedPrefix], bool]:
+            return lambda entry: (
+                len(entry.hashes) == n_blocks and chain.token_bytes.startswith(entry.tokens)
+            )
 
         # the exact entry, else a shorter remembered prefix (a shared system prompt, say) under
-        # its last block's hash, the longest first
-        shorter = (chain.hash(index) for index in range(limit - 1, -1, -1))
+        # its last block's hash, the longest first; an entry counts only if it ends at the block
+        # whose hash found it (the hashes may be a client's, and wrong)
+        shorter = ((chain.hash(index), index + 1) for index in range(limit - 1, -1, -1))
         with self._lock:
-            for key in itertools.chain([self._by_content.get(content)], shorter):
-                entry = self._valid(key, digest, epoch, min_created_ns, fits)
+            for key, n_blocks in itertools.chain([(self._by_content.get(content), limit)], shorter):
+                entry = self._valid(key, digest, epoch, min_created_ns, fits(n_blocks))
                 if entry is not None:
                     return entry
         return None
@@ -141,6 +144,13 @@ class VerifiedPrefixes:
             self._bytes += _cost(tokens, entry.hashes)
             while self._bytes > self.max_bytes:
                 self._forget(next(iter(self._entries)))  # the least recently used
+
+    def forget_identities(self, digests: Collection[bytes]) -> None:
+        """Drop every entry of these identities: a purged tenant's token ids leave memory with it,
+        not at some later eviction."""
+        with self._lock:
+            for key in [key for key, entry in self._entries.items() if entry.identity in digests]:
+                self._forget(key)
 
     def _forget(self, key: bytes) -> None:
         """Drop the entry under `key`, if any (call under the lock)."""

@@ -171,6 +171,9 @@ def purge(
                 before[name] - after[name]
                 for name in (counters.BLOCKS, counters.PAYLOAD_BYTES, counters.STORED_BYTES)
             )
+    if whole and not dry_run:  # committed: nothing of them stays in memory either
+        ctx.memo.forget_identities(set(digests))
+        ctx.tenants.forget(digests)
     identities = len(digests) if whole else 0
     if not dry_run and blocks:
         log.info("purged %d block(s) of %d identity(ies)", blocks, identities)

@@ -255,7 +255,7 @@ class Reader:
             if not damaged:
                 break
             quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes))
-        if offsets is None:  # the deadline passed: a state read in part is no state at all
+        if offsets is None:  # a state read in part is no state at all
             match, offsets = _nothing(match), ()
         n = len(match.hashes)
         self._ctx.tallies.count(
@@ -272,8 +272,9 @@ class Reader:
         damaged: list[bytes],
         cut: Deadline | None = None,
     ) -> tuple[int, ...] | None:
-        """Verify and copy every part of `match` into `buffer`; a block whose part fails goes to
-        `damaged`. None if `cut` stopped the reading first."""
+        """Verify and copy every part of `match` into `buffer`; a block whose part is damaged goes
+        to `damaged`. None if a part failed otherwise (`cut` stopped the reading, the destination
+        changed, data.mdb could not be read): a miss, not a hit with nothing loaded."""
         ctx = self._ctx
         t = ctx.tables
         assert t.parts is not None
@@ -301,14 +302,14 @@ class Reader:
             offset = end
         n_ok = ctx.codec.decode_verified(items, ctx.copier, cut)
         if n_ok < len(match.parts):
-            if cut is not None and cut.stopped_at(items[n_ok]):
-                items.clear()  # a miss: the parts verified before the cut-off are unreported
-                np.frombuffer(buffer, dtype=np.uint8)[: offsets[n_ok]].fill(0)
-                return None
-            if self._stored_damage(items[n_ok]):
+            stopped = cut is not None and cut.stopped_at(items[n_ok])
+            if not stopped and self._stored_damage(items[n_ok]):
                 damaged.append(match.parts[n_ok].block)
-            items.clear()
-            return ()
+                items.clear()
+                return ()
+            items.clear()  # a miss: the parts verified before the failed one are unreported
+            np.frombuffer(buffer, dtype=np.uint8)[: offsets[n_ok]].fill(0)
+            return None
         items.clear()
         return tuple(offsets)
 

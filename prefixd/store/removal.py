@@ -35,20 +35,24 @@ def remove_subtree(
     removed = payload_bytes = stored_bytes = parts_removed = 0
     by_identity: Counter[bytes] = Counter()
     blocks_of: Counter[bytes] = Counter()
-    stack = [root]
+    # each block with the identity it is charged to: a child shares its parent's, so a record too
+    # damaged to say its own is still counted against it
+    stack = [(root, root_identity)]
     journal = ctx.journals.current()
     children = txn.cursor(db=t.children)
     while stack:
-        h = stack.pop()
+        h, identity = stack.pop()
         raw = txn.get(h, db=t.blocks)
         if raw is None:
             continue
         # decoded before any write: `raw` may be a view of LMDB's page (a buffers transaction)
         record = decoded(raw)
+        if record is not None:
+            identity = record.identity
         if journal is not None:
             journal.removed(txn, h, record, reason)
         if children.set_key(h):
-            stack.extend(bytes(child) for child in children.iternext_dup())
+            stack.extend((bytes(child), identity) for child in children.iternext_dup())
             txn.delete(h, db=t.children)
         part_payload, n_parts = _delete_parts(txn, t, h)
         freed = _delete_chunks(txn, t, h)
@@ -59,15 +63,13 @@ def remove_subtree(
         if record is not None:
             txn.delete(children_key(record), h, db=t.children)
             payload_bytes += record.payload_size
-            by_identity[record.identity] += freed
-            blocks_of[record.identity] += 1
         else:
             if h == root and root_parent_key is not None:
                 txn.delete(root_parent_key, h, db=t.children)
-            if h == root and root_identity is not None:
-                by_identity[root_identity] += freed
-                blocks_of[root_identity] += 1
             payload_bytes += freed
+        if identity is not None:
+            by_identity[identity] += freed
+            blocks_of[identity] += 1
         stored_bytes += freed
         removed += 1
     counters.add(txn, t.counters, counters.REMOVALS, 1 if removed else 0)

@@ -3,6 +3,7 @@ it is remembered; which digests are live is read each time."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import lmdb
@@ -31,6 +32,11 @@ class TenantIndex:
             self._memo.clear()
         self._memo[bytes(digest)] = tenant
         return tenant
+
+    def forget(self, digests: Iterable[bytes]) -> None:
+        """Drop deleted identities, so a purged tenant's name does not outlive its rows."""
+        for digest in digests:
+            self._memo.pop(digest, None)
 
     def digests_of(self, txn: lmdb.Transaction, tenant: str) -> set[bytes]:
         cursor = txn.cursor(db=self._identities)

@@ -14,7 +14,7 @@ import lmdb
 import numpy as np
 
 from prefixd.errors import CorruptRecordError
-from prefixd.schema.chain import BlockChain
+from prefixd.schema.chain import ROOT_PARENT, BlockChain
 from prefixd.schema.records import (
     CREATED_AT,
     IDENTITY_AT,
@@ -79,8 +79,11 @@ def walk_chain(
         usable = present
         if lengths.count(size) < present:  # a record of another length ends the usable run
             usable = next(j for j, n in enumerate(lengths) if n != size)
+        # block start's parent is the hash the walk holds for block start-1, never the query's:
+        # a client's wrong hashes there (after a memo hit) would pass another prefix's block
+        parent = walk.hashes[-1] if walk.hashes else ROOT_PARENT
         matched, oldest, expired = _matching_rows(
-            values[:usable], size, digest, chain, start, keys, chain.tokens, min_created_ns
+            values[:usable], size, digest, chain, start, parent, keys, min_created_ns
         )
         walk.hashes.extend(keys[: len(matched)])
         walk.payload_sizes.extend(matched)
@@ -103,8 +106,8 @@ def _matching_rows(
     digest: np.ndarray,
     chain: BlockChain,
     start: int,
+    parent: bytes,
     keys: list[bytes],
-    tokens: np.ndarray,
     min_created_ns: int,
 ) -> tuple[list[int], int, bool]:
     """Payload sizes of the leading records that match the query and are not expired, the oldest
@@ -115,8 +118,8 @@ def _matching_rows(
         return [], 1 << 63, False
     rows = np.frombuffer(b"".join(values), dtype="<u4").reshape(n, size // 4)
     span = chain.block_tokens
-    parents = np.frombuffer(b"".join([chain.parent_of(start), *keys[: n - 1]]), dtype="<u4")
-    expected_tokens = tokens[start * span : (start + n) * span].reshape(n, span)
+    parents = np.frombuffer(b"".join([parent, *keys[: n - 1]]), dtype="<u4")
+    expected_tokens = chain.tokens[start * span : (start + n) * span].reshape(n, span)
     ok = (rows[:, _TOKENS : _TOKENS + span] == expected_tokens).all(axis=1)
     ok &= (rows[:, _PARENT : _PARENT + 4] == parents.reshape(n, 4)).all(axis=1)
     ok &= (rows[:, _IDENTITY : _IDENTITY + 4] == digest).all(axis=1)

@@ -25,7 +25,7 @@ from prefixd.daemon.operations import Operations
 from prefixd.daemon.peer import Peer
 from prefixd.daemon.session import MAX_REGIONS_PER_CONNECTION
 from prefixd.errors import ProtocolError
-from prefixd.schema.chain import packed_hashes
+from prefixd.schema.chain import chain_hashes, packed_hashes
 from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.frames import HEADER, encode_frame
 from prefixd.wire.messages import Attach
@@ -107,6 +107,20 @@ def expect(reply: dict[str, Any], code: str, *names: str) -> str:
     for name in names:
         assert name in message, (name, message)
     return message
+
+
+def test_forged_hashes_serve_no_other_prefix_then_or_later(good: Good) -> None:
+    client = good.client
+    mine = np.arange(6 * BT, dtype=np.uint32) + 7000
+    theirs = np.concatenate([np.full(4 * BT, 7, dtype=np.uint32), mine[4 * BT : 5 * BT]])
+    client.put(IDENTITY, mine[: 4 * BT], [payload(7000, i) for i in range(4)])
+    client.put(IDENTITY, theirs, [payload(7, i) for i in range(5)])
+    assert client.lookup(IDENTITY, [mine[: 4 * BT]])[0].n_blocks == 4  # now remembered
+    ours, other = chain_hashes(IDENTITY, mine), chain_hashes(IDENTITY, theirs)
+    forged = b"".join([*ours[:3], other[3], other[4], ours[3]])
+    assert client.lookup(IDENTITY, [mine], hashes=[forged])[0].n_blocks <= 4
+    loaded = client.load(IDENTITY, mine[: 5 * BT])  # an honest client, after the forged lookup
+    assert [bytes(v) for v in loaded.views] == [payload(7000, i) for i in range(4)]
 
 
 # --- frames that are not requests -----------------------------------------------------------------

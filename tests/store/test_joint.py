@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 
@@ -407,4 +408,42 @@ def test_a_state_read_cut_off_at_its_deadline_is_a_miss(tmp_path: Path, monkeypa
         monkeypatch.setattr(codec, "_copy_and_checksum", original)
         whole = store.load_state(ident, tokens, out, deadline=clock.monotonic() + 5.0)
         assert whole.match.reusable_tokens == 16 and len(whole.match.parts) == 5
+        assert store.check() == []
+
+
+def test_a_state_whose_destination_changed_during_the_load_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client writing into its region while a part is copied there fails that copy with the
+    stored bytes intact: nothing is quarantined, and a state read in part is a miss (nothing
+    reported, the destination zeroed), never the whole hit with no state loaded."""
+    from prefixd.store import codec
+
+    ident = hybrid(4, StateGroup.paged("kv", page_blocks=1), StateGroup.checkpoint("rec"))
+    tokens = np.arange(16, dtype=np.uint32)
+    original = codec._copy_and_checksum
+
+    def copy_then_scribbled(chunks: list[memoryview], dest: memoryview) -> int:
+        value = original(chunks, dest)
+        if bytes(chunks[0][: len(page("kv", 8))]) == page("kv", 8):  # the client writes there
+            dest[0] ^= 0xFF
+            return int(crc32c.crc32c(dest[: sum(c.nbytes for c in chunks)]))
+        return value
+
+    with Store.open(tmp_path / "s", map_size=64 << 20, compression="none") as store:
+        store.put_state(
+            ident,
+            tokens,
+            paged={"kv": pages_for("kv", range(0, 16, 4))},
+            checkpoints={"rec": {16: snap("rec", 16)}},
+        )
+        monkeypatch.setattr(codec, "_copy_and_checksum", copy_then_scribbled)
+        out = bytearray(b"\xaa") * 4096
+        changed = store.load_state(ident, tokens, out)
+        assert (changed.match.reusable_tokens, changed.match.parts, changed.offsets) == (0, (), ())
+        stats = store.stats()
+        assert (stats.quarantined, stats.destinations_changed) == (0, 1)
+        assert not any(out[: store.lookup_state(ident, tokens).payload_bytes])
+        monkeypatch.setattr(codec, "_copy_and_checksum", original)
+        assert store.load_state(ident, tokens, out).match.reusable_tokens == 16
         assert store.check() == []

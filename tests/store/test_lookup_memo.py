@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from prefixd import Identity, Store
-from prefixd.schema.chain import packed_hashes
+from prefixd.errors import OrphanBlockError
+from prefixd.schema.chain import chain_hashes, packed_hashes
 
 TOKENS = list(range(100, 140))  # ten closed blocks of 4
 
@@ -109,3 +111,22 @@ def test_cached_prefix_answers_only_whole_unchanged_prompts(
     assert store.cached_prefix(other, TOKENS) is None
     store.delete([walked.hashes[9]])
     assert store.cached_prefix(identity, TOKENS) is None  # a removal since: walk again
+
+
+def test_forged_hashes_never_serve_or_record_another_chains_block(
+    store: Store, identity: Identity
+) -> None:
+    prompt = TOKENS[:24]  # blocks T0..T5
+    other = [7] * 16 + prompt[16:20]  # another prefix, then the same tokens as T4
+    store.put(identity, prompt[:16], payloads(4))
+    store.put(identity, other, payloads(5, start=10))
+    mine, theirs = chain_hashes(identity, prompt), chain_hashes(identity, other)
+    store.longest_prefix(identity, prompt[:16])  # remembered under block 3's hash
+    forged = b"".join([*mine[:3], theirs[3], theirs[4], mine[3]])
+    found = store.longest_prefix(identity, prompt, hashes=forged).hashes
+    assert found == tuple(mine[: len(found)])  # a wrong hash is a miss, never their block 4
+    # and nothing of the kind is remembered for honest callers of the same prompt
+    assert store.longest_prefix(identity, prompt[:20]).n_blocks == 4
+    assert store.load(identity, prompt[:20], bytearray(1000)).n_blocks == 4
+    with pytest.raises(OrphanBlockError):  # block 4 of this prompt was never stored
+        store.put(identity, prompt, payloads(1, start=5), first_block=5)

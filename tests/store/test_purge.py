@@ -76,6 +76,36 @@ def test_a_tenant_purge_leaves_no_trace(tmp_path: Path) -> None:
     assert b.digest in files and b.encode() in files
 
 
+def test_a_damaged_record_below_the_root_is_charged_to_its_identity(tmp_path: Path) -> None:
+    """A record too damaged to name its identity still goes with its subtree's: the per-identity
+    counters and the removal tallies count it, so a purged tenant leaves no bytes behind."""
+    a = ident()
+    with Store.open(tmp_path / "s") as store:
+        fill(store, a, PROMPT[:16])
+        last = store.longest_prefix(a, PROMPT[:16]).hashes[3]
+        with store._ctx.env.begin(write=True) as txn:  # bit rot in block 3's record
+            raw = bytearray(txn.get(last, db=store._ctx.tables.blocks))
+            raw[-10] ^= 0xFF
+            txn.put(last, bytes(raw), db=store._ctx.tables.blocks)
+        assert store.purge(PurgeSelector(tenant="a")).blocks == 4
+        assert "a" not in store.tenant_totals()
+        assert store.removals()["a"]["purged"] == 4
+        assert store.check() == []
+
+
+def test_a_tenant_purge_leaves_nothing_of_it_in_memory(tmp_path: Path) -> None:
+    """Nor in the store's memory: the prompts the lookup memo kept (token ids) and the tenant's
+    name in the tenant index go with the purge, not at some later eviction."""
+    a, b = ident(), ident(tenant="b")
+    with Store.open(tmp_path / "s") as store:
+        for identity in (a, b):
+            fill(store, identity)
+            assert store.longest_prefix(identity, PROMPT).n_blocks == 5  # remembered
+        store.purge(PurgeSelector(tenant="a"))
+        assert {entry.identity for entry in store._ctx.memo._entries.values()} == {b.digest}
+        assert a.digest not in store._ctx.tenants._memo
+
+
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_a_tenant_purge_leaves_no_byte_in_any_file(tmp_path: Path, compression: str) -> None:
     """The purged tenant's payloads, token ids, engine keys and name are in no file of the store
