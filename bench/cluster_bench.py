@@ -282,7 +282,7 @@ def _round(
             assert again.n_blocks == n_blocks
         client.delete(identity, [tokens[:BLOCK_TOKENS]])  # the first block and all below it:
         # the next round installs into the pages this frees
-    keys = [block_key(identity.digest, h) for h in BlockChain(identity, tokens).hashes()]
+    keys = [block_key(identity, h) for h in BlockChain(identity, tokens).hashes()]
     return remote, local, keys
 
 

@@ -5,8 +5,9 @@ crc32c), a `_PART` entry per part (group, length, crc32c), then the record (pref
 the payload and the parts. The checksums are computed at the origin from bytes it verified and
 checked again here: damage anywhere on the way is caught end to end. Parts are a hybrid identity's
 pages and checkpoints; a value with parts is format 2, without format 1. Keys are blake2b names of
-the identity digest and block hash: the tier and its logs never see a raw cache key; an identity's
-keys share a prefix, which purges remove.
+the tenant, the identity digest and the block hash: the tier and its logs never see a raw cache
+key or a tenant's name; a tenant's keys share a prefix, and so do an identity's, which purges
+remove (a tenant's, every node's identities of it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import crc32c
 
 from prefixd.errors import CorruptRecordError, RemoteBlockError
+from prefixd.schema.identity import Identity
 from prefixd.schema.records import BlockRecord
 from prefixd.schema.state import PAGED, StateSpec
 from prefixd.store.codec import Buffer
@@ -40,12 +42,16 @@ class RemoteBlock:
     parts: dict[int, memoryview]
 
 
-def block_key(identity_digest: bytes, block: bytes) -> str:
-    return identity_prefix(identity_digest) + _name(identity_digest + block, 16)
+def block_key(identity: Identity, block: bytes) -> str:
+    return identity_prefix(identity) + _name(identity.digest + block, 16)
 
 
-def identity_prefix(identity_digest: bytes) -> str:
-    return f"{KEY_PREFIX}{_name(identity_digest, 9)}-"
+def identity_prefix(identity: Identity) -> str:
+    return f"{tenant_prefix(identity.tenant)}{_name(identity.digest, 9)}-"
+
+
+def tenant_prefix(tenant: str) -> str:
+    return f"{KEY_PREFIX}{_name(tenant.encode(), 6)}-"
 
 
 def _name(data: bytes, size: int) -> str:

@@ -14,13 +14,14 @@ the engine: every failure is counted and the local store answers alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from enum import Enum
@@ -36,6 +37,7 @@ from prefixd.cluster.blocks import (
     encode_block_into,
     encoded_size,
     identity_prefix,
+    tenant_prefix,
 )
 from prefixd.cluster.staging import FetchRooms, Staging, TierBuffers, staged_load
 from prefixd.errors import (
@@ -72,6 +74,9 @@ _RECHECK_S = 30.0  # a hybrid prompt the tier did not extend is asked again afte
 # (Mooncake's --client_ttl, 10 s by default). Other failures (a value still being put) are not
 # remembered.
 _REFETCH_S = 10.0
+# The longest value fetched: a block of a large model at hundreds of tokens is some hundred MiB;
+# a size past this is a broken or hostile value, not a block to map memory for.
+MAX_VALUE_BYTES = 1 << 30
 _SKIPS_KEPT = 4096  # such prompts remembered at most, of each kind
 _STAGING_BYTES = 96 << 20  # a staged read-through's buffers past its three, at most
 _SETTLE_S = 60.0  # a delete or purge waits this long at most for the installs queued before it
@@ -151,14 +156,22 @@ class SharedTierBridge:
         self.max_fetch_blocks = max_fetch_blocks
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
-        # (identity digest, block, replace the tier's value, tries so far)
-        self._queue: queue.Queue[tuple[bytes, bytes, bool, int] | _Stop]
+        # (the block's key in the tier, block, replace the tier's value, tries so far)
+        self._queue: queue.Queue[tuple[str, bytes, bool, int] | _Stop]
         self._queue = queue.Queue(maxsize=pending)
         self._stopping = threading.Event()
         # buffers a call that timed out may still write into
         self._held: list[bytearray | memoryview] = []
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
         self._installer = ThreadPoolExecutor(1, thread_name_prefix="prefixd-install")
+        # A purge of the store holds `_installing` (installs wait) and counts itself in
+        # `_purges`: blocks fetched before it are not installed after it. Its removal from the
+        # tier holds `_publishing` (a put under way ends first); the key prefixes it could not
+        # remove are kept out of read-throughs until a later try removes them.
+        self._installing = threading.Lock()
+        self._publishing = threading.Lock()
+        self._purges = 0
+        self._unremoved: set[str] = set()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixd-fetch")
 
     def start(self) -> None:
@@ -184,9 +197,9 @@ class SharedTierBridge:
         block replaces its published value: it may carry a new checkpoint."""
         hybrid = identity.state is not None
         for block in hashes:
-            self._enqueue((identity.digest, block, hybrid, 0))
+            self._enqueue((block_key(identity, block), block, hybrid, 0))
 
-    def _enqueue(self, item: tuple[bytes, bytes, bool, int]) -> None:
+    def _enqueue(self, item: tuple[str, bytes, bool, int]) -> None:
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -199,18 +212,19 @@ class SharedTierBridge:
                 if item is not _STOP:
                     self._count("publish_dropped", 1 + self._queue.qsize())
                 return
-            digest, block, replace, tries = item
+            key, block, replace, tries = item
             try:
-                exported = self.store.export_block(block)
-                if exported is None:
-                    continue  # evicted or removed since
-                self._offer(block_key(digest, block), exported, replace)
+                with self._publishing:
+                    exported = self.store.export_block(block)
+                    if exported is None:
+                        continue  # evicted or removed since
+                    self._offer(key, exported, replace)
             except PrefixdError as exc:
                 self._warn("publish_errors", "publishing to the shared tier failed", exc)
                 # a master restarting: unreachable, then no segment remounted yet for a second
                 transient = isinstance(exc, TierUnavailableError | TierFullError)
                 if transient and tries + 1 < _PUBLISH_TRIES:
-                    self._enqueue((digest, block, replace, tries + 1))
+                    self._enqueue((key, block, replace, tries + 1))
                 self._stopping.wait(_BACKOFF_S)
             else:
                 self._count("published_blocks")
@@ -250,6 +264,9 @@ class SharedTierBridge:
                 return 0
             probe = True  # the model may be stale: one fetch tells
             self._count("remote_benefit_probes")
+        if self._unremoved and not self._purged_away(identity):
+            self._count("remote_skipped_unpurged")
+            return 0
         asked = (chain.hash(local_blocks), end)
         now = self._now()
         with self._lock:
@@ -259,7 +276,12 @@ class SharedTierBridge:
             self._count("remote_skipped_recently" if fruitless else "remote_skipped_after_failure")
             return 0
         started = time.perf_counter()
-        installed = self._read_through(identity, chain, local_blocks, end, staged)
+        try:
+            installed = self._read_through(identity, chain, local_blocks, end, staged)
+        except Exception as exc:  # noqa: BLE001 - memory the tier's client could not have, say
+            # the local store still answers: a failure here is a counted, logged miss
+            self._warn("read_through_errors", "reading through the shared tier failed", exc)
+            installed = None
         took = time.perf_counter() - started
         self._count("remote_read_us", _us(took))
         if probe and installed:
@@ -315,7 +337,7 @@ class SharedTierBridge:
         sized = -(-local_blocks // align) * align
         capacity = None
         for index in dict.fromkeys((sized if sized < end else local_blocks, local_blocks)):
-            capacity = self._capacity(block_key(identity.digest, chain.hash(index)))
+            capacity = self._capacity(block_key(identity, chain.hash(index)))
             if capacity != 0:
                 break
         if not capacity:
@@ -330,6 +352,7 @@ class SharedTierBridge:
         extra = self.staging_bytes // room_bytes if staged else 0
         rooms = FetchRooms(self.tier, room_bytes, 3 + extra)
         broken = threading.Event()  # an install fell short: those after it are skipped
+        purges = self._purges
         installs: list[Future[tuple[int, int]]] = []
         brought = 0
 
@@ -364,7 +387,7 @@ class SharedTierBridge:
                     self._count("remote_staged_blocks", n)
                 installs.append(
                     self._installer.submit(
-                        self._install_in_turn, identity, chain, start, batch, broken, on_end
+                        self._install_in_turn, identity, chain, start, batch, broken, on_end, purges
                     )
                 )
                 if n < stop - start:
@@ -388,14 +411,16 @@ class SharedTierBridge:
         batch: list[RemoteBlock],
         broken: threading.Event,
         on_end: Callable[[], None],
+        purges: int,
     ) -> tuple[int, int]:
-        """`_install` in the order the batches were proven, unless one before fell short; `on_end`
-        runs either way."""
+        """`_install` in the order the batches were proven, unless one before fell short or a
+        purge came after their fetch (`purges`: the purges before it); `on_end` runs either way."""
         try:
-            if broken.is_set():
-                return 0, 0
-            expected = len(batch)
-            done, new = self._install(identity, chain, first, batch)
+            with self._installing:
+                if broken.is_set() or purges != self._purges:
+                    return 0, 0
+                expected = len(batch)
+                done, new = self._install(identity, chain, first, batch)
             if done < expected:
                 broken.set()
             self._count("remote_installed_blocks", new)
@@ -408,7 +433,7 @@ class SharedTierBridge:
         about the same size; a longer one is fetched alone); 0 when missing, None when the tier
         fails."""
         try:
-            size = self.tier.size(key)
+            size = _within_limit(self.tier.size(key))
         except PrefixdError as exc:
             self._warn("fetch_errors", "fetching from the shared tier failed", exc)
             return None
@@ -425,7 +450,7 @@ class SharedTierBridge:
     ) -> Fetched:
         """Blocks [start, stop) in one round trip into `buffer`, up to the first missing one (None);
         [] when the tier fails."""
-        keys = [block_key(identity.digest, chain.hash(i)) for i in range(start, stop)]
+        keys = [block_key(identity, chain.hash(i)) for i in range(start, stop)]
         started = time.perf_counter()
         try:
             lengths = self.tier.get_many_into(keys, buffer, capacity)
@@ -484,6 +509,8 @@ class SharedTierBridge:
                     "a block from the shared tier failed verification",
                     exc,
                 )
+                with self._lock:  # it would fail again: not fetched at every lookup
+                    self._failed.add(chain.hash(index), self._now(), _REFETCH_S)
                 break
         self._count("remote_prove_us", _us(time.perf_counter() - started))
         return proven
@@ -492,7 +519,7 @@ class SharedTierBridge:
         """The value under `key`, fetched into a buffer of its own (the tier's plain get copies
         through a staging buffer). A buffer whose fetch failed is held until the tier lets go of it:
         a call that timed out may still write into it."""
-        size = self.tier.size(key)
+        size = _within_limit(self.tier.size(key))
         if size is None:
             return None
         buffer = bytearray(size)
@@ -552,15 +579,52 @@ class SharedTierBridge:
         batch.clear()
         return n, new
 
-    def purged(self, digests: Iterable[bytes]) -> int:
+    @contextlib.contextmanager
+    def purging(self) -> Iterator[None]:
+        """Around a purge of the local store: installs wait, staged blocks are offered no more,
+        and blocks fetched before it are not installed after it."""
+        with self._installing:
+            self._purges += 1
+            self.staging.withdraw()
+            yield
+
+    def purged(self, identities: Iterable[Identity], tenant: str | None = None) -> int:
+        """Remove the tier's objects of identities a purge removed, or of every identity of
+        `tenant` (any node's); the number removed. A prefix the tier fails to remove is tried
+        again before any read-through of its identities, which stay misses until it is gone."""
+        prefixes = [tenant_prefix(tenant)] if tenant is not None else []
+        prefixes += [identity_prefix(i) for i in identities if i.tenant != tenant]
+        with self._publishing:
+            with self._lock:
+                self._unremoved.update(prefixes)
+            return self._remove_unremoved()
+
+    def _purged_away(self, identity: Identity) -> bool:
+        """Whether no purge's objects of `identity` wait in the tier (a removal tried again)."""
+        with self._lock:
+            waiting = {tenant_prefix(identity.tenant), identity_prefix(identity)} & self._unremoved
+        if not waiting:
+            return True
+        with self._publishing:
+            self._remove_unremoved()
+        with self._lock:
+            return not waiting & self._unremoved
+
+    def _remove_unremoved(self) -> int:
+        """(under `_publishing`) Remove what purges left in the tier; the number removed."""
+        with self._lock:
+            prefixes = sorted(self._unremoved)
         removed = 0
-        for digest in digests:
+        for prefix in prefixes:
             try:
-                removed += self.tier.remove_prefix(identity_prefix(digest))
+                removed += self.tier.remove_prefix(prefix)
             except PrefixdError as exc:
                 self._warn(
                     "purge_errors", "removing purged objects from the shared tier failed", exc
                 )
+            else:
+                with self._lock:
+                    self._unremoved.discard(prefix)
         self._count("remote_purged_objects", removed)
         return removed
 
@@ -590,6 +654,13 @@ class SharedTierBridge:
         counts["publish_queued"] = self._queue.qsize()
         counts["remote_staged_served_blocks"] = self.staging.served_blocks
         return counts
+
+
+def _within_limit(size: int | None) -> int | None:
+    """A value's size as the tier reports it, refused past MAX_VALUE_BYTES."""
+    if size is not None and size > MAX_VALUE_BYTES:
+        raise RemoteBlockError(f"a value of {size} bytes, more than any block ({MAX_VALUE_BYTES})")
+    return size
 
 
 def _us(seconds: float) -> int:

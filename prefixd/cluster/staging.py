@@ -85,6 +85,12 @@ class Staging:
         if free:
             self._free(run)
 
+    def withdraw(self) -> None:
+        """Offer no staged block any more (a purge came): each run's buffer still goes back at
+        its end."""
+        with self._lock:
+            self._blocks.clear()
+
     def sizes_from(self, chain: BlockChain, first: int, limit: int) -> list[int]:
         """The payload sizes of the staged blocks from block `first` on, up to the first one (or
         `limit`) not staged."""

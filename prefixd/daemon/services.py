@@ -141,12 +141,17 @@ class Services:
         return self.bridge.load(identity, tokens, out, **options)
 
     def purge_everywhere(self, selector: PurgeSelector) -> PurgeReport:
-        """Purge the store, then the tier's copies of identities removed whole."""
-        if self.bridge is not None:
-            self.bridge.settle()  # what read-throughs are installing goes too
-        report = self.store.purge(selector)
-        if self.bridge is not None and report.digests:
-            self.bridge.purged(report.digests)
+        """Purge the store, then the tier's copies of identities removed whole: of a tenant
+        purged whole, every node's."""
+        bridge = self.bridge
+        if bridge is None:
+            return self.store.purge(selector)
+        with bridge.purging():  # no read-through installs what it fetched before the purge
+            report = self.store.purge(selector)
+        whole = selector.model is None and selector.older_than_s is None
+        tenant = selector.tenant if whole else None
+        if report.removed or tenant is not None:
+            bridge.purged(report.removed, tenant)
         return report
 
     def lookup_results(

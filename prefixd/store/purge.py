@@ -109,9 +109,9 @@ class PurgeReport:
     stored_bytes: int
     dry_run: bool
     seconds: float
-    # the identity digests removed whole (not for an idle-time purge): a shared tier drops their
+    # the identities removed whole (not for an idle-time purge): a shared tier drops their
     # objects too
-    digests: tuple[bytes, ...] = ()
+    removed: tuple[Identity, ...] = ()
     # the criteria ("tenant", "model") that name nothing the store holds: a purge of a tenant or
     # model that is not there (a typo) says so instead of reporting zeros
     unknown: tuple[str, ...] = ()
@@ -119,7 +119,7 @@ class PurgeReport:
     cleared: ClearReport | None = None
 
     def describe(self) -> dict[str, Any]:
-        described = {k: v for k, v in vars(self).items() if k not in ("digests", "cleared")}
+        described = {k: v for k, v in vars(self).items() if k not in ("removed", "cleared")}
         described["unknown"] = list(self.unknown)
         described["cleared"] = None if self.cleared is None else self.cleared.describe()
         return described
@@ -147,7 +147,8 @@ def purge(
     pages = tree_pages(ctx.env, t) if scrub else 0
     begin = ctx.env.begin(buffers=True) if dry_run else ctx.writing()
     with begin as txn:
-        digests = selected_identities(txn, t, selector)
+        selected = selected_identities(txn, t, selector)
+        digests = list(selected)
         unknown = () if digests else unknown_names(txn, t, selector)
         if whole:
             roots = [child for d in digests for child in children_of(txn, t, d)]
@@ -185,16 +186,20 @@ def purge(
         stored,
         dry_run,
         round(time.perf_counter() - started, 6),
-        tuple(digests) if whole and not dry_run else (),
+        tuple(selected.values()) if whole and not dry_run else (),
         unknown,
         cleared,
     )
 
 
-def selected_identities(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> list[bytes]:
-    return [
-        digest for digest, identity in readable_identities(txn, t) if selector.selects(identity)
-    ]
+def selected_identities(
+    txn: lmdb.Transaction, t: Tables, selector: PurgeSelector
+) -> dict[bytes, Identity]:
+    return {
+        digest: identity
+        for digest, identity in readable_identities(txn, t)
+        if selector.selects(identity)
+    }
 
 
 def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> tuple[str, ...]:

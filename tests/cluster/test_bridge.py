@@ -7,8 +7,10 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from prefixd.cluster import bridge as bridge_module
 from prefixd.cluster.benefit import PROBE_S, FetchBenefit
 from prefixd.cluster.blocks import block_key, decode_block, encode_block
 from prefixd.cluster.bridge import SharedTierBridge
+from prefixd.daemon.metrics import Metrics
+from prefixd.daemon.services import Services
 from prefixd.errors import RemoteBlockError, TierError, TierTransferError, TierUnavailableError
 from prefixd.schema.chain import BlockChain
 from prefixd.store.purge import PurgeSelector
@@ -68,7 +72,7 @@ def test_a_cold_miss_is_served_from_another_nodes_publication(nodes) -> None:
 def test_a_damaged_remote_value_is_never_installed(nodes) -> None:
     tier, (a, b), (bridge_a, bridge_b) = nodes
     publish(a, bridge_a, tier)
-    key = block_key(IDENT.digest, BlockChain(IDENT, TOKENS).hash(3))
+    key = block_key(IDENT, BlockChain(IDENT, TOKENS).hash(3))
     damaged = bytearray(tier.objects[key])
     damaged[-100] ^= 0x01
     tier.objects[key] = bytes(damaged)
@@ -76,8 +80,43 @@ def test_a_damaged_remote_value_is_never_installed(nodes) -> None:
     assert b.longest_prefix(IDENT, TOKENS).n_blocks == 3
     assert bridge_b.snapshot()["remote_verify_failures"] == 1
     # a value that is another block's (a key pointing at the wrong object) is refused too
-    tier.objects[key] = tier.objects[block_key(IDENT.digest, BlockChain(IDENT, TOKENS).hash(4))]
+    tier.objects[key] = tier.objects[block_key(IDENT, BlockChain(IDENT, TOKENS).hash(4))]
     assert bridge_b.read_through(IDENT, TOKENS, 3) == 0
+
+
+def test_a_value_larger_than_any_block_is_refused_before_memory_is_taken(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A size no block has (a hostile or broken value: 64 TiB) is a counted miss, never a buffer
+    of that size; the node's own blocks are served as before."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])
+    sizes = tier.size
+    monkeypatch.setattr(tier, "size", lambda key: 1 << 46 if sizes(key) else None)
+    taken: list[int] = []
+    monkeypatch.setattr(tier, "buffer", lambda size: taken.append(size) or memoryview(b""))
+    assert bridge_b.read_through(IDENT, TOKENS, 1) == 0
+    assert taken == [] and bridge_b.snapshot()["fetch_errors"] == 1
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 1
+
+
+def test_a_read_through_that_fails_unexpectedly_is_a_counted_miss(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails while reading through (the tier's client out of memory, say), the lookup
+    gets what the local store holds, and the failure is counted and logged."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+
+    def out_of_memory(*args: object) -> list[int | None]:
+        raise MemoryError
+
+    monkeypatch.setattr(tier, "get_many_into", out_of_memory)
+    b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])
+    assert bridge_b.read_through(IDENT, TOKENS, 1) == 0
+    assert bridge_b.snapshot()["read_through_errors"] == 1
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 1
 
 
 def test_the_tier_down_costs_nothing_but_a_count(nodes) -> None:
@@ -95,11 +134,94 @@ def test_a_purge_removes_the_remote_copies(nodes) -> None:
     tier, (a, _), (bridge_a, _) = nodes
     publish(a, bridge_a, tier)
     other = Identity(**{**IDENT.to_dict(), "tenant": "globex"})
-    tier.objects[block_key(other.digest, b"\x01" * 16)] = b"x"
+    tier.objects[block_key(other, b"\x01" * 16)] = b"x"
     report = a.purge(PurgeSelector(tenant="acme"))
-    assert report.digests == (IDENT.digest,)
-    assert bridge_a.purged(report.digests) == 6
-    assert list(tier.objects) == [block_key(other.digest, b"\x01" * 16)]
+    assert report.removed == (IDENT,)
+    assert bridge_a.purged(report.removed) == 6
+    assert list(tier.objects) == [block_key(other, b"\x01" * 16)]
+
+
+def purge_everywhere(store: Store, bridge: SharedTierBridge, selector: PurgeSelector) -> None:
+    """What the daemon's purge does on a node of the shared tier."""
+    services = Services(
+        store=store,
+        pool=ThreadPoolExecutor(1),
+        metrics=Metrics(store, prefill_tokens_per_s=1e4),
+        max_frame_bytes=1 << 20,
+        max_region_bytes=1 << 20,
+        bridge=bridge,
+    )
+    services.purge_everywhere(selector)
+
+
+def test_a_tenant_purged_on_one_node_leaves_the_tier_of_every_nodes_identities(nodes) -> None:
+    """Node B purges tenant acme: the tier drops acme's objects of identities B never held
+    (another node's model, say), and B reads none of acme's back; other tenants keep theirs."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    other = Identity(**{**IDENT.to_dict(), "kv_layout": "fp8"})  # acme's too, only on A
+    globex = Identity(**{**IDENT.to_dict(), "tenant": "globex"})
+    for identity in (other, globex):
+        bridge_a.published(identity, a.put(identity, TOKENS, PAYLOADS).hashes)
+    wait_for(lambda: len(tier.objects) == 18, "A's blocks published", poll_s=0.01)
+    b.put(IDENT, TOKENS, PAYLOADS)
+    purge_everywhere(b, bridge_b, PurgeSelector(tenant="acme"))
+    assert len(tier.objects) == 6  # globex's
+    assert bridge_b.read_through(other, TOKENS, 0) == 0
+    assert bridge_b.read_through(globex, TOKENS, 0) == 6
+
+
+def test_a_purge_the_tier_failed_keeps_its_objects_out_until_they_are_removed(nodes) -> None:
+    """The tier is away when B purges acme: B reads none of acme's objects back meanwhile, and
+    the removal is made again before its next read-through of acme, once the tier answers."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    globex = Identity(**{**IDENT.to_dict(), "tenant": "globex"})
+    bridge_a.published(globex, a.put(globex, TOKENS, PAYLOADS).hashes)
+    wait_for(lambda: len(tier.objects) == 12, "A's blocks published", poll_s=0.01)
+    b.put(IDENT, TOKENS, PAYLOADS)
+    tier.down = True
+    purge_everywhere(b, bridge_b, PurgeSelector(tenant="acme"))
+    assert bridge_b.snapshot()["purge_errors"] == 1
+    tier.down = False
+    remove_prefix = tier.remove_prefix
+    tier.remove_prefix = lambda prefix, **kw: (_ for _ in ()).throw(TierUnavailableError("away"))
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # its removal failed again: a miss
+    assert bridge_b.snapshot()["remote_skipped_unpurged"] == 1
+    assert bridge_b.read_through(globex, TOKENS, 0) == 6  # another tenant is not held back
+    tier.remove_prefix = remove_prefix
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # removed first, so nothing to read
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
+    assert len(tier.objects) == 6 and bridge_b.snapshot()["remote_purged_objects"] == 6
+
+
+def test_blocks_fetched_before_a_purge_are_not_installed_after_it(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-through whose fetch came back before B's purge of acme installs nothing after it,
+    and its staged blocks are no longer served."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    proven, purged = threading.Event(), threading.Event()
+    prove = bridge_b._proven
+
+    def prove_then_wait(*args: Any) -> Any:
+        found = prove(*args)
+        proven.set()
+        assert purged.wait(10), "the purge did not come"
+        return found
+
+    monkeypatch.setattr(bridge_b, "_proven", prove_then_wait)
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(bridge_b.read_through, IDENT, TOKENS, 0)
+        assert proven.wait(10)
+        b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])  # a block of acme for the purge to find
+        purge_everywhere(b, bridge_b, PurgeSelector(tenant="acme"))
+        purged.set()
+        assert reading.result(10) == 0
+    bridge_b.settle()
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
+    assert not tier.objects
 
 
 def test_the_benefit_model_skips_fetches_slower_than_prefill(nodes) -> None:
@@ -177,10 +299,11 @@ def test_batches_overlap_and_stop_at_the_first_failure(
     from prefixd.cluster import bridge as bridge_module
 
     monkeypatch.setattr(bridge_module, "_BATCH_BYTES", 2 * 60_000)
+    monkeypatch.setattr(bridge_module, "_REFETCH_S", 0.0)  # the value mended below: asked at once
     tier, (a, b), (bridge_a, bridge_b) = nodes
     publish(a, bridge_a, tier)
     chain = BlockChain(IDENT, TOKENS)
-    key = block_key(IDENT.digest, chain.hash(3))
+    key = block_key(IDENT, chain.hash(3))
     good = tier.objects[key]
     tier.objects[key] = good[:-1] + bytes([good[-1] ^ 1])
     tier.calls.clear()
@@ -334,6 +457,39 @@ def test_a_fetch_that_failed_is_not_made_again_for_a_while(
         monkeypatch.setattr(tier, "get_many_into", fetch)
         assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
         assert loaded(b) == PAYLOADS
+    finally:
+        for bridge in (bridge_a, bridge_b):
+            bridge.stop(timeout_s=0.5)
+        a.close()
+        b.close()
+
+
+def test_a_value_that_failed_its_proof_is_not_fetched_again_for_a_while(tmp_path: Path) -> None:
+    """A value put first keeps its key (the tier keeps the first value): a damaged or planted one
+    would be fetched and refused at every lookup of its prompt. It is asked again after 10 s."""
+    clock = [1000.0]
+    tier = MemoryTier()
+    a = Store.open(tmp_path / "a", map_size=64 << 20)
+    b = Store.open(tmp_path / "b", map_size=64 << 20)
+    bridge_a = SharedTierBridge(a, tier, pending=64, prefill_tokens_per_s=1000.0)
+    bridge_b = SharedTierBridge(
+        b, tier, pending=8, prefill_tokens_per_s=1000.0, now=lambda: clock[0]
+    )
+    for bridge in (bridge_a, bridge_b):
+        bridge.start()
+    try:
+        first = block_key(IDENT, BlockChain(IDENT, TOKENS).hash(0))
+        tier.objects[first] = bytes(64 << 10)  # planted before A publishes
+        publish(a, bridge_a, tier)
+        assert bridge_b.read_through(IDENT, TOKENS, 0) == 0
+        assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # not fetched: it would fail again
+        assert tier.calls["get_many_into"] == 1
+        counts = bridge_b.snapshot()
+        assert counts["remote_verify_failures"] == 1
+        assert counts["remote_skipped_after_failure"] == 1
+        clock[0] += 10.0
+        assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # asked again, refused again
+        assert tier.calls["get_many_into"] == 2
     finally:
         for bridge in (bridge_a, bridge_b):
             bridge.stop(timeout_s=0.5)

@@ -91,7 +91,7 @@ def test_a_tampered_part_takes_its_block_and_all_after_it_away(
     what is installed ends where every page is closed and every checkpoint is there."""
     tier, (a, b), (bridge_a, bridge_b) = nodes
     put_all(a, bridge_a, tier)
-    key = block_key(HYBRID.digest, BlockChain(HYBRID, TOKENS).hash(block))
+    key = block_key(HYBRID, BlockChain(HYBRID, TOKENS).hash(block))
     value = bytearray(tier.objects[key])
     spans = _part_spans(value)
     value[spans[group][0] + 3] ^= 0x40
@@ -151,10 +151,10 @@ def test_a_checkpoint_hung_later_replaces_the_published_value(nodes: Nodes) -> N
     a.put_state(
         CHOSEN, TOKENS, upto_tokens=4 * BT, first_block=4, checkpoints={"kda": {64: snap(64)}}
     )
-    before = tier.objects[block_key(CHOSEN.digest, hashes[3])]
+    before = tier.objects[block_key(CHOSEN, hashes[3])]
     bridge_a.published(CHOSEN, [hashes[3]])
     wait_for(
-        lambda: tier.objects[block_key(CHOSEN.digest, hashes[3])] != before,
+        lambda: tier.objects[block_key(CHOSEN, hashes[3])] != before,
         "the block published again",
         poll_s=0.01,
     )

@@ -93,7 +93,7 @@ def test_a_damaged_remote_copy_is_never_served(
     a, b = nodes
     put_on(a, 2)
     wait_published(a, 6)
-    key = block_key(IDENTITY.digest, BlockChain(IDENTITY, tokens(2)).hash(2))
+    key = block_key(IDENTITY, BlockChain(IDENTITY, tokens(2)).hash(2))
     with SharedTier(mooncake_master.settings(segment_bytes=0)) as tier:  # lends no memory
         value = bytearray(tier.get(key))
         value[-1000] ^= 0x01
@@ -134,7 +134,7 @@ def test_a_tenant_purged_on_one_node_leaves_the_tier(
     a, _ = nodes
     put_on(a, 6)
     wait_published(a, 6)
-    keys = [block_key(IDENTITY.digest, h) for h in BlockChain(IDENTITY, tokens(6)).hashes()]
+    keys = [block_key(IDENTITY, h) for h in BlockChain(IDENTITY, tokens(6)).hashes()]
     with SharedTier(mooncake_master.settings(segment_bytes=0)) as tier:
         assert all(tier.exists(k) for k in keys)
         with Client(a.socket) as client:

@@ -97,7 +97,7 @@ def test_a_damaged_remote_part_is_never_installed(
         put = client.put_state(HYBRID, tokens, paged={"kv": pages}, checkpoints={"ssm": snaps})
         assert put.stored == 8
     wait_published(a, 8, before)
-    key = block_key(HYBRID.digest, BlockChain(HYBRID, tokens).hash(5))
+    key = block_key(HYBRID, BlockChain(HYBRID, tokens).hash(5))
     with SharedTier(mooncake_master.settings(segment_bytes=0)) as tier:  # lends no memory
         value = bytearray(tier.get(key))
         value[-1000] ^= 0x01  # inside the checkpoint, the value's last part
