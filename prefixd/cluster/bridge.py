@@ -14,14 +14,13 @@ the engine: every failure is counted and the local store answers alone.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from enum import Enum
@@ -51,6 +50,7 @@ from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
 from prefixd.schema.tokens import PromptIds
 from prefixd.store import Store
+from prefixd.store.purge import PurgeReport
 from prefixd.store.results import ExportedBlock, LoadResult, PrefixMatch
 
 log = logging.getLogger(__name__)
@@ -164,10 +164,10 @@ class SharedTierBridge:
         self._held: list[bytearray | memoryview] = []
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
         self._installer = ThreadPoolExecutor(1, thread_name_prefix="prefixd-install")
-        # A purge of the store holds `_installing` (installs wait) and counts itself in
-        # `_purges`: blocks fetched before it are not installed after it. Its removal from the
-        # tier holds `_publishing` (a put under way ends first); the key prefixes it could not
-        # remove are kept out of read-throughs until a later try removes them.
+        # A purge holds `_installing` (installs wait) and counts itself in `_purges` as it ends:
+        # blocks fetched before its end are not installed after it. Its removal from the tier
+        # holds `_publishing` (a put under way ends first); the key prefixes it could not remove
+        # are kept out of read-throughs until a later try removes them.
         self._installing = threading.Lock()
         self._publishing = threading.Lock()
         self._purges = 0
@@ -579,25 +579,26 @@ class SharedTierBridge:
         batch.clear()
         return n, new
 
-    @contextlib.contextmanager
-    def purging(self) -> Iterator[None]:
-        """Around a purge of the local store: installs wait, staged blocks are offered no more,
-        and blocks fetched before it are not installed after it."""
+    def purge(self, purge: Callable[[], PurgeReport], tenant: str | None = None) -> PurgeReport:
+        """Run `purge` (of the local store), then remove the tier's objects of the identities it
+        removed whole, or of every identity of `tenant` (any node's). Installs wait meanwhile, and
+        no block fetched or staged before its end is installed or served after it. A prefix the
+        tier fails to remove is tried again before any read-through it covers, a miss until then."""
         with self._installing:
-            self._purges += 1
             self.staging.withdraw()
-            yield
-
-    def purged(self, identities: Iterable[Identity], tenant: str | None = None) -> int:
-        """Remove the tier's objects of identities a purge removed, or of every identity of
-        `tenant` (any node's); the number removed. A prefix the tier fails to remove is tried
-        again before any read-through of its identities, which stay misses until it is gone."""
-        prefixes = [tenant_prefix(tenant)] if tenant is not None else []
-        prefixes += [identity_prefix(i) for i in identities if i.tenant != tenant]
-        with self._publishing:
-            with self._lock:
-                self._unremoved.update(prefixes)
-            return self._remove_unremoved()
+            try:
+                report = purge()
+                prefixes = [tenant_prefix(tenant)] if tenant is not None else []
+                prefixes += [identity_prefix(i) for i in report.removed if i.tenant != tenant]
+                if prefixes:
+                    with self._publishing:
+                        with self._lock:
+                            self._unremoved.update(prefixes)
+                        self._remove_unremoved()
+            finally:
+                self._purges += 1
+                self.staging.withdraw()
+        return report
 
     def _purged_away(self, identity: Identity) -> bool:
         """Whether no purge's objects of `identity` wait in the tier (a removal tried again)."""

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from prefixd.clock import Clock, SystemClock
@@ -143,16 +144,11 @@ class Services:
     def purge_everywhere(self, selector: PurgeSelector) -> PurgeReport:
         """Purge the store, then the tier's copies of identities removed whole: of a tenant
         purged whole, every node's."""
-        bridge = self.bridge
-        if bridge is None:
+        if self.bridge is None:
             return self.store.purge(selector)
-        with bridge.purging():  # no read-through installs what it fetched before the purge
-            report = self.store.purge(selector)
         whole = selector.model is None and selector.older_than_s is None
-        tenant = selector.tenant if whole else None
-        if report.removed or tenant is not None:
-            bridge.purged(report.removed, tenant)
-        return report
+        purge = partial(self.store.purge, selector)
+        return self.bridge.purge(purge, selector.tenant if whole else None)
 
     def lookup_results(
         self,

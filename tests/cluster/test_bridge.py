@@ -131,13 +131,14 @@ def test_the_tier_down_costs_nothing_but_a_count(nodes) -> None:
 
 
 def test_a_purge_removes_the_remote_copies(nodes) -> None:
+    """A model's retirement removes the objects of the identities the node removed."""
     tier, (a, _), (bridge_a, _) = nodes
     publish(a, bridge_a, tier)
     other = Identity(**{**IDENT.to_dict(), "tenant": "globex"})
     tier.objects[block_key(other, b"\x01" * 16)] = b"x"
-    report = a.purge(PurgeSelector(tenant="acme"))
+    report = bridge_a.purge(lambda: a.purge(PurgeSelector(model="m")))
     assert report.removed == (IDENT,)
-    assert bridge_a.purged(report.removed) == 6
+    assert bridge_a.snapshot()["remote_purged_objects"] == 6
     assert list(tier.objects) == [block_key(other, b"\x01" * 16)]
 
 
@@ -222,6 +223,37 @@ def test_blocks_fetched_before_a_purge_are_not_installed_after_it(
     bridge_b.settle()
     assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
     assert not tier.objects
+
+
+def test_blocks_fetched_while_a_purge_runs_are_not_installed_after_it(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-through that starts once B's purge has begun fetches acme's objects (the tier still
+    holds them), and installs nothing once the purge ends."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])  # a block of acme for the purge to find
+    fetch, purge = tier.get_many_into, b.purge
+    fetched = threading.Event()
+
+    def fetch_and_tell(*args: Any) -> Any:
+        got = fetch(*args)
+        fetched.set()
+        return got
+
+    with ThreadPoolExecutor(1) as pool:
+        reading: list[Any] = []
+
+        def purge_once_fetched(*args: Any, **options: Any) -> Any:
+            reading.append(pool.submit(bridge_b.read_through, IDENT, TOKENS, 0))
+            assert fetched.wait(10), "the read-through did not fetch"
+            return purge(*args, **options)
+
+        monkeypatch.setattr(tier, "get_many_into", fetch_and_tell)
+        monkeypatch.setattr(b, "purge", purge_once_fetched)
+        purge_everywhere(b, bridge_b, PurgeSelector(tenant="acme"))
+        assert reading[0].result(10) == 0
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0 and not tier.objects
 
 
 def test_the_benefit_model_skips_fetches_slower_than_prefill(nodes) -> None:
