@@ -8,6 +8,11 @@ p99 / max latency), how much the daemon's peak memory grew, and what the attacke
             frames of 16 million empty arrays in an unknown field.
 * verify:   64 pipelined verifies of a store of 128 x 64 KiB blocks.
 * purge:    64 pipelined dry-run purges of a store of 32,768 blocks.
+* spans:    a put of 256 blocks whose spans all name one whole 1 MiB region.
+* headers:  32 connections, each sending a header that claims the longest frame, and one byte.
+* replies:  4 lookups never read, each of 4096 prompts naming one 4096-id span of a stored
+            chain of one-token blocks (8 bytes of reply per hit block).
+* unpin:    an unpin of a prompt of 4 Mi one-token blocks, one of them pinned.
 
 `python bench/attacks.py --json` runs them all (`--only decode,verify` some); with the
 revision under test on PYTHONPATH it measures that revision's daemon, so two revisions can be
@@ -37,9 +42,11 @@ from suitelib import SuiteDaemon, machine_info, percentiles_us
 
 from prefixd.client import Client
 from prefixd.wire.frames import HEADER, PROTOCOL_VERSION, encode_frame
+from prefixd.wire.region import SharedRegion, send_with_fds
 
 IDENTITY = bench_identity(block_tokens=16, payload_bytes=256)
 BT = IDENTITY.block_tokens
+ONE_TOKEN = bench_identity(block_tokens=1, payload_bytes=8)  # a block per token id
 HONEST_PROMPT = np.arange(64 * BT, dtype=np.uint32) + 7
 
 
@@ -246,6 +253,101 @@ def attack_purge(daemon: SuiteDaemon, timeout: float) -> Attack:
     return lambda: _pipelined(daemon, timeout, message, 64)
 
 
+def attack_spans(daemon: SuiteDaemon, timeout: float) -> Attack:
+    region = SharedRegion(1 << 20)
+    conn = Raw(daemon.socket, timeout)
+    send_with_fds(
+        conn.sock, encode_frame({"op": "attach", "id": 2, "size": region.size}), [region.fd]
+    )
+    rid = conn.recv()["region"]
+    tokens = np.arange(256 * BT, dtype=np.uint32) + 50_000_000
+    put = {"op": "put", "id": 3, "identity": IDENTITY.to_dict(), "tokens": tokens.tobytes(),
+           "blocks": [[rid, 0, region.size]] * 256}  # fmt: skip
+
+    def go() -> dict[str, Any]:
+        try:
+            before = _stored_bytes(daemon)
+            conn.send(put)
+            reply = conn.recv()
+            return {"told": _outcomes([reply]), "stored_mib": _mib(_stored_bytes(daemon) - before)}
+        finally:
+            conn.close()
+            region.close()
+
+    return go
+
+
+def attack_headers(daemon: SuiteDaemon, timeout: float) -> Attack:
+    claimed = 16 << 20  # the default max_frame_bytes
+    conns = [Raw(daemon.socket, timeout) for _ in range(32)]
+
+    def go() -> dict[str, Any]:
+        try:
+            for conn in conns:
+                conn.sock.sendall(HEADER.pack(claimed) + b"\x81")
+            with Client(daemon.socket, timeout=timeout) as client:  # the headers came before
+                client.health()
+            return {"claimed_mib": _mib(32 * claimed)}  # held, or not: peak_rss_growth_mib
+        finally:
+            for conn in conns:
+                conn.close()
+
+    return go
+
+
+def attack_replies(daemon: SuiteDaemon, timeout: float) -> Attack:
+    region = SharedRegion(1 << 16)
+    region.view[: 4 * 4096] = np.arange(4096, dtype=np.uint32).tobytes()
+    conn = Raw(daemon.socket, timeout)
+    attach = encode_frame({"op": "attach", "id": 2, "size": region.size})
+    send_with_fds(conn.sock, attach, [region.fd])
+    rid = conn.recv()["region"]
+    lookup = {"op": "lookup", "id": 4, "identity": ONE_TOKEN.to_dict(), "stored_only": True,
+              "prompts": [{"tokens_span": [rid, 0, 4096]}] * 4096}  # fmt: skip
+
+    def go() -> dict[str, Any]:
+        try:
+            conn.send(lookup)
+            (length,) = HEADER.unpack(conn._exact(HEADER.size))
+            reply = msgpack.unpackb(conn._exact(length), raw=False)
+            told = _outcomes([reply])
+            return {
+                "told": told,
+                "frame_kib": len(encode_frame(lookup)) >> 10,
+                "reply_mib": _mib(length),
+            }
+        finally:
+            conn.close()
+            region.close()
+
+    return go
+
+
+def attack_unpin(daemon: SuiteDaemon, timeout: float) -> Attack:
+    prompt = np.arange(4 << 20, dtype=np.uint32)
+    client = Client(daemon.socket, token_region_bytes=prompt.nbytes + (1 << 20), timeout=timeout)
+    client.lookup(ONE_TOKEN, [prompt[:1]], pin=True, stored_only=True)
+
+    def go() -> dict[str, Any]:
+        try:
+            started = time.perf_counter()
+            released = client.unpin(ONE_TOKEN, [prompt])
+            return {"released": released, "unpin_s": round(time.perf_counter() - started, 3)}
+        finally:
+            client.close()
+
+    return go
+
+
+def _stored_bytes(daemon: SuiteDaemon) -> int:
+    with Client(daemon.socket) as client:
+        return int(client.stats()["store"]["stored_bytes"])
+
+
+def _mib(n: int) -> float:
+    return round(n / (1 << 20), 1)
+
+
 def _all(peers: Sequence[Callable[[], None]], timeout: float) -> None:
     threads = [threading.Thread(target=p, daemon=True) for p in peers]
     for thread in threads:
@@ -262,6 +364,8 @@ def _all(peers: Sequence[Callable[[], None]], timeout: float) -> None:
 def _fill(daemon: SuiteDaemon, attack: str) -> None:
     with Client(daemon.socket, region_bytes=16 << 20, timeout=600) as client:
         client.put(IDENTITY, HONEST_PROMPT, [b"h" * 256] * 64)
+        if attack in ("replies", "unpin"):
+            client.put(ONE_TOKEN, np.arange(4096, dtype=np.uint32), [b"r" * 8] * 4096)
         if attack == "verify":
             prompt = np.arange(128 * BT, dtype=np.uint32) + 1_000_000
             client.put(IDENTITY, prompt, [bytes([i]) * (64 << 10) for i in range(128)])
@@ -285,6 +389,10 @@ ATTACKS: dict[str, Callable[[SuiteDaemon, float], Attack]] = {
     "decode": attack_decode,
     "verify": attack_verify,
     "purge": attack_purge,
+    "spans": attack_spans,
+    "headers": attack_headers,
+    "replies": attack_replies,
+    "unpin": attack_unpin,
 }
 
 

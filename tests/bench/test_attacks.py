@@ -8,9 +8,9 @@ from tests.bench.benches import run_bench
 
 
 def test_the_attacks_bench_reports_each_attack_beside_an_honest_client() -> None:
-    report = run_bench("attacks.py", "--only", "decode,verify", "--json")
-    assert set(report) == {"decode", "verify", "machine"}
-    for name in ("decode", "verify"):
+    report = run_bench("attacks.py", "--only", "decode,verify,spans,replies", "--json")
+    assert set(report) == {"decode", "verify", "spans", "replies", "machine"}
+    for name in ("decode", "verify", "spans", "replies"):
         row = report[name]
         assert "timed_out" not in row, row
         assert row["honest"]["errors"] == 0 and row["honest"]["answered"] > 0, row
@@ -19,3 +19,5 @@ def test_the_attacks_bench_reports_each_attack_beside_an_honest_client() -> None
     verify = report["verify"]["told"]
     assert verify.get("ok", 0) >= 1 and set(verify) <= {"ok", "busy"}
     assert sum(verify.values()) == 64
+    assert report["spans"]["told"] == {"bad_region": 1} and report["spans"]["stored_mib"] == 0
+    assert report["replies"]["told"] == {"bad_tokens": 1}
