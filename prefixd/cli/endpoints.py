@@ -24,7 +24,7 @@ from prefixd.errors import (
     UntrustedDaemonError,
 )
 from prefixd.paths import node_socket
-from prefixd.store.environment import held_socket
+from prefixd.store.environment import DATA_FILE, held_socket
 
 if TYPE_CHECKING:
     from prefixd.client import Client
@@ -57,7 +57,8 @@ def target(
     config, given = daemon_config(args, env)
     data_dir, socket = config.store.data_dir, config.socket.path
     user = config.socket.daemon_user or None
-    if not {"socket", "data_dir"} & given and not _present(socket):
+    own_store = _present(data_dir / DATA_FILE)  # the user's, whose daemon may be stopped
+    if not {"socket", "data_dir"} & given and not _present(socket) and not own_store:
         node = node_socket(config.store.instance)
         if _present(node):  # a user's command, and the node's daemon (the shipped units)
             socket = node

@@ -215,7 +215,7 @@ def _file_settings(path: Path) -> list[tuple[str, str, Any]]:
             data = tomllib.load(file)
     except OSError as exc:
         raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config: {path} is not valid TOML: {exc}") from None
     found: list[tuple[str, str, Any]] = []
     unknown = []

@@ -93,7 +93,12 @@ class Reloader:
                 log.error("reload refused, the settings in force stay: %s", exc)
                 return None
             found = changes(server.config, new)
-            await self._apply(new, found)
+            try:
+                await self._apply(new, found)
+            except Exception as exc:  # noqa: BLE001 - a manifest that cannot be watched, say
+                self.refused += 1
+                log.error("reload refused, the settings in force stay: %s", exc)
+                return None
             self.reloads += 1
             log.info("reloaded: %s", ", ".join(found.applied) or "no setting that reloads changed")
             if found.at_restart:
@@ -106,17 +111,23 @@ class Reloader:
             systemd.notify("READY=1", server.env)
 
     async def _apply(self, new: Config, found: Changes) -> None:
+        """The manifests first, the one change that can fail: if they cannot be watched, the old
+        ones are watched again and nothing else is applied."""
         server = self._server
         applied = {name: new.value(name) for name in found.applied}
         config = server.config.with_settings(**applied)
+        if "model_manifests" in applied and server.watcher is not None:
+            try:
+                await server.watcher.watch(config.store.model_manifests)
+            except Exception:
+                await server.watcher.watch(server.config.store.model_manifests)
+                raise
         if set(found.applied) & set(TENANCY) and server.store is not None:
             server.store.apply_tenancy(config.store_config())
         if "tenant_policy" in applied:
             server.policy = TenantPolicy(config.tenants.policy, os.geteuid())
         if "log_level" in applied:
             logging.getLogger().setLevel(config.metrics.log_level.upper())
-        if "model_manifests" in applied and server.watcher is not None:
-            await server.watcher.watch(config.store.model_manifests)
         server.config = config  # who may connect: read at every accept
         if set(found.applied) & set(PEERS):
             server.regrant()  # and by the connections already open

@@ -328,9 +328,7 @@ class Server:
             assert self._operations is not None
             selector = PurgeSelector(model=model, keep={"weights": keep})
             loop = asyncio.get_running_loop()
-            purge = self._operations.services.purge_everywhere
-            report = await loop.run_in_executor(pool, purge, selector)
-            return report.blocks
+            return await loop.run_in_executor(pool, self._operations.services.retire, selector)
 
         return retire
 

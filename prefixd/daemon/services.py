@@ -5,6 +5,7 @@ limits, the metrics and the daemon's counters.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,8 @@ from prefixd.store.purge import PurgeReport
 from prefixd.store.results import LoadResult
 from prefixd.wire.errors import ErrorCode, code_of
 from prefixd.wire.messages import LookupResult, WireIdentity
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from prefixd.cluster.bridge import SharedTierBridge
@@ -140,6 +143,15 @@ class Services:
         if not options.get("first_block"):
             self.longest_prefix(identity, tokens, options.get("hashes"))
         return self.bridge.load(identity, tokens, out, **options)
+
+    def retire(self, selector: PurgeSelector) -> int:
+        """Retire other versions of a served model (a hello that `serves` it, a manifest's
+        change); blocks removed. Skipped once an fsync failed: the store writes nothing more, and
+        reads must go on for the engine that asked."""
+        if self.store.sync_failure is not None:
+            log.warning("other versions of a model were not retired: an fsync of the store failed")
+            return 0
+        return self.purge_everywhere(selector).blocks
 
     def purge_everywhere(self, selector: PurgeSelector) -> PurgeReport:
         """Purge the store, then the tier's copies of identities removed whole: of a tenant

@@ -30,7 +30,7 @@ async def hello(ctx: RequestContext, request: Request[Hello]) -> HelloReply:
     for served in msg.serves or ():
         # the engine serves these weights now: other versions of the model are stale
         selector = PurgeSelector(model=served.model, keep={"weights": served.weights})
-        retired += (await services.run(partial(services.purge_everywhere, selector))).blocks
+        retired += await services.run(partial(services.retire, selector))
     return _greet(ctx, request.id, retired)
 
 

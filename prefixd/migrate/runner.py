@@ -12,12 +12,20 @@ from typing import Any
 
 import lmdb
 
+from prefixd.clock import SystemClock
 from prefixd.errors import MigrationError, NotAStoreError, StoreBusyError
 from prefixd.migrate import access_hits, per_identity, state_parts
 from prefixd.migrate.steps import Migration
 from prefixd.schema.meta import SCHEMA_VERSION, StoreMeta, with_version
 from prefixd.store.config import StoreConfig
-from prefixd.store.environment import DATA_FILE, OwnerLock, is_held, open_environment
+from prefixd.store.environment import (
+    DATA_FILE,
+    OwnerLock,
+    is_held,
+    open_environment,
+    private_copy,
+)
+from prefixd.store.sync_state import SyncState
 from prefixd.store.tables import META_KEY, Tables
 
 # A step's batch size: large enough to amortise commits, small enough that a batch is quick.
@@ -129,8 +137,7 @@ class Migrator:
             try:
                 return self._upgrade(env, tables, meta, to, backup, progress)
             finally:
-                env.sync(True)
-                env.close()
+                _sync_and_close(self.path, env)
         finally:
             owner.release()
 
@@ -226,10 +233,20 @@ def _backup(env: lmdb.Environment, directory: Path) -> Path:
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
         raise MigrationError(f"backup directory {directory} is not empty")
-    directory.mkdir(parents=True, exist_ok=True)
     try:
-        env.copy(str(directory), compact=True)
+        private_copy(env, directory)
     except lmdb.Error as exc:
         shutil.rmtree(directory, ignore_errors=True)
         raise MigrationError(f"backup to {directory} failed: {exc}") from None
     return directory
+
+
+def _sync_and_close(path: Path, env: lmdb.Environment) -> None:
+    """The upgrade's last fsync, failing as the store's own do: recorded in the store's marker
+    (the next open rechecks and refuses writes), then SyncFailedError; closed either way."""
+    syncs = SyncState(path, SystemClock())
+    try:
+        if not syncs.sync(env):
+            syncs.check_writable()
+    finally:
+        env.close()

@@ -150,6 +150,7 @@ def transact(
         if aborts(outcome):
             txn.abort()
         else:
+            ctx.syncs.check_writable()  # an fsync failed while it was written: not committed
             txn.commit()
             committed = True
     except BaseException:

@@ -226,6 +226,12 @@ class StoreConfig:
             ("share_groups", "GROUP=TENANT+TENANT"),
         ):
             object.__setattr__(self, name, _tenant_map(name, getattr(self, name), shape))
+        star = self.tenant_quotas.get("*")
+        if self.tenant_quota_bytes and star is not None and star != self.tenant_quota_bytes:
+            raise ConfigError(
+                f"tenant_quota_bytes ({self.tenant_quota_bytes}) and tenant_quotas *={star} name "
+                "two default quotas: give one"
+            )
         _number_in("high_watermark", self.high_watermark, 0.05, 1.0)
         _number_in("low_watermark", self.low_watermark, 0.0, self.high_watermark)
         if self.eviction not in ("value", "lru", "none"):

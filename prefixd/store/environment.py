@@ -224,6 +224,15 @@ def _open_tables(
     return Tables(**handles, parts=parts)
 
 
+def private_copy(env: lmdb.Environment, target: Path) -> None:
+    """A compacted copy of the store in `target`, its owner's alone (directory 0700, file 0600):
+    it holds every tenant's bytes."""
+    target.mkdir(mode=0o700, parents=True, exist_ok=True)
+    target.chmod(0o700)
+    env.copy(str(target), compact=True)
+    (target / DATA_FILE).chmod(0o600)
+
+
 def copy_compacted(
     env: lmdb.Environment, source: Path, target: Path, map_size: int
 ) -> dict[str, Any]:
@@ -231,9 +240,8 @@ def copy_compacted(
         raise StoreOpenError(f"{target} is not a directory")
     if target.exists() and any(target.iterdir()):
         raise StoreOpenError(f"{target} is not empty")
-    target.mkdir(mode=0o750, parents=True, exist_ok=True)
     with lmdb_errors(target, map_size, "the compacted copy"):  # the copy's disk, not the store's
-        env.copy(str(target), compact=True)
+        private_copy(env, target)
     return {
         "from": str(source),
         "to": str(target),

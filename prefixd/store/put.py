@@ -273,13 +273,14 @@ class Writer:
             log.warning(
                 "replaced %d stored block(s) whose records failed verification", outcome.replaced
             )
-        if outcome.result.stored or outcome.result.parts:
+        if (outcome.result.stored or outcome.result.parts) and self._ctx.syncs.failure is None:
             try:
                 self._keep_within_limits(tenant, outcome.stored_bytes)
-            except lmdb.MapFullError:
-                # The put is committed and acknowledged; only the eviction after it failed. The
-                # next put (or the daemon's own eviction) tries again: never report it as lost.
-                log.warning("eviction after a put found the map full; the put is stored")
+            except lmdb.Error as exc:
+                # The put is committed and acknowledged; only the eviction after it failed (a full
+                # map, a full disk, an I/O error). The next put (or the daemon's own eviction)
+                # tries again: never report the put as lost.
+                log.warning("eviction after a put failed (%s); the put is stored", exc)
         return outcome.result
 
     def _with_room(self, write: Callable[[], Outcome]) -> Outcome:

@@ -37,9 +37,12 @@ class Damaged(NamedTuple):
 
 
 def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
-    """Drop these blocks and their subtrees in one transaction; if the disk refuses, they stay (they
-    fail verification on every read anyway)."""
+    """Drop these blocks and their subtrees in one transaction; if the disk refuses, or an fsync
+    failed (the store writes nothing more), they stay: they fail verification on every read."""
     if not bad:
+        return
+    if ctx.syncs.failure is not None:
+        log.warning("%d damaged block(s) left in place: an fsync of the store failed", len(bad))
         return
     try:
         with ctx.writing() as txn:

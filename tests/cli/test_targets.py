@@ -15,6 +15,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -304,3 +305,23 @@ def test_a_store_a_daemon_serves_cannot_be_opened_beside_it(daemon: Daemon) -> N
     # the daemon goes on serving
     with Client(daemon.socket) as client:
         assert client.lookup(IDENTITY, [np.arange(BT, dtype=np.uint32)])[0].n_blocks == 1
+
+
+def test_a_users_own_store_is_not_traded_for_the_nodes_while_its_daemon_is_stopped(
+    daemon_factory: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user whose own daemon is stopped, on a node whose daemon runs: a command without flags
+    works on the user's own store offline, never on the node's (a purge there would empty it).
+    Only a user with no store of its own is sent to the node's daemon."""
+    from prefixd.cli import endpoints, parser
+
+    node = daemon_factory()
+    env = defaults_in(tmp_path)
+    own = Path(env["STATE_DIRECTORY"])
+    Store.open(own).close()
+    monkeypatch.setattr(endpoints, "node_socket", lambda instance="": node.socket)
+    args = parser().parse_args(["purge", "--all", "--dry-run"])
+    found = endpoints.target(args, env, timeout=DEADLINE_S)
+    assert (found.data_dir, found.served) == (own, False)
+    shutil.rmtree(own)
+    assert endpoints.target(args, env, timeout=DEADLINE_S).data_dir == node.data_dir

@@ -650,3 +650,12 @@ def test_print_config_is_a_file_of_tables_that_loads_back(
     with caplog.at_level("WARNING", logger="prefixd.config"):
         assert load(file=file) == config
     assert not caplog.records  # no flat key in what is printed
+
+
+def test_two_default_quotas_that_disagree_are_refused(base_env: dict[str, str]) -> None:
+    """tenant_quota_bytes (deprecated) and tenant_quotas' "*" both name the quota of a tenant the
+    quotas do not name: given both, they must agree, else neither would be sure to hold."""
+    env = {**base_env, "PREFIXD_TENANT_QUOTA_BYTES": "1GiB"}
+    with pytest.raises(ConfigError, match="two default quotas"):
+        load({"tenant_quotas": "*=4GiB"}, env).store_config()
+    assert load({"tenant_quotas": "*=1GiB"}, env).store_config().default_quota == 1 << 30

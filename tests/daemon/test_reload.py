@@ -98,3 +98,27 @@ def test_a_reload_watches_new_model_manifests(
         assert client.server["models"] == {model: served}
         assert client.lookup(old, [PROMPT])[0].n_blocks == 0
         assert client.lookup(new, [PROMPT])[0].n_blocks == 4
+
+
+def test_a_reload_that_cannot_be_applied_whole_changes_nothing(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """A model manifest that cannot be watched (a file where its directory should be) refuses the
+    whole reload: the tenancy it changed too stays as it was, and the counters and the log say so.
+    A file that is not UTF-8 is refused the same way."""
+    settings = tmp_path / "prefixd.toml"
+    settings.write_text('tenant_ttls = ["alice=7d"]\n')
+    daemon = daemon_factory("--config", str(settings))
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        client.put(ALICE, PROMPT, [b"kv"] * 4)  # before the reloads: a 1 ms time to live ends it
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file")
+    settings.write_text(f'tenant_ttls = ["alice=1ms"]\nmodel_manifests = ["m={blocker}/c.json"]\n')
+    daemon.reload()
+    settings.write_bytes(b'tenant_ttls = ["alice=1ms"]  # caf\xe9\n')
+    daemon.reload()
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        assert client.lookup(ALICE, [PROMPT])[0].n_blocks == 4  # no time to live of 1 ms
+        server = client.stats()["server"]
+        assert (server["reloads"], server["reloads_refused"]) == (0, 2)
+    assert daemon.log().count("reload refused, the settings in force stay") == 2

@@ -152,3 +152,36 @@ def test_a_failed_fsync_refuses_puts_keeps_reads_is_reported_and_checked_at_the_
         client.put(IDENTITY, tokens(1), payloads(1))
         assert [bytes(v) for v in client.load(IDENTITY, tokens(1)).views] == payloads(1)
         assert [bytes(v) for v in client.load(IDENTITY, tokens(0)).views] == payloads(0)
+
+
+def test_retiring_a_model_is_skipped_once_an_fsync_failed(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """Retiring other versions of a model is a write: once an fsync failed it is skipped, so an
+    engine that says what it serves still connects and reads, and a daemon with model manifests
+    whose store opens failed (the disk still fails its fsyncs) still starts and serves."""
+    launcher = tmp_path / "failing_sync.py"
+    launcher.write_text(LAUNCHER)
+    trigger = tmp_path / "fail-syncs"
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"v1")
+    daemon = daemon_factory(
+        "--sync-interval-s",
+        "0.05",
+        "--model-manifests",
+        f"m={weights}",
+        env={"TEST_FAIL_SYNC_FILE": str(trigger)},
+        launcher=[sys.executable, str(launcher)],
+    )
+    with Client(daemon.socket, region_bytes=1 << 20, serves=[("m", "w")]) as client:
+        client.put(IDENTITY, tokens(0), payloads(0))
+        trigger.touch()  # the disk fails every fsync from now on
+        wait_for(lambda: client.health()["status"] == "sync_failed", "health to report it")
+    with Client(daemon.socket, region_bytes=1 << 20, serves=[("m", "w")]) as engine:
+        assert engine.lookup(IDENTITY, [tokens(0)])[0].n_blocks == 3
+    daemon.stop()
+    daemon.start()  # opened failed: the manifests' retirement is skipped, reads go on
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        assert client.health()["status"] == "sync_failed"
+        assert [bytes(v) for v in client.load(IDENTITY, tokens(0)).views] == payloads(0)
+    trigger.unlink()

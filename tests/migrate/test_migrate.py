@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from prefixd import Identity, Store
-from prefixd.errors import SchemaVersionError, StoreBusyError
+from prefixd.errors import SchemaVersionError, StoreBusyError, SyncFailedError
 from prefixd.migrate import Migrator
 from prefixd.schema.meta import SCHEMA_VERSION, StoreMeta, with_version
 from prefixd.schema.records import AccessRecord
 from prefixd.store.environment import OwnerLock
+from prefixd.store.sync_state import SYNC_MARKER
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "store-v1"
 MANIFEST = json.loads((FIXTURE / "manifest.json").read_text())
@@ -310,3 +311,47 @@ def test_kill_9_at_any_point_then_resume(tmp_path: Path) -> None:
     assert (status.version, status.resuming) == (SCHEMA_VERSION, None)
     with Store.open(path, create=False) as store:
         assert store.check() == [] and store.stats().blocks == 12000
+
+
+def test_a_failed_fsync_at_the_end_of_an_upgrade_is_recorded_and_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upgrade's last fsync fails as the store's own do: SyncFailedError, the store's marker
+    written, so the next open rechecks what was written and refuses writes until then."""
+    from prefixd.migrate import runner
+
+    class FailingSync:
+        def __init__(self, env: lmdb.Environment) -> None:
+            self.env = env
+
+        def sync(self, force: bool = False) -> None:
+            raise lmdb.DiskError("mdb_env_sync: Input/output error")
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.env, name)
+
+    path = copy_fixture(tmp_path, "none")
+    opened = runner.open_environment
+
+    def failing(*args: object, **kwargs: object) -> object:
+        env, tables, meta = opened(*args, **kwargs)  # type: ignore[arg-type]
+        return (env, tables, meta) if kwargs.get("readonly") else (FailingSync(env), tables, meta)
+
+    monkeypatch.setattr(runner, "open_environment", failing)
+    with pytest.raises(SyncFailedError):
+        Migrator(path).upgrade()
+    monkeypatch.undo()
+    assert (path / SYNC_MARKER).exists()
+    with Store.open(path) as store:
+        assert store.rechecked is not None
+
+
+def test_a_backup_is_readable_by_its_owner_alone(tmp_path: Path) -> None:
+    """A backup holds every tenant's bytes: its directory is 0700 and its file 0600, whatever the
+    directory it was given."""
+    path = copy_fixture(tmp_path, "none")
+    backup = tmp_path / "backups" / "before"
+    backup.mkdir(parents=True, mode=0o755)
+    Migrator(path).upgrade(backup=backup)
+    assert backup.stat().st_mode & 0o777 == 0o700
+    assert (backup / "data.mdb").stat().st_mode & 0o777 == 0o600

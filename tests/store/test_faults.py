@@ -591,15 +591,24 @@ def test_a_full_map_in_any_write_is_a_store_full_error(
         assert store.stats().blocks == N_BLOCKS and store.check() == []
 
 
-def test_a_full_map_in_the_eviction_after_a_put_leaves_the_put_acknowledged(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "error",
+    [
+        lmdb.MapFullError("mdb_txn_commit: MDB_MAP_FULL: Environment mapsize limit"),
+        lmdb.Error("mdb_txn_commit: No space left on device"),
+        lmdb.DiskError("mdb_txn_commit: Input/output error"),  # its fsync, under `full`
+    ],
+)
+def test_a_failure_of_the_eviction_after_a_put_leaves_the_put_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: lmdb.Error
 ) -> None:
-    """The put committed before the quota's eviction ran: that eviction failing is no reason to
-    tell the caller the put was rolled back (it was not, and its blocks serve)."""
+    """The put committed before the quota's eviction ran: that eviction failing (a full map, a
+    full disk, an I/O error) is no reason to tell the caller the put was rolled back (it was not,
+    and its blocks serve)."""
     from prefixd.store import put as put_path
 
     def full(*args: object, **kwargs: object) -> object:
-        raise lmdb.MapFullError("mdb_txn_commit: MDB_MAP_FULL: Environment mapsize limit")
+        raise error
 
     with open_store(tmp_path / "s", tenant_quota_bytes=2000) as store:
         monkeypatch.setattr(put_path, "evict", full)

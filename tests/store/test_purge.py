@@ -292,6 +292,9 @@ def test_compact_copy_is_smaller_and_whole(tmp_path: Path) -> None:
         store.purge(PurgeSelector(tenant="a"))
         report = store.compact_to(tmp_path / "copy")
         assert report["bytes_after"] < report["bytes_before"]
+        # every tenant's bytes: the copy is its owner's alone
+        assert (tmp_path / "copy").stat().st_mode & 0o777 == 0o700
+        assert (tmp_path / "copy" / "data.mdb").stat().st_mode & 0o777 == 0o600
         with pytest.raises(Exception, match="not empty"):
             store.compact_to(tmp_path / "copy")
     with Store.open(tmp_path / "copy", create=False) as copy:

@@ -9,6 +9,7 @@ for one whose `sync` fails as a disk's would (LMDB's error, as it comes).
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +228,50 @@ def test_a_store_whose_first_sync_fails_opens_refusing_writes_and_is_checked_who
         report = store.rechecked
         assert report is not None and (report.since_ns, report.blocks) == (0, N_BLOCKS)
         assert store.sync_failure is None
+
+
+def test_a_load_after_a_failed_fsync_quarantines_nothing(tmp_path: Path) -> None:
+    """The store writes nothing more once an fsync failed: a damaged block a load meets is left
+    where it is (it fails verification on every read, so it is never served)."""
+    path = tmp_path / "s"
+    payloads = random_payloads(N_BLOCKS)
+    with open_store(path) as store:
+        store.put(IDENT, TOKENS, payloads)
+    corrupt_payload(path, payloads[2])
+    with open_store(path, sync_interval_s=3600.0) as store:
+        fail_syncs(store)
+        with pytest.raises(SyncFailedError):
+            store.sync()
+        txn = store._ctx.env.info()["last_txnid"]
+        loaded = store.load(IDENT, TOKENS, bytearray(sum(map(len, payloads))))
+        assert loaded.n_blocks == 2
+        assert store._ctx.env.info()["last_txnid"] == txn
+        assert (store.stats().blocks, store.stats().quarantined) == (N_BLOCKS, 0)
+
+
+def test_a_put_waiting_to_commit_when_an_fsync_fails_is_refused(tmp_path: Path) -> None:
+    """A put that was let in before the fsync failed, and commits after (it waited for its turn
+    behind another commit), is refused, never acknowledged: nothing written then would stay."""
+    store = open_store(tmp_path / "s", sync_interval_s=3600.0)
+    commits = store._writer._commits
+    outcome: list[object] = []
+
+    def put() -> None:
+        try:
+            outcome.append(store.put(IDENT, OTHER_TOKENS, random_payloads(N_BLOCKS)))
+        except SyncFailedError as exc:
+            outcome.append(exc)
+
+    try:
+        with commits.held():  # another commit holds the turn
+            putting = threading.Thread(target=put)
+            putting.start()
+            wait_for(lambda: commits.waiting == 1, "the put waits for its turn", poll_s=0.001)
+            fail_syncs(store)
+            with pytest.raises(SyncFailedError):
+                store.sync()
+        putting.join(10)
+        assert isinstance(outcome[0], SyncFailedError), outcome
+        assert store.longest_prefix(IDENT, OTHER_TOKENS).n_blocks == 0
+    finally:
+        store.close()
