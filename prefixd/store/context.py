@@ -58,4 +58,7 @@ class StoreContext:
         return self.config.path
 
     def writing(self) -> AbstractContextManager[lmdb.Transaction]:
+        """A write transaction, refused (SyncFailedError) once an fsync failed: the store writes
+        nothing more."""
+        self.syncs.check_writable()
         return self.journals.writing(self.env)

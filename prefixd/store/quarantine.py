@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import lmdb
 import msgpack
 
+from prefixd.errors import SyncFailedError
 from prefixd.schema.chain import BlockChain
 from prefixd.store import counters
 from prefixd.store.derived import rebuild_derived
@@ -41,9 +42,6 @@ def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
     failed (the store writes nothing more), they stay: they fail verification on every read."""
     if not bad:
         return
-    if ctx.syncs.failure is not None:
-        log.warning("%d damaged block(s) left in place: an fsync of the store failed", len(bad))
-        return
     try:
         with ctx.writing() as txn:
             for h, parent_key, identity, reason in bad:
@@ -53,7 +51,7 @@ def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
                     log.warning(
                         "quarantined a stored block (%s); %d block(s) with it", reason, dropped
                     )
-    except lmdb.Error as exc:
+    except (lmdb.Error, SyncFailedError) as exc:
         log.warning("could not quarantine %d damaged block(s) now: %s", len(bad), exc)
 
 

@@ -3,10 +3,12 @@ publishing, one reading through; damage, outages and purges."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +29,7 @@ from prefixd.schema.chain import BlockChain
 from prefixd.store.purge import PurgeSelector
 from tests.waiting import wait_for
 
-from .memory_tier import MemoryTier, nodes  # noqa: F401 (a fixture)
+from .memory_tier import MemoryTier, Nodes, nodes  # noqa: F401 (a fixture)
 
 IDENT = Identity(
     model="m",
@@ -442,6 +444,25 @@ def test_a_tier_away_is_logged_now_and_then_and_every_failure_counted(
         store.close()
 
 
+@contextlib.contextmanager
+def clocked_nodes(tmp_path: Path, now: Callable[[], float]) -> Iterator[Nodes]:
+    """Two bridged stores over one in-memory tier, node B's bridge on the clock `now`."""
+    tier = MemoryTier()
+    a = Store.open(tmp_path / "a", map_size=64 << 20)
+    b = Store.open(tmp_path / "b", map_size=64 << 20)
+    bridge_a = SharedTierBridge(a, tier, pending=64, prefill_tokens_per_s=1000.0)
+    bridge_b = SharedTierBridge(b, tier, pending=8, prefill_tokens_per_s=1000.0, now=now)
+    for bridge in (bridge_a, bridge_b):
+        bridge.start()
+    try:
+        yield tier, [a, b], [bridge_a, bridge_b]
+    finally:
+        for bridge in (bridge_a, bridge_b):
+            bridge.stop(timeout_s=0.5)
+        a.close()
+        b.close()
+
+
 def test_a_fetch_that_failed_is_not_made_again_for_a_while(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -451,16 +472,7 @@ def test_a_fetch_that_failed_is_not_made_again_for_a_while(
     not remembered so: a value still being put (REPLICA_IS_NOT_READY) is there a moment later,
     and an unreachable tier's cooldown already answers at once."""
     clock = [1000.0]
-    tier = MemoryTier()
-    a = Store.open(tmp_path / "a", map_size=64 << 20)
-    b = Store.open(tmp_path / "b", map_size=64 << 20)
-    bridge_a = SharedTierBridge(a, tier, pending=64, prefill_tokens_per_s=1000.0)
-    bridge_b = SharedTierBridge(
-        b, tier, pending=8, prefill_tokens_per_s=1000.0, now=lambda: clock[0]
-    )
-    for bridge in (bridge_a, bridge_b):
-        bridge.start()
-    try:
+    with clocked_nodes(tmp_path, lambda: clock[0]) as (tier, (a, b), (bridge_a, bridge_b)):
         publish(a, bridge_a, tier)
         wait_for(lambda: len(tier.objects) == 6, "A's blocks published", poll_s=0.01)
         fetch = tier.get_many_into
@@ -489,27 +501,13 @@ def test_a_fetch_that_failed_is_not_made_again_for_a_while(
         monkeypatch.setattr(tier, "get_many_into", fetch)
         assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
         assert loaded(b) == PAYLOADS
-    finally:
-        for bridge in (bridge_a, bridge_b):
-            bridge.stop(timeout_s=0.5)
-        a.close()
-        b.close()
 
 
 def test_a_value_that_failed_its_proof_is_not_fetched_again_for_a_while(tmp_path: Path) -> None:
     """A value put first keeps its key (the tier keeps the first value): a damaged or planted one
     would be fetched and refused at every lookup of its prompt. It is asked again after 10 s."""
     clock = [1000.0]
-    tier = MemoryTier()
-    a = Store.open(tmp_path / "a", map_size=64 << 20)
-    b = Store.open(tmp_path / "b", map_size=64 << 20)
-    bridge_a = SharedTierBridge(a, tier, pending=64, prefill_tokens_per_s=1000.0)
-    bridge_b = SharedTierBridge(
-        b, tier, pending=8, prefill_tokens_per_s=1000.0, now=lambda: clock[0]
-    )
-    for bridge in (bridge_a, bridge_b):
-        bridge.start()
-    try:
+    with clocked_nodes(tmp_path, lambda: clock[0]) as (tier, (a, b), (bridge_a, bridge_b)):
         first = block_key(IDENT, BlockChain(IDENT, TOKENS).hash(0))
         tier.objects[first] = bytes(64 << 10)  # planted before A publishes
         publish(a, bridge_a, tier)
@@ -522,11 +520,7 @@ def test_a_value_that_failed_its_proof_is_not_fetched_again_for_a_while(tmp_path
         clock[0] += 10.0
         assert bridge_b.read_through(IDENT, TOKENS, 0) == 0  # asked again, refused again
         assert tier.calls["get_many_into"] == 2
-    finally:
-        for bridge in (bridge_a, bridge_b):
-            bridge.stop(timeout_s=0.5)
-        a.close()
-        b.close()
+        assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0  # nothing of it installed
 
 
 def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:

@@ -15,7 +15,7 @@ import pytest
 from prefixd import Store
 from prefixd.client import Client
 from prefixd.config.policy import Grant
-from prefixd.daemon.context import Request
+from prefixd.daemon.context import Request, RequestContext
 from prefixd.daemon.engine_ops import pinned_lookup, unpin
 from prefixd.daemon.operations import Operations
 from prefixd.daemon.peer import Peer, Pins
@@ -103,14 +103,19 @@ def test_a_connections_pins_are_kept_by_tenant() -> None:
     assert not pins
 
 
+def connected(store: Store, pool: ThreadPoolExecutor) -> tuple[Operations, Peer, RequestContext]:
+    """The daemon's operations over `store`, and a connection of uid NOBODY to them."""
+    ops = Operations(services(store, pool))
+    peer = Peer(NOBODY, max_inflight=64)
+    return ops, peer, ops.context(peer)
+
+
 def test_a_pinning_lookup_that_a_reload_overtakes_gives_its_pins_back(tmp_path: Path) -> None:
     """The grant is checked when the lookup is read; a reload that takes the tenant before the
     store has pinned its blocks must not leave them pinned for the connection."""
     with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
         store.put(ENGINE, one(0), [b"kv"])
-        ops = Operations(services(store, pool))
-        peer = Peer(NOBODY, max_inflight=64)
-        context = ops.context(peer)
+        ops, peer, context = connected(store, pool)
         message = Lookup(id=1, identity=WireIdentity.of(ENGINE), prompts=[Prompt(tokens=one(0))])
         queries = context.queries(message)  # allowed, when the request came
         assert ops.regrant(peer, Grant(frozenset({"other"}), frozenset())) is not None
@@ -126,9 +131,7 @@ def test_a_pinning_lookup_refused_at_a_later_prompt_gives_its_pins_back(tmp_path
     tokens = np.arange(4 * IDENTITY.block_tokens, dtype=np.uint32).tobytes()
     with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
         store.put(IDENTITY, tokens, [b"kv"] * 4)
-        ops = Operations(services(store, pool))
-        peer = Peer(NOBODY, max_inflight=64)
-        context = ops.context(peer)
+        _, peer, context = connected(store, pool)
         prompts = [Prompt(tokens=tokens), Prompt(tokens=tokens, hashes=b"x")]
         message = Lookup(id=1, identity=WireIdentity.of(IDENTITY), prompts=prompts)
         with pytest.raises(ProtocolError) as refused:
@@ -144,9 +147,7 @@ def test_an_unpin_weighs_on_the_loop_only_the_blocks_it_pinned(
     are set aside on a worker, so the loop releases only the pinned ones."""
     with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
         store.put(ENGINE, one(0), [b"kv"])
-        ops = Operations(services(store, pool))
-        peer = Peer(NOBODY, max_inflight=64)
-        context = ops.context(peer)
+        _, peer, context = connected(store, pool)
         pinning = Lookup(id=1, identity=WireIdentity.of(ENGINE), prompts=[Prompt(tokens=one(0))])
         asyncio.run(pinned_lookup(context, 1, context.queries(pinning), None, judged=False))
         weighed: list[int] = []

@@ -372,6 +372,16 @@ def test_identity_state_spec_round_trips_and_validates() -> None:
         )
 
 
+def put_four_pages_and_a_checkpoint(store: Store, ident: Identity, tokens: np.ndarray) -> None:
+    """A kv page per block of four and a rec checkpoint at token 16: five parts."""
+    store.put_state(
+        ident,
+        tokens,
+        paged={"kv": pages_for("kv", range(0, 16, 4))},
+        checkpoints={"rec": {16: snap("rec", 16)}},
+    )
+
+
 def test_a_state_read_cut_off_at_its_deadline_is_a_miss(tmp_path: Path, monkeypatch) -> None:
     """Slow storage: the read of the first page stalls past the load's deadline. A state needs
     every group at one boundary, so the answer is a miss (nothing reported, the destination
@@ -392,12 +402,7 @@ def test_a_state_read_cut_off_at_its_deadline_is_a_miss(tmp_path: Path, monkeypa
         return value
 
     with Store.open(tmp_path / "s", map_size=64 << 20, clock=clock, verify_threads=0) as store:
-        store.put_state(
-            ident,
-            tokens,
-            paged={"kv": pages_for("kv", range(0, 16, 4))},
-            checkpoints={"rec": {16: snap("rec", 16)}},
-        )
+        put_four_pages_and_a_checkpoint(store, ident, tokens)
         monkeypatch.setattr(codec, "_copy_and_checksum", stalled_at_the_first_page)
         out = bytearray(b"\xaa") * 4096
         cut = store.load_state(ident, tokens, out, deadline=clock.monotonic() + 5.0)
@@ -431,12 +436,7 @@ def test_a_state_whose_destination_changed_during_the_load_is_a_miss(
         return value
 
     with Store.open(tmp_path / "s", map_size=64 << 20, compression="none") as store:
-        store.put_state(
-            ident,
-            tokens,
-            paged={"kv": pages_for("kv", range(0, 16, 4))},
-            checkpoints={"rec": {16: snap("rec", 16)}},
-        )
+        put_four_pages_and_a_checkpoint(store, ident, tokens)
         monkeypatch.setattr(codec, "_copy_and_checksum", copy_then_scribbled)
         out = bytearray(b"\xaa") * 4096
         changed = store.load_state(ident, tokens, out)
