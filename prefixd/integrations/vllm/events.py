@@ -22,6 +22,10 @@ class KeyEvents:
         self._reported: dict[bytes, None] = {}  # reported stored, oldest first
 
     @property
+    def enabled(self) -> bool:
+        return self._events is not None
+
+    @property
     def watching(self) -> bool:
         """Whether some key reported stored may yet be reported removed."""
         return bool(self._reported)

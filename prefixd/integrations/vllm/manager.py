@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -57,6 +58,13 @@ class _Request:
     finished: bool = False
 
 
+class _Stored(NamedTuple):
+    """Keys a store job put, to be reported stored once the daemon holds them."""
+
+    positions: dict[bytes, int]
+    keys: list[bytes]
+
+
 @dataclass
 class _Staged:
     """The staging thread's reply for one request."""
@@ -85,7 +93,7 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
         self._exports = Exports()
         self._events = KeyEvents(MEDIUM, enabled=kv_events and settings.enable_kv_events)
         self._requests: dict[str, _Request] = {}
-        self._asks: queue.SimpleQueue[tuple[str, dict[bytes, int], list[bytes]] | None]
+        self._asks: queue.SimpleQueue[tuple[str, dict[bytes, int], list[bytes]] | _Stored | None]
         self._asks = queue.SimpleQueue()
         self._replies: queue.SimpleQueue[_Staged] = queue.SimpleQueue()
         self._thread = threading.Thread(
@@ -168,8 +176,11 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        if success:
-            self._events.note(list(keys), removed=False)
+        # the worker reports every store job done, puts it skipped or the daemon refused
+        # included (vLLM fails the engine on a failed store): the keys are asked for first, on
+        # the staging thread, and only those every rank's daemon holds are reported stored
+        if success and self._events.enabled and keys:
+            self._asks.put(_Stored(positions_of(req_context), list(keys)))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         request = self._requests.get(req_context.req_id)
@@ -243,6 +254,12 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
     def _stage(self) -> None:
         self._link.client()  # at once, off vLLM's thread: the region is made before any lookup
         while (ask := self._asks.get()) is not None:
+            if isinstance(ask, _Stored):
+                try:
+                    self._events.note(self._held_by_daemon(*ask), removed=False)
+                except Exception:  # a bug must not stop the lookups: the keys go unreported
+                    log.exception("prefixd spec: a store's keys could not be confirmed")
+                continue
             req_id, positions, keys = ask
             try:
                 reply = self._stage_request(req_id, positions, keys)
@@ -273,6 +290,26 @@ class PrefixdManager(OffloadingManager):  # type: ignore[misc]
         if self._events.watching:
             self._events.note(missed, removed=True)
         return _Staged(req_id, missed, held)
+
+    def _held_by_daemon(self, positions: dict[bytes, int], keys: list[bytes]) -> list[bytes]:
+        """The keys of `keys` whose chunks the daemon holds for every rank, in their order."""
+        chains = self._chains.of(positions)
+        held: set[bytes] = set()
+        for group in {group_of(k) for k in keys}:
+            chain = chains.get(group, NO_CHAIN)
+            places = [chain.places[k] for k in keys if k in chain.places]
+            if group not in self._identities[0] or not places:
+                continue
+            stored = len(chain.keys)
+            for identities in self._identities:
+                identity = identities[group]
+                words = pack_keys(identity, chain.keys[: max(places) + 1])
+                found = self._link.call(
+                    lambda c: c.lookup(identity, [words], stored_only=True)  # noqa: B023
+                )
+                stored = min(stored, found[0].n_blocks if found else 0)
+            held.update(chain.keys[:stored])
+        return [k for k in keys if k in held]
 
     def _load_ranks(self, group: int, chain: list[bytes], first: int) -> list[Loaded]:
         """Every rank's verified payloads of chain blocks `first..` worth loading, or none."""

@@ -13,10 +13,11 @@ import signal
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
-from vllm.v1.kv_offload.base import Medium
+from vllm.v1.kv_offload.base import Medium, OffloadingEvent
 
 from prefixd.client import Client
 from prefixd.schema.chain import chain_hashes
@@ -210,6 +211,26 @@ def test_a_store_larger_than_the_store_region_stores_what_fits_and_says_so(
     assert engines.start(daemon.socket).settle(context("b", keys), keys) == 2
 
 
+def test_events_report_stored_only_the_chunks_the_daemon_holds(
+    daemon_factory: DaemonFactory, engines: Engines, tmp_path: Path
+) -> None:
+    """A store job is done for vLLM even when its puts were skipped (a full store region) or
+    never reached a daemon: a router told of those chunks would send requests here for KV the
+    node cannot serve."""
+    keys = request_keys(15, 4)
+    daemon = daemon_factory()
+    engine = engines.start(
+        daemon.socket, events=True, enable_kv_events=True, store_region_bytes=2 * CHUNK_BYTES
+    )
+    engine.fill(list(range(PER * 4)), 15)
+    engine.store(context("a", keys), keys, list(range(PER * 4)))
+    assert [sorted(e.keys) for e in stored_events(engine, keys)] == [sorted(keys[:2])]
+    away = engines.start(tmp_path / "no-daemon.sock", events=True, enable_kv_events=True)
+    away.fill(list(range(PER * 2)), 15)
+    away.store(context("b", keys[:2]), keys[:2], list(range(PER * 2)))
+    assert stored_events(away, keys[:2]) == []
+
+
 def test_a_hit_not_worth_loading_is_recomputed_and_counted(
     daemon_factory: DaemonFactory, engines: Engines
 ) -> None:
@@ -235,12 +256,19 @@ def test_chunks_the_daemon_holds_are_not_put_again(daemon: Daemon, engines: Engi
     assert puts() == before
 
 
+def stored_events(engine: Direct, keys: list[bytes]) -> list[OffloadingEvent]:
+    """The manager's events once a lookup of `keys` settled: the staging thread confirms a
+    store's keys with the daemon in turn with lookups, so every store before it is reported."""
+    engine.settle(context(uuid.uuid4().hex, keys), keys)
+    return list(engine.manager.take_events())
+
+
 def test_events_carry_the_medium_and_removals(daemon: Daemon, engines: Engines) -> None:
     keys = request_keys(9, 2)
     engine = engines.start(daemon.socket, events=True, enable_kv_events=True)
     engine.fill(list(range(PER * 2)), 9)
     engine.store(context("a", keys), keys, list(range(PER * 2)))
-    [event] = engine.manager.take_events()
+    [event] = stored_events(engine, keys)
     assert (event.medium, event.removed, sorted(event.keys)) == (
         Medium.STORAGE,
         False,
