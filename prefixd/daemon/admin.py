@@ -35,6 +35,9 @@ async def stats(ctx: RequestContext, request: Request[Stats]) -> StatsReply:
     services = ctx.services
     store = await services.run(services.store.stats)
     metrics = await services.run(services.metrics.snapshot)
+    grant = ctx.peer.grant
+    if grant.tenants is not None:  # tenants apart: a confined peer sees its own, the node's totals
+        metrics["tenants"] = {t: v for t, v in metrics["tenants"].items() if grant.may_use(t)}
     if services.bridge is not None:
         metrics["cluster"] = {**services.bridge.snapshot(), **services.cluster_hits}
     server = {**services.server_counters(), **services.warmed, "models": dict(services.models)}

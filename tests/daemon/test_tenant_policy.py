@@ -86,6 +86,20 @@ def test_a_policy_confines_a_peer_to_its_tenants(
         assert root.stats()["server"]["errors.forbidden"] >= len(attacks)
 
 
+def test_stats_show_a_confined_peer_only_its_own_tenants(
+    daemon_factory: DaemonFactory, sock_dir: Path
+) -> None:
+    daemon = start(daemon_factory, sock_dir, "--tenant-policy", f"uid:{NOBODY}=bob")
+    assert as_nobody(lambda: _with(daemon, lambda c: c.put(BOB, PROMPT, PAYLOADS).stored)) == (
+        "ok",
+        4,
+    )
+    kind, seen = as_nobody(lambda: _with(daemon, lambda c: sorted(c.stats()["metrics"]["tenants"])))
+    assert (kind, seen) == ("ok", ["bob"])  # never alice's name, nor what she stores
+    with Client(daemon.socket) as root:
+        assert {"alice", "bob"} <= set(root.stats()["metrics"]["tenants"])
+
+
 def test_grants_name_operations_and_groups(daemon_factory: DaemonFactory, sock_dir: Path) -> None:
     policy = f"uid:{NOBODY}=bob+op:hot,gid:{NOBODY}=alice"
     daemon = start(daemon_factory, sock_dir, "--tenant-policy", policy)
