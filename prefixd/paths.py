@@ -1,18 +1,21 @@
 """Where a node's stores and sockets live unless told. Under systemd: StateDirectory= and
 RuntimeDirectory=; else root's daemon uses the FHS places (/var/lib/prefixd, /run/prefixd) and
-other users the XDG ones. A named instance (prefixd@NAME, one per GPU or NUMA node) uses
+other users the XDG ones, but for the service user of the shipped units, whose store is the
+node's (/var/lib/prefixd) wherever it runs a command. A named instance (prefixd@NAME, one per GPU or NUMA node) uses
 prefixd-NAME in the same places, so instances never share a directory.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from prefixd.errors import ConfigError
 
+SERVICE_USER = "prefixd"  # the account systemd/prefixd.service runs the daemon as
 INSTANCE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -37,7 +40,7 @@ def default_data_dir(env: Mapping[str, str], instance: str = "") -> Path:
     if env.get("STATE_DIRECTORY"):
         return Path(env["STATE_DIRECTORY"].split(":")[0])  # several StateDirectory= are ':'-joined
     name = _instance_dir(instance)
-    if os.geteuid() == 0:
+    if os.geteuid() == 0 or os.geteuid() == service_uid():
         return Path("/var/lib") / name
     return _xdg_dir(env, "XDG_STATE_HOME", ".local/state") / name
 
@@ -62,6 +65,14 @@ def _instance_dir(instance: str) -> str:
     return f"prefixd-{check_instance(instance)}" if instance else "prefixd"
 
 
+def service_uid() -> int | None:
+    """The uid of the shipped units' account (SERVICE_USER), if this machine has one."""
+    try:
+        return pwd.getpwnam(SERVICE_USER).pw_uid
+    except KeyError:
+        return None
+
+
 def _xdg_dir(env: Mapping[str, str], variable: str, fallback: str) -> Path:
     value = env.get(variable, "")
     if os.path.isabs(value):
@@ -69,4 +80,11 @@ def _xdg_dir(env: Mapping[str, str], variable: str, fallback: str) -> Path:
     return (Path(env["HOME"]) if env.get("HOME") else Path.home()) / fallback
 
 
-__all__ = ["check_instance", "default_data_dir", "default_socket", "node_socket"]
+__all__ = [
+    "SERVICE_USER",
+    "check_instance",
+    "default_data_dir",
+    "default_socket",
+    "node_socket",
+    "service_uid",
+]

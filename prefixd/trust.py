@@ -27,11 +27,11 @@ from prefixd.errors import (
     UntrustedDaemonError,
     UntrustedPathError,
 )
+from prefixd.paths import service_uid
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 DAEMON_USER_VARIABLE = "PREFIXD_DAEMON_USER"
-SERVICE_USER = "prefixd"  # the account systemd/prefixd.service runs the daemon as
 
 
 def daemon_uids(
@@ -50,7 +50,7 @@ def daemon_uids(
             what = "daemon_uid" if expected is not None else DAEMON_USER_VARIABLE
             raise ConfigError(f"{what}: {exc}") from None
     uids = {os.geteuid(), 0}
-    service = _uid_of(SERVICE_USER)
+    service = service_uid()
     if service is not None:
         uids.add(service)
     return frozenset(uids)

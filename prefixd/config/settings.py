@@ -108,8 +108,8 @@ class StoreSettings(_Group):
 
     data_dir: Path = _setting(
         "path",
-        "store directory (default: $STATE_DIRECTORY, /var/lib/prefixd as root, "
-        "else $XDG_STATE_HOME/prefixd or ~/.local/state/prefixd)",
+        "store directory (default: $STATE_DIRECTORY, /var/lib/prefixd as root or the service "
+        "user prefixd, else $XDG_STATE_HOME/prefixd or ~/.local/state/prefixd)",
     )
     instance: str = _setting(
         "text",

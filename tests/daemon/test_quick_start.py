@@ -11,6 +11,7 @@ an operator's shell would, and the machine keeps none of it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -52,6 +53,9 @@ trap 'systemctl stop prefixd.service' EXIT
 cd "$node/src"
 sh -eux "$node/quick-start.sh"
 runuser -u engine -- /opt/prefixd/bin/python "$node/engine.py"
+# the service user's own command, the daemon stopped and no systemd around it: the node's store
+systemctl stop prefixd.service
+runuser -u prefixd -- /opt/prefixd/bin/prefixd verify --json > "$node/verified.json"
 """
 
 # The engine's first round trip, through the installed prefixd, with no flag or setting.
@@ -144,6 +148,14 @@ def test_the_quick_start_builds_a_node_an_engine_uses(node: Path) -> None:
     assert done.returncode == 0, output
     assert "prefixd health" in done.stdout or '"status": "ok"' in done.stdout, output
     assert "engine round trip ok" in done.stdout, output
+    verified = json.loads((node / "verified.json").read_text())
+    # the engine's two blocks (and whatever the machine's /var/lib/prefixd held), no problem
+    assert (verified["mode"], verified["path"], verified["count"]) == (
+        "offline",
+        "/var/lib/prefixd",
+        0,
+    ), verified
+    assert verified["blocks"] >= 2, verified
     # the block made the accounts and the install on the node, none on the machine
     assert b"\nprefixd:" in (node / "etc.up" / "passwd").read_bytes()
     assert (node / "opt.up" / "prefixd" / "bin" / "prefixd").is_file()
