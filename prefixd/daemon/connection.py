@@ -218,20 +218,13 @@ class Connection:
 
     def _start(self, body: memoryview, fds: list[int]) -> None:
         """Decode one frame and start its request; `fds` arrived with this frame."""
-        try:
+        try:  # never past max_inflight: both readers stop reading there (backpressure)
             message = decode_request(body)
         except RequestError as exc:
             close_fds(fds)
-            if exc.rid is not None and len(self._requests) >= self.max_inflight:
-                self._busy(exc.rid)
-            else:
-                self._spawn(self._refuse(exc))
+            self._spawn(self._refuse(exc))
             return
         rid = message.id
-        if len(self._requests) >= self.max_inflight:
-            close_fds(fds)
-            self._busy(rid)
-            return
         handler = self.operations.handlers[type(message)]
         if fds and not handler.takes_fds:
             close_fds(fds)  # a descriptor belongs to the frame it came with
@@ -259,10 +252,6 @@ class Connection:
         if answered.after is not None:
             answered.after()  # after the reply left: the counting is off the client's wait
         self.operations.services.metrics.observe_op(op, sent - received)
-
-    def _busy(self, rid: int) -> None:
-        text = f"at most {self.max_inflight} requests in flight per connection"
-        self._spawn(self._send(self._error(rid, ErrorCode.BUSY, text)))
 
     def _refusal(self, handler: Handler) -> ProtocolError | None:
         """Why a request of `handler` is not taken now: a reload took the peer off the socket,
