@@ -35,6 +35,7 @@ from prefixd.paths import check_instance
 from prefixd.store.config import (
     COMPRESSIONS,
     READ_PATHS,
+    SHARE_PREFIX,
     Durability,
     StoreConfig,
     tenant_entries,
@@ -466,6 +467,12 @@ class Config:
 
     def __post_init__(self) -> None:
         self.store_config()  # the checks StoreConfig makes across fields
+        for group, members in self.tenants.share_groups.items():
+            for tenant in sorted(self.events.tenants & set(members)):
+                raise ConfigError(
+                    f"kv_events_tenants: {tenant!r} stores its entries in share group {group!r}, "
+                    f"as tenant {SHARE_PREFIX + group!r}: name that (it publishes every member's)"
+                )
 
     @classmethod
     def from_settings(cls, **values: Any) -> Config:

@@ -3,9 +3,12 @@
 The store tells its observer every block a commit stored or removed; `EventPublisher` publishes
 vLLM's `KVEventBatch` (vllm 0.32.0; docs/events.md) on a ZeroMQ PUB socket, with vLLM's ROUTER
 replay endpoint. A start says `AllBlocksCleared`, then announces the inventory at a bounded rate;
-batches carry this start's incarnation. Publishing never delays a write: past a bounded queue events
-are dropped and counted (subscribers see the sequence gap). Only `kv_events_tenants` are published
-(token ids are prompt content); nothing here logs token ids or hashes.
+batches carry this start's incarnation. Publishing never delays a write: a commit whose events do
+not fit the bounded queue drops what waits there and resynchronises the subscribers instead
+(`AllBlocksCleared`, then the inventory again), as does a removed block no event can name (its
+record or identity unreadable), so a router's view never keeps a block the node lost. Only
+`kv_events_tenants` are published (token ids are prompt content); nothing here logs token ids or
+hashes.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -114,7 +117,10 @@ class EventPublisher:
     """The store's observer: a bounded queue, a thread owning the ZeroMQ sockets, and one announcing
     the inventory after a start."""
 
-    def __init__(self, settings: EventSettings, inventory: Iterator[list[BlockChange]]) -> None:
+    def __init__(
+        self, settings: EventSettings, inventory: Callable[[int], Iterator[list[BlockChange]]]
+    ) -> None:
+        """`inventory(batch)`: every stored block, `batch` at a time (Store.inventory)."""
         try:
             import zmq
         except ImportError:
@@ -128,12 +134,18 @@ class EventPublisher:
         self._context = zmq.Context()
         self._inventory = inventory
         self._order = threading.Lock()  # an inventory batch and a commit's changes never interleave
-        self._ready = threading.Condition()
+        lock = threading.Lock()
+        self._ready = threading.Condition(lock)  # events to send (the publisher waits)
+        self._room = threading.Condition(lock)  # room for an inventory batch (the announcer waits)
+        self._resyncs = 0
+        self._inventory_done = False  # the announcer's: it announced every block since the resync
+        # an inventory batch leaves room in the queue for commits' events
+        self._batch = max(1, min(EVENTS_PER_BATCH, settings.queue // 2))
         self._pending: deque[list[Event]] = deque()
         self._pending_events = 0
         self._stop = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
-        published = ("published_events", "published_batches", "dropped_events")
+        published = ("published_events", "published_batches", "dropped_events", "resyncs")
         self.counts = dict.fromkeys((*published, "inventory_blocks", "replays"), 0)
         self._bound = threading.Event()
         self._failed: BaseException | None = None
@@ -143,25 +155,47 @@ class EventPublisher:
         )
 
     def committed(self, changes: Sequence[BlockChange]) -> None:
-        """Called by the store's writers after each commit: never waits."""
+        """Called by the store's writers after each commit, in commit order: never waits."""
         events = self._published(changes)
-        if events:
+        if events is None or events:
             with self._order:
                 self._enqueue(events)
 
-    def _published(self, changes: Sequence[BlockChange]) -> list[Event]:
-        settings = self.settings
-        return [event_of(c, settings.hash_only) for c in changes if settings.publishes(c)]
+    def _published(self, changes: Sequence[BlockChange]) -> list[Event] | None:
+        """The events of `changes`; None when a removed block cannot be named (its identity, or an
+        engine-keyed block's key, unreadable): only a resync then tells subscribers it went. A
+        stored block whose identity is unreadable is left out."""
+        settings, events = self.settings, []
+        for change in changes:
+            identity = change.identity
+            if identity is not None and not settings.publishes(change):
+                continue
+            if identity is None or (identity.key_bytes is not None and not change.tokens):
+                if not change.stored:
+                    return None
+                continue
+            events.append(event_of(change, settings.hash_only))
+        return events
 
-    def _enqueue(self, events: list[Event]) -> None:
+    def _enqueue(self, events: list[Event] | None) -> None:
+        """Queue `events`; when they do not fit, or are None, resynchronise instead: what waits is
+        dropped (and counted), subscribers are told AllBlocksCleared and the inventory is
+        announced again, from its first block. Called under the order lock."""
         with self._ready:
-            if self._pending_events + len(events) > self.settings.queue:
-                self.counts["dropped_events"] += len(events)
+            if events is not None and self._pending_events + len(events) <= self.settings.queue:
+                self._pending.append(events)
+                self._pending_events += len(events)
+                if self._pending_events >= EVENTS_PER_BATCH:
+                    self._ready.notify()
                 return
-            self._pending.append(events)
-            self._pending_events += len(events)
-            if self._pending_events >= EVENTS_PER_BATCH:
-                self._ready.notify()
+            self.counts["dropped_events"] += self._pending_events + len(events or ())
+            self.counts["resyncs"] += 1
+            self._resyncs += 1
+            self._pending.clear()
+            self._pending.append([AllBlocksCleared()])
+            self._pending_events = 1
+            self._ready.notify()
+            self._room.notify_all()
 
     def start(self) -> None:
         """Bind (raising what binding raised), say AllBlocksCleared, announce."""
@@ -169,13 +203,16 @@ class EventPublisher:
         self._bound.wait()
         if self._failed is not None:
             raise ConfigError(f"kv_events_endpoint: cannot publish there ({self._failed})")
-        self._enqueue([AllBlocksCleared()])
+        with self._ready:
+            self._pending.append([AllBlocksCleared()])
+            self._pending_events += 1
         self._announcer.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         with self._ready:
             self._ready.notify_all()
+            self._room.notify_all()
         for thread in (self._announcer, self._thread):
             if thread.is_alive():
                 thread.join(timeout_s)
@@ -186,19 +223,39 @@ class EventPublisher:
             return {**self.counts, "queued_events": self._pending_events}
 
     def _announce(self) -> None:
-        """At most `inventory_rate` blocks a second, under the order lock: a block removed meanwhile
-        is told removed after it was told stored."""
+        try:
+            self._announce_inventory()
+        except Exception:  # a store that cannot be read: said, and the events go on
+            log.exception("KV events: the inventory could not be announced")
+
+    def _announce_inventory(self) -> None:
+        """At most `inventory_rate` blocks a second, each batch under the order lock once the queue
+        has room for it: a block removed meanwhile is told removed after it was told stored. After
+        a resync, again from the first block."""
+        resync = -1
+        inventory: Iterator[list[BlockChange]] = iter(())
         started, announced = time.monotonic(), 0
         while not self._stop.is_set():
+            with self._room:
+                while not self._stop.is_set() and (
+                    self._pending_events + self._batch > self.settings.queue
+                    or (resync == self._resyncs and self._inventory_done)
+                ):
+                    self._room.wait()
             with self._order:
-                batch = next(self._inventory, None)
+                if resync != self._resyncs:
+                    resync, inventory = self._resyncs, self._inventory(self._batch)
+                    started, announced = time.monotonic(), 0
+                    self._inventory_done = False
+                batch = next(inventory, None)
                 if batch is None:
-                    return
+                    self._inventory_done = True
+                    continue
                 events = self._published(batch)
                 if events:
                     self._enqueue(events)
             announced += len(batch)
-            self.counts["inventory_blocks"] += len(events)
+            self.counts["inventory_blocks"] += len(events or ())
             ahead = announced / self.settings.inventory_rate - (time.monotonic() - started)
             if ahead > 0:
                 self._stop.wait(ahead)
@@ -232,6 +289,8 @@ class EventPublisher:
                 taken = list(self._pending)
                 self._pending.clear()
                 self._pending_events = 0
+                if taken:
+                    self._room.notify_all()
             for batch in _batches(taken):
                 payload = self._encoder.encode(
                     EventBatch(time.time(), batch, None, self.incarnation)

@@ -336,7 +336,7 @@ class Server:
         if not self.config.events.endpoint:
             return None
         assert self.store is not None
-        return EventPublisher(self.config.events, self.store.inventory())
+        return EventPublisher(self.config.events, self.store.inventory)
 
     def _shared_tier(self) -> SharedTierBridge | None:
         """The bridge to the shared tier, connected lazily: a tier down at start only costs counted

@@ -143,7 +143,6 @@ def transact(
     """Run `body` in one write transaction: committed, or aborted if its outcome `aborts` (or on an
     exception), so a refused put leaves nothing behind and tells the observer nothing."""
     journal = ctx.journals.open()
-    committed = False
     txn = ctx.env.begin(write=True, buffers=True)  # chunks are read back from LMDB's own pages
     try:
         outcome = body(txn)
@@ -151,11 +150,10 @@ def transact(
             txn.abort()
         else:
             ctx.syncs.check_writable()  # an fsync failed while it was written: not committed
-            txn.commit()
-            committed = True
+            ctx.journals.commit(txn, journal)
     except BaseException:
         txn.abort()
         raise
     finally:
-        ctx.journals.close(journal, committed=committed)
+        ctx.journals.close()
     return outcome

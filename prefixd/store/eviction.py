@@ -199,7 +199,6 @@ def _round(
     freed = 0
     victims: list[bytes] = []
     journal = ctx.journals.open()  # what the round removed is told only if it commits
-    committed = False
     txn = ctx.env.begin(write=True)
     try:
         owned = None if tenant is None else ctx.tenants.digests_of(txn, tenant)
@@ -224,11 +223,10 @@ def _round(
             if ctx.pins.any_held(victims):
                 txn.abort()
                 return None
-            txn.commit()
-            committed = True
+            ctx.journals.commit(txn, journal)
     except BaseException:
         txn.abort()
         raise
     finally:
-        ctx.journals.close(journal, committed=committed)
+        ctx.journals.close()
     return len(victims), freed

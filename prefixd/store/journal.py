@@ -1,15 +1,15 @@
 """What each write transaction stored and removed, told to the store's observer once it commits.
 
 KV events for routers must name exactly the blocks the store holds, so a change counts only when its
-transaction commits: every write path opens its transaction through `Journals.writing` (or `open`
-and `close`), and the put path and `remove_subtree` note changes in this thread's journal. Without
-an observer nothing is noted."""
+transaction commits: every write path opens its transaction through `Journals.writing` (or `open`,
+`commit` and `close`), and the put path and `remove_subtree` note changes in this thread's journal.
+Without an observer nothing is noted."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,12 +58,19 @@ class Journal:
         self.changes.append(change)
 
     def removed(
-        self, txn: lmdb.Transaction, h: bytes, record: BlockRecord | None, reason: str
+        self,
+        txn: lmdb.Transaction,
+        h: bytes,
+        record: BlockRecord | None,
+        reason: str,
+        digest: bytes | None,
     ) -> None:
-        if record is None:  # too damaged to say what it was: its hash alone
-            self.changes.append(BlockChange(reason, h, b"", b"", None))
+        """`digest`: the identity the block is charged to (its parent's, for a record too damaged
+        to say its own)."""
+        identity = identity_of(self._tables, txn, digest, self._identities) if digest else None
+        if record is None:  # too damaged to say what it was: its hash, and its parent's identity
+            self.changes.append(BlockChange(reason, h, b"", b"", identity))
             return
-        identity = identity_of(self._tables, txn, record.identity, self._identities)
         self.changes.append(BlockChange(reason, h, record.parent, record.tokens, identity))
 
 
@@ -85,6 +92,10 @@ class Journals:
         self._tables = tables
         self._open = threading.local()
         self.observer: BlockObserver | None = None
+        # held from a commit until its changes are told: LMDB lets the next writer in at the
+        # commit, and its changes told first (a removal before the store it undoes) would leave a
+        # router's view holding a block the store no longer has
+        self._telling = threading.Lock()
 
     def current(self) -> Journal | None:
         if self.observer is None:
@@ -97,17 +108,25 @@ class Journals:
         self._open.journal = journal
         return journal
 
-    def close(self, journal: Journal | None, *, committed: bool) -> None:
-        """Forget the thread's journal; after a commit, tell the observer (whose failure is only
-        logged: the transaction is committed either way)."""
+    def close(self) -> None:
+        """Forget the thread's journal (committed and told, or aborted)."""
         self._open.journal = None
+
+    def commit(self, txn: lmdb.Transaction, journal: Journal | None) -> None:
+        """Commit `txn`, then tell the observer its changes, in the order the commits were made
+        (the observer's failure is only logged: the transaction is committed either way)."""
         observer = self.observer
-        if not committed or journal is None or not journal.changes or observer is None:
+        if journal is None or not journal.changes or observer is None:
+            txn.commit()
             return
-        try:
-            observer.committed(journal.changes)
-        except Exception:
-            log.exception("the block observer failed; %d change(s) not told", len(journal.changes))
+        with self._telling:
+            txn.commit()
+            try:
+                observer.committed(journal.changes)
+            except Exception:
+                log.exception(
+                    "the block observer failed; %d change(s) not told", len(journal.changes)
+                )
 
     @contextmanager
     def writing(self, env: lmdb.Environment) -> Iterator[lmdb.Transaction]:
@@ -116,27 +135,36 @@ class Journals:
         try:
             with env.begin(write=True) as txn:
                 yield txn
-        except BaseException:
-            self.close(journal, committed=False)
-            raise
-        self.close(journal, committed=True)
+                self.commit(txn, journal)
+        finally:
+            self.close()
 
 
-def inventory(env: lmdb.Environment, tables: Tables, after: bytes, limit: int) -> list[BlockChange]:
-    """Up to `limit` stored blocks after `after` (b"": from the first) as STORED changes, each call
-    in a read transaction of its own, so walking millions of blocks never holds one snapshot open.
-    """
+def inventory(
+    env: lmdb.Environment,
+    tables: Tables,
+    after: bytes,
+    limit: int,
+    min_created: Callable[[lmdb.Transaction, bytes], int],
+) -> tuple[list[BlockChange], bytes]:
+    """The stored blocks among the `limit` after `after` (b"": from the first) as STORED changes,
+    each call in a read transaction of its own, so walking millions of blocks never holds one
+    snapshot open; and the last block read (b"": none left). A block created before
+    `min_created(txn, its identity digest)` is past its tenant's time to live: no lookup serves
+    it, so it is left out."""
     found: list[BlockChange] = []
     identities: dict[bytes, Identity | None] = {}
+    last, read = b"", 0
     with env.begin() as txn:
         for h, record in records_after(txn, tables, after or None):
-            if record is None:
-                continue  # a damaged record is no block a lookup can reach
-            identity = identity_of(tables, txn, record.identity, identities)
-            parent_tokens = keyed_parent(tables, txn, record, identity)
-            found.append(
-                BlockChange(STORED, h, record.parent, record.tokens, identity, parent_tokens)
-            )
-            if len(found) >= limit:
+            last, read = h, read + 1
+            # a damaged or expired record is no block a lookup can reach
+            if record is not None and record.created_ns >= min_created(txn, record.identity):
+                identity = identity_of(tables, txn, record.identity, identities)
+                parent_tokens = keyed_parent(tables, txn, record, identity)
+                found.append(
+                    BlockChange(STORED, h, record.parent, record.tokens, identity, parent_tokens)
+                )
+            if read >= limit:
                 break
-    return found
+    return found, (last if read >= limit else b"")

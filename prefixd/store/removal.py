@@ -50,7 +50,7 @@ def remove_subtree(
         if record is not None:
             identity = record.identity
         if journal is not None:
-            journal.removed(txn, h, record, reason)
+            journal.removed(txn, h, record, reason, identity)
         if children.set_key(h):
             stack.extend((bytes(child), identity) for child in children.iternext_dup())
             txn.delete(h, db=t.children)

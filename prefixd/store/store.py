@@ -419,10 +419,15 @@ class Store:
         """Every stored block as STORED changes, in batches each read in a transaction of its own:
         what a restarted daemon announces."""
         self._check_usable()
-        after = b""
-        while found := journal.inventory(self._ctx.env, self._ctx.tables, after, batch):
-            yield found
-            after = found[-1].block
+        ctx, after = self._ctx, b""
+        while True:
+            found, after = journal.inventory(
+                ctx.env, ctx.tables, after, batch, self._tenancy.min_created_for
+            )
+            if found:
+                yield found
+            if not after:
+                return
 
     def sync(self) -> None:
         """Write pending access times and counters, then fsync; SyncFailedError if that fsync fails,

@@ -659,3 +659,15 @@ def test_two_default_quotas_that_disagree_are_refused(base_env: dict[str, str]) 
     with pytest.raises(ConfigError, match="two default quotas"):
         load({"tenant_quotas": "*=4GiB"}, env).store_config()
     assert load({"tenant_quotas": "*=1GiB"}, env).store_config().default_quota == 1 << 30
+
+
+def test_an_event_tenant_in_a_share_group_is_refused_naming_the_group(
+    base_env: dict[str, str],
+) -> None:
+    """A share group's members store under the group's tenant, so naming a member would publish
+    nothing: the operator is told which name publishes them (every member's blocks)."""
+    shared = {"share_groups": "labs=alice+bob", "kv_events_endpoint": "ipc:///tmp/x"}
+    with pytest.raises(ConfigError, match="'alice' stores its entries in share group 'labs'"):
+        load({**shared, "kv_events_tenants": "alice,carol"}, base_env)
+    config = load({**shared, "kv_events_tenants": "share:labs,carol"}, base_env)
+    assert config.events.tenants == {"share:labs", "carol"}

@@ -117,8 +117,12 @@ def test_hash_only_events_carry_no_token_ids_and_a_full_queue_drops_never_waits(
             assert all(e["token_ids"] == [] for e in consumer.view.blocks.values())
             result = client.put(BOB, tokens(2, 64), [b"b" * 256] * 64)  # 64 changes > 16
             assert result.stored == 64
+            # dropped, then AllBlocksCleared and the inventory again: the view is whole
+            every = set(chain_hashes(BOB, tokens(1, 4))) | set(chain_hashes(BOB, tokens(2, 64)))
+            consumer.until(lambda view: set(view.blocks) == every)
             events = {k: v for k, v in client.stats()["server"].items() if k.startswith("events.")}
         assert events["events.dropped_events"] >= 64, events
+        assert events["events.resyncs"] >= 1, events
 
         def exported() -> bool:  # and Prometheus counts them too
             text = textfile.read_text() if textfile.exists() else ""
@@ -204,3 +208,57 @@ def test_a_request_content_block_publishes_its_token_ids_alone() -> None:
     [block] = chain_hashes(vlm, Prompt(ids[:BT], (MediaItem("img", 1, 2),)))
     event = event_of(BlockChange(STORED, block, bytes(16), first, vlm), hash_only=False)
     assert event.token_ids == ids[:BT].tolist() and event.block_hashes == [block]
+
+
+def test_a_block_whose_record_a_repair_drops_leaves_the_view(
+    daemon_factory: DaemonFactory, sock_dir: Path
+) -> None:
+    """`verify --fix` quarantines a block whose record is damaged without knowing whose it was: no
+    event can name it under its tenant, so the view is cleared and announced again."""
+    daemon, pub, replay = start(daemon_factory, sock_dir, "--kv-events-tenants", "alice")
+    consumer = Consumer(pub, replay)
+    prompt = tokens(7, 3)
+    hashes = chain_hashes(ALICE, prompt)
+    try:
+        with Client(daemon.socket, region_bytes=1 << 20) as client:
+            client.put(ALICE, prompt, [b"a" * 256] * 3)
+            consumer.until(lambda view: set(view.blocks) == set(hashes))
+            record_tokens = prompt[BT : 2 * BT].astype("<u4").tobytes()  # block 1's record
+            flip_in_place(daemon.data_dir / "data.mdb", record_tokens)
+            assert client.verify(fix=True)["quarantined"] == 2
+            consumer.until(lambda view: set(view.blocks) == {hashes[0]})
+        daemon.stop()
+        assert set(consumer.view.blocks) == stored_hashes(daemon)
+    finally:
+        consumer.close()
+
+
+def test_an_unreadable_identity_leaves_the_rest_of_the_inventory_announced(
+    daemon_factory: DaemonFactory, sock_dir: Path
+) -> None:
+    """A restart announces every block; one whose identity cannot be read is left out, never
+    the end of the announcement."""
+    daemon, pub, replay = start(daemon_factory, sock_dir, "--kv-events-tenants", "*")
+    consumer = Consumer(pub, replay)
+    try:
+        with Client(daemon.socket, region_bytes=1 << 20) as client:
+            client.put(ALICE, tokens(1, 3), [b"a" * 256] * 3)
+            client.put(BOB, tokens(2, 200), [b"b" * 256] * 200)
+        daemon.stop()
+        data_file = daemon.data_dir / "data.mdb"
+        data = bytearray(data_file.read_bytes())
+        needle = ALICE.encode()
+        at = data.find(needle)
+        while at >= 0:  # every copy of alice's identity row (LMDB keeps older pages too)
+            data[at] ^= 0x5A  # its format byte: no identity decodes
+            at = data.find(needle, at + 1)
+        data_file.write_bytes(bytes(data))
+        daemon.restart()
+        consumer.view.last_seq = -1
+        # in hash order, alice's blocks fall among bob's: the announcement goes on past them
+        alices = chain_hashes(ALICE, tokens(1, 3))
+        bobs = set(chain_hashes(BOB, tokens(2, 200)))
+        assert any(h > min(alices) for h in bobs)
+        consumer.until(lambda view: set(view.blocks) == bobs)
+    finally:
+        consumer.close()
