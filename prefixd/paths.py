@@ -1,8 +1,8 @@
 """Where a node's stores and sockets live unless told. Under systemd: StateDirectory= and
 RuntimeDirectory=; else root's daemon uses the FHS places (/var/lib/prefixd, /run/prefixd) and
 other users the XDG ones, but for the service user of the shipped units, whose store is the
-node's (/var/lib/prefixd) wherever it runs a command. A named instance (prefixd@NAME, one per GPU or NUMA node) uses
-prefixd-NAME in the same places, so instances never share a directory.
+node's (/var/lib/prefixd) wherever it runs a command. A named instance (prefixd@NAME, one per
+GPU or NUMA node) uses prefixd-NAME in the same places, so instances never share a directory.
 """
 
 from __future__ import annotations
