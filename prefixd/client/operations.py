@@ -137,13 +137,24 @@ def put_spans(
     spans: Sequence[tuple[int, int]],
     *,
     first_block: int = 0,
+    lease: Lease | None = None,
 ) -> Steps[Stored]:
     """Publish payloads the engine wrote into leased region space, named by (region offset,
-    length) spans; a span outside every held lease is refused (RegionError)."""
+    length) spans; a span outside every held lease is refused (RegionError). Give the `lease`
+    they lie in when it may be another client's (one taken before a reconnect): offsets name
+    this client's region, where they may lie in another caller's lease, so a span outside
+    `lease`, or a lease of another region, is refused."""
     allocator = core.require_payloads()
     region_id = core.region_id(allocator)
+    if lease is not None and (lease.allocator is not allocator or lease.released):
+        raise RegionError("the lease is not held in this client's region (a reconnect since?)")
     named: list[Span] = []
     for offset, length in spans:
+        if (
+            lease is not None
+            and not lease.offset <= offset <= offset + length <= lease.offset + lease.size
+        ):
+            raise RegionError(f"[{offset}, {offset + length}) is not inside the lease given")
         span = allocator.covering(offset, length)
         if span is None:
             raise RegionError(

@@ -181,7 +181,9 @@ class Publisher:
                 offset += size
             copier.drain()
             del copier
-            return self._client.run(put_spans, identity, tokens, spans, first_block=first_block)
+            return self._client.run(
+                put_spans, identity, tokens, spans, first_block=first_block, lease=lease
+            )
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

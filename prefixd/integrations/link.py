@@ -240,6 +240,10 @@ class DaemonLink:
         self._client: Client | None = None
         self._lock = threading.Lock()
         self._next_connect = 0.0
+        # calls under way on each client (by id): a client dropped while another thread's call
+        # still uses it is closed when the last of them ends, never under it
+        self._users: dict[int, int] = {}
+        self._dropped: dict[int, Client] = {}
         # what status() reports, under its own lock (calls fail on several threads at once)
         self._state_lock = threading.Lock()
         self._failures = dict.fromkeys(KINDS, 0)
@@ -282,22 +286,37 @@ class DaemonLink:
         if client is None:
             self._count_unusable()
             return None
+        with self._lock:
+            self._users[id(client)] = self._users.get(id(client), 0) + 1
         try:
             return operation(client)
         except PrefixdError as exc:
             if self.failed(client, exc).unusable:
                 self._count_unusable()
             return None
+        finally:
+            with self._lock:
+                left = self._users.pop(id(client)) - 1
+                if left:
+                    self._users[id(client)] = left
+                closing = None if left else self._dropped.pop(id(client), None)
+            if closing is not None:
+                closing.close()
 
     def failed(self, client: Client, exc: PrefixdError) -> Problem:
-        """Report a refused call; drop the connection if it was lost."""
+        """Report a refused call; drop the connection if it was lost (closed once no call is
+        under way on it)."""
         problem = self._note(exc, connecting=False)
         if isinstance(exc, DaemonUnavailableError | RequestTimeoutError):
             with self._lock:
                 if self._client is client:
                     self._client = None
                     self._next_connect = self._clock() + self._reconnect_s
-            client.close()
+                in_use = bool(self._users.get(id(client)))
+                if in_use:
+                    self._dropped[id(client)] = client
+            if not in_use:
+                client.close()
         return problem
 
     def status(self) -> dict[str, Any]:

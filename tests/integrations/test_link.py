@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from prefixd.errors import DaemonUnavailableError, RequestTimeoutError
 from prefixd.integrations.link import DaemonLink
 
 from ..daemon.conftest import IDENTITY, NOBODY, Daemon, DaemonFactory, as_nobody, payload
+from ..waiting import DEADLINE_S
 
 LOGGER = "prefixd.integrations.link"
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as uid 65534")
@@ -252,3 +255,69 @@ def test_a_socket_directory_the_user_may_not_enter_names_it_and_the_group(
     assert f"nobody may not enter the directory {daemon.socket.parent}" in error
     assert "usermod -aG" in error
     assert status["failures"]["denied"] == 1
+
+
+def test_a_lease_taken_before_a_reconnect_is_never_put_through_the_next_connection(
+    daemon: Daemon,
+) -> None:
+    """An adapter takes a lease on one thread and puts it from another (the vLLM spec's worker):
+    if the link reconnected meanwhile, the lease's offsets name the new region, where another
+    caller's lease may lie. Its bytes must not be stored under this prompt's tokens."""
+    link = link_to(daemon.socket, Clock(), reconnect_s=0.0)
+    first = link.client()
+    assert first is not None
+    mine = first.try_reserve(256)
+    assert mine is not None
+    mine.view[:] = b"A" * 256
+    link.failed(first, DaemonUnavailableError("the daemon went away"))  # as a lost call does
+    second = link.client()
+    assert second is not None and second is not first
+    other = second.try_reserve(256)
+    assert other is not None and other.offset == mine.offset
+    other.view[:] = b"B" * 256
+    tokens = np.arange(IDENTITY.block_tokens, dtype=np.uint32) + 5
+    spans = [(mine.offset, 256)]
+    assert link.call(lambda c: c.put_spans(IDENTITY, tokens, spans, lease=mine)) is None
+    assert link.call(lambda c: c.lookup(IDENTITY, [tokens]))[0].n_blocks == 0  # nothing stored
+
+
+def test_a_connection_dropped_under_another_threads_call_is_closed_after_it(
+    daemon: Daemon,
+) -> None:
+    """One thread's call times out while another's is under way on the same connection: the
+    link drops it, but closing it (and unmapping its region) waits for the other call to end,
+    which would otherwise fail with an error no adapter expects."""
+    link = link_to(daemon.socket, Clock())
+    inside, go_on = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+    tokens = np.arange(IDENTITY.block_tokens, dtype=np.uint32) + 9
+
+    def put(client: Any) -> int:
+        inside.set()
+        assert go_on.wait(DEADLINE_S)
+        lease = client.reserve(256)
+        lease.view[:] = b"p" * 256
+        stored = client.put_spans(IDENTITY, tokens, [(lease.offset, 256)], lease=lease).stored
+        lease.release()
+        got["client"] = client
+        return int(stored)
+
+    def engine() -> None:
+        try:
+            got["stored"] = link.call(put)
+        except BaseException as exc:  # noqa: BLE001 - what would reach the engine
+            got["escaped"] = exc
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    assert inside.wait(DEADLINE_S)
+
+    def timed_out(client: Any) -> None:
+        raise RequestTimeoutError("no reply within 10 s")
+
+    assert link.call(timed_out) is None  # the link drops the connection
+    go_on.set()
+    thread.join(DEADLINE_S)
+    assert "escaped" not in got and got["stored"] == 1, got
+    assert got["client"].region.fd < 0  # closed once its call ended
+    link.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from prefixd.errors import ConfigError, PrefixdError
+from prefixd.client import Client
+from prefixd.errors import ConfigError
 from prefixd.integrations.link import DaemonLink
 from prefixd.integrations.sglang.identity import (
     KEY_BYTES,
@@ -413,23 +415,10 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         have = self._found_under(identity, keys, prefix) if prefix is not None else 0
         per_call = self._per_call(name)
         for start, chain, first, count in self._runs(identity, keys, prefix, per_call, have):
-            total = sum(sizes[start : start + count])
-            client = self._link.client()
-            if client is None:
-                return start
-            try:
-                lease = client.reserve(total)
-                try:
-                    spans, at = [], 0
-                    for i in range(start, start + count):
-                        fill(i, lease.slice(at, at + sizes[i]))
-                        spans.append((lease.offset + at, sizes[i]))
-                        at += sizes[i]
-                    client.put_spans(identity, chain, spans, first_block=first)
-                finally:
-                    lease.release()
-            except PrefixdError as exc:
-                self._link.failed(client, exc)
+            run = partial(
+                _put_run, identity, chain, first, range(start, start + count), sizes, fill
+            )
+            if self._link.call(run) is None:  # the daemon away or refusing: logged
                 return start
         return len(keys)
 
@@ -567,6 +556,29 @@ def _words(keys: Sequence[str]) -> bytes:
 
 def _clamp(value: int, most: int) -> int:
     return max(0, min(most, value))
+
+
+def _put_run(
+    identity: Identity,
+    chain: bytes,
+    first: int,
+    pages: range,
+    sizes: Sequence[int],
+    fill: Callable[[int, memoryview], None],
+    client: Client,
+) -> bool:
+    """Put `pages` (written by `fill` straight into one lease) as blocks `first`.. of `chain`."""
+    lease = client.reserve(sum(sizes[i] for i in pages))
+    try:
+        spans, at = [], 0
+        for i in pages:
+            fill(i, lease.slice(at, at + sizes[i]))
+            spans.append((lease.offset + at, sizes[i]))
+            at += sizes[i]
+        client.put_spans(identity, chain, spans, first_block=first, lease=lease)
+    finally:
+        lease.release()
+    return True
 
 
 __all__ = ["PrefixdHiCache", "page_key"]

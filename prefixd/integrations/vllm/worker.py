@@ -240,7 +240,9 @@ class PrefixdWorker(OffloadingWorker):  # type: ignore[misc]
         if skip >= put.count:
             return 0
         spans = [(put.lease.offset + i * put.size, put.size) for i in range(skip, put.count)]
-        client.put_spans(put.identity, words, spans, first_block=put.first + skip)
+        # the lease may be another client's: taken before a reconnect, its offsets could name
+        # another job's lease in this client's region, whose bytes would be stored as this one's
+        client.put_spans(put.identity, words, spans, first_block=put.first + skip, lease=put.lease)
         return (put.count - skip) * put.size
 
     def _warn_once(self, message: str) -> None:

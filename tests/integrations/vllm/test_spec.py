@@ -20,6 +20,7 @@ import torch
 from vllm.v1.kv_offload.base import Medium, OffloadingEvent
 
 from prefixd.client import Client
+from prefixd.errors import DaemonUnavailableError, RegionError
 from prefixd.schema.chain import chain_hashes
 from prefixd.schema.keys import pack_keys
 
@@ -279,3 +280,30 @@ def test_events_carry_the_medium_and_removals(daemon: Daemon, engines: Engines) 
     assert engine.settle(context(uuid.uuid4().hex, keys), keys) == 0
     [gone] = engine.manager.take_events()
     assert gone.removed and sorted(gone.keys) == sorted(keys)
+
+
+def test_a_store_run_leased_before_a_reconnect_stores_no_other_runs_bytes(
+    daemon: Daemon, engines: Engines
+) -> None:
+    """The worker leases a run on vLLM's thread and puts it on its put thread. After a reconnect
+    between the two, the run's offsets name the new connection's region, where the next job's
+    run may lie: the put is refused, never the other run's bytes stored as this one."""
+    from prefixd.integrations.vllm.worker import _Put
+
+    engine = engines.start(daemon.socket, reconnect_s=0.0)
+    worker, link = engine.worker, engine.worker._link
+    first = link.client()
+    mine = first.try_reserve(CHUNK_BYTES)
+    mine.view[:] = b"A" * CHUNK_BYTES
+    link.failed(first, DaemonUnavailableError("the daemon went away"))
+    second = link.client()
+    other = second.try_reserve(CHUNK_BYTES)
+    assert other.offset == mine.offset
+    other.view[:] = b"B" * CHUNK_BYTES
+    [key] = request_keys(16, 1)
+    identity = worker._identities[0]
+    put = _Put(mine, identity, (key,), 0, 1, CHUNK_BYTES, ())
+    with pytest.raises(RegionError):
+        worker._put(second, put)
+    with Client(daemon.socket) as client:
+        assert client.lookup(identity, [pack_keys(identity, [key])])[0].n_blocks == 0
