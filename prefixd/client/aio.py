@@ -66,6 +66,7 @@ class AsyncClient(Operations, TensorOperations):
             daemon_uid=daemon_uid,
         )
         self._sock: socket.socket | None = None
+        self._greeted = False  # the connection's hello (and region attaches) answered
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, _Pending] = {}
         self._write_lock = asyncio.Lock()
@@ -143,18 +144,29 @@ class AsyncClient(Operations, TensorOperations):
                 raise  # the same daemon may still work on the lost request: see Client
             return await self._request(step)
 
-    async def _request(self, step: Call) -> Any:
+    async def _greet(self, step: Call) -> Any:
+        return await self._request(step, greeting=True)
+
+    async def _request(self, step: Call, *, greeting: bool = False) -> Any:
+        """Send `step` (within the timeout, waiting for the connection's turn) and await its reply.
+        A request is in flight, and its spans lent to the daemon, only once its frame is going
+        out; a send cancelled or timed out part way leaves half a frame, so it ends the
+        connection. Only the greeting goes out before the greeting is answered."""
         sock = self._sock
         if sock is None:
             raise DaemonUnavailableError("not connected")
         loop = asyncio.get_running_loop()
         rid, frame = self._core.frame(step.message)
         pending = _Pending(loop.create_future(), step.spans)
-        for span in step.spans:
-            span.begin_request()
-        self._pending[rid] = pending
+        sending = False
         try:
-            async with self._write_lock:
+            async with asyncio.timeout(self._core.timeout), self._write_lock:
+                if self._sock is not sock or not (greeting or self._greeted):
+                    raise DaemonUnavailableError("the connection was lost before the request went")
+                self._pending[rid] = pending
+                for span in step.spans:
+                    span.begin_request()
+                sending = True
                 if step.fds:
                     sock.setblocking(True)  # a short frame with a descriptor: send it whole
                     try:
@@ -163,6 +175,17 @@ class AsyncClient(Operations, TensorOperations):
                         sock.setblocking(False)
                 else:
                     await loop.sock_sendall(sock, frame)
+                sending = False
+        except (TimeoutError, asyncio.CancelledError) as exc:  # before OSError: TimeoutError is one
+            if sending and self._sock is sock:  # half a frame went: the connection is unusable
+                await self._disconnect(DaemonUnavailableError("a request's send was cut short"))
+            if isinstance(exc, TimeoutError):
+                raise RequestTimeoutError(
+                    f"{self._core.socket_path} took no request within {self._core.timeout:g} s"
+                ) from None
+            raise
+        except DaemonUnavailableError:  # never sent (an OSError too, hence first)
+            raise
         except OSError as exc:
             await self._disconnect(DaemonUnavailableError(f"connection to the daemon lost: {exc}"))
         try:
@@ -180,12 +203,12 @@ class AsyncClient(Operations, TensorOperations):
         return ClientCore.reply(step.message, pending.future.result())
 
     async def _ensure_connected(self, *, wait_s: float) -> None:
-        if self._sock is not None:
+        if self._sock is not None and self._greeted:
             return
         if self._closed:
             raise DaemonUnavailableError("the client was closed")
         async with self._connect_lock:
-            if self._sock is not None:
+            if self._sock is not None and self._greeted:
                 return
             loop = asyncio.get_running_loop()
             deadline = loop.time() + wait_s
@@ -219,10 +242,11 @@ class AsyncClient(Operations, TensorOperations):
         self._sock = sock
         self._reader = asyncio.create_task(self._read_replies(sock), name="prefixd-replies")
         try:
-            await self._drive(self._core.greeting(), self._request)
+            await self._drive(self._core.greeting(), self._greet)
         except BaseException:
             await self._disconnect(DaemonUnavailableError("the greeting failed"))
             raise
+        self._greeted = True
 
     async def _read_replies(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -256,6 +280,7 @@ class AsyncClient(Operations, TensorOperations):
     async def _disconnect(self, reason: DaemonUnavailableError) -> None:
         """Close the connection; every request in flight is lost with it (its spans quarantined)."""
         sock, self._sock = self._sock, None
+        self._greeted = False
         if sock is not None:
             sock.close()
         reader, self._reader = self._reader, None

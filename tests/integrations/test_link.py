@@ -278,7 +278,8 @@ def test_a_lease_taken_before_a_reconnect_is_never_put_through_the_next_connecti
     tokens = np.arange(IDENTITY.block_tokens, dtype=np.uint32) + 5
     spans = [(mine.offset, 256)]
     assert link.call(lambda c: c.put_spans(IDENTITY, tokens, spans, lease=mine)) is None
-    assert link.call(lambda c: c.lookup(IDENTITY, [tokens]))[0].n_blocks == 0  # nothing stored
+    found = link.call(lambda c: c.lookup(IDENTITY, [tokens]))
+    assert found is not None and found[0].n_blocks == 0  # nothing stored
 
 
 def test_a_connection_dropped_under_another_threads_call_is_closed_after_it(
