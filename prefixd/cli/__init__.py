@@ -132,7 +132,8 @@ def parser() -> argparse.ArgumentParser:
         help="remove a tenant, retired model versions or idle entries",
         description="Online through the daemon when one serves the store, offline otherwise. "
         "Exit codes: 0 done (or nothing to do), 1 error, 2 bad arguments, 3 the store holds no "
-        "tenant or model of the name given (nothing removed).",
+        "tenant or model of the name given, or no version to keep of the model (nothing "
+        "removed).",
     )
     purge.add_argument("--tenant", help="remove every entry of this tenant")
     purge.add_argument("--model", help="retire versions of this model")

@@ -198,14 +198,20 @@ def purge(args: argparse.Namespace, out: Output) -> int:
             _opened(where) as store,
             out.progress("purging", total=None) as advance,
         ):
-            summary = store.purge(selector, dry_run=args.dry_run, progress=advance).describe()
+            summary = store.purge(
+                selector, dry_run=args.dry_run, progress=advance, keep_known=True
+            ).describe()
         mode = "offline"
     unknown = list(summary.get("unknown") or ())  # an older daemon does not say
     report = {"mode": mode, "path": str(where.data_dir), **summary, "unknown": unknown}
     out.result(report, "prefixd purge")
     if not unknown:
         return 0
-    names = " and ".join(f"{field} {criteria[field]!r}" for field in unknown)
+    kept = " or ".join(f"{name} {value!r}" for name, value in selector.keep.items())
+    named = {**criteria, "keep": f"version to keep ({kept}) of model {args.model!r}"}
+    names = " and ".join(
+        named["keep"] if field == "keep" else f"{field} {named[field]!r}" for field in unknown
+    )
     if unknown == ["model"] and args.tenant is not None:
         names += f" of tenant {args.tenant!r}"
     print(f"prefixd: purge: the store {where.data_dir} holds no {names}", file=sys.stderr)

@@ -78,10 +78,11 @@ async def purge(ctx: RequestContext, request: Request[Purge]) -> PurgeReply:
         ctx.require_tenant(msg.tenant)
     # on the administrative thread, queued one at a time: never on the workers that serve
     # lookups and loads, however many purges a peer pipelines
+    # an operator's purge: keeping a version no identity holds (a typo) removes nothing
     if msg.dry_run:
-        call = partial(services.store.purge, selector, dry_run=True)
+        call = partial(services.store.purge, selector, dry_run=True, keep_known=True)
     else:
-        call = partial(services.purge_everywhere, selector)
+        call = partial(services.purge_everywhere, selector, keep_known=True)
     report = await services.run(call, services.admin_pool)
     return PurgeReply(
         id=request.id,

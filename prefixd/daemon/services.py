@@ -153,13 +153,13 @@ class Services:
             return 0
         return self.purge_everywhere(selector).blocks
 
-    def purge_everywhere(self, selector: PurgeSelector) -> PurgeReport:
+    def purge_everywhere(self, selector: PurgeSelector, *, keep_known: bool = False) -> PurgeReport:
         """Purge the store, then the tier's copies of identities removed whole: of a tenant
-        purged whole, every node's."""
+        purged whole, every node's. `keep_known`: see Store.purge."""
         if self.bridge is None:
-            return self.store.purge(selector)
+            return self.store.purge(selector, keep_known=keep_known)
         whole = selector.model is None and selector.older_than_s is None
-        purge = partial(self.store.purge, selector)
+        purge = partial(self.store.purge, selector, keep_known=keep_known)
         return self.bridge.purge(purge, selector.tenant if whole else None)
 
     def lookup_results(

@@ -112,8 +112,9 @@ class PurgeReport:
     # the identities removed whole (not for an idle-time purge): a shared tier drops their
     # objects too
     removed: tuple[Identity, ...] = ()
-    # the criteria ("tenant", "model") that name nothing the store holds: a purge of a tenant or
-    # model that is not there (a typo) says so instead of reporting zeros
+    # the criteria ("tenant", "model", "keep") that name nothing the store holds: a purge of a
+    # tenant or model that is not there (a typo) says so instead of reporting zeros, and one
+    # keeping a version no identity holds removes nothing
     unknown: tuple[str, ...] = ()
     # how the store's files were cleared after it (prefixd.store.scrub); None: they were not
     cleared: ClearReport | None = None
@@ -132,10 +133,13 @@ def purge(
     *,
     dry_run: bool = False,
     progress: Callable[[int], None] | None = None,
+    keep_known: bool = False,
 ) -> PurgeReport:
     """Remove what `selector` names in one write transaction (a dry run only counts), then clear
     the store's files of it (prefixd.store.scrub) for a tenant's purge, or any with
-    `scrub_retired`. `progress` is told how many root blocks each step handled."""
+    `scrub_retired`. `progress` is told how many root blocks each step handled. `keep_known`
+    (an operator's purge): a version to keep that no identity of the model holds is a typo that
+    would retire every version, the one in use too, so nothing is removed (`unknown`: keep)."""
     started = time.perf_counter()
     if selector.older_than_s is not None and not dry_run:
         access.sync()  # access times still in memory count
@@ -148,8 +152,9 @@ def purge(
     begin = ctx.env.begin(buffers=True) if dry_run else ctx.writing()
     with begin as txn:
         selected = selected_identities(txn, t, selector)
-        digests = list(selected)
-        unknown = () if digests else unknown_names(txn, t, selector)
+        unknown = unkept(txn, t, selector) if keep_known else ()
+        digests = [] if unknown else list(selected)
+        unknown = unknown or (() if digests else unknown_names(txn, t, selector))
         if whole:
             roots = [child for d in digests for child in children_of(txn, t, d)]
         else:
@@ -200,6 +205,20 @@ def selected_identities(
         for digest, identity in readable_identities(txn, t)
         if selector.selects(identity)
     }
+
+
+def unkept(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> tuple[str, ...]:
+    """("keep",) when a version the selector keeps is held by no identity of its model (and
+    tenant); () when it keeps none, or the model is not there (unknown_names says so)."""
+    held = [
+        identity
+        for _, identity in readable_identities(txn, t)
+        if identity.model == selector.model and selector.tenant in (None, identity.tenant)
+    ]
+    for name, kept in selector.keep.items():
+        if held and not any(getattr(identity, name) == kept for identity in held):
+            return ("keep",)
+    return ()
 
 
 def unknown_names(txn: lmdb.Transaction, t: Tables, selector: PurgeSelector) -> tuple[str, ...]:

@@ -401,14 +401,23 @@ class Store:
         *,
         dry_run: bool = False,
         progress: Callable[[int], None] | None = None,
+        keep_known: bool = False,
     ) -> PurgeReport:
         """Remove what `selector` names in one transaction; in-flight reads keep their snapshot. A
-        dry run counts only; `progress` is told how many root blocks each step handled."""
+        dry run counts only; `progress` is told how many root blocks each step handled;
+        `keep_known`: see prefixd.store.purge.purge."""
         if dry_run:
             self._check_usable()
         else:
             self._check_writable()
-        return purge.purge(self._ctx, self._access, selector, dry_run=dry_run, progress=progress)
+        return purge.purge(
+            self._ctx,
+            self._access,
+            selector,
+            dry_run=dry_run,
+            progress=progress,
+            keep_known=keep_known,
+        )
 
     def observe(self, observer: BlockObserver | None) -> None:
         """Tell `observer`, after each commit, which blocks it stored and removed

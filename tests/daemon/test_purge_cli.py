@@ -88,6 +88,24 @@ def test_online_model_retirement(daemon: Daemon) -> None:
         assert client.lookup(new, [PROMPT])[0].n_blocks == 5
 
 
+def test_a_version_to_keep_that_no_identity_holds_retires_nothing(daemon: Daemon) -> None:
+    """A typo in --except-weights would keep nothing and retire the version in use too: the
+    purge removes nothing and says so (exit 3), online and offline."""
+    old, live = ident(weights="sha256-old"), ident(weights="sha256-live")
+    with Client(daemon.socket, region_bytes=1 << 16) as client:
+        fill(client, old, live)
+        typo = purge(daemon, "--model", "m", "--except-weights", "sha256-lvie")
+        assert typo.returncode == 3, typo.stderr
+        assert json.loads(typo.stdout)["unknown"] == ["keep"]
+        assert "version to keep (weights 'sha256-lvie') of model 'm'" in typo.stderr
+        assert [client.lookup(i, [PROMPT])[0].n_blocks for i in (old, live)] == [5, 5]
+    assert daemon.stop() == 0
+    offline = purge(daemon, "--model", "m", "--except-weights", "sha256-lvie")
+    assert offline.returncode == 3 and json.loads(offline.stdout)["blocks"] == 0, offline.stderr
+    done = purge(daemon, "--model", "m", "--except-weights", "sha256-live")
+    assert done.returncode == 0 and json.loads(done.stdout)["blocks"] == 5, done.stderr
+
+
 def test_offline_purge_after_the_daemon_stopped(daemon: Daemon) -> None:
     a, b = ident(), ident(tenant="b")
     with Client(daemon.socket, region_bytes=1 << 16) as client:
