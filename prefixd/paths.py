@@ -16,14 +16,16 @@ from pathlib import Path
 from prefixd.errors import ConfigError
 
 SERVICE_USER = "prefixd"  # the account systemd/prefixd.service runs the daemon as
-INSTANCE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+# no ':': systemd reads StateDirectory=prefixd-%i of prefixd@numa:1 as prefixd-numa plus a link
+# named 1, so instances numa:1 and numa:2 would share one store
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def check_instance(name: str) -> str:
     """`name` when it can name an instance (it becomes part of directory and unit names)."""
     if not INSTANCE_NAME.fullmatch(name) or name in (".", ".."):
         raise ConfigError(
-            f"instance: {name!r} is not an instance name (letters, digits, '_', '.', ':' and "
+            f"instance: {name!r} is not an instance name (letters, digits, '_', '.' and "
             "'-', at most 64, like gpu0 or numa1)"
         )
     return name

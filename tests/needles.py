@@ -70,7 +70,7 @@ class Needles:
             by_head.setdefault(int.from_bytes(piece[:8], "little"), []).append(piece)
         heads = np.fromiter(by_head, dtype=np.uint64, count=len(by_head))
         hits = {piece for piece in short if piece in data}
-        for align in range(8):
+        for align in range(min(8, len(data))):  # an empty file (owner.lock, unheld) has none
             words = np.frombuffer(data, dtype="<u8", count=(len(data) - align) // 8, offset=align)
             for index in np.flatnonzero(np.isin(words, heads)):
                 at = align + 8 * int(index)

@@ -83,6 +83,18 @@ def target(
             raise ConfigError(
                 f"socket: the store {data_dir} is served on {recorded}, not on {socket}"
             )
+        try:  # another daemon may have taken the path since: the one there must serve this store
+            served_dir = _served_dir(recorded, timeout, user)
+        except UntrustedDaemonError:
+            raise
+        except DaemonUnavailableError:  # not answering: the command's own error follows
+            served_dir = None
+        if served_dir is not None and not _same_dir(served_dir, data_dir):
+            raise ConfigError(
+                f"data_dir: the store {data_dir} is held, and the daemon on the socket it "
+                f"recorded ({recorded}) serves {served_dir}: stop what holds {data_dir}, or give "
+                "--socket of the daemon serving it"
+            )
         return Target(config, data_dir, recorded, served=True)
     if "data_dir" in given and "socket" not in given:
         return Target(config, data_dir, socket, served=False)
@@ -96,9 +108,17 @@ def target(
         return Target(config, data_dir, socket, served=False)
     if "data_dir" not in given:  # both defaults: the default socket's daemon names the store
         return Target(config, served_dir, socket, served=True)
-    if served_dir != data_dir:
+    if not _same_dir(served_dir, data_dir):
         raise ConfigError(f"data_dir: the daemon on {socket} serves {served_dir}, not {data_dir}")
     return Target(config, data_dir, socket, served=True)
+
+
+def _same_dir(one: Path, other: Path) -> bool:
+    """Whether two paths name one directory (a symbolic link to it, a relative path)."""
+    try:
+        return one.resolve() == other.resolve()
+    except OSError:
+        return one == other
 
 
 def _present(path: Path) -> bool:

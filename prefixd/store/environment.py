@@ -262,6 +262,7 @@ class OwnerLock:
         except BlockingIOError:
             os.close(fd)
             raise StoreBusyError(held_message(path)) from None
+        os.ftruncate(fd, 0)  # the last holder's socket is no longer this store's
         self._fd = fd
 
     def record(self, socket: Path) -> None:

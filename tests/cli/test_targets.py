@@ -28,6 +28,7 @@ from prefixd.client import Client
 from prefixd.errors import StoreBusyError
 from prefixd.migrate import runner
 from prefixd.store import Store
+from prefixd.store.environment import OwnerLock, held_message, held_socket
 
 from ..daemon.conftest import Daemon, DaemonFactory, as_nobody, daemon_env
 from ..waiting import DEADLINE_S
@@ -325,3 +326,36 @@ def test_a_users_own_store_is_not_traded_for_the_nodes_while_its_daemon_is_stopp
     assert (found.data_dir, found.served) == (own, False)
     shutil.rmtree(own)
     assert endpoints.target(args, env, timeout=DEADLINE_S).data_dir == node.data_dir
+
+
+def test_a_held_store_names_only_a_daemon_that_serves_it(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """A held store records its daemon's socket. Another daemon bound at that path since (the
+    first one's socket file removed) serves another store: a command given the first store's
+    directory must not purge the second's."""
+    first = daemon_factory()
+    os.unlink(first.socket)
+    second = daemon_factory(socket_path=first.socket)
+    with Client(second.socket, region_bytes=1 << 20) as client:
+        client.put(IDENTITY, np.arange(3 * IDENTITY.block_tokens, dtype=np.uint32), [b"x"] * 3)
+    done = run("purge", "--all", "--json", "--data-dir", str(first.data_dir))
+    assert done.returncode == 2, done.stderr
+    assert f"serves {second.data_dir}" in one_line(done.stderr)
+    second.stop()
+    assert blocks_in(second.data_dir) == 3
+
+
+def test_a_store_no_daemon_serves_keeps_no_socket_of_an_earlier_one(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """A daemon's record of its socket goes with it: whatever holds the store next (an offline
+    command) is not taken for a daemon serving on that socket."""
+    daemon = daemon_factory()
+    daemon.stop()
+    lock = OwnerLock(daemon.data_dir)  # held, as an offline command holds it
+    try:
+        assert held_socket(daemon.data_dir) is None
+        assert str(daemon.socket) not in held_message(daemon.data_dir)
+    finally:
+        lock.release()

@@ -252,6 +252,7 @@ BAD_VALUES = [
     ("data_dir", ""),
     ("tenant_policy", "x"),  # refused by a check of its own (a ConfigError inside)
     ("instance", "a/b"),
+    ("instance", "numa:1"),  # systemd's StateDirectory= reads ':' as a link: numa:2's store too
 ]
 
 
