@@ -112,13 +112,15 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     from prefixd.cli.arguments import daemon_config
+    from prefixd.cli.endpoints import node_fallback
 
-    config = daemon_config(args, os.environ)[0]
+    config, given = daemon_config(args, os.environ)
+    socket = node_fallback(config, given)  # as every command finds the node's daemon
     account = _account(args.as_user)
 
     def checks() -> list[Check]:
         return run_checks(
-            config.socket.path,
+            socket,
             daemon_user=config.socket.daemon_user or None,
             tenant=args.tenant,
             region_bytes=args.region_bytes,
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     else:
         results = _as(account, checks)
     report = {
-        "socket": str(config.socket.path),
+        "socket": str(socket),
         "user": account.name,
         "uid": account.uid,
         "groups": list(account.groups),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,11 +58,8 @@ def target(
     config, given = daemon_config(args, env)
     data_dir, socket = config.store.data_dir, config.socket.path
     user = config.socket.daemon_user or None
-    own_store = _present(data_dir / DATA_FILE)  # the user's, whose daemon may be stopped
-    if not {"socket", "data_dir"} & given and not _present(socket) and not own_store:
-        node = node_socket(config.store.instance)
-        if _present(node):  # a user's command, and the node's daemon (the shipped units)
-            socket = node
+    if not _present(data_dir / DATA_FILE):  # else the user's, whose daemon may be stopped
+        socket = node_fallback(config, given)
     if "socket" in given and "data_dir" not in given:  # the socket alone names the store
         try:
             served_dir = _served_dir(socket, timeout, user)
@@ -111,6 +109,16 @@ def target(
     if not _same_dir(served_dir, data_dir):
         raise ConfigError(f"data_dir: the daemon on {socket} serves {served_dir}, not {data_dir}")
     return Target(config, data_dir, socket, served=True)
+
+
+def node_fallback(config: Config, given: AbstractSet[str]) -> Path:
+    """The socket a command that names none means: the user's own default, or the node's daemon's
+    (the shipped units') where no daemon of the user's own listens."""
+    socket = config.socket.path
+    if {"socket", "data_dir"} & given or _present(socket):
+        return socket
+    node = node_socket(config.store.instance)
+    return node if _present(node) else socket
 
 
 def _same_dir(one: Path, other: Path) -> bool:

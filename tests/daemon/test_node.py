@@ -377,6 +377,12 @@ def test_several_daemons_on_one_node_each_with_its_store(
         )
         assert counts.returncode == 0, counts.stderr
         assert counts.stdout.split() == ["2", "0"]
+        # the engine's own doctor, as its other commands do, finds the instance's daemon (the
+        # engine's runtime directory its own, as a login gives it: none here)
+        mine = {"XDG_RUNTIME_DIR": ""}
+        doctor = node.prefixd("doctor", "--json", "--instance", "gpu1", user="engine", env=mine)
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert json.loads(doctor.stdout)["socket"] == "/run/prefixd-gpu1/prefixd.sock"
     finally:
         for proc in gpus:
             assert node.stop(proc) == 0
