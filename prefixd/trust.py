@@ -77,9 +77,12 @@ def _uid_of(name: str) -> int | None:
         return None
 
 
-def check_private_dir(path: Path, what: str) -> None:
+def check_private_dir(path: Path, what: str, files: Collection[str] = ()) -> None:
     """Refuse a directory this process's user does not own (root may), that is a symbolic link,
-    or that another user may write (group or others): the daemon's socket and data directories."""
+    or that another user may write (group or others); one another user could move away and
+    replace (a directory above it they own, or may write without the sticky bit); and any of
+    `files` in it that is not a plain file of the same kind (a store's own files, which another
+    user could otherwise rewrite, checksums and all): the daemon's socket and data directories."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -88,13 +91,30 @@ def check_private_dir(path: Path, what: str) -> None:
         raise UntrustedPathError(f"{what} {path} is a symbolic link: give the real directory")
     if not stat.S_ISDIR(info.st_mode):
         raise UntrustedPathError(f"{what} {path} is not a directory")
-    if info.st_uid not in (os.geteuid(), 0):
+    _check_private(path, info.st_uid, info.st_mode, what)
+    for above in Path(os.path.realpath(path)).parents:
+        info = os.stat(above)
+        # sticky (/tmp): others may write there, but not move what is not theirs
+        mode = info.st_mode & ~0o022 if info.st_mode & stat.S_ISVTX else info.st_mode
+        _check_private(above, info.st_uid, mode, f"{what} {path}: the directory above it,")
+    for name in files:
+        try:
+            info = os.lstat(path / name)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise UntrustedPathError(f"{what} {path}: {name} is not a plain file")
+        _check_private(path / name, info.st_uid, info.st_mode, what)
+
+
+def _check_private(path: Path, uid: int, mode: int, what: str) -> None:
+    if uid not in (os.geteuid(), 0):
         raise UntrustedPathError(
-            f"{what} {path} belongs to uid {info.st_uid}, not to this daemon's uid {os.geteuid()}"
+            f"{what} {path} belongs to uid {uid}, not to this daemon's uid {os.geteuid()}"
         )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UntrustedPathError(
-            f"{what} {path} may be written by other users (mode {stat.filemode(info.st_mode)}): "
+            f"{what} {path} may be written by other users (mode {stat.filemode(mode)}): "
             "make it writable by its owner only"
         )
 

@@ -39,6 +39,7 @@ from prefixd.daemon.watchers import ManifestWatcher, Retire
 from prefixd.daemon.work import WorkPool
 from prefixd.errors import ServeError
 from prefixd.store import PurgeSelector, Store
+from prefixd.store.environment import DATA_FILE, LOCK_FILE
 from prefixd.trust import check_private_dir, resolve_user
 from prefixd.wire.errors import ErrorCode
 
@@ -125,7 +126,7 @@ class Server:
             _refuse_taken(config.socket.path)  # before the store: a refused start leaves no files
         # Only directories no other user may write: one who could would replace the store.
         config.store.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        check_private_dir(config.store.data_dir, "data directory")
+        check_private_dir(config.store.data_dir, "data directory", (DATA_FILE, LOCK_FILE))
         self.store = Store(config.store_config(), exclusive=True, clock=self.clock)
         pool = WorkPool(config.store.workers, thread_name_prefix="prefixd-worker")
         # Everything else the loop hands to threads (health checks, manifest reads, joins), so

@@ -70,6 +70,35 @@ def test_a_data_directory_others_may_write_is_refused(
     assert "belongs to uid 65534" in refused_start(daemon_factory, data_dir=data)
 
 
+@pytest.mark.parametrize("where", ["data_dir", "socket_path"])
+def test_a_directory_another_user_could_move_away_is_refused(
+    daemon_factory: DaemonFactory, tmp_path: Path, where: str
+) -> None:
+    """A private directory inside one others may write (without the sticky bit), or one another
+    user owns: they could move it away and put their own store or socket in its place."""
+    for mode, owner, says in ((0o777, 0, "may be written by other users"),
+                              (0o755, NOBODY, "belongs to uid 65534")):  # fmt: skip
+        shared = Path(tempfile.mkdtemp(dir=tmp_path))
+        os.chmod(shared, mode)
+        os.chown(shared, owner, owner)
+        private = shared / "private"
+        private.mkdir(mode=0o700)
+        path = private if where == "data_dir" else private / "prefixd.sock"
+        log = refused_start(daemon_factory, **{where: path})
+        assert "the directory above it" in log and says in log, log
+
+
+def test_a_store_whose_files_others_may_write_is_refused(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """Another user who may write data.mdb could rewrite a block and its checksum both."""
+    daemon = daemon_factory()
+    daemon.stop()
+    os.chmod(daemon.data_dir / "data.mdb", 0o666)
+    log = refused_start(daemon_factory, data_dir=daemon.data_dir)
+    assert "data.mdb may be written by other users" in log, log
+
+
 IMPOSTOR = textwrap.dedent(
     """
     import os, socket, sys
