@@ -145,12 +145,12 @@ def decode_block(
 
 def _may_hang(spec: StateSpec | None, group: int, block_index: int, block_tokens: int) -> bool:
     """Whether an honest origin could have stored a part of `group` on this block: a page on a
-    page's first block, a stored checkpoint at a boundary its policy allows."""
+    page's last block, a stored checkpoint at a boundary its policy allows."""
     if spec is None or group >= len(spec):
         return False
     state = spec[group]
     if state.kind == PAGED:
-        return block_index % state.page_blocks == 0
+        return (block_index + 1) % state.page_blocks == 0
     if not state.stored:
         return False
     boundary = (block_index + 1) * block_tokens

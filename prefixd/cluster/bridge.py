@@ -333,8 +333,9 @@ class SharedTierBridge:
     ) -> int | None:
         """None when the tier lacks the first block asked for (or cannot be reached)."""
         align = runs.page_span(identity)
-        # sized by a block that starts every group's page (the largest), else by the first
-        sized = -(-local_blocks // align) * align
+        # sized by a block that ends every group's page (the largest: pages hang there), else by
+        # the first
+        sized = -(-(local_blocks + 1) // align) * align - 1
         capacity = None
         for index in dict.fromkeys((sized if sized < end else local_blocks, local_blocks)):
             capacity = self._capacity(block_key(identity, chain.hash(index)))

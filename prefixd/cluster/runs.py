@@ -37,7 +37,7 @@ def closed_run(spec: StateSpec, block_tokens: int, first: int, blocks: list[Remo
         boundary = (index + 1) * block_tokens
         for gi, group in enumerate(spec):
             if group.kind == PAGED:
-                needed = index % group.page_blocks == 0
+                needed = (index + 1) % group.page_blocks == 0  # a page hangs on its last block
             elif group.policy == "full":
                 needed = True
             else:

@@ -1,7 +1,8 @@
 """Joint prefixes of hybrid identities: where every state group is complete at once.
 
-A paged group's page hangs on its first block, a checkpoint on the block ending at its boundary. A
-boundary is reusable when the chain is stored up to it, every paged group covers it and every stored
+A paged group's page hangs on its last block (whose hash covers every token the page holds: on its
+first, prompts that part after it would share one page), a checkpoint on the block ending at its
+boundary. A boundary is reusable when the chain is stored up to it, every paged group covers it and every stored
 checkpoint group has a checkpoint there; the answer is the largest. A put is checked here before any
 transaction, so nothing is written for a refused one."""
 
@@ -19,7 +20,7 @@ from prefixd.schema.records import PartRecord, part_key
 from prefixd.schema.state import CHECKPOINT, PAGED, StateGroup, StateSpec
 from prefixd.store.codec import payload_view
 from prefixd.store.results import JointMatch, PartRef
-from prefixd.store.tables import decoded_part, prefixed
+from prefixd.store.tables import Tables, decoded_part, prefixed
 
 
 def require_hybrid(identity: Identity, plain_method: str) -> StateSpec:
@@ -37,6 +38,11 @@ def require_plain(identity: Identity, hybrid_method: str) -> None:
         raise IdentityError("state", f"is set: an identity with state groups uses {hybrid_method}")
 
 
+def anchor(group: StateGroup, block: int) -> int:
+    """The block a part of `group` starting at `block` hangs on: a page's last, a checkpoint's own."""
+    return block + group.page_blocks - 1 if group.kind == PAGED else block
+
+
 @dataclass(frozen=True)
 class PlannedPart:
     group: int
@@ -46,32 +52,46 @@ class PlannedPart:
 
 def joint_match(
     txn: lmdb.Transaction,
-    parts_db: lmdb._Database | None,
+    tables: Tables,
     spec: StateSpec,
     identity: Identity,
     hashes: Sequence[bytes],
     damaged: list[bytes],
 ) -> JointMatch:
     """The joint boundary over the stored chain `hashes`; parts that fail verification go to
-    `damaged` (by block) and count as missing."""
+    `damaged` (by block) and count as missing. A page the chain ends inside is a longer stored
+    prompt's: its first blocks are this chain's (KV is causal), a byte prefix of the page."""
+    parts_db = tables.parts
     assert parts_db is not None  # a store whose identities have state has the parts table
     identity_digest, block_tokens = identity.digest, identity.block_tokens
     get = txn.cursor(db=parts_db).get
-    found: dict[tuple[int, int], PartRecord] = {}
+    found: dict[tuple[int, int], tuple[PartRecord, bytes]] = {}  # with the block it hangs on
+    children = txn.cursor(db=tables.children)
+
+    def below(h: bytes, depth: int) -> bytes | None:
+        """A stored block `depth` blocks below `h` (first children: any longer prompt will do)."""
+        for _ in range(depth):
+            if not children.set_key(h):
+                return None
+            h = bytes(children.value())
+        return h
 
     def part(group: int, block: int) -> PartRecord | None:
-        raw = get(part_key(hashes[block], group))
-        if raw is None:
+        hung = anchor(spec[group], block)
+        ours = hung < len(hashes)  # else a longer prompt's page: damage there is its to find
+        h = hashes[hung] if ours else below(hashes[-1], hung - len(hashes) + 1)
+        raw = None if h is None else get(part_key(h, group))
+        if h is None or raw is None:
             return None
         try:
             record = PartRecord.decode(raw)
         except CorruptRecordError:
-            damaged.append(hashes[block])
+            record = None
+        if record is None or record.group != group or record.block_index != block:
+            if ours:
+                damaged.append(h)
             return None
-        if record.group != group or record.block_index != block:
-            damaged.append(hashes[block])
-            return None
-        found[group, block] = record
+        found[group, block] = record, h
         return record
 
     paged = len(hashes)
@@ -93,8 +113,8 @@ def joint_match(
     parts: list[PartRef] = []
 
     def add(group: StateGroup, gi: int, block: int, first_token: int, tokens: int) -> None:
-        size = found[gi, block].payload_size
-        parts.append(PartRef(group.name, hashes[block], block, size, first_token, tokens))
+        record, hung = found[gi, block]
+        parts.append(PartRef(group.name, hung, block, record.payload_size, first_token, tokens))
 
     for gi, group in enumerate(spec):
         if group.kind == PAGED:
@@ -152,12 +172,13 @@ def _plan_pages(
             f"state group {group.name!r}: the page of blocks {open_page}..{open_page + k - 1} is "
             f"not closed (the put ends at block {end}); only closed pages are stored"
         )
-    starts = [s for s in range(-(-first // k) * k, end, k)]
+    # the pages hung on the put's blocks (a page hangs on its last block)
+    starts = list(range(first // k * k, end, k)) if end > first else []
     given = list(pages or ())
     if len(given) != len(starts):
         raise PayloadError(
             f"state group {group.name!r}: {len(given)} page payload(s) for {len(starts)} page(s) "
-            f"starting in blocks {first}..{end - 1}"
+            f"ending in blocks {first}..{end - 1}"
         )
     return [
         PlannedPart(gi, s, payload_view(p, f"state group {group.name!r}: page at block {s}"))

@@ -45,7 +45,7 @@ from prefixd.store import counters, quarantine
 from prefixd.store.codec import EncodedPayload, payload_view, settle
 from prefixd.store.commits import CommitQueue
 from prefixd.store.eviction import capacity_bytes, evict
-from prefixd.store.joint import plan_put, require_hybrid, require_plain
+from prefixd.store.joint import anchor, plan_put, require_hybrid, require_plain
 from prefixd.store.lookup_memo import VerifiedPrefix
 from prefixd.store.quarantine import Damaged
 from prefixd.store.removal import remove_subtree
@@ -211,7 +211,7 @@ class Writer:
             parts: list[EncodedPayload] = []
             at_rest: list[AtRest] = []
             for part, payload in zip(planned, encoded):
-                key = part_key(chain.hash(part.block_index), part.group)
+                key = part_key(chain.hash(anchor(spec[part.group], part.block_index)), part.group)
                 if txn.get(key, db=t.parts) is not None:
                     continue  # a part is written once, like a block
                 stored = _put_chunks(txn, t, key, payload.chunks)

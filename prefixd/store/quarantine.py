@@ -37,11 +37,13 @@ class Damaged(NamedTuple):
     reason: str
 
 
-def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
-    """Drop these blocks and their subtrees in one transaction; if the disk refuses, or an fsync
-    failed (the store writes nothing more), they stay: they fail verification on every read."""
+def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> int:
+    """Drop these blocks and their subtrees in one transaction; how many went. If the disk
+    refuses, or an fsync failed (the store writes nothing more), they stay: they fail
+    verification on every read."""
     if not bad:
-        return
+        return 0
+    total = 0
     try:
         with ctx.writing() as txn:
             for h, parent_key, identity, reason in bad:
@@ -51,8 +53,11 @@ def quarantine(ctx: StoreContext, bad: Sequence[Damaged]) -> None:
                     log.warning(
                         "quarantined a stored block (%s); %d block(s) with it", reason, dropped
                     )
+                total += dropped
     except (lmdb.Error, SyncFailedError) as exc:
         log.warning("could not quarantine %d damaged block(s) now: %s", len(bad), exc)
+        return 0
+    return total
 
 
 def condemn(ctx: StoreContext, txn: lmdb.Transaction, reasons: dict[bytes, str]) -> tuple[int, int]:
@@ -86,4 +91,7 @@ def damaged_parts(
 ) -> list[Damaged]:
     digest = chain.identity.digest
     parents = dict(zip(found, [digest, *found]))
-    return [Damaged(h, parents[h], digest, BAD_PART) for h in dict.fromkeys(damaged)]
+    # a page hung below the chain is a longer prompt's: its own reads quarantine it
+    return [
+        Damaged(h, parents[h], digest, BAD_PART) for h in dict.fromkeys(damaged) if h in parents
+    ]

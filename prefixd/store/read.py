@@ -224,7 +224,7 @@ class Reader:
         damaged: list[bytes] = []
         with self._ctx.env.begin(buffers=True) as txn:
             walk = self._walk(txn, chain, chain.n_blocks)
-            match = joint_match(txn, self._ctx.tables.parts, spec, identity, walk.hashes, damaged)
+            match = joint_match(txn, self._ctx.tables, spec, identity, walk.hashes, damaged)
         self._after_walk(walk, chain)
         quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes))
         self._ctx.tallies.count(lookups=1, hit_blocks=len(match.hashes))
@@ -243,18 +243,19 @@ class Reader:
         chain = BlockChain(identity, token_ids, hashes)
         buffer = dest_view(out, 0, None)
         cut = None if deadline is None else Deadline(self._ctx.clock.monotonic, deadline)
-        parts = self._ctx.tables.parts
         while True:
             damaged: list[bytes] = []
             with self._ctx.env.begin(buffers=True) as txn:
                 walk = self._walk(txn, chain, chain.n_blocks)
-                match = joint_match(txn, parts, spec, identity, walk.hashes, damaged)
+                match = joint_match(txn, self._ctx.tables, spec, identity, walk.hashes, damaged)
                 if not damaged:
                     offsets = self._read_parts(txn, spec, match, buffer, damaged, cut)
             self._after_walk(walk, chain)
             if not damaged:
                 break
-            quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes))
+            if not quarantine(self._ctx, damaged_parts(damaged, chain, walk.hashes)):
+                offsets = None  # damage that stays (writes refused, a longer prompt's page)
+                break
         if offsets is None:  # a state read in part is no state at all
             match, offsets = _nothing(match), ()
         n = len(match.hashes)

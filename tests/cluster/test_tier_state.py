@@ -81,8 +81,8 @@ def test_a_hybrid_block_travels_with_its_parts(nodes: Nodes) -> None:
 
 @pytest.mark.parametrize(
     ("block", "group", "installed"),
-    [(5, 1, 4), (4, 0, 4), (0, 0, 0), (1, 1, 0)],
-    ids=["checkpoint-of-block-5", "page-at-block-4", "first-page", "checkpoint-of-block-1"],
+    [(5, 1, 4), (5, 0, 4), (1, 0, 0), (1, 1, 0)],
+    ids=["checkpoint-of-block-5", "page-of-blocks-4-5", "first-page", "checkpoint-of-block-1"],
 )
 def test_a_tampered_part_takes_its_block_and_all_after_it_away(
     nodes: Nodes, block: int, group: int, installed: int
@@ -189,7 +189,7 @@ def test_batches_end_where_pages_close(nodes: Nodes, monkeypatch: pytest.MonkeyP
 
 def test_parts_are_proven_where_they_hang() -> None:
     """A part the identity's spec has no place for is refused like a damaged one: a page off
-    a page's first block, a group the spec does not have, a group twice, any part for a plain
+    a page's last block, a group the spec does not have, a group twice, any part for a plain
     identity."""
     chain = BlockChain(HYBRID, TOKENS)
     from prefixd.schema.records import BlockRecord, Compression
@@ -220,12 +220,12 @@ def test_parts_are_proven_where_they_hang() -> None:
             block_tokens=BT,
         )
 
-    got = decode(2, [(0, b"page"), (1, b"snap")])
+    got = decode(3, [(0, b"page"), (1, b"snap")])
     parts = got.parts  # type: ignore[attr-defined]
     assert {g: bytes(p) for g, p in parts.items()} == {0: b"page", 1: b"snap"}
-    assert decode(3, [(1, b"snap")]).parts.keys() == {1}  # type: ignore[attr-defined]
+    assert decode(2, [(1, b"snap")]).parts.keys() == {1}  # type: ignore[attr-defined]
     for index, parts, spec in [
-        (3, [(0, b"page")], HYBRID.state),  # block 3 starts no page
+        (2, [(0, b"page")], HYBRID.state),  # block 2 ends no page
         (2, [(2, b"x")], HYBRID.state),  # no group 2
         (2, [(1, b"a"), (1, b"b")], HYBRID.state),  # group 1 twice
         (2, [(0, b"page")], None),  # a plain identity's block has no parts

@@ -11,6 +11,7 @@ import pytest
 
 from prefixd import Identity, Store
 from prefixd.errors import IdentityError, OpenTailError, OrphanBlockError, PayloadError
+from prefixd.schema.chain import BlockChain
 from prefixd.schema.records import chunk_key, part_key
 from prefixd.schema.state import StateGroup
 from prefixd.store.purge import PurgeSelector
@@ -447,3 +448,24 @@ def test_a_state_whose_destination_changed_during_the_load_is_a_miss(
         monkeypatch.setattr(codec, "_copy_and_checksum", original)
         assert store.load_state(ident, tokens, out).match.reusable_tokens == 16
         assert store.check() == []
+
+
+def test_prompts_that_part_inside_a_page_never_share_it(store: Store) -> None:
+    """A page of two blocks holds both blocks' KV: a prompt that shares only its first block
+    must not be served it, whether it was put beside it or after the other's second block went."""
+    ident = hybrid(4, StateGroup.paged("kv", page_blocks=2))
+    a = np.arange(8, dtype=np.uint32)
+    b = a.copy()
+    b[4:] += 100  # block 0 shared, block 1 not
+    store.put_state(ident, a, paged={"kv": [b"the KV of a's blocks 0 and 1"]})
+    assert store.put_state(ident, b, paged={"kv": [b"the KV of b's blocks 0 and 1"]}).parts == 1
+    match, got = load(store, ident, b)
+    assert (match.reusable_tokens, got) == (8, {"kv": [b"the KV of b's blocks 0 and 1"]})
+    store.delete([BlockChain(ident, b).hash(1)])  # b's second block goes, and its page with it
+    assert load(store, ident, b)[1] == {"kv": [b"the KV of a's blocks 0 and 1"]}  # block 0 alone
+    assert load(store, ident, b)[0].reusable_tokens == 4  # a byte prefix of a's page
+    c = a.copy()
+    c[4:] += 200
+    with pytest.raises(PayloadError, match="ending in blocks 1..1"):
+        store.put_state(ident, c, paged={}, first_block=1)  # block 1 would close c's own page
+    assert load(store, ident, a)[1] == {"kv": [b"the KV of a's blocks 0 and 1"]}

@@ -47,9 +47,14 @@ def payload(group: str, prefix: Prefix) -> bytes:
     return group.encode() + bytes(prefix) * 2 + len(prefix).to_bytes(2, "little")
 
 
+def block_hash(prefix: Prefix) -> bytes:
+    chain = BlockChain(IDENTITY, list(prefix))
+    return chain.hash(chain.n_blocks - 1)
+
+
 class JointModel(RuleBasedStateMachine):
-    """Model: the stored block prefixes, the parts by (group, prefix of the block they hang on),
-    and which parts have a flipped byte in the store."""
+    """Model: the stored block prefixes, the parts by (group, prefix of the block they hang on: a
+    page's last block), and which parts have a flipped byte in the store."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,8 +81,19 @@ class JointModel(RuleBasedStateMachine):
         self.parts = {p for p in self.parts if p[1] not in gone}
         self.corrupt = {p for p in self.corrupt if p[1] not in gone}
 
+    def below(self, prefix: Prefix, depth: int) -> Prefix | None:
+        """The stored block `depth` blocks below `prefix` by first children (the smallest hash)."""
+        for _ in range(depth):
+            children = [b for b in self.blocks if len(b) == len(prefix) + BT]
+            children = [b for b in children if b[: len(prefix)] == prefix]
+            if not children:
+                return None
+            prefix = min(children, key=block_hash)
+        return prefix
+
     def joint(self, tokens: list[int]) -> tuple[int, int, int, list[tuple[str, Prefix]]]:
-        """(reusable, paged, matched tokens, parts to load) as the semantics define them."""
+        """(reusable, paged, matched tokens, parts to load) as the semantics define them. A page
+        the prompt's stored chain ends inside is a longer stored prompt's (first children)."""
         n = 0
         while (n + 1) * BT <= len(tokens) and tuple(tokens[: (n + 1) * BT]) in self.blocks:
             n += 1
@@ -85,15 +101,19 @@ class JointModel(RuleBasedStateMachine):
         def at(block: int) -> Prefix:
             return tuple(tokens[: (block + 1) * BT])
 
+        pages: list[tuple[str, Prefix]] = []
         paged = n
         for start in range(0, n, PAGE):
-            if ("kv", at(start)) not in self.parts:
+            last = start + PAGE - 1
+            hung = at(last) if last < n else self.below(at(n - 1), last - n + 1)
+            if hung is None or ("kv", hung) not in self.parts:
                 paged = start
                 break
+            pages.append(("kv", hung))
         reusable = paged
         while reusable and not all((g, at(reusable - 1)) in self.parts for g in ("ssm", "win")):
             reusable -= 1
-        parts = [("kv", at(s)) for s in range(0, reusable, PAGE)]
+        parts = pages[: -(-reusable // PAGE)]
         if reusable:
             parts += [("ssm", at(reusable - 1)), ("win", at(reusable - 1))]
         return reusable * BT, paged * BT, n * BT, parts
@@ -121,8 +141,9 @@ class JointModel(RuleBasedStateMachine):
         ssm = {b * BT: payload("ssm", tuple(tokens[: b * BT])) for b in snapshots if b <= end}
         new = range((first + 1) * BT, end * BT + 1, BT)
         win = {b: payload("win", tuple(tokens[:b])) for b in new if b % PERIOD == 0}
-        starts = range(-(-first // PAGE) * PAGE, end, PAGE)
-        kv = [payload("kv", tuple(tokens[: (s + 1) * BT])) for s in starts]
+        # the pages ending in the put's blocks
+        starts = range(first // PAGE * PAGE, end, PAGE) if end > first else range(0)
+        kv = [payload("kv", tuple(tokens[: (s + PAGE) * BT])) for s in starts]
         try:
             self.store.put_state(
                 IDENTITY,
@@ -143,7 +164,7 @@ class JointModel(RuleBasedStateMachine):
         for i in range(first, end):
             self.blocks.add(tuple(tokens[: (i + 1) * BT]))
         for s in starts:
-            self.parts.add(("kv", tuple(tokens[: (s + 1) * BT])))
+            self.parts.add(("kv", tuple(tokens[: (s + PAGE) * BT])))
         for group, placed in (("ssm", ssm), ("win", win)):
             self.parts.update((group, tuple(tokens[:b])) for b in placed)
 
@@ -183,18 +204,22 @@ class JointModel(RuleBasedStateMachine):
         )
         assert match.replay_from == reusable
         assert [(p.group, p.block_index) for p in match.parts] == [
-            (g, len(prefix) // BT - 1) for g, prefix in parts
+            (g, len(prefix) // BT - (PAGE if g == "kv" else 1)) for g, prefix in parts
         ]
 
     @rule(data=st.data())
     def load(self, data: st.DataObject) -> None:
         tokens = self.query(data)
         # the model's load: the first damaged part in load order drops its block and everything
-        # below it, and the answer is worked out again
+        # below it, and the answer is worked out again; a damaged page of a longer prompt's (not
+        # on this prompt's chain) is left to that prompt's reads, and this load is a miss
         while True:
             reusable, paged, matched, parts = self.joint(tokens)
             damaged = next((p for p in parts if p in self.corrupt), None)
             if damaged is None:
+                break
+            if damaged[1] != tuple(tokens[: len(damaged[1])]):
+                reusable, paged, parts = 0, 0, []
                 break
             self.remove(damaged[1])
         out = bytearray(4096)

@@ -8,23 +8,26 @@ for one whose `sync` fails as a disk's would (LMDB's error, as it comes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 import pytest
 
 from prefixd import Store
 from prefixd.clock import ManualClock
 from prefixd.errors import StoreWriteError, SyncFailedError
+from prefixd.schema.state import StateGroup
 from prefixd.store import store as store_module
 from prefixd.store.purge import PurgeSelector
 from prefixd.store.recheck import RECHECK_SLACK_NS
 from prefixd.store.sync_state import SYNC_MARKER, read_marker
 
-from ..waiting import wait_for
+from ..waiting import DEADLINE_S, wait_for
 from .test_faults import IDENT, N_BLOCKS, TOKENS, corrupt_payload, open_store, random_payloads
 
 OTHER_TOKENS = [0x5B5B0000 + i for i in range(N_BLOCKS * 4)]
@@ -247,6 +250,33 @@ def test_a_load_after_a_failed_fsync_quarantines_nothing(tmp_path: Path) -> None
         assert loaded.n_blocks == 2
         assert store._ctx.env.info()["last_txnid"] == txn
         assert (store.stats().blocks, store.stats().quarantined) == (N_BLOCKS, 0)
+
+
+def test_a_state_load_after_a_failed_fsync_meeting_a_damaged_part_is_a_miss(
+    tmp_path: Path,
+) -> None:
+    """A hybrid load retries once what it met damaged is quarantined; with writes refused it
+    stays, so the load answers a miss at once instead of retrying for ever."""
+    ident = dataclasses.replace(IDENT, state=(StateGroup.paged("kv"), StateGroup.checkpoint("ssm")))
+    tokens = np.arange(2 * ident.block_tokens, dtype=np.uint32)
+    path = tmp_path / "s"
+    with open_store(path) as store:
+        pages = random_payloads(2)
+        boundary = {2 * ident.block_tokens: b"s" * 64}
+        store.put_state(ident, tokens, paged={"kv": pages}, checkpoints={"ssm": boundary})
+    corrupt_payload(path, pages[1])
+    with open_store(path, sync_interval_s=3600.0) as store:
+        fail_syncs(store)
+        with pytest.raises(SyncFailedError):
+            store.sync()
+        done: list[Any] = []
+        reader = threading.Thread(
+            target=lambda: done.append(store.load_state(ident, tokens, bytearray(1 << 16))),
+            daemon=True,  # on a store that retries for ever, left behind
+        )
+        reader.start()
+        reader.join(DEADLINE_S)
+        assert done and done[0].match.reusable_tokens == 0
 
 
 def test_a_put_waiting_to_commit_when_an_fsync_fails_is_refused(tmp_path: Path) -> None:

@@ -201,7 +201,7 @@ def _pages(
     n_blocks: int,
     page_blocks: int,
 ) -> list[bytes]:
-    start = -(-first_block // page_blocks) * page_blocks
+    start = first_block // page_blocks * page_blocks  # the pages ending in the put's blocks
     if start >= n_blocks:
         return []
     records = layout.block_records(group, tensors, start, n_blocks)
