@@ -20,6 +20,9 @@ from prefixd.loadtime import LoadTimeModel
 
 _RATE_MEMORY = 1024  # tenants whose reported prefill throughput is remembered
 _REPORTED_WEIGHT = 0.2  # of a new report in a tenant's average
+# tokens/s a report is held to: the bounds of the prefill_tokens_per_s setting (a rate of 1e-300
+# would make every estimate, and the node's totals of prefill saved, infinite)
+RATE_BOUNDS = (1.0, 1e9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +71,20 @@ class BenefitRule:
         self.rates = rates
         self.floor_tokens = floor_tokens
 
+    def report(self, tenant: str, reported: float | None) -> float | None:
+        """Take the prefill throughput a request's engine sent (once per request, however many
+        prompts it has), held to RATE_BOUNDS; the rate to judge that request's hits by."""
+        if reported is None:
+            return None
+        rate = min(max(reported, RATE_BOUNDS[0]), RATE_BOUNDS[1])
+        self.rates.report(tenant, rate)
+        return rate
+
     def judge(
-        self, tenant: str, hit_tokens: int, hit_bytes: int, reported: float | None = None
+        self, tenant: str, hit_tokens: int, hit_bytes: int, rate: float | None = None
     ) -> Benefit:
-        """The hit's estimates; `reported`: the prefill throughput its engine sent just now."""
-        if reported is not None:
-            self.rates.report(tenant, reported)
-        rate = reported if reported is not None else self.rates.of(tenant)
+        """The hit's estimates; `rate`: what `report` made of its request's throughput."""
+        rate = rate if rate is not None else self.rates.of(tenant)
         return Benefit(self.load_time.estimate(hit_bytes), hit_tokens / rate)
 
     def offered(self, hit_tokens: int, benefit: Benefit, *, judged: bool = True) -> bool:

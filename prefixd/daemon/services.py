@@ -176,11 +176,10 @@ class Services:
         throughput the engine sent; not `judged`: every hit from the floor up, a question of
         what is stored); the reply's estimates are the hit's found."""
         results, observed = [], []
+        rate = self.benefit.report(identity.tenant, reported)
         for (tokens, _), match in zip(queries, matches, strict=True):
             assert match is not None
-            benefit = self.benefit.judge(
-                identity.tenant, match.n_tokens, match.payload_bytes, reported
-            )
+            benefit = self.benefit.judge(identity.tenant, match.n_tokens, match.payload_bytes, rate)
             offered = self.benefit.offered(match.n_tokens, benefit, judged=judged)
             n_tokens = match.n_tokens if offered else 0
             n_bytes = match.payload_bytes if offered else 0

@@ -79,12 +79,10 @@ async def lookup_state(ctx: RequestContext, request: Request[LookupState]) -> Lo
 
     matches = await services.run(run)
     results, observed = [], []
-    reported = request.message.prefill_tokens_per_s
+    rate = services.benefit.report(identity.tenant, request.message.prefill_tokens_per_s)
     for (tokens, _), found in zip(prompts, matches, strict=True):
         found_tokens = found.reusable_tokens
-        benefit = services.benefit.judge(
-            identity.tenant, found_tokens, found.payload_bytes, reported
-        )
+        benefit = services.benefit.judge(identity.tenant, found_tokens, found.payload_bytes, rate)
         match = found if services.benefit.offered(found_tokens, benefit) else no_hit(found)
         hit_tokens, hit_bytes = match.reusable_tokens, match.payload_bytes
         results.append(

@@ -6,6 +6,7 @@ and the net seconds its loads saved, per tenant."""
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,6 +80,25 @@ def test_an_engines_reported_prefill_decides_for_its_tenant_only(daemon: Daemon)
         assert unaffected.n_blocks == N_BLOCKS
         assert tenant_metrics(client, IDENTITY.tenant)["loads_skipped"] == 2
         assert tenant_metrics(client, other.tenant).get("loads_skipped", 0) == 0
+
+
+def test_a_report_counts_once_per_lookup_and_is_held_to_the_settings_bounds(
+    daemon: Daemon,
+) -> None:
+    """A lookup of many prompts is one report of its engine's throughput, not one per prompt; a
+    throughput no engine has (5e-324 tokens/s) is held to the setting's bounds, so no estimate,
+    and no total of the node's, turns infinite."""
+    prompt, n = stored_prompt(daemon), N_BLOCKS * BT
+    with Client(daemon.socket, region_bytes=1 << 20) as client:
+        client.lookup(IDENTITY, [prompt], prefill_tokens_per_s=1000.0)
+        client.lookup(IDENTITY, [prompt] * 64, prefill_tokens_per_s=1e9)
+        [hit] = client.lookup(IDENTITY, [prompt])
+        assert hit.est_prefill_s == pytest.approx(n / (0.8 * 1000 + 0.2 * 1e9), rel=1e-3)
+        [tiny] = client.lookup(IDENTITY, [prompt], prefill_tokens_per_s=5e-324)
+        assert tiny.est_prefill_s == pytest.approx(n / 1.0)
+        client.load(IDENTITY, prompt)
+        totals = client.stats()["metrics"]["totals"]
+    assert all(math.isfinite(value) for value in totals.values()), totals
 
 
 def test_a_slow_store_makes_hits_not_worth_loading(tmp_path: Path) -> None:
