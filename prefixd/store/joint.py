@@ -2,9 +2,9 @@
 
 A paged group's page hangs on its last block (whose hash covers every token the page holds: on its
 first, prompts that part after it would share one page), a checkpoint on the block ending at its
-boundary. A boundary is reusable when the chain is stored up to it, every paged group covers it and every stored
-checkpoint group has a checkpoint there; the answer is the largest. A put is checked here before any
-transaction, so nothing is written for a refused one."""
+boundary. A boundary is reusable when the chain is stored up to it, every paged group covers it
+and every stored checkpoint group has a checkpoint there; the answer is the largest. A put is
+checked here before any transaction, so nothing is written for a refused one."""
 
 from __future__ import annotations
 
