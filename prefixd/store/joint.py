@@ -39,7 +39,8 @@ def require_plain(identity: Identity, hybrid_method: str) -> None:
 
 
 def anchor(group: StateGroup, block: int) -> int:
-    """The block a part of `group` starting at `block` hangs on: a page's last, a checkpoint's own."""
+    """The block a part of `group` starting at `block` hangs on: a page's last block, a
+    checkpoint's own."""
     return block + group.page_blocks - 1 if group.kind == PAGED else block
 
 

@@ -209,8 +209,9 @@ class Store:
     ) -> PutResult:
         """Publish a hybrid identity's state up to `upto_tokens` in one transaction: `paged[group]`
         (one payload per page ending in the put's blocks: a page hangs on its last) and
-        `checkpoints[group]` (boundary -> payload, at a stored or put boundary). Refused whole like `put`, and for state not closed
-        (OpenTailError) or not matching the spec (PayloadError)."""
+        `checkpoints[group]` (boundary -> payload, at a stored or put boundary). Refused whole
+        like `put`, and for state not closed (OpenTailError) or not matching the spec
+        (PayloadError)."""
         return self._writer.put_state(
             identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
         )
