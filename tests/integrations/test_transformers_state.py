@@ -375,6 +375,21 @@ def test_refuses_a_boundary_inside_a_block() -> None:
         capture_checkpoint(config, cache, 12, block_tokens=BLOCK)
 
 
+def test_refuses_a_recurrent_state_before_the_caches_end() -> None:
+    """A linear-attention state exists only at the cache's end: one taken after 48 tokens must
+    not be stored as the state at 32 (the cache's attention layers say how many it has seen)."""
+    config, _ = build("qwen3_next")
+    cache = prefill("qwen3_next", 48)
+    with pytest.raises(LayoutError, match="only at the cache's end, which has seen 48 tokens"):
+        export_state(config, cache, n_tokens=32, block_tokens=BLOCK, page_blocks=PAGE)
+    with pytest.raises(LayoutError, match="only at the cache's end"):
+        capture_checkpoint(config, cache, 32, block_tokens=BLOCK)
+    paged = export_state(
+        config, cache, n_tokens=32, block_tokens=BLOCK, page_blocks=PAGE, checkpoints=False
+    )
+    assert paged.paged and not paged.checkpoints  # the pages of an earlier boundary are there
+
+
 def test_refuses_an_open_page() -> None:
     """Like the store, export carries closed pages only: 9 blocks leave a page of 2 open."""
     config, _ = build("llama")

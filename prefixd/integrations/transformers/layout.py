@@ -102,6 +102,16 @@ class StateLayout:
             raise LayoutError(
                 f"the cache has {len(cache.layers)} layers, the config {len(self.layers)}"
             )
+        if checkpoints and any(isinstance(p, LinearStates) for p in _parts(self.layers)):
+            # a recurrent state keeps no count of its tokens: an attention layer of the cache
+            # says how many it has seen (a cache of recurrent layers alone cannot be checked)
+            seen = _seen(self.layers, cache.layers, row)
+            if seen is not None and seen != n_tokens:
+                raise LayoutError(
+                    f"linear-attention states exist only at the cache's end, which has seen {seen}"
+                    f" tokens, not {n_tokens}: capture them with capture_checkpoint when the"
+                    f" prefill reaches {n_tokens}, and export the pages with checkpoints=False"
+                )
         paged: Tensors = {}
         by_group: dict[str, Tensors] = {group: {} for group in self.checkpoint_groups}
         for state, cache_layer in zip(self.layers, cache.layers):
@@ -382,3 +392,20 @@ def _checked(f: Field, tensor: torch.Tensor, n_tokens: int) -> torch.Tensor:
             f" {f.dtype} {shape} (from the config's attributes)"
         )
     return tensor
+
+
+def _parts(states: Iterable[LayerState]) -> Iterator[LayerState]:
+    for state in states:
+        yield from state.parts if isinstance(state, Joined) else (state,)
+
+
+def _seen(states: list[LayerState], cache_layers: Any, row: int) -> int | None:
+    """How many tokens the cache has seen, by its first attention layer that counts them."""
+    for state, cache_layer in zip(states, cache_layers):
+        for part in _parts((state,)):
+            if isinstance(part, SlidingAttention):
+                return int(cache_layer.cumulative_length)
+            keys = getattr(cache_layer, "keys", None)
+            if isinstance(part, FullAttention) and isinstance(keys, torch.Tensor) and keys.dim():
+                return int(keys.shape[-2])
+    return None
