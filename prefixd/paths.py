@@ -69,8 +69,13 @@ def _instance_dir(instance: str) -> str:
 
 def service_uid() -> int | None:
     """The uid of the shipped units' account (SERVICE_USER), if this machine has one."""
+    return uid_of(SERVICE_USER)
+
+
+def uid_of(name: str) -> int | None:
+    """The uid of the account `name`, if this machine has one."""
     try:
-        return pwd.getpwnam(SERVICE_USER).pw_uid
+        return pwd.getpwnam(name).pw_uid
     except KeyError:
         return None
 
@@ -89,4 +94,5 @@ __all__ = [
     "default_socket",
     "node_socket",
     "service_uid",
+    "uid_of",
 ]

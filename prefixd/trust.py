@@ -27,7 +27,7 @@ from prefixd.errors import (
     UntrustedDaemonError,
     UntrustedPathError,
 )
-from prefixd.paths import service_uid
+from prefixd.paths import service_uid, uid_of
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -64,17 +64,10 @@ def resolve_user(user: int | str) -> int:
     text = user.strip()
     if text.isdigit():
         return int(text)
-    uid = _uid_of(text)
+    uid = uid_of(text)
     if uid is None:
         raise ConfigError(f"no user {text!r} on this machine (give a user name or uid)")
     return uid
-
-
-def _uid_of(name: str) -> int | None:
-    try:
-        return pwd.getpwnam(name).pw_uid
-    except KeyError:
-        return None
 
 
 def check_private_dir(path: Path, what: str, files: Collection[str] = ()) -> None:

@@ -188,14 +188,20 @@ class EventPublisher:
                 if self._pending_events >= EVENTS_PER_BATCH:
                     self._ready.notify()
                 return
-            self.counts["dropped_events"] += self._pending_events + len(events or ())
+            self.counts["dropped_events"] += self._cleared() + len(events or ())
             self.counts["resyncs"] += 1
             self._resyncs += 1
-            self._pending.clear()
-            self._pending.append([AllBlocksCleared()])
-            self._pending_events = 1
             self._ready.notify()
             self._room.notify_all()
+
+    def _cleared(self) -> int:
+        """Drop what waits and queue AllBlocksCleared, for the inventory to follow; how many
+        events were dropped. Under the ready lock."""
+        dropped = self._pending_events
+        self._pending.clear()
+        self._pending.append([AllBlocksCleared()])
+        self._pending_events = 1
+        return dropped
 
     def start(self) -> None:
         """Bind (raising what binding raised), say AllBlocksCleared, announce."""
@@ -204,8 +210,7 @@ class EventPublisher:
         if self._failed is not None:
             raise ConfigError(f"kv_events_endpoint: cannot publish there ({self._failed})")
         with self._ready:
-            self._pending.append([AllBlocksCleared()])
-            self._pending_events += 1
+            self._cleared()  # the inventory announces whatever was committed before
         self._announcer.start()
 
     def stop(self, timeout_s: float = 2.0) -> None:

@@ -103,7 +103,9 @@ class FakeDaemon:
                 return
             peer = Peer(sock)
             self.peers.append(peer)
-            threading.Thread(target=self._serve, args=(peer, len(self.peers) - 1)).start()
+            serve = threading.Thread(target=self._serve, args=(peer, len(self.peers) - 1))
+            serve.daemon = True
+            serve.start()
 
     def _serve(self, peer: Peer, index: int) -> None:
         try:
@@ -117,9 +119,25 @@ class FakeDaemon:
             peer.sock.close()
 
 
+FakeDaemons = Callable[..., FakeDaemon]
+
+
 @pytest.fixture
-def fake_path(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path / "fake.sock"
+def fake_daemon(tmp_path: Path) -> Iterator[FakeDaemons]:
+    """`fake_daemon(script, *holds)`: a FakeDaemon on the test's socket, closed after the test
+    with each of `holds` (the events its script waits on) set, so no script waits on."""
+    started: list[tuple[FakeDaemon, tuple[threading.Event, ...]]] = []
+
+    def start(script: Callable[[Peer, int], None], *holds: threading.Event) -> FakeDaemon:
+        fake = FakeDaemon(tmp_path / "fake.sock", script)
+        started.append((fake, holds))
+        return fake
+
+    yield start
+    for fake, holds in started:
+        for hold in holds:
+            hold.set()
+        fake.close()
 
 
 async def until(condition: Callable[[], object]) -> None:
@@ -129,7 +147,9 @@ async def until(condition: Callable[[], object]) -> None:
             await asyncio.sleep(0.001)
 
 
-def test_a_request_cancelled_before_it_went_holds_no_region_space(fake_path: Path) -> None:
+def test_a_request_cancelled_before_it_went_holds_no_region_space(
+    fake_daemon: FakeDaemons,
+) -> None:
     reading = threading.Event()
 
     def script(peer: Peer, index: int) -> None:
@@ -139,18 +159,17 @@ def test_a_request_cancelled_before_it_went_holds_no_region_space(fake_path: Pat
         while True:
             peer.answer(peer.read())
 
-    fake = FakeDaemon(fake_path, script)
+    fake = fake_daemon(script, reading)
 
     async def run() -> Any:
         client = await AsyncClient.connect(
-            fake_path, region_bytes=1 << 20, token_region_bytes=0, timeout=DEADLINE_S
+            fake.path, region_bytes=1 << 20, token_region_bytes=0, timeout=DEADLINE_S
         )
         big = asyncio.create_task(client.lookup(IDENTITY, [BIG]))  # its send waits on the peer
         await until(client._write_lock.locked)
         load = asyncio.create_task(client.load(IDENTITY, SMALL, length=4096))
+        # leased, the load runs on in the same step to the wait for the connection's turn
         await until(lambda: getattr(client.region_usage(), "leased_bytes", 0) == 4096)
-        for _ in range(3):
-            await asyncio.sleep(0)  # the load waits for the connection's turn
         load.cancel()
         with pytest.raises(asyncio.CancelledError):
             await load
@@ -161,11 +180,7 @@ def test_a_request_cancelled_before_it_went_holds_no_region_space(fake_path: Pat
         await client.close()
         return usage
 
-    try:
-        usage = asyncio.run(run())
-    finally:
-        reading.set()
-        fake.close()
+    usage = asyncio.run(run())
     assert usage.leased_bytes == 0 and usage.quarantined_bytes == 0, usage
     assert fake.peers[0].ops == ["hello", "attach", "lookup", "lookup"]  # the load never went
 
@@ -180,9 +195,7 @@ def test_a_request_cancelled_while_it_was_sent_leaves_no_half_frame(daemon: Daem
         os.kill(daemon.pid, signal.SIGSTOP)  # reads nothing: the big frame goes part way
         try:
             big = asyncio.create_task(client.lookup(IDENTITY, [BIG]))
-            await until(client._write_lock.locked)
-            for _ in range(3):
-                await asyncio.sleep(0)
+            await until(client._write_lock.locked)  # held: part of the frame went, it waits on
             big.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await big
@@ -195,7 +208,9 @@ def test_a_request_cancelled_while_it_was_sent_leaves_no_half_frame(daemon: Daem
     assert asyncio.run(run()) == [0, 0, 0]  # answered: no later frame read as the rest of it
 
 
-def test_a_send_the_daemon_does_not_read_ends_within_the_timeout(fake_path: Path) -> None:
+def test_a_send_the_daemon_does_not_read_ends_within_the_timeout(
+    fake_daemon: FakeDaemons,
+) -> None:
     done = threading.Event()
 
     def script(peer: Peer, index: int) -> None:
@@ -203,11 +218,11 @@ def test_a_send_the_daemon_does_not_read_ends_within_the_timeout(fake_path: Path
         peer.answer(peer.read())
         done.wait(DEADLINE_S)  # then reads nothing
 
-    fake = FakeDaemon(fake_path, script)
+    fake = fake_daemon(script, done)
 
     async def run() -> None:
         client = await AsyncClient.connect(
-            fake_path, region_bytes=1 << 20, token_region_bytes=0, timeout=0.5
+            fake.path, region_bytes=1 << 20, token_region_bytes=0, timeout=0.5
         )
         try:
             async with asyncio.timeout(DEADLINE_S):  # not for ever
@@ -216,14 +231,12 @@ def test_a_send_the_daemon_does_not_read_ends_within_the_timeout(fake_path: Path
         finally:
             await client.close()
 
-    try:
-        asyncio.run(run())
-    finally:
-        done.set()
-        fake.close()
+    asyncio.run(run())
 
 
-def test_after_a_reconnect_nothing_goes_before_the_greeting_is_answered(fake_path: Path) -> None:
+def test_after_a_reconnect_nothing_goes_before_the_greeting_is_answered(
+    fake_daemon: FakeDaemons,
+) -> None:
     restart, hello_read, answer_hello = threading.Event(), threading.Event(), threading.Event()
 
     def script(peer: Peer, index: int) -> None:
@@ -243,29 +256,24 @@ def test_after_a_reconnect_nothing_goes_before_the_greeting_is_answered(fake_pat
             attached = attached or message["op"] == "attach"
             peer.answer(message, attached)
 
-    fake = FakeDaemon(fake_path, script)
+    fake = fake_daemon(script, restart, answer_hello)
 
     async def run() -> Any:
         client = await AsyncClient.connect(
-            fake_path, region_bytes=1 << 20, token_region_bytes=0, timeout=DEADLINE_S
+            fake.path, region_bytes=1 << 20, token_region_bytes=0, timeout=DEADLINE_S
         )
         restart.set()
         await until(lambda: client._sock is None)  # the reader saw the connection end
         first = asyncio.create_task(client.lookup(IDENTITY, [SMALL]))  # it reconnects
         await until(hello_read.is_set)
         second = asyncio.create_task(client.load(IDENTITY, SMALL, length=4096))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        # leased, the load runs on in the same step to the wait for the connection
+        await until(lambda: getattr(client.region_usage(), "leased_bytes", 0) == 4096)
         answer_hello.set()
         outcomes = await asyncio.gather(first, second, return_exceptions=True)
         await client.close()
         return outcomes
 
-    try:
-        outcomes = asyncio.run(run())
-    finally:
-        restart.set()
-        answer_hello.set()
-        fake.close()
+    outcomes = asyncio.run(run())
     assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
     assert fake.peers[1].ops[:2] == ["hello", "attach"], fake.peers[1].ops

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from prefixd.schema.chain import chain_hashes
 from prefixd.store.journal import BlockChange
 from prefixd.store.purge import PurgeSelector
 
-from ..waiting import DEADLINE_S
+from ..waiting import DEADLINE_S, wait_for
 from .test_faults import flip_in_file
 
 BASE = Identity(
@@ -269,6 +270,17 @@ def test_a_block_whose_record_is_damaged_goes_under_its_identity(tmp_path: Path)
     assert gone == {hashes[1]: BASE, hashes[2]: BASE}
 
 
+def at_its_commit(thread: threading.Thread) -> bool:
+    """Whether `thread` is inside the journal's commit (there, waiting for its turn to tell)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "commit" and code.co_filename.endswith("journal.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_changes_are_told_in_the_order_their_transactions_committed(tmp_path: Path) -> None:
     """LMDB lets the next writer in at a commit: a removal committed after a put must not be told
     before the put's stores, or a router keeps a block the store no longer holds."""
@@ -291,9 +303,12 @@ def test_changes_are_told_in_the_order_their_transactions_committed(tmp_path: Pa
         leaf = chain_hashes(BASE, tokens)[-1]
         delete = threading.Thread(target=store.delete, args=([leaf],))
         delete.start()
-        # a store that told out of order has told the removal by now; one that keeps the order
-        # holds it until the put's changes are told, however long this waits
-        delete.join(0.5)
+        # a store that tells out of order tells the removal and ends; one that keeps the order
+        # holds the removal at its commit until the put's changes are told
+        wait_for(
+            lambda: not delete.is_alive() or at_its_commit(delete),
+            "the removal told, or held at its commit",
+        )
         told_put.set()
         put.join(DEADLINE_S)
         delete.join(DEADLINE_S)
