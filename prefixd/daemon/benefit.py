@@ -4,22 +4,27 @@ lookup reply, so whatever loads what a lookup offers (`load_into`, `warm_up`, th
 LMCache adapters) recomputes a hit that would not pay, and the reply says how many tokens it held
 back.
 
-Both sides are learned online: the load time from the daemon's own verified loads (an overhead
-and a bandwidth, prefixd.loadtime; the shared tier's fetches have a model of their own,
-prefixd.cluster.benefit), the prefill throughput from what a tenant's engines measure and send
-with their lookups, else the configured `prefill_tokens_per_s`.
+Both sides are learned online, per tenant: the load time from the tenant's own verified loads
+(an overhead and a bandwidth, prefixd.loadtime; the shared tier's fetches have a model of their
+own, prefixd.cluster.benefit), the prefill throughput from what its engines measure and send with
+their lookups, else the configured `prefill_tokens_per_s`. Neither is shared between tenants: one
+tenant's odd loads (many tiny blocks, loads held up by its own traffic) or reports never hold
+back another's hits.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixd.loadtime import LoadTimeModel
 
 _RATE_MEMORY = 1024  # tenants whose reported prefill throughput is remembered
 _REPORTED_WEIGHT = 0.2  # of a new report in a tenant's average
+_LOAD_MEMORY = 256  # tenants whose load time is remembered
+LOAD_IDLE_S = 300.0  # a tenant's load time no load reached for this long is forgotten
 # tokens/s a report is held to: the bounds of the prefill_tokens_per_s setting (a rate of 1e-300
 # would make every estimate, and the node's totals of prefill saved, infinite)
 RATE_BOUNDS = (1.0, 1e9)
@@ -63,11 +68,54 @@ class PrefillRates:
             return self._reported.get(tenant, self.configured)
 
 
-class BenefitRule:
-    """Whether a hit pays, from the learned load time and the tenant's prefill throughput."""
+class LoadTimes:
+    """Each tenant's load time, fitted to its own loads only. A model learns only from loads, and
+    a hit it holds back is not loaded: a model no load reached for LOAD_IDLE_S is forgotten, so a
+    tenant whose hits it held back (its loads crawled for a while, say) loads again and is measured
+    afresh. `now`: monotonic seconds. Thread-safe."""
 
-    def __init__(self, load_time: LoadTimeModel, rates: PrefillRates, floor_tokens: int) -> None:
-        self.load_time = load_time
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.default = LoadTimeModel()  # never observed: a tenant's until its loads fit a line
+        self._now = now
+        self._models: OrderedDict[str, tuple[LoadTimeModel, float]] = OrderedDict()  # last load
+        self._lock = threading.Lock()
+
+    def observe(self, tenant: str, n_bytes: int, seconds: float) -> None:
+        now = self._now()
+        with self._lock:
+            model = self._live(tenant, now) or LoadTimeModel()
+            self._models[tenant] = (model, now)
+            self._models.move_to_end(tenant)
+            if len(self._models) > _LOAD_MEMORY:
+                self._models.popitem(last=False)
+        model.observe(n_bytes, seconds)
+
+    def of(self, tenant: str) -> LoadTimeModel:
+        with self._lock:
+            return self._live(tenant, self._now()) or self.default
+
+    def learned(self) -> dict[str, LoadTimeModel]:
+        """The tenants' models that are not forgotten."""
+        now = self._now()
+        with self._lock:
+            return {t: m for t in list(self._models) if (m := self._live(t, now)) is not None}
+
+    def _live(self, tenant: str, now: float) -> LoadTimeModel | None:
+        """The tenant's model, unless forgotten (under the lock)."""
+        found = self._models.get(tenant)
+        if found is None:
+            return None
+        if now - found[1] >= LOAD_IDLE_S:
+            del self._models[tenant]
+            return None
+        return found[0]
+
+
+class BenefitRule:
+    """Whether a hit pays, from the tenant's learned load time and prefill throughput."""
+
+    def __init__(self, load_times: LoadTimes, rates: PrefillRates, floor_tokens: int) -> None:
+        self.load_times = load_times
         self.rates = rates
         self.floor_tokens = floor_tokens
 
@@ -85,7 +133,7 @@ class BenefitRule:
     ) -> Benefit:
         """The hit's estimates; `rate`: what `report` made of its request's throughput."""
         rate = rate if rate is not None else self.rates.of(tenant)
-        return Benefit(self.load_time.estimate(hit_bytes), hit_tokens / rate)
+        return Benefit(self.load_times.of(tenant).estimate(hit_bytes), hit_tokens / rate)
 
     def offered(self, hit_tokens: int, benefit: Benefit, *, judged: bool = True) -> bool:
         """A hit is offered from the floor up and where loading it pays (unless not `judged`:

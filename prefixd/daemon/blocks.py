@@ -165,7 +165,7 @@ async def route(ctx: RequestContext, request: Request[Route]) -> RouteReply:
         result.n_blocks,
         result.n_tokens,
         match.payload_bytes if result.n_blocks else 0,
-        load_time=services.metrics.load_time,
+        load_time=services.metrics.load_times.of(identity.tenant),
         prefill_tokens_per_s=services.metrics.rates.of(identity.tenant),
         queue=services.loads,
     )

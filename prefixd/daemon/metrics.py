@@ -24,7 +24,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from prefixd.daemon.benefit import PrefillRates
+from prefixd.clock import Clock, SystemClock
+from prefixd.daemon.benefit import LoadTimes, PrefillRates
 from prefixd.loadtime import LoadTimeModel
 from prefixd.schema.meta import SCHEMA_VERSION
 from prefixd.version import __version__
@@ -105,10 +106,13 @@ class _Histogram:
 class Metrics:
     """The daemon's counts and histograms, plus the store's totals read when scraped."""
 
-    def __init__(self, store: Store, *, prefill_tokens_per_s: float) -> None:
+    def __init__(
+        self, store: Store, *, prefill_tokens_per_s: float, clock: Clock | None = None
+    ) -> None:
         self.store = store
         self.prefill_tokens_per_s = prefill_tokens_per_s  # the configured one
-        self.load_time = LoadTimeModel()
+        self.load_times = LoadTimes((clock or SystemClock()).monotonic)  # judge hits: per tenant
+        self.node_load_time = LoadTimeModel()  # every tenant's loads: shown, never judged by
         self.rates = PrefillRates(prefill_tokens_per_s)
         self._bytes_per_token: OrderedDict[bytes, float] = OrderedDict()
         self._labeled: set[str] = set()  # tenants with series of their own (MAX_TENANT_LABELS)
@@ -161,7 +165,8 @@ class Metrics:
 
     def observe_load(self, tenant: str, n_tokens: int, n_bytes: int, seconds: float) -> None:
         if n_bytes:
-            self.load_time.observe(n_bytes, seconds)
+            self.load_times.observe(tenant, n_bytes, seconds)
+            self.node_load_time.observe(n_bytes, seconds)
         with self._lock:
             t = self._of(tenant)
             t[LOADED_BYTES] += n_bytes
@@ -252,6 +257,10 @@ class Metrics:
         for values in tenants.values():
             for name, value in values.items():
                 totals[name] = totals.get(name, 0.0) + value
+        for tenant, model in self.load_times.learned().items():  # what its hits are judged by
+            entry = tenants.setdefault(tenant, {})
+            entry["load_overhead_us"] = round(model.overhead_s * 1e6, 1)
+            entry["load_bandwidth_gbps"] = round(model.bandwidth / 1e9, 3)
         return {
             "hit_rate": {
                 "requests": _ratio(totals["lookup_hits"], totals["lookup_prompts"]),
@@ -262,8 +271,8 @@ class Metrics:
             "hit_length_tokens": _per_bucket(lengths) if lengths is not None else {},
             "latency_us": _latencies(ops),
             "load_model": {
-                "overhead_us": round(self.load_time.overhead_s * 1e6, 1),
-                "bandwidth_gbps": round(self.load_time.bandwidth / 1e9, 3),
+                "overhead_us": round(self.node_load_time.overhead_s * 1e6, 1),
+                "bandwidth_gbps": round(self.node_load_time.bandwidth / 1e9, 3),
             },
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "tenants": tenants,

@@ -140,7 +140,9 @@ class Server:
         loop.set_default_executor(aux)
         watcher = ManifestWatcher(config.store.model_manifests, self._retirer(pool))
         self._watcher = watcher
-        metrics = Metrics(self.store, prefill_tokens_per_s=config.metrics.prefill_tokens_per_s)
+        metrics = Metrics(
+            self.store, prefill_tokens_per_s=config.metrics.prefill_tokens_per_s, clock=self.clock
+        )
         bridge = self._shared_tier()
         if bridge is not None:
             metrics.track_cluster(bridge)

@@ -88,7 +88,7 @@ class Services:
     def __post_init__(self) -> None:
         self.started = self.clock.monotonic()
         self.benefit = BenefitRule(
-            self.metrics.load_time, self.metrics.rates, self.min_reusable_tokens
+            self.metrics.load_times, self.metrics.rates, self.min_reusable_tokens
         )
 
     async def run(self, call: Callable[[], T], pool: Executor | None = None) -> T:

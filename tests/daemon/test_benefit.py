@@ -16,7 +16,10 @@ import torch
 
 from prefixd import Store
 from prefixd.client import Client
-from prefixd.daemon.benefit import PrefillRates
+from prefixd.clock import ManualClock
+from prefixd.daemon.benefit import LOAD_IDLE_S, PrefillRates
+from prefixd.daemon.metrics import Metrics
+from prefixd.daemon.services import Services
 
 from .conftest import IDENTITY, Daemon, DaemonFactory, make_identity, payload
 from .test_loop_work import services
@@ -121,6 +124,65 @@ def test_a_slow_store_makes_hits_not_worth_loading(tmp_path: Path) -> None:
         assert observed[0].skipped
         mine = shared.metrics.snapshot()["tenants"][IDENTITY.tenant]
         assert mine["net_saved_seconds"] < 0 < mine["prefill_saved_seconds"]
+
+
+def test_one_tenants_odd_loads_never_hold_back_anothers_hits(tmp_path: Path) -> None:
+    """Loads of one-byte blocks that take a second each fit a line of a few bytes per second: the
+    loading tenant's own hits are judged by it, another tenant's are not."""
+    bt = IDENTITY.block_tokens
+    prompt = np.arange(N_BLOCKS * bt, dtype=np.uint32) + 5
+    odd = make_identity(tenant="odd")
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
+        store.put(IDENTITY, prompt, [b"k" * SIZE] * N_BLOCKS)
+        store.put(odd, prompt, [b"k" * SIZE] * N_BLOCKS)
+        shared = services(store, pool)
+        for i in range(16):
+            shared.metrics.observe_load(odd.tenant, bt, 1 + i % 2, seconds=1.0 + i % 2)
+
+        def offered(identity: object) -> int:
+            match = store.longest_prefix(identity, prompt)  # type: ignore[arg-type]
+            key = (prompt.tobytes(), None)
+            [result], _ = shared.lookup_results(identity, [key], [match])  # type: ignore[arg-type]
+            return result.n_blocks
+
+        assert offered(odd) == 0  # its own loads crawled
+        assert offered(IDENTITY) == N_BLOCKS
+        tenants = shared.metrics.snapshot()["tenants"]
+        assert tenants[odd.tenant]["load_bandwidth_gbps"] < 1e-6
+        assert "load_bandwidth_gbps" not in tenants[IDENTITY.tenant]  # no loads: the defaults
+
+
+def test_a_load_time_no_load_reached_for_a_while_is_forgotten(tmp_path: Path) -> None:
+    """A hit the model holds back is not loaded, so the model would never see a faster load
+    again: once no load reached it for LOAD_IDLE_S, hits are offered and measured afresh."""
+    bt = IDENTITY.block_tokens
+    prompt = np.arange(N_BLOCKS * bt, dtype=np.uint32) + 5
+    clock = ManualClock()
+    with Store.open(tmp_path / "s", map_size=64 << 20) as store, ThreadPoolExecutor(1) as pool:
+        store.put(IDENTITY, prompt, [b"k" * SIZE] * N_BLOCKS)
+        metrics = Metrics(store, prefill_tokens_per_s=1e4, clock=clock)
+        shared = Services(
+            store=store,
+            pool=pool,
+            metrics=metrics,
+            max_frame_bytes=1 << 20,
+            max_region_bytes=1 << 20,
+            clock=clock,
+        )
+        match = store.longest_prefix(IDENTITY, prompt)
+
+        def offered() -> int:
+            [result], _ = shared.lookup_results(IDENTITY, [(prompt.tobytes(), None)], [match])
+            return result.n_blocks
+
+        for i in range(16):  # a while of loads at 1 KB/s
+            size = SIZE * (1 + i % 2)
+            metrics.observe_load(IDENTITY.tenant, bt, size, seconds=size / 1000)
+        assert offered() == 0
+        clock.advance(LOAD_IDLE_S - 1)
+        assert offered() == 0
+        clock.advance(1)
+        assert offered() == N_BLOCKS
 
 
 def test_warm_up_skips_prefixes_not_worth_loading(daemon_factory: DaemonFactory) -> None:
