@@ -260,6 +260,8 @@ def _with_hint(shown: str, probe: str, known: tuple[str, ...]) -> str:
 def _convert(name: str, raw: Any, source: str, *, text: bool, base: Path) -> _Given:
     """Parse and validate one source's raw value; errors name the setting and the source."""
     kind = KINDS[META[name]["kind"]]
+    if text and name == "instance" and raw == "":  # `--instance "$GPU"`, GPU unset: no default
+        raise ConfigError(f"instance: empty (set by {source}); leave it out for the default daemon")
     if META[name]["optional"] and raw in ("", None):
         return _Given(source, raw, None)  # an optional path given empty: off
     if isinstance(raw, str) and (text or kind.text_in_toml):
