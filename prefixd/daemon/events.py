@@ -39,6 +39,7 @@ EVENTS_PER_BATCH = 1024
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay, as vLLM's publisher does
 # The publisher wakes this often (or for a whole batch), not at every commit: that costs the writers
 POLL_S = 0.02
+FAILED_PAUSE_MAX_S = 30.0  # the longest a lasting failure to publish waits between resyncs
 
 BlockHash = bytes | int
 
@@ -146,7 +147,8 @@ class EventPublisher:
         self._stop = threading.Event()
         self._encoder = msgspec.msgpack.Encoder()
         published = ("published_events", "published_batches", "dropped_events", "resyncs")
-        self.counts = dict.fromkeys((*published, "inventory_blocks", "replays"), 0)
+        self.counts = dict.fromkeys((*published, "inventory_blocks", "replays", "failures"), 0)
+        self._seq = 0  # the next batch's: the publisher thread's alone
         self._bound = threading.Event()
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._publish, name="prefixd-events", daemon=True)
@@ -266,6 +268,32 @@ class EventPublisher:
                 self._stop.wait(ahead)
 
     def _publish(self) -> None:
+        sockets = self._bind()
+        if sockets is None:
+            return
+        pub, replay = sockets
+        buffer: deque[tuple[int, bytes]] = deque(maxlen=self.settings.replay_batches)
+        pause = POLL_S
+        while True:
+            try:
+                if replay is not None and replay.poll(0):
+                    self._replay(replay, buffer)
+                taken = self._take()
+                if taken is None:
+                    return
+                for batch in _batches(taken):
+                    self._send(pub, buffer, batch)
+                pause = POLL_S
+            except Exception:  # noqa: BLE001 - the events go on: counted, logged, resynced
+                self._failure("KV events: publishing failed; resyncing")
+                with self._order:
+                    self._enqueue(None)  # what it had taken is lost: subscribers start over
+                self._stop.wait(pause)  # a failure that lasts resyncs less and less often
+                pause = min(2 * pause, FAILED_PAUSE_MAX_S)
+
+    def _bind(self) -> tuple[Any, Any] | None:
+        """The PUB socket and the replay ROUTER (None without one); None, for start() to raise
+        it, when binding failed."""
         zmq = self._zmq
         try:
             pub = self._context.socket(zmq.PUB)
@@ -277,39 +305,49 @@ class EventPublisher:
                 replay.bind(self.settings.replay_endpoint)
         except Exception as exc:  # noqa: BLE001 - start() raises it in the daemon's thread
             self._failed = exc
+            return None
+        finally:
             self._bound.set()
-            return
-        self._bound.set()
-        buffer: deque[tuple[int, bytes]] = deque(maxlen=self.settings.replay_batches)
-        seq = 0
-        topic = b""
-        while True:
-            if replay is not None and replay.poll(0):
-                self._replay(replay, buffer, topic)
-            with self._ready:
-                if not self._pending:
-                    if self._stop.is_set():
-                        break
-                    self._ready.wait(POLL_S)
-                taken = list(self._pending)
-                self._pending.clear()
-                self._pending_events = 0
-                if taken:
-                    self._room.notify_all()
-            for batch in _batches(taken):
-                payload = self._encoder.encode(
-                    EventBatch(time.time(), batch, None, self.incarnation)
-                )
-                try:
-                    pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    self.counts["dropped_events"] += len(batch)
-                buffer.append((seq, payload))
-                seq += 1
-                self.counts["published_batches"] += 1
-                self.counts["published_events"] += len(batch)
+        return pub, replay
 
-    def _replay(self, replay: Any, buffer: deque[tuple[int, bytes]], topic: bytes) -> None:
+    def _take(self) -> list[list[Event]] | None:
+        """What waits, once there is some or POLL_S passed; None once stopped and sent."""
+        with self._ready:
+            if not self._pending:
+                if self._stop.is_set():
+                    return None
+                self._ready.wait(POLL_S)
+            taken = list(self._pending)
+            self._pending.clear()
+            self._pending_events = 0
+            if taken:
+                self._room.notify_all()
+        return taken
+
+    def _send(self, pub: Any, buffer: deque[tuple[int, bytes]], batch: list[Event]) -> None:
+        """Publish one batch under the next seq, kept for replay even where sending failed: a
+        subscriber sees the gap and asks for it."""
+        zmq, seq = self._zmq, self._seq
+        payload = self._encoder.encode(EventBatch(time.time(), batch, None, self.incarnation))
+        buffer.append((seq, payload))
+        self._seq += 1
+        try:
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.counts["dropped_events"] += len(batch)
+            if exc.errno != zmq.EAGAIN:  # a subscriber's full socket is no failure
+                self._failure("KV events: a batch could not be sent")
+        self.counts["published_batches"] += 1
+        self.counts["published_events"] += len(batch)
+
+    def _failure(self, what: str) -> None:
+        """Count a failure and log it (the 1st, 2nd, 4th, 8th...: a lasting one never floods)."""
+        self.counts["failures"] += 1
+        n = self.counts["failures"]
+        if n & (n - 1) == 0:
+            log.exception("%s (%d failures so far)", what, n)
+
+    def _replay(self, replay: Any, buffer: deque[tuple[int, bytes]]) -> None:
         """Answer one replay request, `[identity, b"", start seq]`, as vLLM does."""
         frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
@@ -319,7 +357,7 @@ class EventPublisher:
         self.counts["replays"] += 1
         for seq, payload in list(buffer):
             if seq >= first:
-                replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+                replay.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
         replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 

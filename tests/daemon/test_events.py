@@ -7,14 +7,20 @@ token ids, and a subscriber that never reads costs dropped events, never a put."
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 
 from prefixd import Store
 from prefixd.client import Client
-from prefixd.schema.chain import chain_hashes
+from prefixd.config.settings import EventSettings
+from prefixd.daemon.events import EventPublisher
+from prefixd.schema.chain import ROOT_PARENT, chain_hashes
+from prefixd.store.journal import STORED, BlockChange
 
 from .conftest import IDENTITY, Daemon, DaemonFactory, wait_for
 from .kv_events_consumer import Consumer
@@ -262,3 +268,68 @@ def test_an_unreadable_identity_leaves_the_rest_of_the_inventory_announced(
         consumer.until(lambda view: set(view.blocks) == bobs)
     finally:
         consumer.close()
+
+
+def test_a_failed_send_is_told_and_the_events_go_on(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A send that fails (a ZeroMQ error, or anything else) is counted and logged, and the
+    publisher goes on: the batch a send could not take is replayed into its gap, and what an
+    unexpected failure lost is healed by a resync. The consumer's view stays the blocks stored."""
+    prompt = tokens(7, 6)
+    hashes = chain_hashes(ALICE, prompt)
+    stored: list[BlockChange] = []
+
+    def inventory(batch: int) -> Iterator[list[BlockChange]]:
+        for start in range(0, len(stored), batch):
+            yield stored[start : start + batch]
+
+    settings = EventSettings(
+        endpoint=f"ipc://{sock_dir}/events",
+        replay_endpoint=f"ipc://{sock_dir}/replay",
+        tenants=frozenset({"*"}),
+    )
+    publisher = EventPublisher(settings, inventory)
+    failing: list[Exception] = []  # what the publisher's next sends raise
+    send = zmq.Socket.send_multipart
+
+    def flaky(self: zmq.Socket[bytes], *args: object, **kwargs: object) -> object:
+        if failing and self.getsockopt(zmq.TYPE) == zmq.PUB:
+            raise failing.pop(0)
+        return send(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zmq.Socket, "send_multipart", flaky)
+    caplog.set_level(logging.ERROR, logger="prefixd.daemon.events")
+
+    def put(i: int) -> None:
+        parent = hashes[i - 1] if i else ROOT_PARENT
+        words = prompt[i * BT : (i + 1) * BT].astype("<u4").tobytes()
+        change = BlockChange(STORED, hashes[i], parent, words, ALICE)
+        stored.append(change)
+        publisher.committed([change])
+
+    def all_stored(view: object) -> bool:
+        return set(view.blocks) == set(hashes[: len(stored)])  # type: ignore[attr-defined]
+
+    publisher.start()
+    consumer = Consumer(settings.endpoint, settings.replay_endpoint)
+    try:
+        put(0)
+        consumer.until(all_stored)
+        failing.append(zmq.ZMQError(zmq.EFSM))
+        put(1)
+        wait_for(lambda: publisher.snapshot()["failures"] == 1, "the failed send counted")
+        put(2)
+        consumer.until(all_stored)  # the batch not sent, replayed
+        failing.append(RuntimeError("unexpected"))
+        put(3)
+        wait_for(lambda: publisher.snapshot()["resyncs"] == 1, "a resync")
+        put(4)
+        consumer.until(all_stored)  # the inventory announced again
+        assert publisher.snapshot()["failures"] == 2
+        logged = [r.getMessage() for r in caplog.records]
+        assert any("could not be sent" in m for m in logged), logged
+        assert any("resyncing" in m for m in logged), logged
+    finally:
+        consumer.close()
+        publisher.stop()
