@@ -40,7 +40,13 @@ async def stats(ctx: RequestContext, request: Request[Stats]) -> StatsReply:
         metrics["tenants"] = {t: v for t, v in metrics["tenants"].items() if grant.may_use(t)}
     if services.bridge is not None:
         metrics["cluster"] = {**services.bridge.snapshot(), **services.cluster_hits}
-    server = {**services.server_counters(), **services.warmed, "models": dict(services.models)}
+    server = {
+        **services.server_counters(),
+        **services.warmed,
+        "pinned_bytes": sum(services.pinned_bytes.values()),
+        "pins_cut_blocks": services.pins_cut_blocks,
+        "models": dict(services.models),
+    }
     return StatsReply(
         id=request.id, store=dataclasses.asdict(store), server=server, metrics=metrics
     )

@@ -74,7 +74,13 @@ class Connection:
         self.pid = pid
         self.uid = uid
         self.max_inflight = server.config.limits.max_inflight
-        self.peer = Peer(uid, grant, max_inflight=self.max_inflight, groups=groups)
+        self.peer = Peer(
+            uid,
+            grant,
+            max_inflight=self.max_inflight,
+            groups=groups,
+            pinned=operations.services.pinned_bytes,
+        )
         self.task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
         self._context: RequestContext | None = None  # made when the connection starts

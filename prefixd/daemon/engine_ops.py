@@ -1,10 +1,17 @@
 """What an engine that holds blocks between a lookup and a load needs (LMCache's lookup-and-lock): a
 pinning lookup, `unpin`, `delete` and `list`.
+
+A pin keeps a block from eviction, so a tenant's pins are held to 1/PIN_SHARE of the store's
+capacity: however much one tenant pins, the rest of the store stays evictable, and other tenants'
+puts are never the only blocks eviction may take. A pinning lookup's hit ends where its tenant's
+pins would pass that (a shorter hit, never a wrong one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Sequence
 from functools import partial
 
 from prefixd.daemon.context import Handler, Queries, Request, RequestContext
@@ -24,6 +31,7 @@ from prefixd.wire.messages import (
 )
 
 DEFAULT_LIST_LIMIT = 1024
+PIN_SHARE = 4  # a tenant's pins hold at most a quarter of the store's capacity
 
 
 async def pinned_lookup(
@@ -62,6 +70,7 @@ async def pinned_lookup(
         pinning.add_done_callback(release_if_done)
         raise
     try:
+        matches = within_share(ctx, identity.tenant, matches)
         results, observed = services.lookup_results(
             identity, prompts, matches, reported, judged=judged
         )
@@ -70,10 +79,44 @@ async def pinned_lookup(
         store.unpin(offered(matches))
         raise
     store.unpin(offered([m for m, r in zip(matches, results, strict=True) if r.withheld_tokens]))
-    held = offered([m for m, r in zip(matches, results, strict=True) if not r.withheld_tokens])
-    ctx.peer.pins.hold(identity.tenant, held)
+    held = [m for m, r in zip(matches, results, strict=True) if not r.withheld_tokens]
+    sizes = [size for m in held if m.n_tokens >= least for size in m.payload_sizes]
+    ctx.peer.pins.hold(identity.tenant, offered(held), sizes)
     services.count(identity, observed)
     return LookupReply(id=rid, results=results)
+
+
+def within_share(
+    ctx: RequestContext, tenant: str, matches: Sequence[PrefixMatch]
+) -> list[PrefixMatch]:
+    """`matches`, each offered one cut where the tenant's pins would hold more than 1/PIN_SHARE of
+    the store's capacity, its blocks past the cut unpinned (and all of it when what is left falls
+    below `min_reusable_tokens`). On the loop, with nothing awaited before the pins are recorded."""
+    services = ctx.services
+    store, least = services.store, services.min_reusable_tokens
+    room = store.capacity_bytes // PIN_SHARE - services.pinned_bytes[tenant]
+    cut: list[PrefixMatch] = []
+    for match in matches:
+        if match.n_tokens < least:  # pinned not at all
+            cut.append(match)
+            continue
+        kept, taken = 0, 0
+        for size in match.payload_sizes:
+            if taken + size > room:
+                break
+            kept, taken = kept + 1, taken + size
+        if kept < match.n_blocks:
+            short = dataclasses.replace(
+                match, hashes=match.hashes[:kept], payload_sizes=match.payload_sizes[:kept]
+            )
+            if short.n_tokens < least:
+                kept, taken = 0, 0
+            store.unpin(match.hashes[kept:])
+            services.pins_cut_blocks += match.n_blocks - kept
+            match = short
+        room -= taken
+        cut.append(match)
+    return cut
 
 
 async def unpin(ctx: RequestContext, request: Request[Unpin]) -> UnpinReply:

@@ -17,10 +17,13 @@ class Pins:
     """The blocks one connection pinned, each with the tenants it named: a reload that takes a
     tenant from the peer releases that tenant's pins, the connection's end all of them. A block of
     a share group may be pinned under several of its tenants. Kept by block, so that an unpin of
-    many blocks costs one probe each, however many tenants hold pins."""
+    many blocks costs one probe each, however many tenants hold pins. `pinned`: the bytes each
+    tenant's pins hold, over every connection (the daemon's PIN_SHARE limit weighs them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: Counter[str] | None = None) -> None:
         self._by_block: dict[bytes, Counter[str]] = {}
+        self._sizes: dict[bytes, int] = {}  # each pinned block's stored bytes
+        self.pinned: Counter[str] = Counter() if pinned is None else pinned
 
     def __bool__(self) -> bool:
         return bool(self._by_block)
@@ -29,9 +32,13 @@ class Pins:
         """Whether the connection holds a pin of `block` (a dict probe, safe from a pool thread)."""
         return block in self._by_block
 
-    def hold(self, tenant: str, blocks: Iterable[bytes]) -> None:
+    def hold(self, tenant: str, blocks: Iterable[bytes], sizes: Iterable[int] = ()) -> None:
+        """Pin `blocks` for `tenant`; `sizes`: their stored bytes (none given: 0 each)."""
+        sized = iter(sizes)
         for block in blocks:
             self._by_block.setdefault(block, Counter())[tenant] += 1
+            size = self._sizes[block] = next(sized, self._sizes.get(block, 0))
+            self.pinned[tenant] += size
 
     def release(self, tenant: str, blocks: Iterable[bytes]) -> list[bytes]:
         """One pin of each block this connection holds, the named tenant's first (else one another
@@ -42,11 +49,7 @@ class Pins:
             if tenants is None:
                 continue
             name = tenant if tenant in tenants else next(iter(tenants))
-            tenants[name] -= 1
-            if not tenants[name]:
-                del tenants[name]
-                if not tenants:
-                    del self._by_block[block]
+            self._unpinned(block, name, 1)
             released.append(block)
         return released
 
@@ -55,10 +58,22 @@ class Pins:
         dropped = []
         for block, tenants in list(self._by_block.items()):
             for name in [name for name in tenants if not keep(name)]:
-                dropped += [block] * tenants.pop(name)
+                count = tenants[name]
+                self._unpinned(block, name, count)
+                dropped += [block] * count
+        return dropped
+
+    def _unpinned(self, block: bytes, tenant: str, count: int) -> None:
+        tenants = self._by_block[block]
+        tenants[tenant] -= count
+        self.pinned[tenant] -= count * self._sizes[block]
+        if self.pinned[tenant] <= 0:
+            del self.pinned[tenant]
+        if not tenants[tenant]:
+            del tenants[tenant]
             if not tenants:
                 del self._by_block[block]
-        return dropped
+                del self._sizes[block]
 
 
 class Peer:
@@ -69,7 +84,9 @@ class Peer:
         *,
         max_inflight: int,
         groups: Iterable[int] = (),
+        pinned: Counter[str] | None = None,
     ) -> None:
+        """`pinned`: the bytes each tenant's pins hold, over every connection (Pins)."""
         self.uid = uid
         self.groups = frozenset(groups)  # as at connect: a reload judges the peer again by them
         self.grant = grant  # what the tenant policy lets this peer do (a reload may narrow it)
@@ -78,7 +95,7 @@ class Peer:
         self.greeted = False
         self.regions: dict[int, MappedRegion] = {}
         self.attaching = 0  # attaches mapping their region now
-        self.pins = Pins()  # blocks this client pinned (released at its end)
+        self.pins = Pins(pinned)  # blocks this client pinned (released at its end)
         self._next_region = 1
 
     def add_region(self, region: MappedRegion) -> int:

@@ -78,6 +78,9 @@ class Services:
     cluster_hits: Counter[str] = field(
         default_factory=lambda: Counter(local_hit_blocks=0, remote_hit_blocks=0)
     )
+    # the bytes each tenant's pins hold, over every connection (prefixd.daemon.engine_ops)
+    pinned_bytes: Counter[str] = field(default_factory=Counter)
+    pins_cut_blocks: int = 0  # hits a pinning lookup cut short at its tenant's PIN_SHARE
     # Names this run of the daemon: a client that finds another one after reconnecting knows
     # the old one can no longer touch the region spans its lost requests named.
     instance: str = field(default_factory=lambda: secrets.token_hex(8))

@@ -178,6 +178,11 @@ class Store:
     def path(self) -> Path:
         return self.config.path
 
+    @property
+    def capacity_bytes(self) -> int:
+        """The stored bytes the store keeps below (its high watermark of it)."""
+        return eviction.capacity_bytes(self.config)
+
     # --- writing -------------------------------------------------------------------------------
 
     @_translated("the put")

@@ -71,6 +71,31 @@ def test_pinned_keys_survive_eviction_until_unpinned_or_disconnected(
         assert not stored(writer, 0)
 
 
+def test_one_tenants_pins_keep_at_most_a_quarter_of_the_store_from_eviction(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """A tenant that pins all it stored and never unpins: its hits stop at a quarter of the
+    store's capacity, and another tenant's puts land and stay rather than being the only blocks
+    eviction may take."""
+    daemon = daemon_factory(*SMALL)
+    hog = dataclasses.replace(ENGINE, tenant="hog")
+    with (
+        Client(daemon.socket, region_bytes=4 << 20) as writer,
+        Client(daemon.socket, region_bytes=1 << 20) as holder,
+    ):
+        for i in range(6):
+            writer.put(hog, one(i), [bytes([i]) * BLOCK])
+        hits = holder.lookup(hog, [one(i) for i in range(6)], pin=True)
+        fill(writer, 100, 40)
+        assert stored(writer, 139) and stored(writer, 138)
+        assert [hit.n_blocks for hit in hits] == [1, 1, 0, 0, 0, 0]  # 2 of the 8 blocks' room
+        server = writer.stats()["server"]
+        assert (server["pinned_bytes"], server["pins_cut_blocks"]) == (2 * BLOCK, 4)
+        assert [holder.lookup(hog, [one(i)])[0].n_blocks for i in range(3)] == [1, 1, 0]
+        assert holder.unpin(hog, [one(0)]) == 1
+        assert writer.stats()["server"]["pinned_bytes"] == BLOCK
+
+
 def test_a_pin_of_another_client_is_not_released_by_unpin(daemon_factory: DaemonFactory) -> None:
     daemon = daemon_factory(*SMALL)
     with (
@@ -96,11 +121,13 @@ def test_a_connections_pins_are_kept_by_tenant() -> None:
     """A reload that takes a tenant drops that tenant's pins only; an unpin names one tenant of a
     share group, whose blocks another tenant of the group may have pinned."""
     pins = Pins()
-    pins.hold("alice", [b"x", b"x", b"y"])
+    pins.hold("alice", [b"x", b"x", b"y"], [10, 10, 1])
     pins.hold("bob", [b"x"])
+    assert pins.pinned == {"alice": 21, "bob": 10}  # each pin weighs its block's bytes
     assert pins.release("bob", [b"x", b"x", b"z"]) == [b"x", b"x"]  # bob's pin, then alice's
+    assert pins.pinned == {"alice": 11}
     assert sorted(pins.drop(keep=lambda tenant: tenant == "bob")) == [b"x", b"y"]
-    assert not pins
+    assert not pins and not pins.pinned
 
 
 def connected(store: Store, pool: ThreadPoolExecutor) -> tuple[Operations, Peer, RequestContext]:
