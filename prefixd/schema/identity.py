@@ -134,8 +134,10 @@ class Identity:
         return self._encoded
 
     @classmethod
-    def decode(cls, data: bytes) -> Identity:
-        """Rebuild an identity from `encode()` output (the store keeps one per digest)."""
+    def decode(cls, data: bytes, digest: bytes | None = None) -> Identity:
+        """Rebuild an identity from `encode()` output (the store keeps one per digest). `digest`:
+        the one it is kept under, which it must have: a row damaged into another identity (another
+        tenant's, say) is refused like one that no longer decodes."""
         try:
             items = msgpack.unpackb(data, raw=False, use_list=True)
         except (ValueError, msgpack.UnpackException) as exc:
@@ -154,7 +156,10 @@ class Identity:
             raise IdentityError("encoding", "is not canonical (request_content is not true)")
         values = dict(zip(_ALL_FIELDS, items[2:]))
         values["request_content"] = bool(values.get("request_content"))
-        return cls(**values)
+        identity = cls(**values)
+        if digest is not None and identity.digest != digest:
+            raise IdentityError("encoding", "does not match the digest it is stored under")
+        return identity
 
     def servable(self) -> Identity:
         """This identity, if a request may name it: a token-keyed multimodal identity whose

@@ -15,7 +15,7 @@ from prefixd.schema.records import AccessRecord, BlockRecord, PartRecord, chunk_
 from prefixd.store import counters
 from prefixd.store.codec import checksum, chunks_present
 from prefixd.store.results import Problem
-from prefixd.store.tables import META_KEY, Tables, children_key
+from prefixd.store.tables import META_KEY, Tables, children_key, readable_identities
 
 if TYPE_CHECKING:
     from prefixd.store.context import StoreContext
@@ -80,12 +80,15 @@ def check_store(
         progress(txn.stat(t.blocks)["entries"] % 1024)
     parts = _check_parts(txn, t, records, totals, problems, verify_payloads=verify_payloads)
 
-    identities = {bytes(k) for k in txn.cursor(db=t.identities).iternext(keys=True, values=False)}
+    rows = {bytes(k) for k in txn.cursor(db=t.identities).iternext(keys=True, values=False)}
+    identities = {digest for digest, _ in readable_identities(txn, t)}
     for h, record in records.items():
         if record.parent != ROOT_PARENT and record.parent not in records:
             problems.append(Problem("orphan", "block's parent is not stored", h))
-        if record.identity not in identities:
-            problems.append(Problem("identity", "block's identity is not registered", h))
+        if record.identity not in identities:  # no tenant, quota, TTL or purge would find it
+            damaged = record.identity in rows
+            what = "row is damaged" if damaged else "is not registered"
+            problems.append(Problem("identity", f"block's identity {what}", h))
 
     indexed: set[tuple[bytes, bytes]] = set()
     for key, value in txn.cursor(db=t.children):

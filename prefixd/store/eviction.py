@@ -198,6 +198,7 @@ def _round(
     t = ctx.tables
     freed = 0
     victims: list[bytes] = []
+    ctx.syncs.check_writable()  # the read times' fsync just before may have failed
     journal = ctx.journals.open()  # what the round removed is told only if it commits
     txn = ctx.env.begin(write=True)
     try:

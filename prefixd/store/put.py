@@ -29,6 +29,7 @@ from prefixd.errors import (
     OpenTailError,
     OrphanBlockError,
     PayloadError,
+    SyncFailedError,
 )
 from prefixd.schema.chain import BlockChain
 from prefixd.schema.identity import Identity
@@ -276,10 +277,11 @@ class Writer:
         if (outcome.result.stored or outcome.result.parts) and self._ctx.syncs.failure is None:
             try:
                 self._keep_within_limits(tenant, outcome.stored_bytes)
-            except lmdb.Error as exc:
+            except (lmdb.Error, SyncFailedError) as exc:
                 # The put is committed and acknowledged; only the eviction after it failed (a full
-                # map, a full disk, an I/O error). The next put (or the daemon's own eviction)
-                # tries again: never report the put as lost.
+                # map, a full disk, an I/O error, an fsync failed on the way: then the store writes
+                # nothing more). The next put (or the daemon's own eviction) tries again: never
+                # report the put as lost.
                 log.warning("eviction after a put failed (%s); the put is stored", exc)
         return outcome.result
 
@@ -315,6 +317,7 @@ class Writer:
         return evict(self._ctx, self._tenancy, self._access, target_bytes, tenant)
 
     def _settle(self) -> None:
+        self._ctx.syncs.check_writable()
         with self._ctx.env.begin(write=True) as txn:
             counters.add(txn, self._ctx.tables.counters, counters.SETTLES, 1)
 

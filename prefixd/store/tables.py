@@ -120,7 +120,7 @@ def readable_identities(txn: lmdb.Transaction, tables: Tables) -> Iterator[tuple
     """Every identity row that decodes, with its digest (check reports the others)."""
     for digest, encoded in txn.cursor(db=tables.identities):
         try:
-            yield bytes(digest), Identity.decode(bytes(encoded))
+            yield bytes(digest), Identity.decode(bytes(encoded), bytes(digest))
         except IdentityError:
             continue
 
@@ -133,7 +133,7 @@ def identity_of(
     if digest not in memo:
         encoded = txn.get(digest, db=tables.identities)
         try:
-            memo[digest] = None if encoded is None else Identity.decode(bytes(encoded))
+            memo[digest] = None if encoded is None else Identity.decode(bytes(encoded), digest)
         except IdentityError:
             memo[digest] = None
     return memo[digest]

@@ -27,7 +27,7 @@ class TenantIndex:
         encoded = txn.get(digest, db=self._identities)
         if encoded is None:
             return None
-        tenant = owner(encoded)
+        tenant = owner(encoded, bytes(digest))
         if len(self._memo) >= MEMO_LIMIT:
             self._memo.clear()
         self._memo[bytes(digest)] = tenant
@@ -48,9 +48,9 @@ class TenantIndex:
         return found
 
 
-def owner(encoded: bytes | memoryview) -> str:
-    """The tenant of an encoded identity ("" when unreadable: `check` reports it)."""
+def owner(encoded: bytes | memoryview, digest: bytes) -> str:
+    """The tenant of the identity row `digest` keeps ("" when unreadable: `check` reports it)."""
     try:
-        return Identity.decode(bytes(encoded)).tenant
+        return Identity.decode(bytes(encoded), digest).tenant
     except IdentityError:
         return ""

@@ -303,6 +303,33 @@ def test_check_reports_corrupt_compressed_payloads_of_different_chains(tmp_path:
         )
 
 
+@pytest.mark.parametrize("damage", ["undecodable", "another tenant"])
+def test_a_damaged_identity_row_is_reported_and_repair_removes_its_blocks(
+    tmp_path: Path, damage: str
+) -> None:
+    """Quotas, TTLs and a tenant's purge find its blocks through their identity row: a row that
+    no longer decodes, or decodes into another identity (tenant "a" flipped into "c"), is reported
+    for every block of it and charged to no tenant; repair takes the blocks away."""
+    path = tmp_path / "s"
+    _, hashes = put_chain(path, "none")
+    encoded = IDENT.encode()
+    at = 0 if damage == "undecodable" else encoded.index(b"\xa1a") + 1
+    data = bytearray((path / "data.mdb").read_bytes())
+    start = data.find(encoded)
+    while start >= 0:  # every copy: LMDB keeps older pages too
+        data[start + at] ^= 0x02
+        start = data.find(encoded, start + 1)
+    (path / "data.mdb").write_bytes(bytes(data))
+    with open_store(path) as store:
+        assert sorted((p.kind, p.block) for p in store.check()) == sorted(
+            ("identity", h) for h in hashes
+        )
+        assert set(store.tenant_totals()) <= {""}  # never tenant "c"'s
+        store.repair()
+        assert store.longest_prefix(IDENT, TOKENS).n_blocks == 0
+        assert store.check() == []
+
+
 # --- 4. the three ways a store does not open ---------------------------------------------------
 
 

@@ -305,3 +305,23 @@ def test_a_put_waiting_to_commit_when_an_fsync_fails_is_refused(tmp_path: Path) 
         assert store.longest_prefix(IDENT, OTHER_TOKENS).n_blocks == 0
     finally:
         store.close()
+
+
+def test_the_eviction_a_put_sets_off_writes_nothing_once_its_fsync_failed(
+    tmp_path: Path,
+) -> None:
+    """A put past the capacity evicts, and the eviction first writes the read times down with an
+    fsync. That fsync failing, the eviction writes nothing (the store writes nothing after a
+    failed fsync); the put itself, committed before, stays acknowledged."""
+    store = open_store(tmp_path / "s", capacity_bytes=100_000, sync_interval_s=3600.0)
+    try:
+        for i in range(4):  # 80 KB of the 95 KB high watermark
+            store.put(IDENT, [0x3C000000 + i * 100 + k for k in range(4)], [bytes([i]) * 20_000])
+        fail_syncs(store)
+        past = [0x3D000000 + k for k in range(4)]
+        assert store.put(IDENT, past, [b"x" * 20_000]).stored == 1
+        assert store.sync_failure is not None
+        assert store.stats().blocks == 5  # nothing evicted
+        assert store.longest_prefix(IDENT, past).n_blocks == 1
+    finally:
+        store.close()
