@@ -164,13 +164,13 @@ class SharedTierBridge:
         self._held: list[bytearray | memoryview] = []
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
         self._installer = ThreadPoolExecutor(1, thread_name_prefix="prefixd-install")
-        # A purge holds `_installing` (installs wait) and counts itself in `_purges` as it ends:
-        # blocks fetched before its end are not installed after it. Its removal from the tier
-        # holds `_publishing` (a put under way ends first); the key prefixes it could not remove
-        # are kept out of read-throughs until a later try removes them.
+        # A purge holds `_installing` (installs wait) and withdraws the staged blocks as it
+        # begins and ends (`staging.epoch` counts that): blocks fetched before its end are neither
+        # staged nor installed after it. Its removal from the tier holds `_publishing` (a put
+        # under way ends first); the key prefixes it could not remove are kept out of
+        # read-throughs until a later try removes them.
         self._installing = threading.Lock()
         self._publishing = threading.Lock()
-        self._purges = 0
         self._unremoved: set[str] = set()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixd-fetch")
 
@@ -353,7 +353,7 @@ class SharedTierBridge:
         extra = self.staging_bytes // room_bytes if staged else 0
         rooms = FetchRooms(self.tier, room_bytes, 3 + extra)
         broken = threading.Event()  # an install fell short: those after it are skipped
-        purges = self._purges
+        epoch = self.staging.epoch
         installs: list[Future[tuple[int, int]]] = []
         brought = 0
 
@@ -382,13 +382,16 @@ class SharedTierBridge:
                 on_end: Callable[[], None] = partial(rooms.back, room)
                 if staged:
                     hashes = [chain.hash(i) for i in range(start, start + n)]
-                    run = self.staging.stage(hashes, [b.payload for b in batch], on_end)
+                    run = self.staging.stage(hashes, [b.payload for b in batch], on_end, epoch)
+                    if run is None:  # a purge ended since the fetch began
+                        rooms.back(room)
+                        break
                     on_end = partial(self.staging.end, run)
                     brought += n
                     self._count("remote_staged_blocks", n)
                 installs.append(
                     self._installer.submit(
-                        self._install_in_turn, identity, chain, start, batch, broken, on_end, purges
+                        self._install_in_turn, identity, chain, start, batch, broken, on_end, epoch
                     )
                 )
                 if n < stop - start:
@@ -412,13 +415,14 @@ class SharedTierBridge:
         batch: list[RemoteBlock],
         broken: threading.Event,
         on_end: Callable[[], None],
-        purges: int,
+        epoch: int,
     ) -> tuple[int, int]:
         """`_install` in the order the batches were proven, unless one before fell short or a
-        purge came after their fetch (`purges`: the purges before it); `on_end` runs either way."""
+        purge came after their fetch (`epoch`: the staging's before it); `on_end` runs either
+        way."""
         try:
             with self._installing:
-                if broken.is_set() or purges != self._purges:
+                if broken.is_set() or epoch != self.staging.epoch:
                     return 0, 0
                 expected = len(batch)
                 done, new = self._install(identity, chain, first, batch)
@@ -597,7 +601,6 @@ class SharedTierBridge:
                             self._unremoved.update(prefixes)
                         self._remove_unremoved()
             finally:
-                self._purges += 1
                 self.staging.withdraw()
         return report
 
