@@ -264,6 +264,9 @@ class SharedTierBridge:
                 return 0
             probe = True  # the model may be stale: one fetch tells
             self._count("remote_benefit_probes")
+        # before the check below: a purge that ends after it (its removal failed or not) is
+        # one this read-through's fetch began before
+        epoch = self.staging.epoch
         if self._unremoved and not self._purged_away(identity):
             self._count("remote_skipped_unpurged")
             return 0
@@ -277,7 +280,7 @@ class SharedTierBridge:
             return 0
         started = time.perf_counter()
         try:
-            installed = self._read_through(identity, chain, local_blocks, end, staged)
+            installed = self._read_through(identity, chain, local_blocks, end, staged, epoch)
         except Exception as exc:  # noqa: BLE001 - memory the tier's client could not have, say
             # the local store still answers: a failure here is a counted, logged miss
             self._warn("read_through_errors", "reading through the shared tier failed", exc)
@@ -329,9 +332,16 @@ class SharedTierBridge:
             log.warning("installs from the shared tier still running after %.0f s", timeout_s)
 
     def _read_through(
-        self, identity: Identity, chain: BlockChain, local_blocks: int, end: int, staged: bool
+        self,
+        identity: Identity,
+        chain: BlockChain,
+        local_blocks: int,
+        end: int,
+        staged: bool,
+        epoch: int,
     ) -> int | None:
-        """None when the tier lacks the first block asked for (or cannot be reached)."""
+        """None when the tier lacks the first block asked for (or cannot be reached). `epoch`: the
+        staging's before the read-through checked for unremoved purges."""
         align = runs.page_span(identity)
         # sized by a block that ends every group's page (the largest: pages hang there), else by
         # the first
@@ -353,7 +363,6 @@ class SharedTierBridge:
         extra = self.staging_bytes // room_bytes if staged else 0
         rooms = FetchRooms(self.tier, room_bytes, 3 + extra)
         broken = threading.Event()  # an install fell short: those after it are skipped
-        epoch = self.staging.epoch
         installs: list[Future[tuple[int, int]]] = []
         brought = 0
 

@@ -198,6 +198,38 @@ def test_a_purge_the_tier_failed_keeps_its_objects_out_until_they_are_removed(no
     assert len(tier.objects) == 6 and bridge_b.snapshot()["remote_purged_objects"] == 6
 
 
+def test_a_read_through_under_way_when_a_purge_failed_in_the_tier_installs_nothing(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's read-through of acme has passed the check for unremoved purges and is asking the
+    tier a value's size when B purges acme and the tier fails the removal: it installs nothing."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    asking, purged = threading.Event(), threading.Event()
+    size = tier.size
+
+    def size_once_purged(key: str) -> int | None:
+        asking.set()
+        assert purged.wait(10), "the purge did not come"
+        return size(key)
+
+    def away(prefix: str, **options: Any) -> int:
+        raise TierUnavailableError("away")
+
+    monkeypatch.setattr(tier, "size", size_once_purged)
+    monkeypatch.setattr(tier, "remove_prefix", away)
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(bridge_b.read_through, IDENT, TOKENS, 0)
+        assert asking.wait(10)
+        b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])  # a block of acme for the purge to find
+        purge_everywhere(b, bridge_b, PurgeSelector(tenant="acme"))
+        assert bridge_b.snapshot()["purge_errors"] == 1
+        purged.set()
+        assert reading.result(10) == 0
+    bridge_b.settle()
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
+
+
 def test_blocks_fetched_before_a_purge_are_not_installed_after_it(
     nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
