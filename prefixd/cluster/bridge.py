@@ -444,8 +444,8 @@ class SharedTierBridge:
 
     def _capacity(self, key: str) -> int | None:
         """Room for one value of a batch: this one's size with some slack (one identity's values are
-        about the same size; a longer one is fetched alone); 0 when missing, None when the tier
-        fails."""
+        about the same size; a longer one is fetched alone, `_fetch` bounds their bytes); 0 when
+        missing, None when the tier fails."""
         try:
             size = _within_limit(self.tier.size(key))
         except PrefixdError as exc:
@@ -462,19 +462,25 @@ class SharedTierBridge:
         capacity: int,
         buffer: memoryview,
     ) -> Fetched:
-        """Blocks [start, stop) in one round trip into `buffer`, up to the first missing one (None);
-        [] when the tier fails."""
+        """Blocks [start, stop) in one round trip into `buffer`, up to the first missing one (None)
+        or the first that would take the values fetched alone past `_BATCH_BYTES` (the first such
+        value is fetched whatever its size); [] when the tier fails."""
         keys = [block_key(identity, chain.hash(i)) for i in range(start, stop)]
         started = time.perf_counter()
         try:
             lengths = self.tier.get_many_into(keys, buffer, capacity)
             view = memoryview(buffer)
             values: list[memoryview | None] = []
+            alone = 0  # bytes of the values fetched alone, each held until the batch is proven
             for i, n in enumerate(lengths):
                 if n is None:
                     value = None
-                elif n < 0:  # longer than the room for it: alone
-                    value = self._get(keys[i])
+                elif n < 0:  # longer than the room for it: alone, if the batch has room left
+                    size = _within_limit(self.tier.size(keys[i]))
+                    if size is not None and alone and alone + size > _BATCH_BYTES:
+                        break  # the batch ends here: a later read-through goes on
+                    alone += size or 0
+                    value = None if size is None else self._get(keys[i], size)
                 else:
                     value = view[i * capacity : i * capacity + n]
                 values.append(value)
@@ -529,13 +535,10 @@ class SharedTierBridge:
         self._count("remote_prove_us", _us(time.perf_counter() - started))
         return proven
 
-    def _get(self, key: str) -> memoryview | None:
-        """The value under `key`, fetched into a buffer of its own (the tier's plain get copies
-        through a staging buffer). A buffer whose fetch failed is held until the tier lets go of it:
-        a call that timed out may still write into it."""
-        size = _within_limit(self.tier.size(key))
-        if size is None:
-            return None
+    def _get(self, key: str, size: int) -> memoryview | None:
+        """The value under `key`, of `size` bytes, fetched into a buffer of its own (the tier's
+        plain get copies through a staging buffer). A buffer whose fetch failed is held until the
+        tier lets go of it: a call that timed out may still write into it."""
         buffer = bytearray(size)
         try:
             n = self.tier.get_into(key, buffer)

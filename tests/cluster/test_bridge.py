@@ -340,6 +340,31 @@ def test_a_read_through_fetches_a_batch_a_round_trip(nodes) -> None:
     assert loaded(b) == longer
 
 
+def test_values_fetched_alone_hold_one_batch_to_its_bytes(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short first value and longer ones after it: the batch its size gives ends before the
+    values fetched alone would pass the batch's bytes; a later read-through goes on from there."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    monkeypatch.setattr(bridge_module, "_BATCH_BYTES", 120_000)
+    uneven = [b"\x00" * 1_000, *PAYLOADS[1:]]  # the room 1,000 bytes give: 60 blocks a batch
+    bridge_a.published(IDENT, a.put(IDENT, TOKENS, uneven).hashes)
+    wait_for(lambda: len(tier.objects) >= 6, "every block published", poll_s=0.01)
+    alone: list[int] = []
+    get_into = tier.get_into
+
+    def get_alone(key: str, buffer: bytearray) -> int | None:
+        alone.append(len(buffer))
+        return get_into(key, buffer)
+
+    monkeypatch.setattr(tier, "get_into", get_alone)
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 3
+    assert len(alone) == 2 and sum(alone) <= 120_000
+    alone.clear()
+    assert bridge_b.read_through(IDENT, TOKENS, 3) == 3  # sized by block 3: none alone
+    assert not alone and loaded(b) == uneven
+
+
 def test_a_read_through_counts_the_time_of_each_stage(
     nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
