@@ -565,12 +565,13 @@ class SharedTierBridge:
         Returns how many were put (for a hybrid identity, up to the last boundary the run closes)
         and how many of those are new: blocks after the joint boundary may be stored already."""
         spec = identity.state
+        words = chain.token_bytes  # the wire form: packed ids, or with the content's digests
         started = time.perf_counter()
         try:
             if spec is None:
                 n = len(batch)
                 payloads = [block.payload for block in batch]
-                result = self.store.put(identity, chain.tokens, payloads, first_block=first)
+                result = self.store.put(identity, words, payloads, first_block=first)
                 size = sum(p.nbytes for p in payloads)
             else:
                 n = runs.closed_run(spec, identity.block_tokens, first, batch)
@@ -579,7 +580,7 @@ class SharedTierBridge:
                 paged, checkpoints = runs.state_of(spec, identity.block_tokens, first, batch[:n])
                 result = self.store.put_state(
                     identity,
-                    chain.tokens,
+                    words,
                     paged=paged,
                     checkpoints=checkpoints,
                     upto_tokens=(first + n) * identity.block_tokens,

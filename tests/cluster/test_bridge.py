@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +27,8 @@ from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.services import Services
 from prefixd.errors import RemoteBlockError, TierError, TierTransferError, TierUnavailableError
 from prefixd.schema.chain import BlockChain
+from prefixd.schema.content import chain_words
+from prefixd.schema.tokens import Prompt
 from prefixd.store.purge import PurgeSelector
 from tests.waiting import wait_for
 
@@ -600,6 +603,19 @@ def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:
     # another key at block 2 names another chain: there is nothing to fetch
     other = pack_keys(keyed, [bytes([i if i != 2 else 99]) * 36 for i in range(4)])
     assert bridge_b.read_through(keyed, other, 2) == 0
+
+
+def test_blocks_covering_a_requests_content_are_shared_the_same_way(nodes) -> None:
+    """An identity with request_content: node B installs from the tier what A put, under the
+    wire form (token ids and content digests) the daemon receives."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    content = replace(IDENT, request_content=True)
+    wire = chain_words(content, Prompt(TOKENS, salt="user-7")).tobytes()
+    bridge_a.published(content, a.put(content, wire, PAYLOADS).hashes)
+    wait_for(lambda: len(tier.objects) >= 6, "every block published", poll_s=0.01)
+    assert bridge_b.read_through(content, wire, 0) == 6
+    assert b.longest_prefix(content, wire).n_blocks == 6
+    assert "install_errors" not in bridge_b.snapshot()
 
 
 def test_remote_values_are_proven_before_use() -> None:
