@@ -193,11 +193,14 @@ class SharedTierBridge:
         self.tier.close()
 
     def published(self, identity: Identity, hashes: Sequence[bytes]) -> None:
-        """Queue blocks a put stored or hung new parts on (a full queue drops and counts). A hybrid
-        block replaces its published value: it may carry a new checkpoint."""
+        """Queue blocks a put stored or hung new parts on (a full queue drops and counts), keyed
+        by the identity they are stored under (a share group's, `Store.namespace`), as every
+        node's read-through asks for them. A hybrid block replaces its published value: it may
+        carry a new checkpoint."""
+        stored_as = self.store.namespace(identity)
         hybrid = identity.state is not None
         for block in hashes:
-            self._enqueue((block_key(identity, block), block, hybrid, 0))
+            self._enqueue((block_key(stored_as, block), block, hybrid, 0))
 
     def _enqueue(self, item: tuple[str, bytes, bool, int]) -> None:
         try:
@@ -246,8 +249,10 @@ class SharedTierBridge:
         """Fetch, prove and install the blocks after the first `local_blocks` (for a hybrid
         identity, the local joint boundary); return how many were installed. `staged` (plain
         identities): return once they are proven, installs queued, with how many were staged;
-        `with_staged` and `load` serve them meanwhile."""
-        chain = BlockChain(identity, token_ids)
+        `with_staged` and `load` serve them meanwhile. Blocks are asked for, proven and staged
+        under the identity they are stored under (`chain.identity`, a share group's), installed
+        under `identity`."""
+        chain = BlockChain(self.store.namespace(identity), token_ids)
         hybrid = identity.state is not None
         staged = staged and not hybrid
         if staged:
@@ -267,7 +272,7 @@ class SharedTierBridge:
         # before the check below: a purge that ends after it (its removal failed or not) is
         # one this read-through's fetch began before
         epoch = self.staging.epoch
-        if self._unremoved and not self._purged_away(identity):
+        if self._unremoved and not self._purged_away(chain.identity):
             self._count("remote_skipped_unpurged")
             return 0
         asked = (chain.hash(local_blocks), end)
@@ -303,7 +308,7 @@ class SharedTierBridge:
         """A plain identity's local `match` extended by the blocks staged after it."""
         if identity.state is not None or not len(self.staging):
             return match
-        chain = BlockChain(identity, token_ids)
+        chain = BlockChain(self.store.namespace(identity), token_ids)
         sizes = self.staging.sizes_from(chain, match.n_blocks, chain.n_blocks)
         if not sizes:
             return match
@@ -348,7 +353,7 @@ class SharedTierBridge:
         sized = -(-(local_blocks + 1) // align) * align - 1
         capacity = None
         for index in dict.fromkeys((sized if sized < end else local_blocks, local_blocks)):
-            capacity = self._capacity(block_key(identity, chain.hash(index)))
+            capacity = self._capacity(block_key(chain.identity, chain.hash(index)))
             if capacity != 0:
                 break
         if not capacity:
@@ -368,7 +373,7 @@ class SharedTierBridge:
 
         def fetch(start: int, stop: int) -> tuple[Future[Fetched], memoryview]:
             room = rooms.take()
-            args = (identity, chain, start, stop, capacity, room)
+            args = (chain, start, stop, capacity, room)
             return self._fetcher.submit(self._fetch, *args), room
 
         ahead: tuple[Future[Fetched], memoryview] | None = fetch(*batches[0])
@@ -455,7 +460,6 @@ class SharedTierBridge:
 
     def _fetch(
         self,
-        identity: Identity,
         chain: BlockChain,
         start: int,
         stop: int,
@@ -465,7 +469,7 @@ class SharedTierBridge:
         """Blocks [start, stop) in one round trip into `buffer`, up to the first missing one (None)
         or the first that would take the values fetched alone past `_BATCH_BYTES` (the first such
         value is fetched whatever its size); [] when the tier fails."""
-        keys = [block_key(identity, chain.hash(i)) for i in range(start, stop)]
+        keys = [block_key(chain.identity, chain.hash(i)) for i in range(start, stop)]
         started = time.perf_counter()
         try:
             lengths = self.tier.get_many_into(keys, buffer, capacity)
@@ -515,7 +519,7 @@ class SharedTierBridge:
                 proven.append(
                     decode_block(
                         value,
-                        identity_digest=identity.digest,
+                        identity_digest=chain.identity.digest,
                         parent=chain.parent_of(index),
                         tokens=bytes(chain.block_bytes(index)),
                         spec=identity.state,

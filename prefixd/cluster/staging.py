@@ -232,7 +232,7 @@ def staged_load(
     result = read(out, max_blocks=max_blocks, first_block=first_block)
     if identity.state is not None or result.next_size or not staged:
         return result
-    chain = BlockChain(identity, token_ids)
+    chain = BlockChain(store.namespace(identity), token_ids)  # as the read-through staged it
     limit = chain.n_blocks if max_blocks is None else min(chain.n_blocks, first_block + max_blocks)
     at = first_block + result.n_blocks
     offsets, sizes = list(result.offsets), list(result.sizes)

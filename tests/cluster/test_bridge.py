@@ -618,6 +618,32 @@ def test_blocks_covering_a_requests_content_are_shared_the_same_way(nodes) -> No
     assert "install_errors" not in bridge_b.snapshot()
 
 
+def test_a_share_groups_blocks_are_shared_under_the_group(tmp_path: Path) -> None:
+    """acme and beta share group g on both nodes: what A stored for acme is found by B for beta,
+    under the group's keys, and a purge of the group removes it from the tier."""
+    tier, groups = MemoryTier(), {"g": ("acme", "beta")}
+    a, b = (Store.open(tmp_path / n, map_size=64 << 20, share_groups=groups) for n in "ab")
+    bridge_a, bridge_b = (
+        SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in (a, b)
+    )
+    beta = replace(IDENT, tenant="beta")
+    try:
+        bridge_a.start()
+        bridge_b.start()
+        publish(a, bridge_a, tier)
+        group = replace(IDENT, tenant="share:g")
+        assert set(tier.objects) == {block_key(group, h) for h in BlockChain(group, TOKENS)}
+        assert bridge_b.read_through(beta, TOKENS, 0, staged=True) == 6
+        bridge_b.settle()
+        assert b.longest_prefix(beta, TOKENS).n_blocks == 6
+        purge_everywhere(b, bridge_b, PurgeSelector(tenant="share:g"))
+        assert not tier.objects and b.longest_prefix(beta, TOKENS).n_blocks == 0
+    finally:
+        for bridge, store in ((bridge_a, a), (bridge_b, b)):
+            bridge.stop(timeout_s=0.5)
+            store.close()
+
+
 def test_remote_values_are_proven_before_use() -> None:
     chain = BlockChain(IDENT, TOKENS)
     from prefixd.schema.records import BlockRecord, Compression
