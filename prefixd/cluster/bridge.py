@@ -509,23 +509,24 @@ class SharedTierBridge:
     def _proven(
         self, identity: Identity, chain: BlockChain, start: int, values: list[memoryview | None]
     ) -> list[RemoteBlock]:
-        """`values` proven to be these blocks, up to the first that is absent or fails."""
+        """`values` proven to be these blocks, up to the first that is absent, fails, or was
+        created before the tenant's time to live (a value outlives the entry it was published
+        from: the tier keeps it, and an install would store it as new)."""
         started = time.perf_counter()
         proven: list[RemoteBlock] = []
+        expired_before = self.store.min_created_ns(identity)
         for index, value in enumerate(values, start):
             if value is None:
                 break
             try:
-                proven.append(
-                    decode_block(
-                        value,
-                        identity_digest=chain.identity.digest,
-                        parent=chain.parent_of(index),
-                        tokens=bytes(chain.block_bytes(index)),
-                        spec=identity.state,
-                        block_index=index,
-                        block_tokens=identity.block_tokens,
-                    )
+                block = decode_block(
+                    value,
+                    identity_digest=chain.identity.digest,
+                    parent=chain.parent_of(index),
+                    tokens=bytes(chain.block_bytes(index)),
+                    spec=identity.state,
+                    block_index=index,
+                    block_tokens=identity.block_tokens,
                 )
             except RemoteBlockError as exc:
                 self._warn(
@@ -536,6 +537,12 @@ class SharedTierBridge:
                 with self._lock:  # it would fail again: not fetched at every lookup
                     self._failed.add(chain.hash(index), self._now(), _REFETCH_S)
                 break
+            if block.created_ns < expired_before:
+                self._count("remote_expired_blocks")
+                with self._lock:  # expired for good: not fetched at every lookup
+                    self._failed.add(chain.hash(index), self._now(), _REFETCH_S)
+                break
+            proven.append(block)
         self._count("remote_prove_us", _us(time.perf_counter() - started))
         return proven
 

@@ -268,6 +268,11 @@ class Store:
         name it, so a shared tier keys and proves them by it."""
         return self._tenancy.namespace(identity, None)[0]
 
+    def min_created_ns(self, identity: Identity) -> int:
+        """Entries of `identity` created before this (wall clock, ns) are past their tenant's
+        time to live (its share group's, when in one): never served; 0 when none is set."""
+        return self._tenancy.min_created_ns(self.namespace(identity))
+
     def chain_of(self, identity: Identity, token_ids: PromptIds) -> list[bytes]:
         """The hashes the closed blocks of `token_ids` are stored under (in the share group's
         namespace when the tenant is in one): what `pin` pinned, what `delete` takes."""

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from prefixd import Identity, Store
+from prefixd.clock import ManualClock
 from prefixd.cluster import bridge as bridge_module
 from prefixd.cluster.benefit import PROBE_S, FetchBenefit
 from prefixd.cluster.blocks import block_key, decode_block, encode_block
@@ -638,6 +639,34 @@ def test_a_share_groups_blocks_are_shared_under_the_group(tmp_path: Path) -> Non
         assert b.longest_prefix(beta, TOKENS).n_blocks == 6
         purge_everywhere(b, bridge_b, PurgeSelector(tenant="share:g"))
         assert not tier.objects and b.longest_prefix(beta, TOKENS).n_blocks == 0
+    finally:
+        for bridge, store in ((bridge_a, a), (bridge_b, b)):
+            bridge.stop(timeout_s=0.5)
+            store.close()
+
+
+def test_a_value_past_its_tenants_time_to_live_is_not_installed(tmp_path: Path) -> None:
+    """acme's entries live an hour on both nodes: a value A published two hours ago is not
+    installed on B (nor served) as if it were fresh; one A published since is."""
+    tier, clock, ttls = MemoryTier(), ManualClock(), {"acme": 3600.0}
+    a, b = (
+        Store.open(tmp_path / n, map_size=64 << 20, tenant_ttls=ttls, clock=clock) for n in "ab"
+    )
+    bridge_a, bridge_b = (
+        SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in (a, b)
+    )
+    fresh = replace(IDENT, kv_layout="fp8")
+    try:
+        bridge_a.start()
+        bridge_b.start()
+        publish(a, bridge_a, tier)
+        clock.advance(2 * 3600)
+        bridge_a.published(fresh, a.put(fresh, TOKENS, PAYLOADS).hashes)
+        wait_for(lambda: len(tier.objects) == 12, "every block published", poll_s=0.01)
+        assert bridge_b.read_through(IDENT, TOKENS, 0, staged=True) == 0
+        assert bridge_b.with_staged(IDENT, TOKENS, b.longest_prefix(IDENT, TOKENS)).n_blocks == 0
+        assert bridge_b.snapshot()["remote_expired_blocks"] == 1
+        assert bridge_b.read_through(fresh, TOKENS, 0) == 6
     finally:
         for bridge, store in ((bridge_a, a), (bridge_b, b)):
             bridge.stop(timeout_s=0.5)
