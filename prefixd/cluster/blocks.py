@@ -36,10 +36,12 @@ KEY_PREFIX = "prefixd-"
 
 @dataclass(frozen=True, slots=True)
 class RemoteBlock:
-    """A proven value: payload and parts by group index (views into the fetch buffer)."""
+    """A proven value: payload and parts by group index (views into the fetch buffer), and when
+    its origin stored it (wall clock, ns: a tenant's time to live counts from then)."""
 
     payload: memoryview
     parts: dict[int, memoryview]
+    created_ns: int
 
 
 def block_key(identity: Identity, block: bytes) -> str:
@@ -140,7 +142,7 @@ def decode_block(
         if not length or crc32c.crc32c(part) != crc:
             raise RemoteBlockError("value's part fails its checksum")
         parts[group] = part
-    return RemoteBlock(payload, parts)
+    return RemoteBlock(payload, parts, record.created_ns)
 
 
 def _may_hang(spec: StateSpec | None, group: int, block_index: int, block_tokens: int) -> bool:

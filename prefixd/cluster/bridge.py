@@ -164,13 +164,13 @@ class SharedTierBridge:
         self._held: list[bytearray | memoryview] = []
         self._thread = threading.Thread(target=self._publish_loop, name="prefixd-tier", daemon=True)
         self._installer = ThreadPoolExecutor(1, thread_name_prefix="prefixd-install")
-        # A purge holds `_installing` (installs wait) and counts itself in `_purges` as it ends:
-        # blocks fetched before its end are not installed after it. Its removal from the tier
-        # holds `_publishing` (a put under way ends first); the key prefixes it could not remove
-        # are kept out of read-throughs until a later try removes them.
+        # A purge holds `_installing` (installs wait) and withdraws the staged blocks as it
+        # begins and ends (`staging.epoch` counts that): blocks fetched before its end are neither
+        # staged nor installed after it. Its removal from the tier holds `_publishing` (a put
+        # under way ends first); the key prefixes it could not remove are kept out of
+        # read-throughs until a later try removes them.
         self._installing = threading.Lock()
         self._publishing = threading.Lock()
-        self._purges = 0
         self._unremoved: set[str] = set()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="prefixd-fetch")
 
@@ -193,11 +193,14 @@ class SharedTierBridge:
         self.tier.close()
 
     def published(self, identity: Identity, hashes: Sequence[bytes]) -> None:
-        """Queue blocks a put stored or hung new parts on (a full queue drops and counts). A hybrid
-        block replaces its published value: it may carry a new checkpoint."""
+        """Queue blocks a put stored or hung new parts on (a full queue drops and counts), keyed
+        by the identity they are stored under (a share group's, `Store.namespace`), as every
+        node's read-through asks for them. A hybrid block replaces its published value: it may
+        carry a new checkpoint."""
+        stored_as = self.store.namespace(identity)
         hybrid = identity.state is not None
         for block in hashes:
-            self._enqueue((block_key(identity, block), block, hybrid, 0))
+            self._enqueue((block_key(stored_as, block), block, hybrid, 0))
 
     def _enqueue(self, item: tuple[str, bytes, bool, int]) -> None:
         try:
@@ -246,8 +249,10 @@ class SharedTierBridge:
         """Fetch, prove and install the blocks after the first `local_blocks` (for a hybrid
         identity, the local joint boundary); return how many were installed. `staged` (plain
         identities): return once they are proven, installs queued, with how many were staged;
-        `with_staged` and `load` serve them meanwhile."""
-        chain = BlockChain(identity, token_ids)
+        `with_staged` and `load` serve them meanwhile. Blocks are asked for, proven and staged
+        under the identity they are stored under (`chain.identity`, a share group's), installed
+        under `identity`."""
+        chain = BlockChain(self.store.namespace(identity), token_ids)
         hybrid = identity.state is not None
         staged = staged and not hybrid
         if staged:
@@ -264,7 +269,10 @@ class SharedTierBridge:
                 return 0
             probe = True  # the model may be stale: one fetch tells
             self._count("remote_benefit_probes")
-        if self._unremoved and not self._purged_away(identity):
+        # before the check below: a purge that ends after it (its removal failed or not) is
+        # one this read-through's fetch began before
+        epoch = self.staging.epoch
+        if self._unremoved and not self._purged_away(chain.identity):
             self._count("remote_skipped_unpurged")
             return 0
         asked = (chain.hash(local_blocks), end)
@@ -277,7 +285,7 @@ class SharedTierBridge:
             return 0
         started = time.perf_counter()
         try:
-            installed = self._read_through(identity, chain, local_blocks, end, staged)
+            installed = self._read_through(identity, chain, local_blocks, end, staged, epoch)
         except Exception as exc:  # noqa: BLE001 - memory the tier's client could not have, say
             # the local store still answers: a failure here is a counted, logged miss
             self._warn("read_through_errors", "reading through the shared tier failed", exc)
@@ -300,7 +308,7 @@ class SharedTierBridge:
         """A plain identity's local `match` extended by the blocks staged after it."""
         if identity.state is not None or not len(self.staging):
             return match
-        chain = BlockChain(identity, token_ids)
+        chain = BlockChain(self.store.namespace(identity), token_ids)
         sizes = self.staging.sizes_from(chain, match.n_blocks, chain.n_blocks)
         if not sizes:
             return match
@@ -329,16 +337,23 @@ class SharedTierBridge:
             log.warning("installs from the shared tier still running after %.0f s", timeout_s)
 
     def _read_through(
-        self, identity: Identity, chain: BlockChain, local_blocks: int, end: int, staged: bool
+        self,
+        identity: Identity,
+        chain: BlockChain,
+        local_blocks: int,
+        end: int,
+        staged: bool,
+        epoch: int,
     ) -> int | None:
-        """None when the tier lacks the first block asked for (or cannot be reached)."""
+        """None when the tier lacks the first block asked for (or cannot be reached). `epoch`: the
+        staging's before the read-through checked for unremoved purges."""
         align = runs.page_span(identity)
         # sized by a block that ends every group's page (the largest: pages hang there), else by
         # the first
         sized = -(-(local_blocks + 1) // align) * align - 1
         capacity = None
         for index in dict.fromkeys((sized if sized < end else local_blocks, local_blocks)):
-            capacity = self._capacity(block_key(identity, chain.hash(index)))
+            capacity = self._capacity(block_key(chain.identity, chain.hash(index)))
             if capacity != 0:
                 break
         if not capacity:
@@ -353,13 +368,12 @@ class SharedTierBridge:
         extra = self.staging_bytes // room_bytes if staged else 0
         rooms = FetchRooms(self.tier, room_bytes, 3 + extra)
         broken = threading.Event()  # an install fell short: those after it are skipped
-        purges = self._purges
         installs: list[Future[tuple[int, int]]] = []
         brought = 0
 
         def fetch(start: int, stop: int) -> tuple[Future[Fetched], memoryview]:
             room = rooms.take()
-            args = (identity, chain, start, stop, capacity, room)
+            args = (chain, start, stop, capacity, room)
             return self._fetcher.submit(self._fetch, *args), room
 
         ahead: tuple[Future[Fetched], memoryview] | None = fetch(*batches[0])
@@ -382,13 +396,16 @@ class SharedTierBridge:
                 on_end: Callable[[], None] = partial(rooms.back, room)
                 if staged:
                     hashes = [chain.hash(i) for i in range(start, start + n)]
-                    run = self.staging.stage(hashes, [b.payload for b in batch], on_end)
+                    run = self.staging.stage(hashes, [b.payload for b in batch], on_end, epoch)
+                    if run is None:  # a purge ended since the fetch began
+                        rooms.back(room)
+                        break
                     on_end = partial(self.staging.end, run)
                     brought += n
                     self._count("remote_staged_blocks", n)
                 installs.append(
                     self._installer.submit(
-                        self._install_in_turn, identity, chain, start, batch, broken, on_end, purges
+                        self._install_in_turn, identity, chain, start, batch, broken, on_end, epoch
                     )
                 )
                 if n < stop - start:
@@ -412,13 +429,14 @@ class SharedTierBridge:
         batch: list[RemoteBlock],
         broken: threading.Event,
         on_end: Callable[[], None],
-        purges: int,
+        epoch: int,
     ) -> tuple[int, int]:
         """`_install` in the order the batches were proven, unless one before fell short or a
-        purge came after their fetch (`purges`: the purges before it); `on_end` runs either way."""
+        purge came after their fetch (`epoch`: the staging's before it); `on_end` runs either
+        way."""
         try:
             with self._installing:
-                if broken.is_set() or purges != self._purges:
+                if broken.is_set() or epoch != self.staging.epoch:
                     return 0, 0
                 expected = len(batch)
                 done, new = self._install(identity, chain, first, batch)
@@ -431,8 +449,8 @@ class SharedTierBridge:
 
     def _capacity(self, key: str) -> int | None:
         """Room for one value of a batch: this one's size with some slack (one identity's values are
-        about the same size; a longer one is fetched alone); 0 when missing, None when the tier
-        fails."""
+        about the same size; a longer one is fetched alone, `_fetch` bounds their bytes); 0 when
+        missing, None when the tier fails."""
         try:
             size = _within_limit(self.tier.size(key))
         except PrefixdError as exc:
@@ -442,26 +460,31 @@ class SharedTierBridge:
 
     def _fetch(
         self,
-        identity: Identity,
         chain: BlockChain,
         start: int,
         stop: int,
         capacity: int,
         buffer: memoryview,
     ) -> Fetched:
-        """Blocks [start, stop) in one round trip into `buffer`, up to the first missing one (None);
-        [] when the tier fails."""
-        keys = [block_key(identity, chain.hash(i)) for i in range(start, stop)]
+        """Blocks [start, stop) in one round trip into `buffer`, up to the first missing one (None)
+        or the first that would take the values fetched alone past `_BATCH_BYTES` (the first such
+        value is fetched whatever its size); [] when the tier fails."""
+        keys = [block_key(chain.identity, chain.hash(i)) for i in range(start, stop)]
         started = time.perf_counter()
         try:
             lengths = self.tier.get_many_into(keys, buffer, capacity)
             view = memoryview(buffer)
             values: list[memoryview | None] = []
+            alone = 0  # bytes of the values fetched alone, each held until the batch is proven
             for i, n in enumerate(lengths):
                 if n is None:
                     value = None
-                elif n < 0:  # longer than the room for it: alone
-                    value = self._get(keys[i])
+                elif n < 0:  # longer than the room for it: alone, if the batch has room left
+                    size = _within_limit(self.tier.size(keys[i]))
+                    if size is not None and alone and alone + size > _BATCH_BYTES:
+                        break  # the batch ends here: a later read-through goes on
+                    alone += size or 0
+                    value = None if size is None else self._get(keys[i], size)
                 else:
                     value = view[i * capacity : i * capacity + n]
                 values.append(value)
@@ -486,23 +509,24 @@ class SharedTierBridge:
     def _proven(
         self, identity: Identity, chain: BlockChain, start: int, values: list[memoryview | None]
     ) -> list[RemoteBlock]:
-        """`values` proven to be these blocks, up to the first that is absent or fails."""
+        """`values` proven to be these blocks, up to the first that is absent, fails, or was
+        created before the tenant's time to live (a value outlives the entry it was published
+        from: the tier keeps it, and an install would store it as new)."""
         started = time.perf_counter()
         proven: list[RemoteBlock] = []
+        expired_before = self.store.min_created_ns(identity)
         for index, value in enumerate(values, start):
             if value is None:
                 break
             try:
-                proven.append(
-                    decode_block(
-                        value,
-                        identity_digest=identity.digest,
-                        parent=chain.parent_of(index),
-                        tokens=bytes(chain.block_bytes(index)),
-                        spec=identity.state,
-                        block_index=index,
-                        block_tokens=identity.block_tokens,
-                    )
+                block = decode_block(
+                    value,
+                    identity_digest=chain.identity.digest,
+                    parent=chain.parent_of(index),
+                    tokens=bytes(chain.block_bytes(index)),
+                    spec=identity.state,
+                    block_index=index,
+                    block_tokens=identity.block_tokens,
                 )
             except RemoteBlockError as exc:
                 self._warn(
@@ -513,16 +537,19 @@ class SharedTierBridge:
                 with self._lock:  # it would fail again: not fetched at every lookup
                     self._failed.add(chain.hash(index), self._now(), _REFETCH_S)
                 break
+            if block.created_ns < expired_before:
+                self._count("remote_expired_blocks")
+                with self._lock:  # expired for good: not fetched at every lookup
+                    self._failed.add(chain.hash(index), self._now(), _REFETCH_S)
+                break
+            proven.append(block)
         self._count("remote_prove_us", _us(time.perf_counter() - started))
         return proven
 
-    def _get(self, key: str) -> memoryview | None:
-        """The value under `key`, fetched into a buffer of its own (the tier's plain get copies
-        through a staging buffer). A buffer whose fetch failed is held until the tier lets go of it:
-        a call that timed out may still write into it."""
-        size = _within_limit(self.tier.size(key))
-        if size is None:
-            return None
+    def _get(self, key: str, size: int) -> memoryview | None:
+        """The value under `key`, of `size` bytes, fetched into a buffer of its own (the tier's
+        plain get copies through a staging buffer). A buffer whose fetch failed is held until the
+        tier lets go of it: a call that timed out may still write into it."""
         buffer = bytearray(size)
         try:
             n = self.tier.get_into(key, buffer)
@@ -549,12 +576,13 @@ class SharedTierBridge:
         Returns how many were put (for a hybrid identity, up to the last boundary the run closes)
         and how many of those are new: blocks after the joint boundary may be stored already."""
         spec = identity.state
+        words = chain.token_bytes  # the wire form: packed ids, or with the content's digests
         started = time.perf_counter()
         try:
             if spec is None:
                 n = len(batch)
                 payloads = [block.payload for block in batch]
-                result = self.store.put(identity, chain.tokens, payloads, first_block=first)
+                result = self.store.put(identity, words, payloads, first_block=first)
                 size = sum(p.nbytes for p in payloads)
             else:
                 n = runs.closed_run(spec, identity.block_tokens, first, batch)
@@ -563,7 +591,7 @@ class SharedTierBridge:
                 paged, checkpoints = runs.state_of(spec, identity.block_tokens, first, batch[:n])
                 result = self.store.put_state(
                     identity,
-                    chain.tokens,
+                    words,
                     paged=paged,
                     checkpoints=checkpoints,
                     upto_tokens=(first + n) * identity.block_tokens,
@@ -597,7 +625,6 @@ class SharedTierBridge:
                             self._unremoved.update(prefixes)
                         self._remove_unremoved()
             finally:
-                self._purges += 1
                 self.staging.withdraw()
         return report
 

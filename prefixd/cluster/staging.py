@@ -57,18 +57,28 @@ class Staging:
         self._lock = threading.Lock()
         self._blocks: dict[bytes, tuple[StagedRun, int]] = {}
         self.served_blocks = 0  # copied into loads, all told
+        # withdrawals so far: a read-through takes it before it fetches, and what it fetched is
+        # not staged (nor installed, prefixd.cluster.bridge) after a withdrawal that came since
+        self.epoch = 0
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._blocks)
 
     def stage(
-        self, hashes: list[bytes], payloads: list[memoryview], on_free: Callable[[], None]
-    ) -> StagedRun:
+        self,
+        hashes: list[bytes],
+        payloads: list[memoryview],
+        on_free: Callable[[], None],
+        epoch: int,
+    ) -> StagedRun | None:
         """Offer a proven batch until `end` (a block another read-through staged already keeps its
-        first run)."""
+        first run); None, offering nothing, when a withdrawal came after `epoch` (its fetch
+        began before a purge's end)."""
         run = StagedRun(hashes, payloads, on_free)
         with self._lock:
+            if epoch != self.epoch:
+                return None
             for index, block in enumerate(hashes):
                 self._blocks.setdefault(block, (run, index))
         return run
@@ -86,10 +96,11 @@ class Staging:
             self._free(run)
 
     def withdraw(self) -> None:
-        """Offer no staged block any more (a purge came): each run's buffer still goes back at
-        its end."""
+        """Offer no staged block any more, nor stage one fetched before (a purge came): each
+        run's buffer still goes back at its end."""
         with self._lock:
             self._blocks.clear()
+            self.epoch += 1
 
     def sizes_from(self, chain: BlockChain, first: int, limit: int) -> list[int]:
         """The payload sizes of the staged blocks from block `first` on, up to the first one (or
@@ -221,7 +232,7 @@ def staged_load(
     result = read(out, max_blocks=max_blocks, first_block=first_block)
     if identity.state is not None or result.next_size or not staged:
         return result
-    chain = BlockChain(identity, token_ids)
+    chain = BlockChain(store.namespace(identity), token_ids)  # as the read-through staged it
     limit = chain.n_blocks if max_blocks is None else min(chain.n_blocks, first_block + max_blocks)
     at = first_block + result.n_blocks
     offsets, sizes = list(result.offsets), list(result.sizes)

@@ -58,7 +58,7 @@ async def put_state(ctx: RequestContext, request: Request[PutState]) -> PutState
         # blocks before the put's first that it hung a checkpoint on are published again
         bt = identity.block_tokens
         earlier = {b // bt - 1 for pairs in checkpoints.values() for b in pairs}
-        chain = BlockChain(identity, tokens)
+        chain = BlockChain(services.store.namespace(identity), tokens)  # as they are stored
         hashes = [chain.hash(i) for i in sorted(earlier) if i < first_block]
         return result, hashes + list(result.hashes)
 

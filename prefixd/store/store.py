@@ -262,11 +262,21 @@ class Store:
     def unpin(self, hashes: Iterable[bytes]) -> None:
         self._ctx.pins.release(hashes)
 
+    def namespace(self, identity: Identity) -> Identity:
+        """The identity `identity`'s entries are stored under: its share group's (tenant
+        `share:GROUP`) when its tenant is in one, else itself. Their records and chain hashes
+        name it, so a shared tier keys and proves them by it."""
+        return self._tenancy.namespace(identity, None)[0]
+
+    def min_created_ns(self, identity: Identity) -> int:
+        """Entries of `identity` created before this (wall clock, ns) are past their tenant's
+        time to live (its share group's, when in one): never served; 0 when none is set."""
+        return self._tenancy.min_created_ns(self.namespace(identity))
+
     def chain_of(self, identity: Identity, token_ids: PromptIds) -> list[bytes]:
         """The hashes the closed blocks of `token_ids` are stored under (in the share group's
         namespace when the tenant is in one): what `pin` pinned, what `delete` takes."""
-        stored_as, _ = self._tenancy.namespace(identity, None)
-        return chain_hashes(stored_as, token_ids)
+        return chain_hashes(self.namespace(identity), token_ids)
 
     @_translated("the lookup", writing=False)
     def cached_prefix(

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from prefixd import Identity, Store
+from prefixd.clock import ManualClock
 from prefixd.cluster import bridge as bridge_module
 from prefixd.cluster.benefit import PROBE_S, FetchBenefit
 from prefixd.cluster.blocks import block_key, decode_block, encode_block
@@ -26,6 +28,8 @@ from prefixd.daemon.metrics import Metrics
 from prefixd.daemon.services import Services
 from prefixd.errors import RemoteBlockError, TierError, TierTransferError, TierUnavailableError
 from prefixd.schema.chain import BlockChain
+from prefixd.schema.content import chain_words
+from prefixd.schema.tokens import Prompt
 from prefixd.store.purge import PurgeSelector
 from tests.waiting import wait_for
 
@@ -198,6 +202,38 @@ def test_a_purge_the_tier_failed_keeps_its_objects_out_until_they_are_removed(no
     assert len(tier.objects) == 6 and bridge_b.snapshot()["remote_purged_objects"] == 6
 
 
+def test_a_read_through_under_way_when_a_purge_failed_in_the_tier_installs_nothing(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's read-through of acme has passed the check for unremoved purges and is asking the
+    tier a value's size when B purges acme and the tier fails the removal: it installs nothing."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    asking, purged = threading.Event(), threading.Event()
+    size = tier.size
+
+    def size_once_purged(key: str) -> int | None:
+        asking.set()
+        assert purged.wait(10), "the purge did not come"
+        return size(key)
+
+    def away(prefix: str, **options: Any) -> int:
+        raise TierUnavailableError("away")
+
+    monkeypatch.setattr(tier, "size", size_once_purged)
+    monkeypatch.setattr(tier, "remove_prefix", away)
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(bridge_b.read_through, IDENT, TOKENS, 0)
+        assert asking.wait(10)
+        b.put(IDENT, TOKENS[:16], [PAYLOADS[0]])  # a block of acme for the purge to find
+        purge_everywhere(b, bridge_b, PurgeSelector(tenant="acme"))
+        assert bridge_b.snapshot()["purge_errors"] == 1
+        purged.set()
+        assert reading.result(10) == 0
+    bridge_b.settle()
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
+
+
 def test_blocks_fetched_before_a_purge_are_not_installed_after_it(
     nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -306,6 +342,31 @@ def test_a_read_through_fetches_a_batch_a_round_trip(nodes) -> None:
     assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
     assert tier.calls == Counter(size=2, get_many_into=1, get_into=1)  # block 2 alone
     assert loaded(b) == longer
+
+
+def test_values_fetched_alone_hold_one_batch_to_its_bytes(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short first value and longer ones after it: the batch its size gives ends before the
+    values fetched alone would pass the batch's bytes; a later read-through goes on from there."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    monkeypatch.setattr(bridge_module, "_BATCH_BYTES", 120_000)
+    uneven = [b"\x00" * 1_000, *PAYLOADS[1:]]  # the room 1,000 bytes give: 60 blocks a batch
+    bridge_a.published(IDENT, a.put(IDENT, TOKENS, uneven).hashes)
+    wait_for(lambda: len(tier.objects) >= 6, "every block published", poll_s=0.01)
+    alone: list[int] = []
+    get_into = tier.get_into
+
+    def get_alone(key: str, buffer: bytearray) -> int | None:
+        alone.append(len(buffer))
+        return get_into(key, buffer)
+
+    monkeypatch.setattr(tier, "get_into", get_alone)
+    assert bridge_b.read_through(IDENT, TOKENS, 0) == 3
+    assert len(alone) == 2 and sum(alone) <= 120_000
+    alone.clear()
+    assert bridge_b.read_through(IDENT, TOKENS, 3) == 3  # sized by block 3: none alone
+    assert not alone and loaded(b) == uneven
 
 
 def test_a_read_through_counts_the_time_of_each_stage(
@@ -543,6 +604,73 @@ def test_engine_keyed_blocks_are_shared_the_same_way(nodes) -> None:
     # another key at block 2 names another chain: there is nothing to fetch
     other = pack_keys(keyed, [bytes([i if i != 2 else 99]) * 36 for i in range(4)])
     assert bridge_b.read_through(keyed, other, 2) == 0
+
+
+def test_blocks_covering_a_requests_content_are_shared_the_same_way(nodes) -> None:
+    """An identity with request_content: node B installs from the tier what A put, under the
+    wire form (token ids and content digests) the daemon receives."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    content = replace(IDENT, request_content=True)
+    wire = chain_words(content, Prompt(TOKENS, salt="user-7")).tobytes()
+    bridge_a.published(content, a.put(content, wire, PAYLOADS).hashes)
+    wait_for(lambda: len(tier.objects) >= 6, "every block published", poll_s=0.01)
+    assert bridge_b.read_through(content, wire, 0) == 6
+    assert b.longest_prefix(content, wire).n_blocks == 6
+    assert "install_errors" not in bridge_b.snapshot()
+
+
+def test_a_share_groups_blocks_are_shared_under_the_group(tmp_path: Path) -> None:
+    """acme and beta share group g on both nodes: what A stored for acme is found by B for beta,
+    under the group's keys, and a purge of the group removes it from the tier."""
+    tier, groups = MemoryTier(), {"g": ("acme", "beta")}
+    a, b = (Store.open(tmp_path / n, map_size=64 << 20, share_groups=groups) for n in "ab")
+    bridge_a, bridge_b = (
+        SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in (a, b)
+    )
+    beta = replace(IDENT, tenant="beta")
+    try:
+        bridge_a.start()
+        bridge_b.start()
+        publish(a, bridge_a, tier)
+        group = replace(IDENT, tenant="share:g")
+        assert set(tier.objects) == {block_key(group, h) for h in BlockChain(group, TOKENS)}
+        assert bridge_b.read_through(beta, TOKENS, 0, staged=True) == 6
+        bridge_b.settle()
+        assert b.longest_prefix(beta, TOKENS).n_blocks == 6
+        purge_everywhere(b, bridge_b, PurgeSelector(tenant="share:g"))
+        assert not tier.objects and b.longest_prefix(beta, TOKENS).n_blocks == 0
+    finally:
+        for bridge, store in ((bridge_a, a), (bridge_b, b)):
+            bridge.stop(timeout_s=0.5)
+            store.close()
+
+
+def test_a_value_past_its_tenants_time_to_live_is_not_installed(tmp_path: Path) -> None:
+    """acme's entries live an hour on both nodes: a value A published two hours ago is not
+    installed on B (nor served) as if it were fresh; one A published since is."""
+    tier, clock, ttls = MemoryTier(), ManualClock(), {"acme": 3600.0}
+    a, b = (
+        Store.open(tmp_path / n, map_size=64 << 20, tenant_ttls=ttls, clock=clock) for n in "ab"
+    )
+    bridge_a, bridge_b = (
+        SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in (a, b)
+    )
+    fresh = replace(IDENT, kv_layout="fp8")
+    try:
+        bridge_a.start()
+        bridge_b.start()
+        publish(a, bridge_a, tier)
+        clock.advance(2 * 3600)
+        bridge_a.published(fresh, a.put(fresh, TOKENS, PAYLOADS).hashes)
+        wait_for(lambda: len(tier.objects) == 12, "every block published", poll_s=0.01)
+        assert bridge_b.read_through(IDENT, TOKENS, 0, staged=True) == 0
+        assert bridge_b.with_staged(IDENT, TOKENS, b.longest_prefix(IDENT, TOKENS)).n_blocks == 0
+        assert bridge_b.snapshot()["remote_expired_blocks"] == 1
+        assert bridge_b.read_through(fresh, TOKENS, 0) == 6
+    finally:
+        for bridge, store in ((bridge_a, a), (bridge_b, b)):
+            bridge.stop(timeout_s=0.5)
+            store.close()
 
 
 def test_remote_values_are_proven_before_use() -> None:

@@ -16,10 +16,11 @@ from prefixd.cluster import bridge as bridge_module
 from prefixd.cluster.bridge import SharedTierBridge
 from prefixd.errors import DiskFullError
 from prefixd.schema.chain import BlockChain
+from prefixd.store.purge import PurgeSelector
 from tests.waiting import wait_for
 
 from .memory_tier import MemoryTier, nodes  # noqa: F401 (a fixture)
-from .test_bridge import IDENT, PAYLOADS, TOKENS, publish
+from .test_bridge import IDENT, PAYLOADS, TOKENS, publish, purge_everywhere
 
 WAIT_S = 60.0  # an upper bound on a step another thread finishes at once, not a timing
 
@@ -213,6 +214,39 @@ def test_a_delete_after_a_read_through_removes_what_it_installs(
         assert deleting.result(WAIT_S) == 6
     assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
     assert bridge_b.with_staged(IDENT, TOKENS, b.longest_prefix(IDENT, TOKENS)).n_blocks == 0
+
+
+def test_blocks_fetched_before_a_purge_are_not_staged_after_it(
+    nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged read-through proven before B's purge of acme and staging after it: neither a
+    lookup nor a load serves its blocks, though their install is still queued behind another."""
+    tier, (a, b), (bridge_a, bridge_b) = nodes
+    publish(a, bridge_a, tier)
+    proven, purged, installer_free = threading.Event(), threading.Event(), threading.Event()
+    prove = bridge_b._proven
+
+    def prove_then_wait(*args: Any) -> Any:
+        found = prove(*args)
+        proven.set()
+        assert purged.wait(WAIT_S), "the purge did not come"
+        return found
+
+    monkeypatch.setattr(bridge_b, "_proven", prove_then_wait)
+    bridge_b._installer.submit(installer_free.wait, WAIT_S)  # an earlier install, still running
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(bridge_b.read_through, IDENT, TOKENS, 0, staged=True)
+            assert proven.wait(WAIT_S)
+            purge_everywhere(b, bridge_b, PurgeSelector(tenant="acme"))
+            purged.set()
+            assert reading.result(WAIT_S) == 0
+        assert bridge_b.with_staged(IDENT, TOKENS, b.longest_prefix(IDENT, TOKENS)).n_blocks == 0
+        assert bridge_b.load(IDENT, TOKENS, bytearray(1 << 20)).n_blocks == 0
+    finally:
+        installer_free.set()
+    bridge_b.settle()
+    assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0 and not len(bridge_b.staging)
 
 
 def test_settling_a_stopped_bridge_returns_at_once(nodes) -> None:
