@@ -58,6 +58,7 @@ def open_environment(
     if not creating and data_file.stat().st_size == 0:  # LMDB would write fresh meta pages
         raise NotAStoreError(f"{data_file} is empty: not a store (nothing was written to it)")
     had_lock = lock_file.exists()
+    created = [file for file, had in ((data_file, not creating), (lock_file, had_lock)) if not had]
     if creating:
         if not config.create or readonly:
             raise NotAStoreError(f"no store at {path}")
@@ -94,6 +95,9 @@ def open_environment(
             raise StoreOpenError(f"cannot open {path}: {exc}") from None
         kind = "of another LMDB version" if mismatch else "not an LMDB file"
         raise NotAStoreError(f"{data_file} is {kind}") from None
+    finally:  # whether or not it opened: what LMDB left is the directory owner's
+        for file in created:
+            give_to_directory_owner(file)
     try:
         if creating:
             tables, meta = _create(env, now_ns())
@@ -256,7 +260,10 @@ class OwnerLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path / OWNER_FILE
+        had = self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        if not had:
+            give_to_directory_owner(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -276,6 +283,21 @@ class OwnerLock:
         if self._fd >= 0:
             os.close(self._fd)  # closing drops the flock
             self._fd = -1
+
+
+def give_to_directory_owner(file: Path) -> None:
+    """Hand a file root just created in a store's directory to the directory's owner and group:
+    root's offline work (migrate, verify, compact) must leave no lock or data file the daemon,
+    running as that owner, cannot open. The mode is left as created."""
+    if os.geteuid() != 0:
+        return
+    try:
+        directory = file.parent.stat()
+        made = file.lstat()
+        if (made.st_uid, made.st_gid) != (directory.st_uid, directory.st_gid):
+            os.chown(file, directory.st_uid, directory.st_gid, follow_symlinks=False)
+    except FileNotFoundError:  # removed again (a foreign directory left as it was)
+        pass
 
 
 def held_socket(path: Path) -> Path | None:

@@ -30,7 +30,7 @@ from prefixd.migrate import runner
 from prefixd.store import Store
 from prefixd.store.environment import OwnerLock, held_message, held_socket
 
-from ..daemon.conftest import Daemon, DaemonFactory, as_nobody, daemon_env
+from ..daemon.conftest import NOBODY, Daemon, DaemonFactory, as_nobody, daemon_env
 from ..waiting import DEADLINE_S
 from .test_commands import IDENTITY, fill, reported, run
 
@@ -294,6 +294,33 @@ def test_offline_commands_open_the_store_with_the_settings_serve_uses(
             "full",
             100,
         )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a store of another user's needs root")
+def test_roots_offline_commands_leave_the_service_users_store_openable_by_it(
+    sock_dir: Path,
+) -> None:
+    """Root runs the offline commands on a store its daemon's user (here 65534) owns: every file
+    they create there (data.mdb, lock.mdb, owner.lock) is that user's, so the daemon starts."""
+    sock_dir.chmod(0o711)  # the service user passes through to its own directory
+    store = sock_dir / "store"
+    store.mkdir(mode=0o700)
+    os.chown(store, NOBODY, NOBODY)
+    fill(store)  # root creates the store in the service user's (empty) directory
+    for argv in (
+        ["verify"],
+        ["migrate", "status"],
+        ["migrate", "up"],
+        ["purge", "--all", "--dry-run"],
+        ["compact", "--to", str(sock_dir / "copy")],
+    ):
+        for leftover in ("lock.mdb", "owner.lock"):  # each command creates its own
+            (store / leftover).unlink(missing_ok=True)
+        reported(run(*argv, "--json", "--data-dir", str(store)))
+        owners = {p.name: (p.stat().st_uid, p.stat().st_gid) for p in store.iterdir()}
+        assert set(owners.values()) == {(NOBODY, NOBODY)}, (argv, owners)
+        opened = as_nobody(lambda: Store.open(store, create=False, exclusive=True).close())
+        assert opened == ("ok", None), (argv, opened)
 
 
 def test_a_store_a_daemon_serves_cannot_be_opened_beside_it(daemon: Daemon) -> None:
