@@ -3,6 +3,7 @@ before anything is written."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -81,6 +82,9 @@ def open_environment(
             mode=0o640,
         )
     except lmdb.Error as exc:
+        refusal = _not_damage(exc, config, readonly)
+        if refusal is not None:
+            raise StoreOpenError(refusal) from None
         mismatch = isinstance(exc, lmdb.VersionMismatchError)
         foreign = mismatch or isinstance(exc, (lmdb.InvalidError, lmdb.CorruptedError))
         if foreign and not had_lock:  # leave a directory that is not a store as it was
@@ -106,11 +110,56 @@ def open_environment(
             tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
     except lmdb.Error as exc:  # a damaged page met while reading the tables or the meta record
         env.close()
+        refusal = _not_damage(exc, config, readonly)
+        if refusal is not None:
+            raise StoreOpenError(refusal) from None
         raise CorruptStoreError(f"{data_file} has damaged pages: {exc}") from None
     except BaseException:
         env.close()
         raise
     return env, tables, meta
+
+
+# What LMDB runs out of, not what a file holds: a setting or the machine, never damage.
+_RESOURCES = (
+    lmdb.MapFullError,
+    lmdb.ReadersFullError,
+    lmdb.DbsFullError,
+    lmdb.TlsFullError,
+    lmdb.MapResizedError,
+)
+_NOT_ALLOWED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _not_damage(exc: lmdb.Error, config: StoreConfig, readonly: bool) -> str | None:
+    """Why the store could not be opened when the system refused (an errno: permission, memory,
+    space, a lock) or LMDB ran out of a resource; None when the error is about the files'
+    content. A refusal is no damage: the store must never be called damaged, nor its deletion
+    advised, for it."""
+    path = config.path
+    code = getattr(exc, "code", 0)
+    if isinstance(exc, _RESOURCES):
+        return f"cannot open the store at {path}: {exc}"
+    if not isinstance(code, int) or code <= 0:  # LMDB's own codes are negative
+        return None
+    reason = os.strerror(code)
+    if code == errno.ENOMEM:
+        return (
+            f"cannot map the store at {path} ({reason}): its map of {config.map_size} bytes (or "
+            "the size its data file records) is more than this process may map; give a smaller "
+            "map_size (--map-size, PREFIXD_MAP_SIZE)"
+        )
+    if code in _NOT_ALLOWED:
+        wanted = os.R_OK if readonly else os.R_OK | os.W_OK
+        files = [path / LOCK_FILE, path / DATA_FILE]
+        refused = [str(f) for f in files if f.exists() and not os.access(f, wanted)] or [str(path)]
+        return (
+            f"cannot open {' or '.join(refused)} ({reason}) as uid {os.geteuid()}: run as the "
+            "user that owns the store, or give its files to that user (chown)"
+        )
+    if code == errno.ENOSPC:
+        return f"cannot open the store at {path}: no space left on the device for {LOCK_FILE}"
+    return f"cannot open the store at {path} ({reason})"
 
 
 def _check_whole(env: lmdb.Environment, data_file: Path) -> None:
