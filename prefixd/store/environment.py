@@ -360,16 +360,33 @@ def held_socket(path: Path) -> Path | None:
 
 def held_message(path: Path) -> str:
     """Why the store, held by another process, cannot be opened: with the daemon's socket to go
-    through instead, when it recorded one."""
+    through instead, when it recorded one, and how to stop it for good under systemd."""
     socket = _recorded_socket(path)
     if socket is None:
         return (
             f"{path} is held by another process (a migration, or a daemon starting): wait for "
-            "it, or stop it first"
+            f"it, or stop it first{_stop_units(path)}"
         )
     return (
         f"{path} is held by another process, the prefixd daemon serving it on {socket}: go "
-        f"through it (prefixd verify or purge --socket {socket}, or a client), or stop it first"
+        f"through it (prefixd verify or purge --socket {socket}, or a client), or stop it "
+        f"first{_stop_units(path)}"
+    )
+
+
+def _stop_units(path: Path) -> str:
+    """How to stop the daemon of the shipped units serving `path` (/var/lib/prefixd or
+    /var/lib/prefixd-NAME): its socket unit too, or the next connection starts it again."""
+    name = path.name
+    if name == "prefixd":
+        unit = "prefixd"
+    elif name.startswith("prefixd-"):
+        unit = f"prefixd@{name.removeprefix('prefixd-')}"
+    else:
+        return ""
+    return (
+        f" (under systemd both units: systemctl stop {unit}.socket {unit}.service; the socket "
+        "alone starts the daemon again)"
     )
 
 

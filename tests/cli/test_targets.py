@@ -16,6 +16,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -384,5 +385,44 @@ def test_a_store_no_daemon_serves_keeps_no_socket_of_an_earlier_one(
     try:
         assert held_socket(daemon.data_dir) is None
         assert str(daemon.socket) not in held_message(daemon.data_dir)
+    finally:
+        lock.release()
+
+
+def test_offline_only_commands_leave_a_listening_socket_unit_alone(tmp_path: Path) -> None:
+    """The service stopped, its socket unit listening: compact and migrate, given no flag, work
+    on the default store (there, held by nobody) without connecting. A connection would start
+    the daemon, which would then hold the store they need."""
+    env = defaults_in(tmp_path)
+    fill(Path(env["STATE_DIRECTORY"]))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unit:  # as systemd's listens
+        unit.bind(str(tmp_path / "runtime" / "prefixd.sock"))
+        unit.listen(8)
+        unit.setblocking(False)
+        for command in (
+            ["migrate", "status"],
+            ["migrate", "up"],
+            ["compact", "--to", str(tmp_path / "copy")],
+        ):
+            done = run(*command, "--json", env=env)
+            assert done.returncode == 0, (command, done.stderr)
+            with pytest.raises(BlockingIOError):  # nothing connected: nothing was started
+                unit.accept()[0].close()
+
+
+@pytest.mark.parametrize(
+    ("name", "units"),
+    [("prefixd", "prefixd.socket prefixd.service"), ("prefixd-gpu0", "prefixd@gpu0.socket")],
+)
+def test_a_held_node_store_says_to_stop_both_units(tmp_path: Path, name: str, units: str) -> None:
+    """Stopping the service alone leaves its socket unit to start it again at the next
+    connection: the refusal names both units."""
+    store = tmp_path / name
+    Store.open(store).close()
+    lock = OwnerLock(store)
+    try:
+        with pytest.raises(StoreBusyError) as refused:
+            Store.open(store, create=False, exclusive=True)
+        assert f"systemctl stop {units}" in str(refused.value), refused.value
     finally:
         lock.release()
