@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from prefixd.cli import commands
 from prefixd.cli.arguments import add_daemon_arguments, positive
@@ -60,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     """The whole command line (also what shell completion is generated from)."""
     from prefixd.config.sources import add_arguments
 
-    top = argparse.ArgumentParser(
+    top = Parser(
         prog="prefixd",
         description=__doc__.split("\n\n")[0].replace("\n", " ") if __doc__ else None,
         epilog="Exit codes: 0 done, 1 failed or problems found, 2 bad arguments or settings, "
@@ -192,9 +193,19 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def _common(*, online: bool) -> argparse.ArgumentParser:
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, taking no abbreviation of a long flag: a typo such as `purge --a` is
+    refused instead of meaning `--all`. Subcommands' parsers are of this class too
+    (add_subparsers makes them of the class of the parser it is called on)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def _common(*, online: bool) -> Parser:
     """The flags every maintenance command shares: which store and daemon, and how to print."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     where = common.add_argument_group("which store and daemon (as serve: flags, PREFIXD_*, TOML)")
     add_daemon_arguments(where, data_dir=True)
     if online:

@@ -153,7 +153,7 @@ def verify(args: argparse.Namespace, out: Output) -> int:
 def migrate_status(args: argparse.Namespace, out: Output) -> int:
     from prefixd.migrate import Migrator
 
-    where = _target(args)
+    where = _target(args, probe=False)
     migrator = Migrator(where.data_dir, settings=where.config.store_config())
     out.result(migrator.status().describe(), "prefixd migrate status")
     return 0
@@ -162,7 +162,7 @@ def migrate_status(args: argparse.Namespace, out: Output) -> int:
 def migrate_up(args: argparse.Namespace, out: Output) -> int:
     from prefixd.migrate import Migrator
 
-    where = _target(args)
+    where = _target(args, probe=False)
     migrator = Migrator(where.data_dir, batch=args.batch, settings=where.config.store_config())
     with out.progress("migrating") as advance:
         report = migrator.upgrade(
@@ -241,7 +241,7 @@ def _duration(flag: str, text: str) -> float:
 
 
 def compact(args: argparse.Namespace, out: Output) -> int:
-    with _opened(_target(args)) as store:
+    with _opened(_target(args, probe=False)) as store:
         used = store.stats().map_used_bytes
         with out.progress("compacting (bytes written)", total=used) as advance:
             report = _polled(lambda: store.compact_to(args.to), args.to / "data.mdb", advance)
@@ -276,9 +276,11 @@ def completion(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-def _target(args: argparse.Namespace, *, offline: bool = True) -> Target:
-    """The store and daemon `args` name; `offline`: the command can work on the store itself."""
-    return target(args, os.environ, timeout=min(args.timeout, 10.0), offline=offline)
+def _target(args: argparse.Namespace, *, offline: bool = True, probe: bool = True) -> Target:
+    """The store and daemon `args` name; `offline`: the command can work on the store itself;
+    `probe` False: it works only offline (endpoints.target)."""
+    timeout = min(args.timeout, 10.0)
+    return target(args, os.environ, timeout=timeout, offline=offline, probe=probe)
 
 
 def _opened(where: Target) -> Store:

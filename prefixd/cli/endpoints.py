@@ -25,7 +25,7 @@ from prefixd.errors import (
     UntrustedDaemonError,
 )
 from prefixd.paths import node_socket
-from prefixd.store.environment import DATA_FILE, held_socket
+from prefixd.store.environment import DATA_FILE, held_socket, is_held
 
 if TYPE_CHECKING:
     from prefixd.client import Client
@@ -50,11 +50,19 @@ class Target:
 
 
 def target(
-    args: argparse.Namespace, env: Mapping[str, str], *, timeout: float, offline: bool = True
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    *,
+    timeout: float,
+    offline: bool = True,
+    probe: bool = True,
 ) -> Target:
     """The Target of a command's --data-dir, --socket and --config (and PREFIXD_*). `offline`:
     the command can work on the store itself, so a socket alone where no daemon answers is
-    refused; otherwise the socket is taken as told, and the client's error follows."""
+    refused; otherwise the socket is taken as told, and the client's error follows. `probe`
+    False (commands that only work offline: compact, migrate): a default store that exists and
+    nobody holds is theirs without asking the default socket which store its daemon serves, since
+    asking a socket unit starts the daemon, which would then hold that store."""
     config, given = daemon_config(args, env)
     data_dir, socket = config.store.data_dir, config.socket.path
     user = config.socket.daemon_user or None
@@ -96,6 +104,8 @@ def target(
         return Target(config, data_dir, recorded, served=True)
     if "data_dir" in given and "socket" not in given:
         return Target(config, data_dir, socket, served=False)
+    if not probe and "socket" not in given and _unheld_store(data_dir):
+        return Target(config, data_dir, socket, served=False)
     try:
         served_dir = _served_dir(socket, timeout, user)
     except UntrustedDaemonError:
@@ -127,6 +137,14 @@ def _same_dir(one: Path, other: Path) -> bool:
         return one.resolve() == other.resolve()
     except OSError:
         return one == other
+
+
+def _unheld_store(data_dir: Path) -> bool:
+    """A store lies in `data_dir` and no process holds it (False when this user may not tell)."""
+    try:
+        return (data_dir / DATA_FILE).exists() and not is_held(data_dir)
+    except OSError:
+        return False
 
 
 def _present(path: Path) -> bool:

@@ -60,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prefixd.store.config import StoreConfig
     from prefixd.store.environment import open_environment
 
-    parser = argparse.ArgumentParser(prog="python -m prefixd.store.check_process")
+    parser = argparse.ArgumentParser(
+        prog="python -m prefixd.store.check_process", allow_abbrev=False
+    )
     parser.add_argument("path", type=Path)
     parser.add_argument("--no-payloads", action="store_true")
     args = parser.parse_args(argv)

@@ -3,6 +3,7 @@ before anything is written."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -58,6 +59,7 @@ def open_environment(
     if not creating and data_file.stat().st_size == 0:  # LMDB would write fresh meta pages
         raise NotAStoreError(f"{data_file} is empty: not a store (nothing was written to it)")
     had_lock = lock_file.exists()
+    created = [file for file, had in ((data_file, not creating), (lock_file, had_lock)) if not had]
     if creating:
         if not config.create or readonly:
             raise NotAStoreError(f"no store at {path}")
@@ -80,6 +82,9 @@ def open_environment(
             mode=0o640,
         )
     except lmdb.Error as exc:
+        refusal = _not_damage(exc, config, readonly)
+        if refusal is not None:
+            raise StoreOpenError(refusal) from None
         mismatch = isinstance(exc, lmdb.VersionMismatchError)
         foreign = mismatch or isinstance(exc, (lmdb.InvalidError, lmdb.CorruptedError))
         if foreign and not had_lock:  # leave a directory that is not a store as it was
@@ -94,6 +99,9 @@ def open_environment(
             raise StoreOpenError(f"cannot open {path}: {exc}") from None
         kind = "of another LMDB version" if mismatch else "not an LMDB file"
         raise NotAStoreError(f"{data_file} is {kind}") from None
+    finally:  # whether or not it opened: what LMDB left is the directory owner's
+        for file in created:
+            give_to_directory_owner(file)
     try:
         if creating:
             tables, meta = _create(env, now_ns())
@@ -102,11 +110,56 @@ def open_environment(
             tables, meta = _open_existing(env, path, any_version=any_version, readonly=readonly)
     except lmdb.Error as exc:  # a damaged page met while reading the tables or the meta record
         env.close()
+        refusal = _not_damage(exc, config, readonly)
+        if refusal is not None:
+            raise StoreOpenError(refusal) from None
         raise CorruptStoreError(f"{data_file} has damaged pages: {exc}") from None
     except BaseException:
         env.close()
         raise
     return env, tables, meta
+
+
+# What LMDB runs out of, not what a file holds: a setting or the machine, never damage.
+_RESOURCES = (
+    lmdb.MapFullError,
+    lmdb.ReadersFullError,
+    lmdb.DbsFullError,
+    lmdb.TlsFullError,
+    lmdb.MapResizedError,
+)
+_NOT_ALLOWED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _not_damage(exc: lmdb.Error, config: StoreConfig, readonly: bool) -> str | None:
+    """Why the store could not be opened when the system refused (an errno: permission, memory,
+    space, a lock) or LMDB ran out of a resource; None when the error is about the files'
+    content. A refusal is no damage: the store must never be called damaged, nor its deletion
+    advised, for it."""
+    path = config.path
+    code = getattr(exc, "code", 0)
+    if isinstance(exc, _RESOURCES):
+        return f"cannot open the store at {path}: {exc}"
+    if not isinstance(code, int) or code <= 0:  # LMDB's own codes are negative
+        return None
+    reason = os.strerror(code)
+    if code == errno.ENOMEM:
+        return (
+            f"cannot map the store at {path} ({reason}): its map of {config.map_size} bytes (or "
+            "the size its data file records) is more than this process may map; give a smaller "
+            "map_size (--map-size, PREFIXD_MAP_SIZE)"
+        )
+    if code in _NOT_ALLOWED:
+        wanted = os.R_OK if readonly else os.R_OK | os.W_OK
+        files = [path / LOCK_FILE, path / DATA_FILE]
+        refused = [str(f) for f in files if f.exists() and not os.access(f, wanted)] or [str(path)]
+        return (
+            f"cannot open {' or '.join(refused)} ({reason}) as uid {os.geteuid()}: run as the "
+            "user that owns the store, or give its files to that user (chown)"
+        )
+    if code == errno.ENOSPC:
+        return f"cannot open the store at {path}: no space left on the device for {LOCK_FILE}"
+    return f"cannot open the store at {path} ({reason})"
 
 
 def _check_whole(env: lmdb.Environment, data_file: Path) -> None:
@@ -256,7 +309,10 @@ class OwnerLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path / OWNER_FILE
+        had = self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        if not had:
+            give_to_directory_owner(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -278,6 +334,21 @@ class OwnerLock:
             self._fd = -1
 
 
+def give_to_directory_owner(file: Path) -> None:
+    """Hand a file root just created in a store's directory to the directory's owner and group:
+    root's offline work (migrate, verify, compact) must leave no lock or data file the daemon,
+    running as that owner, cannot open. The mode is left as created."""
+    if os.geteuid() != 0:
+        return
+    try:
+        directory = file.parent.stat()
+        made = file.lstat()
+        if (made.st_uid, made.st_gid) != (directory.st_uid, directory.st_gid):
+            os.chown(file, directory.st_uid, directory.st_gid, follow_symlinks=False)
+    except FileNotFoundError:  # removed again (a foreign directory left as it was)
+        pass
+
+
 def held_socket(path: Path) -> Path | None:
     """The socket of the daemon holding the store at `path`; None when nobody holds it or the holder
     serves none."""
@@ -289,16 +360,33 @@ def held_socket(path: Path) -> Path | None:
 
 def held_message(path: Path) -> str:
     """Why the store, held by another process, cannot be opened: with the daemon's socket to go
-    through instead, when it recorded one."""
+    through instead, when it recorded one, and how to stop it for good under systemd."""
     socket = _recorded_socket(path)
     if socket is None:
         return (
             f"{path} is held by another process (a migration, or a daemon starting): wait for "
-            "it, or stop it first"
+            f"it, or stop it first{_stop_units(path)}"
         )
     return (
         f"{path} is held by another process, the prefixd daemon serving it on {socket}: go "
-        f"through it (prefixd verify or purge --socket {socket}, or a client), or stop it first"
+        f"through it (prefixd verify or purge --socket {socket}, or a client), or stop it "
+        f"first{_stop_units(path)}"
+    )
+
+
+def _stop_units(path: Path) -> str:
+    """How to stop the daemon of the shipped units serving `path` (/var/lib/prefixd or
+    /var/lib/prefixd-NAME): its socket unit too, or the next connection starts it again."""
+    name = path.name
+    if name == "prefixd":
+        unit = "prefixd"
+    elif name.startswith("prefixd-"):
+        unit = f"prefixd@{name.removeprefix('prefixd-')}"
+    else:
+        return ""
+    return (
+        f" (under systemd both units: systemctl stop {unit}.socket {unit}.service; the socket "
+        "alone starts the daemon again)"
     )
 
 

@@ -26,6 +26,7 @@ import lmdb
 
 from prefixd.clock import Clock
 from prefixd.errors import SyncFailedError
+from prefixd.store.environment import give_to_directory_owner
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ def _write_durably(target: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    give_to_directory_owner(temporary)  # root's failed migration: the daemon must read it
     os.replace(temporary, target)
     _fsync_directory(target.parent)
 

@@ -7,12 +7,14 @@ only on a terminal); help and completion; a refused `serve` creates nothing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pty
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +202,42 @@ def test_bad_values_exit_2_and_nothing_ends_in_a_traceback(
     done = run(*args, home=tmp_path / "home")
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == code and says in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("purge", "--a"),  # would be --all: the whole store gone
+        ("purge", "--tenant", "t", "--dry"),  # would be --dry-run
+        ("migrate", "up", "--dry"),
+        ("verify", "--no-pay"),
+    ],
+)
+def test_an_abbreviated_flag_is_refused_not_guessed(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """A typo in a flag must not run something else (`purge --a` meant `--all`): exit 2, naming
+    the flag, and the store untouched."""
+    store = tmp_path / "store"
+    fill(store)
+    before = (store / "data.mdb").read_bytes()
+    done = run(*args, "--json", "--data-dir", str(store))
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert f"unrecognized arguments: {args[-1]}" in done.stderr, done.stderr
+    assert (store / "data.mdb").read_bytes() == before
+
+
+def test_no_parser_of_the_command_takes_abbreviations() -> None:
+    from prefixd.cli import parser
+
+    def every(each: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+        yield each
+        for action in each._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    yield from every(child)
+
+    parsers = list(every(parser()))
+    assert len(parsers) > len(COMMANDS)
+    assert [p.prog for p in parsers if p.allow_abbrev] == []
 
 
 def test_a_reader_that_leaves_early_ends_no_traceback(tmp_path: Path) -> None:

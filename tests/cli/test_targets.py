@@ -16,6 +16,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ from prefixd.migrate import runner
 from prefixd.store import Store
 from prefixd.store.environment import OwnerLock, held_message, held_socket
 
-from ..daemon.conftest import Daemon, DaemonFactory, as_nobody, daemon_env
+from ..daemon.conftest import NOBODY, Daemon, DaemonFactory, as_nobody, daemon_env
 from ..waiting import DEADLINE_S
 from .test_commands import IDENTITY, fill, reported, run
 
@@ -296,6 +297,33 @@ def test_offline_commands_open_the_store_with_the_settings_serve_uses(
         )
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a store of another user's needs root")
+def test_roots_offline_commands_leave_the_service_users_store_openable_by_it(
+    sock_dir: Path,
+) -> None:
+    """Root runs the offline commands on a store its daemon's user (here 65534) owns: every file
+    they create there (data.mdb, lock.mdb, owner.lock) is that user's, so the daemon starts."""
+    sock_dir.chmod(0o711)  # the service user passes through to its own directory
+    store = sock_dir / "store"
+    store.mkdir(mode=0o700)
+    os.chown(store, NOBODY, NOBODY)
+    fill(store)  # root creates the store in the service user's (empty) directory
+    for argv in (
+        ["verify"],
+        ["migrate", "status"],
+        ["migrate", "up"],
+        ["purge", "--all", "--dry-run"],
+        ["compact", "--to", str(sock_dir / "copy")],
+    ):
+        for leftover in ("lock.mdb", "owner.lock"):  # each command creates its own
+            (store / leftover).unlink(missing_ok=True)
+        reported(run(*argv, "--json", "--data-dir", str(store)))
+        owners = {p.name: (p.stat().st_uid, p.stat().st_gid) for p in store.iterdir()}
+        assert set(owners.values()) == {(NOBODY, NOBODY)}, (argv, owners)
+        opened = as_nobody(lambda: Store.open(store, create=False, exclusive=True).close())
+        assert opened == ("ok", None), (argv, opened)
+
+
 def test_a_store_a_daemon_serves_cannot_be_opened_beside_it(daemon: Daemon) -> None:
     with Client(daemon.socket, region_bytes=1 << 20) as client:
         client.put(IDENTITY, np.arange(BT, dtype=np.uint32), [b"k" * 64])
@@ -357,5 +385,44 @@ def test_a_store_no_daemon_serves_keeps_no_socket_of_an_earlier_one(
     try:
         assert held_socket(daemon.data_dir) is None
         assert str(daemon.socket) not in held_message(daemon.data_dir)
+    finally:
+        lock.release()
+
+
+def test_offline_only_commands_leave_a_listening_socket_unit_alone(tmp_path: Path) -> None:
+    """The service stopped, its socket unit listening: compact and migrate, given no flag, work
+    on the default store (there, held by nobody) without connecting. A connection would start
+    the daemon, which would then hold the store they need."""
+    env = defaults_in(tmp_path)
+    fill(Path(env["STATE_DIRECTORY"]))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unit:  # as systemd's listens
+        unit.bind(str(tmp_path / "runtime" / "prefixd.sock"))
+        unit.listen(8)
+        unit.setblocking(False)
+        for command in (
+            ["migrate", "status"],
+            ["migrate", "up"],
+            ["compact", "--to", str(tmp_path / "copy")],
+        ):
+            done = run(*command, "--json", env=env)
+            assert done.returncode == 0, (command, done.stderr)
+            with pytest.raises(BlockingIOError):  # nothing connected: nothing was started
+                unit.accept()[0].close()
+
+
+@pytest.mark.parametrize(
+    ("name", "units"),
+    [("prefixd", "prefixd.socket prefixd.service"), ("prefixd-gpu0", "prefixd@gpu0.socket")],
+)
+def test_a_held_node_store_says_to_stop_both_units(tmp_path: Path, name: str, units: str) -> None:
+    """Stopping the service alone leaves its socket unit to start it again at the next
+    connection: the refusal names both units."""
+    store = tmp_path / name
+    Store.open(store).close()
+    lock = OwnerLock(store)
+    try:
+        with pytest.raises(StoreBusyError) as refused:
+            Store.open(store, create=False, exclusive=True)
+        assert f"systemctl stop {units}" in str(refused.value), refused.value
     finally:
         lock.release()

@@ -46,6 +46,7 @@ import pytest
 from prefixd import Store
 from prefixd.errors import CorruptStoreError, NotAStoreError, PrefixdError, StoreOpenError
 from prefixd.schema.records import PAYLOAD_SIZE_AT, TOKENS_AT
+from prefixd.store.config import StoreConfig
 
 from .test_faults import IDENT, MAP, flip_in_file
 
@@ -546,6 +547,34 @@ def test_both_meta_magics_gone_is_not_an_lmdb_file(template: Template, tmp_path:
     _damage_meta_pages(path / "data.mdb", META_MAGIC)
     with pytest.raises(NotAStoreError, match="not an LMDB file"):
         Store.open(path, map_size=MAP)
+
+
+def test_the_system_refusing_a_healthy_store_is_no_damage(
+    template: Template, tmp_path: Path
+) -> None:
+    """An errno met while a healthy store opens (a map larger than the address space, a lock
+    file that cannot be opened) is a StoreOpenError naming the store and the cause: never damage,
+    never advice to delete the store."""
+    path = _copy(template, tmp_path)
+    Store.open(path, map_size=MAP).close()  # healthy, with its lock.mdb
+    refusals = []
+    with pytest.raises(StoreOpenError) as caught:
+        Store.open(path, map_size=StoreConfig.map_size_max)  # past any 48-bit address space
+    refusals.append(caught.value)
+    assert "map_size" in str(caught.value), caught.value
+    (path / "lock.mdb").unlink()
+    (path / "lock.mdb").mkdir()  # EISDIR, as root too (a permission root would bypass)
+    with pytest.raises(StoreOpenError) as caught:
+        Store.open(path, map_size=MAP)
+    refusals.append(caught.value)
+    for refusal in refusals:
+        message = str(refusal)
+        assert not isinstance(refusal, CorruptStoreError), message
+        assert "damaged" not in message and "delete" not in message, message
+        assert str(path) in message, message
+    (path / "lock.mdb").rmdir()
+    with Store.open(path, map_size=MAP, create=False) as store:
+        assert store.stats().blocks > 0
 
 
 OPEN_TRUNCATED = """

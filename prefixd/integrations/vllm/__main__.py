@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ours, engine_argv = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
-    parser = argparse.ArgumentParser(
-        prog="python -m prefixd.integrations.vllm", description=__doc__
+    parser = argparse.ArgumentParser(  # no abbreviations: a typo is refused, not guessed
+        prog="python -m prefixd.integrations.vllm", description=__doc__, allow_abbrev=False
     )
     parser.add_argument("--socket", required=True, help="the prefixd daemon's socket")
     parser.add_argument("--tenant", default="default")
