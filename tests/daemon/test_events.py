@@ -239,6 +239,7 @@ def test_a_block_whose_record_a_repair_drops_leaves_the_view(
         consumer.close()
 
 
+@pytest.mark.damages_store
 def test_an_unreadable_identity_leaves_the_rest_of_the_inventory_announced(
     daemon_factory: DaemonFactory, sock_dir: Path
 ) -> None:

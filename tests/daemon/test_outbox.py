@@ -86,7 +86,8 @@ def test_a_reply_cut_short_is_not_overtaken_by_the_next() -> None:
         theirs.setblocking(False)
         config = SimpleNamespace(limits=Limits())
         server = SimpleNamespace(config=config, stats=Counter())
-        conn = Connection(server, SimpleNamespace(), ours, pid=1, uid=0)  # type: ignore[arg-type]
+        operations = SimpleNamespace(services=SimpleNamespace(pinned_bytes=Counter()))
+        conn = Connection(server, operations, ours, pid=1, uid=0)  # type: ignore[arg-type]
         first = {"id": 1, "ok": True, "blob": b"a" * (256 << 10)}
         second = {"id": 2, "ok": True}
         conn._reply_now(first)  # type: ignore[arg-type]
