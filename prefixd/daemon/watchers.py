@@ -36,6 +36,10 @@ class ManifestWatcher:
         self._pending: dict[str, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # one refresh of a model at a time, and only its latest applies: an older one finishing
+        # last would name (and retire in favour of) weights no longer on disk
+        self._refreshing: dict[str, asyncio.Lock] = {}
+        self._changes: dict[str, int] = {}  # changes seen per model: which refresh is the latest
         self.checks = 0  # fingerprints recomputed after a change was seen (changed or not)
 
     async def start(self) -> None:
@@ -87,21 +91,23 @@ class ManifestWatcher:
 
     def _spawn(self, model: str) -> None:
         self._pending.pop(model, None)
-        task = asyncio.ensure_future(self._refresh(model))
+        change = self._changes[model] = self._changes.get(model, 0) + 1
+        task = asyncio.ensure_future(self._refresh(model, change))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _refresh(self, model: str) -> None:
+    async def _refresh(self, model: str, change: int) -> None:
         try:
-            new = await fingerprint(self.models[model])
-            if new == self.fingerprints.get(model):
-                return
-            self.fingerprints[model] = new
-            try:
-                removed = await self._retire(model, new)
-            except Exception:
-                log.exception("retiring old versions of a model failed")
-                return
+            async with self._refreshing.setdefault(model, asyncio.Lock()):
+                new = await fingerprint(self.models[model])
+                if change != self._changes[model] or new == self.fingerprints.get(model):
+                    return  # the files changed again meanwhile: the later refresh decides
+                self.fingerprints[model] = new
+                try:
+                    removed = await self._retire(model, new)
+                except Exception:
+                    log.exception("retiring old versions of a model failed")
+                    return
             log.info(
                 "model %s changed weights; retired %d block(s) of other versions", model, removed
             )

@@ -11,8 +11,10 @@ import pytest
 from prefixd import Identity
 from prefixd.client import Client
 from prefixd.config.settings import parse_manifests
-from prefixd.daemon.watchers import fingerprint
+from prefixd.daemon import watchers
+from prefixd.daemon.watchers import ManifestWatcher, fingerprint
 
+from ..waiting import settle
 from .conftest import DaemonFactory, wait_for
 
 PROMPT = np.arange(100, 112, dtype=np.uint32)
@@ -89,3 +91,45 @@ def test_a_changed_manifest_retires_the_old_weights(
         assert client.lookup(identity("stale"), [PROMPT])[0].n_blocks == 0
         assert client.lookup(identity(second), [PROMPT])[0].n_blocks == 3
     assert daemon.stop() == 0
+
+
+def test_a_refresh_the_files_changed_again_under_never_has_the_last_word(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights change twice in quick succession and the first refresh fingerprints slowly
+    (gigabytes of weights): the watcher ends naming, and keeping, what the files hold last."""
+    on_disk = ["v1"]
+    first_read = asyncio.Event()
+    slow = asyncio.Event()
+
+    async def fingerprinted(paths: tuple[Path, ...]) -> str:
+        seen = on_disk[0]
+        if seen == "v2":  # read the files, then hash them for a while
+            first_read.set()
+            await slow.wait()
+        return seen
+
+    monkeypatch.setattr(watchers, "fingerprint", fingerprinted)
+    kept: list[str] = []
+
+    async def retire(model: str, keep: str) -> int:
+        kept.append(keep)
+        return 0
+
+    async def run() -> ManifestWatcher:
+        watcher = ManifestWatcher({"m": (tmp_path / "index.json",)}, retire)
+        await watcher.start()
+        on_disk[0] = "v2"
+        watcher._spawn("m")
+        await first_read.wait()
+        on_disk[0] = "v3"
+        watcher._spawn("m")
+        await asyncio.sleep(0)  # the second refresh runs as far as it may
+        slow.set()
+        await settle(lambda: watcher.checks == 2, "both refreshes done")
+        await watcher.stop()
+        return watcher
+
+    watcher = asyncio.run(run())
+    assert watcher.fingerprints["m"] == "v3"
+    assert kept == ["v1", "v3"]  # never in favour of v2, gone from disk
