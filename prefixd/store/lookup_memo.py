@@ -46,6 +46,7 @@ class VerifiedPrefixes:
         self._by_content: dict[bytes, bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
+        self._floor = 0  # a purge's epoch: a walk older than it is not remembered (its tokens)
         self.hits = 0
 
     def find(
@@ -138,6 +139,8 @@ class VerifiedPrefixes:
             epoch, digest, tokens, tuple(hashes), tuple(payload_sizes), content, oldest_created_ns
         )
         with self._lock:
+            if epoch < self._floor:  # a walk from before a purge: its tokens may be the purged's
+                return
             self._forget(hashes[-1])
             self._entries[hashes[-1]] = entry
             self._by_content[content] = hashes[-1]
@@ -145,10 +148,12 @@ class VerifiedPrefixes:
             while self._bytes > self.max_bytes:
                 self._forget(next(iter(self._entries)))  # the least recently used
 
-    def forget_identities(self, digests: Collection[bytes]) -> None:
+    def forget_identities(self, digests: Collection[bytes], epoch: int) -> None:
         """Drop every entry of these identities: a purged tenant's token ids leave memory with it,
-        not at some later eviction."""
+        not at some later eviction. `epoch`: the purge's; a walk that began before it, and ends
+        after, remembers nothing."""
         with self._lock:
+            self._floor = max(self._floor, epoch)
             for key in [key for key, entry in self._entries.items() if entry.identity in digests]:
                 self._forget(key)
 

@@ -178,7 +178,7 @@ def purge(
                 for name in (counters.BLOCKS, counters.PAYLOAD_BYTES, counters.STORED_BYTES)
             )
     if whole and not dry_run:  # committed: nothing of them stays in memory either
-        ctx.memo.forget_identities(set(digests))
+        ctx.memo.forget_identities(set(digests), after[counters.REMOVALS])
         ctx.tenants.forget(digests)
     identities = len(digests) if whole else 0
     if not dry_run and blocks:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 from prefixd import Identity, Store
 from prefixd.errors import OrphanBlockError
 from prefixd.schema.chain import chain_hashes, packed_hashes
+from prefixd.store.purge import PurgeSelector
 
 TOKENS = list(range(100, 140))  # ten closed blocks of 4
 
@@ -130,3 +133,36 @@ def test_forged_hashes_never_serve_or_record_another_chains_block(
     assert store.load(identity, prompt[:20], bytearray(1000)).n_blocks == 4
     with pytest.raises(OrphanBlockError):  # block 4 of this prompt was never stored
         store.put(identity, prompt, payloads(1, start=5), first_block=5)
+
+
+def test_a_lookup_a_purge_overtook_keeps_none_of_the_purged_tokens(
+    store: Store, identity: Identity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup walked the tenant's prompt before its purge and remembers it after: the purged
+    tenant's token ids must not stay in the daemon's memory."""
+    tokens = np.arange(7000, 7016, dtype=np.uint32)
+    store.put(identity, tokens, payloads(4))
+    memo = store._ctx.memo
+    walked, purged = threading.Event(), threading.Event()
+    remember = memo.remember
+
+    def late(*args: object, **kwargs: object) -> None:
+        walked.set()
+        assert purged.wait(60)
+        remember(*args, **kwargs)  # type: ignore[arg-type]
+
+    forget = memo.forget_identities
+
+    def forgotten(*args: object) -> None:  # the purge committed, and is clearing the files
+        forget(*args)  # type: ignore[arg-type]
+        purged.set()
+
+    monkeypatch.setattr(memo, "find", lambda *args, **kwargs: None)  # the put's entry aside
+    monkeypatch.setattr(memo, "remember", late)
+    monkeypatch.setattr(memo, "forget_identities", forgotten)
+    with ThreadPoolExecutor(1) as pool:
+        looking = pool.submit(store.longest_prefix, identity, tokens)
+        assert walked.wait(60)
+        assert store.purge(PurgeSelector(tenant=identity.tenant)).blocks == 4
+        looking.result(60)
+    assert not [e for e in memo._entries.values() if e.identity == identity.digest]
