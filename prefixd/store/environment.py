@@ -51,6 +51,7 @@ def open_environment(
     path = config.path
     if path.exists() and not path.is_dir():
         raise NotAStoreError(f"{path} is not a directory")
+    refuse_links(path)
     if not readonly and not any_version and is_held(path):
         raise StoreBusyError(held_message(path))
     data_file = path / DATA_FILE
@@ -309,8 +310,10 @@ class OwnerLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path / OWNER_FILE
+        refuse_links(path)
         had = self.path.exists()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # a link made since: ELOOP
+        fd = os.open(self.path, flags, 0o640)
         if not had:
             give_to_directory_owner(self.path)
         try:
@@ -398,6 +401,18 @@ def _recorded_socket(path: Path) -> Path | None:
     except (OSError, ValueError, AttributeError):
         return None
     return Path(socket) if isinstance(socket, str) and socket else None
+
+
+def refuse_links(path: Path) -> None:
+    """Refuse a store whose files are symbolic links: LMDB and the owner lock create, write and
+    truncate them, so a link placed by whoever may write the directory (the service user, for
+    root's offline commands) would have this process write any file it may, /etc's included."""
+    for name in (DATA_FILE, LOCK_FILE, OWNER_FILE):
+        if (path / name).is_symlink():
+            raise StoreOpenError(
+                f"{path / name} is a symbolic link: a store's files are refused as links, since "
+                "opening it writes where it points; replace it with the file itself"
+            )
 
 
 def is_held(path: Path) -> bool:

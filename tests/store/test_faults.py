@@ -342,6 +342,25 @@ def test_open_errors_are_distinct_classes() -> None:
                 assert not issubclass(a, b), (a, b)
 
 
+@pytest.mark.parametrize("name", ["lock.mdb", "owner.lock"])
+def test_a_store_file_that_is_a_link_is_refused_and_where_it_points_untouched(
+    tmp_path: Path, name: str
+) -> None:
+    """Whoever may write the store's directory (the service user, when root runs an offline
+    command) could link a store file to any file: opening writes where the link points (LMDB
+    sets up its lock file, the owner lock truncates), so a link is refused."""
+    path = tmp_path / "s"
+    with open_store(path) as store:
+        store.put(IDENT, TOKENS, random_payloads(N_BLOCKS, size=100))
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"not the store's" * 100)
+    (path / name).unlink(missing_ok=True)
+    (path / name).symlink_to(precious)
+    with pytest.raises(StoreOpenError, match="symbolic link"):
+        Store.open(path, map_size=MAP, exclusive=True)
+    assert precious.read_bytes() == b"not the store's" * 100
+
+
 def test_directory_with_unrelated_files_is_not_a_store(tmp_path: Path) -> None:
     path = tmp_path / "d"
     path.mkdir()
