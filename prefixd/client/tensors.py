@@ -62,8 +62,8 @@ def load_into(
     )
     sizes = hit.sizes[: min(len(destinations), hit.n_blocks)]
     for i, (size, dest) in enumerate(zip(sizes, destinations, strict=False)):
-        if nbytes(dest) < size:
-            raise DestinationError(f"destination {i} holds {nbytes(dest)} bytes, needs {size}")
+        if nbytes(dest) != size:  # a tail no payload writes would pass for part of the block
+            raise DestinationError(f"destination {i} holds {nbytes(dest)} bytes, the block {size}")
     if not sizes:
         return Installed(0, 0, 0, False, withheld_tokens=hit.withheld_tokens)
     slot_bytes = _slot_bytes(sizes, allocator.size, slots)
@@ -92,13 +92,17 @@ def load_into(
                 warm=warm,
             )
             offsets, loaded_sizes = unpacked(loaded.offsets), unpacked(loaded.sizes)
-            for i, (offset, size) in enumerate(zip(offsets, loaded_sizes, strict=True)):
-                copier.to_device(offset - lease.offset, size, destinations[start + i])
+            fitting = 0  # a block stored again since the lookup, at another size, ends the hit
+            for offset, size, looked_up in zip(offsets, loaded_sizes, sizes[start:], strict=False):
+                if size != looked_up:
+                    break
+                copier.to_device(offset - lease.offset, size, destinations[start + fitting])
                 n_bytes += size
+                fitting += 1
             copier.finish(slot)
-            installed = start + loaded.n_blocks
-            if loaded.n_blocks < stop - start:
-                break  # evicted or failed verification since the lookup: a shorter hit
+            installed = start + fitting
+            if fitting < stop - start:
+                break  # evicted, failed verification or changed since the lookup: a shorter hit
     except BaseException as exc:
         copier.drain()  # what was queued is installed, then the error says how much
         del copier
@@ -146,7 +150,7 @@ def load_state_into(
                     f"state group {group!r}: {len(parts)} payloads, {len(dests)} destinations"
                 )
             for part, dest in zip(parts, dests, strict=False):
-                if nbytes(dest) < part.size:
+                if nbytes(dest) != part.size:
                     raise DestinationError(
                         f"state group {group!r}: a destination holds {nbytes(dest)} bytes, "
                         f"the payload needs {part.size}"

@@ -199,7 +199,10 @@ def device_of(tensors: Sequence[torch.Tensor]) -> torch.device:
         raise DestinationError(
             f"all tensors must be on one device, got {sorted(map(str, devices))}"
         )
-    return devices.pop()
+    device = devices.pop()
+    if device.type not in ("cpu", "cuda"):  # a copy into `meta` writes nothing, and says so not
+        raise DestinationError(f"tensors must be on the CPU or a CUDA device, not {device}")
+    return device
 
 
 def nbytes(tensor: torch.Tensor) -> int:

@@ -128,8 +128,9 @@ async def load(ctx: RequestContext, request: Request[Load]) -> LoadReply:
         )
     finally:
         services.loads.finished(sum(result.sizes))
-    if not first_block and result.n_tokens < services.min_reusable_tokens:
-        result = LoadResult(0, 0, (), ())  # too short to be worth it: not offered
+    ended = not result.next_size and (msg.max_blocks is None or result.n_blocks < msg.max_blocks)
+    if not first_block and ended and result.n_tokens < services.min_reusable_tokens:
+        result = LoadResult(0, 0, (), ())  # a whole hit too short to be worth it: not offered
     if msg.warm:
         services.warmed["warmed_blocks"] += result.n_blocks
         services.warmed["warmed_bytes"] += sum(result.sizes)

@@ -16,7 +16,7 @@ from prefixd.errors import DestinationError, TransferError
 from prefixd.schema.state import StateGroup
 
 from ..store.test_faults import corrupt_payload
-from .conftest import IDENTITY, Daemon, make_identity, payload
+from .conftest import IDENTITY, Daemon, DaemonFactory, make_identity, payload
 
 BT = IDENTITY.block_tokens
 SIZE = 3000  # a slot of a 16 KiB region cut in 3 holds one block: every block is its own batch
@@ -183,6 +183,72 @@ def test_load_state_into_fills_each_group(daemon: Daemon) -> None:
             client.load_state_into(
                 hybrid, prompt, {"kv": destinations(2, 400), "ssm": dests["ssm"]}
             )
+
+
+def test_a_destination_of_another_size_than_its_block_is_refused(daemon: Daemon) -> None:
+    """A destination longer than its block would keep a tail no payload wrote, and pass for a
+    whole block; one on the `meta` device would be written nowhere. Both are refused, untouched."""
+    prompt, data = tokens(3, seed=5), payloads(3, seed=5)
+    put_all(daemon, prompt, data)
+    hybrid = make_identity(state=(StateGroup.paged("kv"), StateGroup.checkpoint("ssm")))
+    with Client(daemon.socket, region_bytes=16 << 10) as client:
+        longer = destinations(3, SIZE + 1000)
+        with pytest.raises(DestinationError, match="holds 4000 bytes, the block 3000"):
+            client.load_into(IDENTITY, prompt, longer)
+        assert all(untouched(d) for d in longer)
+        nowhere = [torch.empty(SIZE, dtype=torch.uint8, device="meta") for _ in range(3)]
+        with pytest.raises(DestinationError, match="meta"):
+            client.load_into(IDENTITY, prompt, nowhere)
+        client.put_state(
+            hybrid, prompt, paged={"kv": payloads(3)[:3]}, checkpoints={"ssm": {3 * BT: b"s" * 64}}
+        )
+        dests = {"kv": destinations(3), "ssm": destinations(1, 400)}
+        with pytest.raises(DestinationError, match="'ssm'"):
+            client.load_state_into(hybrid, prompt, dests)
+        assert untouched(dests["ssm"][0])
+
+
+def test_a_block_stored_again_at_another_size_since_the_lookup_ends_the_hit(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between load_into's lookup and its load another writer replaced the prefix with smaller
+    payloads: they would fill each destination only in part. The hit ends there, untouched."""
+    prompt = tokens(3, seed=6)
+    put_all(daemon, prompt, payloads(3, seed=6))
+    with (
+        Client(daemon.socket, region_bytes=16 << 10) as client,
+        Client(daemon.socket, region_bytes=1 << 20) as other,
+    ):
+        load_span = client._core.load_span
+        replaced: list[bool] = []
+
+        def after_another_writer(*args: object, **kwargs: object) -> object:
+            if not replaced:
+                replaced.append(True)
+                assert other.delete(IDENTITY, [prompt[:BT]]) == 3  # the block and all below
+                smaller = [payload(9, i, 2000) for i in range(3)]
+                assert other.put(IDENTITY, prompt, smaller).stored == 3
+            return load_span(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(client._core, "load_span", after_another_writer)
+        dests = destinations(3)
+        installed = client.load_into(IDENTITY, prompt, dests)
+        assert (installed.n_blocks, installed.n_bytes, installed.complete) == (0, 0, False)
+        assert all(untouched(d) for d in dests)
+
+
+def test_load_into_in_batches_loads_a_hit_past_the_minimum(daemon_factory: DaemonFactory) -> None:
+    """With --min-reusable-tokens, the lookup judged the whole hit: load_into's first batch,
+    shorter than the minimum when slots hold one block each, is not judged again on its own."""
+    daemon = daemon_factory("--min-reusable-tokens", str(2 * BT))
+    prompt, data = tokens(4, seed=8), payloads(4, seed=8)
+    put_all(daemon, prompt, data)
+    with Client(daemon.socket, region_bytes=16 << 10) as client:  # a block per slot
+        dests = destinations(4)
+        installed = client.load_into(IDENTITY, prompt, dests)
+        assert (installed.n_blocks, installed.complete) == (4, True)
+        assert [as_bytes(d) for d in dests] == data
+        assert client.load(IDENTITY, prompt[:BT]).n_blocks == 0  # a whole hit too short: none
 
 
 # --- CUDA -----------------------------------------------------------------------------------------
