@@ -6,15 +6,17 @@ after its parents and a hit never reaches past a missing or damaged page. v0's c
 prefix keys, so there each page is a chain of its own (its hash already commits to the prefix).
 
 Trailing pools (sliding windows, recurrent states) are the checkpoint groups of one hybrid identity
-on the same chain: `batch_exists_v2` applies prefixd's joint rule (`lookup_state`) at the paged
-pools' common boundary, so it reports only a prefix every pool can restore. A daemon that is down
-or slow makes lookups misses and stores and loads fail: SGLang recomputes.
+(one per set of ranks that writes them) on the same chain: `batch_exists_v2` applies prefixd's
+joint rule (`lookup_state`) at the paged pools' common boundary, so it reports only a prefix
+every pool can restore. A daemon that is down or slow makes lookups misses and stores and loads
+fail: SGLang recomputes.
 
 All ranks or none: each rank stores its own part of a page under its own identity (identity.py),
 and a page counts as stored, in the hit queries and the gets alike, only while the part of every
 rank that splits the KV is stored (one lookup per part's identity, stopping at the first that
 has none), so a rank whose store failed midway makes the pages it lacks misses on every rank.
-MLA's replicated KV is one part for all tp ranks (still one per pipeline stage and DCP shard).
+An MLA model's pools (but Mamba's), which SGLang backs up on its writer rank alone, are one part
+for all tp ranks (still one per pipeline stage and DCP shard).
 """
 
 from __future__ import annotations
@@ -90,10 +92,9 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
                 raise ConfigError(f"prefixd sglang backend: pool {name!r}: unknown policy")
         self._pools: dict[str, Pool] = {}
         self._paged: dict[str, Identity] = {}
-        self._trailing: Identity | None = None
-        # every rank's part's identity, this rank's first (the paged pools', the trailing one's)
+        # every rank's part's identity, this rank's first, by pool (paged; trailing)
         self._parts: dict[str, tuple[Identity, ...]] = {}
-        self._trailing_parts: tuple[Identity, ...] = ()
+        self._trailing_parts: dict[str, tuple[Identity, ...]] = {}
         self._link = DaemonLink(
             str(extra["socket"]),
             region_bytes=self._region_bytes,
@@ -112,7 +113,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self._pools[str(host_pool_name)] = Pool(host_pool)
-        self._trailing = None  # the trailing identity names every trailing pool: built anew
+        self._trailing_parts = {}  # the trailing identities name every trailing pool: built anew
         self._paged.pop(str(host_pool_name), None)
         self._parts.pop(str(host_pool_name), None)
 
@@ -136,7 +137,8 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             )
         return policy
 
-    def _identities(self) -> tuple[dict[str, Identity], Identity | None]:
+    def _identities(self) -> tuple[dict[str, Identity], dict[str, tuple[Identity, ...]]]:
+        """This rank's identity of each paged pool, and every part's of each trailing pool."""
         if KV not in self._pools:
             raise ConfigError("prefixd sglang backend: no KV host pool registered")
         trailing = {}
@@ -146,10 +148,9 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             elif name not in self._paged:
                 self._parts[name] = paged_parts(self._fields, self._config, name, pool.host_pool)
                 self._paged[name] = self._parts[name][0]
-        if trailing and self._trailing is None:
+        if trailing and not self._trailing_parts:
             self._trailing_parts = trailing_parts(self._fields, self._config, trailing)
-            self._trailing = self._trailing_parts[0]
-        return self._paged, self._trailing
+        return self._paged, self._trailing_parts
 
     # --- v0: flat page tensors ----------------------------------------------------------------
 
@@ -450,8 +451,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         """prefixd's joint boundary over `prefix + keys`, in pages of `keys`, that every rank's
         part restores at. A part that stops short moves the boundary back, and every other part
         is asked again there: its checkpoints need not be where the first one's are."""
-        self._trailing_identity()
-        parts = self._trailing_parts
+        parts = self._every_trailing_part()
         boundary, agreed, at = len(keys), 0, 0
         while boundary and agreed < len(parts):
             found = self._joint_under(parts[at % len(parts)], keys[:boundary], prefix)
@@ -476,7 +476,7 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         chain's blocks are stored with it, so it may come before the KV pages do)."""
         if not keys:
             return []
-        pool, identity = self._pools[name], self._trailing_identity()
+        pool, identity = self._pools[name], self._trailing_identity(name)
         view = memoryview(bytearray(len(keys) * pool.page_bytes))
         for i in range(len(keys)):
             at = i * pool.page_bytes
@@ -494,8 +494,8 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
         """The checkpoint at the boundary `keys` end, when prefixd's joint rule reaches it."""
         if not keys:
             return []
-        pool, identity = self._pools[name], self._trailing_identity()
-        others = self._trailing_parts[1:]
+        pool, identity = self._pools[name], self._trailing_identity(name)
+        others = [part for part in self._every_trailing_part() if part != identity]
         if any(self._joint_under(other, keys, prefix) < len(keys) for other in others):
             return [False] * len(keys)  # another rank's part does not reach the keys' end
         chain = [*(prefix or []), *keys]
@@ -518,11 +518,18 @@ class PrefixdHiCache(HiCacheStorage):  # type: ignore[misc]
             ]
         return [all(ok)] * len(keys)
 
-    def _trailing_identity(self) -> Identity:
-        identity = self._identities()[1]
-        if identity is None:
+    def _trailing_identity(self, name: str | None = None) -> Identity:
+        """This rank's identity of trailing pool `name` (None: of the first by name)."""
+        parts = self._identities()[1]
+        if not parts:
             raise ConfigError("prefixd sglang backend: no trailing pool registered")
-        return identity
+        return parts[min(parts) if name is None else name][0]
+
+    def _every_trailing_part(self) -> list[Identity]:
+        """Every part's identity of every trailing pool, each once: the joint rule's to agree on
+        (an MLA model's Mamba state is a part per tp rank, its sliding window one shared)."""
+        self._trailing_identity()
+        return list(dict.fromkeys(itertools.chain.from_iterable(self._trailing_parts.values())))
 
     # --- the daemon ---------------------------------------------------------------------------
 

@@ -12,15 +12,16 @@ so engines with other weights, tokenizer, template or KV layout would share page
   mm          a local model directory's multimodal preprocessing files (their fingerprint)
   kv_layout   the pool's name, and what the host pool says of a page (its class, dtype, layout,
               page size, layers, heads, head size, bytes per token; a Mamba pool's every
-              state's dtype and shape) and the parallel ranks; MLA KV, whole on every tp
-              rank, leaves the tp rank out so that every rank reads what the writer rank stored
+              state's dtype and shape) and the parallel ranks; an MLA model's pools but
+              Mamba's (KV, indexer, sliding-window, draft), which SGLang backs up on its writer
+              rank alone, leave the tp rank out so that every rank reads what the writer stored
   tenant      "tenant" (default "default")
 
 A page of a parallel engine is one part per rank that splits the KV (tp ranks, unless the pool
-is MLA's replicated KV; pipeline stages; attention context-parallel ranks; DCP shards), each
-under its own identity: `paged_parts` and `trailing_parts` are those of every part (this rank's
-first), and the backend reports a page only while every part is stored. The dp rank names
-another replica, not a part.
+is replicated: any of an MLA model's but Mamba's; pipeline stages; attention context-parallel
+ranks; DCP shards), each under its own identity: `paged_parts` and `trailing_parts` are those of
+every part (this rank's first), and the backend reports a page only while every part is stored.
+The dp rank names another replica, not a part.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from prefixd.schema.state import StateGroup
 KEY_BYTES = 32  # an SGLang page hash: SHA-256, 64 hex characters
 WORDS_PER_KEY = KEY_BYTES // 4
 KV = "kv"
+MAMBA = "mamba"  # SGLang's PoolName.MAMBA: tp-sharded state, on an MLA model too
 
 
 def operator_fields(storage_config: Any) -> dict[str, str | None]:
@@ -138,6 +140,13 @@ def parts(storage_config: Any, *, replicated: bool) -> list[Part]:
     return [own, *(part for part in found if part != own)]
 
 
+def is_replicated(storage_config: Any, name: str) -> bool:
+    """Whether pool `name` is one part for every tp rank: SGLang backs up every pool of an MLA
+    model on its storage writer alone (`is_storage_writer`, one per DCP shard), except the
+    tp-sharded Mamba state, which every rank writes (`HybridCacheController.should_backup`)."""
+    return bool(storage_config.is_mla_model) and name != MAMBA
+
+
 def paged_parts(
     fields: Mapping[str, str | None], storage_config: Any, name: str, host_pool: Any
 ) -> tuple[Identity, ...]:
@@ -149,7 +158,7 @@ def paged_parts(
         fields,
         storage_config,
         ({"pool": name}, _pool_layout(host_pool)),
-        replicated=bool(storage_config.is_mla_model) and name == KV,
+        replicated=is_replicated(storage_config, name),
         block_tokens=int(host_pool.page_size),
         key_bytes=KEY_BYTES,
     )
@@ -157,12 +166,30 @@ def paged_parts(
 
 def trailing_parts(
     fields: Mapping[str, str | None], storage_config: Any, pools: Mapping[str, Any]
+) -> dict[str, tuple[Identity, ...]]:
+    """Each trailing pool's identities, one per part, this rank's first: a checkpoint group per
+    pool on the chain of page hashes. Pools written by different ranks (an MLA model's Mamba
+    state and sliding window) are two identities, so that each is found where SGLang wrote it.
+    prefixd refuses a state spec on an engine-keyed identity, so a page hash takes a block's
+    place as its 8 little-endian words (block_tokens 8), compared on every hit as engine keys
+    are. Such a chain cannot name a page's multimodal items, so `mm` is part of the layout."""
+    found: dict[str, tuple[Identity, ...]] = {}
+    for shared in (False, True):
+        group = {n: p for n, p in pools.items() if is_replicated(storage_config, n) == shared}
+        if group:
+            ids = _trailing_group(fields, storage_config, group, replicated=shared)
+            found.update(dict.fromkeys(group, ids))
+    return found
+
+
+def _trailing_group(
+    fields: Mapping[str, str | None],
+    storage_config: Any,
+    pools: Mapping[str, Any],
+    *,
+    replicated: bool,
 ) -> tuple[Identity, ...]:
-    """The trailing pools' identities, one per part, this rank's first: a checkpoint group per pool
-    on the chain of page hashes. prefixd refuses a state spec on an engine-keyed identity, so a
-    page hash takes a block's place as its 8 little-endian words (block_tokens 8), compared on
-    every hit as engine keys are. Such a chain cannot name a page's multimodal items, so `mm`
-    is part of the layout."""
+    """The parts of one hybrid identity of `pools`, all written by the same ranks."""
     layout: dict[str, Any] = {
         "pools": {name: _pool_layout(pool) for name, pool in sorted(pools.items())},
         "page_hash_words": WORDS_PER_KEY,
@@ -173,7 +200,7 @@ def trailing_parts(
         {**fields, "mm": None},
         storage_config,
         (layout,),
-        replicated=False,
+        replicated=replicated,
         block_tokens=WORDS_PER_KEY,
         state=tuple(StateGroup.checkpoint(name, policy="chosen") for name in sorted(pools)),
     )
@@ -216,6 +243,7 @@ __all__ = [
     "KEY_BYTES",
     "KV",
     "WORDS_PER_KEY",
+    "is_replicated",
     "operator_fields",
     "paged_parts",
     "parts",

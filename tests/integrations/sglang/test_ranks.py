@@ -2,9 +2,9 @@
 controller's backup, hit query and prefetch transfer; harness.py): each rank of a parallel engine
 stores its part of every page, and a page is a hit on any rank only while every rank's part is
 stored. SGLang decides which ranks write (`HiCacheStorageConfig.is_storage_writer`: every tp rank,
-or for MLA's replicated KV one per pipeline stage). One writer's backup fails midway because the
-daemon goes away while it stores; once the daemon is back, the pages it lacks are misses on
-every rank, writer or reader, and the pages every part holds stay hits."""
+or for an MLA model's pools but Mamba's one per pipeline stage). One writer's backup fails midway
+because the daemon goes away while it stores; once the daemon is back, the pages it lacks are
+misses on every rank, writer or reader, and the pages every part holds stay hits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolTransfer
 
 from ...daemon.conftest import Daemon
 from .harness import (
@@ -21,12 +21,13 @@ from .harness import (
     Controller,
     fill,
     host_pool,
+    mamba_pool,
     page_hashes,
     pages_of,
     prefixd_extra,
     storage_config,
 )
-from .test_hybrid import N_PAGES, Pools, extra, query, write
+from .test_hybrid import N_PAGES, TRAILING, Pools, extra, query, write
 
 PAGES = 4
 TORN_FROM = 2  # the failing writer's store breaks as it reaches this page
@@ -183,5 +184,75 @@ def test_v2_trailing_pools_restore_only_where_every_rank_has_its_window(daemon: 
     write(backends[1], pools[1], other, windows=(2, 4))
     for t in range(2):
         assert query(backends[t], pools[t], other).kv_hit_pages == 0, t
+    for backend in backends:
+        backend.close()
+
+
+def test_mla_pools_besides_kv_are_the_writers_and_hit_on_every_rank(daemon: Daemon) -> None:
+    """An MLA model's indexer and sliding-window pools are, like its KV, backed up by SGLang's
+    storage writer alone (`HybridCacheController.should_backup`; every pool but Mamba): every tp
+    rank hits them and loads the writer's bytes."""
+    keys = page_hashes(list(range(N_PAGES * PAGE)))
+    rank = [{"tp_rank": t, "tp_size": 2, "mla": True} for t in range(2)]
+    pools = [Pools(seed=20 + t) for t in range(2)]
+    backends = [pools[t].backend(prefixd_extra(daemon.socket), **rank[t]) for t in range(2)]
+    for t in range(2):
+        if writes(rank[t]):
+            write(backends[t], pools[t], keys, windows=(3, 5))
+    [writer] = [t for t in range(2) if writes(rank[t])]
+    for t in range(2):
+        assert query(backends[t], pools[t], keys).kv_hit_pages == 5, t
+        paged = [pools[t].transfer(name, 0, 5, keys) for name in ("kv", "indexer")]
+        got = backends[t].batch_get_v2(paged, extra([]))
+        assert got == {"kv": [True] * 5, "indexer": [True] * 5}, t
+        window = backends[t].batch_get_v2([pools[t].transfer("swa", 3, 5, keys)], extra(keys[:3]))
+        assert window == {"swa": [True] * 2}, t
+        for name, first in (("kv", 0), ("indexer", 0), ("swa", 3)):
+            assert pools[t].pages(name, first, 5) == pools[writer].pages(name, first, 5), (t, name)
+    for backend in backends:
+        backend.close()
+
+
+def test_an_mla_models_mamba_state_stays_a_part_per_tp_rank(daemon: Daemon) -> None:
+    """The Mamba state is tp-sharded on an MLA model too, and SGLang backs it up on every rank:
+    beside a sliding window (the writer's alone), a boundary restores on every rank only where
+    every rank's own state is stored, and each rank loads its own state."""
+    rank = [{"tp_rank": t, "tp_size": 2, "mla": True} for t in range(2)]
+    pools = [Pools(seed=30 + t) for t in range(2)]
+    for t, p in enumerate(pools):
+        del p.pools["indexer"], p.slots["indexer"]
+        p.pools["mamba"], p.slots["mamba"] = mamba_pool(), torch.tensor([t])
+        fill(p.pools["mamba"], p.slots["mamba"], seed=40 + t)
+    backends = [pools[t].backend(prefixd_extra(daemon.socket), **rank[t]) for t in range(2)]
+
+    def transfers(t: int, keys: list[str]) -> list[PoolTransfer]:
+        """KV pages 0-4, the window of pages 3-4 and the state at page 5, as SGLang sends them."""
+        state = PoolTransfer(
+            "mamba", host_indices=pools[t].slots["mamba"], keys=keys[4:5], hit_policy=TRAILING
+        )
+        return [pools[t].transfer("kv", 0, 5, keys), pools[t].transfer("swa", 3, 5, keys), state]
+
+    def store(t: int, keys: list[str], states: bool) -> None:
+        kv, window, state = transfers(t, keys)
+        if writes(rank[t]):
+            assert all(backends[t].batch_set_v2([kv], extra([]))["kv"])
+            assert all(backends[t].batch_set_v2([window], extra(keys[:3]))["swa"])
+        if states:
+            assert backends[t].batch_set_v2([state], extra(keys[:4])) == {"mamba": [True]}
+
+    keys = page_hashes(list(range(N_PAGES * PAGE)))
+    other = page_hashes(list(range(1, N_PAGES * PAGE + 1)))
+    for t in range(2):
+        store(t, keys, states=True)
+        store(t, other, states=writes(rank[t]))  # the other rank's state is missing
+    for t in range(2):
+        hit = backends[t].batch_exists_v2(keys[:5], transfers(t, keys), extra([]))
+        assert hit.kv_hit_pages == 5, t
+        missing = backends[t].batch_exists_v2(other[:5], transfers(t, other), extra([]))
+        assert missing.kv_hit_pages == 0, t
+        stored = pools[t].pages("mamba", 0, 1)
+        fill(pools[t].pools["mamba"], pools[t].slots["mamba"], seed=50)
+        got = backends[t].batch_get_v2([transfers(t, keys)[2]], extra(keys[:4]))
+        assert got == {"mamba": [True]} and pools[t].pages("mamba", 0, 1) == stored, t
     for backend in backends:
         backend.close()
