@@ -582,7 +582,10 @@ class SharedTierBridge:
             if spec is None:
                 n = len(batch)
                 payloads = [block.payload for block in batch]
-                result = self.store.put(identity, words, payloads, first_block=first)
+                born = min(block.created_ns for block in batch)  # its TTL counts from there
+                result = self.store.put(
+                    identity, words, payloads, first_block=first, created_ns=born
+                )
                 size = sum(p.nbytes for p in payloads)
             else:
                 n = runs.closed_run(spec, identity.block_tokens, first, batch)
@@ -594,6 +597,7 @@ class SharedTierBridge:
                     words,
                     paged=paged,
                     checkpoints=checkpoints,
+                    created_ns=min(block.created_ns for block in batch[:n]),
                     upto_tokens=(first + n) * identity.block_tokens,
                     first_block=first,
                 )

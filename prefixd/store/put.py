@@ -110,7 +110,12 @@ class Writer:
         self._commits: CommitQueue[Outcome] = CommitQueue(ctx, _refused)
 
     def put(
-        self, identity: Identity, token_ids: PromptIds, payloads: Sequence[Any], first_block: int
+        self,
+        identity: Identity,
+        token_ids: PromptIds,
+        payloads: Sequence[Any],
+        first_block: int,
+        created_ns: int | None = None,
     ) -> PutResult:
         check_first_block(first_block)
         identity, _ = self._tenancy.namespace(identity, None)
@@ -156,7 +161,10 @@ class Writer:
         def body(txn: lmdb.Transaction) -> Outcome:
             remembered = known if compressed else self._remembered(txn, chain, first_block)
             now = ctx.clock.time_ns()
-            blocks = self._write_blocks(txn, chain, first_block, end, payload_of, now, remembered)
+            born = now if created_ns is None else min(now, created_ns)
+            blocks = self._write_blocks(
+                txn, chain, first_block, end, payload_of, (now, born), remembered
+            )
             if isinstance(blocks, Refusal):
                 return blocks
             return self._written(txn, chain, range(first_block, end), blocks, remembered, [])
@@ -175,6 +183,7 @@ class Writer:
         checkpoints: Mapping[str, Mapping[int, Any]],
         upto_tokens: int | None,
         first_block: int,
+        created_ns: int | None = None,
     ) -> PutResult:
         check_first_block(first_block)
         identity, _ = self._tenancy.namespace(identity, None)
@@ -203,9 +212,10 @@ class Writer:
             t = ctx.tables
             assert t.parts is not None
             now = ctx.clock.time_ns()
+            born = now if created_ns is None else min(now, created_ns)
             # a block of a hybrid identity has no payload of its own: its state is in parts
             blocks = self._write_blocks(
-                txn, chain, first_block, end, lambda index: None, now, known
+                txn, chain, first_block, end, lambda index: None, (now, born), known
             )
             if isinstance(blocks, Refusal):
                 return blocks
@@ -225,7 +235,7 @@ class Writer:
                     stored,
                     payload.payload_size,
                     payload.stored_size,
-                    now,
+                    born,
                 )
                 txn.put(key, record.encode(), db=t.parts)
                 parts.append(payload)
@@ -328,11 +338,14 @@ class Writer:
         first_block: int,
         end: int,
         payload_of: Callable[[int], EncodedPayload | None],
-        now: int,
+        times: tuple[int, int],
         known: VerifiedPrefix | None,
     ) -> Blocks | Refusal:
         """Check the ancestry, record the identity, claim each block and write those not stored yet
-        (refused if a payload's stored bytes do not match its checksum)."""
+        (refused if a payload's stored bytes do not match its checksum). `times`: now, and when
+        the new blocks were first stored (a shared-tier install: at their origin, so that a
+        tenant's time to live counts from there)."""
+        born = times[1]
         min_created = self._tenancy.min_created_ns(chain.identity)
         ancestry = self._check_ancestry(txn, chain, first_block, min_created, known)
         if isinstance(ancestry, Refusal):
@@ -357,11 +370,11 @@ class Writer:
                 oldest = min(oldest, record.created_ns)
                 continue
             payload = payload_of(index) or _NO_PAYLOAD
-            stored = self._write_block(txn, chain, index, payload, now)
+            stored = self._write_block(txn, chain, index, payload, times)
             at_rest.append(AtRest(f"block {index}", payload, stored))
             written.append(payload)
             sizes.append(payload.payload_size)
-            oldest = min(oldest, now)
+            oldest = min(oldest, born)
         changed = _first_changed(at_rest)
         if changed is not None:
             return changed
@@ -486,10 +499,12 @@ class Writer:
         chain: BlockChain,
         index: int,
         payload: EncodedPayload,
-        now: int,
+        times: tuple[int, int],
     ) -> int:
         """Write the chunks, record, index entry and access record (not counters); the checksum of
-        the stored bytes, which the record holds and the put compares with the payload's."""
+        the stored bytes, which the record holds and the put compares with the payload's.
+        `times`: now (its last read), and when it was first stored."""
+        now, born = times
         t = self._ctx.tables
         h = chain.hash(index)
         stored = _put_chunks(txn, t, h, payload.chunks)
@@ -500,7 +515,7 @@ class Writer:
             stored,
             payload.payload_size,
             payload.stored_size,
-            now,
+            born,
             chain.identity.digest,
             chain.parent_of(index),
             bytes(chain.block_bytes(index)),

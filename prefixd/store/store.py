@@ -193,13 +193,16 @@ class Store:
         payloads: Sequence[Any],
         *,
         first_block: int = 0,
+        created_ns: int | None = None,
     ) -> PutResult:
         """Publish blocks `first_block ..` of `token_ids` (the whole prefix from its first token),
         one per payload, atomically. Refused whole, with nothing written: an open block
         (OpenTailError), a missing parent chain (OrphanBlockError), a hash owned by other tokens
         (BlockCollisionError), a bad payload (PayloadError); a full map raises StoreFullError, and
-        after a failed fsync every put SyncFailedError."""
-        return self._writer.put(identity, token_ids, payloads, first_block)
+        after a failed fsync every put SyncFailedError. `created_ns`: when the blocks were first
+        stored elsewhere (a shared-tier install), never later than now: their time to live counts
+        from it."""
+        return self._writer.put(identity, token_ids, payloads, first_block, created_ns)
 
     @_translated("the put")
     def put_state(
@@ -211,14 +214,21 @@ class Store:
         checkpoints: Mapping[str, Mapping[int, Any]] | None = None,
         upto_tokens: int | None = None,
         first_block: int = 0,
+        created_ns: int | None = None,
     ) -> PutResult:
         """Publish a hybrid identity's state up to `upto_tokens` in one transaction: `paged[group]`
         (one payload per page ending in the put's blocks: a page hangs on its last) and
         `checkpoints[group]` (boundary -> payload, at a stored or put boundary). Refused whole
         like `put`, and for state not closed (OpenTailError) or not matching the spec
-        (PayloadError)."""
+        (PayloadError). `created_ns`: as `put`'s."""
         return self._writer.put_state(
-            identity, token_ids, paged or {}, checkpoints or {}, upto_tokens, first_block
+            identity,
+            token_ids,
+            paged or {},
+            checkpoints or {},
+            upto_tokens,
+            first_block,
+            created_ns,
         )
 
     @_translated("the delete")

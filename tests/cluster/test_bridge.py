@@ -673,6 +673,32 @@ def test_a_value_past_its_tenants_time_to_live_is_not_installed(tmp_path: Path) 
             store.close()
 
 
+def test_an_installed_blocks_time_to_live_counts_from_its_origin(tmp_path: Path) -> None:
+    """acme's entries live an hour: a block B installs 40 minutes after A stored it expires on
+    B when it does on A, not an hour after its install."""
+    tier, clock, ttls = MemoryTier(), ManualClock(), {"acme": 3600.0}
+    a, b = (
+        Store.open(tmp_path / n, map_size=64 << 20, tenant_ttls=ttls, clock=clock) for n in "ab"
+    )
+    bridge_a, bridge_b = (
+        SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in (a, b)
+    )
+    try:
+        bridge_a.start()
+        bridge_b.start()
+        publish(a, bridge_a, tier)
+        clock.advance(40 * 60)
+        assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
+        assert b.longest_prefix(IDENT, TOKENS).n_blocks == 6
+        clock.advance(21 * 60)  # an hour and a minute after A stored them
+        assert a.longest_prefix(IDENT, TOKENS).n_blocks == 0
+        assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
+    finally:
+        for bridge, store in ((bridge_a, a), (bridge_b, b)):
+            bridge.stop(timeout_s=0.5)
+            store.close()
+
+
 def test_remote_values_are_proven_before_use() -> None:
     chain = BlockChain(IDENT, TOKENS)
     from prefixd.schema.records import BlockRecord, Compression
