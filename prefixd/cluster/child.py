@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,12 +27,14 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import IO, Any, Self
 
 import msgspec
 import numpy as np
 
+from prefixd.cluster.blocks import KEY_PREFIX
 from prefixd.cluster.mooncake import MooncakeSettings
+from prefixd.cluster.mooncake_calls import tag
 from prefixd.cluster.wire_tier import MAX_MESSAGE, TierCall, TierReply, TierStart, raise_error
 from prefixd.errors import TierError, TierUnavailableError, TierValueError
 
@@ -68,6 +71,18 @@ class _Process:
     pending: dict[int, Future[TierReply]] = field(default_factory=dict)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     dead: bool = False
+
+
+_KEY = re.compile(re.escape(KEY_PREFIX.encode()) + rb"[A-Za-z0-9_-]+")
+
+
+def relay_redacted(lines: IO[bytes], fd: int = 2) -> None:
+    """Copy the tier process's stderr to `fd` (the daemon's), line by line until it ends, each
+    tier key (Mooncake's errors name them) replaced by its `tag`: a key is derived from a tenant,
+    an identity and a block hash, so a log reader could tell a prompt was cached."""
+    for line in lines:
+        with contextlib.suppress(OSError):  # drained whatever: the child never blocks on it
+            os.write(fd, _KEY.sub(lambda key: tag(key.group().decode()).encode(), line))
 
 
 class ChildTier:
@@ -364,6 +379,7 @@ class ChildTier:
                 [sys.executable, "-m", "prefixd.cluster.tier_child", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,  # relayed without keys (relay_redacted)
             )
         except OSError as exc:
             ours.close()
@@ -371,6 +387,14 @@ class ChildTier:
             raise TierUnavailableError(f"cannot start the shared tier's process: {exc}") from None
         finally:
             theirs.close()
+        assert popen.stderr is not None
+        relay = threading.Thread(
+            target=relay_redacted,
+            args=(popen.stderr,),
+            name="prefixd-tier-log",
+            daemon=True,
+        )
+        relay.start()
         process = _Process(self._generation, popen, ours)
         ours.sendall(self._encoder.encode(self._start))
         self._process = process

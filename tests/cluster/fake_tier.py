@@ -16,6 +16,7 @@ from tests.cluster.memory_tier import MemoryTier
 HOLD_GIL = "hold-the-gil"  # a put of this key holds the child's GIL for good
 HOLD = "hold"  # a put of this key waits, the GIL released, until a put of RELEASE
 RELEASE = "release"
+LOGGED = "prefixd-logged-"  # a put of a key starting so logs it, as Mooncake's errors do
 
 
 def _hold_gil(seconds: int) -> None:
@@ -48,6 +49,8 @@ class FakeTier(MemoryTier):
             raise TierTransferError("transfer failed", -800)
         if key == "unavail":
             raise TierUnavailableError("no answer within 1.0 s")
+        if key.startswith(LOGGED):  # as Mooncake's client logs a failed put, on its stderr
+            os.write(2, f"E1206 client_service.cpp:1893] put failed for key={key}: RPC\n".encode())
         super().put(key, bytes(value), overwrite=overwrite)
 
     def get_into(self, key: str, buffer: Any) -> int | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from prefixd.cluster.child import ChildTier
+from prefixd.cluster.mooncake_calls import tag
 from prefixd.errors import (
     TierError,
     TierFullError,
@@ -25,7 +26,7 @@ from prefixd.errors import (
 )
 from tests.waiting import wait_for
 
-from .fake_tier import HOLD, HOLD_GIL, RELEASE
+from .fake_tier import HOLD, HOLD_GIL, LOGGED, RELEASE
 
 FAKE = "tests.cluster.fake_tier:open_fake_tier"
 CALL_S = 1.5
@@ -207,3 +208,20 @@ def test_idle_buffers_past_the_pool_are_unmapped_on_both_sides() -> None:
 def _mapped_buffers(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as f:
         return len({line.split()[4] for line in f if "memfd:prefixd-tier" in line})
+
+
+def test_the_childs_log_lines_name_no_tier_key(
+    tier: ChildTier, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Mooncake's client logs the keys of calls that fail; a key is derived from a tenant, an
+    identity and a block hash, so the daemon's log shows its tag instead."""
+    key = LOGGED + "ma55kXWU-t6jhP0fMFlnB-VUXiJgK"
+    tier.put(key, b"x")
+    logged: list[str] = []
+
+    def relayed() -> bool:
+        logged.append(capfd.readouterr().err)
+        return "put failed" in "".join(logged)
+
+    wait_for(relayed, "the child's line relayed")
+    assert tag(key) in "".join(logged) and key not in "".join(logged), logged
