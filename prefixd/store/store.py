@@ -180,7 +180,7 @@ class Store:
 
     @property
     def capacity_bytes(self) -> int:
-        """The stored bytes the store keeps below (its high watermark of it)."""
+        """The store's capacity in stored bytes: past its high watermark of it, it evicts."""
         return eviction.capacity_bytes(self.config)
 
     # --- writing -------------------------------------------------------------------------------
