@@ -79,9 +79,10 @@ async def pinned_lookup(
         store.unpin(offered(matches))
         raise
     store.unpin(offered([m for m, r in zip(matches, results, strict=True) if r.withheld_tokens]))
-    held = [m for m, r in zip(matches, results, strict=True) if not r.withheld_tokens]
-    sizes = [size for m in held if m.n_tokens >= least for size in m.payload_sizes]
-    ctx.peer.pins.hold(identity.tenant, offered(held), sizes)
+    pairs = zip(matches, results, strict=True)  # what stays pinned, as `offered` says
+    held = [m for m, r in pairs if not r.withheld_tokens and m.n_tokens >= least]
+    blocks = [h for m in held for h in m.hashes]
+    ctx.peer.pins.hold(identity.tenant, blocks, [size for m in held for size in m.payload_sizes])
     services.count(identity, observed)
     return LookupReply(id=rid, results=results)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,19 +94,30 @@ class MemoryTier:
 Nodes = tuple[MemoryTier, list[Store], list[SharedTierBridge]]
 
 
+@contextlib.contextmanager
+def two_nodes(path: Path, *, check: bool = False, **settings: Any) -> Iterator[Nodes]:
+    """Two stores (`settings`: their StoreConfig fields), each with a started bridge to one
+    MemoryTier; at the end the bridges stop, then (`check`) the stores must check clean, and
+    they close."""
+    tier = MemoryTier()
+    stores = [Store.open(path / name, map_size=64 << 20, **settings) for name in ("a", "b")]
+    bridges = [SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in stores]
+    try:
+        for bridge in bridges:
+            bridge.start()
+        yield tier, stores, bridges
+    finally:
+        for bridge in bridges:
+            bridge.stop(timeout_s=0.5)
+        try:
+            for store in stores if check else ():
+                assert_store_checks(store)
+        finally:
+            for store in stores:
+                store.close()
+
+
 @pytest.fixture
 def nodes(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Nodes]:
-    tier = MemoryTier()
-    stores = [Store.open(tmp_path / name, map_size=64 << 20) for name in ("a", "b")]
-    bridges = [SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in stores]
-    for bridge in bridges:
-        bridge.start()
-    yield tier, stores, bridges
-    for bridge in bridges:
-        bridge.stop(timeout_s=0.5)
-    try:
-        for store in stores if checks_on_teardown(request) else ():
-            assert_store_checks(store)
-    finally:
-        for store in stores:
-            store.close()
+    with two_nodes(tmp_path, check=checks_on_teardown(request)) as made:
+        yield made

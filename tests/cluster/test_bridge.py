@@ -33,7 +33,7 @@ from prefixd.schema.tokens import Prompt
 from prefixd.store.purge import PurgeSelector
 from tests.waiting import wait_for
 
-from .memory_tier import MemoryTier, Nodes, nodes  # noqa: F401 (a fixture)
+from .memory_tier import MemoryTier, Nodes, nodes, two_nodes  # noqa: F401 (a fixture)
 
 IDENT = Identity(
     model="m",
@@ -622,15 +622,9 @@ def test_blocks_covering_a_requests_content_are_shared_the_same_way(nodes) -> No
 def test_a_share_groups_blocks_are_shared_under_the_group(tmp_path: Path) -> None:
     """acme and beta share group g on both nodes: what A stored for acme is found by B for beta,
     under the group's keys, and a purge of the group removes it from the tier."""
-    tier, groups = MemoryTier(), {"g": ("acme", "beta")}
-    a, b = (Store.open(tmp_path / n, map_size=64 << 20, share_groups=groups) for n in "ab")
-    bridge_a, bridge_b = (
-        SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in (a, b)
-    )
     beta = replace(IDENT, tenant="beta")
-    try:
-        bridge_a.start()
-        bridge_b.start()
+    with two_nodes(tmp_path, share_groups={"g": ("acme", "beta")}) as (tier, [a, b], bridges):
+        bridge_a, bridge_b = bridges
         publish(a, bridge_a, tier)
         group = replace(IDENT, tenant="share:g")
         assert set(tier.objects) == {block_key(group, h) for h in BlockChain(group, TOKENS)}
@@ -639,26 +633,14 @@ def test_a_share_groups_blocks_are_shared_under_the_group(tmp_path: Path) -> Non
         assert b.longest_prefix(beta, TOKENS).n_blocks == 6
         purge_everywhere(b, bridge_b, PurgeSelector(tenant="share:g"))
         assert not tier.objects and b.longest_prefix(beta, TOKENS).n_blocks == 0
-    finally:
-        for bridge, store in ((bridge_a, a), (bridge_b, b)):
-            bridge.stop(timeout_s=0.5)
-            store.close()
 
 
 def test_a_value_past_its_tenants_time_to_live_is_not_installed(tmp_path: Path) -> None:
     """acme's entries live an hour on both nodes: a value A published two hours ago is not
     installed on B (nor served) as if it were fresh; one A published since is."""
-    tier, clock, ttls = MemoryTier(), ManualClock(), {"acme": 3600.0}
-    a, b = (
-        Store.open(tmp_path / n, map_size=64 << 20, tenant_ttls=ttls, clock=clock) for n in "ab"
-    )
-    bridge_a, bridge_b = (
-        SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in (a, b)
-    )
-    fresh = replace(IDENT, kv_layout="fp8")
-    try:
-        bridge_a.start()
-        bridge_b.start()
+    clock, fresh = ManualClock(), replace(IDENT, kv_layout="fp8")
+    with two_nodes(tmp_path, tenant_ttls={"acme": 3600.0}, clock=clock) as (tier, [a, b], bridges):
+        bridge_a, bridge_b = bridges
         publish(a, bridge_a, tier)
         clock.advance(2 * 3600)
         bridge_a.published(fresh, a.put(fresh, TOKENS, PAYLOADS).hashes)
@@ -667,36 +649,20 @@ def test_a_value_past_its_tenants_time_to_live_is_not_installed(tmp_path: Path) 
         assert bridge_b.with_staged(IDENT, TOKENS, b.longest_prefix(IDENT, TOKENS)).n_blocks == 0
         assert bridge_b.snapshot()["remote_expired_blocks"] == 1
         assert bridge_b.read_through(fresh, TOKENS, 0) == 6
-    finally:
-        for bridge, store in ((bridge_a, a), (bridge_b, b)):
-            bridge.stop(timeout_s=0.5)
-            store.close()
 
 
 def test_an_installed_blocks_time_to_live_counts_from_its_origin(tmp_path: Path) -> None:
     """acme's entries live an hour: a block B installs 40 minutes after A stored it expires on
     B when it does on A, not an hour after its install."""
-    tier, clock, ttls = MemoryTier(), ManualClock(), {"acme": 3600.0}
-    a, b = (
-        Store.open(tmp_path / n, map_size=64 << 20, tenant_ttls=ttls, clock=clock) for n in "ab"
-    )
-    bridge_a, bridge_b = (
-        SharedTierBridge(s, tier, pending=64, prefill_tokens_per_s=1000.0) for s in (a, b)
-    )
-    try:
-        bridge_a.start()
-        bridge_b.start()
-        publish(a, bridge_a, tier)
+    clock = ManualClock()
+    with two_nodes(tmp_path, tenant_ttls={"acme": 3600.0}, clock=clock) as (tier, [a, b], bridges):
+        publish(a, bridges[0], tier)
         clock.advance(40 * 60)
-        assert bridge_b.read_through(IDENT, TOKENS, 0) == 6
+        assert bridges[1].read_through(IDENT, TOKENS, 0) == 6
         assert b.longest_prefix(IDENT, TOKENS).n_blocks == 6
         clock.advance(21 * 60)  # an hour and a minute after A stored them
         assert a.longest_prefix(IDENT, TOKENS).n_blocks == 0
         assert b.longest_prefix(IDENT, TOKENS).n_blocks == 0
-    finally:
-        for bridge, store in ((bridge_a, a), (bridge_b, b)):
-            bridge.stop(timeout_s=0.5)
-            store.close()
 
 
 def test_remote_values_are_proven_before_use() -> None:
